@@ -1,0 +1,63 @@
+//! Human-readable printing of graphs.
+
+use crate::{Graph, Op};
+use std::fmt;
+
+/// The attribute part of an op, as printed after its name.
+pub fn op_attributes(op: &Op) -> String {
+    match op {
+        Op::Input { name } | Op::Param { name } => format!("\"{name}\""),
+        Op::Constant { id } => format!("#{id}"),
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::MatMul => String::new(),
+        Op::Cast(d) => format!("to={d}"),
+        Op::Reduce { axes, keepdims, .. } => format!("axes={axes:?} keepdims={keepdims}"),
+        Op::ArgReduce { axis, keepdims, .. } => format!("axis={axis} keepdims={keepdims}"),
+        Op::Softmax { axis } | Op::LogSoftmax { axis } | Op::Concat { axis } | Op::Gather { axis } | Op::WriteAt { axis } => {
+            format!("axis={axis}")
+        }
+        Op::LayerNorm { eps } | Op::RmsNorm { eps } => format!("eps={}", eps.get()),
+        Op::Reshape { dims } | Op::Expand { dims } => format!("dims={dims:?}"),
+        Op::Permute { perm } => format!("perm={perm:?}"),
+        Op::Slice { axes } => {
+            let parts: Vec<String> = axes.iter().map(|s| format!("{}+{}x{}", s.start, s.len, s.step)).collect();
+            format!("[{}]", parts.join(", "))
+        }
+        Op::Pad { pads, mode } => format!("pads={pads:?} mode={mode:?}"),
+        Op::Tile { reps } => format!("reps={reps:?}"),
+        Op::Range { start, step, len, .. } => format!("start={:?} step={:?} len={len}", start, step),
+        Op::Cumsum { axis, exclusive, reverse } => format!("axis={axis} exclusive={exclusive} reverse={reverse}"),
+        Op::TopK { k, axis, largest, .. } => format!("k={k} axis={axis} largest={largest}"),
+        Op::OneHot { depth, .. } => format!("depth={depth}"),
+        Op::Conv2d { window, groups } => format!(
+            "stride={:?} pad={:?} dilation={:?} groups={groups}",
+            window.stride, window.padding, window.dilation
+        ),
+        Op::MaxPool2d { window } => format!("kernel={:?} stride={:?} pad={:?}", window.kernel, window.stride, window.padding),
+        Op::AvgPool2d { window, count_include_pad } => format!(
+            "kernel={:?} stride={:?} pad={:?} count_include_pad={count_include_pad}",
+            window.kernel, window.stride, window.padding
+        ),
+        Op::Attention { scale, causal } => format!("scale={:.6} causal={causal}", scale.get()),
+        Op::Rope { style } => format!("style={style:?}"),
+    }
+}
+
+impl fmt::Display for Graph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "graph \"{}\" ({} nodes)", self.name(), self.len())?;
+        for (i, node) in self.nodes().iter().enumerate() {
+            let args: Vec<String> = node.inputs.iter().map(|a| a.to_string()).collect();
+            let attrs = op_attributes(&node.op);
+            write!(f, "  %{i:<4} = {}", node.op.name())?;
+            if !args.is_empty() {
+                write!(f, "({})", args.join(", "))?;
+            }
+            if !attrs.is_empty() {
+                write!(f, " {attrs}")?;
+            }
+            writeln!(f, " : {}", node.shape)?;
+        }
+        let outs: Vec<String> = self.outputs().iter().map(|o| o.to_string()).collect();
+        write!(f, "  outputs: {}", outs.join(", "))
+    }
+}

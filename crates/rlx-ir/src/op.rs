@@ -1,0 +1,570 @@
+//! The closed set of IR operations. Payloads are plain values with `Eq + Hash`, so
+//! passes compare ops by value (CSE, pattern matching, compile caches).
+
+use crate::DType;
+
+/// An `f64` attribute stored by its bits, so that ops can be hashed and compared.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct F64Bits(u64);
+
+impl F64Bits {
+    /// Wraps a value.
+    pub fn new(v: f64) -> F64Bits {
+        F64Bits(v.to_bits())
+    }
+
+    /// The value.
+    pub fn get(self) -> f64 {
+        f64::from_bits(self.0)
+    }
+}
+
+impl std::fmt::Debug for F64Bits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.get())
+    }
+}
+
+/// Elementwise ops of one operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    /// `-x`.
+    Neg,
+    /// `|x|`.
+    Abs,
+    /// `e^x`.
+    Exp,
+    /// Natural logarithm.
+    Log,
+    /// Square root.
+    Sqrt,
+    /// `1 / sqrt(x)`.
+    Rsqrt,
+    /// `1 / x`.
+    Reciprocal,
+    /// Hyperbolic tangent.
+    Tanh,
+    /// `1 / (1 + e^-x)`.
+    Sigmoid,
+    /// `max(x, 0)`.
+    Relu,
+    /// `x * Phi(x)` with the exact normal CDF (erf form).
+    Gelu,
+    /// The tanh approximation of GELU.
+    GeluTanh,
+    /// `x * sigmoid(x)` (swish).
+    Silu,
+    /// The error function.
+    Erf,
+    /// Sine.
+    Sin,
+    /// Cosine.
+    Cos,
+    /// Round toward negative infinity.
+    Floor,
+    /// Round toward positive infinity.
+    Ceil,
+    /// Round half to even.
+    Round,
+    /// -1, 0 or 1 by the sign of `x` (NaN stays NaN).
+    Sign,
+    /// Logical not (bool only).
+    Not,
+}
+
+impl UnaryOp {
+    /// Every unary op.
+    pub const ALL: [UnaryOp; 21] = [
+        UnaryOp::Neg,
+        UnaryOp::Abs,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Reciprocal,
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::Silu,
+        UnaryOp::Erf,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Floor,
+        UnaryOp::Ceil,
+        UnaryOp::Round,
+        UnaryOp::Sign,
+        UnaryOp::Not,
+    ];
+
+    /// Lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Reciprocal => "reciprocal",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Relu => "relu",
+            UnaryOp::Gelu => "gelu",
+            UnaryOp::GeluTanh => "gelu_tanh",
+            UnaryOp::Silu => "silu",
+            UnaryOp::Erf => "erf",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Floor => "floor",
+            UnaryOp::Ceil => "ceil",
+            UnaryOp::Round => "round",
+            UnaryOp::Sign => "sign",
+            UnaryOp::Not => "not",
+        }
+    }
+
+    /// True for ops defined only on floating-point values.
+    pub fn float_only(self) -> bool {
+        !matches!(
+            self,
+            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu | UnaryOp::Sign | UnaryOp::Not
+        )
+    }
+}
+
+/// Elementwise ops of two operands, with numpy broadcasting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    /// `a + b`.
+    Add,
+    /// `a - b`.
+    Sub,
+    /// `a * b`.
+    Mul,
+    /// `a / b` (integers truncate toward zero; division by zero gives 0).
+    Div,
+    /// `a ^ b`.
+    Pow,
+    /// Larger of the two (NaN propagates).
+    Max,
+    /// Smaller of the two (NaN propagates).
+    Min,
+    /// Floored modulo: the result has the sign of `b` (integer `x mod 0` gives 0).
+    Mod,
+    /// `a == b` (bool result).
+    Eq,
+    /// `a != b` (bool result).
+    Ne,
+    /// `a < b` (bool result).
+    Lt,
+    /// `a <= b` (bool result).
+    Le,
+    /// `a > b` (bool result).
+    Gt,
+    /// `a >= b` (bool result).
+    Ge,
+    /// Logical and (bool operands).
+    And,
+    /// Logical or (bool operands).
+    Or,
+    /// Logical exclusive or (bool operands).
+    Xor,
+}
+
+impl BinaryOp {
+    /// Every binary op.
+    pub const ALL: [BinaryOp; 17] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Pow,
+        BinaryOp::Max,
+        BinaryOp::Min,
+        BinaryOp::Mod,
+        BinaryOp::Eq,
+        BinaryOp::Ne,
+        BinaryOp::Lt,
+        BinaryOp::Le,
+        BinaryOp::Gt,
+        BinaryOp::Ge,
+        BinaryOp::And,
+        BinaryOp::Or,
+        BinaryOp::Xor,
+    ];
+
+    /// Lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Pow => "pow",
+            BinaryOp::Max => "max",
+            BinaryOp::Min => "min",
+            BinaryOp::Mod => "mod",
+            BinaryOp::Eq => "eq",
+            BinaryOp::Ne => "ne",
+            BinaryOp::Lt => "lt",
+            BinaryOp::Le => "le",
+            BinaryOp::Gt => "gt",
+            BinaryOp::Ge => "ge",
+            BinaryOp::And => "and",
+            BinaryOp::Or => "or",
+            BinaryOp::Xor => "xor",
+        }
+    }
+
+    /// True for comparisons (numeric operands, bool result).
+    pub fn is_comparison(self) -> bool {
+        matches!(
+            self,
+            BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge
+        )
+    }
+
+    /// True for logical ops (bool operands and result).
+    pub fn is_logical(self) -> bool {
+        matches!(self, BinaryOp::And | BinaryOp::Or | BinaryOp::Xor)
+    }
+}
+
+/// Reductions over a set of axes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum (0 over an empty set).
+    Sum,
+    /// Arithmetic mean (float only).
+    Mean,
+    /// Maximum (NaN propagates; not defined over an empty set).
+    Max,
+    /// Minimum (NaN propagates; not defined over an empty set).
+    Min,
+    /// Product (1 over an empty set).
+    Prod,
+}
+
+impl ReduceOp {
+    /// Lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Mean => "mean",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+            ReduceOp::Prod => "prod",
+        }
+    }
+}
+
+/// Index-of-extreme reductions along one axis (result `i64`; ties pick the first index,
+/// NaN counts as the extreme).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ArgReduceOp {
+    /// Index of the maximum.
+    ArgMax,
+    /// Index of the minimum.
+    ArgMin,
+}
+
+/// How [`Op::Pad`] fills the border.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PadMode {
+    /// A constant value.
+    Constant(F64Bits),
+    /// Mirror without repeating the edge (`[1,2,3]` padded by 2 on the left: `3,2,1,2,3`).
+    Reflect,
+    /// Repeat the edge value.
+    Edge,
+}
+
+/// One axis of a [`Op::Slice`]: `len` elements starting at `start`, `step` apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SliceAxis {
+    /// First index taken (always in range when `len > 0`).
+    pub start: usize,
+    /// Distance between taken indices (non-zero; negative walks backwards).
+    pub step: isize,
+    /// Number of indices taken.
+    pub len: usize,
+}
+
+/// Which result of a top-k selection a [`Op::TopK`] node yields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TopKOutput {
+    /// The selected values, sorted.
+    Values,
+    /// Their indices along the axis (`i64`).
+    Indices,
+}
+
+/// Rotary embedding pairing convention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RopeStyle {
+    /// Pairs `(x[i], x[i + d/2])` ("rotate half", Hugging Face Llama / GPT-NeoX).
+    HalfSplit,
+    /// Pairs `(x[2i], x[2i + 1])` (GPT-J, GGUF-converted Llama weights).
+    Interleaved,
+}
+
+/// 2-D window geometry shared by convolution and pooling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Window2d {
+    /// Kernel height and width.
+    pub kernel: [usize; 2],
+    /// Stride along height and width (non-zero).
+    pub stride: [usize; 2],
+    /// Padding: top, left, bottom, right.
+    pub padding: [usize; 4],
+    /// Dilation along height and width (non-zero).
+    pub dilation: [usize; 2],
+}
+
+/// One IR operation. The node's inputs are listed in the graph; the op holds only
+/// attributes. Axes are stored normalized (non-negative).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// A value supplied on every run (or bound as a persistent handle).
+    Input {
+        /// Unique name.
+        name: String,
+    },
+    /// A weight set once with `set_param`.
+    Param {
+        /// Unique name.
+        name: String,
+    },
+    /// A constant whose data lives in the graph's constant table.
+    Constant {
+        /// Index into the graph's constant table.
+        id: usize,
+    },
+    /// Elementwise op of one operand.
+    Unary(UnaryOp),
+    /// Elementwise op of two broadcast operands.
+    Binary(BinaryOp),
+    /// `cond ? a : b`, all three broadcast; `cond` is bool.
+    Where,
+    /// Converts to another dtype (floats to integers truncate toward zero).
+    Cast(DType),
+    /// Reduces the given axes (sorted, unique).
+    Reduce {
+        /// Which reduction.
+        op: ReduceOp,
+        /// Axes reduced.
+        axes: Vec<usize>,
+        /// Keep reduced axes as size 1.
+        keepdims: bool,
+    },
+    /// Index of the maximum or minimum along one axis.
+    ArgReduce {
+        /// Which one.
+        op: ArgReduceOp,
+        /// The axis.
+        axis: usize,
+        /// Keep the axis as size 1.
+        keepdims: bool,
+    },
+    /// `exp(x) / sum(exp(x))` along an axis.
+    Softmax {
+        /// The axis.
+        axis: usize,
+    },
+    /// `log(softmax(x))` along an axis.
+    LogSoftmax {
+        /// The axis.
+        axis: usize,
+    },
+    /// numpy `matmul`: batched, batch dims broadcast, 1-D operands promoted.
+    MatMul,
+    /// Normalizes the last axis: `(x - mean) / sqrt(var + eps) * gamma + beta`.
+    LayerNorm {
+        /// Added to the variance.
+        eps: F64Bits,
+    },
+    /// `x / sqrt(mean(x^2) + eps) * gamma` over the last axis.
+    RmsNorm {
+        /// Added to the mean square.
+        eps: F64Bits,
+    },
+    /// Same data, new dimensions (a view: no copy).
+    Reshape {
+        /// The new dimensions.
+        dims: Vec<usize>,
+    },
+    /// Reorders axes: output axis `i` is input axis `perm[i]`.
+    Permute {
+        /// The permutation.
+        perm: Vec<usize>,
+    },
+    /// Strided slice, one entry per axis.
+    Slice {
+        /// Per-axis ranges.
+        axes: Vec<SliceAxis>,
+    },
+    /// Joins inputs along an axis.
+    Concat {
+        /// The axis.
+        axis: usize,
+    },
+    /// numpy `take`: picks entries of `data` along `axis` by an integer index tensor
+    /// (negative indices count from the end; out-of-range is a run-time error).
+    Gather {
+        /// The axis of `data`.
+        axis: usize,
+    },
+    /// Broadcasts to larger dimensions (numpy `broadcast_to`).
+    Expand {
+        /// Target dimensions.
+        dims: Vec<usize>,
+    },
+    /// Pads each axis by `(before, after)` elements.
+    Pad {
+        /// Per-axis padding.
+        pads: Vec<(usize, usize)>,
+        /// How the border is filled.
+        mode: PadMode,
+    },
+    /// Repeats the tensor `reps[i]` times along axis `i`.
+    Tile {
+        /// Repetitions per axis.
+        reps: Vec<usize>,
+    },
+    /// `start + i * step` for `i in 0..len` (no inputs).
+    Range {
+        /// First value.
+        start: F64Bits,
+        /// Increment.
+        step: F64Bits,
+        /// Number of values.
+        len: usize,
+        /// Element type of the result.
+        dtype: DType,
+    },
+    /// Running sum along an axis.
+    Cumsum {
+        /// The axis.
+        axis: usize,
+        /// Exclude the current element.
+        exclusive: bool,
+        /// Accumulate from the end.
+        reverse: bool,
+    },
+    /// The `k` largest (or smallest) entries along an axis, sorted; ties keep the lower
+    /// index first.
+    TopK {
+        /// How many.
+        k: usize,
+        /// The axis.
+        axis: usize,
+        /// Largest (true) or smallest (false).
+        largest: bool,
+        /// Which result this node yields.
+        output: TopKOutput,
+    },
+    /// One-hot encoding along a new last axis; indices outside `[-depth, depth)` give an
+    /// all-zero row, negative ones count from the end.
+    OneHot {
+        /// Length of the new axis.
+        depth: usize,
+        /// Element type of the result.
+        dtype: DType,
+    },
+    /// 2-D convolution, NCHW input, OIHW weight, optional bias.
+    Conv2d {
+        /// Window geometry (kernel size comes from the weight).
+        window: Window2d,
+        /// Channel groups.
+        groups: usize,
+    },
+    /// 2-D max pooling over NCHW (padding counts as -infinity).
+    MaxPool2d {
+        /// Window geometry.
+        window: Window2d,
+    },
+    /// 2-D average pooling over NCHW.
+    AvgPool2d {
+        /// Window geometry.
+        window: Window2d,
+        /// Divide by the full window size, padding included (else by the valid count).
+        count_include_pad: bool,
+    },
+    /// Scaled dot-product attention over `q [B,Hq,Sq,D]`, `k [B,Hkv,Sk,D]`,
+    /// `v [B,Hkv,Sk,Dv]` and an optional mask broadcastable to `[B,Hq,Sq,Sk]`
+    /// (additive if float, keep-where-true if bool). `Hq` is a multiple of `Hkv`
+    /// (grouped-query attention). Rows with every key masked give zeros.
+    Attention {
+        /// Multiplies `q . k` before the mask.
+        scale: F64Bits,
+        /// Masks key `j` for query `i` when `j > i + (Sk - Sq)`.
+        causal: bool,
+    },
+    /// Rotary position embedding of `x [..., S, D]` with `cos`, `sin` of shape
+    /// `[..., S, D/2]` (broadcast against `x`'s leading dims).
+    Rope {
+        /// Pairing convention.
+        style: RopeStyle,
+    },
+    /// Writes `update` into `target` (a persistent handle) along `axis` starting at the
+    /// run-time index `pos` (a scalar integer). The result is the updated target.
+    WriteAt {
+        /// The axis written along.
+        axis: usize,
+    },
+}
+
+impl Op {
+    /// A short name for printing and kernel tables.
+    pub fn name(&self) -> String {
+        match self {
+            Op::Input { .. } => "input".into(),
+            Op::Param { .. } => "param".into(),
+            Op::Constant { .. } => "constant".into(),
+            Op::Unary(u) => u.name().into(),
+            Op::Binary(b) => b.name().into(),
+            Op::Where => "where".into(),
+            Op::Cast(_) => "cast".into(),
+            Op::Reduce { op, .. } => format!("reduce_{}", op.name()),
+            Op::ArgReduce { op: ArgReduceOp::ArgMax, .. } => "argmax".into(),
+            Op::ArgReduce { op: ArgReduceOp::ArgMin, .. } => "argmin".into(),
+            Op::Softmax { .. } => "softmax".into(),
+            Op::LogSoftmax { .. } => "log_softmax".into(),
+            Op::MatMul => "matmul".into(),
+            Op::LayerNorm { .. } => "layer_norm".into(),
+            Op::RmsNorm { .. } => "rms_norm".into(),
+            Op::Reshape { .. } => "reshape".into(),
+            Op::Permute { .. } => "permute".into(),
+            Op::Slice { .. } => "slice".into(),
+            Op::Concat { .. } => "concat".into(),
+            Op::Gather { .. } => "gather".into(),
+            Op::Expand { .. } => "expand".into(),
+            Op::Pad { .. } => "pad".into(),
+            Op::Tile { .. } => "tile".into(),
+            Op::Range { .. } => "range".into(),
+            Op::Cumsum { .. } => "cumsum".into(),
+            Op::TopK { output: TopKOutput::Values, .. } => "topk_values".into(),
+            Op::TopK { output: TopKOutput::Indices, .. } => "topk_indices".into(),
+            Op::OneHot { .. } => "one_hot".into(),
+            Op::Conv2d { .. } => "conv2d".into(),
+            Op::MaxPool2d { .. } => "max_pool2d".into(),
+            Op::AvgPool2d { .. } => "avg_pool2d".into(),
+            Op::Attention { .. } => "attention".into(),
+            Op::Rope { .. } => "rope".into(),
+            Op::WriteAt { .. } => "write_at".into(),
+        }
+    }
+
+    /// True for nodes that hold data rather than compute it.
+    pub fn is_source(&self) -> bool {
+        matches!(self, Op::Input { .. } | Op::Param { .. } | Op::Constant { .. })
+    }
+
+    /// True for ops where output element `i` depends only on input elements `i` of
+    /// same-shaped operands, so the output may overwrite such an operand in place.
+    pub fn is_elementwise(&self) -> bool {
+        matches!(self, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_))
+    }
+}

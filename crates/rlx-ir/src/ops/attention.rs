@@ -1,0 +1,166 @@
+//! Scaled dot-product attention and rotary position embedding.
+
+use super::{broadcast_source, mismatch, require_float, same_dtype};
+use crate::reference::HostTensor;
+use crate::shape::broadcast_dims;
+use crate::{DType, Error, F64Bits, Graph, NodeId, Op, Result, RopeStyle, Shape};
+
+impl Graph {
+    /// Scaled dot-product attention: `softmax(q k^T * scale + mask) v` per head.
+    ///
+    /// `q [B, Hq, Sq, D]`, `k [B, Hkv, Sk, D]`, `v [B, Hkv, Sk, Dv]` with `Hq` a
+    /// multiple of `Hkv` (query head `h` reads key/value head `h / (Hq / Hkv)`).
+    /// `mask` broadcasts to `[B, Hq, Sq, Sk]`: a float mask is added to the scores, a
+    /// bool mask keeps positions where it is true. `causal` hides keys after the query
+    /// (aligned at the end when `Sq < Sk`). `scale` defaults to `1 / sqrt(D)`.
+    pub fn attention(
+        &self,
+        q: NodeId,
+        k: NodeId,
+        v: NodeId,
+        mask: Option<NodeId>,
+        causal: bool,
+        scale: Option<f64>,
+    ) -> Result<NodeId> {
+        let d = self.shape(q)?.dims().last().copied().unwrap_or(1);
+        let scale = scale.unwrap_or(1.0 / (d.max(1) as f64).sqrt());
+        let mut inputs = vec![q, k, v];
+        inputs.extend(mask);
+        self.push(Op::Attention { scale: F64Bits::new(scale), causal }, &inputs)
+    }
+
+    /// Rotary position embedding of `x [..., S, D]` (even `D`) with `cos` and `sin`
+    /// of shape `[..., S, D/2]`, broadcast over `x`'s leading dims. Each pair
+    /// `(a, b)` becomes `(a cos - b sin, a sin + b cos)`.
+    pub fn rope(&self, x: NodeId, cos: NodeId, sin: NodeId, style: RopeStyle) -> Result<NodeId> {
+        self.push(Op::Rope { style }, &[x, cos, sin])
+    }
+}
+
+pub(crate) fn infer_attention(inputs: &[&Shape]) -> Result<Shape> {
+    let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+    require_float("attention", q)?;
+    same_dtype("attention", q, k)?;
+    same_dtype("attention", q, v)?;
+    for (what, s) in [("q", q), ("k", k), ("v", v)] {
+        if s.rank() != 4 {
+            return Err(Error::invalid("attention", format!("{what} must be [B, H, S, D], got {s}")));
+        }
+    }
+    let [b, hq, sq, d] = [q.dim(0), q.dim(1), q.dim(2), q.dim(3)];
+    if k.dim(0) != b || k.dim(3) != d {
+        return Err(mismatch("attention", q, k, "batch and head size must agree"));
+    }
+    let (hkv, sk) = (k.dim(1), k.dim(2));
+    if v.dim(0) != b || v.dim(1) != hkv || v.dim(2) != sk {
+        return Err(mismatch("attention", k, v, "v must be [B, Hkv, Sk, Dv] matching k"));
+    }
+    if hkv == 0 || hq % hkv != 0 {
+        return Err(mismatch("attention", q, k, format!("{hq} query heads are not a multiple of {hkv} key/value heads")));
+    }
+    if let Some(m) = inputs.get(3) {
+        let full = [b, hq, sq, sk];
+        if m.rank() > 4 || broadcast_dims(m.dims(), &full).as_deref() != Some(&full[..]) {
+            return Err(mismatch("attention", q, m, format!("mask must broadcast to {full:?}")));
+        }
+        if m.dtype() != DType::Bool && m.dtype() != q.dtype() {
+            return Err(Error::dtype("attention (mask)", format!("bool or {}", q.dtype()), m.dtype()));
+        }
+    }
+    Ok(q.with_dims(&[b, hq, sq, v.dim(3)]))
+}
+
+pub(crate) fn infer_rope(x: &Shape, cos: &Shape, sin: &Shape) -> Result<Shape> {
+    require_float("rope", x)?;
+    same_dtype("rope", x, cos)?;
+    same_dtype("rope", x, sin)?;
+    if x.rank() < 2 || x.dims()[x.rank() - 1] % 2 != 0 {
+        return Err(Error::invalid("rope", format!("x must be [..., S, D] with even D, got {x}")));
+    }
+    let mut half = x.dims().to_vec();
+    let last = half.len() - 1;
+    half[last] /= 2;
+    for t in [cos, sin] {
+        if t.rank() > x.rank() || broadcast_dims(t.dims(), &half).as_deref() != Some(&half[..]) {
+            return Err(mismatch("rope", x, t, format!("cos/sin must broadcast to {half:?}")));
+        }
+    }
+    if cos.dims() != sin.dims() {
+        return Err(mismatch("rope", cos, sin, "cos and sin must have the same shape"));
+    }
+    Ok(x.clone())
+}
+
+pub(crate) fn eval_attention(scale: f64, causal: bool, inputs: &[&HostTensor], out: &Shape) -> HostTensor {
+    let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+    let [b, hq, sq, d] = [q.shape.dim(0), q.shape.dim(1), q.shape.dim(2), q.shape.dim(3)];
+    let (hkv, sk, dv) = (k.shape.dim(1), k.shape.dim(2), v.shape.dim(3));
+    let group = hq / hkv;
+    let mut data = vec![0.0; out.num_elements()];
+    for bi in 0..b {
+        for h in 0..hq {
+            let kh = h / group;
+            for i in 0..sq {
+                let mut scores = vec![f64::NEG_INFINITY; sk];
+                for (j, score) in scores.iter_mut().enumerate() {
+                    if causal && j + sq > i + sk {
+                        continue;
+                    }
+                    let mut s = 0.0;
+                    for p in 0..d {
+                        s += q.data[((bi * hq + h) * sq + i) * d + p] * k.data[((bi * hkv + kh) * sk + j) * d + p];
+                    }
+                    s *= scale;
+                    if let Some(m) = inputs.get(3) {
+                        let mv = m.data[broadcast_source(&[bi, h, i, j], m.shape.dims())];
+                        if m.shape.dtype() == DType::Bool {
+                            if mv == 0.0 {
+                                continue;
+                            }
+                        } else {
+                            s += mv;
+                        }
+                    }
+                    *score = s;
+                }
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                if max == f64::NEG_INFINITY {
+                    continue;
+                }
+                let weights: Vec<f64> = scores.iter().map(|&s| (s - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for e in 0..dv {
+                    let acc: f64 = (0..sk).map(|j| weights[j] * v.data[((bi * hkv + kh) * sk + j) * dv + e]).sum();
+                    data[((bi * hq + h) * sq + i) * dv + e] = out.dtype().round_value(acc / total);
+                }
+            }
+        }
+    }
+    HostTensor::new(out.clone(), data)
+}
+
+pub(crate) fn eval_rope(style: RopeStyle, x: &HostTensor, cos: &HostTensor, sin: &HostTensor) -> HostTensor {
+    let dims = x.shape.dims();
+    let d = dims[dims.len() - 1];
+    let half = d / 2;
+    let mut half_dims = dims.to_vec();
+    let last = half_dims.len() - 1;
+    half_dims[last] = half;
+    let mut data = x.data.clone();
+    let rows = if d == 0 { 0 } else { x.data.len() / d };
+    for r in 0..rows {
+        for i in 0..half {
+            let idx = super::unravel(r * half + i, &half_dims);
+            let c = cos.data[broadcast_source(&idx, cos.shape.dims())];
+            let s = sin.data[broadcast_source(&idx, sin.shape.dims())];
+            let (ia, ib) = match style {
+                RopeStyle::HalfSplit => (r * d + i, r * d + i + half),
+                RopeStyle::Interleaved => (r * d + 2 * i, r * d + 2 * i + 1),
+            };
+            let (a, b) = (x.data[ia], x.data[ib]);
+            data[ia] = x.shape.dtype().round_value(a * c - b * s);
+            data[ib] = x.shape.dtype().round_value(a * s + b * c);
+        }
+    }
+    HostTensor::new(x.shape.clone(), data)
+}
