@@ -1,14 +1,13 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! Devices and memory: [`Device`], the [`DeviceArena`] trait, owned [`Buffer`]s,
+//! persistent [`BufferHandle`]s, and bounds-checked conversion between host `f32` and
+//! every dtype.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+mod arena;
+mod buffer;
+pub mod convert;
+mod device;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use arena::{DeviceArena, HostArena};
+pub use buffer::{AlignedBytes, Buffer, BufferHandle};
+pub use device::Device;
+pub use rlx_ir::{DType, Error, Result, Shape};

@@ -1,14 +1,13 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! Graph passes, scheduling and memory planning: everything between a verified
+//! [`rlx_ir::Graph`] and the [`Plan`] a backend compiles.
+//!
+//! The pipeline ([`plan_graph`]) is: verify, dead-code elimination, verify, schedule
+//! (respecting in-place writes to persistent handles), memory plan.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub mod dce;
+pub mod lifetimes;
+mod plan;
+pub mod schedule;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use lifetimes::{assign_offsets, Lifetime, OffsetAssignment};
+pub use plan::{plan_graph, Location, MemoryStats, Plan, PlanOptions, Region, Source};

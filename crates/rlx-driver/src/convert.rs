@@ -1,0 +1,107 @@
+//! Bounds-checked conversion between host `f32` values and device bytes of any dtype.
+//! Lengths are checked before anything is written; nothing writes past a buffer.
+
+use half::{bf16, f16};
+use rlx_ir::{DType, Error, Result};
+
+fn check_len(what: &str, dtype: DType, values: usize, bytes: usize) -> Result<()> {
+    if values.checked_mul(dtype.size_in_bytes()) != Some(bytes) {
+        return Err(Error::LengthMismatch {
+            kind: "destination",
+            name: format!("{what} ({dtype})"),
+            expected: values.saturating_mul(dtype.size_in_bytes()),
+            got: bytes,
+            unit: "bytes",
+        });
+    }
+    Ok(())
+}
+
+/// Encodes `src` as `dtype` into `dst` (which must be exactly `src.len()` elements).
+/// Floats round to nearest; integers truncate toward zero, saturate at their range
+/// and map NaN to 0; `Bool` is `v != 0`.
+pub fn f32_to_bytes(src: &[f32], dtype: DType, dst: &mut [u8]) -> Result<()> {
+    check_len("f32_to_bytes", dtype, src.len(), dst.len())?;
+    let size = dtype.size_in_bytes();
+    let chunks = dst.chunks_exact_mut(size).zip(src);
+    match dtype {
+        DType::F32 => chunks.for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
+        DType::F16 => chunks.for_each(|(d, v)| d.copy_from_slice(&f16::from_f32(*v).to_le_bytes())),
+        DType::BF16 => chunks.for_each(|(d, v)| d.copy_from_slice(&bf16::from_f32(*v).to_le_bytes())),
+        DType::F64 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as f64).to_le_bytes())),
+        DType::I8 => chunks.for_each(|(d, v)| d[0] = (*v as i8) as u8),
+        DType::I32 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as i32).to_le_bytes())),
+        DType::I64 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as i64).to_le_bytes())),
+        DType::U8 => chunks.for_each(|(d, v)| d[0] = *v as u8),
+        DType::Bool => chunks.for_each(|(d, v)| d[0] = (*v != 0.0) as u8),
+    }
+    Ok(())
+}
+
+/// Decodes `src` bytes of `dtype` into `dst` as `f32` (which must be exactly the
+/// number of elements in `src`). Values outside `f32`'s range become infinities;
+/// large integers round.
+pub fn bytes_to_f32(src: &[u8], dtype: DType, dst: &mut [f32]) -> Result<()> {
+    check_len("bytes_to_f32", dtype, dst.len(), src.len())?;
+    let size = dtype.size_in_bytes();
+    let pairs = src.chunks_exact(size).zip(dst.iter_mut());
+    match dtype {
+        DType::F32 => pairs.for_each(|(s, d)| *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]])),
+        DType::F16 => pairs.for_each(|(s, d)| *d = f16::from_le_bytes([s[0], s[1]]).to_f32()),
+        DType::BF16 => pairs.for_each(|(s, d)| *d = bf16::from_le_bytes([s[0], s[1]]).to_f32()),
+        DType::F64 => pairs.for_each(|(s, d)| *d = f64::from_le_bytes(arr8(s)) as f32),
+        DType::I8 => pairs.for_each(|(s, d)| *d = s[0] as i8 as f32),
+        DType::I32 => pairs.for_each(|(s, d)| *d = i32::from_le_bytes([s[0], s[1], s[2], s[3]]) as f32),
+        DType::I64 => pairs.for_each(|(s, d)| *d = i64::from_le_bytes(arr8(s)) as f32),
+        DType::U8 | DType::Bool => pairs.for_each(|(s, d)| *d = s[0] as f32),
+    }
+    Ok(())
+}
+
+fn arr8(s: &[u8]) -> [u8; 8] {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&s[..8]);
+    a
+}
+
+/// `f32` values encoded as a fresh byte vector of `dtype`.
+pub fn f32_to_vec(src: &[f32], dtype: DType) -> Vec<u8> {
+    let mut out = vec![0u8; src.len() * dtype.size_in_bytes()];
+    // Sized from `src`, so the length check cannot fail.
+    let _ = f32_to_bytes(src, dtype, &mut out);
+    out
+}
+
+/// Bytes of `dtype` decoded into a fresh `f32` vector; the byte count must be a
+/// whole number of elements.
+pub fn bytes_to_f32_vec(src: &[u8], dtype: DType) -> Result<Vec<f32>> {
+    if src.len() % dtype.size_in_bytes() != 0 {
+        return Err(Error::invalid("bytes_to_f32", format!("{} bytes is not a whole number of {dtype} elements", src.len())));
+    }
+    let mut out = vec![0f32; src.len() / dtype.size_in_bytes()];
+    bytes_to_f32(src, dtype, &mut out)?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_checks_lengths() {
+        let vals = [0.0f32, 1.5, -2.25, 1024.0];
+        for dt in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let bytes = f32_to_vec(&vals, dt);
+            assert_eq!(bytes_to_f32_vec(&bytes, dt).unwrap(), vals, "{dt}");
+        }
+        let ints = f32_to_vec(&[3.9, -3.9, 300.0], DType::I8);
+        assert_eq!(ints, vec![3, (-3i8) as u8, 127]);
+        let mut short = [0u8; 7];
+        assert!(f32_to_bytes(&vals, DType::F16, &mut short).is_err());
+        assert_eq!(short, [0u8; 7], "nothing written on a rejected call");
+        let mut dst = [0f32; 3];
+        assert!(bytes_to_f32(&[0u8; 8], DType::F32, &mut dst).is_err());
+        assert!(bytes_to_f32_vec(&[0u8; 3], DType::F16).is_err());
+        assert_eq!(f32_to_vec(&[0.1], DType::BF16), bf16::from_f32(0.1).to_le_bytes().to_vec());
+    }
+}

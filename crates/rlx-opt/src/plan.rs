@@ -1,0 +1,362 @@
+//! From a graph to a [`Plan`]: passes, schedule, and where every value lives.
+
+use crate::lifetimes::{assign_offsets, Lifetime};
+use rlx_ir::{Error, Graph, NodeId, Op, Result, Shape, SliceAxis};
+
+/// Byte alignment of every value the planner places in the arena.
+pub const ARENA_ALIGN: usize = 64;
+
+/// Which block of memory a value lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Region {
+    /// The per-graph arena of transient values (inputs, intermediates, outputs).
+    Arena,
+    /// The weights region: param number `i` of [`Plan::params`].
+    Param(usize),
+    /// Constant number `i` of the graph's constant table.
+    Constant(usize),
+    /// Persistent handle number `i` of [`Plan::handles`].
+    Handle(usize),
+}
+
+/// Where one value lives: a region and a byte offset inside it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Location {
+    /// The region.
+    pub region: Region,
+    /// Byte offset from the region's start.
+    pub offset: usize,
+}
+
+/// A named source of data: an input, a param or a handle.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Source {
+    /// Its name in the graph.
+    pub name: String,
+    /// Its node.
+    pub node: NodeId,
+    /// Its shape.
+    pub shape: Shape,
+}
+
+/// What the planner is asked to do.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanOptions {
+    /// Inputs that are persistent handles (name and expected shape).
+    pub handles: Vec<(String, Shape)>,
+    /// Share arena bytes between values whose lifetimes do not overlap.
+    pub memory_reuse: bool,
+    /// Let elementwise ops overwrite an operand that dies at them.
+    pub in_place: bool,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions { handles: Vec::new(), memory_reuse: true, in_place: true }
+    }
+}
+
+/// Memory figures of one compiled graph.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes the arena occupies.
+    pub arena_bytes: usize,
+    /// Sum of the bytes of every transient tensor (what the arena would need with no
+    /// reuse, no in-place and no views).
+    pub transient_bytes: usize,
+    /// The largest total of simultaneously live bytes under this schedule.
+    pub lower_bound: usize,
+    /// Values stored as views of another value (no copy).
+    pub views: usize,
+    /// Values computed in place over a dying operand.
+    pub in_place: usize,
+}
+
+impl std::fmt::Display for MemoryStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "arena {} B, transient total {} B, lower bound {} B, {} views, {} in place",
+            self.arena_bytes, self.transient_bytes, self.lower_bound, self.views, self.in_place
+        )
+    }
+}
+
+/// A compiled-ready program: the optimized graph, the order to run it, and where every
+/// value lives. Backends lower it node by node; they never re-plan memory.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// The graph after passes.
+    pub graph: Graph,
+    /// Nodes that execute a kernel, in order (sources and views excluded).
+    pub schedule: Vec<NodeId>,
+    /// Location of every node's value, indexed by node.
+    pub locations: Vec<Location>,
+    /// For each node, whether it is a view of its first operand (no kernel runs).
+    pub is_view: Vec<bool>,
+    /// For each node, whether it overwrites an operand in place.
+    pub is_in_place: Vec<bool>,
+    /// Run-time inputs (excluding handles), in graph order.
+    pub inputs: Vec<Source>,
+    /// Params, in graph order.
+    pub params: Vec<Source>,
+    /// Persistent handles, in graph order.
+    pub handles: Vec<Source>,
+    /// The graph's outputs.
+    pub outputs: Vec<NodeId>,
+    /// Memory figures.
+    pub stats: MemoryStats,
+    arena_roots: Vec<(NodeId, Lifetime, usize)>,
+}
+
+impl Plan {
+    /// Shape of a node's value.
+    pub fn shape(&self, id: NodeId) -> Shape {
+        self.graph.nodes()[id.index()].shape.clone()
+    }
+
+    /// Every value that owns arena bytes, with its lifetime (in steps) and offset;
+    /// used to check that no two simultaneously live values overlap.
+    pub fn arena_values(&self) -> &[(NodeId, Lifetime, usize)] {
+        &self.arena_roots
+    }
+}
+
+/// Runs the pipeline on `graph`: verify, dead-code elimination, verify, schedule,
+/// memory plan.
+pub fn plan_graph(graph: &Graph, options: &PlanOptions) -> Result<Plan> {
+    graph.verify()?;
+    let (graph, _) = crate::dce::eliminate_dead_code(graph);
+    graph.verify()?;
+    let order = crate::schedule::schedule(&graph)?;
+    Planner::new(&graph, options)?.finish(graph.clone(), order)
+}
+
+struct Planner<'a> {
+    graph: &'a Graph,
+    options: &'a PlanOptions,
+    inputs: Vec<Source>,
+    params: Vec<Source>,
+    handles: Vec<Source>,
+}
+
+impl<'a> Planner<'a> {
+    fn new(graph: &'a Graph, options: &'a PlanOptions) -> Result<Planner<'a>> {
+        let mut inputs = Vec::new();
+        let mut params = Vec::new();
+        let mut handles = Vec::new();
+        for (name, node, shape) in graph.inputs() {
+            let src = Source { name: name.clone(), node, shape: shape.clone() };
+            match options.handles.iter().find(|(n, _)| *n == name) {
+                Some((_, hs)) if *hs != shape => {
+                    return Err(Error::ShapeMismatch {
+                        op: format!("bind_handle '{name}'"),
+                        lhs: shape,
+                        rhs: hs.clone(),
+                        reason: "the handle's shape must equal the input's".into(),
+                    });
+                }
+                Some(_) => handles.push(src),
+                None => inputs.push(src),
+            }
+        }
+        for (name, _) in &options.handles {
+            if !handles.iter().any(|h| h.name == *name) {
+                return Err(Error::UnknownName {
+                    kind: "input",
+                    name: name.clone(),
+                    known: inputs.iter().map(|s| s.name.clone()).collect(),
+                });
+            }
+        }
+        for (name, node, shape) in graph.params() {
+            params.push(Source { name, node, shape });
+        }
+        Ok(Planner { graph, options, inputs, params, handles })
+    }
+
+    fn finish(self, graph: Graph, order: Vec<usize>) -> Result<Plan> {
+        let nodes = self.graph.nodes();
+        let n = nodes.len();
+        let end = n + 1;
+        let mut time = vec![0usize; n];
+        for (pos, &i) in order.iter().enumerate() {
+            time[i] = pos + 1;
+        }
+        let mut consumers: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for (i, node) in nodes.iter().enumerate() {
+            for id in &node.inputs {
+                consumers[id.index()].push(i);
+            }
+        }
+        let is_view: Vec<bool> = nodes
+            .iter()
+            .map(|node| node.inputs.first().is_some_and(|x| view_offset(&node.op, &nodes[x.index()].shape).is_some()))
+            .collect();
+        // Last step at which each value is read (through views), or `end` for outputs.
+        let outputs = self.graph.outputs();
+        let mut last_use = vec![0usize; n];
+        for &i in order.iter().rev() {
+            let mut last = time[i];
+            for &c in &consumers[i] {
+                last = last.max(if is_view[c] { last_use[c] } else { time[c] });
+            }
+            if outputs.iter().any(|o| o.index() == i) {
+                last = end;
+            }
+            last_use[i] = last;
+        }
+
+        let mut root = vec![0usize; n];
+        let mut locations = vec![Location { region: Region::Arena, offset: 0 }; n];
+        let mut group_last = vec![0usize; n];
+        let mut in_place = vec![false; n];
+        let mut transient = 0usize;
+        for &i in &order {
+            let node = &nodes[i];
+            let shape = &node.shape;
+            let source_region = match &node.op {
+                Op::Input { name } => self.handles.iter().position(|h| h.name == *name).map(Region::Handle),
+                Op::Param { name } => self.params.iter().position(|p| p.name == *name).map(Region::Param),
+                Op::Constant { id } => Some(Region::Constant(*id)),
+                _ => None,
+            };
+            if let Some(region) = source_region {
+                root[i] = i;
+                locations[i] = Location { region, offset: 0 };
+                continue;
+            }
+            if matches!(node.op, Op::Input { .. }) {
+                root[i] = i;
+                group_last[i] = last_use[i];
+                transient += shape.byte_size();
+                continue;
+            }
+            if let Op::WriteAt { .. } = node.op {
+                let t = node.inputs[0].index();
+                if !matches!(locations[t].region, Region::Handle(_)) {
+                    return Err(Error::InvalidGraph {
+                        graph: graph.name().into(),
+                        node: format!("%{i}"),
+                        message: "write_at target is not bound as a persistent handle (CompileOptions::bind_handle)".into(),
+                    });
+                }
+                root[i] = root[t];
+                locations[i] = locations[t];
+                continue;
+            }
+            if is_view[i] {
+                let src = node.inputs[0].index();
+                let delta = view_offset(&node.op, &nodes[src].shape).unwrap_or(0);
+                root[i] = root[src];
+                locations[i] = Location { region: locations[src].region, offset: locations[src].offset + delta };
+                if locations[i].region == Region::Arena {
+                    group_last[root[i]] = group_last[root[i]].max(last_use[i]);
+                }
+                continue;
+            }
+            if self.options.in_place && node.op.is_elementwise() {
+                let candidate = node.inputs.iter().map(|x| x.index()).find(|&x| {
+                    let r = root[x];
+                    nodes[x].shape.dims() == shape.dims()
+                        && nodes[x].shape.dtype().size_in_bytes() == shape.dtype().size_in_bytes()
+                        && locations[x].region == Region::Arena
+                        && locations[x].offset == locations[r].offset
+                        && nodes[r].shape.byte_size() == shape.byte_size()
+                        && group_last[r] <= time[i]
+                });
+                if let Some(x) = candidate {
+                    let r = root[x];
+                    root[i] = r;
+                    group_last[r] = group_last[r].max(last_use[i]);
+                    in_place[i] = true;
+                    transient += shape.byte_size();
+                    continue;
+                }
+            }
+            root[i] = i;
+            group_last[i] = last_use[i];
+            transient += shape.byte_size();
+        }
+
+        // Place every arena root.
+        let arena_roots: Vec<usize> = (0..n).filter(|&i| root[i] == i && locations[i].region == Region::Arena && !is_view[i] && !matches!(nodes[i].op, Op::WriteAt { .. })).collect();
+        let lifetimes: Vec<Lifetime> = arena_roots
+            .iter()
+            .map(|&r| {
+                let start = if matches!(nodes[r].op, Op::Input { .. }) { 0 } else { time[r] };
+                Lifetime { size: nodes[r].shape.byte_size(), start, end: group_last[r].max(start) }
+            })
+            .collect();
+        let assignment = assign_offsets(&lifetimes, ARENA_ALIGN, self.options.memory_reuse);
+        let mut root_offset = vec![0usize; n];
+        for (k, &r) in arena_roots.iter().enumerate() {
+            root_offset[r] = assignment.offsets[k];
+        }
+        for &i in &order {
+            if locations[i].region == Region::Arena {
+                locations[i].offset += root_offset[root[i]];
+            }
+        }
+        let stats = MemoryStats {
+            arena_bytes: assignment.arena_bytes,
+            transient_bytes: transient,
+            lower_bound: assignment.lower_bound,
+            views: is_view.iter().filter(|&&v| v).count(),
+            in_place: in_place.iter().filter(|&&v| v).count(),
+        };
+        let schedule = order
+            .iter()
+            .copied()
+            .filter(|&i| !is_view[i] && !nodes[i].op.is_source())
+            .map(NodeId::from_index)
+            .collect();
+        let arena_values = arena_roots
+            .iter()
+            .enumerate()
+            .map(|(k, &r)| (NodeId::from_index(r), lifetimes[k], assignment.offsets[k]))
+            .collect();
+        drop(nodes);
+        Ok(Plan {
+            outputs: graph.outputs(),
+            graph,
+            schedule,
+            locations,
+            is_view,
+            is_in_place: in_place,
+            inputs: self.inputs,
+            params: self.params,
+            handles: self.handles,
+            stats,
+            arena_roots: arena_values,
+        })
+    }
+}
+
+/// If `op` applied to a value of `src` shape can be a view, its byte offset into the
+/// source: reshapes always, slices when the selected elements are contiguous.
+pub fn view_offset(op: &Op, src: &Shape) -> Option<usize> {
+    match op {
+        Op::Reshape { .. } => Some(0),
+        Op::Slice { axes } => contiguous_slice_offset(axes, src),
+        _ => None,
+    }
+}
+
+fn contiguous_slice_offset(axes: &[SliceAxis], src: &Shape) -> Option<usize> {
+    if axes.iter().any(|a| a.len == 0) {
+        return Some(0);
+    }
+    let dims = src.dims();
+    // Contiguous iff: single indices on the leading axes, then one axis with step 1,
+    // then whole axes.
+    if let Some(p) = axes.iter().position(|a| a.len != 1) {
+        let whole = |k: usize| axes[k].start == 0 && axes[k].len == dims[k] && axes[k].step == 1;
+        if axes[p].step != 1 || !(p + 1..axes.len()).all(whole) {
+            return None;
+        }
+    }
+    let strides = src.strides();
+    let elems: usize = axes.iter().zip(&strides).map(|(a, s)| a.start * s).sum();
+    Some(elems * src.dtype().size_in_bytes())
+}
