@@ -1,14 +1,183 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
+//! The CPU backend: turns a [`Plan`] into a [`CpuProgram`] that owns the arena, the
+//! weights, the constants and the persistent handles, and runs the plan's steps with
+//! the reference kernels. Running allocates nothing.
+
+mod elem;
+mod kernels;
+mod tensor;
+
+use kernels::ReduceGeometry;
+use rlx_driver::{Buffer, DeviceArena, HostArena};
+use rlx_ir::{Error, NodeId, Op, Result, Shape};
+use rlx_opt::{Location, Plan, Region};
+use std::sync::Arc;
+use tensor::{Dst, Src};
+
+/// One kernel invocation, prepared at compile time.
+#[derive(Clone, Debug)]
+struct Step {
+    node: NodeId,
+    op: Op,
+    inputs: Vec<(Location, Shape)>,
+    output: (Location, Shape),
+    geometry: Option<ReduceGeometry>,
+    kernel: String,
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// A compiled plan on the CPU: memory plus prepared steps.
+#[derive(Clone)]
+pub struct CpuProgram {
+    plan: Arc<Plan>,
+    arena: HostArena,
+    params: Vec<Arc<Buffer>>,
+    constants: Vec<Buffer>,
+    handles: Vec<Buffer>,
+    steps: Vec<Step>,
+    scratch: Vec<f64>,
+    /// Addresses of the handle buffers, refreshed (not reallocated) by every run.
+    handle_addrs: Vec<usize>,
+}
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
+impl CpuProgram {
+    /// Prepares `plan` for execution: allocates the arena once, zeroed params and
+    /// handles, copies the constants.
+    pub fn new(plan: Arc<Plan>) -> Result<CpuProgram> {
+        let graph = &plan.graph;
+        let nodes = graph.nodes();
+        let mut steps = Vec::with_capacity(plan.schedule.len());
+        let mut scratch_len = 0;
+        for &id in &plan.schedule {
+            let node = &nodes[id.index()];
+            let in_shapes: Vec<Shape> = node.inputs.iter().map(|x| nodes[x.index()].shape.clone()).collect();
+            let inputs = node.inputs.iter().zip(&in_shapes).map(|(x, s)| (plan.locations[x.index()], s.clone())).collect();
+            let geometry = match &node.op {
+                Op::Reduce { axes, .. } => Some(ReduceGeometry::new(in_shapes[0].dims(), axes)),
+                _ => None,
+            };
+            scratch_len = scratch_len.max(kernels::scratch_len(&node.op, &in_shapes));
+            steps.push(Step {
+                node: id,
+                op: node.op.clone(),
+                kernel: kernels::kernel_name(&node.op, &in_shapes, &node.shape),
+                inputs,
+                output: (plan.locations[id.index()], node.shape.clone()),
+                geometry,
+            });
+        }
+        let constants = graph
+            .constants()
+            .iter()
+            .map(|data| {
+                let shape = Shape::new(&[data.len()], data.dtype());
+                Buffer::from_bytes(shape, &data.as_ref().to_le_bytes())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let params = plan.params.iter().map(|p| Arc::new(Buffer::zeroed(p.shape.clone()))).collect();
+        let handles = plan.handles.iter().map(|h| Buffer::zeroed(h.shape.clone())).collect();
+        let plan_handles = plan.handles.len();
+        drop(nodes);
+        Ok(CpuProgram {
+            arena: HostArena::new(plan.stats.arena_bytes),
+            plan,
+            params,
+            constants,
+            handles,
+            steps,
+            scratch: vec![0.0; scratch_len],
+            handle_addrs: vec![0; plan_handles],
+        })
+    }
+
+    /// The plan this program runs.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// `(node, kernel name)` for every step, in execution order.
+    pub fn kernels(&self) -> Vec<(NodeId, String)> {
+        self.steps.iter().map(|s| (s.node, s.kernel.clone())).collect()
+    }
+
+    /// Replaces param `index`'s bytes (exactly its size).
+    pub fn set_param(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
+        let buf = self.params.get_mut(index).ok_or_else(|| Error::invalid("set_param", format!("no param #{index}")))?;
+        if bytes.len() != buf.bytes().len() {
+            return Err(Error::LengthMismatch {
+                kind: "param",
+                name: format!("#{index}"),
+                expected: buf.bytes().len(),
+                got: bytes.len(),
+                unit: "bytes",
+            });
+        }
+        Arc::make_mut(buf).write(bytes)
+    }
+
+    /// The arena bytes of run-time input `index`, to be filled before [`execute`].
+    ///
+    /// [`execute`]: CpuProgram::execute
+    pub fn input_bytes_mut(&mut self, index: usize) -> Result<&mut [u8]> {
+        let src = self.plan.inputs.get(index).ok_or_else(|| Error::invalid("input", format!("no input #{index}")))?;
+        let loc = self.plan.locations[src.node.index()];
+        let len = src.shape.byte_size();
+        Ok(&mut self.arena.bytes_mut()[loc.offset..loc.offset + len])
+    }
+
+    /// The bytes of any node's value (after a run, for outputs).
+    pub fn value_bytes(&self, node: NodeId) -> Result<&[u8]> {
+        let loc = *self.plan.locations.get(node.index()).ok_or_else(|| Error::invalid("value", format!("no node {node}")))?;
+        let len = self.plan.shape(node).byte_size();
+        let region: &[u8] = match loc.region {
+            Region::Arena => self.arena.host_bytes().unwrap_or(&[]),
+            Region::Param(i) => self.params[i].bytes(),
+            Region::Constant(i) => self.constants[i].bytes(),
+            Region::Handle(i) => self.handles[i].bytes(),
+        };
+        region.get(loc.offset..loc.offset + len).ok_or_else(|| Error::invalid("value", format!("{node} lies outside its region")))
+    }
+
+    /// The bytes of persistent handle `index`.
+    pub fn handle_bytes(&self, index: usize) -> Result<&[u8]> {
+        self.handles.get(index).map(|h| h.bytes()).ok_or_else(|| Error::invalid("handle", format!("no handle #{index}")))
+    }
+
+    /// Replaces persistent handle `index`'s bytes (exactly its size).
+    pub fn write_handle(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
+        self.handles.get_mut(index).ok_or_else(|| Error::invalid("handle", format!("no handle #{index}")))?.write(bytes)
+    }
+
+    /// Base address of the arena (outputs are at their plan offsets from it).
+    pub fn arena_ptr(&self) -> *const u8 {
+        self.arena.as_ptr()
+    }
+
+    /// Runs every step in order. Allocation-free.
+    pub fn execute(&mut self) -> Result<()> {
+        let CpuProgram { arena, params, constants, handles, steps, scratch, handle_addrs, .. } = self;
+        let arena_base = arena.as_mut_ptr();
+        for (addr, h) in handle_addrs.iter_mut().zip(handles.iter_mut()) {
+            *addr = h.storage_mut().as_mut_ptr() as usize;
+        }
+        for step in steps.iter() {
+            let base = |region: Region| -> *mut u8 {
+                match region {
+                    Region::Arena => arena_base,
+                    Region::Param(i) => params[i].storage().as_ptr().cast_mut(),
+                    Region::Constant(i) => constants[i].storage().as_ptr().cast_mut(),
+                    Region::Handle(i) => handle_addrs[i] as *mut u8,
+                }
+            };
+            let src = |k: usize| {
+                let (loc, shape) = &step.inputs[k];
+                // SAFETY: the plan placed this value inside its region.
+                Src { ptr: unsafe { base(loc.region).add(loc.offset) }, shape }
+            };
+            let (loc, shape) = &step.output;
+            // SAFETY: as above; outputs only live in the arena or a handle, which this
+            // program owns mutably for the duration of `execute`.
+            let out = Dst { ptr: unsafe { base(loc.region).add(loc.offset) }, shape };
+            kernels::run(&step.op, step.inputs.len(), &src, out, step.geometry.as_ref(), scratch)?;
+        }
+        Ok(())
     }
 }

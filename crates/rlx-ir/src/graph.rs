@@ -1,10 +1,10 @@
 //! The graph: nodes in creation order (always topological), outputs, constants.
 //!
-//! Builder methods take `&self` (the node list sits in a `RefCell`) so that calls nest:
-//! `g.gelu(g.add(h, b)?)?`.
+//! Builder methods take `&self` (the node list sits behind a lock) so that calls nest:
+//! `g.gelu(g.add(h, b)?)?`, and a finished graph can be shared between threads.
 
 use crate::{Error, Op, Result, Shape, TensorData};
-use std::cell::{Ref, RefCell};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// Identifies a node of one graph (its index in creation order).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -47,10 +47,42 @@ struct GraphBody {
 }
 
 /// A computation graph under construction or ready to compile.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug)]
 pub struct Graph {
     name: String,
-    body: RefCell<GraphBody>,
+    body: RwLock<GraphBody>,
+}
+
+impl Clone for Graph {
+    fn clone(&self) -> Self {
+        Graph { name: self.name.clone(), body: RwLock::new(self.body().clone()) }
+    }
+}
+
+impl PartialEq for Graph {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other) || (self.name == other.name && *self.body() == *other.body())
+    }
+}
+
+/// Read access to a graph's nodes (holds the graph's lock while alive).
+pub struct NodesRef<'a>(RwLockReadGuard<'a, GraphBody>);
+
+impl std::ops::Deref for NodesRef<'_> {
+    type Target = [Node];
+    fn deref(&self) -> &[Node] {
+        &self.0.nodes
+    }
+}
+
+/// Read access to a graph's constant table (holds the graph's lock while alive).
+pub struct ConstantsRef<'a>(RwLockReadGuard<'a, GraphBody>);
+
+impl std::ops::Deref for ConstantsRef<'_> {
+    type Target = [TensorData];
+    fn deref(&self) -> &[TensorData] {
+        &self.0.constants
+    }
 }
 
 impl Graph {
@@ -58,7 +90,7 @@ impl Graph {
     pub fn new(name: impl Into<String>) -> Graph {
         Graph {
             name: name.into(),
-            body: RefCell::new(GraphBody::default()),
+            body: RwLock::new(GraphBody::default()),
         }
     }
 
@@ -92,7 +124,7 @@ impl Graph {
         }
         check_rank("constant", &shape)?;
         let id = {
-            let mut body = self.body.borrow_mut();
+            let mut body = self.body_mut();
             body.constants.push(data);
             body.constants.len() - 1
         };
@@ -108,7 +140,7 @@ impl Graph {
     pub fn scalar(&self, value: f64, dtype: crate::DType) -> NodeId {
         let data = TensorData::from_f64(dtype, &[value]);
         let id = {
-            let mut body = self.body.borrow_mut();
+            let mut body = self.body_mut();
             body.constants.push(data);
             body.constants.len() - 1
         };
@@ -117,22 +149,33 @@ impl Graph {
 
     /// Sets the values the compiled graph returns, in order.
     pub fn set_outputs(&self, outputs: Vec<NodeId>) {
-        self.body.borrow_mut().outputs = outputs;
+        self.body_mut().outputs = outputs;
     }
 
     /// The declared outputs.
     pub fn outputs(&self) -> Vec<NodeId> {
-        self.body.borrow().outputs.clone()
+        self.body().outputs.clone()
     }
 
-    /// All nodes, in creation (topological) order.
-    pub fn nodes(&self) -> Ref<'_, [Node]> {
-        Ref::map(self.body.borrow(), |b| b.nodes.as_slice())
+    // A panic while holding the lock cannot leave the graph half-written (every
+    // mutation is a single push or assignment), so a poisoned lock is still usable.
+    fn body(&self) -> RwLockReadGuard<'_, GraphBody> {
+        self.body.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn body_mut(&self) -> RwLockWriteGuard<'_, GraphBody> {
+        self.body.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// All nodes, in creation (topological) order. Do not call builder methods while
+    /// holding the returned guard.
+    pub fn nodes(&self) -> NodesRef<'_> {
+        NodesRef(self.body())
     }
 
     /// Number of nodes.
     pub fn len(&self) -> usize {
-        self.body.borrow().nodes.len()
+        self.body().nodes.len()
     }
 
     /// True when the graph has no nodes.
@@ -142,12 +185,8 @@ impl Graph {
 
     /// A copy of node `id`, or an error if it is not in this graph.
     pub fn node(&self, id: NodeId) -> Result<Node> {
-        self.body
-            .borrow()
-            .nodes
-            .get(id.index())
-            .cloned()
-            .ok_or_else(|| self.unknown_node(id))
+        let body = self.body();
+        body.nodes.get(id.index()).cloned().ok_or_else(|| self.unknown_node(id, body.nodes.len()))
     }
 
     /// The output shape of node `id`.
@@ -156,8 +195,8 @@ impl Graph {
     }
 
     /// The constant table.
-    pub fn constants(&self) -> Ref<'_, [TensorData]> {
-        Ref::map(self.body.borrow(), |b| b.constants.as_slice())
+    pub fn constants(&self) -> ConstantsRef<'_> {
+        ConstantsRef(self.body())
     }
 
     /// Appends a node after checking its operands exist and inferring its shape.
@@ -172,37 +211,37 @@ impl Graph {
 
     /// Appends a constant-table entry and returns its id (for passes that fold values).
     pub fn add_constant_data(&self, data: TensorData) -> usize {
-        let mut body = self.body.borrow_mut();
+        let mut body = self.body_mut();
         body.constants.push(data);
         body.constants.len() - 1
     }
 
     pub(crate) fn input_shapes(&self, inputs: &[NodeId]) -> Result<Vec<Shape>> {
-        let body = self.body.borrow();
+        let body = self.body();
         inputs
             .iter()
             .map(|&id| {
                 body.nodes
                     .get(id.index())
                     .map(|n| n.shape.clone())
-                    .ok_or_else(|| self.unknown_node(id))
+                    .ok_or_else(|| self.unknown_node(id, body.nodes.len()))
             })
             .collect()
     }
 
     fn push_unchecked(&self, op: Op, inputs: Vec<NodeId>, shape: Shape) -> NodeId {
-        let mut body = self.body.borrow_mut();
+        let mut body = self.body_mut();
         body.nodes.push(Node { op, inputs, shape });
         NodeId((body.nodes.len() - 1) as u32)
     }
 
-    fn unknown_node(&self, id: NodeId) -> Error {
+    fn unknown_node(&self, id: NodeId, count: usize) -> Error {
         Error::InvalidGraph {
             graph: self.name.clone(),
             node: id.to_string(),
             message: format!(
                 "no such node (the graph has {} nodes; was the id made by another graph?)",
-                self.body.borrow().nodes.len()
+                count
             ),
         }
     }
@@ -216,7 +255,7 @@ impl Graph {
     ) -> Graph {
         Graph {
             name: name.into(),
-            body: RefCell::new(GraphBody {
+            body: RwLock::new(GraphBody {
                 nodes,
                 outputs,
                 constants,

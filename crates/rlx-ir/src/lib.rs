@@ -34,7 +34,7 @@ mod verify;
 pub use display::op_attributes;
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use graph::{Graph, Node, NodeId};
+pub use graph::{ConstantsRef, Graph, Node, NodeId, NodesRef};
 pub use infer::infer_shape;
 pub use op::{ArgReduceOp, BinaryOp, F64Bits, Op, PadMode, ReduceOp, RopeStyle, SliceAxis, TopKOutput, UnaryOp, Window2d};
 pub use ops::matmul::{matmul_dims, MatMulDims};

@@ -1,14 +1,26 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! The RLX runtime: a [`Session`] compiles a [`Graph`] for one [`Device`] into a
+//! [`CompiledGraph`], which is run many times with no allocation on its hot path.
+//!
+//! ```
+//! use rlx_runtime::{Session, Device};
+//! use rlx_ir::{DType, Graph, Shape};
+//! let g = Graph::new("double");
+//! let x = g.input("x", Shape::new(&[3], DType::F32));
+//! let y = g.add(x, x)?;
+//! g.set_outputs(vec![y]);
+//! let mut compiled = Session::new(Device::Cpu).compile(g)?;
+//! assert_eq!(compiled.run(&[("x", &[1.0, 2.0, 3.0])])?, vec![vec![2.0, 4.0, 6.0]]);
+//! # Ok::<(), rlx_ir::Error>(())
+//! ```
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+mod backend;
+pub mod backends;
+mod compiled;
+mod session;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use backend::{backend_for, Backend, Executable};
+pub use compiled::{CompiledGraph, SlotOutputs};
+pub use rlx_driver::{BufferHandle, Device};
+pub use rlx_ir::{Error, Graph, Result};
+pub use rlx_opt::MemoryStats;
+pub use session::{CompileOptions, Session};

@@ -1,14 +1,41 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! RLX: an ML compiler and runtime in Rust.
+//!
+//! Build a [`Graph`] in code, compile it once for a [`Device`] with a [`Session`], and
+//! run the [`CompiledGraph`] many times with no allocation on the hot path.
+//!
+//! ```
+//! use rlx::prelude::*;
+//!
+//! let g = Graph::new("mlp");
+//! let x = g.input("x", Shape::new(&[2, 4], DType::F32));
+//! let w = g.param("w", Shape::new(&[4, 3], DType::F32));
+//! let b = g.param("b", Shape::new(&[3], DType::F32));
+//! let h = g.matmul(x, w)?;
+//! let y = g.gelu(g.add(h, b)?)?;
+//! g.set_outputs(vec![y]);
+//!
+//! let mut compiled = Session::new(Device::Cpu).compile(g)?;
+//! compiled.set_param("w", &[0.0; 12])?;
+//! compiled.set_param("b", &[1.5, -0.5, 0.0])?;
+//! let out = compiled.run(&[("x", &[0.0; 8])])?;
+//! assert!((out[0][0] - 1.3998).abs() < 1e-3);
+//! # Ok::<(), rlx::Error>(())
+//! ```
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub use half;
+pub use rlx_driver as driver;
+pub use rlx_driver::{BufferHandle, Device};
+pub use rlx_ir as ir;
+pub use rlx_ir::{DType, Error, Graph, NodeId, Result, Shape, TensorData, TensorRef};
+pub use rlx_opt as opt;
+pub use rlx_runtime as runtime;
+pub use rlx_runtime::{CompileOptions, CompiledGraph, MemoryStats, Session, SlotOutputs};
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
+/// Everything needed to build, compile and run a graph.
+pub mod prelude {
+    pub use crate::{
+        BufferHandle, CompileOptions, CompiledGraph, DType, Device, Error, Graph, NodeId, Result, Session, Shape,
+        TensorData, TensorRef,
+    };
+    pub use rlx_ir::{BinaryOp, PadMode, ReduceOp, RopeStyle, UnaryOp};
 }

@@ -1,0 +1,67 @@
+//! Unary, binary (broadcast), where and cast. These may run in place: element `i` of
+//! every same-shaped operand is read before element `i` of the output is written.
+
+use crate::elem::{with_dtype, Elem};
+use crate::tensor::{broadcast_strides, for_each_strided, Dst, Src};
+use rlx_ir::scalar::{binary_f64, binary_i64, unary_f64, unary_i64};
+use rlx_ir::{BinaryOp, UnaryOp};
+
+pub(crate) fn unary(op: UnaryOp, x: Src, out: Dst) {
+    with_dtype!(x.shape.dtype(), T => unary_typed::<T>(op, x, out))
+}
+
+fn unary_typed<T: Elem>(op: UnaryOp, x: Src, out: Dst) {
+    for i in 0..out.shape.num_elements() {
+        let v: T = x.get(i);
+        let r = if T::FLOAT { T::from_f64(unary_f64(op, v.to_f64())) } else { T::from_i64(unary_i64(op, v.to_i64())) };
+        out.set(i, r);
+    }
+}
+
+pub(crate) fn binary(op: BinaryOp, a: Src, b: Src, out: Dst) {
+    let in_dtype = a.shape.dtype();
+    let out_dtype = out.shape.dtype();
+    with_dtype!(in_dtype, T => with_dtype!(out_dtype, U => binary_typed::<T, U>(op, a, b, out)))
+}
+
+fn binary_typed<T: Elem, U: Elem>(op: BinaryOp, a: Src, b: Src, out: Dst) {
+    let dims = out.shape.dims();
+    let sa = broadcast_strides(a.shape.dims(), dims);
+    let sb = broadcast_strides(b.shape.dims(), dims);
+    for_each_strided(dims, [&sa, &sb], [0, 0], |i, [oa, ob]| {
+        let (x, y): (T, T) = (a.get(oa as usize), b.get(ob as usize));
+        let r = if T::FLOAT {
+            U::from_f64(binary_f64(op, x.to_f64(), y.to_f64()))
+        } else {
+            U::from_i64(binary_i64(op, x.to_i64(), y.to_i64()))
+        };
+        out.set(i, r);
+    });
+}
+
+pub(crate) fn select(c: Src, a: Src, b: Src, out: Dst) {
+    with_dtype!(out.shape.dtype(), T => {
+        let dims = out.shape.dims();
+        let (sc, sa, sb) = (
+            broadcast_strides(c.shape.dims(), dims),
+            broadcast_strides(a.shape.dims(), dims),
+            broadcast_strides(b.shape.dims(), dims),
+        );
+        for_each_strided(dims, [&sc, &sa, &sb], [0, 0, 0], |i, [oc, oa, ob]| {
+            let keep = c.get::<crate::elem::Bool8>(oc as usize).0 != 0;
+            let v: T = if keep { a.get(oa as usize) } else { b.get(ob as usize) };
+            out.set(i, v);
+        });
+    })
+}
+
+pub(crate) fn cast(x: Src, out: Dst) {
+    let (from, to) = (x.shape.dtype(), out.shape.dtype());
+    with_dtype!(from, T => with_dtype!(to, U => {
+        for i in 0..out.shape.num_elements() {
+            let v: T = x.get(i);
+            let r = if T::FLOAT || U::FLOAT { U::from_f64(v.to_f64()) } else { U::from_i64(v.to_i64()) };
+            out.set(i, r);
+        }
+    }))
+}

@@ -1,0 +1,141 @@
+//! Data movement: permute, strided slice, concat, gather, expand, pad and tile.
+//! Outputs of these kernels never alias their operands.
+
+use crate::elem::{with_dtype, Elem};
+use crate::tensor::{broadcast_strides, for_each_strided, strides_of, Dst, Src};
+use rlx_ir::{Error, PadMode, Result, SliceAxis, MAX_RANK};
+
+/// Copies the elements the output index walk selects: `out[i] = x[offset(i)]`.
+fn copy_strided(x: Src, out: Dst, strides: &[isize; MAX_RANK], base: isize) {
+    with_dtype!(x.shape.dtype(), T => {
+        for_each_strided(out.shape.dims(), [strides], [base], |i, [p]| out.set::<T>(i, x.get(p as usize)));
+    })
+}
+
+pub(crate) fn permute(perm: &[usize], x: Src, out: Dst) {
+    let src = strides_of(x.shape.dims());
+    let mut strides = [0isize; MAX_RANK];
+    for (o, &p) in perm.iter().enumerate() {
+        strides[o] = src[p];
+    }
+    copy_strided(x, out, &strides, 0);
+}
+
+pub(crate) fn slice(axes: &[SliceAxis], x: Src, out: Dst) {
+    let src = strides_of(x.shape.dims());
+    let mut strides = [0isize; MAX_RANK];
+    let mut base = 0isize;
+    for (a, s) in axes.iter().enumerate() {
+        strides[a] = src[a] * s.step;
+        base += src[a] * s.start as isize;
+    }
+    copy_strided(x, out, &strides, base);
+}
+
+pub(crate) fn expand(x: Src, out: Dst) {
+    let strides = broadcast_strides(x.shape.dims(), out.shape.dims());
+    copy_strided(x, out, &strides, 0);
+}
+
+pub(crate) fn tile(x: Src, out: Dst) {
+    with_dtype!(x.shape.dtype(), T => {
+        let (xd, od) = (x.shape.dims(), out.shape.dims());
+        let xs = strides_of(xd);
+        let mut idx = [0usize; MAX_RANK];
+        for i in 0..out.shape.num_elements() {
+            let mut rem = i;
+            for a in (0..od.len()).rev() {
+                idx[a] = rem % od[a];
+                rem /= od[a];
+            }
+            let p: isize = (0..xd.len()).map(|a| (idx[a] % xd[a]) as isize * xs[a]).sum();
+            out.set::<T>(i, x.get(p as usize));
+        }
+    })
+}
+
+/// Copies one concat operand into the output, starting `start` elements into each
+/// outer block along the axis.
+pub(crate) fn concat_one(axis: usize, x: Src, start: usize, out: Dst) {
+    let od = out.shape.dims();
+    let outer: usize = od[..axis].iter().product();
+    let inner: usize = od[axis + 1..].iter().product();
+    let len = x.shape.dim(axis) * inner;
+    with_dtype!(out.shape.dtype(), T => {
+        for o in 0..outer {
+            for e in 0..len {
+                out.set::<T>(o * od[axis] * inner + start * inner + e, x.get(o * len + e));
+            }
+        }
+    })
+}
+
+fn index_at(idx: &Src, i: usize) -> i64 {
+    with_dtype!(idx.shape.dtype(), I => idx.get::<I>(i).to_i64())
+}
+
+pub(crate) fn gather(axis: usize, x: Src, idx: Src, out: Dst) -> Result<()> {
+    let xd = x.shape.dims();
+    let n = xd[axis] as i64;
+    let count = idx.shape.num_elements();
+    for i in 0..count {
+        let k = index_at(&idx, i);
+        if k < -n || k >= n {
+            return Err(Error::runtime("gather", format!("index {k} at position {i} is out of range for an axis of length {n}")));
+        }
+    }
+    let outer: usize = xd[..axis].iter().product();
+    let inner: usize = xd[axis + 1..].iter().product();
+    with_dtype!(x.shape.dtype(), T => {
+        for o in 0..outer {
+            for i in 0..count {
+                let k = index_at(&idx, i);
+                let k = if k < 0 { k + n } else { k } as usize;
+                for e in 0..inner {
+                    out.set::<T>((o * count + i) * inner + e, x.get((o * xd[axis] + k) * inner + e));
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+pub(crate) fn pad(pads: &[(usize, usize)], mode: PadMode, x: Src, out: Dst) {
+    with_dtype!(x.shape.dtype(), T => {
+        let (xd, od) = (x.shape.dims(), out.shape.dims());
+        let xs = strides_of(xd);
+        let fill = match mode {
+            PadMode::Constant(v) => T::from_f64(v.get()),
+            _ => T::from_f64(0.0),
+        };
+        for i in 0..out.shape.num_elements() {
+            let mut rem = i;
+            let mut p = 0isize;
+            let mut outside = false;
+            for a in (0..od.len()).rev() {
+                let o = (rem % od[a]) as isize;
+                rem /= od[a];
+                let d = xd[a] as isize;
+                let mut s = o - pads[a].0 as isize;
+                if !(0..d).contains(&s) {
+                    match mode {
+                        PadMode::Constant(_) => outside = true,
+                        PadMode::Edge => s = s.clamp(0, d - 1),
+                        PadMode::Reflect => s = if s < 0 { -s } else { 2 * (d - 1) - s },
+                    }
+                }
+                p += s * xs[a];
+            }
+            out.set::<T>(i, if outside { fill } else { x.get(p as usize) });
+        }
+    })
+}
+
+/// Copies every element in order (a reshape materialized).
+pub(crate) fn copy_flat(x: Src, out: Dst) {
+    with_dtype!(x.shape.dtype(), T => {
+        for i in 0..out.shape.num_elements() {
+            out.set::<T>(i, x.get(i));
+        }
+    })
+}

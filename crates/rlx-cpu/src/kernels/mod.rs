@@ -1,0 +1,96 @@
+//! Reference kernels, one file per op family, and the dispatch from a plan step to
+//! its kernel. Straightforward loops: correctness first; a later pass makes them fast.
+
+mod attention;
+mod conv;
+mod elementwise;
+mod layout;
+mod matmul;
+mod misc;
+mod norm;
+mod reduce;
+mod state;
+
+use crate::tensor::{Dst, Src};
+use rlx_ir::{Op, Result, Shape};
+
+pub(crate) use reduce::ReduceGeometry;
+
+/// `f64` scratch values a step needs (attention keeps one row of scores).
+pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
+    match op {
+        Op::Attention { .. } => inputs[1].dim(2),
+        _ => 0,
+    }
+}
+
+/// Name of the kernel that runs `op` producing `out`, as shown by `rlx inspect`.
+pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
+    let dtype = inputs.first().map_or(out.dtype(), |s| s.dtype());
+    format!("cpu.ref.{}.{}", op.name(), dtype)
+}
+
+/// Runs one step. `src(k)` gives operand `k`; `n_inputs` is how many there are.
+pub(crate) fn run<'a>(
+    op: &Op,
+    n_inputs: usize,
+    src: &dyn Fn(usize) -> Src<'a>,
+    out: Dst<'a>,
+    geometry: Option<&ReduceGeometry>,
+    scratch: &mut [f64],
+) -> Result<()> {
+    let opt = |k: usize| (k < n_inputs).then(|| src(k));
+    match op {
+        Op::Unary(u) => elementwise::unary(*u, src(0), out),
+        Op::Binary(b) => elementwise::binary(*b, src(0), src(1), out),
+        Op::Where => elementwise::select(src(0), src(1), src(2), out),
+        Op::Cast(_) => elementwise::cast(src(0), out),
+        Op::Reduce { op, .. } => {
+            let fallback;
+            let geo = match geometry {
+                Some(g) => g,
+                None => {
+                    fallback = ReduceGeometry::new(src(0).shape.dims(), &[]);
+                    &fallback
+                }
+            };
+            reduce::reduce(*op, geo, src(0), out)
+        }
+        Op::ArgReduce { op, axis, .. } => reduce::arg_reduce(*op, *axis, src(0), out),
+        Op::Softmax { axis } => norm::softmax(*axis, false, src(0), out),
+        Op::LogSoftmax { axis } => norm::softmax(*axis, true, src(0), out),
+        Op::MatMul => matmul::matmul(src(0), src(1), out),
+        Op::LayerNorm { eps } => norm::norm(src(0), src(1), Some(src(2)), eps.get(), out),
+        Op::RmsNorm { eps } => norm::norm(src(0), src(1), None, eps.get(), out),
+        // The planner makes every reshape a view; run as a copy if one ever is not.
+        Op::Reshape { .. } => layout::copy_flat(src(0), out),
+        Op::Permute { perm } => layout::permute(perm, src(0), out),
+        Op::Slice { axes } => layout::slice(axes, src(0), out),
+        Op::Concat { axis } => {
+            let mut start = 0;
+            for k in 0..n_inputs {
+                let x = src(k);
+                layout::concat_one(*axis, x, start, out);
+                start += x.shape.dim(*axis);
+            }
+        }
+        Op::Gather { axis } => layout::gather(*axis, src(0), src(1), out)?,
+        Op::Expand { .. } => layout::expand(src(0), out),
+        Op::Pad { pads, mode } => layout::pad(pads, *mode, src(0), out),
+        Op::Tile { .. } => layout::tile(src(0), out),
+        Op::Range { start, step, .. } => misc::range(start.get(), step.get(), out),
+        Op::Cumsum { axis, exclusive, reverse } => misc::cumsum(*axis, *exclusive, *reverse, src(0), out),
+        Op::TopK { k, axis, largest, output } => misc::topk(*k, *axis, *largest, *output, src(0), out),
+        Op::OneHot { depth, .. } => misc::one_hot(*depth, src(0), out),
+        Op::Conv2d { window, groups } => conv::conv2d(window, *groups, src(0), src(1), opt(2), out),
+        Op::MaxPool2d { window } => conv::pool(window, true, false, src(0), out),
+        Op::AvgPool2d { window, count_include_pad } => conv::pool(window, false, *count_include_pad, src(0), out),
+        Op::Attention { scale, causal } => {
+            attention::attention(scale.get(), *causal, src(0), src(1), src(2), opt(3), out, scratch)
+        }
+        Op::Rope { style } => attention::rope(*style, src(0), src(1), src(2), out),
+        Op::WriteAt { axis } => state::write_at(*axis, src(1), src(2), out)?,
+        Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,55 @@
+//! The seam between the runtime and a device: a [`Backend`] compiles a [`Plan`] into
+//! an [`Executable`]. Nothing here assumes the arena is host memory: inputs go through
+//! a host staging area, outputs are made host-visible by [`Executable::sync_outputs`].
+
+use rlx_driver::Device;
+use rlx_ir::{NodeId, Result};
+use rlx_opt::Plan;
+use std::sync::Arc;
+
+/// A device backend.
+pub trait Backend: Send + Sync {
+    /// The device it runs on.
+    fn device(&self) -> Device;
+    /// Prepares a plan for execution (allocates the arena, weights and handles once).
+    fn compile(&self, plan: Arc<Plan>) -> Result<Box<dyn Executable>>;
+}
+
+/// One compiled plan on one device, with its memory.
+pub trait Executable: Send {
+    /// `(node, kernel name)` for every kernel launched, in order.
+    fn kernels(&self) -> Vec<(NodeId, String)>;
+    /// Replaces param `index` (in plan order) with `bytes` of its dtype.
+    fn set_param(&mut self, index: usize, bytes: &[u8]) -> Result<()>;
+    /// Host-visible bytes where run-time input `index` is staged before a run.
+    fn input_staging(&mut self, index: usize) -> Result<&mut [u8]>;
+    /// Starts a run with the staged inputs; may return before it finishes.
+    fn submit(&mut self) -> Result<()>;
+    /// Waits for the last submitted run.
+    fn wait(&mut self) -> Result<()>;
+    /// Makes every output readable on the host (a copy from device memory where the
+    /// arena is not host memory; nothing on the CPU).
+    fn sync_outputs(&mut self) -> Result<()>;
+    /// Host-visible bytes of a node's value; for outputs, valid after `sync_outputs`.
+    fn value_bytes(&self, node: NodeId) -> Result<&[u8]>;
+    /// Copies persistent handle `index` to the host.
+    fn read_handle(&self, index: usize, dst: &mut [u8]) -> Result<()>;
+    /// Replaces persistent handle `index`.
+    fn write_handle(&mut self, index: usize, bytes: &[u8]) -> Result<()>;
+    /// Base address of the arena when it is host memory.
+    fn arena_ptr(&self) -> Option<*const u8>;
+    /// An independent copy with its own arena and handles (params may be shared until
+    /// written).
+    fn clone_box(&self) -> Box<dyn Executable>;
+}
+
+/// The backend for `device`, if this build has one.
+pub fn backend_for(device: Device) -> Result<Box<dyn Backend>> {
+    match device {
+        Device::Cpu => Ok(Box::new(crate::backends::cpu::CpuBackend)),
+        other => Err(rlx_ir::Error::DeviceUnavailable {
+            device: other.to_string(),
+            reason: "this build of RLX has no backend for it yet".into(),
+        }),
+    }
+}

@@ -1,0 +1,72 @@
+//! The CPU backend adapter over [`rlx_cpu::CpuProgram`].
+
+use crate::backend::{Backend, Executable};
+use rlx_cpu::CpuProgram;
+use rlx_driver::Device;
+use rlx_ir::{Error, NodeId, Result};
+use rlx_opt::Plan;
+use std::sync::Arc;
+
+/// Runs plans on the host CPU.
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn compile(&self, plan: Arc<Plan>) -> Result<Box<dyn Executable>> {
+        Ok(Box::new(CpuProgram::new(plan)?))
+    }
+}
+
+impl Executable for CpuProgram {
+    fn kernels(&self) -> Vec<(NodeId, String)> {
+        CpuProgram::kernels(self)
+    }
+
+    fn set_param(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
+        CpuProgram::set_param(self, index, bytes)
+    }
+
+    fn input_staging(&mut self, index: usize) -> Result<&mut [u8]> {
+        self.input_bytes_mut(index)
+    }
+
+    fn submit(&mut self) -> Result<()> {
+        self.execute()
+    }
+
+    fn wait(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn sync_outputs(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn value_bytes(&self, node: NodeId) -> Result<&[u8]> {
+        CpuProgram::value_bytes(self, node)
+    }
+
+    fn read_handle(&self, index: usize, dst: &mut [u8]) -> Result<()> {
+        let src = self.handle_bytes(index)?;
+        if src.len() != dst.len() {
+            return Err(Error::LengthMismatch { kind: "handle", name: format!("#{index}"), expected: src.len(), got: dst.len(), unit: "bytes" });
+        }
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn write_handle(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
+        CpuProgram::write_handle(self, index, bytes)
+    }
+
+    fn arena_ptr(&self) -> Option<*const u8> {
+        Some(CpuProgram::arena_ptr(self))
+    }
+
+    fn clone_box(&self) -> Box<dyn Executable> {
+        Box::new(self.clone())
+    }
+}

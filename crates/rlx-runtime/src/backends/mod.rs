@@ -1,0 +1,3 @@
+//! Adapters from device crates to the [`crate::Backend`] trait.
+
+pub mod cpu;

@@ -1,0 +1,422 @@
+//! [`CompiledGraph`]: a graph compiled for one device, run many times.
+
+use crate::backend::Executable;
+use rlx_driver::convert::{bytes_to_f32, bytes_to_f32_vec, f32_to_bytes, f32_to_vec};
+use rlx_driver::{BufferHandle, Device};
+use rlx_ir::{DType, Error, Graph, NodeId, Result, Shape, TensorData, TensorRef};
+use rlx_opt::{MemoryStats, Plan, Region};
+use std::sync::Arc;
+
+/// A compiled graph with its own memory. Every fallible call checks its arguments
+/// completely before writing anything, so a rejected call leaves the graph usable.
+pub struct CompiledGraph {
+    device: Device,
+    plan: Arc<Plan>,
+    exe: Box<dyn Executable>,
+    param_set: Vec<bool>,
+    pending: bool,
+    has_run: bool,
+}
+
+impl Clone for CompiledGraph {
+    fn clone(&self) -> Self {
+        CompiledGraph {
+            device: self.device,
+            plan: self.plan.clone(),
+            exe: self.exe.clone_box(),
+            param_set: self.param_set.clone(),
+            pending: self.pending,
+            has_run: self.has_run,
+        }
+    }
+}
+
+impl std::fmt::Debug for CompiledGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CompiledGraph({} on {}, {})", self.plan.graph.name(), self.device, self.plan.stats)
+    }
+}
+
+/// Outputs of [`CompiledGraph::run_slots`], borrowed from the graph's memory.
+pub struct SlotOutputs<'a> {
+    graph: &'a CompiledGraph,
+}
+
+impl<'a> SlotOutputs<'a> {
+    /// Number of outputs.
+    pub fn len(&self) -> usize {
+        self.graph.plan.outputs.len()
+    }
+
+    /// True when the graph has no outputs.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Output `i` as `f32` values (the output's dtype must be `f32`).
+    pub fn get(&self, i: usize) -> Result<&'a [f32]> {
+        let shape = self.graph.output_shape(i)?;
+        if shape.dtype() != DType::F32 {
+            return Err(Error::dtype(format!("output {i} (use bytes() for other dtypes)"), "f32", shape.dtype()));
+        }
+        let bytes = self.bytes(i)?;
+        // SAFETY: `f32` has no invalid bit patterns; `align_to` only yields the
+        // correctly aligned middle part, checked to be the whole slice below.
+        let (head, values, tail) = unsafe { bytes.align_to::<f32>() };
+        if !head.is_empty() || !tail.is_empty() {
+            return Err(Error::runtime("run_slots", format!("output {i} is not 4-byte aligned")));
+        }
+        Ok(values)
+    }
+
+    /// Output `i` as raw little-endian bytes of its dtype.
+    pub fn bytes(&self, i: usize) -> Result<&'a [u8]> {
+        self.graph.exe.value_bytes(self.graph.output_node(i)?)
+    }
+
+    /// Byte offset of output `i` from [`SlotOutputs::arena_ptr`], when it lives in the
+    /// arena.
+    pub fn offset(&self, i: usize) -> Option<usize> {
+        let node = self.graph.output_node(i).ok()?;
+        let loc = self.graph.plan.locations[node.index()];
+        (loc.region == Region::Arena).then_some(loc.offset)
+    }
+
+    /// Base address of the arena when it is host memory.
+    pub fn arena_ptr(&self) -> Option<*const u8> {
+        self.graph.exe.arena_ptr()
+    }
+}
+
+/// Where each provided named input goes: checked before anything is written.
+fn match_named<T>(plan: &Plan, inputs: &[(&str, T)], mut check: impl FnMut(&str, &Shape, &T) -> Result<()>) -> Result<()> {
+    for (k, (name, value)) in inputs.iter().enumerate() {
+        let Some(src) = plan.inputs.iter().find(|s| s.name == *name) else {
+            if plan.handles.iter().any(|h| h.name == *name) {
+                return Err(Error::invalid(format!("input '{name}'"), "is a persistent handle; use write_handle instead of passing it to run"));
+            }
+            return Err(Error::UnknownName { kind: "input", name: name.to_string(), known: plan.inputs.iter().map(|s| s.name.clone()).collect() });
+        };
+        if inputs[..k].iter().any(|(n, _)| n == name) {
+            return Err(Error::DuplicateName { kind: "input", name: name.to_string() });
+        }
+        check(name, &src.shape, value)?;
+    }
+    if let Some(missing) = plan.inputs.iter().find(|s| !inputs.iter().any(|(n, _)| *n == s.name)) {
+        return Err(Error::MissingInput { name: missing.name.clone(), shape: missing.shape.clone() });
+    }
+    Ok(())
+}
+
+fn check_count(kind: &'static str, name: &str, expected: usize, got: usize, unit: &'static str) -> Result<()> {
+    if expected != got {
+        return Err(Error::LengthMismatch { kind, name: name.to_string(), expected, got, unit });
+    }
+    Ok(())
+}
+
+impl CompiledGraph {
+    pub(crate) fn new(device: Device, plan: Arc<Plan>, exe: Box<dyn Executable>) -> CompiledGraph {
+        let params = plan.params.len();
+        CompiledGraph { device, plan, exe, param_set: vec![false; params], pending: false, has_run: false }
+    }
+
+    /// The device it runs on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The optimized graph.
+    pub fn graph(&self) -> &Graph {
+        &self.plan.graph
+    }
+
+    /// The execution plan (schedule and memory locations).
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Memory figures of the plan.
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.plan.stats
+    }
+
+    /// `(node, kernel)` for every kernel a run launches, in order.
+    pub fn kernels(&self) -> Vec<(NodeId, String)> {
+        self.exe.kernels()
+    }
+
+    /// Names and shapes of the run-time inputs, in the order `run_slots` takes them.
+    pub fn inputs(&self) -> Vec<(String, Shape)> {
+        self.plan.inputs.iter().map(|s| (s.name.clone(), s.shape.clone())).collect()
+    }
+
+    /// Names and shapes of the params.
+    pub fn params(&self) -> Vec<(String, Shape)> {
+        self.plan.params.iter().map(|s| (s.name.clone(), s.shape.clone())).collect()
+    }
+
+    /// Shapes of the outputs, in order.
+    pub fn output_shapes(&self) -> Vec<Shape> {
+        self.plan.outputs.iter().map(|&o| self.plan.shape(o)).collect()
+    }
+
+    fn output_node(&self, i: usize) -> Result<NodeId> {
+        self.plan.outputs.get(i).copied().ok_or_else(|| Error::UnknownName {
+            kind: "output",
+            name: i.to_string(),
+            known: (0..self.plan.outputs.len()).map(|k| k.to_string()).collect(),
+        })
+    }
+
+    fn output_shape(&self, i: usize) -> Result<Shape> {
+        Ok(self.plan.shape(self.output_node(i)?))
+    }
+
+    fn param_index(&self, name: &str) -> Result<usize> {
+        self.plan.params.iter().position(|p| p.name == name).ok_or_else(|| Error::UnknownName {
+            kind: "param",
+            name: name.to_string(),
+            known: self.plan.params.iter().map(|p| p.name.clone()).collect(),
+        })
+    }
+
+    fn handle_index(&self, name: &str) -> Result<usize> {
+        self.plan.handles.iter().position(|h| h.name == name).ok_or_else(|| Error::UnknownName {
+            kind: "handle",
+            name: name.to_string(),
+            known: self.plan.handles.iter().map(|h| h.name.clone()).collect(),
+        })
+    }
+
+    /// Sets a param from `f32` values, converted to the param's dtype.
+    pub fn set_param(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        let i = self.param_index(name)?;
+        let shape = &self.plan.params[i].shape;
+        check_count("param", name, shape.num_elements(), values.len(), "elements")?;
+        let bytes = f32_to_vec(values, shape.dtype());
+        self.exe.set_param(i, &bytes)?;
+        self.param_set[i] = true;
+        Ok(())
+    }
+
+    /// Sets a param from data of exactly its dtype (no conversion).
+    pub fn set_param_typed(&mut self, name: &str, values: TensorRef<'_>) -> Result<()> {
+        let i = self.param_index(name)?;
+        let shape = &self.plan.params[i].shape;
+        if values.dtype() != shape.dtype() {
+            return Err(Error::dtype(format!("param '{name}'"), shape.dtype().name(), values.dtype()));
+        }
+        check_count("param", name, shape.num_elements(), values.len(), "elements")?;
+        self.exe.set_param(i, &values.to_le_bytes())?;
+        self.param_set[i] = true;
+        Ok(())
+    }
+
+    /// Sets a param from raw little-endian bytes of its dtype.
+    pub fn set_param_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let i = self.param_index(name)?;
+        check_count("param", name, self.plan.params[i].shape.byte_size(), bytes.len(), "bytes")?;
+        self.exe.set_param(i, bytes)?;
+        self.param_set[i] = true;
+        Ok(())
+    }
+
+    fn check_params(&self) -> Result<()> {
+        if let Some(i) = self.param_set.iter().position(|&s| !s) {
+            let p = &self.plan.params[i];
+            return Err(Error::ParamNotSet { name: p.name.clone(), shape: p.shape.clone() });
+        }
+        Ok(())
+    }
+
+    fn execute(&mut self) -> Result<()> {
+        self.exe.submit()?;
+        self.exe.wait()?;
+        self.exe.sync_outputs()?;
+        self.has_run = true;
+        Ok(())
+    }
+
+    fn stage_f32(&mut self, inputs: &[(&str, &[f32])]) -> Result<()> {
+        self.check_params()?;
+        match_named(&self.plan, inputs, |name, shape, v| check_count("input", name, shape.num_elements(), v.len(), "elements"))?;
+        for (name, values) in inputs {
+            let k = self.plan.inputs.iter().position(|s| s.name == *name).unwrap_or(0);
+            let dtype = self.plan.inputs[k].shape.dtype();
+            f32_to_bytes(values, dtype, self.exe.input_staging(k)?)?;
+        }
+        Ok(())
+    }
+
+    /// Runs with named `f32` inputs (converted to each input's dtype) and returns every
+    /// output as `f32`.
+    pub fn run(&mut self, inputs: &[(&str, &[f32])]) -> Result<Vec<Vec<f32>>> {
+        self.stage_f32(inputs)?;
+        self.execute()?;
+        self.read_outputs()
+    }
+
+    /// Runs with named inputs of exactly their dtypes; outputs come back in their own
+    /// dtypes.
+    pub fn run_typed(&mut self, inputs: &[(&str, TensorRef<'_>)]) -> Result<Vec<TensorData>> {
+        self.check_params()?;
+        match_named(&self.plan, inputs, |name, shape, v| {
+            if v.dtype() != shape.dtype() {
+                return Err(Error::dtype(format!("input '{name}'"), shape.dtype().name(), v.dtype()));
+            }
+            check_count("input", name, shape.num_elements(), v.len(), "elements")
+        })?;
+        for (name, values) in inputs {
+            let k = self.plan.inputs.iter().position(|s| s.name == *name).unwrap_or(0);
+            values.write_le_bytes(self.exe.input_staging(k)?)?;
+        }
+        self.execute()?;
+        (0..self.plan.outputs.len())
+            .map(|i| {
+                let dtype = self.output_shape(i)?.dtype();
+                TensorData::from_le_bytes(dtype, self.exe.value_bytes(self.output_node(i)?)?)
+            })
+            .collect()
+    }
+
+    /// Runs with named inputs as raw little-endian bytes; returns raw output bytes.
+    pub fn run_raw(&mut self, inputs: &[(&str, &[u8])]) -> Result<Vec<Vec<u8>>> {
+        self.check_params()?;
+        match_named(&self.plan, inputs, |name, shape, v| check_count("input", name, shape.byte_size(), v.len(), "bytes"))?;
+        for (name, bytes) in inputs {
+            let k = self.plan.inputs.iter().position(|s| s.name == *name).unwrap_or(0);
+            self.exe.input_staging(k)?.copy_from_slice(bytes);
+        }
+        self.execute()?;
+        (0..self.plan.outputs.len()).map(|i| Ok(self.exe.value_bytes(self.output_node(i)?)?.to_vec())).collect()
+    }
+
+    /// The hot path: inputs by position (the order of [`CompiledGraph::inputs`]) as
+    /// `f32`, outputs borrowed from the graph's memory. Allocates nothing.
+    pub fn run_slots(&mut self, inputs: &[&[f32]]) -> Result<SlotOutputs<'_>> {
+        self.check_params()?;
+        check_count("input", "(slots)", self.plan.inputs.len(), inputs.len(), "elements")?;
+        for (src, values) in self.plan.inputs.iter().zip(inputs) {
+            check_count("input", &src.name, src.shape.num_elements(), values.len(), "elements")?;
+        }
+        for (k, values) in inputs.iter().enumerate() {
+            let dtype = self.plan.inputs[k].shape.dtype();
+            f32_to_bytes(values, dtype, self.exe.input_staging(k)?)?;
+        }
+        self.execute()?;
+        Ok(SlotOutputs { graph: self })
+    }
+
+    /// Runs and writes every output into the caller's buffers (each exactly the
+    /// output's element count). Allocates nothing.
+    pub fn run_read_outputs(&mut self, inputs: &[(&str, &[f32])], outputs: &mut [&mut [f32]]) -> Result<()> {
+        check_count("output", "(buffers)", self.plan.outputs.len(), outputs.len(), "elements")?;
+        for (i, dst) in outputs.iter().enumerate() {
+            check_count("output", &i.to_string(), self.output_shape(i)?.num_elements(), dst.len(), "elements")?;
+        }
+        self.stage_f32(inputs)?;
+        self.execute()?;
+        for (i, dst) in outputs.iter_mut().enumerate() {
+            let dtype = self.plan.shape(self.plan.outputs[i]).dtype();
+            bytes_to_f32(self.exe.value_bytes(self.plan.outputs[i])?, dtype, dst)?;
+        }
+        Ok(())
+    }
+
+    /// Every output of the last run as `f32`.
+    pub fn read_outputs(&self) -> Result<Vec<Vec<f32>>> {
+        if !self.has_run {
+            return Err(Error::invalid("read_outputs", "the graph has not run yet"));
+        }
+        (0..self.plan.outputs.len())
+            .map(|i| bytes_to_f32_vec(self.exe.value_bytes(self.output_node(i)?)?, self.output_shape(i)?.dtype()))
+            .collect()
+    }
+
+    /// Reads row `row` (an index into the first dimension) of output `output` from the
+    /// last run into `dst`, which must hold exactly one row.
+    pub fn read_output_row(&self, output: usize, row: usize, dst: &mut [f32]) -> Result<()> {
+        let shape = self.output_shape(output)?;
+        if !self.has_run {
+            return Err(Error::invalid("read_output_row", "the graph has not run yet"));
+        }
+        let rows = *shape.dims().first().ok_or_else(|| Error::invalid("read_output_row", format!("output {output} is a scalar ({shape})")))?;
+        if row >= rows {
+            return Err(Error::invalid("read_output_row", format!("row {row} out of range for output {output} {shape}")));
+        }
+        let row_len = if rows == 0 { 0 } else { shape.num_elements() / rows };
+        check_count("destination", "row", row_len, dst.len(), "elements")?;
+        let size = shape.dtype().size_in_bytes();
+        let bytes = self.exe.value_bytes(self.output_node(output)?)?;
+        bytes_to_f32(&bytes[row * row_len * size..(row + 1) * row_len * size], shape.dtype(), dst)
+    }
+
+    /// Starts a run and returns without waiting for it (on the CPU the run completes
+    /// before returning). Collect it with [`CompiledGraph::sync_pending`].
+    pub fn commit_no_wait(&mut self, inputs: &[(&str, &[f32])]) -> Result<()> {
+        if self.pending {
+            return Err(Error::invalid("commit_no_wait", "a run is already pending; call sync_pending first"));
+        }
+        self.stage_f32(inputs)?;
+        self.exe.submit()?;
+        self.pending = true;
+        Ok(())
+    }
+
+    /// Waits for the pending run, if any, and makes its outputs readable.
+    pub fn sync_pending(&mut self) -> Result<()> {
+        if std::mem::replace(&mut self.pending, false) {
+            self.exe.wait()?;
+            self.exe.sync_outputs()?;
+            self.has_run = true;
+        }
+        Ok(())
+    }
+
+    /// Pipelined running: waits for the previous pending run, reads its outputs, then
+    /// commits this one. Returns the previous run's outputs (`None` on the first call).
+    pub fn run_pipelined(&mut self, inputs: &[(&str, &[f32])]) -> Result<Option<Vec<Vec<f32>>>> {
+        let previous = if self.pending {
+            self.sync_pending()?;
+            Some(self.read_outputs()?)
+        } else {
+            None
+        };
+        self.commit_no_wait(inputs)?;
+        Ok(previous)
+    }
+
+    /// Resets a persistent handle to zeros. `handle` must be one bound at compile time
+    /// (same name and shape).
+    pub fn bind_handle(&mut self, handle: &BufferHandle) -> Result<()> {
+        let i = self.handle_index(&handle.name)?;
+        let expected = &self.plan.handles[i].shape;
+        if *expected != handle.shape {
+            return Err(Error::ShapeMismatch {
+                op: format!("bind_handle '{}'", handle.name),
+                lhs: expected.clone(),
+                rhs: handle.shape.clone(),
+                reason: "the handle's shape must equal the one it was compiled with".into(),
+            });
+        }
+        self.exe.write_handle(i, &vec![0u8; expected.byte_size()])
+    }
+
+    /// Replaces a persistent handle's contents with `f32` values (converted).
+    pub fn write_handle(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        let i = self.handle_index(name)?;
+        let shape = &self.plan.handles[i].shape;
+        check_count("handle", name, shape.num_elements(), values.len(), "elements")?;
+        self.exe.write_handle(i, &f32_to_vec(values, shape.dtype()))
+    }
+
+    /// A persistent handle's contents as `f32`.
+    pub fn read_handle(&self, name: &str) -> Result<Vec<f32>> {
+        let i = self.handle_index(name)?;
+        let shape = &self.plan.handles[i].shape;
+        let mut bytes = vec![0u8; shape.byte_size()];
+        self.exe.read_handle(i, &mut bytes)?;
+        bytes_to_f32_vec(&bytes, shape.dtype())
+    }
+}

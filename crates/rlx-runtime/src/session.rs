@@ -1,0 +1,96 @@
+//! Sessions and compile options.
+
+use crate::backend::backend_for;
+use crate::CompiledGraph;
+use rlx_driver::{BufferHandle, Device};
+use rlx_ir::{Graph, Result};
+use rlx_opt::{plan_graph, PlanOptions};
+use std::borrow::Borrow;
+use std::sync::Arc;
+
+/// Compiles graphs for one device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Session {
+    device: Device,
+}
+
+/// How to compile a graph.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompileOptions {
+    handles: Vec<BufferHandle>,
+    memory_reuse: bool,
+    in_place: bool,
+}
+
+impl Default for CompileOptions {
+    fn default() -> Self {
+        CompileOptions { handles: Vec::new(), memory_reuse: true, in_place: true }
+    }
+}
+
+impl CompileOptions {
+    /// The defaults: memory reuse and in-place execution on, no handles.
+    pub fn new() -> CompileOptions {
+        CompileOptions::default()
+    }
+
+    /// Makes the graph input named `handle.name` persistent state: it lives outside the
+    /// arena, is not passed to `run`, keeps its contents across runs, and may be written
+    /// by `write_at`. Its shape must equal the input's.
+    pub fn bind_handle(mut self, handle: &BufferHandle) -> CompileOptions {
+        self.handles.push(handle.clone());
+        self
+    }
+
+    /// Turns sharing of arena bytes between values on or off (on by default; off helps
+    /// rule out the planner when chasing a wrong result).
+    pub fn memory_reuse(mut self, on: bool) -> CompileOptions {
+        self.memory_reuse = on;
+        self
+    }
+
+    /// Turns in-place elementwise execution on or off (on by default).
+    pub fn in_place(mut self, on: bool) -> CompileOptions {
+        self.in_place = on;
+        self
+    }
+
+    /// The handles to bind.
+    pub fn handles(&self) -> &[BufferHandle] {
+        &self.handles
+    }
+}
+
+impl Session {
+    /// A session for `device`. Compiling fails if the device has no backend here.
+    pub fn new(device: Device) -> Session {
+        Session { device }
+    }
+
+    /// The session's device.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Compiles with default options.
+    pub fn compile(&self, graph: impl Borrow<Graph>) -> Result<CompiledGraph> {
+        self.compile_with(graph, &CompileOptions::default())
+    }
+
+    /// Verifies, optimizes, plans memory and prepares the graph on the device.
+    pub fn compile_with(&self, graph: impl Borrow<Graph>, options: &CompileOptions) -> Result<CompiledGraph> {
+        let backend = backend_for(self.device)?;
+        let mut seen = std::collections::HashSet::new();
+        if let Some(dup) = options.handles.iter().find(|h| !seen.insert(h.name.as_str())) {
+            return Err(rlx_ir::Error::DuplicateName { kind: "handle", name: dup.name.clone() });
+        }
+        let plan_options = PlanOptions {
+            handles: options.handles.iter().map(|h| (h.name.clone(), h.shape.clone())).collect(),
+            memory_reuse: options.memory_reuse,
+            in_place: options.in_place,
+        };
+        let plan = Arc::new(plan_graph(graph.borrow(), &plan_options)?);
+        let exe = backend.compile(plan.clone())?;
+        Ok(CompiledGraph::new(self.device, plan, exe))
+    }
+}
