@@ -1,3 +1,35 @@
-fn main() {
-    println!("Hello, world!");
+//! The `rlx` command-line tool.
+
+mod examples;
+mod inspect;
+
+use clap::{Parser, Subcommand};
+
+/// RLX: an ML compiler and runtime. Build or import a model, compile it once, run it
+/// many times.
+#[derive(Parser)]
+#[command(name = "rlx", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print a graph, its memory plan and the kernel that runs each op.
+    Inspect(inspect::InspectArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect(args) => inspect::run(&args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }

@@ -92,6 +92,9 @@ pub struct Plan {
     pub schedule: Vec<NodeId>,
     /// Location of every node's value, indexed by node.
     pub locations: Vec<Location>,
+    /// Shape of every node's value, indexed by node (a copy of the graph's, readable
+    /// without locking the graph).
+    pub shapes: Vec<Shape>,
     /// For each node, whether it is a view of its first operand (no kernel runs).
     pub is_view: Vec<bool>,
     /// For each node, whether it overwrites an operand in place.
@@ -111,8 +114,8 @@ pub struct Plan {
 
 impl Plan {
     /// Shape of a node's value.
-    pub fn shape(&self, id: NodeId) -> Shape {
-        self.graph.nodes()[id.index()].shape.clone()
+    pub fn shape(&self, id: NodeId) -> &Shape {
+        &self.shapes[id.index()]
     }
 
     /// Every value that owns arena bytes, with its lifetime (in steps) and offset;
@@ -316,8 +319,10 @@ impl<'a> Planner<'a> {
             .enumerate()
             .map(|(k, &r)| (NodeId::from_index(r), lifetimes[k], assignment.offsets[k]))
             .collect();
+        let shapes = nodes.iter().map(|n| n.shape.clone()).collect();
         drop(nodes);
         Ok(Plan {
+            shapes,
             outputs: graph.outputs(),
             graph,
             schedule,

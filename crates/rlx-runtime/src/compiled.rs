@@ -38,6 +38,7 @@ impl std::fmt::Debug for CompiledGraph {
 }
 
 /// Outputs of [`CompiledGraph::run_slots`], borrowed from the graph's memory.
+#[derive(Debug)]
 pub struct SlotOutputs<'a> {
     graph: &'a CompiledGraph,
 }
@@ -158,7 +159,7 @@ impl CompiledGraph {
 
     /// Shapes of the outputs, in order.
     pub fn output_shapes(&self) -> Vec<Shape> {
-        self.plan.outputs.iter().map(|&o| self.plan.shape(o)).collect()
+        self.plan.outputs.iter().map(|&o| self.plan.shape(o).clone()).collect()
     }
 
     fn output_node(&self, i: usize) -> Result<NodeId> {
@@ -169,7 +170,7 @@ impl CompiledGraph {
         })
     }
 
-    fn output_shape(&self, i: usize) -> Result<Shape> {
+    fn output_shape(&self, i: usize) -> Result<&Shape> {
         Ok(self.plan.shape(self.output_node(i)?))
     }
 
@@ -313,7 +314,10 @@ impl CompiledGraph {
     pub fn run_read_outputs(&mut self, inputs: &[(&str, &[f32])], outputs: &mut [&mut [f32]]) -> Result<()> {
         check_count("output", "(buffers)", self.plan.outputs.len(), outputs.len(), "elements")?;
         for (i, dst) in outputs.iter().enumerate() {
-            check_count("output", &i.to_string(), self.output_shape(i)?.num_elements(), dst.len(), "elements")?;
+            let expected = self.output_shape(i)?.num_elements();
+            if expected != dst.len() {
+                return Err(Error::LengthMismatch { kind: "output", name: i.to_string(), expected, got: dst.len(), unit: "elements" });
+            }
         }
         self.stage_f32(inputs)?;
         self.execute()?;
