@@ -267,6 +267,12 @@ impl<'a> Planner<'a> {
                         && locations[x].offset == locations[r].offset
                         && nodes[r].shape.byte_size() == shape.byte_size()
                         && group_last[r] <= time[i]
+                        // Another operand reading the same bytes at other positions (a
+                        // broadcast view of this value) would see overwritten elements.
+                        && node.inputs.iter().all(|y| {
+                            let y = y.index();
+                            root[y] != r || (nodes[y].shape.dims() == shape.dims() && locations[y].offset == locations[x].offset)
+                        })
                 });
                 if let Some(x) = candidate {
                     let r = root[x];
