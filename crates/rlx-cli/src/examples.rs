@@ -54,7 +54,9 @@ fn transformer() -> Result<Graph> {
         let b = g.param(format!("{name}.bias"), f32s(&[o]));
         g.add(g.matmul(v, w)?, b)
     };
-    let heads_of = |v: NodeId| -> Result<NodeId> { g.permute(g.reshape(v, &[1, seq, heads, hd])?, &[0, 2, 1, 3]) };
+    let heads_of = |v: NodeId| -> Result<NodeId> {
+        g.permute(g.reshape(v, &[1, seq, heads, hd])?, &[0, 2, 1, 3])
+    };
     let h = ln("ln1", x)?;
     let q = heads_of(linear("q", h, dim, dim)?)?;
     let k = heads_of(linear("k", h, dim, dim)?)?;

@@ -23,14 +23,22 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     let device: Device = args.device.parse()?;
     let graph = args.example.build().context("building the example graph")?;
     let options = CompileOptions::new().memory_reuse(!args.no_reuse);
-    let compiled = Session::new(device).compile_with(&graph, &options).context("compiling")?;
+    let compiled = Session::new(device)
+        .compile_with(&graph, &options)
+        .context("compiling")?;
     println!("{graph}");
     println!();
     let stats = compiled.memory_stats();
     println!("memory plan ({device}):");
     println!("  arena            {:>10} bytes", stats.arena_bytes);
-    println!("  transient total  {:>10} bytes (no reuse)", stats.transient_bytes);
-    println!("  lower bound      {:>10} bytes (peak live)", stats.lower_bound);
+    println!(
+        "  transient total  {:>10} bytes (no reuse)",
+        stats.transient_bytes
+    );
+    println!(
+        "  lower bound      {:>10} bytes (peak live)",
+        stats.lower_bound
+    );
     println!("  views            {:>10}", stats.views);
     println!("  in place         {:>10}", stats.in_place);
     println!();
@@ -40,10 +48,23 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     for (node, kernel) in compiled.kernels() {
         let n = &nodes[node.index()];
         let loc = plan.locations[node.index()];
-        let note = if plan.is_in_place[node.index()] { " (in place)" } else { "" };
-        println!("  {node:<5} {:<14} -> {kernel:<28} {} at {:?}+{}{note}", n.op.name(), n.shape, loc.region, loc.offset);
+        let note = if plan.is_in_place[node.index()] {
+            " (in place)"
+        } else {
+            ""
+        };
+        println!(
+            "  {node:<5} {:<14} -> {kernel:<28} {} at {:?}+{}{note}",
+            n.op.name(),
+            n.shape,
+            loc.region,
+            loc.offset
+        );
     }
-    let views: Vec<String> = (0..nodes.len()).filter(|&i| plan.is_view[i]).map(|i| format!("%{i} ({})", nodes[i].op.name())).collect();
+    let views: Vec<String> = (0..nodes.len())
+        .filter(|&i| plan.is_view[i])
+        .map(|i| format!("%{i} ({})", nodes[i].op.name()))
+        .collect();
     if !views.is_empty() {
         println!("views (no kernel): {}", views.join(", "));
     }

@@ -48,8 +48,17 @@ impl CpuProgram {
         let mut scratch_len = 0;
         for &id in &plan.schedule {
             let node = &nodes[id.index()];
-            let in_shapes: Vec<Shape> = node.inputs.iter().map(|x| nodes[x.index()].shape.clone()).collect();
-            let inputs = node.inputs.iter().zip(&in_shapes).map(|(x, s)| (plan.locations[x.index()], s.clone())).collect();
+            let in_shapes: Vec<Shape> = node
+                .inputs
+                .iter()
+                .map(|x| nodes[x.index()].shape.clone())
+                .collect();
+            let inputs = node
+                .inputs
+                .iter()
+                .zip(&in_shapes)
+                .map(|(x, s)| (plan.locations[x.index()], s.clone()))
+                .collect();
             let geometry = match &node.op {
                 Op::Reduce { axes, .. } => Some(ReduceGeometry::new(in_shapes[0].dims(), axes)),
                 _ => None,
@@ -72,8 +81,16 @@ impl CpuProgram {
                 Buffer::from_bytes(shape, &data.as_ref().to_le_bytes())
             })
             .collect::<Result<Vec<_>>>()?;
-        let params = plan.params.iter().map(|p| Arc::new(Buffer::zeroed(p.shape.clone()))).collect();
-        let handles = plan.handles.iter().map(|h| Buffer::zeroed(h.shape.clone())).collect();
+        let params = plan
+            .params
+            .iter()
+            .map(|p| Arc::new(Buffer::zeroed(p.shape.clone())))
+            .collect();
+        let handles = plan
+            .handles
+            .iter()
+            .map(|h| Buffer::zeroed(h.shape.clone()))
+            .collect();
         let plan_handles = plan.handles.len();
         drop(nodes);
         Ok(CpuProgram {
@@ -95,12 +112,18 @@ impl CpuProgram {
 
     /// `(node, kernel name)` for every step, in execution order.
     pub fn kernels(&self) -> Vec<(NodeId, String)> {
-        self.steps.iter().map(|s| (s.node, s.kernel.clone())).collect()
+        self.steps
+            .iter()
+            .map(|s| (s.node, s.kernel.clone()))
+            .collect()
     }
 
     /// Replaces param `index`'s bytes (exactly its size).
     pub fn set_param(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
-        let buf = self.params.get_mut(index).ok_or_else(|| Error::invalid("set_param", format!("no param #{index}")))?;
+        let buf = self
+            .params
+            .get_mut(index)
+            .ok_or_else(|| Error::invalid("set_param", format!("no param #{index}")))?;
         if bytes.len() != buf.bytes().len() {
             return Err(Error::LengthMismatch {
                 kind: "param",
@@ -117,7 +140,11 @@ impl CpuProgram {
     ///
     /// [`execute`]: CpuProgram::execute
     pub fn input_bytes_mut(&mut self, index: usize) -> Result<&mut [u8]> {
-        let src = self.plan.inputs.get(index).ok_or_else(|| Error::invalid("input", format!("no input #{index}")))?;
+        let src = self
+            .plan
+            .inputs
+            .get(index)
+            .ok_or_else(|| Error::invalid("input", format!("no input #{index}")))?;
         let loc = self.plan.locations[src.node.index()];
         let len = src.shape.byte_size();
         Ok(&mut self.arena.bytes_mut()[loc.offset..loc.offset + len])
@@ -125,7 +152,11 @@ impl CpuProgram {
 
     /// The bytes of any node's value (after a run, for outputs).
     pub fn value_bytes(&self, node: NodeId) -> Result<&[u8]> {
-        let loc = *self.plan.locations.get(node.index()).ok_or_else(|| Error::invalid("value", format!("no node {node}")))?;
+        let loc = *self
+            .plan
+            .locations
+            .get(node.index())
+            .ok_or_else(|| Error::invalid("value", format!("no node {node}")))?;
         let len = self.plan.shape(node).byte_size();
         let region: &[u8] = match loc.region {
             Region::Arena => self.arena.host_bytes().unwrap_or(&[]),
@@ -133,17 +164,25 @@ impl CpuProgram {
             Region::Constant(i) => self.constants[i].bytes(),
             Region::Handle(i) => self.handles[i].bytes(),
         };
-        region.get(loc.offset..loc.offset + len).ok_or_else(|| Error::invalid("value", format!("{node} lies outside its region")))
+        region
+            .get(loc.offset..loc.offset + len)
+            .ok_or_else(|| Error::invalid("value", format!("{node} lies outside its region")))
     }
 
     /// The bytes of persistent handle `index`.
     pub fn handle_bytes(&self, index: usize) -> Result<&[u8]> {
-        self.handles.get(index).map(|h| h.bytes()).ok_or_else(|| Error::invalid("handle", format!("no handle #{index}")))
+        self.handles
+            .get(index)
+            .map(|h| h.bytes())
+            .ok_or_else(|| Error::invalid("handle", format!("no handle #{index}")))
     }
 
     /// Replaces persistent handle `index`'s bytes (exactly its size).
     pub fn write_handle(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
-        self.handles.get_mut(index).ok_or_else(|| Error::invalid("handle", format!("no handle #{index}")))?.write(bytes)
+        self.handles
+            .get_mut(index)
+            .ok_or_else(|| Error::invalid("handle", format!("no handle #{index}")))?
+            .write(bytes)
     }
 
     /// Base address of the arena (outputs are at their plan offsets from it).
@@ -153,7 +192,16 @@ impl CpuProgram {
 
     /// Runs every step in order. Allocation-free.
     pub fn execute(&mut self) -> Result<()> {
-        let CpuProgram { arena, params, constants, handles, steps, scratch, handle_addrs, .. } = self;
+        let CpuProgram {
+            arena,
+            params,
+            constants,
+            handles,
+            steps,
+            scratch,
+            handle_addrs,
+            ..
+        } = self;
         let arena_base = arena.as_mut_ptr();
         for (addr, h) in handle_addrs.iter_mut().zip(handles.iter_mut()) {
             *addr = h.storage_mut().as_mut_ptr() as usize;
@@ -170,13 +218,26 @@ impl CpuProgram {
             let src = |k: usize| {
                 let (loc, shape) = &step.inputs[k];
                 // SAFETY: the plan placed this value inside its region.
-                Src { ptr: unsafe { base(loc.region).add(loc.offset) }, shape }
+                Src {
+                    ptr: unsafe { base(loc.region).add(loc.offset) },
+                    shape,
+                }
             };
             let (loc, shape) = &step.output;
             // SAFETY: as above; outputs only live in the arena or a handle, which this
             // program owns mutably for the duration of `execute`.
-            let out = Dst { ptr: unsafe { base(loc.region).add(loc.offset) }, shape };
-            kernels::run(&step.op, step.inputs.len(), &src, out, step.geometry.as_ref(), scratch)?;
+            let out = Dst {
+                ptr: unsafe { base(loc.region).add(loc.offset) },
+                shape,
+            };
+            kernels::run(
+                &step.op,
+                step.inputs.len(),
+                &src,
+                out,
+                step.geometry.as_ref(),
+                scratch,
+            )?;
         }
         Ok(())
     }

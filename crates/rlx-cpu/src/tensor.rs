@@ -6,7 +6,7 @@
 //! from the plan, whose regions the program allocated with exactly the planned sizes.
 
 use crate::elem::Elem;
-use rlx_ir::{Shape, MAX_RANK};
+use rlx_ir::{MAX_RANK, Shape};
 
 /// A read-only tensor operand.
 #[derive(Clone, Copy)]
@@ -55,7 +55,11 @@ pub(crate) fn broadcast_strides(in_dims: &[usize], out_dims: &[usize]) -> [isize
     let offset = out_dims.len() - in_dims.len();
     let mut s = 1isize;
     for i in (0..in_dims.len()).rev() {
-        strides[offset + i] = if in_dims[i] == 1 && out_dims[offset + i] != 1 { 0 } else { s };
+        strides[offset + i] = if in_dims[i] == 1 && out_dims[offset + i] != 1 {
+            0
+        } else {
+            s
+        };
         s *= in_dims[i] as isize;
     }
     strides
@@ -111,7 +115,11 @@ pub(crate) fn for_each_strided<const N: usize>(
 impl Src<'_> {
     /// The operand as a typed slice (only for operands never written by the kernel).
     pub fn as_slice<T: Elem>(&self) -> &[T] {
-        assert_eq!(self.ptr as usize % std::mem::align_of::<T>(), 0, "misaligned operand");
+        assert_eq!(
+            self.ptr as usize % std::mem::align_of::<T>(),
+            0,
+            "misaligned operand"
+        );
         // SAFETY: aligned (checked), sized by the plan, and not written during the kernel.
         unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.shape.num_elements()) }
     }
@@ -121,7 +129,11 @@ impl Dst<'_> {
     /// The output as a typed slice (only for kernels whose operands never alias it).
     #[allow(clippy::mut_from_ref)]
     pub fn as_mut_slice<T: Elem>(&self) -> &mut [T] {
-        assert_eq!(self.ptr as usize % std::mem::align_of::<T>(), 0, "misaligned output");
+        assert_eq!(
+            self.ptr as usize % std::mem::align_of::<T>(),
+            0,
+            "misaligned output"
+        );
         // SAFETY: aligned (checked), sized by the plan; non-elementwise outputs never
         // alias an operand, so no other reference to these bytes exists.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<T>(), self.shape.num_elements()) }

@@ -34,7 +34,9 @@ pub struct HostArena {
 impl HostArena {
     /// A zeroed arena of `len` bytes.
     pub fn new(len: usize) -> HostArena {
-        HostArena { bytes: AlignedBytes::zeroed(len) }
+        HostArena {
+            bytes: AlignedBytes::zeroed(len),
+        }
     }
 
     /// Base address (for kernels that address values by plan offset).
@@ -53,9 +55,18 @@ impl HostArena {
     }
 
     fn range(&self, offset: usize, len: usize) -> Result<std::ops::Range<usize>> {
-        let end = offset.checked_add(len).filter(|&e| e <= self.bytes.len()).ok_or_else(|| {
-            Error::invalid("arena", format!("range {offset}..+{len} exceeds the arena of {} bytes", self.bytes.len()))
-        })?;
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= self.bytes.len())
+            .ok_or_else(|| {
+                Error::invalid(
+                    "arena",
+                    format!(
+                        "range {offset}..+{len} exceeds the arena of {} bytes",
+                        self.bytes.len()
+                    ),
+                )
+            })?;
         Ok(offset..end)
     }
 }

@@ -20,7 +20,10 @@ pub struct AlignedBytes {
 impl AlignedBytes {
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> AlignedBytes {
-        AlignedBytes { lines: vec![Line([0; ALIGN]); len.div_ceil(ALIGN)], len }
+        AlignedBytes {
+            lines: vec![Line([0; ALIGN]); len.div_ceil(ALIGN)],
+            len,
+        }
     }
 
     /// Length in bytes.
@@ -138,7 +141,10 @@ pub struct BufferHandle {
 impl BufferHandle {
     /// A handle named `name` of the given dimensions and dtype.
     pub fn new(name: impl Into<String>, dims: &[usize], dtype: DType) -> BufferHandle {
-        BufferHandle { name: name.into(), shape: Shape::new(dims, dtype) }
+        BufferHandle {
+            name: name.into(),
+            shape: Shape::new(dims, dtype),
+        }
     }
 
     /// Bytes the handle occupies.

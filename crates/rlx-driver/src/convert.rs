@@ -27,7 +27,9 @@ pub fn f32_to_bytes(src: &[f32], dtype: DType, dst: &mut [u8]) -> Result<()> {
     match dtype {
         DType::F32 => chunks.for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
         DType::F16 => chunks.for_each(|(d, v)| d.copy_from_slice(&f16::from_f32(*v).to_le_bytes())),
-        DType::BF16 => chunks.for_each(|(d, v)| d.copy_from_slice(&bf16::from_f32(*v).to_le_bytes())),
+        DType::BF16 => {
+            chunks.for_each(|(d, v)| d.copy_from_slice(&bf16::from_f32(*v).to_le_bytes()))
+        }
         DType::F64 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as f64).to_le_bytes())),
         DType::I8 => chunks.for_each(|(d, v)| d[0] = (*v as i8) as u8),
         DType::I32 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as i32).to_le_bytes())),
@@ -51,7 +53,9 @@ pub fn bytes_to_f32(src: &[u8], dtype: DType, dst: &mut [f32]) -> Result<()> {
         DType::BF16 => pairs.for_each(|(s, d)| *d = bf16::from_le_bytes([s[0], s[1]]).to_f32()),
         DType::F64 => pairs.for_each(|(s, d)| *d = f64::from_le_bytes(arr8(s)) as f32),
         DType::I8 => pairs.for_each(|(s, d)| *d = s[0] as i8 as f32),
-        DType::I32 => pairs.for_each(|(s, d)| *d = i32::from_le_bytes([s[0], s[1], s[2], s[3]]) as f32),
+        DType::I32 => {
+            pairs.for_each(|(s, d)| *d = i32::from_le_bytes([s[0], s[1], s[2], s[3]]) as f32)
+        }
         DType::I64 => pairs.for_each(|(s, d)| *d = i64::from_le_bytes(arr8(s)) as f32),
         DType::U8 | DType::Bool => pairs.for_each(|(s, d)| *d = s[0] as f32),
     }
@@ -75,8 +79,14 @@ pub fn f32_to_vec(src: &[f32], dtype: DType) -> Vec<u8> {
 /// Bytes of `dtype` decoded into a fresh `f32` vector; the byte count must be a
 /// whole number of elements.
 pub fn bytes_to_f32_vec(src: &[u8], dtype: DType) -> Result<Vec<f32>> {
-    if src.len() % dtype.size_in_bytes() != 0 {
-        return Err(Error::invalid("bytes_to_f32", format!("{} bytes is not a whole number of {dtype} elements", src.len())));
+    if !src.len().is_multiple_of(dtype.size_in_bytes()) {
+        return Err(Error::invalid(
+            "bytes_to_f32",
+            format!(
+                "{} bytes is not a whole number of {dtype} elements",
+                src.len()
+            ),
+        ));
     }
     let mut out = vec![0f32; src.len() / dtype.size_in_bytes()];
     bytes_to_f32(src, dtype, &mut out)?;
@@ -102,6 +112,9 @@ mod tests {
         let mut dst = [0f32; 3];
         assert!(bytes_to_f32(&[0u8; 8], DType::F32, &mut dst).is_err());
         assert!(bytes_to_f32_vec(&[0u8; 3], DType::F16).is_err());
-        assert_eq!(f32_to_vec(&[0.1], DType::BF16), bf16::from_f32(0.1).to_le_bytes().to_vec());
+        assert_eq!(
+            f32_to_vec(&[0.1], DType::BF16),
+            bf16::from_f32(0.1).to_le_bytes().to_vec()
+        );
     }
 }

@@ -66,7 +66,14 @@ impl std::str::FromStr for Device {
         Device::ALL
             .into_iter()
             .find(|d| d.name() == s.to_ascii_lowercase())
-            .ok_or_else(|| rlx_ir::Error::invalid("device", format!("unknown device '{s}' (expected cpu, cuda, gpu, metal, mlx, rocm or tpu)")))
+            .ok_or_else(|| {
+                rlx_ir::Error::invalid(
+                    "device",
+                    format!(
+                        "unknown device '{s}' (expected cpu, cuda, gpu, metal, mlx, rocm or tpu)"
+                    ),
+                )
+            })
     }
 }
 

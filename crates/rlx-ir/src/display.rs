@@ -12,28 +12,49 @@ pub fn op_attributes(op: &Op) -> String {
         Op::Cast(d) => format!("to={d}"),
         Op::Reduce { axes, keepdims, .. } => format!("axes={axes:?} keepdims={keepdims}"),
         Op::ArgReduce { axis, keepdims, .. } => format!("axis={axis} keepdims={keepdims}"),
-        Op::Softmax { axis } | Op::LogSoftmax { axis } | Op::Concat { axis } | Op::Gather { axis } | Op::WriteAt { axis } => {
+        Op::Softmax { axis }
+        | Op::LogSoftmax { axis }
+        | Op::Concat { axis }
+        | Op::Gather { axis }
+        | Op::WriteAt { axis } => {
             format!("axis={axis}")
         }
         Op::LayerNorm { eps } | Op::RmsNorm { eps } => format!("eps={}", eps.get()),
         Op::Reshape { dims } | Op::Expand { dims } => format!("dims={dims:?}"),
         Op::Permute { perm } => format!("perm={perm:?}"),
         Op::Slice { axes } => {
-            let parts: Vec<String> = axes.iter().map(|s| format!("{}+{}x{}", s.start, s.len, s.step)).collect();
+            let parts: Vec<String> = axes
+                .iter()
+                .map(|s| format!("{}+{}x{}", s.start, s.len, s.step))
+                .collect();
             format!("[{}]", parts.join(", "))
         }
         Op::Pad { pads, mode } => format!("pads={pads:?} mode={mode:?}"),
         Op::Tile { reps } => format!("reps={reps:?}"),
-        Op::Range { start, step, len, .. } => format!("start={:?} step={:?} len={len}", start, step),
-        Op::Cumsum { axis, exclusive, reverse } => format!("axis={axis} exclusive={exclusive} reverse={reverse}"),
-        Op::TopK { k, axis, largest, .. } => format!("k={k} axis={axis} largest={largest}"),
+        Op::Range {
+            start, step, len, ..
+        } => format!("start={:?} step={:?} len={len}", start, step),
+        Op::Cumsum {
+            axis,
+            exclusive,
+            reverse,
+        } => format!("axis={axis} exclusive={exclusive} reverse={reverse}"),
+        Op::TopK {
+            k, axis, largest, ..
+        } => format!("k={k} axis={axis} largest={largest}"),
         Op::OneHot { depth, .. } => format!("depth={depth}"),
         Op::Conv2d { window, groups } => format!(
             "stride={:?} pad={:?} dilation={:?} groups={groups}",
             window.stride, window.padding, window.dilation
         ),
-        Op::MaxPool2d { window } => format!("kernel={:?} stride={:?} pad={:?}", window.kernel, window.stride, window.padding),
-        Op::AvgPool2d { window, count_include_pad } => format!(
+        Op::MaxPool2d { window } => format!(
+            "kernel={:?} stride={:?} pad={:?}",
+            window.kernel, window.stride, window.padding
+        ),
+        Op::AvgPool2d {
+            window,
+            count_include_pad,
+        } => format!(
             "kernel={:?} stride={:?} pad={:?} count_include_pad={count_include_pad}",
             window.kernel, window.stride, window.padding
         ),

@@ -55,7 +55,10 @@ pub struct Graph {
 
 impl Clone for Graph {
     fn clone(&self) -> Self {
-        Graph { name: self.name.clone(), body: RwLock::new(self.body().clone()) }
+        Graph {
+            name: self.name.clone(),
+            body: RwLock::new(self.body().clone()),
+        }
     }
 }
 
@@ -186,7 +189,10 @@ impl Graph {
     /// A copy of node `id`, or an error if it is not in this graph.
     pub fn node(&self, id: NodeId) -> Result<Node> {
         let body = self.body();
-        body.nodes.get(id.index()).cloned().ok_or_else(|| self.unknown_node(id, body.nodes.len()))
+        body.nodes
+            .get(id.index())
+            .cloned()
+            .ok_or_else(|| self.unknown_node(id, body.nodes.len()))
     }
 
     /// The output shape of node `id`.
@@ -292,7 +298,11 @@ pub(crate) fn check_rank(op: &str, shape: &Shape) -> Result<()> {
     if shape.rank() > crate::MAX_RANK {
         return Err(Error::invalid(
             op,
-            format!("rank {} exceeds the maximum rank {}", shape.rank(), crate::MAX_RANK),
+            format!(
+                "rank {} exceeds the maximum rank {}",
+                shape.rank(),
+                crate::MAX_RANK
+            ),
         ));
     }
     Ok(())

@@ -60,11 +60,16 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
         Op::Cumsum { axis, .. } => {
             crate::ops::require_numeric("cumsum", x())?;
             if *axis >= x().rank() {
-                return Err(Error::invalid("cumsum", format!("axis {axis} out of range for {}", x())));
+                return Err(Error::invalid(
+                    "cumsum",
+                    format!("axis {axis} out of range for {}", x()),
+                ));
             }
             Ok(x().clone())
         }
-        Op::TopK { k, axis, output, .. } => misc::infer_topk(*k, *axis, *output, x()),
+        Op::TopK {
+            k, axis, output, ..
+        } => misc::infer_topk(*k, *axis, *output, x()),
         Op::OneHot { depth, dtype } => misc::infer_one_hot(*depth, *dtype, x()),
         Op::Conv2d { window, groups } => conv::infer_conv2d(window, *groups, inputs),
         Op::MaxPool2d { window } => conv::infer_pool("max_pool2d", window, x()),

@@ -36,7 +36,10 @@ pub use dtype::DType;
 pub use error::{Error, Result};
 pub use graph::{ConstantsRef, Graph, Node, NodeId, NodesRef};
 pub use infer::infer_shape;
-pub use op::{ArgReduceOp, BinaryOp, F64Bits, Op, PadMode, ReduceOp, RopeStyle, SliceAxis, TopKOutput, UnaryOp, Window2d};
-pub use ops::matmul::{matmul_dims, MatMulDims};
-pub use shape::{broadcast_dims, contiguous_strides, normalize_axis, Shape, MAX_RANK};
+pub use op::{
+    ArgReduceOp, BinaryOp, F64Bits, Op, PadMode, ReduceOp, RopeStyle, SliceAxis, TopKOutput,
+    UnaryOp, Window2d,
+};
+pub use ops::matmul::{MatMulDims, matmul_dims};
+pub use shape::{MAX_RANK, Shape, broadcast_dims, contiguous_strides, normalize_axis};
 pub use tensor::{TensorData, TensorRef};

@@ -528,8 +528,14 @@ impl Op {
             Op::Where => "where".into(),
             Op::Cast(_) => "cast".into(),
             Op::Reduce { op, .. } => format!("reduce_{}", op.name()),
-            Op::ArgReduce { op: ArgReduceOp::ArgMax, .. } => "argmax".into(),
-            Op::ArgReduce { op: ArgReduceOp::ArgMin, .. } => "argmin".into(),
+            Op::ArgReduce {
+                op: ArgReduceOp::ArgMax,
+                ..
+            } => "argmax".into(),
+            Op::ArgReduce {
+                op: ArgReduceOp::ArgMin,
+                ..
+            } => "argmin".into(),
             Op::Softmax { .. } => "softmax".into(),
             Op::LogSoftmax { .. } => "log_softmax".into(),
             Op::MatMul => "matmul".into(),
@@ -545,8 +551,14 @@ impl Op {
             Op::Tile { .. } => "tile".into(),
             Op::Range { .. } => "range".into(),
             Op::Cumsum { .. } => "cumsum".into(),
-            Op::TopK { output: TopKOutput::Values, .. } => "topk_values".into(),
-            Op::TopK { output: TopKOutput::Indices, .. } => "topk_indices".into(),
+            Op::TopK {
+                output: TopKOutput::Values,
+                ..
+            } => "topk_values".into(),
+            Op::TopK {
+                output: TopKOutput::Indices,
+                ..
+            } => "topk_indices".into(),
             Op::OneHot { .. } => "one_hot".into(),
             Op::Conv2d { .. } => "conv2d".into(),
             Op::MaxPool2d { .. } => "max_pool2d".into(),
@@ -559,7 +571,10 @@ impl Op {
 
     /// True for nodes that hold data rather than compute it.
     pub fn is_source(&self) -> bool {
-        matches!(self, Op::Input { .. } | Op::Param { .. } | Op::Constant { .. })
+        matches!(
+            self,
+            Op::Input { .. } | Op::Param { .. } | Op::Constant { .. }
+        )
     }
 
     /// True for ops where output element `i` depends only on input elements `i` of

@@ -47,14 +47,24 @@ impl HostTensor {
 }
 
 /// Evaluates one node given its operands (already evaluated) and its output shape.
-pub fn eval_node(op: &Op, inputs: &[&HostTensor], out: &Shape, constants: &[TensorData]) -> Result<HostTensor> {
+pub fn eval_node(
+    op: &Op,
+    inputs: &[&HostTensor],
+    out: &Shape,
+    constants: &[TensorData],
+) -> Result<HostTensor> {
     let x = || inputs[0];
     Ok(match op {
         Op::Input { name } | Op::Param { name } => {
-            return Err(Error::invalid("reference", format!("source '{name}' has no value")));
+            return Err(Error::invalid(
+                "reference",
+                format!("source '{name}' has no value"),
+            ));
         }
         Op::Constant { id } => {
-            let data = constants.get(*id).ok_or_else(|| Error::invalid("reference", format!("no constant #{id}")))?;
+            let data = constants
+                .get(*id)
+                .ok_or_else(|| Error::invalid("reference", format!("no constant #{id}")))?;
             HostTensor::from_data(out.dims(), data)?
         }
         Op::Unary(u) => elementwise::eval_unary(*u, x()),
@@ -77,13 +87,27 @@ pub fn eval_node(op: &Op, inputs: &[&HostTensor], out: &Shape, constants: &[Tens
         Op::Pad { pads, mode } => shape_ops::eval_pad(pads, *mode, x(), out),
         Op::Tile { .. } => shape_ops::eval_tile(x(), out),
         Op::Range { start, step, .. } => misc::eval_range(start.get(), step.get(), out),
-        Op::Cumsum { axis, exclusive, reverse } => misc::eval_cumsum(*axis, *exclusive, *reverse, x()),
-        Op::TopK { k, axis, largest, output } => misc::eval_topk(*k, *axis, *largest, *output, x(), out),
+        Op::Cumsum {
+            axis,
+            exclusive,
+            reverse,
+        } => misc::eval_cumsum(*axis, *exclusive, *reverse, x()),
+        Op::TopK {
+            k,
+            axis,
+            largest,
+            output,
+        } => misc::eval_topk(*k, *axis, *largest, *output, x(), out),
         Op::OneHot { depth, .. } => misc::eval_one_hot(*depth, x(), out),
         Op::Conv2d { window, groups } => conv::eval_conv2d(window, *groups, inputs, out),
         Op::MaxPool2d { window } => conv::eval_pool(window, true, false, x(), out),
-        Op::AvgPool2d { window, count_include_pad } => conv::eval_pool(window, false, *count_include_pad, x(), out),
-        Op::Attention { scale, causal } => attention::eval_attention(scale.get(), *causal, inputs, out),
+        Op::AvgPool2d {
+            window,
+            count_include_pad,
+        } => conv::eval_pool(window, false, *count_include_pad, x(), out),
+        Op::Attention { scale, causal } => {
+            attention::eval_attention(scale.get(), *causal, inputs, out)
+        }
         Op::Rope { style } => attention::eval_rope(*style, inputs[0], inputs[1], inputs[2]),
         Op::WriteAt { axis } => state::eval_write_at(*axis, inputs[0], inputs[1], inputs[2])?,
     })
@@ -92,7 +116,10 @@ pub fn eval_node(op: &Op, inputs: &[&HostTensor], out: &Shape, constants: &[Tens
 /// Runs a whole graph. `values` supplies every input and param by name; inputs that
 /// are written by `write_at` are updated in `values` so that state persists across
 /// calls, as a bound handle does on a compiled graph.
-pub fn evaluate(graph: &Graph, values: &mut HashMap<String, HostTensor>) -> Result<Vec<HostTensor>> {
+pub fn evaluate(
+    graph: &Graph,
+    values: &mut HashMap<String, HostTensor>,
+) -> Result<Vec<HostTensor>> {
     graph.verify()?;
     let nodes = graph.nodes();
     let constants = graph.constants();
@@ -100,9 +127,15 @@ pub fn evaluate(graph: &Graph, values: &mut HashMap<String, HostTensor>) -> Resu
     for (i, node) in nodes.iter().enumerate() {
         let value = match &node.op {
             Op::Input { name } | Op::Param { name } => {
-                let v = values.get(name).ok_or_else(|| Error::MissingInput { name: name.clone(), shape: node.shape.clone() })?;
+                let v = values.get(name).ok_or_else(|| Error::MissingInput {
+                    name: name.clone(),
+                    shape: node.shape.clone(),
+                })?;
                 if v.shape != node.shape {
-                    return Err(Error::invalid(name.clone(), format!("expected {}, got {}", node.shape, v.shape)));
+                    return Err(Error::invalid(
+                        name.clone(),
+                        format!("expected {}, got {}", node.shape, v.shape),
+                    ));
                 }
                 v.clone()
             }
@@ -110,7 +143,11 @@ pub fn evaluate(graph: &Graph, values: &mut HashMap<String, HostTensor>) -> Resu
                 let args: Vec<&HostTensor> = node
                     .inputs
                     .iter()
-                    .map(|id| results[id.index()].as_ref().ok_or_else(|| Error::invalid("reference", "operand not evaluated")))
+                    .map(|id| {
+                        results[id.index()]
+                            .as_ref()
+                            .ok_or_else(|| Error::invalid("reference", "operand not evaluated"))
+                    })
                     .collect::<Result<_>>()?;
                 let out = eval_node(op, &args, &node.shape, &constants)?;
                 if let Op::WriteAt { .. } = op
@@ -126,6 +163,12 @@ pub fn evaluate(graph: &Graph, values: &mut HashMap<String, HostTensor>) -> Resu
     graph
         .outputs()
         .iter()
-        .map(|id| results.get(id.index()).cloned().flatten().ok_or_else(|| Error::invalid("reference", format!("output {id} missing"))))
+        .map(|id| {
+            results
+                .get(id.index())
+                .cloned()
+                .flatten()
+                .ok_or_else(|| Error::invalid("reference", format!("output {id} missing")))
+        })
         .collect()
 }

@@ -134,7 +134,11 @@ pub fn binary_i64(op: BinaryOp, a: i64, b: i64) -> i64 {
                 0
             } else {
                 let r = a.wrapping_rem(b);
-                if r != 0 && ((r < 0) != (b < 0)) { r + b } else { r }
+                if r != 0 && ((r < 0) != (b < 0)) {
+                    r + b
+                } else {
+                    r
+                }
             }
         }
         BinaryOp::Eq => (a == b) as i64,

@@ -106,7 +106,9 @@ impl TensorData {
             DType::F64 => TensorData::F64(it.collect()),
             DType::I8 => TensorData::I8(it.map(|v| DType::I8.round_value(v) as i8).collect()),
             DType::I32 => TensorData::I32(it.map(|v| DType::I32.round_value(v) as i32).collect()),
-            DType::I64 => TensorData::I64(it.map(|v| if v.is_nan() { 0 } else { v as i64 }).collect()),
+            DType::I64 => {
+                TensorData::I64(it.map(|v| if v.is_nan() { 0 } else { v as i64 }).collect())
+            }
             DType::U8 => TensorData::U8(it.map(|v| DType::U8.round_value(v) as u8).collect()),
             DType::Bool => TensorData::Bool(it.map(|v| v != 0.0).collect()),
         }
@@ -116,21 +118,44 @@ impl TensorData {
     /// element size.
     pub fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Result<TensorData> {
         let size = dtype.size_in_bytes();
-        if bytes.len() % size != 0 {
+        if !bytes.len().is_multiple_of(size) {
             return Err(Error::invalid(
                 "TensorData::from_le_bytes",
-                format!("{} bytes is not a whole number of {dtype} elements", bytes.len()),
+                format!(
+                    "{} bytes is not a whole number of {dtype} elements",
+                    bytes.len()
+                ),
             ));
         }
         let chunks = bytes.chunks_exact(size);
         Ok(match dtype {
-            DType::F32 => TensorData::F32(chunks.map(|c| f32::from_le_bytes(c.try_into().unwrap_or_default())).collect()),
-            DType::F16 => TensorData::F16(chunks.map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
-            DType::BF16 => TensorData::BF16(chunks.map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
-            DType::F64 => TensorData::F64(chunks.map(|c| f64::from_le_bytes(c.try_into().unwrap_or_default())).collect()),
+            DType::F32 => TensorData::F32(
+                chunks
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect(),
+            ),
+            DType::F16 => {
+                TensorData::F16(chunks.map(|c| f16::from_le_bytes([c[0], c[1]])).collect())
+            }
+            DType::BF16 => {
+                TensorData::BF16(chunks.map(|c| bf16::from_le_bytes([c[0], c[1]])).collect())
+            }
+            DType::F64 => TensorData::F64(
+                chunks
+                    .map(|c| f64::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect(),
+            ),
             DType::I8 => TensorData::I8(chunks.map(|c| c[0] as i8).collect()),
-            DType::I32 => TensorData::I32(chunks.map(|c| i32::from_le_bytes(c.try_into().unwrap_or_default())).collect()),
-            DType::I64 => TensorData::I64(chunks.map(|c| i64::from_le_bytes(c.try_into().unwrap_or_default())).collect()),
+            DType::I32 => TensorData::I32(
+                chunks
+                    .map(|c| i32::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect(),
+            ),
+            DType::I64 => TensorData::I64(
+                chunks
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect(),
+            ),
             DType::U8 => TensorData::U8(bytes.to_vec()),
             DType::Bool => TensorData::Bool(bytes.iter().map(|&b| b != 0).collect()),
         })
@@ -260,6 +285,10 @@ mod tests {
             assert_eq!(TensorData::from_le_bytes(d, &bytes).unwrap(), data, "{d}");
         }
         assert!(TensorData::from_le_bytes(DType::F32, &[0u8; 5]).is_err());
-        assert!(TensorRef::F32(&[1.0]).write_le_bytes(&mut [0u8; 3]).is_err());
+        assert!(
+            TensorRef::F32(&[1.0])
+                .write_le_bytes(&mut [0u8; 3])
+                .is_err()
+        );
     }
 }

@@ -10,39 +10,72 @@ impl Graph {
     pub fn verify(&self) -> Result<()> {
         let nodes = self.nodes();
         let constants = self.constants();
-        let fail = |node: String, message: String| Error::InvalidGraph { graph: self.name().to_string(), node, message };
+        let fail = |node: String, message: String| Error::InvalidGraph {
+            graph: self.name().to_string(),
+            node,
+            message,
+        };
         let mut names: HashMap<&str, usize> = HashMap::new();
         for (i, node) in nodes.iter().enumerate() {
             let at = format!("%{i} ({})", node.op.name());
             if let Some(bad) = node.inputs.iter().find(|id| id.index() >= i) {
-                return Err(fail(at, format!("operand {bad} is not defined before its use")));
+                return Err(fail(
+                    at,
+                    format!("operand {bad} is not defined before its use"),
+                ));
             }
-            crate::graph::check_rank(&node.op.name(), &node.shape).map_err(|e| fail(at.clone(), e.to_string()))?;
+            crate::graph::check_rank(&node.op.name(), &node.shape)
+                .map_err(|e| fail(at.clone(), e.to_string()))?;
             match &node.op {
                 Op::Input { name } | Op::Param { name } => {
                     if name.is_empty() {
                         return Err(fail(at, "empty name".into()));
                     }
                     if let Some(prev) = names.insert(name, i) {
-                        return Err(fail(at, format!("name '{name}' is already used by %{prev}")));
+                        return Err(fail(
+                            at,
+                            format!("name '{name}' is already used by %{prev}"),
+                        ));
                     }
                 }
                 Op::Constant { id } => {
-                    let data = constants.get(*id).ok_or_else(|| fail(at.clone(), format!("constant #{id} does not exist")))?;
-                    if data.dtype() != node.shape.dtype() || data.len() != node.shape.num_elements() {
-                        return Err(fail(at, format!("constant #{id} holds {} {} values, shape is {}", data.len(), data.dtype(), node.shape)));
+                    let data = constants.get(*id).ok_or_else(|| {
+                        fail(at.clone(), format!("constant #{id} does not exist"))
+                    })?;
+                    if data.dtype() != node.shape.dtype() || data.len() != node.shape.num_elements()
+                    {
+                        return Err(fail(
+                            at,
+                            format!(
+                                "constant #{id} holds {} {} values, shape is {}",
+                                data.len(),
+                                data.dtype(),
+                                node.shape
+                            ),
+                        ));
                     }
                 }
                 op => {
-                    let shapes: Vec<&crate::Shape> = node.inputs.iter().map(|id| &nodes[id.index()].shape).collect();
-                    let inferred = crate::infer::infer_shape(op, &shapes).map_err(|e| fail(at.clone(), e.to_string()))?;
+                    let shapes: Vec<&crate::Shape> = node
+                        .inputs
+                        .iter()
+                        .map(|id| &nodes[id.index()].shape)
+                        .collect();
+                    let inferred = crate::infer::infer_shape(op, &shapes)
+                        .map_err(|e| fail(at.clone(), e.to_string()))?;
                     if inferred != node.shape {
-                        return Err(fail(at, format!("stored shape {} but inference gives {inferred}", node.shape)));
+                        return Err(fail(
+                            at,
+                            format!("stored shape {} but inference gives {inferred}", node.shape),
+                        ));
                     }
                     if let Op::WriteAt { .. } = op
                         && !matches!(nodes[node.inputs[0].index()].op, Op::Input { .. })
                     {
-                        return Err(fail(at, "write_at target must be an input bound as a persistent handle".into()));
+                        return Err(fail(
+                            at,
+                            "write_at target must be an input bound as a persistent handle".into(),
+                        ));
                     }
                 }
             }

@@ -10,7 +10,10 @@ pub fn eliminate_dead_code(graph: &Graph) -> (Graph, Vec<Option<NodeId>>) {
     let mut live = vec![false; nodes.len()];
     let mut stack: Vec<usize> = graph.outputs().iter().map(|id| id.index()).collect();
     for (i, n) in nodes.iter().enumerate() {
-        if matches!(n.op, Op::Input { .. } | Op::Param { .. } | Op::WriteAt { .. }) {
+        if matches!(
+            n.op,
+            Op::Input { .. } | Op::Param { .. } | Op::WriteAt { .. }
+        ) {
             stack.push(i);
         }
     }
@@ -24,12 +27,20 @@ pub fn eliminate_dead_code(graph: &Graph) -> (Graph, Vec<Option<NodeId>>) {
     for (i, n) in nodes.iter().enumerate() {
         if live[i] {
             let mut n = n.clone();
-            n.inputs = n.inputs.iter().map(|id| remap[id.index()].unwrap_or(*id)).collect();
+            n.inputs = n
+                .inputs
+                .iter()
+                .map(|id| remap[id.index()].unwrap_or(*id))
+                .collect();
             remap[i] = Some(NodeId::from_index(kept.len()));
             kept.push(n);
         }
     }
-    let outputs = graph.outputs().iter().map(|id| remap.get(id.index()).copied().flatten().unwrap_or(*id)).collect();
+    let outputs = graph
+        .outputs()
+        .iter()
+        .map(|id| remap.get(id.index()).copied().flatten().unwrap_or(*id))
+        .collect();
     let out = Graph::from_parts(graph.name(), kept, outputs, graph.constants().to_vec());
     (out, remap)
 }
@@ -53,6 +64,9 @@ mod tests {
         assert!(remap[dead.index()].is_none());
         assert!(remap[unused_in.index()].is_some());
         d.verify().unwrap();
-        assert_eq!(d.node(d.outputs()[0]).unwrap().op, Op::Unary(rlx_ir::UnaryOp::Relu));
+        assert_eq!(
+            d.node(d.outputs()[0]).unwrap().op,
+            Op::Unary(rlx_ir::UnaryOp::Relu)
+        );
     }
 }

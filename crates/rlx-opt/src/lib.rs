@@ -9,5 +9,5 @@ pub mod lifetimes;
 mod plan;
 pub mod schedule;
 
-pub use lifetimes::{assign_offsets, Lifetime, OffsetAssignment};
-pub use plan::{plan_graph, Location, MemoryStats, Plan, PlanOptions, Region, Source};
+pub use lifetimes::{Lifetime, OffsetAssignment, assign_offsets};
+pub use plan::{Location, MemoryStats, Plan, PlanOptions, Region, Source, plan_graph};

@@ -71,7 +71,11 @@ pub fn assign_offsets(values: &[Lifetime], align: usize, reuse: bool) -> OffsetA
         arena = arena.max(offset + size);
         placed.push(i);
     }
-    OffsetAssignment { offsets, arena_bytes: arena, lower_bound: lower_bound(values, align) }
+    OffsetAssignment {
+        offsets,
+        arena_bytes: arena,
+        lower_bound: lower_bound(values, align),
+    }
 }
 
 /// The largest total of (aligned) bytes live at any one step.
@@ -123,7 +127,13 @@ mod tests {
     #[test]
     fn chain_reuses_two_slots() {
         // A chain where each value lives from its step to the next.
-        let values: Vec<Lifetime> = (0..50).map(|t| Lifetime { size: 1000, start: t, end: t + 1 }).collect();
+        let values: Vec<Lifetime> = (0..50)
+            .map(|t| Lifetime {
+                size: 1000,
+                start: t,
+                end: t + 1,
+            })
+            .collect();
         let a = assign_offsets(&values, 64, true);
         assert_eq!(a.lower_bound, 2 * 1024);
         assert_eq!(a.arena_bytes, 2 * 1024);
@@ -141,7 +151,11 @@ mod tests {
                 .map(|_| {
                     let start = (rng(&mut seed) % 40) as usize;
                     let len = (rng(&mut seed) % 10) as usize;
-                    Lifetime { size: (rng(&mut seed) % 5000) as usize, start, end: start + len }
+                    Lifetime {
+                        size: (rng(&mut seed) % 5000) as usize,
+                        start,
+                        end: start + len,
+                    }
                 })
                 .collect();
             let a = assign_offsets(&values, 64, true);

@@ -1,6 +1,6 @@
 //! From a graph to a [`Plan`]: passes, schedule, and where every value lives.
 
-use crate::lifetimes::{assign_offsets, Lifetime};
+use crate::lifetimes::{Lifetime, assign_offsets};
 use rlx_ir::{Error, Graph, NodeId, Op, Result, Shape, SliceAxis};
 
 /// Byte alignment of every value the planner places in the arena.
@@ -52,7 +52,11 @@ pub struct PlanOptions {
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { handles: Vec::new(), memory_reuse: true, in_place: true }
+        PlanOptions {
+            handles: Vec::new(),
+            memory_reuse: true,
+            in_place: true,
+        }
     }
 }
 
@@ -149,7 +153,11 @@ impl<'a> Planner<'a> {
         let mut params = Vec::new();
         let mut handles = Vec::new();
         for (name, node, shape) in graph.inputs() {
-            let src = Source { name: name.clone(), node, shape: shape.clone() };
+            let src = Source {
+                name: name.clone(),
+                node,
+                shape: shape.clone(),
+            };
             match options.handles.iter().find(|(n, _)| *n == name) {
                 Some((_, hs)) if *hs != shape => {
                     return Err(Error::ShapeMismatch {
@@ -175,7 +183,13 @@ impl<'a> Planner<'a> {
         for (name, node, shape) in graph.params() {
             params.push(Source { name, node, shape });
         }
-        Ok(Planner { graph, options, inputs, params, handles })
+        Ok(Planner {
+            graph,
+            options,
+            inputs,
+            params,
+            handles,
+        })
     }
 
     fn finish(self, graph: Graph, order: Vec<usize>) -> Result<Plan> {
@@ -194,7 +208,11 @@ impl<'a> Planner<'a> {
         }
         let is_view: Vec<bool> = nodes
             .iter()
-            .map(|node| node.inputs.first().is_some_and(|x| view_offset(&node.op, &nodes[x.index()].shape).is_some()))
+            .map(|node| {
+                node.inputs
+                    .first()
+                    .is_some_and(|x| view_offset(&node.op, &nodes[x.index()].shape).is_some())
+            })
             .collect();
         // Last step at which each value is read (through views), or `end` for outputs.
         let outputs = self.graph.outputs();
@@ -211,7 +229,13 @@ impl<'a> Planner<'a> {
         }
 
         let mut root = vec![0usize; n];
-        let mut locations = vec![Location { region: Region::Arena, offset: 0 }; n];
+        let mut locations = vec![
+            Location {
+                region: Region::Arena,
+                offset: 0
+            };
+            n
+        ];
         let mut group_last = vec![0usize; n];
         let mut in_place = vec![false; n];
         let mut transient = 0usize;
@@ -219,8 +243,16 @@ impl<'a> Planner<'a> {
             let node = &nodes[i];
             let shape = &node.shape;
             let source_region = match &node.op {
-                Op::Input { name } => self.handles.iter().position(|h| h.name == *name).map(Region::Handle),
-                Op::Param { name } => self.params.iter().position(|p| p.name == *name).map(Region::Param),
+                Op::Input { name } => self
+                    .handles
+                    .iter()
+                    .position(|h| h.name == *name)
+                    .map(Region::Handle),
+                Op::Param { name } => self
+                    .params
+                    .iter()
+                    .position(|p| p.name == *name)
+                    .map(Region::Param),
                 Op::Constant { id } => Some(Region::Constant(*id)),
                 _ => None,
             };
@@ -252,7 +284,10 @@ impl<'a> Planner<'a> {
                 let src = node.inputs[0].index();
                 let delta = view_offset(&node.op, &nodes[src].shape).unwrap_or(0);
                 root[i] = root[src];
-                locations[i] = Location { region: locations[src].region, offset: locations[src].offset + delta };
+                locations[i] = Location {
+                    region: locations[src].region,
+                    offset: locations[src].offset + delta,
+                };
                 if locations[i].region == Region::Arena {
                     group_last[root[i]] = group_last[root[i]].max(last_use[i]);
                 }
@@ -289,12 +324,27 @@ impl<'a> Planner<'a> {
         }
 
         // Place every arena root.
-        let arena_roots: Vec<usize> = (0..n).filter(|&i| root[i] == i && locations[i].region == Region::Arena && !is_view[i] && !matches!(nodes[i].op, Op::WriteAt { .. })).collect();
+        let arena_roots: Vec<usize> = (0..n)
+            .filter(|&i| {
+                root[i] == i
+                    && locations[i].region == Region::Arena
+                    && !is_view[i]
+                    && !matches!(nodes[i].op, Op::WriteAt { .. })
+            })
+            .collect();
         let lifetimes: Vec<Lifetime> = arena_roots
             .iter()
             .map(|&r| {
-                let start = if matches!(nodes[r].op, Op::Input { .. }) { 0 } else { time[r] };
-                Lifetime { size: nodes[r].shape.byte_size(), start, end: group_last[r].max(start) }
+                let start = if matches!(nodes[r].op, Op::Input { .. }) {
+                    0
+                } else {
+                    time[r]
+                };
+                Lifetime {
+                    size: nodes[r].shape.byte_size(),
+                    start,
+                    end: group_last[r].max(start),
+                }
             })
             .collect();
         let assignment = assign_offsets(&lifetimes, ARENA_ALIGN, self.options.memory_reuse);

@@ -33,7 +33,13 @@ impl Clone for CompiledGraph {
 
 impl std::fmt::Debug for CompiledGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CompiledGraph({} on {}, {})", self.plan.graph.name(), self.device, self.plan.stats)
+        write!(
+            f,
+            "CompiledGraph({} on {}, {})",
+            self.plan.graph.name(),
+            self.device,
+            self.plan.stats
+        )
     }
 }
 
@@ -58,14 +64,21 @@ impl<'a> SlotOutputs<'a> {
     pub fn get(&self, i: usize) -> Result<&'a [f32]> {
         let shape = self.graph.output_shape(i)?;
         if shape.dtype() != DType::F32 {
-            return Err(Error::dtype(format!("output {i} (use bytes() for other dtypes)"), "f32", shape.dtype()));
+            return Err(Error::dtype(
+                format!("output {i} (use bytes() for other dtypes)"),
+                "f32",
+                shape.dtype(),
+            ));
         }
         let bytes = self.bytes(i)?;
         // SAFETY: `f32` has no invalid bit patterns; `align_to` only yields the
         // correctly aligned middle part, checked to be the whole slice below.
         let (head, values, tail) = unsafe { bytes.align_to::<f32>() };
         if !head.is_empty() || !tail.is_empty() {
-            return Err(Error::runtime("run_slots", format!("output {i} is not 4-byte aligned")));
+            return Err(Error::runtime(
+                "run_slots",
+                format!("output {i} is not 4-byte aligned"),
+            ));
         }
         Ok(values)
     }
@@ -90,28 +103,61 @@ impl<'a> SlotOutputs<'a> {
 }
 
 /// Where each provided named input goes: checked before anything is written.
-fn match_named<T>(plan: &Plan, inputs: &[(&str, T)], mut check: impl FnMut(&str, &Shape, &T) -> Result<()>) -> Result<()> {
+fn match_named<T>(
+    plan: &Plan,
+    inputs: &[(&str, T)],
+    mut check: impl FnMut(&str, &Shape, &T) -> Result<()>,
+) -> Result<()> {
     for (k, (name, value)) in inputs.iter().enumerate() {
         let Some(src) = plan.inputs.iter().find(|s| s.name == *name) else {
             if plan.handles.iter().any(|h| h.name == *name) {
-                return Err(Error::invalid(format!("input '{name}'"), "is a persistent handle; use write_handle instead of passing it to run"));
+                return Err(Error::invalid(
+                    format!("input '{name}'"),
+                    "is a persistent handle; use write_handle instead of passing it to run",
+                ));
             }
-            return Err(Error::UnknownName { kind: "input", name: name.to_string(), known: plan.inputs.iter().map(|s| s.name.clone()).collect() });
+            return Err(Error::UnknownName {
+                kind: "input",
+                name: name.to_string(),
+                known: plan.inputs.iter().map(|s| s.name.clone()).collect(),
+            });
         };
         if inputs[..k].iter().any(|(n, _)| n == name) {
-            return Err(Error::DuplicateName { kind: "input", name: name.to_string() });
+            return Err(Error::DuplicateName {
+                kind: "input",
+                name: name.to_string(),
+            });
         }
         check(name, &src.shape, value)?;
     }
-    if let Some(missing) = plan.inputs.iter().find(|s| !inputs.iter().any(|(n, _)| *n == s.name)) {
-        return Err(Error::MissingInput { name: missing.name.clone(), shape: missing.shape.clone() });
+    if let Some(missing) = plan
+        .inputs
+        .iter()
+        .find(|s| !inputs.iter().any(|(n, _)| *n == s.name))
+    {
+        return Err(Error::MissingInput {
+            name: missing.name.clone(),
+            shape: missing.shape.clone(),
+        });
     }
     Ok(())
 }
 
-fn check_count(kind: &'static str, name: &str, expected: usize, got: usize, unit: &'static str) -> Result<()> {
+fn check_count(
+    kind: &'static str,
+    name: &str,
+    expected: usize,
+    got: usize,
+    unit: &'static str,
+) -> Result<()> {
     if expected != got {
-        return Err(Error::LengthMismatch { kind, name: name.to_string(), expected, got, unit });
+        return Err(Error::LengthMismatch {
+            kind,
+            name: name.to_string(),
+            expected,
+            got,
+            unit,
+        });
     }
     Ok(())
 }
@@ -119,7 +165,14 @@ fn check_count(kind: &'static str, name: &str, expected: usize, got: usize, unit
 impl CompiledGraph {
     pub(crate) fn new(device: Device, plan: Arc<Plan>, exe: Box<dyn Executable>) -> CompiledGraph {
         let params = plan.params.len();
-        CompiledGraph { device, plan, exe, param_set: vec![false; params], pending: false, has_run: false }
+        CompiledGraph {
+            device,
+            plan,
+            exe,
+            param_set: vec![false; params],
+            pending: false,
+            has_run: false,
+        }
     }
 
     /// The device it runs on.
@@ -149,25 +202,43 @@ impl CompiledGraph {
 
     /// Names and shapes of the run-time inputs, in the order `run_slots` takes them.
     pub fn inputs(&self) -> Vec<(String, Shape)> {
-        self.plan.inputs.iter().map(|s| (s.name.clone(), s.shape.clone())).collect()
+        self.plan
+            .inputs
+            .iter()
+            .map(|s| (s.name.clone(), s.shape.clone()))
+            .collect()
     }
 
     /// Names and shapes of the params.
     pub fn params(&self) -> Vec<(String, Shape)> {
-        self.plan.params.iter().map(|s| (s.name.clone(), s.shape.clone())).collect()
+        self.plan
+            .params
+            .iter()
+            .map(|s| (s.name.clone(), s.shape.clone()))
+            .collect()
     }
 
     /// Shapes of the outputs, in order.
     pub fn output_shapes(&self) -> Vec<Shape> {
-        self.plan.outputs.iter().map(|&o| self.plan.shape(o).clone()).collect()
+        self.plan
+            .outputs
+            .iter()
+            .map(|&o| self.plan.shape(o).clone())
+            .collect()
     }
 
     fn output_node(&self, i: usize) -> Result<NodeId> {
-        self.plan.outputs.get(i).copied().ok_or_else(|| Error::UnknownName {
-            kind: "output",
-            name: i.to_string(),
-            known: (0..self.plan.outputs.len()).map(|k| k.to_string()).collect(),
-        })
+        self.plan
+            .outputs
+            .get(i)
+            .copied()
+            .ok_or_else(|| Error::UnknownName {
+                kind: "output",
+                name: i.to_string(),
+                known: (0..self.plan.outputs.len())
+                    .map(|k| k.to_string())
+                    .collect(),
+            })
     }
 
     fn output_shape(&self, i: usize) -> Result<&Shape> {
@@ -175,26 +246,40 @@ impl CompiledGraph {
     }
 
     fn param_index(&self, name: &str) -> Result<usize> {
-        self.plan.params.iter().position(|p| p.name == name).ok_or_else(|| Error::UnknownName {
-            kind: "param",
-            name: name.to_string(),
-            known: self.plan.params.iter().map(|p| p.name.clone()).collect(),
-        })
+        self.plan
+            .params
+            .iter()
+            .position(|p| p.name == name)
+            .ok_or_else(|| Error::UnknownName {
+                kind: "param",
+                name: name.to_string(),
+                known: self.plan.params.iter().map(|p| p.name.clone()).collect(),
+            })
     }
 
     fn handle_index(&self, name: &str) -> Result<usize> {
-        self.plan.handles.iter().position(|h| h.name == name).ok_or_else(|| Error::UnknownName {
-            kind: "handle",
-            name: name.to_string(),
-            known: self.plan.handles.iter().map(|h| h.name.clone()).collect(),
-        })
+        self.plan
+            .handles
+            .iter()
+            .position(|h| h.name == name)
+            .ok_or_else(|| Error::UnknownName {
+                kind: "handle",
+                name: name.to_string(),
+                known: self.plan.handles.iter().map(|h| h.name.clone()).collect(),
+            })
     }
 
     /// Sets a param from `f32` values, converted to the param's dtype.
     pub fn set_param(&mut self, name: &str, values: &[f32]) -> Result<()> {
         let i = self.param_index(name)?;
         let shape = &self.plan.params[i].shape;
-        check_count("param", name, shape.num_elements(), values.len(), "elements")?;
+        check_count(
+            "param",
+            name,
+            shape.num_elements(),
+            values.len(),
+            "elements",
+        )?;
         let bytes = f32_to_vec(values, shape.dtype());
         self.exe.set_param(i, &bytes)?;
         self.param_set[i] = true;
@@ -206,9 +291,19 @@ impl CompiledGraph {
         let i = self.param_index(name)?;
         let shape = &self.plan.params[i].shape;
         if values.dtype() != shape.dtype() {
-            return Err(Error::dtype(format!("param '{name}'"), shape.dtype().name(), values.dtype()));
+            return Err(Error::dtype(
+                format!("param '{name}'"),
+                shape.dtype().name(),
+                values.dtype(),
+            ));
         }
-        check_count("param", name, shape.num_elements(), values.len(), "elements")?;
+        check_count(
+            "param",
+            name,
+            shape.num_elements(),
+            values.len(),
+            "elements",
+        )?;
         self.exe.set_param(i, &values.to_le_bytes())?;
         self.param_set[i] = true;
         Ok(())
@@ -217,7 +312,13 @@ impl CompiledGraph {
     /// Sets a param from raw little-endian bytes of its dtype.
     pub fn set_param_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
         let i = self.param_index(name)?;
-        check_count("param", name, self.plan.params[i].shape.byte_size(), bytes.len(), "bytes")?;
+        check_count(
+            "param",
+            name,
+            self.plan.params[i].shape.byte_size(),
+            bytes.len(),
+            "bytes",
+        )?;
         self.exe.set_param(i, bytes)?;
         self.param_set[i] = true;
         Ok(())
@@ -226,7 +327,10 @@ impl CompiledGraph {
     fn check_params(&self) -> Result<()> {
         if let Some(i) = self.param_set.iter().position(|&s| !s) {
             let p = &self.plan.params[i];
-            return Err(Error::ParamNotSet { name: p.name.clone(), shape: p.shape.clone() });
+            return Err(Error::ParamNotSet {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+            });
         }
         Ok(())
     }
@@ -241,9 +345,16 @@ impl CompiledGraph {
 
     fn stage_f32(&mut self, inputs: &[(&str, &[f32])]) -> Result<()> {
         self.check_params()?;
-        match_named(&self.plan, inputs, |name, shape, v| check_count("input", name, shape.num_elements(), v.len(), "elements"))?;
+        match_named(&self.plan, inputs, |name, shape, v| {
+            check_count("input", name, shape.num_elements(), v.len(), "elements")
+        })?;
         for (name, values) in inputs {
-            let k = self.plan.inputs.iter().position(|s| s.name == *name).unwrap_or(0);
+            let k = self
+                .plan
+                .inputs
+                .iter()
+                .position(|s| s.name == *name)
+                .unwrap_or(0);
             let dtype = self.plan.inputs[k].shape.dtype();
             f32_to_bytes(values, dtype, self.exe.input_staging(k)?)?;
         }
@@ -264,12 +375,21 @@ impl CompiledGraph {
         self.check_params()?;
         match_named(&self.plan, inputs, |name, shape, v| {
             if v.dtype() != shape.dtype() {
-                return Err(Error::dtype(format!("input '{name}'"), shape.dtype().name(), v.dtype()));
+                return Err(Error::dtype(
+                    format!("input '{name}'"),
+                    shape.dtype().name(),
+                    v.dtype(),
+                ));
             }
             check_count("input", name, shape.num_elements(), v.len(), "elements")
         })?;
         for (name, values) in inputs {
-            let k = self.plan.inputs.iter().position(|s| s.name == *name).unwrap_or(0);
+            let k = self
+                .plan
+                .inputs
+                .iter()
+                .position(|s| s.name == *name)
+                .unwrap_or(0);
             values.write_le_bytes(self.exe.input_staging(k)?)?;
         }
         self.execute()?;
@@ -284,22 +404,43 @@ impl CompiledGraph {
     /// Runs with named inputs as raw little-endian bytes; returns raw output bytes.
     pub fn run_raw(&mut self, inputs: &[(&str, &[u8])]) -> Result<Vec<Vec<u8>>> {
         self.check_params()?;
-        match_named(&self.plan, inputs, |name, shape, v| check_count("input", name, shape.byte_size(), v.len(), "bytes"))?;
+        match_named(&self.plan, inputs, |name, shape, v| {
+            check_count("input", name, shape.byte_size(), v.len(), "bytes")
+        })?;
         for (name, bytes) in inputs {
-            let k = self.plan.inputs.iter().position(|s| s.name == *name).unwrap_or(0);
+            let k = self
+                .plan
+                .inputs
+                .iter()
+                .position(|s| s.name == *name)
+                .unwrap_or(0);
             self.exe.input_staging(k)?.copy_from_slice(bytes);
         }
         self.execute()?;
-        (0..self.plan.outputs.len()).map(|i| Ok(self.exe.value_bytes(self.output_node(i)?)?.to_vec())).collect()
+        (0..self.plan.outputs.len())
+            .map(|i| Ok(self.exe.value_bytes(self.output_node(i)?)?.to_vec()))
+            .collect()
     }
 
     /// The hot path: inputs by position (the order of [`CompiledGraph::inputs`]) as
     /// `f32`, outputs borrowed from the graph's memory. Allocates nothing.
     pub fn run_slots(&mut self, inputs: &[&[f32]]) -> Result<SlotOutputs<'_>> {
         self.check_params()?;
-        check_count("input", "(slots)", self.plan.inputs.len(), inputs.len(), "elements")?;
+        check_count(
+            "input",
+            "(slots)",
+            self.plan.inputs.len(),
+            inputs.len(),
+            "elements",
+        )?;
         for (src, values) in self.plan.inputs.iter().zip(inputs) {
-            check_count("input", &src.name, src.shape.num_elements(), values.len(), "elements")?;
+            check_count(
+                "input",
+                &src.name,
+                src.shape.num_elements(),
+                values.len(),
+                "elements",
+            )?;
         }
         for (k, values) in inputs.iter().enumerate() {
             let dtype = self.plan.inputs[k].shape.dtype();
@@ -311,12 +452,28 @@ impl CompiledGraph {
 
     /// Runs and writes every output into the caller's buffers (each exactly the
     /// output's element count). Allocates nothing.
-    pub fn run_read_outputs(&mut self, inputs: &[(&str, &[f32])], outputs: &mut [&mut [f32]]) -> Result<()> {
-        check_count("output", "(buffers)", self.plan.outputs.len(), outputs.len(), "elements")?;
+    pub fn run_read_outputs(
+        &mut self,
+        inputs: &[(&str, &[f32])],
+        outputs: &mut [&mut [f32]],
+    ) -> Result<()> {
+        check_count(
+            "output",
+            "(buffers)",
+            self.plan.outputs.len(),
+            outputs.len(),
+            "elements",
+        )?;
         for (i, dst) in outputs.iter().enumerate() {
             let expected = self.output_shape(i)?.num_elements();
             if expected != dst.len() {
-                return Err(Error::LengthMismatch { kind: "output", name: i.to_string(), expected, got: dst.len(), unit: "elements" });
+                return Err(Error::LengthMismatch {
+                    kind: "output",
+                    name: i.to_string(),
+                    expected,
+                    got: dst.len(),
+                    unit: "elements",
+                });
             }
         }
         self.stage_f32(inputs)?;
@@ -334,7 +491,12 @@ impl CompiledGraph {
             return Err(Error::invalid("read_outputs", "the graph has not run yet"));
         }
         (0..self.plan.outputs.len())
-            .map(|i| bytes_to_f32_vec(self.exe.value_bytes(self.output_node(i)?)?, self.output_shape(i)?.dtype()))
+            .map(|i| {
+                bytes_to_f32_vec(
+                    self.exe.value_bytes(self.output_node(i)?)?,
+                    self.output_shape(i)?.dtype(),
+                )
+            })
             .collect()
     }
 
@@ -343,24 +505,42 @@ impl CompiledGraph {
     pub fn read_output_row(&self, output: usize, row: usize, dst: &mut [f32]) -> Result<()> {
         let shape = self.output_shape(output)?;
         if !self.has_run {
-            return Err(Error::invalid("read_output_row", "the graph has not run yet"));
+            return Err(Error::invalid(
+                "read_output_row",
+                "the graph has not run yet",
+            ));
         }
-        let rows = *shape.dims().first().ok_or_else(|| Error::invalid("read_output_row", format!("output {output} is a scalar ({shape})")))?;
+        let rows = *shape.dims().first().ok_or_else(|| {
+            Error::invalid(
+                "read_output_row",
+                format!("output {output} is a scalar ({shape})"),
+            )
+        })?;
         if row >= rows {
-            return Err(Error::invalid("read_output_row", format!("row {row} out of range for output {output} {shape}")));
+            return Err(Error::invalid(
+                "read_output_row",
+                format!("row {row} out of range for output {output} {shape}"),
+            ));
         }
-        let row_len = if rows == 0 { 0 } else { shape.num_elements() / rows };
+        let row_len = shape.num_elements().checked_div(rows).unwrap_or(0);
         check_count("destination", "row", row_len, dst.len(), "elements")?;
         let size = shape.dtype().size_in_bytes();
         let bytes = self.exe.value_bytes(self.output_node(output)?)?;
-        bytes_to_f32(&bytes[row * row_len * size..(row + 1) * row_len * size], shape.dtype(), dst)
+        bytes_to_f32(
+            &bytes[row * row_len * size..(row + 1) * row_len * size],
+            shape.dtype(),
+            dst,
+        )
     }
 
     /// Starts a run and returns without waiting for it (on the CPU the run completes
     /// before returning). Collect it with [`CompiledGraph::sync_pending`].
     pub fn commit_no_wait(&mut self, inputs: &[(&str, &[f32])]) -> Result<()> {
         if self.pending {
-            return Err(Error::invalid("commit_no_wait", "a run is already pending; call sync_pending first"));
+            return Err(Error::invalid(
+                "commit_no_wait",
+                "a run is already pending; call sync_pending first",
+            ));
         }
         self.stage_f32(inputs)?;
         self.exe.submit()?;
@@ -411,7 +591,13 @@ impl CompiledGraph {
     pub fn write_handle(&mut self, name: &str, values: &[f32]) -> Result<()> {
         let i = self.handle_index(name)?;
         let shape = &self.plan.handles[i].shape;
-        check_count("handle", name, shape.num_elements(), values.len(), "elements")?;
+        check_count(
+            "handle",
+            name,
+            shape.num_elements(),
+            values.len(),
+            "elements",
+        )?;
         self.exe.write_handle(i, &f32_to_vec(values, shape.dtype()))
     }
 

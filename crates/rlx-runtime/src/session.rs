@@ -1,10 +1,10 @@
 //! Sessions and compile options.
 
-use crate::backend::backend_for;
 use crate::CompiledGraph;
+use crate::backend::backend_for;
 use rlx_driver::{BufferHandle, Device};
 use rlx_ir::{Graph, Result};
-use rlx_opt::{plan_graph, PlanOptions};
+use rlx_opt::{PlanOptions, plan_graph};
 use std::borrow::Borrow;
 use std::sync::Arc;
 
@@ -24,7 +24,11 @@ pub struct CompileOptions {
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        CompileOptions { handles: Vec::new(), memory_reuse: true, in_place: true }
+        CompileOptions {
+            handles: Vec::new(),
+            memory_reuse: true,
+            in_place: true,
+        }
     }
 }
 
@@ -78,14 +82,29 @@ impl Session {
     }
 
     /// Verifies, optimizes, plans memory and prepares the graph on the device.
-    pub fn compile_with(&self, graph: impl Borrow<Graph>, options: &CompileOptions) -> Result<CompiledGraph> {
+    pub fn compile_with(
+        &self,
+        graph: impl Borrow<Graph>,
+        options: &CompileOptions,
+    ) -> Result<CompiledGraph> {
         let backend = backend_for(self.device)?;
         let mut seen = std::collections::HashSet::new();
-        if let Some(dup) = options.handles.iter().find(|h| !seen.insert(h.name.as_str())) {
-            return Err(rlx_ir::Error::DuplicateName { kind: "handle", name: dup.name.clone() });
+        if let Some(dup) = options
+            .handles
+            .iter()
+            .find(|h| !seen.insert(h.name.as_str()))
+        {
+            return Err(rlx_ir::Error::DuplicateName {
+                kind: "handle",
+                name: dup.name.clone(),
+            });
         }
         let plan_options = PlanOptions {
-            handles: options.handles.iter().map(|h| (h.name.clone(), h.shape.clone())).collect(),
+            handles: options
+                .handles
+                .iter()
+                .map(|h| (h.name.clone(), h.shape.clone()))
+                .collect(),
             memory_reuse: options.memory_reuse,
             in_place: options.in_place,
         };

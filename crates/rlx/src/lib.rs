@@ -34,8 +34,13 @@ pub use rlx_runtime::{CompileOptions, CompiledGraph, MemoryStats, Session, SlotO
 /// Everything needed to build, compile and run a graph.
 pub mod prelude {
     pub use crate::{
-        BufferHandle, CompileOptions, CompiledGraph, DType, Device, Error, Graph, NodeId, Result, Session, Shape,
-        TensorData, TensorRef,
+        BufferHandle, CompileOptions, CompiledGraph, DType, Device, Error, Graph, NodeId, Result,
+        Session, Shape, TensorData, TensorRef,
     };
     pub use rlx_ir::{BinaryOp, PadMode, ReduceOp, RopeStyle, UnaryOp};
 }
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+mod readme {}

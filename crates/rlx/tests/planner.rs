@@ -2,7 +2,7 @@
 //! simultaneously live values on random graphs, and identical results with and
 //! without reuse.
 
-use rlx::ir::reference::{evaluate, HostTensor};
+use rlx::ir::reference::{HostTensor, evaluate};
 use rlx::opt::lifetimes::find_overlap;
 use rlx::prelude::*;
 use std::collections::HashMap;
@@ -29,7 +29,10 @@ fn assert_no_overlap(c: &CompiledGraph) {
     let values = c.plan().arena_values();
     let lifetimes: Vec<_> = values.iter().map(|v| v.1).collect();
     let offsets: Vec<_> = values.iter().map(|v| v.2).collect();
-    assert!(find_overlap(&lifetimes, &offsets).is_none(), "two live values share bytes");
+    assert!(
+        find_overlap(&lifetimes, &offsets).is_none(),
+        "two live values share bytes"
+    );
     let stats = c.memory_stats();
     for (_, lt, off) in values {
         assert!(off + lt.size <= stats.arena_bytes);
@@ -48,7 +51,11 @@ fn deep_chain_reuses_memory() {
         // A matmul cannot run in place, so every step needs a fresh buffer.
         h = g.matmul(g.reshape(h, &[1, n]).unwrap(), w).unwrap();
         h = g.reshape(h, &[n]).unwrap();
-        h = if i % 2 == 0 { g.tanh(h).unwrap() } else { g.sin(h).unwrap() };
+        h = if i % 2 == 0 {
+            g.tanh(h).unwrap()
+        } else {
+            g.sin(h).unwrap()
+        };
     }
     g.set_outputs(vec![h]);
     let mut c = Session::new(Device::Cpu).compile(&g).unwrap();
@@ -59,13 +66,23 @@ fn deep_chain_reuses_memory() {
     assert_eq!(s.views, 80, "{s}");
     assert_no_overlap(&c);
 
-    let wv: Vec<f32> = (0..n * n).map(|i| ((i * 31 % 17) as f32 - 8.0) / 64.0).collect();
+    let wv: Vec<f32> = (0..n * n)
+        .map(|i| ((i * 31 % 17) as f32 - 8.0) / 64.0)
+        .collect();
     let xv: Vec<f32> = (0..n).map(|i| (i as f32 / n as f32) - 0.5).collect();
     c.set_param("w", &wv).unwrap();
     let got = c.run(&[("x", &xv)]).unwrap();
-    let mut plain = Session::new(Device::Cpu).compile_with(&g, &CompileOptions::new().memory_reuse(false).in_place(false)).unwrap();
+    let mut plain = Session::new(Device::Cpu)
+        .compile_with(
+            &g,
+            &CompileOptions::new().memory_reuse(false).in_place(false),
+        )
+        .unwrap();
     let p = plain.memory_stats();
-    assert!(p.arena_bytes >= p.transient_bytes && p.in_place == 0, "no reuse: {p}");
+    assert!(
+        p.arena_bytes >= p.transient_bytes && p.in_place == 0,
+        "no reuse: {p}"
+    );
     plain.set_param("w", &wv).unwrap();
     assert_eq!(plain.run(&[("x", &xv)]).unwrap(), got);
 }
@@ -75,7 +92,9 @@ fn deep_chain_reuses_memory() {
 fn random_graph(rng: &mut Rng, inputs: usize, ops: usize) -> Graph {
     let g = Graph::new("random");
     let (r, c) = (4 + rng.below(5), 4 + rng.below(5));
-    let mut pool: Vec<NodeId> = (0..inputs).map(|i| g.input(format!("in{i}"), Shape::new(&[r, c], DType::F32))).collect();
+    let mut pool: Vec<NodeId> = (0..inputs)
+        .map(|i| g.input(format!("in{i}"), Shape::new(&[r, c], DType::F32)))
+        .collect();
     let w = g.param("w", Shape::new(&[c, c], DType::F32));
     for _ in 0..ops {
         let a = pool[rng.below(pool.len())];
@@ -98,7 +117,9 @@ fn random_graph(rng: &mut Rng, inputs: usize, ops: usize) -> Graph {
         pool.push(v);
     }
     let n_out = 1 + rng.below(3);
-    let outs: Vec<NodeId> = (0..n_out).map(|_| pool[inputs + rng.below(pool.len() - inputs)]).collect();
+    let outs: Vec<NodeId> = (0..n_out)
+        .map(|_| pool[inputs + rng.below(pool.len() - inputs)])
+        .collect();
     g.set_outputs(outs);
     g
 }
@@ -114,21 +135,36 @@ fn random_graphs_never_overlap_and_match_the_reference() {
         let mut feeds: Vec<(String, Vec<f32>)> = Vec::new();
         for (name, _, shape) in g.inputs().into_iter().chain(g.params()) {
             let data: Vec<f32> = (0..shape.num_elements()).map(|_| rng.value()).collect();
-            values.insert(name.clone(), HostTensor::from_data(shape.dims(), &TensorData::F32(data.clone())).unwrap());
+            values.insert(
+                name.clone(),
+                HostTensor::from_data(shape.dims(), &TensorData::F32(data.clone())).unwrap(),
+            );
             feeds.push((name, data));
         }
         let expected = evaluate(&g, &mut values).unwrap();
-        for options in [CompileOptions::new(), CompileOptions::new().memory_reuse(false).in_place(false)] {
-            let mut c = Session::new(Device::Cpu).compile_with(&g, &options).unwrap();
+        for options in [
+            CompileOptions::new(),
+            CompileOptions::new().memory_reuse(false).in_place(false),
+        ] {
+            let mut c = Session::new(Device::Cpu)
+                .compile_with(&g, &options)
+                .unwrap();
             assert_no_overlap(&c);
             let w = &feeds.iter().find(|(n, _)| n == "w").unwrap().1;
             c.set_param("w", w).unwrap();
-            let named: Vec<(&str, &[f32])> = feeds.iter().filter(|(n, _)| n != "w").map(|(n, d)| (n.as_str(), d.as_slice())).collect();
+            let named: Vec<(&str, &[f32])> = feeds
+                .iter()
+                .filter(|(n, _)| n != "w")
+                .map(|(n, d)| (n.as_str(), d.as_slice()))
+                .collect();
             let got = c.run(&named).unwrap();
             for (o, (exp, got)) in expected.iter().zip(&got).enumerate() {
                 for (i, (&e, &v)) in exp.data.iter().zip(got).enumerate() {
                     let tol = 1e-4 * (1.0 + e.abs());
-                    assert!((e - v as f64).abs() <= tol, "case {case} output {o}[{i}]: {v} vs {e} ({options:?})\n{g}");
+                    assert!(
+                        (e - v as f64).abs() <= tol,
+                        "case {case} output {o}[{i}]: {v} vs {e} ({options:?})\n{g}"
+                    );
                 }
             }
         }

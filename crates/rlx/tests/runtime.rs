@@ -10,7 +10,9 @@ fn gelu(x: f64) -> f64 {
     let t = x / std::f64::consts::SQRT_2;
     let steps = 20_000;
     let h = t / steps as f64;
-    let integral: f64 = (0..steps).map(|i| (-(((i as f64) + 0.5) * h).powi(2)).exp() * h).sum();
+    let integral: f64 = (0..steps)
+        .map(|i| (-(((i as f64) + 0.5) * h).powi(2)).exp() * h)
+        .sum();
     0.5 * x * (1.0 + 2.0 / std::f64::consts::PI.sqrt() * integral)
 }
 
@@ -68,8 +70,13 @@ fn run_variants_agree() {
     // SAFETY: offset and length come from the plan for this output.
     let raw = unsafe { std::slice::from_raw_parts(ptr.add(off).cast::<f32>(), 6) };
     assert_eq!(raw, expected[0].as_slice());
-    let raw = c.run_raw(&[("x", &rlx::driver::convert::f32_to_vec(&X, DType::F32))]).unwrap();
-    assert_eq!(rlx::driver::convert::bytes_to_f32_vec(&raw[0], DType::F32).unwrap(), expected[0]);
+    let raw = c
+        .run_raw(&[("x", &rlx::driver::convert::f32_to_vec(&X, DType::F32))])
+        .unwrap();
+    assert_eq!(
+        rlx::driver::convert::bytes_to_f32_vec(&raw[0], DType::F32).unwrap(),
+        expected[0]
+    );
     let mut row = [0f32; 3];
     c.read_output_row(0, 1, &mut row).unwrap();
     assert_eq!(row, expected[0][3..6]);
@@ -83,7 +90,10 @@ fn run_variants_agree() {
     let zeros = c.read_outputs().unwrap();
     assert!((zeros[0][0] as f64 - gelu(0.1)).abs() < 1e-6);
     c.commit_no_wait(&[("x", &X)]).unwrap();
-    assert!(c.commit_no_wait(&[("x", &X)]).is_err(), "second commit before sync is refused");
+    assert!(
+        c.commit_no_wait(&[("x", &X)]).is_err(),
+        "second commit before sync is refused"
+    );
     c.sync_pending().unwrap();
     assert_eq!(c.read_outputs().unwrap(), expected);
     assert_eq!(c.device(), Device::Cpu);
@@ -106,15 +116,34 @@ fn bad_input_is_an_error_and_nothing_changes() {
     let good = c.run(&[("x", &X)]).unwrap();
 
     let e = c.run(&[("y", &X)]).unwrap_err();
-    assert!(matches!(&e, Error::UnknownName { kind: "input", name, .. } if name == "y"), "{e}");
-    assert!(e.to_string().contains("unknown input 'y'") && e.to_string().contains("x"), "{e}");
+    assert!(
+        matches!(&e, Error::UnknownName { kind: "input", name, .. } if name == "y"),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("unknown input 'y'") && e.to_string().contains("x"),
+        "{e}"
+    );
 
     let e = c.run(&[("x", &[1.0; 7])]).unwrap_err();
-    assert!(matches!(e, Error::LengthMismatch { expected: 8, got: 7, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::LengthMismatch {
+                expected: 8,
+                got: 7,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(e.to_string().contains("input 'x'"), "{e}");
 
     let e = c.run(&[]).unwrap_err();
-    assert!(matches!(&e, Error::MissingInput { name, .. } if name == "x"), "{e}");
+    assert!(
+        matches!(&e, Error::MissingInput { name, .. } if name == "x"),
+        "{e}"
+    );
 
     let e = c.run(&[("x", &X), ("x", &X)]).unwrap_err();
     assert!(matches!(e, Error::DuplicateName { .. }), "{e}");
@@ -124,18 +153,44 @@ fn bad_input_is_an_error_and_nothing_changes() {
 
     let halfs = vec![f16::ZERO; 8];
     let e = c.run_typed(&[("x", TensorRef::F16(&halfs))]).unwrap_err();
-    assert!(matches!(e, Error::DTypeMismatch { got: DType::F16, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::DTypeMismatch {
+                got: DType::F16,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(e.to_string().contains("expected dtype f32, got f16"), "{e}");
 
     let e = c.set_param("nope", &W).unwrap_err();
-    assert!(matches!(&e, Error::UnknownName { kind: "param", .. }), "{e}");
+    assert!(
+        matches!(&e, Error::UnknownName { kind: "param", .. }),
+        "{e}"
+    );
     let e = c.set_param("w", &W[..11]).unwrap_err();
-    assert!(matches!(e, Error::LengthMismatch { expected: 12, got: 11, .. }), "{e}");
-    let e = c.set_param_typed("b", TensorRef::BF16(&[bf16::ONE; 3])).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::LengthMismatch {
+                expected: 12,
+                got: 11,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = c
+        .set_param_typed("b", TensorRef::BF16(&[bf16::ONE; 3]))
+        .unwrap_err();
     assert!(matches!(e, Error::DTypeMismatch { .. }), "{e}");
 
     let mut buf = vec![0f32; 5];
-    let e = c.run_read_outputs(&[("x", &X)], &mut [&mut buf]).unwrap_err();
+    let e = c
+        .run_read_outputs(&[("x", &X)], &mut [&mut buf])
+        .unwrap_err();
     assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
 
     // Nothing was written: the last good outputs are intact and the params unchanged.
@@ -148,7 +203,10 @@ fn running_before_params_are_set_is_an_error() {
     let mut c = Session::new(Device::Cpu).compile(mlp()).unwrap();
     c.set_param("w", &W).unwrap();
     let e = c.run(&[("x", &X)]).unwrap_err();
-    assert!(matches!(&e, Error::ParamNotSet { name, .. } if name == "b"), "{e}");
+    assert!(
+        matches!(&e, Error::ParamNotSet { name, .. } if name == "b"),
+        "{e}"
+    );
     assert!(e.to_string().contains("param 'b'"), "{e}");
     assert!(c.read_outputs().is_err(), "no run has happened");
     c.set_param("b", &B).unwrap();
@@ -162,16 +220,24 @@ fn shape_mismatch_at_build_time_names_op_and_shapes() {
     let a = g.input("a", Shape::new(&[2, 3], DType::F32));
     let b = g.input("b", Shape::new(&[4, 5], DType::F32));
     let e = g.matmul(a, b).unwrap_err();
-    assert!(matches!(&e, Error::ShapeMismatch { op, .. } if op == "matmul"), "{e}");
+    assert!(
+        matches!(&e, Error::ShapeMismatch { op, .. } if op == "matmul"),
+        "{e}"
+    );
     let msg = e.to_string();
-    assert!(msg.contains("f32[2, 3]") && msg.contains("f32[4, 5]"), "{msg}");
+    assert!(
+        msg.contains("f32[2, 3]") && msg.contains("f32[4, 5]"),
+        "{msg}"
+    );
     let e = g.add(a, b).unwrap_err();
     assert!(e.to_string().starts_with("add:"), "{e}");
     // The graph is still usable after rejected builder calls.
     let c = g.add(a, a).unwrap();
     g.set_outputs(vec![c]);
     let mut compiled = Session::new(Device::Cpu).compile(&g).unwrap();
-    let out = compiled.run(&[("a", &[1., 2., 3., 4., 5., 6.]), ("b", &[0.0; 20])]).unwrap();
+    let out = compiled
+        .run(&[("a", &[1., 2., 3., 4., 5., 6.]), ("b", &[0.0; 20])])
+        .unwrap();
     assert_eq!(out[0], vec![2., 4., 6., 8., 10., 12.]);
 }
 
@@ -182,7 +248,10 @@ fn invalid_graphs_and_devices_are_errors() {
     let _ = g.input("a", Shape::new(&[2], DType::F32));
     g.set_outputs(vec![a]);
     let e = Session::new(Device::Cpu).compile(&g).unwrap_err();
-    assert!(matches!(e, Error::InvalidGraph { .. }) && e.to_string().contains("'a'"), "{e}");
+    assert!(
+        matches!(e, Error::InvalidGraph { .. }) && e.to_string().contains("'a'"),
+        "{e}"
+    );
     let g = Graph::new("no outputs");
     let _ = g.input("a", Shape::new(&[2], DType::F32));
     assert!(Session::new(Device::Cpu).compile(&g).is_err());
@@ -190,7 +259,10 @@ fn invalid_graphs_and_devices_are_errors() {
     let e = Session::new(Device::Tpu).compile(&g).unwrap_err();
     assert!(matches!(e, Error::DeviceUnavailable { .. }), "{e}");
     let e = g.exp(rlx::NodeId::from_index(1000)).unwrap_err();
-    assert!(matches!(e, Error::InvalidGraph { .. }) && e.to_string().contains("%1000"), "{e}");
+    assert!(
+        matches!(e, Error::InvalidGraph { .. }) && e.to_string().contains("%1000"),
+        "{e}"
+    );
 }
 
 fn kv_graph(rows: usize, dim: usize) -> Graph {
@@ -209,31 +281,59 @@ fn kv_cache_handle_accumulates_rows() {
     let (n, dim) = (6, 4);
     let kv = BufferHandle::new("cache", &[n, dim], DType::F32);
     let opts = CompileOptions::new().bind_handle(&kv);
-    let mut c = Session::new(Device::Cpu).compile_with(kv_graph(n, dim), &opts).unwrap();
-    assert_eq!(c.inputs().iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["row", "pos"]);
+    let mut c = Session::new(Device::Cpu)
+        .compile_with(kv_graph(n, dim), &opts)
+        .unwrap();
+    assert_eq!(
+        c.inputs()
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>(),
+        ["row", "pos"]
+    );
     let mut expected = vec![0f32; n * dim];
     for step in 0..n {
         let row: Vec<f32> = (0..dim).map(|j| (step * 10 + j) as f32).collect();
         let out = c.run(&[("row", &row), ("pos", &[step as f32])]).unwrap();
         expected[step * dim..(step + 1) * dim].copy_from_slice(&row);
-        let col_sums: Vec<f32> = (0..dim).map(|j| (0..n).map(|r| expected[r * dim + j]).sum()).collect();
-        assert_eq!(out[0], col_sums, "the graph reads the updated cache in the same run");
+        let col_sums: Vec<f32> = (0..dim)
+            .map(|j| (0..n).map(|r| expected[r * dim + j]).sum())
+            .collect();
+        assert_eq!(
+            out[0], col_sums,
+            "the graph reads the updated cache in the same run"
+        );
     }
     assert_eq!(c.read_handle("cache").unwrap(), expected);
 
     // A position past the end is a run-time error that writes nothing.
-    let e = c.run(&[("row", &[9.0; 4]), ("pos", &[n as f32])]).unwrap_err();
+    let e = c
+        .run(&[("row", &[9.0; 4]), ("pos", &[n as f32])])
+        .unwrap_err();
     assert!(matches!(e, Error::Runtime { .. }), "{e}");
     assert_eq!(c.read_handle("cache").unwrap(), expected);
     // Passing the handle as an input is refused.
-    assert!(c.run(&[("row", &[0.0; 4]), ("pos", &[0.0]), ("cache", &[0.0; 24])]).is_err());
+    assert!(
+        c.run(&[("row", &[0.0; 4]), ("pos", &[0.0]), ("cache", &[0.0; 24])])
+            .is_err()
+    );
 
     // Rebinding resets it; wrong shapes and names are refused.
     let wrong = BufferHandle::new("cache", &[n + 1, dim], DType::F32);
     let e = c.bind_handle(&wrong).unwrap_err();
-    assert!(matches!(e, Error::ShapeMismatch { .. }) && e.to_string().contains("cache"), "{e}");
-    assert_eq!(c.read_handle("cache").unwrap(), expected, "a rejected bind changes nothing");
-    assert!(matches!(c.bind_handle(&BufferHandle::new("kv", &[n, dim], DType::F32)), Err(Error::UnknownName { kind: "handle", .. })));
+    assert!(
+        matches!(e, Error::ShapeMismatch { .. }) && e.to_string().contains("cache"),
+        "{e}"
+    );
+    assert_eq!(
+        c.read_handle("cache").unwrap(),
+        expected,
+        "a rejected bind changes nothing"
+    );
+    assert!(matches!(
+        c.bind_handle(&BufferHandle::new("kv", &[n, dim], DType::F32)),
+        Err(Error::UnknownName { kind: "handle", .. })
+    ));
     c.bind_handle(&kv).unwrap();
     assert_eq!(c.read_handle("cache").unwrap(), vec![0.0; n * dim]);
     c.write_handle("cache", &expected).unwrap();
@@ -241,14 +341,21 @@ fn kv_cache_handle_accumulates_rows() {
     assert!(c.write_handle("cache", &expected[1..]).is_err());
 
     // Binding a handle of the wrong size at compile time is an error.
-    let e = Session::new(Device::Cpu).compile_with(kv_graph(n, dim), &CompileOptions::new().bind_handle(&wrong)).unwrap_err();
+    let e = Session::new(Device::Cpu)
+        .compile_with(kv_graph(n, dim), &CompileOptions::new().bind_handle(&wrong))
+        .unwrap_err();
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
     let e = Session::new(Device::Cpu)
-        .compile_with(kv_graph(n, dim), &CompileOptions::new().bind_handle(&BufferHandle::new("nope", &[1], DType::F32)))
+        .compile_with(
+            kv_graph(n, dim),
+            &CompileOptions::new().bind_handle(&BufferHandle::new("nope", &[1], DType::F32)),
+        )
         .unwrap_err();
     assert!(matches!(e, Error::UnknownName { .. }), "{e}");
     // write_at into an input that is not a handle is refused at compile time.
-    let e = Session::new(Device::Cpu).compile(kv_graph(n, dim)).unwrap_err();
+    let e = Session::new(Device::Cpu)
+        .compile(kv_graph(n, dim))
+        .unwrap_err();
     assert!(e.to_string().contains("handle"), "{e}");
 }
 
@@ -287,7 +394,11 @@ fn f16_and_bf16_round_trip_exactly() {
         // A value that is not representable rounds to nearest.
         c.set_param("w", &[0.1, 1.0, 1.0, 1.0]).unwrap();
         let f = c.run(&[("x", &[1.0, 0.0, 0.0, 0.0])]).unwrap();
-        let expect = if dtype == DType::F16 { f16::from_f32(0.1).to_f32() } else { bf16::from_f32(0.1).to_f32() };
+        let expect = if dtype == DType::F16 {
+            f16::from_f32(0.1).to_f32()
+        } else {
+            bf16::from_f32(0.1).to_f32()
+        };
         assert_eq!(f[0][0], expect);
     }
 }
@@ -303,7 +414,10 @@ fn runtime_errors_leave_the_graph_usable() {
     let t: Vec<f32> = (0..10).map(|v| v as f32).collect();
     c.set_param("table", &t).unwrap();
     let e = c.run(&[("ids", &[0.0, 5.0, 1.0])]).unwrap_err();
-    assert!(matches!(e, Error::Runtime { .. }) && e.to_string().contains("index 5"), "{e}");
+    assert!(
+        matches!(e, Error::Runtime { .. }) && e.to_string().contains("index 5"),
+        "{e}"
+    );
     let out = c.run(&[("ids", &[4.0, -1.0, 0.0])]).unwrap();
     assert_eq!(out[0], vec![8., 9., 8., 9., 0., 1.]);
 }

@@ -1,12 +1,27 @@
 //! Scaled dot-product attention and rotary embedding.
 
-use crate::elem::{with_dtype, Elem, Bool8};
-use crate::tensor::{broadcast_strides, Dst, Src};
+use crate::elem::{Bool8, Elem, with_dtype};
+use crate::tensor::{Dst, Src, broadcast_strides};
 use rlx_ir::{DType, RopeStyle};
 
 /// `scores` must hold at least `Sk` values (the program's scratch).
-pub(crate) fn attention(scale: f64, causal: bool, q: Src, k: Src, v: Src, mask: Option<Src>, out: Dst, scores: &mut [f64]) {
-    let [b, hq, sq, d] = [q.shape.dim(0), q.shape.dim(1), q.shape.dim(2), q.shape.dim(3)];
+#[allow(clippy::too_many_arguments)] // q, k, v, mask, output and scratch are all distinct
+pub(crate) fn attention(
+    scale: f64,
+    causal: bool,
+    q: Src,
+    k: Src,
+    v: Src,
+    mask: Option<Src>,
+    out: Dst,
+    scores: &mut [f64],
+) {
+    let [b, hq, sq, d] = [
+        q.shape.dim(0),
+        q.shape.dim(1),
+        q.shape.dim(2),
+        q.shape.dim(3),
+    ];
     let (hkv, sk, dv) = (k.shape.dim(1), k.shape.dim(2), v.shape.dim(3));
     let group = hq / hkv;
     let full = [b, hq, sq, sk];
@@ -77,7 +92,7 @@ pub(crate) fn rope(style: RopeStyle, x: Src, cos: Src, sin: Src, out: Dst) {
     half_dims[dims.len() - 1] = half;
     let half_dims = &half_dims[..dims.len()];
     let cs = broadcast_strides(cos.shape.dims(), half_dims);
-    let rows = if d == 0 { 0 } else { x.shape.num_elements() / d };
+    let rows = x.shape.num_elements().checked_div(d).unwrap_or(0);
     with_dtype!(x.shape.dtype(), T => {
         crate::tensor::for_each_strided(half_dims, [&cs], [0], |flat, [c_at]| {
             let (r, i) = (flat / half.max(1), flat % half.max(1));

@@ -1,6 +1,6 @@
 //! Direct 2-D convolution and pooling over NCHW.
 
-use crate::elem::{with_dtype, Elem};
+use crate::elem::{Elem, with_dtype};
 use crate::tensor::{Dst, Src};
 use rlx_ir::Window2d;
 
@@ -12,7 +12,12 @@ fn tap(win: &Window2d, axis: usize, o: usize, k: usize, size: usize) -> Option<u
 }
 
 pub(crate) fn conv2d(win: &Window2d, groups: usize, x: Src, w: Src, bias: Option<Src>, out: Dst) {
-    let [n, c, h, wd] = [x.shape.dim(0), x.shape.dim(1), x.shape.dim(2), x.shape.dim(3)];
+    let [n, c, h, wd] = [
+        x.shape.dim(0),
+        x.shape.dim(1),
+        x.shape.dim(2),
+        x.shape.dim(3),
+    ];
     let [o, oh, ow] = [out.shape.dim(1), out.shape.dim(2), out.shape.dim(3)];
     let (cg, og) = (c / groups, o / groups);
     let [kh, kw] = win.kernel;
@@ -42,7 +47,12 @@ pub(crate) fn conv2d(win: &Window2d, groups: usize, x: Src, w: Src, bias: Option
 }
 
 pub(crate) fn pool(win: &Window2d, max: bool, count_include_pad: bool, x: Src, out: Dst) {
-    let [n, c, h, w] = [x.shape.dim(0), x.shape.dim(1), x.shape.dim(2), x.shape.dim(3)];
+    let [n, c, h, w] = [
+        x.shape.dim(0),
+        x.shape.dim(1),
+        x.shape.dim(2),
+        x.shape.dim(3),
+    ];
     let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
     let window_len = win.kernel[0] * win.kernel[1];
     with_dtype!(x.shape.dtype(), T => {

@@ -1,8 +1,8 @@
 //! Unary, binary (broadcast), where and cast. These may run in place: element `i` of
 //! every same-shaped operand is read before element `i` of the output is written.
 
-use crate::elem::{with_dtype, Elem};
-use crate::tensor::{broadcast_strides, for_each_strided, Dst, Src};
+use crate::elem::{Elem, with_dtype};
+use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
 use rlx_ir::scalar::{binary_f64, binary_i64, unary_f64, unary_i64};
 use rlx_ir::{BinaryOp, UnaryOp};
 
@@ -13,7 +13,11 @@ pub(crate) fn unary(op: UnaryOp, x: Src, out: Dst) {
 fn unary_typed<T: Elem>(op: UnaryOp, x: Src, out: Dst) {
     for i in 0..out.shape.num_elements() {
         let v: T = x.get(i);
-        let r = if T::FLOAT { T::from_f64(unary_f64(op, v.to_f64())) } else { T::from_i64(unary_i64(op, v.to_i64())) };
+        let r = if T::FLOAT {
+            T::from_f64(unary_f64(op, v.to_f64()))
+        } else {
+            T::from_i64(unary_i64(op, v.to_i64()))
+        };
         out.set(i, r);
     }
 }

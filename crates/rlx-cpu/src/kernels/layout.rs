@@ -1,9 +1,9 @@
 //! Data movement: permute, strided slice, concat, gather, expand, pad and tile.
 //! Outputs of these kernels never alias their operands.
 
-use crate::elem::{with_dtype, Elem};
-use crate::tensor::{broadcast_strides, for_each_strided, strides_of, Dst, Src};
-use rlx_ir::{Error, PadMode, Result, SliceAxis, MAX_RANK};
+use crate::elem::{Elem, with_dtype};
+use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided, strides_of};
+use rlx_ir::{Error, MAX_RANK, PadMode, Result, SliceAxis};
 
 /// Copies the elements the output index walk selects: `out[i] = x[offset(i)]`.
 fn copy_strided(x: Src, out: Dst, strides: &[isize; MAX_RANK], base: isize) {
@@ -81,7 +81,10 @@ pub(crate) fn gather(axis: usize, x: Src, idx: Src, out: Dst) -> Result<()> {
     for i in 0..count {
         let k = index_at(&idx, i);
         if k < -n || k >= n {
-            return Err(Error::runtime("gather", format!("index {k} at position {i} is out of range for an axis of length {n}")));
+            return Err(Error::runtime(
+                "gather",
+                format!("index {k} at position {i} is out of range for an axis of length {n}"),
+            ));
         }
     }
     let outer: usize = xd[..axis].iter().product();

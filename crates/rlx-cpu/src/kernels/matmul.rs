@@ -1,12 +1,16 @@
 //! Batched matrix multiplication (numpy `matmul`), batch dims broadcast.
 
-use crate::elem::{with_dtype, Elem};
-use crate::tensor::{broadcast_strides, for_each_strided, Dst, Src};
+use crate::elem::{Elem, with_dtype};
+use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
 
 /// `(m, k, n)` and the batch dims of the output, from operand ranks (1-D promoted).
 fn geometry<'a>(a: &Src<'a>, b: &Src<'a>) -> (usize, usize, usize, &'a [usize], &'a [usize]) {
     let (ad, bd) = (a.shape.dims(), b.shape.dims());
-    let (m, k) = if ad.len() == 1 { (1, ad[0]) } else { (ad[ad.len() - 2], ad[ad.len() - 1]) };
+    let (m, k) = if ad.len() == 1 {
+        (1, ad[0])
+    } else {
+        (ad[ad.len() - 2], ad[ad.len() - 1])
+    };
     let n = if bd.len() == 1 { 1 } else { bd[bd.len() - 1] };
     let a_batch = &ad[..ad.len().saturating_sub(2)];
     let b_batch = &bd[..bd.len().saturating_sub(2)];
@@ -34,7 +38,13 @@ pub(crate) fn matmul(a: Src, b: Src, out: Dst) {
 }
 
 /// Row-by-row `f32` kernel (i-p-j order, so the inner loop is contiguous).
-fn matmul_f32(a: &Src, b: &Src, out: &Dst, (ao, bo, oo): (usize, usize, usize), (m, k, n): (usize, usize, usize)) {
+fn matmul_f32(
+    a: &Src,
+    b: &Src,
+    out: &Dst,
+    (ao, bo, oo): (usize, usize, usize),
+    (m, k, n): (usize, usize, usize),
+) {
     let a_all: &[f32] = a.as_slice();
     let b_all: &[f32] = b.as_slice();
     let o_all: &mut [f32] = out.as_mut_slice();
@@ -51,7 +61,13 @@ fn matmul_f32(a: &Src, b: &Src, out: &Dst, (ao, bo, oo): (usize, usize, usize), 
     }
 }
 
-fn matmul_generic<T: Elem>(a: &Src, b: &Src, out: &Dst, (ao, bo, oo): (usize, usize, usize), (m, k, n): (usize, usize, usize)) {
+fn matmul_generic<T: Elem>(
+    a: &Src,
+    b: &Src,
+    out: &Dst,
+    (ao, bo, oo): (usize, usize, usize),
+    (m, k, n): (usize, usize, usize),
+) {
     for i in 0..m {
         for j in 0..n {
             let mut acc = 0.0f64;

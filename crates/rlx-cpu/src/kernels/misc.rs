@@ -1,6 +1,6 @@
 //! Range, cumsum, top-k and one-hot.
 
-use crate::elem::{with_dtype, Elem};
+use crate::elem::{Elem, with_dtype};
 use crate::tensor::{Dst, Src};
 use rlx_ir::TopKOutput;
 
@@ -13,7 +13,11 @@ pub(crate) fn range(start: f64, step: f64, out: Dst) {
 }
 
 fn lanes(dims: &[usize], axis: usize) -> (usize, usize, usize) {
-    (dims[..axis].iter().product(), dims[axis], dims[axis + 1..].iter().product())
+    (
+        dims[..axis].iter().product(),
+        dims[axis],
+        dims[axis + 1..].iter().product(),
+    )
 }
 
 pub(crate) fn cumsum(axis: usize, exclusive: bool, reverse: bool, x: Src, out: Dst) {

@@ -79,15 +79,34 @@ pub(crate) fn run<'a>(
         Op::Pad { pads, mode } => layout::pad(pads, *mode, src(0), out),
         Op::Tile { .. } => layout::tile(src(0), out),
         Op::Range { start, step, .. } => misc::range(start.get(), step.get(), out),
-        Op::Cumsum { axis, exclusive, reverse } => misc::cumsum(*axis, *exclusive, *reverse, src(0), out),
-        Op::TopK { k, axis, largest, output } => misc::topk(*k, *axis, *largest, *output, src(0), out),
+        Op::Cumsum {
+            axis,
+            exclusive,
+            reverse,
+        } => misc::cumsum(*axis, *exclusive, *reverse, src(0), out),
+        Op::TopK {
+            k,
+            axis,
+            largest,
+            output,
+        } => misc::topk(*k, *axis, *largest, *output, src(0), out),
         Op::OneHot { depth, .. } => misc::one_hot(*depth, src(0), out),
         Op::Conv2d { window, groups } => conv::conv2d(window, *groups, src(0), src(1), opt(2), out),
         Op::MaxPool2d { window } => conv::pool(window, true, false, src(0), out),
-        Op::AvgPool2d { window, count_include_pad } => conv::pool(window, false, *count_include_pad, src(0), out),
-        Op::Attention { scale, causal } => {
-            attention::attention(scale.get(), *causal, src(0), src(1), src(2), opt(3), out, scratch)
-        }
+        Op::AvgPool2d {
+            window,
+            count_include_pad,
+        } => conv::pool(window, false, *count_include_pad, src(0), out),
+        Op::Attention { scale, causal } => attention::attention(
+            scale.get(),
+            *causal,
+            src(0),
+            src(1),
+            src(2),
+            opt(3),
+            out,
+            scratch,
+        ),
         Op::Rope { style } => attention::rope(*style, src(0), src(1), src(2), out),
         Op::WriteAt { axis } => state::write_at(*axis, src(1), src(2), out)?,
         Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => {}

@@ -1,11 +1,15 @@
 //! Softmax, log-softmax, LayerNorm and RMSNorm.
 
-use crate::elem::{with_dtype, Elem};
+use crate::elem::{Elem, with_dtype};
 use crate::tensor::{Dst, Src};
 
 /// Lanes along `axis`: (outer count, axis length, inner count).
 fn lanes(dims: &[usize], axis: usize) -> (usize, usize, usize) {
-    (dims[..axis].iter().product(), dims[axis], dims[axis + 1..].iter().product())
+    (
+        dims[..axis].iter().product(),
+        dims[axis],
+        dims[axis + 1..].iter().product(),
+    )
 }
 
 pub(crate) fn softmax(axis: usize, log: bool, x: Src, out: Dst) {
@@ -28,7 +32,7 @@ pub(crate) fn softmax(axis: usize, log: bool, x: Src, out: Dst) {
 /// LayerNorm (with `beta`) or RMSNorm (without) over the last axis.
 pub(crate) fn norm(x: Src, gamma: Src, beta: Option<Src>, eps: f64, out: Dst) {
     let d = *x.shape.dims().last().unwrap_or(&1);
-    let rows = if d == 0 { 0 } else { x.shape.num_elements() / d };
+    let rows = x.shape.num_elements().checked_div(d).unwrap_or(0);
     with_dtype!(x.shape.dtype(), T => {
         for r in 0..rows {
             let at = |j: usize| r * d + j;

@@ -1,8 +1,8 @@
 //! Reductions over axes and argmax/argmin.
 
-use crate::elem::{with_dtype, Elem};
-use crate::tensor::{for_each_strided, strides_of, Dst, Src};
-use rlx_ir::{ArgReduceOp, ReduceOp, MAX_RANK};
+use crate::elem::{Elem, with_dtype};
+use crate::tensor::{Dst, Src, for_each_strided, strides_of};
+use rlx_ir::{ArgReduceOp, MAX_RANK, ReduceOp};
 
 /// Kept and reduced axes with their strides, in fixed arrays (no allocation).
 #[derive(Clone, Copy, Debug)]
@@ -85,8 +85,16 @@ fn reduce_typed<T: Elem>(op: ReduceOp, geo: &ReduceGeometry, x: Src, out: Dst) {
             }
         });
         let r = if T::FLOAT {
-            let f = if nan && matches!(op, ReduceOp::Max | ReduceOp::Min) { f64::NAN } else { f };
-            T::from_f64(if op == ReduceOp::Mean { f / count as f64 } else { f })
+            let f = if nan && matches!(op, ReduceOp::Max | ReduceOp::Min) {
+                f64::NAN
+            } else {
+                f
+            };
+            T::from_f64(if op == ReduceOp::Mean {
+                f / count as f64
+            } else {
+                f
+            })
         } else {
             T::from_i64(n)
         };

@@ -1,6 +1,6 @@
 //! `write_at`: writes rows into a persistent handle at a run-time position.
 
-use crate::elem::{with_dtype, Elem};
+use crate::elem::{Elem, with_dtype};
 use crate::tensor::{Dst, Src};
 use rlx_ir::{Error, Result};
 
@@ -13,7 +13,10 @@ pub(crate) fn write_at(axis: usize, update: Src, pos: Src, target: Dst) -> Resul
     if p < 0 || p as usize + len > td[axis] {
         return Err(Error::runtime(
             "write_at",
-            format!("position {p} + {len} does not fit axis {axis} of length {} (nothing written)", td[axis]),
+            format!(
+                "position {p} + {len} does not fit axis {axis} of length {} (nothing written)",
+                td[axis]
+            ),
         ));
     }
     let outer: usize = td[..axis].iter().product();

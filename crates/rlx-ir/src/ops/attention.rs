@@ -26,7 +26,13 @@ impl Graph {
         let scale = scale.unwrap_or(1.0 / (d.max(1) as f64).sqrt());
         let mut inputs = vec![q, k, v];
         inputs.extend(mask);
-        self.push(Op::Attention { scale: F64Bits::new(scale), causal }, &inputs)
+        self.push(
+            Op::Attention {
+                scale: F64Bits::new(scale),
+                causal,
+            },
+            &inputs,
+        )
     }
 
     /// Rotary position embedding of `x [..., S, D]` (even `D`) with `cos` and `sin`
@@ -44,27 +50,54 @@ pub(crate) fn infer_attention(inputs: &[&Shape]) -> Result<Shape> {
     same_dtype("attention", q, v)?;
     for (what, s) in [("q", q), ("k", k), ("v", v)] {
         if s.rank() != 4 {
-            return Err(Error::invalid("attention", format!("{what} must be [B, H, S, D], got {s}")));
+            return Err(Error::invalid(
+                "attention",
+                format!("{what} must be [B, H, S, D], got {s}"),
+            ));
         }
     }
     let [b, hq, sq, d] = [q.dim(0), q.dim(1), q.dim(2), q.dim(3)];
     if k.dim(0) != b || k.dim(3) != d {
-        return Err(mismatch("attention", q, k, "batch and head size must agree"));
+        return Err(mismatch(
+            "attention",
+            q,
+            k,
+            "batch and head size must agree",
+        ));
     }
     let (hkv, sk) = (k.dim(1), k.dim(2));
     if v.dim(0) != b || v.dim(1) != hkv || v.dim(2) != sk {
-        return Err(mismatch("attention", k, v, "v must be [B, Hkv, Sk, Dv] matching k"));
+        return Err(mismatch(
+            "attention",
+            k,
+            v,
+            "v must be [B, Hkv, Sk, Dv] matching k",
+        ));
     }
     if hkv == 0 || hq % hkv != 0 {
-        return Err(mismatch("attention", q, k, format!("{hq} query heads are not a multiple of {hkv} key/value heads")));
+        return Err(mismatch(
+            "attention",
+            q,
+            k,
+            format!("{hq} query heads are not a multiple of {hkv} key/value heads"),
+        ));
     }
     if let Some(m) = inputs.get(3) {
         let full = [b, hq, sq, sk];
         if m.rank() > 4 || broadcast_dims(m.dims(), &full).as_deref() != Some(&full[..]) {
-            return Err(mismatch("attention", q, m, format!("mask must broadcast to {full:?}")));
+            return Err(mismatch(
+                "attention",
+                q,
+                m,
+                format!("mask must broadcast to {full:?}"),
+            ));
         }
         if m.dtype() != DType::Bool && m.dtype() != q.dtype() {
-            return Err(Error::dtype("attention (mask)", format!("bool or {}", q.dtype()), m.dtype()));
+            return Err(Error::dtype(
+                "attention (mask)",
+                format!("bool or {}", q.dtype()),
+                m.dtype(),
+            ));
         }
     }
     Ok(q.with_dims(&[b, hq, sq, v.dim(3)]))
@@ -74,26 +107,49 @@ pub(crate) fn infer_rope(x: &Shape, cos: &Shape, sin: &Shape) -> Result<Shape> {
     require_float("rope", x)?;
     same_dtype("rope", x, cos)?;
     same_dtype("rope", x, sin)?;
-    if x.rank() < 2 || x.dims()[x.rank() - 1] % 2 != 0 {
-        return Err(Error::invalid("rope", format!("x must be [..., S, D] with even D, got {x}")));
+    if x.rank() < 2 || !x.dims()[x.rank() - 1].is_multiple_of(2) {
+        return Err(Error::invalid(
+            "rope",
+            format!("x must be [..., S, D] with even D, got {x}"),
+        ));
     }
     let mut half = x.dims().to_vec();
     let last = half.len() - 1;
     half[last] /= 2;
     for t in [cos, sin] {
         if t.rank() > x.rank() || broadcast_dims(t.dims(), &half).as_deref() != Some(&half[..]) {
-            return Err(mismatch("rope", x, t, format!("cos/sin must broadcast to {half:?}")));
+            return Err(mismatch(
+                "rope",
+                x,
+                t,
+                format!("cos/sin must broadcast to {half:?}"),
+            ));
         }
     }
     if cos.dims() != sin.dims() {
-        return Err(mismatch("rope", cos, sin, "cos and sin must have the same shape"));
+        return Err(mismatch(
+            "rope",
+            cos,
+            sin,
+            "cos and sin must have the same shape",
+        ));
     }
     Ok(x.clone())
 }
 
-pub(crate) fn eval_attention(scale: f64, causal: bool, inputs: &[&HostTensor], out: &Shape) -> HostTensor {
+pub(crate) fn eval_attention(
+    scale: f64,
+    causal: bool,
+    inputs: &[&HostTensor],
+    out: &Shape,
+) -> HostTensor {
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
-    let [b, hq, sq, d] = [q.shape.dim(0), q.shape.dim(1), q.shape.dim(2), q.shape.dim(3)];
+    let [b, hq, sq, d] = [
+        q.shape.dim(0),
+        q.shape.dim(1),
+        q.shape.dim(2),
+        q.shape.dim(3),
+    ];
     let (hkv, sk, dv) = (k.shape.dim(1), k.shape.dim(2), v.shape.dim(3));
     let group = hq / hkv;
     let mut data = vec![0.0; out.num_elements()];
@@ -108,7 +164,8 @@ pub(crate) fn eval_attention(scale: f64, causal: bool, inputs: &[&HostTensor], o
                     }
                     let mut s = 0.0;
                     for p in 0..d {
-                        s += q.data[((bi * hq + h) * sq + i) * d + p] * k.data[((bi * hkv + kh) * sk + j) * d + p];
+                        s += q.data[((bi * hq + h) * sq + i) * d + p]
+                            * k.data[((bi * hkv + kh) * sk + j) * d + p];
                     }
                     s *= scale;
                     if let Some(m) = inputs.get(3) {
@@ -130,7 +187,9 @@ pub(crate) fn eval_attention(scale: f64, causal: bool, inputs: &[&HostTensor], o
                 let weights: Vec<f64> = scores.iter().map(|&s| (s - max).exp()).collect();
                 let total: f64 = weights.iter().sum();
                 for e in 0..dv {
-                    let acc: f64 = (0..sk).map(|j| weights[j] * v.data[((bi * hkv + kh) * sk + j) * dv + e]).sum();
+                    let acc: f64 = (0..sk)
+                        .map(|j| weights[j] * v.data[((bi * hkv + kh) * sk + j) * dv + e])
+                        .sum();
                     data[((bi * hq + h) * sq + i) * dv + e] = out.dtype().round_value(acc / total);
                 }
             }
@@ -139,7 +198,12 @@ pub(crate) fn eval_attention(scale: f64, causal: bool, inputs: &[&HostTensor], o
     HostTensor::new(out.clone(), data)
 }
 
-pub(crate) fn eval_rope(style: RopeStyle, x: &HostTensor, cos: &HostTensor, sin: &HostTensor) -> HostTensor {
+pub(crate) fn eval_rope(
+    style: RopeStyle,
+    x: &HostTensor,
+    cos: &HostTensor,
+    sin: &HostTensor,
+) -> HostTensor {
     let dims = x.shape.dims();
     let d = dims[dims.len() - 1];
     let half = d / 2;
@@ -147,7 +211,7 @@ pub(crate) fn eval_rope(style: RopeStyle, x: &HostTensor, cos: &HostTensor, sin:
     let last = half_dims.len() - 1;
     half_dims[last] = half;
     let mut data = x.data.clone();
-    let rows = if d == 0 { 0 } else { x.data.len() / d };
+    let rows = x.data.len().checked_div(d).unwrap_or(0);
     for r in 0..rows {
         for i in 0..half {
             let idx = super::unravel(r * half + i, &half_dims);

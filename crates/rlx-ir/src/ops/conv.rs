@@ -7,6 +7,7 @@ use crate::{Error, Graph, NodeId, Op, Result, Shape, Window2d};
 impl Graph {
     /// 2-D convolution: `x [N, C, H, W]`, `w [O, C / groups, KH, KW]`, optional
     /// `bias [O]`. `padding` is `[top, left, bottom, right]`.
+    #[allow(clippy::too_many_arguments)] // mirrors the familiar conv2d signature
     pub fn conv2d(
         &self,
         x: NodeId,
@@ -19,15 +20,31 @@ impl Graph {
     ) -> Result<NodeId> {
         let ws = self.shape(w)?;
         require_rank("conv2d", "weight", &ws, 4)?;
-        let window = Window2d { kernel: [ws.dim(2), ws.dim(3)], stride, padding, dilation };
+        let window = Window2d {
+            kernel: [ws.dim(2), ws.dim(3)],
+            stride,
+            padding,
+            dilation,
+        };
         let mut inputs = vec![x, w];
         inputs.extend(bias);
         self.push(Op::Conv2d { window, groups }, &inputs)
     }
 
     /// 2-D max pooling (padding never wins the max).
-    pub fn max_pool2d(&self, x: NodeId, kernel: [usize; 2], stride: [usize; 2], padding: [usize; 4]) -> Result<NodeId> {
-        let window = Window2d { kernel, stride, padding, dilation: [1, 1] };
+    pub fn max_pool2d(
+        &self,
+        x: NodeId,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 4],
+    ) -> Result<NodeId> {
+        let window = Window2d {
+            kernel,
+            stride,
+            padding,
+            dilation: [1, 1],
+        };
         self.push(Op::MaxPool2d { window }, &[x])
     }
 
@@ -40,22 +57,42 @@ impl Graph {
         padding: [usize; 4],
         count_include_pad: bool,
     ) -> Result<NodeId> {
-        let window = Window2d { kernel, stride, padding, dilation: [1, 1] };
-        self.push(Op::AvgPool2d { window, count_include_pad }, &[x])
+        let window = Window2d {
+            kernel,
+            stride,
+            padding,
+            dilation: [1, 1],
+        };
+        self.push(
+            Op::AvgPool2d {
+                window,
+                count_include_pad,
+            },
+            &[x],
+        )
     }
 }
 
 /// Output height and width of a window sliding over `h x w`, or an error.
 pub fn window_output(op: &str, win: &Window2d, h: usize, w: usize) -> Result<[usize; 2]> {
     if win.stride.contains(&0) || win.dilation.contains(&0) || win.kernel.contains(&0) {
-        return Err(Error::invalid(op, format!("{win:?}: kernel, stride and dilation must be non-zero")));
+        return Err(Error::invalid(
+            op,
+            format!("{win:?}: kernel, stride and dilation must be non-zero"),
+        ));
     }
     let mut out = [0; 2];
     for (a, size) in [h, w].into_iter().enumerate() {
         let padded = size + win.padding[a] + win.padding[a + 2];
         let span = win.dilation[a] * (win.kernel[a] - 1) + 1;
         if padded < span {
-            return Err(Error::invalid(op, format!("window span {span} exceeds padded input extent {padded} on axis {}", a + 2)));
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "window span {span} exceeds padded input extent {padded} on axis {}",
+                    a + 2
+                ),
+            ));
         }
         out[a] = (padded - span) / win.stride[a] + 1;
     }
@@ -70,15 +107,32 @@ pub(crate) fn infer_conv2d(win: &Window2d, groups: usize, inputs: &[&Shape]) -> 
     same_dtype("conv2d", x, w)?;
     let (c, o) = (x.dim(1), w.dim(0));
     if groups == 0 || c % groups != 0 || o % groups != 0 || w.dim(1) * groups != c {
-        return Err(mismatch("conv2d", x, w, format!("{groups} groups: weight must be [O, C/groups, KH, KW] with C and O divisible by groups")));
+        return Err(mismatch(
+            "conv2d",
+            x,
+            w,
+            format!(
+                "{groups} groups: weight must be [O, C/groups, KH, KW] with C and O divisible by groups"
+            ),
+        ));
     }
     if [w.dim(2), w.dim(3)] != win.kernel {
-        return Err(mismatch("conv2d", x, w, "kernel size disagrees with the weight"));
+        return Err(mismatch(
+            "conv2d",
+            x,
+            w,
+            "kernel size disagrees with the weight",
+        ));
     }
     if let Some(b) = inputs.get(2) {
         same_dtype("conv2d", x, b)?;
         if b.dims() != [o] {
-            return Err(mismatch("conv2d", w, b, format!("bias must have shape [{o}]")));
+            return Err(mismatch(
+                "conv2d",
+                w,
+                b,
+                format!("bias must have shape [{o}]"),
+            ));
         }
     }
     let [oh, ow] = window_output("conv2d", win, x.dim(2), x.dim(3))?;
@@ -89,7 +143,13 @@ pub(crate) fn infer_pool(op: &str, win: &Window2d, x: &Shape) -> Result<Shape> {
     require_rank(op, "input", x, 4)?;
     require_float(op, x)?;
     if (0..4).any(|i| win.padding[i] * 2 > win.kernel[i % 2]) {
-        return Err(Error::invalid(op, format!("padding {:?} must be at most half the kernel {:?}", win.padding, win.kernel)));
+        return Err(Error::invalid(
+            op,
+            format!(
+                "padding {:?} must be at most half the kernel {:?}",
+                win.padding, win.kernel
+            ),
+        ));
     }
     let [oh, ow] = window_output(op, win, x.dim(2), x.dim(3))?;
     Ok(x.with_dims(&[x.dim(0), x.dim(1), oh, ow]))
@@ -101,9 +161,19 @@ fn tap(win: &Window2d, axis: usize, o: usize, k: usize, size: usize) -> Option<u
     (0..size as isize).contains(&p).then_some(p as usize)
 }
 
-pub(crate) fn eval_conv2d(win: &Window2d, groups: usize, inputs: &[&HostTensor], out: &Shape) -> HostTensor {
+pub(crate) fn eval_conv2d(
+    win: &Window2d,
+    groups: usize,
+    inputs: &[&HostTensor],
+    out: &Shape,
+) -> HostTensor {
     let (x, w) = (inputs[0], inputs[1]);
-    let [n, c, h, wd] = [x.shape.dim(0), x.shape.dim(1), x.shape.dim(2), x.shape.dim(3)];
+    let [n, c, h, wd] = [
+        x.shape.dim(0),
+        x.shape.dim(1),
+        x.shape.dim(2),
+        x.shape.dim(3),
+    ];
     let [o, oh, ow] = [out.dim(1), out.dim(2), out.dim(3)];
     let (cg, og) = (c / groups, o / groups);
     let [kh, kw] = win.kernel;
@@ -116,9 +186,13 @@ pub(crate) fn eval_conv2d(win: &Window2d, groups: usize, inputs: &[&HostTensor],
                     let mut acc = inputs.get(2).map_or(0.0, |bias| bias.data[oc]);
                     for ic in 0..cg {
                         for ky in 0..kh {
-                            let Some(iy) = tap(win, 0, y, ky, h) else { continue };
+                            let Some(iy) = tap(win, 0, y, ky, h) else {
+                                continue;
+                            };
                             for kx in 0..kw {
-                                let Some(ix) = tap(win, 1, xo, kx, wd) else { continue };
+                                let Some(ix) = tap(win, 1, xo, kx, wd) else {
+                                    continue;
+                                };
                                 let xv = x.data[((b * c + g * cg + ic) * h + iy) * wd + ix];
                                 let wv = w.data[((oc * cg + ic) * kh + ky) * kw + kx];
                                 acc += xv * wv;
@@ -133,8 +207,19 @@ pub(crate) fn eval_conv2d(win: &Window2d, groups: usize, inputs: &[&HostTensor],
     HostTensor::new(out.clone(), data)
 }
 
-pub(crate) fn eval_pool(win: &Window2d, max: bool, include_pad: bool, x: &HostTensor, out: &Shape) -> HostTensor {
-    let [n, c, h, w] = [x.shape.dim(0), x.shape.dim(1), x.shape.dim(2), x.shape.dim(3)];
+pub(crate) fn eval_pool(
+    win: &Window2d,
+    max: bool,
+    include_pad: bool,
+    x: &HostTensor,
+    out: &Shape,
+) -> HostTensor {
+    let [n, c, h, w] = [
+        x.shape.dim(0),
+        x.shape.dim(1),
+        x.shape.dim(2),
+        x.shape.dim(3),
+    ];
     let [oh, ow] = [out.dim(2), out.dim(3)];
     let mut data = vec![0.0; out.num_elements()];
     for plane in 0..n * c {
@@ -146,13 +231,29 @@ pub(crate) fn eval_pool(win: &Window2d, max: bool, include_pad: bool, x: &HostTe
                         let (iy, ix) = (tap(win, 0, y, ky, h), tap(win, 1, xo, kx, w));
                         if let (Some(iy), Some(ix)) = (iy, ix) {
                             let v = x.data[(plane * h + iy) * w + ix];
-                            acc = if max { if v.is_nan() || acc.is_nan() { f64::NAN } else { acc.max(v) } } else { acc + v };
+                            acc = if max {
+                                if v.is_nan() || acc.is_nan() {
+                                    f64::NAN
+                                } else {
+                                    acc.max(v)
+                                }
+                            } else {
+                                acc + v
+                            };
                             count += 1;
                         }
                     }
                 }
                 let window_len = win.kernel[0] * win.kernel[1];
-                let v = if max { acc } else { acc / (if include_pad { window_len } else { count.max(1) }) as f64 };
+                let v = if max {
+                    acc
+                } else {
+                    acc / (if include_pad {
+                        window_len
+                    } else {
+                        count.max(1)
+                    }) as f64
+                };
                 data[(plane * oh + y) * ow + xo] = out.dtype().round_value(v);
             }
         }

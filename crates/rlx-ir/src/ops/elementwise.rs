@@ -134,7 +134,11 @@ pub(crate) fn infer_unary(op: UnaryOp, x: &Shape) -> Result<Shape> {
     let name = op.name();
     if op == UnaryOp::Not {
         if x.dtype() != DType::Bool {
-            return Err(Error::dtype(format!("{name} (operand {x})"), "bool", x.dtype()));
+            return Err(Error::dtype(
+                format!("{name} (operand {x})"),
+                "bool",
+                x.dtype(),
+            ));
         }
     } else if op.float_only() {
         super::require_float(name, x)?;
@@ -149,7 +153,11 @@ pub(crate) fn infer_binary(op: BinaryOp, a: &Shape, b: &Shape) -> Result<Shape> 
     same_dtype(name, a, b)?;
     let out_dtype = if op.is_logical() {
         if a.dtype() != DType::Bool {
-            return Err(Error::dtype(format!("{name} (operand {a})"), "bool", a.dtype()));
+            return Err(Error::dtype(
+                format!("{name} (operand {a})"),
+                "bool",
+                a.dtype(),
+            ));
         }
         DType::Bool
     } else if op.is_comparison() {
@@ -168,13 +176,23 @@ pub(crate) fn infer_binary(op: BinaryOp, a: &Shape, b: &Shape) -> Result<Shape> 
 
 pub(crate) fn infer_where(c: &Shape, a: &Shape, b: &Shape) -> Result<Shape> {
     if c.dtype() != DType::Bool {
-        return Err(Error::dtype(format!("where (condition {c})"), "bool", c.dtype()));
+        return Err(Error::dtype(
+            format!("where (condition {c})"),
+            "bool",
+            c.dtype(),
+        ));
     }
     same_dtype("where", a, b)?;
     let ab = broadcast_dims(a.dims(), b.dims())
         .ok_or_else(|| mismatch("where", a, b, "branches do not broadcast"))?;
-    let dims = broadcast_dims(c.dims(), &ab)
-        .ok_or_else(|| mismatch("where", c, a, "condition does not broadcast with the branches"))?;
+    let dims = broadcast_dims(c.dims(), &ab).ok_or_else(|| {
+        mismatch(
+            "where",
+            c,
+            a,
+            "condition does not broadcast with the branches",
+        )
+    })?;
     Ok(Shape::new(&dims, a.dtype()))
 }
 
@@ -213,7 +231,12 @@ pub(crate) fn eval_binary(op: BinaryOp, a: &HostTensor, b: &HostTensor, out: &Sh
     HostTensor::new(out.clone(), data)
 }
 
-pub(crate) fn eval_where(c: &HostTensor, a: &HostTensor, b: &HostTensor, out: &Shape) -> HostTensor {
+pub(crate) fn eval_where(
+    c: &HostTensor,
+    a: &HostTensor,
+    b: &HostTensor,
+    out: &Shape,
+) -> HostTensor {
     let data = (0..out.num_elements())
         .map(|i| {
             let idx = unravel(i, out.dims());

@@ -36,8 +36,16 @@ pub fn matmul_dims(a: &Shape, b: &Shape) -> Result<MatMulDims> {
     if a.rank() == 0 || b.rank() == 0 {
         return Err(mismatch("matmul", a, b, "operands must have rank >= 1"));
     }
-    let ad: Vec<usize> = if a.rank() == 1 { vec![1, a.dim(0)] } else { a.dims().to_vec() };
-    let bd: Vec<usize> = if b.rank() == 1 { vec![b.dim(0), 1] } else { b.dims().to_vec() };
+    let ad: Vec<usize> = if a.rank() == 1 {
+        vec![1, a.dim(0)]
+    } else {
+        a.dims().to_vec()
+    };
+    let bd: Vec<usize> = if b.rank() == 1 {
+        vec![b.dim(0), 1]
+    } else {
+        b.dims().to_vec()
+    };
     let (m, k) = (ad[ad.len() - 2], ad[ad.len() - 1]);
     let (k2, n) = (bd[bd.len() - 2], bd[bd.len() - 1]);
     if k != k2 {
@@ -52,7 +60,14 @@ pub fn matmul_dims(a: &Shape, b: &Shape) -> Result<MatMulDims> {
     let b_batch = bd[..bd.len() - 2].to_vec();
     let batch = broadcast_dims(&a_batch, &b_batch)
         .ok_or_else(|| mismatch("matmul", a, b, "batch dimensions do not broadcast"))?;
-    Ok(MatMulDims { batch, m, k, n, a_batch, b_batch })
+    Ok(MatMulDims {
+        batch,
+        m,
+        k,
+        n,
+        a_batch,
+        b_batch,
+    })
 }
 
 pub(crate) fn infer_matmul(a: &Shape, b: &Shape) -> Result<Shape> {
@@ -81,7 +96,8 @@ pub(crate) fn eval_matmul(a: &HostTensor, b: &HostTensor, out: &Shape) -> Result
             for j in 0..d.n {
                 let mut acc = 0.0;
                 for p in 0..d.k {
-                    acc += a.data[ab * d.m * d.k + i * d.k + p] * b.data[bb * d.k * d.n + p * d.n + j];
+                    acc +=
+                        a.data[ab * d.m * d.k + i * d.k + p] * b.data[bb * d.k * d.n + p * d.n + j];
                 }
                 data[bi * d.m * d.n + i * d.n + j] = out.dtype().round_value(acc);
             }

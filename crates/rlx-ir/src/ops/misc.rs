@@ -8,30 +8,80 @@ impl Graph {
     /// `[start, start + step, ...)` up to but excluding `end` (numpy `arange`).
     pub fn range(&self, start: f64, end: f64, step: f64, dtype: DType) -> Result<NodeId> {
         if step == 0.0 || !step.is_finite() || !start.is_finite() || !end.is_finite() {
-            return Err(Error::invalid("range", format!("start {start}, end {end}, step {step}: need finite values and a non-zero step")));
+            return Err(Error::invalid(
+                "range",
+                format!(
+                    "start {start}, end {end}, step {step}: need finite values and a non-zero step"
+                ),
+            ));
         }
         let len = ((end - start) / step).ceil().max(0.0) as usize;
-        self.push(Op::Range { start: F64Bits::new(start), step: F64Bits::new(step), len, dtype }, &[])
+        self.push(
+            Op::Range {
+                start: F64Bits::new(start),
+                step: F64Bits::new(step),
+                len,
+                dtype,
+            },
+            &[],
+        )
     }
 
     /// `0, 1, ..., len - 1`.
     pub fn iota(&self, len: usize, dtype: DType) -> Result<NodeId> {
-        self.push(Op::Range { start: F64Bits::new(0.0), step: F64Bits::new(1.0), len, dtype }, &[])
+        self.push(
+            Op::Range {
+                start: F64Bits::new(0.0),
+                step: F64Bits::new(1.0),
+                len,
+                dtype,
+            },
+            &[],
+        )
     }
 
     /// Running sum along `axis`; `exclusive` skips the current element, `reverse`
     /// accumulates from the end.
     pub fn cumsum(&self, x: NodeId, axis: isize, exclusive: bool, reverse: bool) -> Result<NodeId> {
         let axis = resolve_axis("cumsum", axis, self.shape(x)?.rank())?;
-        self.push(Op::Cumsum { axis, exclusive, reverse }, &[x])
+        self.push(
+            Op::Cumsum {
+                axis,
+                exclusive,
+                reverse,
+            },
+            &[x],
+        )
     }
 
     /// The `k` largest (`largest`) or smallest entries along `axis`, sorted, and their
     /// indices (`i64`). Ties keep the lower index first; NaN sorts as the largest value.
-    pub fn topk(&self, x: NodeId, k: usize, axis: isize, largest: bool) -> Result<(NodeId, NodeId)> {
+    pub fn topk(
+        &self,
+        x: NodeId,
+        k: usize,
+        axis: isize,
+        largest: bool,
+    ) -> Result<(NodeId, NodeId)> {
         let axis = resolve_axis("topk", axis, self.shape(x)?.rank())?;
-        let values = self.push(Op::TopK { k, axis, largest, output: TopKOutput::Values }, &[x])?;
-        let indices = self.push(Op::TopK { k, axis, largest, output: TopKOutput::Indices }, &[x])?;
+        let values = self.push(
+            Op::TopK {
+                k,
+                axis,
+                largest,
+                output: TopKOutput::Values,
+            },
+            &[x],
+        )?;
+        let indices = self.push(
+            Op::TopK {
+                k,
+                axis,
+                largest,
+                output: TopKOutput::Indices,
+            },
+            &[x],
+        )?;
         Ok((values, indices))
     }
 
@@ -44,11 +94,21 @@ impl Graph {
 pub(crate) fn infer_topk(k: usize, axis: usize, output: TopKOutput, x: &Shape) -> Result<Shape> {
     require_numeric("topk", x)?;
     if axis >= x.rank() || k > x.dim(axis) {
-        return Err(Error::invalid("topk", format!("k = {k} along axis {axis} of {x}")));
+        return Err(Error::invalid(
+            "topk",
+            format!("k = {k} along axis {axis} of {x}"),
+        ));
     }
     let mut dims = x.dims().to_vec();
     dims[axis] = k;
-    Ok(Shape::new(&dims, if output == TopKOutput::Values { x.dtype() } else { DType::I64 }))
+    Ok(Shape::new(
+        &dims,
+        if output == TopKOutput::Values {
+            x.dtype()
+        } else {
+            DType::I64
+        },
+    ))
 }
 
 pub(crate) fn infer_one_hot(depth: usize, dtype: DType, idx: &Shape) -> Result<Shape> {
@@ -59,11 +119,18 @@ pub(crate) fn infer_one_hot(depth: usize, dtype: DType, idx: &Shape) -> Result<S
 }
 
 pub(crate) fn eval_range(start: f64, step: f64, out: &Shape) -> HostTensor {
-    let data = (0..out.num_elements()).map(|i| out.dtype().round_value(start + i as f64 * step)).collect();
+    let data = (0..out.num_elements())
+        .map(|i| out.dtype().round_value(start + i as f64 * step))
+        .collect();
     HostTensor::new(out.clone(), data)
 }
 
-pub(crate) fn eval_cumsum(axis: usize, exclusive: bool, reverse: bool, x: &HostTensor) -> HostTensor {
+pub(crate) fn eval_cumsum(
+    axis: usize,
+    exclusive: bool,
+    reverse: bool,
+    x: &HostTensor,
+) -> HostTensor {
     let dims = x.shape.dims();
     let dt = x.shape.dtype();
     let mut data = vec![0.0; x.data.len()];
@@ -92,7 +159,14 @@ pub(crate) fn eval_cumsum(axis: usize, exclusive: bool, reverse: bool, x: &HostT
     HostTensor::new(x.shape.clone(), data)
 }
 
-pub(crate) fn eval_topk(k: usize, axis: usize, largest: bool, output: TopKOutput, x: &HostTensor, out: &Shape) -> HostTensor {
+pub(crate) fn eval_topk(
+    k: usize,
+    axis: usize,
+    largest: bool,
+    output: TopKOutput,
+    x: &HostTensor,
+    out: &Shape,
+) -> HostTensor {
     let dims = x.shape.dims();
     let n = dims[axis];
     let mut data = vec![0.0; out.num_elements()];
@@ -119,7 +193,11 @@ pub(crate) fn eval_topk(k: usize, axis: usize, largest: bool, output: TopKOutput
         });
         for (j, &(pos, v)) in entries.iter().take(k).enumerate() {
             idx[axis] = j;
-            data[ravel(&idx, out.dims())] = if output == TopKOutput::Values { v } else { pos as f64 };
+            data[ravel(&idx, out.dims())] = if output == TopKOutput::Values {
+                v
+            } else {
+                pos as f64
+            };
         }
     }
     HostTensor::new(out.clone(), data)

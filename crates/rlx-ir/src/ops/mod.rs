@@ -17,9 +17,8 @@ use crate::{DType, Error, Result, Shape};
 
 /// Resolves a possibly negative axis for `op`, or an error naming the rank.
 pub(crate) fn resolve_axis(op: &str, axis: isize, rank: usize) -> Result<usize> {
-    crate::shape::normalize_axis(axis, rank).ok_or_else(|| {
-        Error::invalid(op, format!("axis {axis} is out of range for rank {rank}"))
-    })
+    crate::shape::normalize_axis(axis, rank)
+        .ok_or_else(|| Error::invalid(op, format!("axis {axis} is out of range for rank {rank}")))
 }
 
 /// Errors unless both shapes have the same dtype.
@@ -37,7 +36,11 @@ pub(crate) fn same_dtype(op: &str, a: &Shape, b: &Shape) -> Result<()> {
 /// Errors unless the shape's dtype is a float.
 pub(crate) fn require_float(op: &str, s: &Shape) -> Result<()> {
     if !s.dtype().is_float() {
-        return Err(Error::dtype(format!("{op} (operand {s})"), "a float type", s.dtype()));
+        return Err(Error::dtype(
+            format!("{op} (operand {s})"),
+            "a float type",
+            s.dtype(),
+        ));
     }
     Ok(())
 }
@@ -45,7 +48,11 @@ pub(crate) fn require_float(op: &str, s: &Shape) -> Result<()> {
 /// Errors unless the shape's dtype is an integer.
 pub(crate) fn require_int(op: &str, what: &str, s: &Shape) -> Result<()> {
     if !s.dtype().is_int() {
-        return Err(Error::dtype(format!("{op} ({what} {s})"), "an integer type", s.dtype()));
+        return Err(Error::dtype(
+            format!("{op} ({what} {s})"),
+            "an integer type",
+            s.dtype(),
+        ));
     }
     Ok(())
 }
@@ -53,7 +60,11 @@ pub(crate) fn require_int(op: &str, what: &str, s: &Shape) -> Result<()> {
 /// Errors unless the dtype is numeric (not bool).
 pub(crate) fn require_numeric(op: &str, s: &Shape) -> Result<()> {
     if !s.dtype().is_numeric() {
-        return Err(Error::dtype(format!("{op} (operand {s})"), "a numeric type", s.dtype()));
+        return Err(Error::dtype(
+            format!("{op} (operand {s})"),
+            "a numeric type",
+            s.dtype(),
+        ));
     }
     Ok(())
 }
@@ -71,7 +82,10 @@ pub(crate) fn mismatch(op: &str, a: &Shape, b: &Shape, reason: impl Into<String>
 /// Errors unless the shape has exactly `rank` dimensions.
 pub(crate) fn require_rank(op: &str, what: &str, s: &Shape, rank: usize) -> Result<()> {
     if s.rank() != rank {
-        return Err(Error::invalid(op, format!("{what} must have rank {rank}, got {s}")));
+        return Err(Error::invalid(
+            op,
+            format!("{what} must have rank {rank}, got {s}"),
+        ));
     }
     Ok(())
 }

@@ -20,19 +20,32 @@ impl Graph {
     /// LayerNorm over the last axis: `(x - mean) / sqrt(var + eps) * gamma + beta`,
     /// with `gamma` and `beta` of shape `[D]` (biased variance, as PyTorch).
     pub fn layer_norm(&self, x: NodeId, gamma: NodeId, beta: NodeId, eps: f64) -> Result<NodeId> {
-        self.push(Op::LayerNorm { eps: F64Bits::new(eps) }, &[x, gamma, beta])
+        self.push(
+            Op::LayerNorm {
+                eps: F64Bits::new(eps),
+            },
+            &[x, gamma, beta],
+        )
     }
 
     /// RMSNorm over the last axis: `x / sqrt(mean(x^2) + eps) * gamma`.
     pub fn rms_norm(&self, x: NodeId, gamma: NodeId, eps: f64) -> Result<NodeId> {
-        self.push(Op::RmsNorm { eps: F64Bits::new(eps) }, &[x, gamma])
+        self.push(
+            Op::RmsNorm {
+                eps: F64Bits::new(eps),
+            },
+            &[x, gamma],
+        )
     }
 }
 
 pub(crate) fn infer_softmax(name: &str, axis: usize, x: &Shape) -> Result<Shape> {
     require_float(name, x)?;
     if axis >= x.rank() {
-        return Err(Error::invalid(name, format!("axis {axis} out of range for {x}")));
+        return Err(Error::invalid(
+            name,
+            format!("axis {axis} out of range for {x}"),
+        ));
     }
     Ok(x.clone())
 }
@@ -40,13 +53,21 @@ pub(crate) fn infer_softmax(name: &str, axis: usize, x: &Shape) -> Result<Shape>
 pub(crate) fn infer_norm(name: &str, x: &Shape, params: &[&Shape]) -> Result<Shape> {
     require_float(name, x)?;
     if x.rank() == 0 {
-        return Err(Error::invalid(name, format!("input {x} must have rank >= 1")));
+        return Err(Error::invalid(
+            name,
+            format!("input {x} must have rank >= 1"),
+        ));
     }
     let d = x.dim(x.rank() - 1);
     for p in params {
         same_dtype(name, x, p)?;
         if p.dims() != [d] {
-            return Err(mismatch(name, x, p, format!("scale/shift must have shape [{d}]")));
+            return Err(mismatch(
+                name,
+                x,
+                p,
+                format!("scale/shift must have shape [{d}]"),
+            ));
         }
     }
     Ok(x.clone())
@@ -73,7 +94,10 @@ pub(crate) fn eval_softmax(x: &HostTensor, axis: usize, log: bool) -> HostTensor
     let mut data = vec![0.0; x.data.len()];
     let dt = x.shape.dtype();
     for_each_lane(x.shape.dims(), axis, |pos| {
-        let max = pos.iter().map(|&p| x.data[p]).fold(f64::NEG_INFINITY, f64::max);
+        let max = pos
+            .iter()
+            .map(|&p| x.data[p])
+            .fold(f64::NEG_INFINITY, f64::max);
         let sum: f64 = pos.iter().map(|&p| (x.data[p] - max).exp()).sum();
         for &p in pos {
             let v = if log {
@@ -87,7 +111,12 @@ pub(crate) fn eval_softmax(x: &HostTensor, axis: usize, log: bool) -> HostTensor
     HostTensor::new(x.shape.clone(), data)
 }
 
-pub(crate) fn eval_layer_norm(x: &HostTensor, gamma: &HostTensor, beta: Option<&HostTensor>, eps: f64) -> HostTensor {
+pub(crate) fn eval_layer_norm(
+    x: &HostTensor,
+    gamma: &HostTensor,
+    beta: Option<&HostTensor>,
+    eps: f64,
+) -> HostTensor {
     let d = x.shape.dim(x.shape.rank() - 1);
     let dt = x.shape.dtype();
     let mut data = vec![0.0; x.data.len()];
@@ -96,10 +125,14 @@ pub(crate) fn eval_layer_norm(x: &HostTensor, gamma: &HostTensor, beta: Option<&
             let (mean, denom) = match beta {
                 Some(_) => {
                     let mean = row_in.iter().sum::<f64>() / d as f64;
-                    let var = row_in.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d as f64;
+                    let var =
+                        row_in.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d as f64;
                     (mean, (var + eps).sqrt())
                 }
-                None => (0.0, (row_in.iter().map(|v| v * v).sum::<f64>() / d as f64 + eps).sqrt()),
+                None => (
+                    0.0,
+                    (row_in.iter().map(|v| v * v).sum::<f64>() / d as f64 + eps).sqrt(),
+                ),
             };
             for j in 0..d {
                 let shift = beta.map_or(0.0, |b| b.data[j]);

@@ -6,7 +6,13 @@ use crate::{ArgReduceOp, DType, Error, Graph, NodeId, Op, ReduceOp, Result, Shap
 
 impl Graph {
     /// Reduces `axes` (negative counts from the end; empty means every axis).
-    pub fn reduce(&self, op: ReduceOp, x: NodeId, axes: &[isize], keepdims: bool) -> Result<NodeId> {
+    pub fn reduce(
+        &self,
+        op: ReduceOp,
+        x: NodeId,
+        axes: &[isize],
+        keepdims: bool,
+    ) -> Result<NodeId> {
         let shape = self.shape(x)?;
         let name = format!("reduce_{}", op.name());
         let mut resolved = if axes.is_empty() {
@@ -18,9 +24,19 @@ impl Graph {
         };
         resolved.sort_unstable();
         if resolved.windows(2).any(|w| w[0] == w[1]) {
-            return Err(Error::invalid(name, format!("axes {axes:?} repeat an axis")));
+            return Err(Error::invalid(
+                name,
+                format!("axes {axes:?} repeat an axis"),
+            ));
         }
-        self.push(Op::Reduce { op, axes: resolved, keepdims }, &[x])
+        self.push(
+            Op::Reduce {
+                op,
+                axes: resolved,
+                keepdims,
+            },
+            &[x],
+        )
     }
 
     /// Sum over `axes`.
@@ -58,7 +74,13 @@ impl Graph {
         self.arg_reduce(ArgReduceOp::ArgMin, x, axis, keepdims)
     }
 
-    fn arg_reduce(&self, op: ArgReduceOp, x: NodeId, axis: isize, keepdims: bool) -> Result<NodeId> {
+    fn arg_reduce(
+        &self,
+        op: ArgReduceOp,
+        x: NodeId,
+        axis: isize,
+        keepdims: bool,
+    ) -> Result<NodeId> {
         let shape = self.shape(x)?;
         let axis = resolve_axis("argmax/argmin", axis, shape.rank())?;
         self.push(Op::ArgReduce { op, axis, keepdims }, &[x])
@@ -76,30 +98,53 @@ fn reduced_dims(dims: &[usize], axes: &[usize], keepdims: bool) -> Vec<usize> {
         .collect()
 }
 
-pub(crate) fn infer_reduce(op: ReduceOp, axes: &[usize], keepdims: bool, x: &Shape) -> Result<Shape> {
+pub(crate) fn infer_reduce(
+    op: ReduceOp,
+    axes: &[usize],
+    keepdims: bool,
+    x: &Shape,
+) -> Result<Shape> {
     let name = format!("reduce_{}", op.name());
     if axes.iter().any(|&a| a >= x.rank()) || axes.windows(2).any(|w| w[0] >= w[1]) {
-        return Err(Error::invalid(name, format!("axes {axes:?} invalid for {x}")));
+        return Err(Error::invalid(
+            name,
+            format!("axes {axes:?} invalid for {x}"),
+        ));
     }
     match op {
         ReduceOp::Mean => require_float(&name, x)?,
         _ => require_numeric(&name, x)?,
     }
     if matches!(op, ReduceOp::Max | ReduceOp::Min) && axes.iter().any(|&a| x.dim(a) == 0) {
-        return Err(Error::invalid(name, format!("{x}: max/min over an empty axis has no value")));
+        return Err(Error::invalid(
+            name,
+            format!("{x}: max/min over an empty axis has no value"),
+        ));
     }
-    Ok(Shape::new(&reduced_dims(x.dims(), axes, keepdims), x.dtype()))
+    Ok(Shape::new(
+        &reduced_dims(x.dims(), axes, keepdims),
+        x.dtype(),
+    ))
 }
 
 pub(crate) fn infer_arg_reduce(axis: usize, keepdims: bool, x: &Shape) -> Result<Shape> {
     if axis >= x.rank() {
-        return Err(Error::invalid("argmax/argmin", format!("axis {axis} out of range for {x}")));
+        return Err(Error::invalid(
+            "argmax/argmin",
+            format!("axis {axis} out of range for {x}"),
+        ));
     }
     require_numeric("argmax/argmin", x)?;
     if x.dim(axis) == 0 {
-        return Err(Error::invalid("argmax/argmin", format!("{x}: axis {axis} is empty")));
+        return Err(Error::invalid(
+            "argmax/argmin",
+            format!("{x}: axis {axis} is empty"),
+        ));
     }
-    Ok(Shape::new(&reduced_dims(x.dims(), &[axis], keepdims), DType::I64))
+    Ok(Shape::new(
+        &reduced_dims(x.dims(), &[axis], keepdims),
+        DType::I64,
+    ))
 }
 
 /// The output position of input index `idx` after reducing `axes`.
@@ -138,8 +183,20 @@ pub(crate) fn eval_reduce(op: ReduceOp, axes: &[usize], x: &HostTensor, out: &Sh
                 acc[o] *= v;
                 acc_int[o] = acc_int[o].wrapping_mul(v as i64);
             }
-            ReduceOp::Max => acc[o] = if v.is_nan() || acc[o].is_nan() { f64::NAN } else { acc[o].max(v) },
-            ReduceOp::Min => acc[o] = if v.is_nan() || acc[o].is_nan() { f64::NAN } else { acc[o].min(v) },
+            ReduceOp::Max => {
+                acc[o] = if v.is_nan() || acc[o].is_nan() {
+                    f64::NAN
+                } else {
+                    acc[o].max(v)
+                }
+            }
+            ReduceOp::Min => {
+                acc[o] = if v.is_nan() || acc[o].is_nan() {
+                    f64::NAN
+                } else {
+                    acc[o].min(v)
+                }
+            }
         }
     }
     let data = (0..n_out)
@@ -155,7 +212,12 @@ pub(crate) fn eval_reduce(op: ReduceOp, axes: &[usize], x: &HostTensor, out: &Sh
     HostTensor::new(out.clone(), data)
 }
 
-pub(crate) fn eval_arg_reduce(op: ArgReduceOp, axis: usize, x: &HostTensor, out: &Shape) -> HostTensor {
+pub(crate) fn eval_arg_reduce(
+    op: ArgReduceOp,
+    axis: usize,
+    x: &HostTensor,
+    out: &Shape,
+) -> HostTensor {
     let dims = x.shape.dims();
     let n = dims[axis];
     let mut reduced_dims = dims.to_vec();

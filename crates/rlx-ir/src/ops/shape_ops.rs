@@ -9,16 +9,28 @@ use crate::{Error, Graph, NodeId, Op, PadMode, Result, Shape, SliceAxis};
 impl Graph {
     /// Same data with new dimensions (element counts must agree). A view: no copy.
     pub fn reshape(&self, x: NodeId, dims: &[usize]) -> Result<NodeId> {
-        self.push(Op::Reshape { dims: dims.to_vec() }, &[x])
+        self.push(
+            Op::Reshape {
+                dims: dims.to_vec(),
+            },
+            &[x],
+        )
     }
 
     /// Like [`Graph::reshape`], but one entry may be `-1` and is inferred.
     pub fn reshape_infer(&self, x: NodeId, dims: &[isize]) -> Result<NodeId> {
         let shape = self.shape(x)?;
-        let known: usize = dims.iter().filter(|&&d| d >= 0).map(|&d| d as usize).product();
+        let known: usize = dims
+            .iter()
+            .filter(|&&d| d >= 0)
+            .map(|&d| d as usize)
+            .product();
         let holes = dims.iter().filter(|&&d| d == -1).count();
         if holes > 1 || dims.iter().any(|&d| d < -1) {
-            return Err(Error::invalid("reshape", format!("{dims:?}: at most one -1 and no other negative entry")));
+            return Err(Error::invalid(
+                "reshape",
+                format!("{dims:?}: at most one -1 and no other negative entry"),
+            ));
         }
         let fill = if holes == 1 {
             if known == 0 || shape.num_elements() % known != 0 {
@@ -31,19 +43,30 @@ impl Graph {
         } else {
             0
         };
-        let resolved: Vec<usize> = dims.iter().map(|&d| if d == -1 { fill } else { d as usize }).collect();
+        let resolved: Vec<usize> = dims
+            .iter()
+            .map(|&d| if d == -1 { fill } else { d as usize })
+            .collect();
         self.reshape(x, &resolved)
     }
 
     /// Reorders axes: output axis `i` is input axis `perm[i]`.
     pub fn permute(&self, x: NodeId, perm: &[usize]) -> Result<NodeId> {
-        self.push(Op::Permute { perm: perm.to_vec() }, &[x])
+        self.push(
+            Op::Permute {
+                perm: perm.to_vec(),
+            },
+            &[x],
+        )
     }
 
     /// Swaps two axes.
     pub fn transpose(&self, x: NodeId, a: isize, b: isize) -> Result<NodeId> {
         let rank = self.shape(x)?.rank();
-        let (a, b) = (resolve_axis("transpose", a, rank)?, resolve_axis("transpose", b, rank)?);
+        let (a, b) = (
+            resolve_axis("transpose", a, rank)?,
+            resolve_axis("transpose", b, rank)?,
+        );
         let mut perm: Vec<usize> = (0..rank).collect();
         perm.swap(a, b);
         self.permute(x, &perm)
@@ -51,7 +74,14 @@ impl Graph {
 
     /// Python-style slice `x[start:end:step]` along one axis (negative bounds count
     /// from the end and are clamped; `step` may be negative, not zero).
-    pub fn slice(&self, x: NodeId, axis: isize, start: isize, end: isize, step: isize) -> Result<NodeId> {
+    pub fn slice(
+        &self,
+        x: NodeId,
+        axis: isize,
+        start: isize,
+        end: isize,
+        step: isize,
+    ) -> Result<NodeId> {
         self.slice_axes(x, &[(axis, start, end, step)])
     }
 
@@ -61,7 +91,11 @@ impl Graph {
         let mut axes: Vec<SliceAxis> = shape
             .dims()
             .iter()
-            .map(|&d| SliceAxis { start: 0, step: 1, len: d })
+            .map(|&d| SliceAxis {
+                start: 0,
+                step: 1,
+                len: d,
+            })
             .collect();
         let mut seen = vec![false; shape.rank()];
         for &(axis, start, end, step) in specs {
@@ -76,7 +110,9 @@ impl Graph {
 
     /// Joins `xs` along `axis`; all other dimensions must agree.
     pub fn concat(&self, xs: &[NodeId], axis: isize) -> Result<NodeId> {
-        let first = xs.first().ok_or_else(|| Error::invalid("concat", "needs at least one input"))?;
+        let first = xs
+            .first()
+            .ok_or_else(|| Error::invalid("concat", "needs at least one input"))?;
         let axis = resolve_axis("concat", axis, self.shape(*first)?.rank())?;
         self.push(Op::Concat { axis }, xs)
     }
@@ -89,7 +125,10 @@ impl Graph {
         if sizes.iter().sum::<usize>() != shape.dim(a) {
             return Err(Error::invalid(
                 "split",
-                format!("sizes {sizes:?} do not sum to {} (axis {a} of {shape})", shape.dim(a)),
+                format!(
+                    "sizes {sizes:?} do not sum to {} (axis {a} of {shape})",
+                    shape.dim(a)
+                ),
             ));
         }
         let mut start = 0;
@@ -113,7 +152,12 @@ impl Graph {
 
     /// numpy `broadcast_to`.
     pub fn expand(&self, x: NodeId, dims: &[usize]) -> Result<NodeId> {
-        self.push(Op::Expand { dims: dims.to_vec() }, &[x])
+        self.push(
+            Op::Expand {
+                dims: dims.to_vec(),
+            },
+            &[x],
+        )
     }
 
     /// Removes the given size-1 axes (all size-1 axes when `axes` is empty).
@@ -122,12 +166,20 @@ impl Graph {
         let drop: Vec<usize> = if axes.is_empty() {
             (0..shape.rank()).filter(|&a| shape.dim(a) == 1).collect()
         } else {
-            axes.iter().map(|&a| resolve_axis("squeeze", a, shape.rank())).collect::<Result<_>>()?
+            axes.iter()
+                .map(|&a| resolve_axis("squeeze", a, shape.rank()))
+                .collect::<Result<_>>()?
         };
         if let Some(&a) = drop.iter().find(|&&a| shape.dim(a) != 1) {
-            return Err(Error::invalid("squeeze", format!("axis {a} of {shape} is not of size 1")));
+            return Err(Error::invalid(
+                "squeeze",
+                format!("axis {a} of {shape} is not of size 1"),
+            ));
         }
-        let dims: Vec<usize> = (0..shape.rank()).filter(|a| !drop.contains(a)).map(|a| shape.dim(a)).collect();
+        let dims: Vec<usize> = (0..shape.rank())
+            .filter(|a| !drop.contains(a))
+            .map(|a| shape.dim(a))
+            .collect();
         self.reshape(x, &dims)
     }
 
@@ -135,26 +187,49 @@ impl Graph {
     pub fn unsqueeze(&self, x: NodeId, axes: &[isize]) -> Result<NodeId> {
         let shape = self.shape(x)?;
         let out_rank = shape.rank() + axes.len();
-        let mut at: Vec<usize> = axes.iter().map(|&a| resolve_axis("unsqueeze", a, out_rank)).collect::<Result<_>>()?;
+        let mut at: Vec<usize> = axes
+            .iter()
+            .map(|&a| resolve_axis("unsqueeze", a, out_rank))
+            .collect::<Result<_>>()?;
         at.sort_unstable();
         if at.windows(2).any(|w| w[0] == w[1]) {
-            return Err(Error::invalid("unsqueeze", format!("axes {axes:?} repeat an axis")));
+            return Err(Error::invalid(
+                "unsqueeze",
+                format!("axes {axes:?} repeat an axis"),
+            ));
         }
         let mut src = shape.dims().iter();
         let dims: Vec<usize> = (0..out_rank)
-            .map(|i| if at.contains(&i) { 1 } else { *src.next().unwrap_or(&1) })
+            .map(|i| {
+                if at.contains(&i) {
+                    1
+                } else {
+                    *src.next().unwrap_or(&1)
+                }
+            })
             .collect();
         self.reshape(x, &dims)
     }
 
     /// Pads each axis by `(before, after)`.
     pub fn pad(&self, x: NodeId, pads: &[(usize, usize)], mode: PadMode) -> Result<NodeId> {
-        self.push(Op::Pad { pads: pads.to_vec(), mode }, &[x])
+        self.push(
+            Op::Pad {
+                pads: pads.to_vec(),
+                mode,
+            },
+            &[x],
+        )
     }
 
     /// Repeats `x` `reps[i]` times along axis `i`.
     pub fn tile(&self, x: NodeId, reps: &[usize]) -> Result<NodeId> {
-        self.push(Op::Tile { reps: reps.to_vec() }, &[x])
+        self.push(
+            Op::Tile {
+                reps: reps.to_vec(),
+            },
+            &[x],
+        )
     }
 }
 
@@ -178,7 +253,11 @@ pub fn python_slice(dim: usize, start: isize, end: isize, step: isize) -> Result
     } else {
         0
     };
-    Ok(SliceAxis { start: if len == 0 { 0 } else { s as usize }, step, len: len as usize })
+    Ok(SliceAxis {
+        start: if len == 0 { 0 } else { s as usize },
+        step,
+        len: len as usize,
+    })
 }
 
 pub(crate) fn infer_reshape(dims: &[usize], x: &Shape) -> Result<Shape> {
@@ -191,30 +270,49 @@ pub(crate) fn infer_reshape(dims: &[usize], x: &Shape) -> Result<Shape> {
 
 pub(crate) fn infer_permute(perm: &[usize], x: &Shape) -> Result<Shape> {
     let mut seen = vec![false; x.rank()];
-    if perm.len() != x.rank() || perm.iter().any(|&p| p >= x.rank() || std::mem::replace(&mut seen[p], true)) {
-        return Err(Error::invalid("permute", format!("{perm:?} is not a permutation of the axes of {x}")));
+    if perm.len() != x.rank()
+        || perm
+            .iter()
+            .any(|&p| p >= x.rank() || std::mem::replace(&mut seen[p], true))
+    {
+        return Err(Error::invalid(
+            "permute",
+            format!("{perm:?} is not a permutation of the axes of {x}"),
+        ));
     }
     Ok(x.with_dims(&perm.iter().map(|&p| x.dim(p)).collect::<Vec<_>>()))
 }
 
 pub(crate) fn infer_slice(axes: &[SliceAxis], x: &Shape) -> Result<Shape> {
     if axes.len() != x.rank() {
-        return Err(Error::invalid("slice", format!("{} axis ranges for {x}", axes.len())));
+        return Err(Error::invalid(
+            "slice",
+            format!("{} axis ranges for {x}", axes.len()),
+        ));
     }
     for (a, s) in axes.iter().enumerate() {
         let last = s.start as isize + (s.len as isize - 1) * s.step;
-        let ok = s.step != 0 && (s.len == 0 || (s.start < x.dim(a) && last >= 0 && (last as usize) < x.dim(a)));
+        let ok = s.step != 0
+            && (s.len == 0 || (s.start < x.dim(a) && last >= 0 && (last as usize) < x.dim(a)));
         if !ok {
-            return Err(Error::invalid("slice", format!("range {s:?} out of bounds for axis {a} of {x}")));
+            return Err(Error::invalid(
+                "slice",
+                format!("range {s:?} out of bounds for axis {a} of {x}"),
+            ));
         }
     }
     Ok(x.with_dims(&axes.iter().map(|s| s.len).collect::<Vec<_>>()))
 }
 
 pub(crate) fn infer_concat(axis: usize, xs: &[&Shape]) -> Result<Shape> {
-    let first = xs.first().ok_or_else(|| Error::invalid("concat", "needs at least one input"))?;
+    let first = xs
+        .first()
+        .ok_or_else(|| Error::invalid("concat", "needs at least one input"))?;
     if axis >= first.rank() {
-        return Err(Error::invalid("concat", format!("axis {axis} out of range for {first}")));
+        return Err(Error::invalid(
+            "concat",
+            format!("axis {axis} out of range for {first}"),
+        ));
     }
     let mut total = 0;
     for s in xs {
@@ -222,7 +320,12 @@ pub(crate) fn infer_concat(axis: usize, xs: &[&Shape]) -> Result<Shape> {
         let agree = s.rank() == first.rank()
             && (0..s.rank()).all(|i| i == axis || s.dim(i) == first.dim(i));
         if !agree {
-            return Err(mismatch("concat", first, s, format!("dimensions other than axis {axis} must agree")));
+            return Err(mismatch(
+                "concat",
+                first,
+                s,
+                format!("dimensions other than axis {axis} must agree"),
+            ));
         }
         total += s.dim(axis);
     }
@@ -234,7 +337,10 @@ pub(crate) fn infer_concat(axis: usize, xs: &[&Shape]) -> Result<Shape> {
 pub(crate) fn infer_gather(axis: usize, data: &Shape, idx: &Shape) -> Result<Shape> {
     require_int("gather", "indices", idx)?;
     if axis >= data.rank() {
-        return Err(Error::invalid("gather", format!("axis {axis} out of range for {data}")));
+        return Err(Error::invalid(
+            "gather",
+            format!("axis {axis} out of range for {data}"),
+        ));
     }
     let mut dims = data.dims()[..axis].to_vec();
     dims.extend_from_slice(idx.dims());
@@ -246,13 +352,21 @@ pub(crate) fn infer_expand(dims: &[usize], x: &Shape) -> Result<Shape> {
     let target = x.with_dims(dims);
     match broadcast_dims(x.dims(), dims) {
         Some(b) if b == dims => Ok(target),
-        _ => Err(mismatch("expand", x, &target, "input does not broadcast to the target")),
+        _ => Err(mismatch(
+            "expand",
+            x,
+            &target,
+            "input does not broadcast to the target",
+        )),
     }
 }
 
 pub(crate) fn infer_pad(pads: &[(usize, usize)], mode: PadMode, x: &Shape) -> Result<Shape> {
     if pads.len() != x.rank() {
-        return Err(Error::invalid("pad", format!("{} pad pairs for {x}", pads.len())));
+        return Err(Error::invalid(
+            "pad",
+            format!("{} pad pairs for {x}", pads.len()),
+        ));
     }
     for (a, &(before, after)) in pads.iter().enumerate() {
         let d = x.dim(a);
@@ -268,19 +382,36 @@ pub(crate) fn infer_pad(pads: &[(usize, usize)], mode: PadMode, x: &Shape) -> Re
             ));
         }
     }
-    Ok(x.with_dims(&pads.iter().zip(x.dims()).map(|(&(b, a), &d)| b + d + a).collect::<Vec<_>>()))
+    Ok(x.with_dims(
+        &pads
+            .iter()
+            .zip(x.dims())
+            .map(|(&(b, a), &d)| b + d + a)
+            .collect::<Vec<_>>(),
+    ))
 }
 
 pub(crate) fn infer_tile(reps: &[usize], x: &Shape) -> Result<Shape> {
     if reps.len() != x.rank() {
-        return Err(Error::invalid("tile", format!("{} repetitions for {x}", reps.len())));
+        return Err(Error::invalid(
+            "tile",
+            format!("{} repetitions for {x}", reps.len()),
+        ));
     }
-    Ok(x.with_dims(&reps.iter().zip(x.dims()).map(|(r, d)| r * d).collect::<Vec<_>>()))
+    Ok(x.with_dims(
+        &reps
+            .iter()
+            .zip(x.dims())
+            .map(|(r, d)| r * d)
+            .collect::<Vec<_>>(),
+    ))
 }
 
 /// Maps every output element to a source position with `f(out_index) -> source flat`.
 fn gather_by(x: &HostTensor, out: &Shape, f: impl Fn(&[usize]) -> usize) -> HostTensor {
-    let data = (0..out.num_elements()).map(|i| x.data[f(&unravel(i, out.dims()))]).collect();
+    let data = (0..out.num_elements())
+        .map(|i| x.data[f(&unravel(i, out.dims()))])
+        .collect();
     HostTensor::new(out.clone(), data)
 }
 
@@ -322,7 +453,12 @@ pub(crate) fn eval_concat(axis: usize, xs: &[&HostTensor], out: &Shape) -> HostT
     HostTensor::new(out.clone(), data)
 }
 
-pub(crate) fn eval_gather(axis: usize, x: &HostTensor, idx: &HostTensor, out: &Shape) -> Result<HostTensor> {
+pub(crate) fn eval_gather(
+    axis: usize,
+    x: &HostTensor,
+    idx: &HostTensor,
+    out: &Shape,
+) -> Result<HostTensor> {
     let n = x.shape.dim(axis) as i64;
     let mut data = Vec::with_capacity(out.num_elements());
     let ir = idx.shape.rank();
@@ -331,7 +467,10 @@ pub(crate) fn eval_gather(axis: usize, x: &HostTensor, idx: &HostTensor, out: &S
         let k = idx.data[ravel(&o[axis..axis + ir], idx.shape.dims())] as i64;
         let k = if k < 0 { k + n } else { k };
         if k < 0 || k >= n {
-            return Err(Error::runtime("gather", format!("index {k} out of range for axis of length {n}")));
+            return Err(Error::runtime(
+                "gather",
+                format!("index {k} out of range for axis of length {n}"),
+            ));
         }
         let mut src = o[..axis].to_vec();
         src.push(k as usize);
@@ -345,7 +484,12 @@ pub(crate) fn eval_expand(x: &HostTensor, out: &Shape) -> HostTensor {
     gather_by(x, out, |idx| broadcast_source(idx, x.shape.dims()))
 }
 
-pub(crate) fn eval_pad(pads: &[(usize, usize)], mode: PadMode, x: &HostTensor, out: &Shape) -> HostTensor {
+pub(crate) fn eval_pad(
+    pads: &[(usize, usize)],
+    mode: PadMode,
+    x: &HostTensor,
+    out: &Shape,
+) -> HostTensor {
     let fill = match mode {
         PadMode::Constant(v) => out.dtype().round_value(v.get()),
         _ => 0.0,
@@ -364,7 +508,11 @@ pub(crate) fn eval_pad(pads: &[(usize, usize)], mode: PadMode, x: &HostTensor, o
                         PadMode::Constant(_) => return fill,
                         PadMode::Edge => p.clamp(0, d - 1),
                         PadMode::Reflect => {
-                            if p < 0 { -p } else { 2 * (d - 1) - p }
+                            if p < 0 {
+                                -p
+                            } else {
+                                2 * (d - 1) - p
+                            }
                         }
                     }
                 };
@@ -378,7 +526,11 @@ pub(crate) fn eval_pad(pads: &[(usize, usize)], mode: PadMode, x: &HostTensor, o
 
 pub(crate) fn eval_tile(x: &HostTensor, out: &Shape) -> HostTensor {
     gather_by(x, out, |idx| {
-        let src: Vec<usize> = idx.iter().zip(x.shape.dims()).map(|(&i, &d)| i % d).collect();
+        let src: Vec<usize> = idx
+            .iter()
+            .zip(x.shape.dims())
+            .map(|(&i, &d)| i % d)
+            .collect();
         ravel(&src, x.shape.dims())
     })
 }
@@ -390,9 +542,30 @@ mod tests {
 
     #[test]
     fn python_slices() {
-        assert_eq!(python_slice(5, 1, 4, 1).unwrap(), SliceAxis { start: 1, step: 1, len: 3 });
-        assert_eq!(python_slice(5, -1, isize::MIN, -1).unwrap(), SliceAxis { start: 4, step: -1, len: 5 });
-        assert_eq!(python_slice(5, 0, 100, 2).unwrap(), SliceAxis { start: 0, step: 2, len: 3 });
+        assert_eq!(
+            python_slice(5, 1, 4, 1).unwrap(),
+            SliceAxis {
+                start: 1,
+                step: 1,
+                len: 3
+            }
+        );
+        assert_eq!(
+            python_slice(5, -1, isize::MIN, -1).unwrap(),
+            SliceAxis {
+                start: 4,
+                step: -1,
+                len: 5
+            }
+        );
+        assert_eq!(
+            python_slice(5, 0, 100, 2).unwrap(),
+            SliceAxis {
+                start: 0,
+                step: 2,
+                len: 3
+            }
+        );
         assert_eq!(python_slice(5, 3, 1, 1).unwrap().len, 0);
         assert_eq!(python_slice(0, 0, 1, 1).unwrap().len, 0);
         assert!(python_slice(5, 0, 1, 0).is_err());

@@ -12,23 +12,50 @@ impl Graph {
     /// happens in place and persists across runs. `update` has `target`'s shape except
     /// along `axis`. A position that would write past the end is a run-time error and
     /// writes nothing.
-    pub fn write_at(&self, target: NodeId, update: NodeId, pos: NodeId, axis: isize) -> Result<NodeId> {
+    pub fn write_at(
+        &self,
+        target: NodeId,
+        update: NodeId,
+        pos: NodeId,
+        axis: isize,
+    ) -> Result<NodeId> {
         let axis = super::resolve_axis("write_at", axis, self.shape(target)?.rank())?;
         self.push(Op::WriteAt { axis }, &[target, update, pos])
     }
 }
 
-pub(crate) fn infer_write_at(axis: usize, target: &Shape, update: &Shape, pos: &Shape) -> Result<Shape> {
+pub(crate) fn infer_write_at(
+    axis: usize,
+    target: &Shape,
+    update: &Shape,
+    pos: &Shape,
+) -> Result<Shape> {
     same_dtype("write_at", target, update)?;
     require_int("write_at", "position", pos)?;
     if pos.num_elements() != 1 {
-        return Err(Error::invalid("write_at", format!("position must hold one element, got {pos}")));
+        return Err(Error::invalid(
+            "write_at",
+            format!("position must hold one element, got {pos}"),
+        ));
     }
     let fits = update.rank() == target.rank()
         && axis < target.rank()
-        && (0..target.rank()).all(|a| if a == axis { update.dim(a) <= target.dim(a) } else { update.dim(a) == target.dim(a) });
+        && (0..target.rank()).all(|a| {
+            if a == axis {
+                update.dim(a) <= target.dim(a)
+            } else {
+                update.dim(a) == target.dim(a)
+            }
+        });
     if !fits {
-        return Err(mismatch("write_at", target, update, format!("update must match the target except along axis {axis}, where it may be shorter")));
+        return Err(mismatch(
+            "write_at",
+            target,
+            update,
+            format!(
+                "update must match the target except along axis {axis}, where it may be shorter"
+            ),
+        ));
     }
     Ok(target.clone())
 }
@@ -45,7 +72,12 @@ pub(crate) fn checked_position(pos: f64, len: usize, dim: usize) -> Result<usize
     Ok(p as usize)
 }
 
-pub(crate) fn eval_write_at(axis: usize, target: &HostTensor, update: &HostTensor, pos: &HostTensor) -> Result<HostTensor> {
+pub(crate) fn eval_write_at(
+    axis: usize,
+    target: &HostTensor,
+    update: &HostTensor,
+    pos: &HostTensor,
+) -> Result<HostTensor> {
     let p = checked_position(pos.data[0], update.shape.dim(axis), target.shape.dim(axis))?;
     let mut data = target.data.clone();
     for (i, &v) in update.data.iter().enumerate() {

@@ -52,7 +52,13 @@ impl Executable for CpuProgram {
     fn read_handle(&self, index: usize, dst: &mut [u8]) -> Result<()> {
         let src = self.handle_bytes(index)?;
         if src.len() != dst.len() {
-            return Err(Error::LengthMismatch { kind: "handle", name: format!("#{index}"), expected: src.len(), got: dst.len(), unit: "bytes" });
+            return Err(Error::LengthMismatch {
+                kind: "handle",
+                name: format!("#{index}"),
+                expected: src.len(),
+                got: dst.len(),
+                unit: "bytes",
+            });
         }
         dst.copy_from_slice(src);
         Ok(())
