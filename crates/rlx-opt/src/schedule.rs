@@ -6,8 +6,10 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 /// Orders all nodes of `graph` for execution. Fails if a node must read a handle both
-/// before and after it is written.
+/// before and after it is written, or if an output is a handle (or a view of one) that
+/// is written.
 pub fn schedule(graph: &Graph) -> Result<Vec<usize>> {
+    let outputs = graph.outputs();
     let nodes = graph.nodes();
     let n = nodes.len();
     let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
@@ -25,10 +27,25 @@ pub fn schedule(graph: &Graph) -> Result<Vec<usize>> {
     }
     for (w, node) in nodes.iter().enumerate() {
         if let Op::WriteAt { .. } = node.op {
-            let target = node.inputs[0].index();
-            for &c in &consumers[target] {
-                if c != w {
-                    add_edge(c, w, &mut succ);
+            // Readers of the target, and of views of it (which share its bytes and run
+            // no kernel), all read the state from before the write.
+            let mut reads = vec![node.inputs[0].index()];
+            while let Some(t) = reads.pop() {
+                // An output is read after the whole run, so it would show the new state.
+                if outputs.iter().any(|o| o.index() == t) {
+                    return Err(Error::InvalidGraph {
+                        graph: graph.name().into(),
+                        node: format!("%{t}"),
+                        message: "an output is a handle (or a view of one) that a write_at overwrites in the same run; output the write_at result instead".into(),
+                    });
+                }
+                for &c in &consumers[t] {
+                    if c != w {
+                        add_edge(c, w, &mut succ);
+                        if crate::plan::view_offset(&nodes[c].op, &nodes[t].shape).is_some() {
+                            reads.push(c);
+                        }
+                    }
                 }
             }
         }

@@ -221,7 +221,9 @@ pub(crate) fn eval_binary(op: BinaryOp, a: &HostTensor, b: &HostTensor, out: &Sh
             let x = a.data[broadcast_source(&idx, a.shape.dims())];
             let y = b.data[broadcast_source(&idx, b.shape.dims())];
             let r = if int {
-                binary_i64(op, x as i64, y as i64) as f64
+                // Narrow to the output width in i64: the full product of two i32 values
+                // does not survive a round trip through f64.
+                out.dtype().wrap_int(binary_i64(op, x as i64, y as i64)) as f64
             } else {
                 binary_f64(op, x, y)
             };

@@ -202,7 +202,8 @@ pub(crate) fn eval_reduce(op: ReduceOp, axes: &[usize], x: &HostTensor, out: &Sh
     let data = (0..n_out)
         .map(|o| {
             let v = match op {
-                ReduceOp::Sum | ReduceOp::Prod if int => acc_int[o] as f64,
+                // Narrow in i64 first: a wrapped i64 product does not survive f64.
+                ReduceOp::Sum | ReduceOp::Prod if int => dtype.wrap_int(acc_int[o]) as f64,
                 ReduceOp::Mean => acc[o] / count as f64,
                 _ => acc[o],
             };

@@ -460,6 +460,13 @@ pub(crate) fn eval_gather(
     out: &Shape,
 ) -> Result<HostTensor> {
     let n = x.shape.dim(axis) as i64;
+    // Every index is checked, also when the result is empty (as numpy `take` does).
+    if let Some(&k) = idx.data.iter().find(|&&k| !(-n..n).contains(&(k as i64))) {
+        return Err(Error::runtime(
+            "gather",
+            format!("index {k} out of range for axis of length {n}"),
+        ));
+    }
     let mut data = Vec::with_capacity(out.num_elements());
     let ir = idx.shape.rank();
     for i in 0..out.num_elements() {

@@ -1,0 +1,2566 @@
+//! Every IR op, compiled for the CPU and run with `run_typed`, against the reference
+//! evaluator (`rlx::ir::reference::evaluate`) on fresh random data.
+//!
+//! Each case builds a small graph, compiles it twice (default options, and with memory
+//! reuse and in-place execution off), runs both on two rounds of random inputs and
+//! checks every output against the reference: integers and bools exactly, floats within
+//! a tolerance chosen by dtype and by how many terms each output element accumulates.
+//! The two compiled variants must agree bit for bit.
+
+use rlx::ir::reference::{HostTensor, evaluate};
+use rlx::ir::{BinaryOp, F64Bits, PadMode, ReduceOp, RopeStyle, UnaryOp};
+use rlx::{
+    BufferHandle, CompileOptions, CompiledGraph, DType, Device, Error, Graph, MemoryStats, NodeId,
+    Result, Session, Shape, TensorData, TensorRef,
+};
+use std::collections::HashMap;
+
+// ---------------------------------------------------------------------------------------
+// Deterministic random data
+// ---------------------------------------------------------------------------------------
+
+/// The splitmix64 finalizer: a good 64-bit mix.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// splitmix64 generator.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(mix(seed))
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        mix(self.0)
+    }
+
+    /// Uniform in `[0, 1)`.
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+
+    /// Uniform integer in `[lo, hi]`.
+    fn int(&mut self, lo: i64, hi: i64) -> i64 {
+        let span = (hi - lo) as u64 + 1;
+        lo + (self.next_u64() % span) as i64
+    }
+
+    fn chance(&mut self, num: u64, den: u64) -> bool {
+        self.next_u64() % den < num
+    }
+}
+
+/// How an input's values are drawn.
+#[derive(Clone, Copy, Debug)]
+enum Dist {
+    /// Floats uniform in [-2, 2]; signed ints in [-5, 5]; u8 in [0, 10]; bools 50/50.
+    Default,
+    /// Floats uniform in [0.1, 3] (log, sqrt, rsqrt); ints in [0, 5].
+    Positive,
+    /// Uniform in `[lo, hi]` (integers truncate).
+    Uniform(f64, f64),
+    /// Integers in `[lo, hi]` for any dtype (bools: non-zero is true).
+    Int(i64, i64),
+    /// Multiples of 0.5 in [-5, 5] (round-half-even ties, floor/ceil of exact values).
+    Halves,
+    /// Few distinct values, so ties and equalities are common.
+    Ties,
+    /// Uniform in [-2, 2] mixed with NaN, +-inf and +-0 (one in six).
+    Special,
+    /// Mostly zero / false (three in four).
+    Sparse,
+    /// Uniform in [-1, 1] with -inf one time in three (additive attention masks).
+    NegInf,
+}
+
+fn gen_value(rng: &mut Rng, dtype: DType, dist: Dist) -> f64 {
+    let float = dtype.is_float();
+    match dist {
+        Dist::Default => match dtype {
+            DType::Bool => rng.int(0, 1) as f64,
+            DType::U8 => rng.int(0, 10) as f64,
+            _ if float => rng.uniform(-2.0, 2.0),
+            _ => rng.int(-5, 5) as f64,
+        },
+        Dist::Positive => {
+            if float {
+                rng.uniform(0.1, 3.0)
+            } else {
+                rng.int(0, 5) as f64
+            }
+        }
+        Dist::Uniform(lo, hi) => rng.uniform(lo, hi),
+        Dist::Int(lo, hi) => rng.int(lo, hi) as f64,
+        Dist::Halves => rng.int(-10, 10) as f64 * 0.5,
+        Dist::Ties => {
+            if float {
+                rng.int(-2, 2) as f64 * 0.5
+            } else if dtype == DType::U8 || dtype == DType::Bool {
+                rng.int(0, 2) as f64
+            } else {
+                rng.int(-2, 2) as f64
+            }
+        }
+        Dist::Special => {
+            if float && rng.chance(1, 6) {
+                [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0][rng.int(0, 4) as usize]
+            } else {
+                gen_value(rng, dtype, Dist::Default)
+            }
+        }
+        Dist::Sparse => {
+            if rng.chance(3, 4) {
+                0.0
+            } else if dtype == DType::Bool {
+                1.0
+            } else {
+                gen_value(rng, dtype, Dist::Default)
+            }
+        }
+        Dist::NegInf => {
+            if rng.chance(1, 3) {
+                f64::NEG_INFINITY
+            } else {
+                rng.uniform(-1.0, 1.0)
+            }
+        }
+    }
+}
+
+/// A random tensor of `shape` (values rounded to its dtype).
+fn random_tensor(rng: &mut Rng, shape: &Shape, dist: Dist) -> HostTensor {
+    let data = (0..shape.num_elements())
+        .map(|_| gen_value(rng, shape.dtype(), dist))
+        .collect();
+    HostTensor::new(shape.clone(), data)
+}
+
+// ---------------------------------------------------------------------------------------
+// Inputs, tolerances and the checker
+// ---------------------------------------------------------------------------------------
+
+/// One graph input: name, shape and how to fill it.
+#[derive(Clone, Debug)]
+struct In {
+    name: String,
+    shape: Shape,
+    dist: Dist,
+}
+
+fn inp(name: &str, dims: &[usize], dtype: DType) -> In {
+    In {
+        name: name.to_string(),
+        shape: Shape::new(dims, dtype),
+        dist: Dist::Default,
+    }
+}
+
+impl In {
+    fn dist(mut self, dist: Dist) -> In {
+        self.dist = dist;
+        self
+    }
+}
+
+/// Float tolerance: `k` is how many terms each output element accumulates (1 for
+/// elementwise ops); rounding error of a sum grows like its square root.
+#[derive(Clone, Copy, Debug)]
+struct Tol {
+    k: usize,
+}
+
+const EW: Tol = Tol { k: 1 };
+
+fn acc(k: usize) -> Tol {
+    Tol { k }
+}
+
+/// `(atol, rtol)` for a float dtype: `|got - ref| <= atol + rtol * |ref|`.
+///
+/// The CPU kernels compute in `f64` and round once, as the reference does, except the
+/// `f32` matmul, which accumulates in `f32`: its error grows like `eps_f32 * sqrt(K)` of
+/// the magnitude of the terms, well inside `1e-5 * sqrt(K) * (1 + |ref|)`. For `f16` and
+/// `bf16` two units in the last place relative to the reference value.
+fn tolerance(dtype: DType, tol: Tol) -> (f64, f64) {
+    let s = (tol.k.max(1) as f64).sqrt();
+    match dtype {
+        DType::F64 => (1e-12 * s, 1e-12 * s),
+        DType::F32 => (1e-5 * s, 1e-5 * s),
+        DType::F16 => (2f64.powi(-24), 2.0 * 2f64.powi(-10)),
+        DType::BF16 => (2f64.powi(-133), 2.0 * 2f64.powi(-7)),
+        _ => (0.0, 0.0),
+    }
+}
+
+/// Panics unless `got` matches the reference output `want`.
+fn compare(label: &str, what: &str, got: &TensorData, want: &HostTensor, tol: Tol) {
+    let dtype = want.shape.dtype();
+    assert_eq!(
+        got.dtype(),
+        dtype,
+        "{label}: {what}: dtype differs from the reference ({})",
+        want.shape
+    );
+    let values = got.as_ref().to_f64_vec();
+    assert_eq!(
+        values.len(),
+        want.data.len(),
+        "{label}: {what}: element count differs from the reference ({})",
+        want.shape
+    );
+    let (atol, rtol) = tolerance(dtype, tol);
+    let bad: Vec<(usize, f64, f64)> = values
+        .iter()
+        .zip(&want.data)
+        .enumerate()
+        .filter(|&(_, (&a, &r))| {
+            let ok = if r.is_nan() {
+                a.is_nan()
+            } else if r.is_infinite() || !dtype.is_float() {
+                a == r
+            } else {
+                (a - r).abs() <= atol + rtol * r.abs()
+            };
+            !ok
+        })
+        .map(|(i, (&a, &r))| (i, a, r))
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{label}: {what} ({}): {} of {} elements differ from the reference (index, got, want): {:?}",
+        want.shape,
+        bad.len(),
+        values.len(),
+        &bad[..bad.len().min(8)]
+    );
+}
+
+/// Bytes of every output, for bit-exact comparison between compiled variants.
+fn bytes_of(outs: &[TensorData]) -> Vec<Vec<u8>> {
+    outs.iter().map(|t| t.as_ref().to_le_bytes()).collect()
+}
+
+fn unreused() -> CompileOptions {
+    CompileOptions::new().memory_reuse(false).in_place(false)
+}
+
+/// Builds the graph over the declared inputs with `build`, compiles it for the CPU
+/// (default options, and with reuse and in-place off) and compares both, over two
+/// rounds of fresh random data from `seed`, with the reference evaluator.
+fn check(
+    label: &str,
+    seed: u64,
+    inputs: &[In],
+    tol: Tol,
+    build: impl Fn(&Graph, &[NodeId]) -> Result<Vec<NodeId>>,
+) -> (MemoryStats, MemoryStats) {
+    let g = Graph::new(label);
+    let ids: Vec<NodeId> = inputs
+        .iter()
+        .map(|i| g.input(i.name.clone(), i.shape.clone()))
+        .collect();
+    let outs =
+        build(&g, &ids).unwrap_or_else(|e| panic!("{label}: building the graph failed: {e}"));
+    assert!(!outs.is_empty(), "{label}: no outputs");
+    g.set_outputs(outs);
+    let session = Session::new(Device::Cpu);
+    let mut fast = session
+        .compile(&g)
+        .unwrap_or_else(|e| panic!("{label}: compile failed: {e}"));
+    let mut plain = session
+        .compile_with(&g, &unreused())
+        .unwrap_or_else(|e| panic!("{label}: compile (no reuse) failed: {e}"));
+    for round in 0..2u64 {
+        let mut rng = Rng::new(seed ^ mix(round + 1));
+        let mut values = HashMap::new();
+        let mut data = Vec::with_capacity(inputs.len());
+        for i in inputs {
+            let t = random_tensor(&mut rng, &i.shape, i.dist);
+            data.push((i.name.as_str(), t.to_data()));
+            values.insert(i.name.clone(), t);
+        }
+        let want =
+            evaluate(&g, &mut values).unwrap_or_else(|e| panic!("{label}: reference failed: {e}"));
+        let feed: Vec<(&str, TensorRef<'_>)> = data.iter().map(|(n, d)| (*n, d.as_ref())).collect();
+        let got = fast
+            .run_typed(&feed)
+            .unwrap_or_else(|e| panic!("{label}: run failed: {e}"));
+        let got_plain = plain
+            .run_typed(&feed)
+            .unwrap_or_else(|e| panic!("{label}: run (no reuse) failed: {e}"));
+        assert_eq!(got.len(), want.len(), "{label}: output count");
+        for (k, (a, w)) in got.iter().zip(&want).enumerate() {
+            compare(label, &format!("round {round}, output {k}"), a, w, tol);
+        }
+        assert_eq!(
+            bytes_of(&got),
+            bytes_of(&got_plain),
+            "{label}: round {round}: results differ with memory reuse and in-place off"
+        );
+    }
+    (fast.memory_stats(), plain.memory_stats())
+}
+
+/// A test's sequence of cases: each case gets its own seed from the test's constant
+/// mixed with the case index.
+struct Suite {
+    test: u64,
+    case: u64,
+}
+
+impl Suite {
+    fn new(test: u64) -> Suite {
+        Suite { test, case: 0 }
+    }
+
+    fn check(
+        &mut self,
+        label: &str,
+        inputs: &[In],
+        tol: Tol,
+        build: impl Fn(&Graph, &[NodeId]) -> Result<Vec<NodeId>>,
+    ) -> (MemoryStats, MemoryStats) {
+        let seed = mix(self.test.wrapping_mul(0xD6E8_FEB8_6659_FD93) ^ mix(self.case));
+        self.case += 1;
+        check(
+            &format!("{label} [test {:#x} case {}]", self.test, self.case - 1),
+            seed,
+            inputs,
+            tol,
+            build,
+        )
+    }
+}
+
+const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+
+fn one(id: NodeId) -> Result<Vec<NodeId>> {
+    Ok(vec![id])
+}
+
+// ---------------------------------------------------------------------------------------
+// Elementwise
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn unary_float_ops() {
+    let mut s = Suite::new(0x01);
+    let shapes: [&[usize]; 5] = [&[3, 5, 7], &[1, 4, 1], &[], &[2, 0, 3], &[33]];
+    for op in UnaryOp::ALL {
+        if op == UnaryOp::Not {
+            continue;
+        }
+        let base = match op {
+            UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt => Dist::Positive,
+            _ => Dist::Default,
+        };
+        let mut dists = vec![base, Dist::Special];
+        if matches!(
+            op,
+            UnaryOp::Round
+                | UnaryOp::Floor
+                | UnaryOp::Ceil
+                | UnaryOp::Sign
+                | UnaryOp::Relu
+                | UnaryOp::Abs
+        ) {
+            dists.push(Dist::Halves);
+        }
+        for dt in FLOATS {
+            for dims in shapes {
+                s.check(
+                    &format!("{} {dt} {dims:?}", op.name()),
+                    &[inp("x", dims, dt).dist(base)],
+                    EW,
+                    |g, x| one(g.unary(op, x[0])?),
+                );
+            }
+            for &dist in &dists[1..] {
+                s.check(
+                    &format!("{} {dt} {dist:?}", op.name()),
+                    &[inp("x", &[4, 9], dt).dist(dist)],
+                    EW,
+                    |g, x| one(g.unary(op, x[0])?),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn unary_integer_and_bool_ops() {
+    let mut s = Suite::new(0x02);
+    let cases = [
+        (DType::I32, Dist::Int(-1000, 1000)),
+        (DType::I32, Dist::Int(i32::MIN as i64, i32::MAX as i64)),
+        (DType::I64, Dist::Int(-(1 << 40), 1 << 40)),
+        (DType::I8, Dist::Int(-128, 127)),
+        (DType::U8, Dist::Int(0, 255)),
+    ];
+    for op in [UnaryOp::Neg, UnaryOp::Abs, UnaryOp::Relu, UnaryOp::Sign] {
+        for (dt, dist) in cases {
+            for dims in [&[3, 5, 7][..], &[], &[0, 4]] {
+                s.check(
+                    &format!("{} {dt} {dims:?}", op.name()),
+                    &[inp("x", dims, dt).dist(dist)],
+                    EW,
+                    |g, x| one(g.unary(op, x[0])?),
+                );
+            }
+        }
+    }
+    for dims in [&[3, 5, 7][..], &[], &[6, 0]] {
+        s.check(
+            &format!("not {dims:?}"),
+            &[inp("x", dims, DType::Bool)],
+            EW,
+            |g, x| one(g.not(x[0])?),
+        );
+    }
+    // The builder rejects float-only ops on integers and `not` on numbers.
+    let g = Graph::new("reject");
+    let i = g.input("i", Shape::new(&[3], DType::I32));
+    let f = g.input("f", Shape::new(&[3], DType::F32));
+    for op in UnaryOp::ALL.into_iter().filter(|o| o.float_only()) {
+        assert!(g.unary(op, i).is_err(), "{} accepted i32", op.name());
+    }
+    assert!(g.not(f).is_err() && g.not(i).is_err());
+}
+
+/// Broadcasting operand shape pairs: equal, size-1 dims on both sides, rank
+/// differences, scalars, an empty dimension.
+const BROADCAST: [(&[usize], &[usize]); 7] = [
+    (&[3, 5, 7], &[3, 5, 7]),
+    (&[3, 1, 7], &[5, 1]),
+    (&[7], &[3, 5, 7]),
+    (&[], &[4, 3]),
+    (&[2, 0, 3], &[3]),
+    (&[1, 1], &[1]),
+    (&[2, 1, 3, 1], &[4, 1, 5]),
+];
+
+#[test]
+fn binary_float_ops() {
+    let mut s = Suite::new(0x03);
+    for op in BinaryOp::ALL.into_iter().filter(|o| !o.is_logical()) {
+        for dt in FLOATS {
+            for (a, b) in BROADCAST {
+                s.check(
+                    &format!("{} {dt} {a:?} {b:?}", op.name()),
+                    &[inp("a", a, dt), inp("b", b, dt)],
+                    EW,
+                    |g, x| one(g.binary(op, x[0], x[1])?),
+                );
+            }
+        }
+        for dist in [Dist::Ties, Dist::Special, Dist::Halves] {
+            for dt in [DType::F32, DType::F16] {
+                s.check(
+                    &format!("{} {dt} {dist:?}", op.name()),
+                    &[
+                        inp("a", &[6, 7], dt).dist(dist),
+                        inp("b", &[6, 7], dt).dist(dist),
+                    ],
+                    EW,
+                    |g, x| one(g.binary(op, x[0], x[1])?),
+                );
+            }
+        }
+    }
+    // Pow with a positive base and larger exponents, mod with negative operands.
+    s.check(
+        "pow positive base",
+        &[
+            inp("a", &[5, 6], DType::F32).dist(Dist::Positive),
+            inp("b", &[6], DType::F32).dist(Dist::Uniform(-4.0, 4.0)),
+        ],
+        EW,
+        |g, x| one(g.pow(x[0], x[1])?),
+    );
+    s.check(
+        "mod wide",
+        &[
+            inp("a", &[5, 6], DType::F64).dist(Dist::Uniform(-50.0, 50.0)),
+            inp("b", &[5, 1], DType::F64).dist(Dist::Uniform(-7.0, 7.0)),
+        ],
+        EW,
+        |g, x| one(g.modulo(x[0], x[1])?),
+    );
+}
+
+#[test]
+fn binary_integer_ops() {
+    let mut s = Suite::new(0x04);
+    let arith = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Pow,
+        BinaryOp::Max,
+        BinaryOp::Min,
+        BinaryOp::Mod,
+    ];
+    let cmp = [
+        BinaryOp::Eq,
+        BinaryOp::Ne,
+        BinaryOp::Lt,
+        BinaryOp::Le,
+        BinaryOp::Gt,
+        BinaryOp::Ge,
+    ];
+    for op in arith.into_iter().chain(cmp) {
+        // Divisors include zero and negative numbers (x / 0 and x mod 0 are defined as 0).
+        let (da, db) = match op {
+            BinaryOp::Pow => (Dist::Int(-4, 4), Dist::Int(-2, 6)),
+            _ => (Dist::Int(-9, 9), Dist::Int(-4, 4)),
+        };
+        for dt in [DType::I32, DType::I64, DType::I8] {
+            for (a, b) in BROADCAST {
+                s.check(
+                    &format!("{} {dt} {a:?} {b:?}", op.name()),
+                    &[inp("a", a, dt).dist(da), inp("b", b, dt).dist(db)],
+                    EW,
+                    |g, x| one(g.binary(op, x[0], x[1])?),
+                );
+            }
+        }
+        s.check(
+            &format!("{} u8", op.name()),
+            &[
+                inp("a", &[4, 5], DType::U8).dist(Dist::Int(0, 255)),
+                inp("b", &[5], DType::U8).dist(Dist::Int(0, 4)),
+            ],
+            EW,
+            |g, x| one(g.binary(op, x[0], x[1])?),
+        );
+    }
+    // Wrapping at the type's width.
+    for op in [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Mod,
+    ] {
+        let full = Dist::Int(i32::MIN as i64, i32::MAX as i64);
+        s.check(
+            &format!("{} i32 full range", op.name()),
+            &[
+                inp("a", &[8, 9], DType::I32).dist(full),
+                inp("b", &[8, 9], DType::I32).dist(full),
+            ],
+            EW,
+            |g, x| one(g.binary(op, x[0], x[1])?),
+        );
+        s.check(
+            &format!("{} i8 full range", op.name()),
+            &[
+                inp("a", &[8, 9], DType::I8).dist(Dist::Int(-128, 127)),
+                inp("b", &[9], DType::I8).dist(Dist::Int(-128, 127)),
+            ],
+            EW,
+            |g, x| one(g.binary(op, x[0], x[1])?),
+        );
+    }
+    // Integer division of i32::MIN by -1 wraps.
+    s.check(
+        "div i32 min by -1",
+        &[
+            inp("a", &[4], DType::I32).dist(Dist::Int(i32::MIN as i64, i32::MIN as i64 + 1)),
+            inp("b", &[4], DType::I32).dist(Dist::Int(-1, -1)),
+        ],
+        EW,
+        |g, x| Ok(vec![g.div(x[0], x[1])?, g.modulo(x[0], x[1])?]),
+    );
+}
+
+#[test]
+fn maximum_rank() {
+    let mut s = Suite::new(0x1F);
+    let a: &[usize] = &[2, 1, 2, 1, 2, 1, 2, 3];
+    let b: &[usize] = &[2, 1, 2, 1, 2, 1, 3];
+    for op in [BinaryOp::Add, BinaryOp::Mul, BinaryOp::Lt] {
+        s.check(
+            &format!("{} rank 8", op.name()),
+            &[inp("a", a, DType::F32), inp("b", b, DType::F32)],
+            EW,
+            |g, x| one(g.binary(op, x[0], x[1])?),
+        );
+    }
+    s.check(
+        "rank 8 reduce/permute/slice/softmax",
+        &[inp("x", &[2, 3, 1, 2, 2, 1, 3, 2], DType::F32)],
+        acc(24),
+        |g, x| {
+            Ok(vec![
+                g.sum(x[0], &[0, 3, -1], true)?,
+                g.reduce_max(x[0], &[1, 6], false)?,
+                g.permute(x[0], &[7, 0, 6, 1, 5, 2, 4, 3])?,
+                g.slice(x[0], 6, 2, 0, -1)?,
+                g.softmax(x[0], 1)?,
+                g.cumsum(x[0], -2, true, false)?,
+                g.expand(g.slice(x[0], 0, 0, 1, 1)?, &[2, 3, 4, 2, 2, 5, 3, 2])?,
+            ])
+        },
+    );
+    s.check(
+        "rank 8 pad/tile/concat",
+        &[inp("x", &[1, 2, 1, 2, 1, 2, 1, 2], DType::I32)],
+        EW,
+        |g, x| {
+            let pads = [
+                (0, 1),
+                (1, 0),
+                (0, 0),
+                (1, 1),
+                (0, 0),
+                (0, 1),
+                (1, 0),
+                (0, 0),
+            ];
+            Ok(vec![
+                g.pad(x[0], &pads, PadMode::Edge)?,
+                g.tile(x[0], &[2, 1, 2, 1, 1, 1, 2, 1])?,
+                g.concat(&[x[0], x[0]], 4)?,
+            ])
+        },
+    );
+}
+
+#[test]
+fn logical_and_bool_ops() {
+    let mut s = Suite::new(0x05);
+    for op in [
+        BinaryOp::And,
+        BinaryOp::Or,
+        BinaryOp::Xor,
+        BinaryOp::Eq,
+        BinaryOp::Ne,
+    ] {
+        for (a, b) in BROADCAST {
+            s.check(
+                &format!("{} bool {a:?} {b:?}", op.name()),
+                &[inp("a", a, DType::Bool), inp("b", b, DType::Bool)],
+                EW,
+                |g, x| one(g.binary(op, x[0], x[1])?),
+            );
+        }
+    }
+    s.check(
+        "logic chain",
+        &[
+            inp("a", &[4, 6], DType::F32),
+            inp("b", &[6], DType::F32),
+            inp("m", &[4, 1], DType::Bool),
+        ],
+        EW,
+        |g, x| {
+            let lt = g.lt(x[0], x[1])?;
+            let ge = g.ge(x[0], x[1])?;
+            let any = g.or(lt, x[2])?;
+            let both = g.and(any, g.not(ge)?)?;
+            Ok(vec![g.xor(both, x[2])?, g.eq(lt, g.not(ge)?)?])
+        },
+    );
+}
+
+#[test]
+fn select_where() {
+    let mut s = Suite::new(0x06);
+    let shapes: [(&[usize], &[usize], &[usize]); 5] = [
+        (&[3, 5, 7], &[3, 5, 7], &[3, 5, 7]),
+        (&[3, 1, 7], &[5, 7], &[]),
+        (&[7], &[3, 5, 1], &[3, 1, 7]),
+        (&[2, 0, 3], &[3], &[1]),
+        (&[], &[4, 4], &[4, 1]),
+    ];
+    for dt in [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+        DType::I8,
+        DType::U8,
+        DType::Bool,
+    ] {
+        for (c, a, b) in shapes {
+            s.check(
+                &format!("where {dt} {c:?} {a:?} {b:?}"),
+                &[inp("c", c, DType::Bool), inp("a", a, dt), inp("b", b, dt)],
+                EW,
+                |g, x| one(g.select(x[0], x[1], x[2])?),
+            );
+        }
+    }
+    s.check(
+        "where with NaN branches",
+        &[
+            inp("c", &[5, 6], DType::Bool),
+            inp("a", &[5, 6], DType::F32).dist(Dist::Special),
+            inp("b", &[6], DType::F32).dist(Dist::Special),
+        ],
+        EW,
+        |g, x| one(g.select(x[0], x[1], x[2])?),
+    );
+}
+
+#[test]
+fn cast_between_dtypes() {
+    let mut s = Suite::new(0x07);
+    for from in DType::ALL {
+        let dists: Vec<Dist> = match from {
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16 => vec![
+                Dist::Default,
+                Dist::Uniform(-300.0, 300.0),
+                Dist::Special,
+                Dist::Halves,
+            ],
+            DType::I32 => vec![
+                Dist::Int(-100_000, 100_000),
+                Dist::Int(i32::MIN as i64, i32::MAX as i64),
+            ],
+            DType::I64 => vec![Dist::Int(-100_000, 100_000), Dist::Int(-(1 << 50), 1 << 50)],
+            DType::I8 => vec![Dist::Int(-128, 127)],
+            DType::U8 => vec![Dist::Int(0, 255)],
+            DType::Bool => vec![Dist::Default],
+        };
+        for to in DType::ALL {
+            for &dist in &dists {
+                s.check(
+                    &format!("cast {from} -> {to} {dist:?}"),
+                    &[inp("x", &[4, 6], from).dist(dist)],
+                    EW,
+                    |g, x| one(g.cast(x[0], to)?),
+                );
+            }
+        }
+    }
+    s.check(
+        "cast empty",
+        &[inp("x", &[0, 3], DType::F32)],
+        EW,
+        |g, x| one(g.cast(x[0], DType::I8)?),
+    );
+    s.check(
+        "cast round trip",
+        &[inp("x", &[5, 5], DType::F32).dist(Dist::Uniform(-1000.0, 1000.0))],
+        EW,
+        |g, x| {
+            let i = g.cast(x[0], DType::I32)?;
+            let h = g.cast(i, DType::F16)?;
+            Ok(vec![g.cast(h, DType::F64)?, g.cast(i, DType::U8)?])
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Reductions and normalizations
+// ---------------------------------------------------------------------------------------
+
+fn reduced_count(dims: &[usize], axes: &[isize]) -> usize {
+    if axes.is_empty() {
+        return dims.iter().product();
+    }
+    axes.iter()
+        .map(|&a| {
+            dims[if a < 0 {
+                (a + dims.len() as isize) as usize
+            } else {
+                a as usize
+            }]
+        })
+        .product()
+}
+
+#[test]
+fn reductions() {
+    let mut s = Suite::new(0x08);
+    let ops = [
+        ReduceOp::Sum,
+        ReduceOp::Mean,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Prod,
+    ];
+    let axes_sets: [&[isize]; 7] = [&[0], &[1], &[-1], &[0, 2], &[-1, 0], &[], &[1, -1]];
+    let dims = [3, 5, 7];
+    for op in ops {
+        for dt in FLOATS {
+            for axes in axes_sets {
+                for keepdims in [false, true] {
+                    let tol = acc(reduced_count(&dims, axes));
+                    s.check(
+                        &format!("reduce_{} {dt} {axes:?} keep={keepdims}", op.name()),
+                        &[inp("x", &dims, dt)],
+                        tol,
+                        |g, x| one(g.reduce(op, x[0], axes, keepdims)?),
+                    );
+                }
+            }
+        }
+        for dt in [DType::I32, DType::I64, DType::I8, DType::U8] {
+            if op == ReduceOp::Mean {
+                continue;
+            }
+            let dist = if dt == DType::I8 {
+                Dist::Int(-128, 127)
+            } else {
+                Dist::Default
+            };
+            for axes in axes_sets {
+                s.check(
+                    &format!("reduce_{} {dt} {axes:?}", op.name()),
+                    &[inp("x", &dims, dt).dist(dist)],
+                    EW,
+                    |g, x| one(g.reduce(op, x[0], axes, axes.len() == 1)?),
+                );
+            }
+        }
+        // Integer results wider than f64's 53-bit mantissa before wrapping to i32.
+        if op != ReduceOp::Mean {
+            s.check(
+                &format!("reduce_{} i32 wide", op.name()),
+                &[inp("x", &[4, 7], DType::I32).dist(Dist::Int(-100_000, 100_000))],
+                EW,
+                |g, x| {
+                    Ok(vec![
+                        g.reduce(op, x[0], &[1], false)?,
+                        g.reduce(op, x[0], &[], false)?,
+                    ])
+                },
+            );
+        }
+        // NaN and infinities propagate.
+        s.check(
+            &format!("reduce_{} special", op.name()),
+            &[inp("x", &[6, 5], DType::F32).dist(Dist::Special)],
+            acc(5),
+            |g, x| {
+                Ok(vec![
+                    g.reduce(op, x[0], &[1], false)?,
+                    g.reduce(op, x[0], &[0], true)?,
+                ])
+            },
+        );
+        // Size-1 and empty dimensions. Max and min are not defined over an empty set.
+        s.check(
+            &format!("reduce_{} size-1", op.name()),
+            &[inp("x", &[1, 4, 1], DType::F32)],
+            acc(4),
+            |g, x| {
+                Ok(vec![
+                    g.reduce(op, x[0], &[0, 2], false)?,
+                    g.reduce(op, x[0], &[], true)?,
+                ])
+            },
+        );
+        s.check(
+            &format!("reduce_{} empty kept axis", op.name()),
+            &[inp("x", &[3, 0, 4], DType::F32)],
+            acc(3),
+            |g, x| one(g.reduce(op, x[0], &[0], false)?),
+        );
+        if matches!(op, ReduceOp::Max | ReduceOp::Min) {
+            let g = Graph::new("empty max");
+            let x = g.input("x", Shape::new(&[3, 0, 4], DType::F32));
+            assert!(g.reduce(op, x, &[1], false).is_err());
+        } else {
+            s.check(
+                &format!("reduce_{} over empty axis", op.name()),
+                &[inp("x", &[3, 0, 4], DType::F32)],
+                EW,
+                |g, x| {
+                    Ok(vec![
+                        g.reduce(op, x[0], &[1], false)?,
+                        g.reduce(op, x[0], &[], true)?,
+                    ])
+                },
+            );
+            if op != ReduceOp::Mean {
+                s.check(
+                    &format!("reduce_{} i32 over empty axis", op.name()),
+                    &[inp("x", &[0, 5], DType::I32)],
+                    EW,
+                    |g, x| one(g.reduce(op, x[0], &[0], false)?),
+                );
+            }
+        }
+    }
+    s.check(
+        "reduce scalar",
+        &[inp("x", &[], DType::F32), inp("i", &[], DType::I64)],
+        EW,
+        |g, x| {
+            Ok(vec![
+                g.sum(x[0], &[], true)?,
+                g.reduce_max(x[0], &[], false)?,
+                g.prod(x[1], &[], false)?,
+            ])
+        },
+    );
+    // A long reduction.
+    s.check(
+        "sum long",
+        &[inp("x", &[4, 4096], DType::F32)],
+        acc(4096),
+        |g, x| one(g.sum(x[0], &[-1], false)?),
+    );
+    s.check(
+        "mean long f16",
+        &[inp("x", &[3, 1000], DType::F16)],
+        acc(1000),
+        |g, x| one(g.mean(x[0], &[1], true)?),
+    );
+}
+
+#[test]
+fn argmax_argmin() {
+    let mut s = Suite::new(0x09);
+    for dt in [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+        DType::I8,
+        DType::U8,
+    ] {
+        for dist in [Dist::Default, Dist::Ties, Dist::Special] {
+            for axis in [0isize, 1, 2, -1, -2] {
+                for keepdims in [false, true] {
+                    s.check(
+                        &format!("argmax/argmin {dt} {dist:?} axis {axis} keep={keepdims}"),
+                        &[inp("x", &[3, 5, 7], dt).dist(dist)],
+                        EW,
+                        |g, x| {
+                            Ok(vec![
+                                g.argmax(x[0], axis, keepdims)?,
+                                g.argmin(x[0], axis, keepdims)?,
+                            ])
+                        },
+                    );
+                }
+            }
+        }
+    }
+    s.check(
+        "argmax size-1 axis",
+        &[inp("x", &[4, 1], DType::F32)],
+        EW,
+        |g, x| Ok(vec![g.argmax(x[0], 1, false)?, g.argmin(x[0], -1, true)?]),
+    );
+    s.check(
+        "argmax rank 1",
+        &[inp("x", &[9], DType::F32).dist(Dist::Ties)],
+        EW,
+        |g, x| Ok(vec![g.argmax(x[0], 0, false)?, g.argmin(x[0], 0, true)?]),
+    );
+    s.check(
+        "argmax empty outer",
+        &[inp("x", &[0, 4], DType::F32)],
+        EW,
+        |g, x| one(g.argmax(x[0], 1, false)?),
+    );
+}
+
+#[test]
+fn softmax_and_log_softmax() {
+    let mut s = Suite::new(0x0A);
+    let dims = [3, 5, 7];
+    for dt in FLOATS {
+        for axis in [0isize, 1, 2, -1, -2, -3] {
+            let n = dims[(axis.rem_euclid(3)) as usize];
+            s.check(
+                &format!("softmax {dt} axis {axis}"),
+                &[inp("x", &dims, dt).dist(Dist::Uniform(-6.0, 6.0))],
+                acc(n),
+                |g, x| Ok(vec![g.softmax(x[0], axis)?, g.log_softmax(x[0], axis)?]),
+            );
+        }
+    }
+    s.check(
+        "softmax size-1 axis",
+        &[inp("x", &[4, 1], DType::F32)],
+        EW,
+        |g, x| Ok(vec![g.softmax(x[0], 1)?, g.log_softmax(x[0], -1)?]),
+    );
+    s.check(
+        "softmax empty",
+        &[inp("x", &[0, 6], DType::F32)],
+        EW,
+        |g, x| Ok(vec![g.softmax(x[0], 1)?, g.log_softmax(x[0], 0)?]),
+    );
+    s.check(
+        "softmax -inf",
+        &[inp("x", &[4, 6], DType::F32).dist(Dist::NegInf)],
+        acc(6),
+        |g, x| Ok(vec![g.softmax(x[0], 1)?, g.log_softmax(x[0], 1)?]),
+    );
+    s.check(
+        "softmax large",
+        &[inp("x", &[2, 300], DType::F32).dist(Dist::Uniform(-80.0, 80.0))],
+        acc(300),
+        |g, x| Ok(vec![g.softmax(x[0], -1)?, g.log_softmax(x[0], -1)?]),
+    );
+}
+
+#[test]
+fn layer_norm_and_rms_norm() {
+    let mut s = Suite::new(0x0B);
+    let shapes: [&[usize]; 4] = [&[3, 5, 16], &[7], &[4, 1], &[0, 8]];
+    for dt in FLOATS {
+        for dims in shapes {
+            let d = dims[dims.len() - 1];
+            let ins = [
+                inp("x", dims, dt).dist(Dist::Uniform(-3.0, 3.0)),
+                inp("gamma", &[d], dt),
+                inp("beta", &[d], dt),
+            ];
+            s.check(
+                &format!("layer_norm {dt} {dims:?}"),
+                &ins,
+                acc(d),
+                |g, x| {
+                    Ok(vec![
+                        g.layer_norm(x[0], x[1], x[2], 1e-5)?,
+                        g.rms_norm(x[0], x[1], 1e-6)?,
+                    ])
+                },
+            );
+        }
+    }
+    s.check(
+        "layer_norm large eps",
+        &[
+            inp("x", &[6, 32], DType::F32),
+            inp("gamma", &[32], DType::F32),
+            inp("beta", &[32], DType::F32),
+        ],
+        acc(32),
+        |g, x| {
+            Ok(vec![
+                g.layer_norm(x[0], x[1], x[2], 0.5)?,
+                g.rms_norm(x[0], x[1], 0.25)?,
+            ])
+        },
+    );
+    s.check(
+        "layer_norm offset input",
+        &[
+            inp("x", &[5, 64], DType::F32).dist(Dist::Uniform(10.0, 12.0)),
+            inp("gamma", &[64], DType::F32),
+            inp("beta", &[64], DType::F32),
+        ],
+        acc(64),
+        |g, x| one(g.layer_norm(x[0], x[1], x[2], 1e-5)?),
+    );
+}
+
+#[test]
+fn matmul_shapes() {
+    let mut s = Suite::new(0x0C);
+    let shapes: [(&[usize], &[usize]); 12] = [
+        (&[4, 6], &[6, 5]),
+        (&[2, 4, 6], &[2, 6, 5]),
+        (&[2, 1, 4, 6], &[3, 6, 5]),
+        (&[4, 6], &[3, 6, 5]),
+        (&[2, 3, 4, 6], &[6, 5]),
+        (&[6], &[2, 6, 5]),
+        (&[2, 4, 6], &[6]),
+        (&[6], &[6]),
+        (&[1, 1], &[1, 1]),
+        (&[3, 0], &[0, 4]),
+        (&[0, 5], &[5, 3]),
+        (&[2, 0, 4, 3], &[3, 2]),
+    ];
+    for dt in FLOATS {
+        for (a, b) in shapes {
+            let k = a[a.len() - 1];
+            s.check(
+                &format!("matmul {dt} {a:?} x {b:?}"),
+                &[inp("a", a, dt), inp("b", b, dt)],
+                acc(k),
+                |g, x| one(g.matmul(x[0], x[1])?),
+            );
+        }
+    }
+    for dt in [DType::F32, DType::F64] {
+        s.check(
+            &format!("matmul {dt} K=257"),
+            &[inp("a", &[9, 257], dt), inp("b", &[257, 11], dt)],
+            acc(257),
+            |g, x| one(g.matmul(x[0], x[1])?),
+        );
+    }
+    s.check(
+        "matmul with constant operands",
+        &[inp("a", &[3, 4], DType::F32)],
+        acc(4),
+        |g, x| {
+            let w: Vec<f32> = (0..8).map(|i| i as f32 * 0.25 - 1.0).collect();
+            let c = g.constant_f32(&w, &[4, 2])?;
+            let v = g.constant_f32(&[0.5, -1.5, 2.0], &[3])?;
+            Ok(vec![
+                g.matmul(x[0], c)?,
+                g.matmul(v, x[0])?,
+                g.matmul(g.slice(x[0], 0, 1, 3, 1)?, c)?,
+            ])
+        },
+    );
+    // Operands that are views (transposed copies, slices) and a matmul feeding a matmul.
+    s.check(
+        "matmul of transposes",
+        &[
+            inp("a", &[6, 4], DType::F32),
+            inp("b", &[3, 5, 6], DType::F32),
+        ],
+        acc(36),
+        |g, x| {
+            let at = g.transpose(x[0], 0, 1)?;
+            let bt = g.transpose(x[1], -1, -2)?;
+            let first = g.slice(x[1], 0, 1, 2, 1)?;
+            let chained = g.matmul(g.matmul(x[1], x[0])?, at)?;
+            Ok(vec![g.matmul(at, bt)?, g.matmul(first, x[0])?, chained])
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Data movement
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn reshape_squeeze_unsqueeze() {
+    let mut s = Suite::new(0x0D);
+    for dt in [DType::F32, DType::I64, DType::Bool, DType::F16] {
+        s.check(
+            &format!("reshape {dt}"),
+            &[inp("x", &[3, 5, 4], dt)],
+            EW,
+            |g, x| {
+                Ok(vec![
+                    g.reshape(x[0], &[15, 4])?,
+                    g.reshape_infer(x[0], &[-1, 6])?,
+                    g.reshape_infer(x[0], &[2, -1, 5, 1])?,
+                    g.reshape(x[0], &[60])?,
+                ])
+            },
+        );
+    }
+    s.check(
+        "reshape then compute",
+        &[
+            inp("x", &[3, 5, 4], DType::F32),
+            inp("y", &[4, 15], DType::F32),
+        ],
+        EW,
+        |g, x| {
+            let r = g.reshape(x[0], &[4, 15])?;
+            let z = g.add(r, x[1])?;
+            let back = g.reshape_infer(z, &[3, -1])?;
+            Ok(vec![g.exp(back)?, back])
+        },
+    );
+    s.check(
+        "reshape empty",
+        &[inp("x", &[2, 0, 3], DType::F32)],
+        EW,
+        |g, x| {
+            Ok(vec![
+                g.reshape(x[0], &[0, 6])?,
+                g.reshape_infer(x[0], &[-1, 3])?,
+            ])
+        },
+    );
+    s.check(
+        "reshape scalar",
+        &[inp("x", &[], DType::F32)],
+        EW,
+        |g, x| {
+            Ok(vec![
+                g.reshape(x[0], &[1, 1])?,
+                g.reshape(g.neg(x[0])?, &[1])?,
+            ])
+        },
+    );
+    s.check(
+        "squeeze/unsqueeze",
+        &[inp("x", &[1, 3, 1, 4], DType::F32)],
+        EW,
+        |g, x| {
+            let a = g.squeeze(x[0], &[])?;
+            let b = g.squeeze(x[0], &[0])?;
+            let c = g.squeeze(x[0], &[-2, 0])?;
+            let d = g.unsqueeze(a, &[0, -1])?;
+            let e = g.unsqueeze(c, &[1])?;
+            Ok(vec![a, b, c, g.sin(d)?, e])
+        },
+    );
+    let g = Graph::new("bad squeeze");
+    let x = g.input("x", Shape::new(&[1, 3], DType::F32));
+    assert!(g.squeeze(x, &[1]).is_err());
+    assert!(g.reshape(x, &[4]).is_err());
+    assert!(g.reshape_infer(x, &[-1, -1]).is_err());
+}
+
+#[test]
+fn permute_and_transpose() {
+    let mut s = Suite::new(0x0E);
+    let perms: [&[usize]; 5] = [
+        &[0, 1, 2, 3],
+        &[3, 2, 1, 0],
+        &[0, 2, 1, 3],
+        &[1, 3, 0, 2],
+        &[2, 0, 3, 1],
+    ];
+    for dt in [DType::F32, DType::F64, DType::I8, DType::Bool, DType::BF16] {
+        for perm in perms {
+            s.check(
+                &format!("permute {dt} {perm:?}"),
+                &[inp("x", &[2, 3, 4, 5], dt)],
+                EW,
+                |g, x| one(g.permute(x[0], perm)?),
+            );
+        }
+    }
+    s.check(
+        "transpose",
+        &[inp("x", &[3, 1, 6], DType::F32)],
+        EW,
+        |g, x| {
+            Ok(vec![
+                g.transpose(x[0], 0, -1)?,
+                g.transpose(x[0], -2, -3)?,
+                g.transpose(g.transpose(x[0], 0, 2)?, 2, 0)?,
+            ])
+        },
+    );
+    s.check(
+        "permute empty",
+        &[inp("x", &[2, 0, 3], DType::F32)],
+        EW,
+        |g, x| one(g.permute(x[0], &[2, 0, 1])?),
+    );
+    s.check(
+        "permute then elementwise",
+        &[inp("x", &[4, 6], DType::F32), inp("y", &[6, 4], DType::F32)],
+        EW,
+        |g, x| {
+            let t = g.transpose(x[0], 0, 1)?;
+            one(g.mul(g.add(t, x[1])?, t)?)
+        },
+    );
+}
+
+#[test]
+fn slices() {
+    let mut s = Suite::new(0x0F);
+    // (axis, start, end, step) on [6, 7, 8].
+    let specs: [(isize, isize, isize, isize); 12] = [
+        (0, 1, 4, 1),
+        (0, 2, 3, 1),
+        (1, 0, 7, 2),
+        (2, -3, 100, 1),
+        (2, -1, isize::MIN, -1),
+        (1, 5, 1, -2),
+        (0, -2, -6, -1),
+        (2, 3, 3, 1),
+        (-1, 7, 2, -3),
+        (-3, 0, 6, 4),
+        (1, -100, 100, 3),
+        (0, 5, 4, 1),
+    ];
+    for dt in [DType::F32, DType::I32, DType::F16, DType::Bool] {
+        for (axis, start, end, step) in specs {
+            s.check(
+                &format!("slice {dt} axis {axis} {start}:{end}:{step}"),
+                &[inp("x", &[6, 7, 8], dt)],
+                EW,
+                |g, x| one(g.slice(x[0], axis, start, end, step)?),
+            );
+        }
+    }
+    // Several axes at once, and contiguous slices (views) feeding elementwise ops.
+    s.check(
+        "slice_axes",
+        &[inp("x", &[6, 7, 8], DType::F32)],
+        EW,
+        |g, x| {
+            Ok(vec![
+                g.slice_axes(x[0], &[(0, 1, 5, 2), (2, 7, 0, -2)])?,
+                g.slice_axes(x[0], &[(0, 2, 3, 1), (1, 1, 4, 1)])?,
+                g.slice_axes(x[0], &[(-1, 0, 8, 1), (0, 0, 6, 1), (1, 0, 7, 1)])?,
+                g.slice_axes(x[0], &[(0, 3, 4, 1), (1, 6, 7, 1), (2, 2, 3, 1)])?,
+            ])
+        },
+    );
+    s.check(
+        "contiguous slice views",
+        &[
+            inp("x", &[6, 7, 8], DType::F32),
+            inp("y", &[2, 7, 8], DType::F32),
+        ],
+        EW,
+        |g, x| {
+            let rows = g.slice(x[0], 0, 2, 4, 1)?;
+            let one_row = g.slice_axes(x[0], &[(0, 5, 6, 1), (1, 2, 5, 1)])?;
+            let a = g.add(rows, x[1])?;
+            let b = g.exp(one_row)?;
+            Ok(vec![a, b, rows, g.tanh(g.slice(a, 1, 3, 4, 1)?)?])
+        },
+    );
+    s.check(
+        "slice of slice",
+        &[inp("x", &[10, 9], DType::F64)],
+        EW,
+        |g, x| {
+            let a = g.slice(x[0], 0, 8, 0, -1)?;
+            let b = g.slice(a, 1, 1, 8, 3)?;
+            let c = g.slice(g.slice(x[0], 0, 2, 9, 1)?, 0, 1, 3, 1)?;
+            Ok(vec![b, g.neg(c)?])
+        },
+    );
+    s.check(
+        "slice empty input",
+        &[inp("x", &[0, 5], DType::F32)],
+        EW,
+        |g, x| one(g.slice(x[0], 1, 1, 4, 1)?),
+    );
+}
+
+#[test]
+fn concat_and_split() {
+    let mut s = Suite::new(0x10);
+    for dt in [DType::F32, DType::I64, DType::Bool, DType::F16, DType::I8] {
+        s.check(
+            &format!("concat middle axis {dt}"),
+            &[
+                inp("a", &[2, 3, 4], dt),
+                inp("b", &[2, 1, 4], dt),
+                inp("c", &[2, 5, 4], dt),
+            ],
+            EW,
+            |g, x| {
+                Ok(vec![
+                    g.concat(&[x[0], x[1], x[2]], 1)?,
+                    g.concat(&[x[2], x[0]], -2)?,
+                ])
+            },
+        );
+    }
+    s.check(
+        "concat axis 0 and -1",
+        &[
+            inp("a", &[2, 3], DType::F32),
+            inp("b", &[4, 3], DType::F32),
+            inp("c", &[2, 5], DType::F32),
+        ],
+        EW,
+        |g, x| {
+            Ok(vec![
+                g.concat(&[x[0], x[1], x[0]], 0)?,
+                g.concat(&[x[0], x[2], x[0]], -1)?,
+                g.concat(&[x[1]], 1)?,
+            ])
+        },
+    );
+    s.check(
+        "concat with empty",
+        &[
+            inp("a", &[2, 0, 4], DType::F32),
+            inp("b", &[2, 3, 4], DType::F32),
+            inp("c", &[2, 0, 4], DType::F32),
+        ],
+        EW,
+        |g, x| {
+            Ok(vec![
+                g.concat(&[x[0], x[1], x[2]], 1)?,
+                g.concat(&[x[0], x[2]], 1)?,
+            ])
+        },
+    );
+    s.check(
+        "concat of computed values",
+        &[inp("a", &[3, 4], DType::F32), inp("b", &[3, 2], DType::F32)],
+        EW,
+        |g, x| {
+            let e = g.exp(x[0])?;
+            let t = g.slice(x[0], 1, 0, 2, 1)?;
+            Ok(vec![g.concat(&[e, x[1], t], 1)?])
+        },
+    );
+    s.check(
+        "concat of views",
+        &[inp("x", &[6, 4], DType::F32)],
+        EW,
+        |g, x| {
+            let a = g.slice(x[0], 0, 4, 6, 1)?;
+            let b = g.reshape(g.slice(x[0], 0, 1, 2, 1)?, &[1, 4])?;
+            Ok(vec![g.concat(&[a, b, a], 0)?, g.concat(&[b, x[0]], -2)?])
+        },
+    );
+    for dt in [DType::F32, DType::I32] {
+        s.check(
+            &format!("split {dt}"),
+            &[inp("x", &[3, 9, 4], dt)],
+            EW,
+            |g, x| {
+                let mut outs = g.split(x[0], 1, &[2, 3, 4])?;
+                outs.extend(g.split(x[0], -1, &[1, 0, 3])?);
+                outs.extend(g.split(x[0], 0, &[3])?);
+                Ok(outs)
+            },
+        );
+    }
+    s.check(
+        "split then compute",
+        &[inp("x", &[6, 4], DType::F32)],
+        EW,
+        |g, x| {
+            let parts = g.split(x[0], 0, &[2, 2, 2])?;
+            let y = g.mul(g.add(parts[0], parts[1])?, parts[2])?;
+            Ok(vec![y, g.concat(&[parts[2], parts[0]], 0)?])
+        },
+    );
+    let g = Graph::new("bad split");
+    let x = g.input("x", Shape::new(&[3, 4], DType::F32));
+    assert!(g.split(x, 1, &[2, 3]).is_err());
+}
+
+#[test]
+fn gather_take() {
+    let mut s = Suite::new(0x11);
+    for idx_dt in [DType::I32, DType::I64, DType::I8, DType::U8] {
+        let signed = idx_dt != DType::U8;
+        for dt in [DType::F32, DType::I64, DType::F16, DType::Bool] {
+            // data [5, 6, 4]; indices of several shapes along axes 0, 1 (middle), -1.
+            for (axis, n) in [(0isize, 5i64), (1, 6), (-1, 4)] {
+                let dist = if signed {
+                    Dist::Int(-n, n - 1)
+                } else {
+                    Dist::Int(0, n - 1)
+                };
+                for idx_dims in [&[3][..], &[2, 3], &[], &[0]] {
+                    s.check(
+                        &format!("gather {dt} by {idx_dt} axis {axis} idx {idx_dims:?}"),
+                        &[
+                            inp("data", &[5, 6, 4], dt),
+                            inp("idx", idx_dims, idx_dt).dist(dist),
+                        ],
+                        EW,
+                        |g, x| one(g.gather(x[0], x[1], axis)?),
+                    );
+                }
+            }
+        }
+    }
+    s.check(
+        "gather embedding then matmul",
+        &[
+            inp("table", &[10, 8], DType::F32),
+            inp("ids", &[2, 5], DType::I64).dist(Dist::Int(-10, 9)),
+            inp("w", &[8, 3], DType::F32),
+        ],
+        acc(8),
+        |g, x| {
+            let e = g.gather(x[0], x[1], 0)?;
+            Ok(vec![e, g.matmul(e, x[2])?])
+        },
+    );
+}
+
+#[test]
+fn expand_pad_tile() {
+    let mut s = Suite::new(0x12);
+    for dt in [DType::F32, DType::I32, DType::Bool, DType::F64] {
+        s.check(
+            &format!("expand {dt}"),
+            &[inp("x", &[3, 1, 5], dt), inp("s", &[], dt)],
+            EW,
+            |g, x| {
+                Ok(vec![
+                    g.expand(x[0], &[2, 3, 4, 5])?,
+                    g.expand(x[0], &[3, 1, 5])?,
+                    g.expand(x[1], &[2, 3])?,
+                    g.expand(x[0], &[3, 0, 5])?,
+                ])
+            },
+        );
+    }
+    let modes = [
+        PadMode::Constant(F64Bits::new(1.5)),
+        PadMode::Constant(F64Bits::new(-7.0)),
+        PadMode::Reflect,
+        PadMode::Edge,
+    ];
+    let pads: [&[(usize, usize)]; 4] = [
+        &[(1, 2), (0, 0), (2, 1)],
+        &[(0, 0), (3, 3), (0, 4)],
+        &[(2, 2), (1, 0), (0, 0)],
+        &[(0, 0), (0, 0), (0, 0)],
+    ];
+    for dt in [DType::F32, DType::I32, DType::F16, DType::U8] {
+        for mode in modes {
+            for p in pads {
+                s.check(
+                    &format!("pad {dt} {mode:?} {p:?}"),
+                    &[inp("x", &[3, 4, 5], dt)],
+                    EW,
+                    |g, x| one(g.pad(x[0], p, mode)?),
+                );
+            }
+        }
+    }
+    s.check(
+        "pad constant around empty",
+        &[inp("x", &[2, 0], DType::F32)],
+        EW,
+        |g, x| {
+            one(g.pad(
+                x[0],
+                &[(1, 0), (2, 1)],
+                PadMode::Constant(F64Bits::new(3.0)),
+            )?)
+        },
+    );
+    s.check(
+        "pad reflect size-2 axis",
+        &[inp("x", &[2, 3], DType::F64)],
+        EW,
+        |g, x| one(g.pad(x[0], &[(1, 1), (2, 2)], PadMode::Reflect)?),
+    );
+    s.check(
+        "pad edge size-1 axis",
+        &[inp("x", &[1, 3], DType::F32)],
+        EW,
+        |g, x| one(g.pad(x[0], &[(2, 3), (1, 0)], PadMode::Edge)?),
+    );
+    {
+        let g = Graph::new("bad pad");
+        let x = g.input("x", Shape::new(&[2, 3], DType::F32));
+        assert!(g.pad(x, &[(2, 0), (0, 0)], PadMode::Reflect).is_err());
+    }
+    for dt in [DType::F32, DType::I8, DType::Bool] {
+        s.check(
+            &format!("tile {dt}"),
+            &[inp("x", &[2, 3, 1], dt)],
+            EW,
+            |g, x| {
+                Ok(vec![
+                    g.tile(x[0], &[2, 1, 3])?,
+                    g.tile(x[0], &[1, 1, 1])?,
+                    g.tile(x[0], &[3, 0, 2])?,
+                ])
+            },
+        );
+    }
+    s.check(
+        "tile scalar-like and rank 1",
+        &[inp("x", &[4], DType::F32)],
+        EW,
+        |g, x| one(g.tile(x[0], &[3])?),
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Sequence ops
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn range_and_iota() {
+    let mut s = Suite::new(0x13);
+    for dt in [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::I32,
+        DType::I64,
+        DType::I8,
+        DType::U8,
+    ] {
+        s.check(&format!("range {dt}"), &[inp("x", &[7], dt)], EW, |g, x| {
+            let it = g.iota(7, dt)?;
+            let r = g.range(0.5, 7.0, 0.75, dt)?;
+            let down = g.range(10.0, -3.0, -2.0, dt)?;
+            let empty = g.range(3.0, 1.0, 1.0, dt)?;
+            Ok(vec![g.add(it, x[0])?, r, down, empty, g.iota(0, dt)?])
+        });
+    }
+    // A graph with no inputs at all.
+    s.check("range without inputs", &[], EW, |g, _| {
+        Ok(vec![
+            g.range(-1.0, 1.0, 0.125, DType::F32)?,
+            g.iota(5, DType::I64)?,
+        ])
+    });
+    assert!(Graph::new("bad").range(0.0, 1.0, 0.0, DType::F32).is_err());
+}
+
+#[test]
+fn cumsum_variants() {
+    let mut s = Suite::new(0x14);
+    let dims = [3, 5, 7];
+    for dt in [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+        DType::I8,
+    ] {
+        let dist = if dt == DType::I8 {
+            Dist::Int(-128, 127)
+        } else {
+            Dist::Default
+        };
+        for axis in [0isize, 1, 2, -1, -3] {
+            let n = dims[axis.rem_euclid(3) as usize];
+            s.check(
+                &format!("cumsum {dt} axis {axis}"),
+                &[inp("x", &dims, dt).dist(dist)],
+                acc(n),
+                |g, x| {
+                    let mut outs = Vec::new();
+                    for exclusive in [false, true] {
+                        for reverse in [false, true] {
+                            outs.push(g.cumsum(x[0], axis, exclusive, reverse)?);
+                        }
+                    }
+                    Ok(outs)
+                },
+            );
+        }
+    }
+    s.check(
+        "cumsum empty and size-1",
+        &[inp("x", &[0, 3], DType::F32), inp("y", &[4, 1], DType::F32)],
+        EW,
+        |g, x| {
+            Ok(vec![
+                g.cumsum(x[0], 0, false, false)?,
+                g.cumsum(x[0], 1, true, true)?,
+                g.cumsum(x[1], 1, true, false)?,
+                g.cumsum(x[1], 0, false, true)?,
+            ])
+        },
+    );
+    s.check(
+        "cumsum long",
+        &[inp("x", &[2, 2000], DType::F32)],
+        acc(2000),
+        |g, x| {
+            Ok(vec![
+                g.cumsum(x[0], 1, false, false)?,
+                g.cumsum(x[0], 1, true, true)?,
+            ])
+        },
+    );
+}
+
+#[test]
+fn topk_values_and_indices() {
+    let mut s = Suite::new(0x15);
+    let dims = [3, 8, 5];
+    for dt in [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+        DType::I8,
+        DType::U8,
+    ] {
+        for dist in [Dist::Default, Dist::Ties, Dist::Special] {
+            for (axis, k) in [(1isize, 3usize), (-1, 5), (0, 1), (-2, 8), (1, 0)] {
+                for largest in [true, false] {
+                    s.check(
+                        &format!("topk {dt} {dist:?} axis {axis} k {k} largest={largest}"),
+                        &[inp("x", &dims, dt).dist(dist)],
+                        EW,
+                        |g, x| {
+                            let (v, i) = g.topk(x[0], k, axis, largest)?;
+                            Ok(vec![v, i])
+                        },
+                    );
+                }
+            }
+        }
+    }
+    s.check(
+        "topk all ties",
+        &[inp("x", &[2, 6], DType::F32).dist(Dist::Int(1, 1))],
+        EW,
+        |g, x| {
+            let (v, i) = g.topk(x[0], 4, 1, true)?;
+            let (v2, i2) = g.topk(x[0], 4, 1, false)?;
+            Ok(vec![v, i, v2, i2])
+        },
+    );
+    s.check(
+        "topk rank 1 feeding gather",
+        &[inp("x", &[10], DType::F32), inp("y", &[10, 3], DType::F32)],
+        EW,
+        |g, x| {
+            let (v, i) = g.topk(x[0], 4, 0, true)?;
+            Ok(vec![v, g.gather(x[1], i, 0)?])
+        },
+    );
+    s.check(
+        "topk empty outer",
+        &[inp("x", &[0, 5], DType::F32)],
+        EW,
+        |g, x| {
+            let (v, i) = g.topk(x[0], 2, 1, true)?;
+            Ok(vec![v, i])
+        },
+    );
+}
+
+#[test]
+fn one_hot_encoding() {
+    let mut s = Suite::new(0x16);
+    for idx_dt in [DType::I32, DType::I64, DType::I8, DType::U8] {
+        for dt in [DType::F32, DType::I32, DType::Bool, DType::F16, DType::I64] {
+            // Out-of-range (all-zero rows) and negative (from the end) indices.
+            let dist = if idx_dt == DType::U8 {
+                Dist::Int(0, 6)
+            } else {
+                Dist::Int(-6, 6)
+            };
+            for idx_dims in [&[3, 5][..], &[], &[0, 2]] {
+                s.check(
+                    &format!("one_hot {idx_dt} -> {dt} {idx_dims:?}"),
+                    &[inp("i", idx_dims, idx_dt).dist(dist)],
+                    EW,
+                    |g, x| {
+                        Ok(vec![
+                            g.one_hot(x[0], 4, dt)?,
+                            g.one_hot(x[0], 1, dt)?,
+                            g.one_hot(x[0], 0, dt)?,
+                        ])
+                    },
+                );
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Convolution and pooling
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn conv2d_variants() {
+    let mut s = Suite::new(0x17);
+    // (x dims, w dims, stride, padding [t, l, b, r], dilation, groups)
+    type ConvCase = (
+        [usize; 4],
+        [usize; 4],
+        [usize; 2],
+        [usize; 4],
+        [usize; 2],
+        usize,
+    );
+    let cases: [ConvCase; 8] = [
+        ([2, 3, 7, 8], [4, 3, 3, 3], [1, 1], [0, 0, 0, 0], [1, 1], 1),
+        ([2, 3, 7, 8], [4, 3, 3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 1),
+        ([2, 4, 7, 8], [6, 2, 3, 3], [2, 1], [1, 0, 2, 1], [1, 2], 2),
+        ([1, 4, 9, 9], [4, 1, 3, 3], [2, 2], [1, 1, 1, 1], [1, 1], 4),
+        ([1, 4, 9, 9], [8, 1, 3, 2], [1, 3], [0, 2, 1, 0], [2, 1], 4),
+        ([2, 3, 5, 5], [5, 3, 1, 1], [1, 1], [0, 0, 0, 0], [1, 1], 1),
+        ([1, 2, 4, 4], [3, 2, 4, 4], [1, 1], [0, 0, 0, 0], [1, 1], 1),
+        ([1, 6, 6, 7], [6, 2, 2, 3], [3, 2], [2, 1, 0, 2], [2, 2], 3),
+    ];
+    for dt in FLOATS {
+        for (xd, wd, stride, padding, dilation, groups) in cases {
+            let k = wd[1] * wd[2] * wd[3] + 1;
+            for bias in [false, true] {
+                let mut ins = vec![inp("x", &xd, dt), inp("w", &wd, dt)];
+                if bias {
+                    ins.push(inp("b", &[wd[0]], dt));
+                }
+                s.check(&format!("conv2d {dt} x{xd:?} w{wd:?} s{stride:?} p{padding:?} d{dilation:?} g{groups} bias={bias}"), &ins, acc(k), |g, x| {
+                    one(g.conv2d(x[0], x[1], x.get(2).copied(), stride, padding, dilation, groups)?)
+                });
+            }
+        }
+    }
+    s.check(
+        "conv2d empty batch",
+        &[
+            inp("x", &[0, 2, 5, 5], DType::F32),
+            inp("w", &[3, 2, 3, 3], DType::F32),
+        ],
+        EW,
+        |g, x| one(g.conv2d(x[0], x[1], None, [1, 1], [1, 1, 1, 1], [1, 1], 1)?),
+    );
+    s.check(
+        "conv2d chain",
+        &[
+            inp("x", &[1, 2, 8, 8], DType::F32),
+            inp("w1", &[4, 2, 3, 3], DType::F32),
+            inp("b1", &[4], DType::F32),
+            inp("w2", &[2, 4, 1, 1], DType::F32),
+        ],
+        acc(40),
+        |g, x| {
+            let h = g.relu(g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [1, 1, 1, 1], [1, 1], 1)?)?;
+            one(g.conv2d(h, x[3], None, [1, 1], [0, 0, 0, 0], [1, 1], 1)?)
+        },
+    );
+}
+
+#[test]
+fn pooling() {
+    let mut s = Suite::new(0x18);
+    // (kernel, stride, padding [t, l, b, r])
+    type PoolCase = ([usize; 2], [usize; 2], [usize; 4]);
+    let cases: [PoolCase; 6] = [
+        ([2, 2], [2, 2], [0, 0, 0, 0]),
+        ([3, 2], [2, 1], [1, 1, 1, 0]),
+        ([3, 3], [1, 1], [1, 1, 1, 1]),
+        ([1, 1], [1, 1], [0, 0, 0, 0]),
+        ([2, 3], [3, 2], [1, 0, 0, 1]),
+        ([4, 4], [4, 4], [2, 2, 2, 2]),
+    ];
+    for dt in FLOATS {
+        for (kernel, stride, padding) in cases {
+            let k = kernel[0] * kernel[1];
+            s.check(
+                &format!("pool {dt} k{kernel:?} s{stride:?} p{padding:?}"),
+                &[inp("x", &[2, 3, 7, 8], dt)],
+                acc(k),
+                |g, x| {
+                    Ok(vec![
+                        g.max_pool2d(x[0], kernel, stride, padding)?,
+                        g.avg_pool2d(x[0], kernel, stride, padding, true)?,
+                        g.avg_pool2d(x[0], kernel, stride, padding, false)?,
+                    ])
+                },
+            );
+        }
+    }
+    s.check(
+        "max_pool special",
+        &[inp("x", &[1, 2, 6, 6], DType::F32).dist(Dist::Special)],
+        acc(4),
+        |g, x| {
+            Ok(vec![
+                g.max_pool2d(x[0], [2, 2], [1, 1], [1, 1, 0, 0])?,
+                g.avg_pool2d(x[0], [2, 2], [2, 2], [0, 0, 0, 0], false)?,
+            ])
+        },
+    );
+    s.check(
+        "max_pool negative values with padding",
+        &[inp("x", &[1, 1, 5, 5], DType::F32).dist(Dist::Uniform(-5.0, -1.0))],
+        acc(9),
+        |g, x| one(g.max_pool2d(x[0], [3, 3], [2, 2], [1, 1, 1, 1])?),
+    );
+    let g = Graph::new("bad pool");
+    let x = g.input("x", Shape::new(&[1, 1, 5, 5], DType::F32));
+    assert!(g.max_pool2d(x, [2, 2], [1, 1], [2, 0, 0, 0]).is_err());
+}
+
+// ---------------------------------------------------------------------------------------
+// Attention and rotary embedding
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn attention_variants() {
+    let mut s = Suite::new(0x19);
+    // Grouped-query heads (Hq = 4, Hkv = 2), Sq != Sk, Dv != D.
+    let (b, hq, hkv, sq, sk, d, dv) = (2, 4, 2, 5, 7, 8, 6);
+    let qkv = |dt: DType| {
+        vec![
+            inp("q", &[b, hq, sq, d], dt),
+            inp("k", &[b, hkv, sk, d], dt),
+            inp("v", &[b, hkv, sk, dv], dt),
+        ]
+    };
+    for dt in FLOATS {
+        let tol = acc(sk * d);
+        for causal in [false, true] {
+            s.check(
+                &format!("attention {dt} causal={causal}"),
+                &qkv(dt),
+                tol,
+                |g, x| one(g.attention(x[0], x[1], x[2], None, causal, None)?),
+            );
+            s.check(
+                &format!("attention {dt} causal={causal} scale"),
+                &qkv(dt),
+                tol,
+                |g, x| one(g.attention(x[0], x[1], x[2], None, causal, Some(0.7))?),
+            );
+            let masks: [(&[usize], DType, Dist); 7] = [
+                (&[b, 1, sq, sk], dt, Dist::Default),
+                (&[sq, sk], dt, Dist::NegInf),
+                (&[b, hq, sq, sk], dt, Dist::NegInf),
+                (&[b, hq, sq, sk], DType::Bool, Dist::Default),
+                (&[1, 1, sq, sk], DType::Bool, Dist::Sparse),
+                (&[sk], DType::Bool, Dist::Default),
+                (&[b, 1, 1, sk], DType::Bool, Dist::Int(0, 0)),
+            ];
+            for (mdims, mdt, mdist) in masks {
+                let mut ins = qkv(dt);
+                ins.push(inp("mask", mdims, mdt).dist(mdist));
+                s.check(
+                    &format!("attention {dt} causal={causal} mask {mdt} {mdims:?} {mdist:?}"),
+                    &ins,
+                    tol,
+                    |g, x| one(g.attention(x[0], x[1], x[2], Some(x[3]), causal, None)?),
+                );
+            }
+        }
+    }
+    // Sq > Sk with causal (early rows fully masked), Sq = 1 decode step, single head.
+    for (sq, sk) in [(7, 4), (1, 9), (6, 6)] {
+        let ins = [
+            inp("q", &[1, 3, sq, 4], DType::F32),
+            inp("k", &[1, 1, sk, 4], DType::F32),
+            inp("v", &[1, 1, sk, 5], DType::F32),
+        ];
+        for causal in [false, true] {
+            s.check(
+                &format!("attention sq={sq} sk={sk} causal={causal}"),
+                &ins,
+                acc(sk * 4),
+                |g, x| one(g.attention(x[0], x[1], x[2], None, causal, None)?),
+            );
+        }
+    }
+    s.check(
+        "attention no keys",
+        &[
+            inp("q", &[1, 2, 3, 4], DType::F32),
+            inp("k", &[1, 1, 0, 4], DType::F32),
+            inp("v", &[1, 1, 0, 5], DType::F32),
+        ],
+        EW,
+        |g, x| one(g.attention(x[0], x[1], x[2], None, false, None)?),
+    );
+    s.check(
+        "attention empty seq",
+        &[
+            inp("q", &[1, 2, 0, 4], DType::F32),
+            inp("k", &[1, 2, 3, 4], DType::F32),
+            inp("v", &[1, 2, 3, 4], DType::F32),
+        ],
+        EW,
+        |g, x| one(g.attention(x[0], x[1], x[2], None, true, None)?),
+    );
+}
+
+#[test]
+fn rope_variants() {
+    let mut s = Suite::new(0x1A);
+    let cs_shapes: [&[usize]; 4] = [&[6, 4], &[1, 6, 4], &[2, 1, 6, 4], &[2, 3, 6, 4]];
+    for dt in FLOATS {
+        for style in [RopeStyle::HalfSplit, RopeStyle::Interleaved] {
+            for cs in cs_shapes {
+                s.check(
+                    &format!("rope {dt} {style:?} cos{cs:?}"),
+                    &[
+                        inp("x", &[2, 3, 6, 8], dt),
+                        inp("cos", cs, dt),
+                        inp("sin", cs, dt),
+                    ],
+                    acc(2),
+                    |g, x| one(g.rope(x[0], x[1], x[2], style)?),
+                );
+            }
+        }
+    }
+    for style in [RopeStyle::HalfSplit, RopeStyle::Interleaved] {
+        s.check(
+            &format!("rope rank 2 {style:?}"),
+            &[
+                inp("x", &[5, 2], DType::F32),
+                inp("cos", &[5, 1], DType::F32),
+                inp("sin", &[5, 1], DType::F32),
+            ],
+            acc(2),
+            |g, x| one(g.rope(x[0], x[1], x[2], style)?),
+        );
+        s.check(
+            &format!("rope then attention {style:?}"),
+            &[
+                inp("q", &[1, 2, 4, 6], DType::F32),
+                inp("k", &[1, 2, 4, 6], DType::F32),
+                inp("v", &[1, 2, 4, 6], DType::F32),
+                inp("cos", &[4, 3], DType::F32),
+                inp("sin", &[4, 3], DType::F32),
+            ],
+            acc(24),
+            |g, x| {
+                let q = g.rope(x[0], x[3], x[4], style)?;
+                let k = g.rope(x[1], x[3], x[4], style)?;
+                one(g.attention(q, k, x[2], None, true, None)?)
+            },
+        );
+    }
+    let g = Graph::new("bad rope");
+    let x = g.input("x", Shape::new(&[4, 5], DType::F32));
+    let c = g.input("c", Shape::new(&[4, 2], DType::F32));
+    assert!(g.rope(x, c, c, RopeStyle::HalfSplit).is_err());
+}
+
+// ---------------------------------------------------------------------------------------
+// Chains, planner settings and state
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn elementwise_chains_in_place_and_views() {
+    let mut s = Suite::new(0x1B);
+    let (fast, plain) = s.check(
+        "long chain",
+        &[
+            inp("x", &[4, 6, 8], DType::F32),
+            inp("y", &[6, 1], DType::F32),
+            inp("c", &[4, 6, 8], DType::Bool),
+        ],
+        EW,
+        |g, x| {
+            let a = g.exp(g.neg(x[0])?)?;
+            let b = g.mul(a, x[1])?;
+            let d = g.add(b, x[0])?;
+            let e = g.tanh(d)?;
+            let f = g.select(x[2], e, x[0])?;
+            let h = g.cast(f, DType::I32)?;
+            let k = g.cast(h, DType::F32)?;
+            let out = g.sub(k, f)?;
+            Ok(vec![out, e])
+        },
+    );
+    assert!(
+        fast.in_place >= 3 && fast.arena_bytes < plain.arena_bytes,
+        "{fast} vs {plain}"
+    );
+    assert_eq!(plain.in_place, 0, "{plain}");
+    s.check("diamond", &[inp("x", &[5, 7], DType::F32)], EW, |g, x| {
+        let a = g.sigmoid(x[0])?;
+        let b = g.neg(a)?;
+        let c = g.mul(a, b)?;
+        let d = g.add(c, a)?;
+        let e = g.sub(d, g.sqrt(g.abs(b)?)?)?;
+        Ok(vec![g.maximum(e, x[0])?])
+    });
+    let (fast, _) = s.check(
+        "chain through views",
+        &[inp("x", &[4, 6, 8], DType::F32)],
+        EW,
+        |g, x| {
+            let r = g.reshape(x[0], &[24, 8])?;
+            let top = g.slice(r, 0, 2, 10, 1)?;
+            let t = g.sigmoid(top)?;
+            let u = g.add(t, g.slice(r, 0, 12, 20, 1)?)?;
+            let v = g.reshape(u, &[2, 4, 8])?;
+            let w = g.mul(v, v)?;
+            Ok(vec![w, g.relu(g.reshape_infer(w, &[-1])?)?, g.exp(r)?])
+        },
+    );
+    assert!(fast.views >= 5 && fast.in_place >= 1, "{fast}");
+    // Operands that are views of the same bytes as the value being overwritten: a row
+    // of `x` broadcast against `x` itself, and a shifted window of the same buffer.
+    s.check(
+        "broadcast operand aliasing the in-place target",
+        &[inp("x", &[3, 4], DType::F32)],
+        EW,
+        |g, x| {
+            let row = g.slice(x[0], 0, 1, 2, 1)?;
+            one(g.add(x[0], row)?)
+        },
+    );
+    s.check(
+        "broadcast operand aliasing a computed target",
+        &[inp("x", &[5, 4], DType::F32)],
+        EW,
+        |g, x| {
+            let e = g.exp(x[0])?;
+            let last = g.slice(e, 0, 4, 5, 1)?;
+            let first = g.reshape(g.slice(e, 0, 0, 1, 1)?, &[4])?;
+            let z = g.mul(e, last)?;
+            Ok(vec![g.sub(z, first)?])
+        },
+    );
+    s.check(
+        "reshaped operand of the same buffer",
+        &[inp("x", &[6], DType::F32)],
+        EW,
+        |g, x| {
+            let r = g.reshape(x[0], &[1, 6])?;
+            one(g.mul(x[0], r)?)
+        },
+    );
+    s.check(
+        "where and compares in place",
+        &[inp("a", &[6, 5], DType::I32), inp("b", &[6, 5], DType::I32)],
+        EW,
+        |g, x| {
+            let lt = g.lt(x[0], x[1])?;
+            let m = g.select(lt, x[0], x[1])?;
+            let n = g.neg(m)?;
+            let c = g.cast(lt, DType::I8)?;
+            Ok(vec![g.add(n, x[0])?, g.cast(c, DType::Bool)?])
+        },
+    );
+    s.check(
+        "inputs and repeated values as outputs",
+        &[inp("x", &[3, 4], DType::F32), inp("y", &[4], DType::I32)],
+        EW,
+        |g, x| {
+            let e = g.exp(x[0])?;
+            let r = g.reshape(x[0], &[12])?;
+            Ok(vec![x[0], e, x[0], e, r, x[1], g.neg(x[1])?])
+        },
+    );
+    s.check(
+        "mixed dtypes",
+        &[inp("x", &[8, 3], DType::F16), inp("y", &[8, 3], DType::F32)],
+        EW,
+        |g, x| {
+            let a = g.cast(x[0], DType::F32)?;
+            let b = g.add(a, x[1])?;
+            let c = g.cast(b, DType::BF16)?;
+            let d = g.exp(c)?;
+            Ok(vec![g.cast(d, DType::F64)?, g.cast(b, DType::I32)?])
+        },
+    );
+    s.check(
+        "mlp block",
+        &[
+            inp("x", &[4, 16], DType::F32),
+            inp("w1", &[16, 32], DType::F32),
+            inp("w2", &[32, 16], DType::F32),
+            inp("g", &[16], DType::F32),
+            inp("bt", &[16], DType::F32),
+        ],
+        acc(64),
+        |g, x| {
+            let h = g.gelu(g.matmul(x[0], x[1])?)?;
+            let o = g.add(g.matmul(h, x[2])?, x[0])?;
+            let n = g.layer_norm(o, x[3], x[4], 1e-5)?;
+            Ok(vec![g.softmax(n, -1)?, g.argmax(n, -1, false)?])
+        },
+    );
+}
+
+#[test]
+fn params_and_constants() {
+    let g = Graph::new("params");
+    let x = g.input("x", Shape::new(&[3, 4], DType::F32));
+    let w = g.param("w", Shape::new(&[4, 2], DType::F32));
+    let c = g.constant_f32(&[0.5, -1.0], &[2]).unwrap();
+    let k = g.scalar(2.0, DType::F32);
+    let y = g
+        .add(g.mul(g.matmul(x, w).unwrap(), k).unwrap(), c)
+        .unwrap();
+    let r = g.reshape(w, &[8]).unwrap();
+    g.set_outputs(vec![y, r, g.slice(c, 0, 1, 2, 1).unwrap()]);
+    let mut rng = Rng::new(0x1C);
+    let wt = random_tensor(&mut rng, &Shape::new(&[4, 2], DType::F32), Dist::Default);
+    for opts in [CompileOptions::new(), unreused()] {
+        let mut compiled = Session::new(Device::Cpu).compile_with(&g, &opts).unwrap();
+        compiled
+            .set_param_typed("w", wt.to_data().as_ref())
+            .unwrap();
+        for _ in 0..2 {
+            let xt = random_tensor(&mut rng, &Shape::new(&[3, 4], DType::F32), Dist::Default);
+            let mut values =
+                HashMap::from([("x".to_string(), xt.clone()), ("w".to_string(), wt.clone())]);
+            let want = evaluate(&g, &mut values).unwrap();
+            let xd = xt.to_data();
+            let got = compiled.run_typed(&[("x", xd.as_ref())]).unwrap();
+            for (k, (a, w)) in got.iter().zip(&want).enumerate() {
+                compare("params", &format!("output {k}"), a, w, acc(4));
+            }
+        }
+    }
+}
+
+fn handle_graph(
+    axis: isize,
+    pos_dtype: DType,
+    cache: &[usize],
+    update: &[usize],
+    views: bool,
+) -> Graph {
+    let g = Graph::new("kv");
+    let c = g.input("cache", Shape::new(cache, DType::F32));
+    let u = g.input("upd", Shape::new(update, DType::F32));
+    let p = g.input("pos", Shape::new(&[], pos_dtype));
+    let mut outs = Vec::new();
+    // Reads of the old state through views of the handle, created before the write.
+    let (flat, first) = if views {
+        (
+            Some(g.reshape(c, &[cache.iter().product()]).unwrap()),
+            Some(g.slice(c, 0, 0, 1, 1).unwrap()),
+        )
+    } else {
+        (None, None)
+    };
+    let w = g.write_at(c, u, p, axis).unwrap();
+    outs.push(w);
+    outs.push(g.sum(w, &[-1], false).unwrap());
+    if let (Some(flat), Some(first)) = (flat, first) {
+        // Consumers of the views created after the write: they must still see the
+        // state from before it, as the reference evaluator does.
+        outs.push(g.mul(flat, g.scalar(2.0, DType::F32)).unwrap());
+        outs.push(g.neg(first).unwrap());
+    }
+    g.set_outputs(outs);
+    g
+}
+
+/// Runs `write_at` at several positions and checks outputs and the handle's contents
+/// against the reference after every run.
+fn check_write_at(label: &str, seed: u64, g: &Graph, positions: &[i64]) {
+    let (cache, update, pos_dtype) = {
+        let inputs = g.inputs();
+        (
+            inputs[0].2.clone(),
+            inputs[1].2.clone(),
+            inputs[2].2.dtype(),
+        )
+    };
+    let handle = BufferHandle::new("cache", cache.dims(), DType::F32);
+    let mut rng = Rng::new(seed);
+    let init = random_tensor(&mut rng, &cache, Dist::Default);
+    let init_f32: Vec<f32> = init.data.iter().map(|&v| v as f32).collect();
+    let mut runs: Vec<(&str, CompiledGraph)> = Vec::new();
+    for (name, opts) in [("default", CompileOptions::new()), ("no reuse", unreused())] {
+        let mut compiled = Session::new(Device::Cpu)
+            .compile_with(g, &opts.bind_handle(&handle))
+            .unwrap_or_else(|e| panic!("{label}: compile failed: {e}"));
+        compiled.write_handle("cache", &init_f32).unwrap();
+        runs.push((name, compiled));
+    }
+    let mut values = HashMap::from([("cache".to_string(), init)]);
+    for &p in positions {
+        let upd = random_tensor(&mut rng, &update, Dist::Default);
+        let pos = HostTensor::new(Shape::new(&[], pos_dtype), vec![p as f64]);
+        values.insert("upd".into(), upd.clone());
+        values.insert("pos".into(), pos.clone());
+        let want =
+            evaluate(g, &mut values).unwrap_or_else(|e| panic!("{label}: reference failed: {e}"));
+        let (ud, pd) = (upd.to_data(), pos.to_data());
+        for (name, compiled) in runs.iter_mut() {
+            let got = compiled
+                .run_typed(&[("upd", ud.as_ref()), ("pos", pd.as_ref())])
+                .unwrap_or_else(|e| panic!("{label} ({name}): run failed: {e}"));
+            for (k, (a, w)) in got.iter().zip(&want).enumerate() {
+                compare(
+                    label,
+                    &format!("{name}, pos {p}, output {k}"),
+                    a,
+                    w,
+                    acc(cache.dims()[cache.rank() - 1]),
+                );
+            }
+            let state = compiled.read_handle("cache").unwrap();
+            let state: Vec<f64> = state.iter().map(|&v| v as f64).collect();
+            assert_eq!(
+                state, values["cache"].data,
+                "{label} ({name}): handle after writing at {p}"
+            );
+        }
+    }
+    // A position that does not fit is an error and writes nothing; the graph still works.
+    let before: Vec<Vec<f32>> = runs
+        .iter()
+        .map(|(_, c)| c.read_handle("cache").unwrap())
+        .collect();
+    let upd = random_tensor(&mut rng, &update, Dist::Default).to_data();
+    let axis_len = g.nodes().iter().find_map(|n| match n.op {
+        rlx::ir::Op::WriteAt { axis } => Some(cache.dims()[axis]),
+        _ => None,
+    });
+    let axis_len = axis_len.expect("graph has a write_at") as i64;
+    for bad in [-1i64, axis_len] {
+        let pd = HostTensor::new(Shape::new(&[], pos_dtype), vec![bad as f64]).to_data();
+        for ((name, compiled), old) in runs.iter_mut().zip(&before) {
+            let err = compiled.run_typed(&[("upd", upd.as_ref()), ("pos", pd.as_ref())]);
+            assert!(
+                matches!(err, Err(Error::Runtime { .. })),
+                "{label} ({name}): position {bad} gave {err:?}"
+            );
+            assert_eq!(
+                &compiled.read_handle("cache").unwrap(),
+                old,
+                "{label} ({name}): a failed write changed the handle"
+            );
+        }
+    }
+}
+
+#[test]
+fn write_at_persistent_state() {
+    check_write_at(
+        "write_at axis 1 i32",
+        0x1D01,
+        &handle_graph(1, DType::I32, &[2, 8, 4], &[2, 3, 4], false),
+        &[0, 3, 5, 2],
+    );
+    check_write_at(
+        "write_at axis 0 i64",
+        0x1D02,
+        &handle_graph(0, DType::I64, &[6, 3], &[2, 3], false),
+        &[4, 0, 1],
+    );
+    check_write_at(
+        "write_at axis -1",
+        0x1D03,
+        &handle_graph(-1, DType::I32, &[2, 3, 10], &[2, 3, 1], false),
+        &[9, 0, 4, 4],
+    );
+    check_write_at(
+        "write_at full length",
+        0x1D04,
+        &handle_graph(1, DType::I64, &[3, 4], &[3, 4], false),
+        &[0, 0],
+    );
+    check_write_at(
+        "write_at with views of the old state",
+        0x1D05,
+        &handle_graph(1, DType::I32, &[2, 8, 4], &[2, 2, 4], true),
+        &[0, 6, 3],
+    );
+}
+
+#[test]
+fn handle_outputs_overwritten_by_write_at_are_refused() {
+    // An output that is the handle, or a view of it, would be read after the write and
+    // show the new state, where the reference gives the old one: compiling refuses it.
+    for view in [false, true] {
+        let g = Graph::new("handle output");
+        let c = g.input("cache", Shape::new(&[4, 2], DType::F32));
+        let u = g.input("upd", Shape::new(&[1, 2], DType::F32));
+        let p = g.input("pos", Shape::new(&[], DType::I32));
+        let out = if view {
+            g.slice(g.reshape(c, &[8]).unwrap(), 0, 2, 6, 1).unwrap()
+        } else {
+            c
+        };
+        let w = g.write_at(c, u, p, 0).unwrap();
+        g.set_outputs(vec![out, w]);
+        let handle = BufferHandle::new("cache", &[4, 2], DType::F32);
+        let err = Session::new(Device::Cpu)
+            .compile_with(&g, &CompileOptions::new().bind_handle(&handle))
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidGraph { .. }), "{err}");
+    }
+}
+
+#[test]
+fn gather_out_of_range_is_an_error() {
+    let g = Graph::new("gather oob");
+    let data = g.input("data", Shape::new(&[5, 3], DType::F32));
+    let idx = g.input("idx", Shape::new(&[4], DType::I32));
+    let e = g.exp(data).unwrap();
+    let y = g.gather(e, idx, 0).unwrap();
+    let z = g.add(y, g.scalar(1.0, DType::F32)).unwrap();
+    g.set_outputs(vec![z]);
+    let mut rng = Rng::new(0x1E);
+    for opts in [CompileOptions::new(), unreused()] {
+        let mut compiled = Session::new(Device::Cpu).compile_with(&g, &opts).unwrap();
+        for round in 0..3 {
+            let dt = random_tensor(&mut rng, &Shape::new(&[5, 3], DType::F32), Dist::Default);
+            let d = dt.to_data();
+            for bad in [
+                [0, 5, 1, 2],
+                [-6, 0, 0, 0],
+                [1, 2, 3, i32::MAX],
+                [i32::MIN, 0, 0, 0],
+            ] {
+                let err =
+                    compiled.run_typed(&[("data", d.as_ref()), ("idx", TensorRef::I32(&bad))]);
+                assert!(
+                    matches!(err, Err(Error::Runtime { .. })),
+                    "round {round}: index {bad:?} gave {err:?}"
+                );
+            }
+            let good = [round - 1, 4, -5, 2];
+            let mut values = HashMap::from([
+                ("data".to_string(), dt.clone()),
+                (
+                    "idx".to_string(),
+                    HostTensor::new(
+                        Shape::new(&[4], DType::I32),
+                        good.iter().map(|&v| v as f64).collect(),
+                    ),
+                ),
+            ]);
+            let want = evaluate(&g, &mut values).unwrap();
+            let got = compiled
+                .run_typed(&[("data", d.as_ref()), ("idx", TensorRef::I32(&good))])
+                .unwrap();
+            compare("gather after error", "output 0", &got[0], &want[0], EW);
+        }
+    }
+    // An out-of-range index is an error even when the result is empty.
+    let g = Graph::new("gather oob empty");
+    let data = g.input("data", Shape::new(&[5, 0], DType::F32));
+    let idx = g.input("idx", Shape::new(&[2], DType::I64));
+    g.set_outputs(vec![g.gather(data, idx, 0).unwrap()]);
+    let mut compiled = Session::new(Device::Cpu).compile(&g).unwrap();
+    let err = compiled.run_typed(&[
+        ("data", TensorRef::F32(&[])),
+        ("idx", TensorRef::I64(&[1, 5])),
+    ]);
+    assert!(matches!(err, Err(Error::Runtime { .. })), "{err:?}");
+    let mut values = HashMap::from([
+        (
+            "data".to_string(),
+            HostTensor::new(Shape::new(&[5, 0], DType::F32), vec![]),
+        ),
+        (
+            "idx".to_string(),
+            HostTensor::new(Shape::new(&[2], DType::I64), vec![1.0, 5.0]),
+        ),
+    ]);
+    assert!(matches!(
+        evaluate(&g, &mut values),
+        Err(Error::Runtime { .. })
+    ));
+    let ok = compiled
+        .run_typed(&[
+            ("data", TensorRef::F32(&[])),
+            ("idx", TensorRef::I64(&[1, -5])),
+        ])
+        .unwrap();
+    assert_eq!(ok, vec![TensorData::F32(vec![])]);
+    // The reference rejects the same index.
+    let mut values = HashMap::from([
+        (
+            "data".to_string(),
+            HostTensor::new(Shape::new(&[5, 3], DType::F32), vec![0.0; 15]),
+        ),
+        (
+            "idx".to_string(),
+            HostTensor::new(Shape::new(&[4], DType::I32), vec![0.0, 5.0, 0.0, 0.0]),
+        ),
+    ]);
+    assert!(evaluate(&g, &mut values).is_err());
+}
+
+/// Random dimensions of rank `0..=max_rank`, each in `0..=max_dim` (zero rarely).
+fn random_dims(rng: &mut Rng, max_rank: i64, max_dim: i64) -> Vec<usize> {
+    let rank = rng.int(0, max_rank) as usize;
+    (0..rank)
+        .map(|_| {
+            if rng.chance(1, 12) {
+                0
+            } else {
+                rng.int(1, max_dim) as usize
+            }
+        })
+        .collect()
+}
+
+/// A shape that broadcasts to `dims`: some axes set to 1, some leading axes dropped.
+fn broadcastable(rng: &mut Rng, dims: &[usize]) -> Vec<usize> {
+    let drop = rng.int(0, dims.len() as i64) as usize;
+    dims[drop..]
+        .iter()
+        .map(|&d| if rng.chance(1, 3) { 1 } else { d })
+        .collect()
+}
+
+#[test]
+fn random_shapes() {
+    let mut s = Suite::new(0x20);
+    let mut rng = Rng::new(0x20);
+    for case in 0..300 {
+        let dims = random_dims(&mut rng, 5, 4);
+        let rank = dims.len();
+        // `a` has the full shape, so every result has `dims`.
+        let a = dims.clone();
+        let b = broadcastable(&mut rng, &dims);
+        let c = broadcastable(&mut rng, &dims);
+        let dt = [DType::F32, DType::F64, DType::I32, DType::F16][case % 4];
+        let op = [BinaryOp::Add, BinaryOp::Mul, BinaryOp::Max, BinaryOp::Sub][(case / 4) % 4];
+        // A random subset of axes (as negative or positive numbers) to reduce.
+        let mut axes: Vec<isize> = Vec::new();
+        for a in 0..rank {
+            if rng.chance(1, 2) {
+                axes.push(if rng.chance(1, 2) {
+                    a as isize - rank as isize
+                } else {
+                    a as isize
+                });
+            }
+        }
+        let keepdims = rng.chance(1, 2);
+        let mut perm: Vec<usize> = (0..rank).collect();
+        for i in (1..rank).rev() {
+            perm.swap(i, rng.int(0, i as i64) as usize);
+        }
+        // A random Python slice on a random axis.
+        let slice = (rank > 0).then(|| {
+            let axis = rng.int(0, rank as i64 - 1) as isize;
+            let step = [1, 2, -1, -2, 3][rng.int(0, 4) as usize];
+            (axis, rng.int(-6, 6) as isize, rng.int(-6, 6) as isize, step)
+        });
+        let pads: Vec<(usize, usize)> = dims
+            .iter()
+            .map(|_| (rng.int(0, 2) as usize, rng.int(0, 2) as usize))
+            .collect();
+        let reps: Vec<usize> = dims.iter().map(|_| rng.int(0, 2) as usize).collect();
+        let count = if axes.is_empty() {
+            dims.iter().product()
+        } else {
+            axes.iter()
+                .map(|&a| dims[a.rem_euclid(rank.max(1) as isize) as usize])
+                .product()
+        };
+        let label = format!(
+            "random {dt} {dims:?}: {} {a:?} {b:?}, where {c:?}, sum {axes:?}, perm {perm:?}, slice {slice:?}",
+            op.name()
+        );
+        let ins = [
+            inp("a", &a, dt),
+            inp("b", &b, dt),
+            inp("c", &c, DType::Bool),
+        ];
+        s.check(&label, &ins, acc(count), |g, x| {
+            // The broadcast operand on either side.
+            let y = if case % 2 == 1 {
+                g.binary(op, x[1], x[0])?
+            } else {
+                g.binary(op, x[0], x[1])?
+            };
+            let z = g.select(x[2], y, x[0])?;
+            let mut outs = vec![
+                y,
+                z,
+                g.sum(z, &axes, keepdims)?,
+                g.permute(z, &perm)?,
+                g.tile(z, &reps)?,
+            ];
+            outs.push(g.pad(z, &pads, PadMode::Constant(F64Bits::new(0.5)))?);
+            if let Some((axis, start, end, step)) = slice {
+                let sl = g.slice(z, axis, start, end, step)?;
+                outs.push(sl);
+                outs.push(g.add(sl, g.slice(y, axis, start, end, step)?)?);
+            }
+            Ok(outs)
+        });
+    }
+}
