@@ -343,22 +343,37 @@ impl CompiledGraph {
         Ok(())
     }
 
-    fn stage_f32(&mut self, inputs: &[(&str, &[f32])]) -> Result<()> {
+    /// Validates every named input with `check`, then writes each into its staging
+    /// area with `write(value, dtype, staging)`. Nothing is written unless all pass.
+    fn stage<T>(
+        &mut self,
+        inputs: &[(&str, T)],
+        check: impl FnMut(&str, &Shape, &T) -> Result<()>,
+        write: impl Fn(&T, DType, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
         self.check_params()?;
-        match_named(&self.plan, inputs, |name, shape, v| {
-            check_count("input", name, shape.num_elements(), v.len(), "elements")
-        })?;
-        for (name, values) in inputs {
-            let k = self
+        match_named(&self.plan, inputs, check)?;
+        for (name, value) in inputs {
+            let slot = self
                 .plan
                 .inputs
                 .iter()
                 .position(|s| s.name == *name)
-                .unwrap_or(0);
-            let dtype = self.plan.inputs[k].shape.dtype();
-            f32_to_bytes(values, dtype, self.exe.input_staging(k)?)?;
+                .ok_or_else(|| {
+                    Error::invalid("stage", format!("input '{name}' vanished after validation"))
+                })?;
+            let dtype = self.plan.inputs[slot].shape.dtype();
+            write(value, dtype, self.exe.input_staging(slot)?)?;
         }
         Ok(())
+    }
+
+    fn stage_f32(&mut self, inputs: &[(&str, &[f32])]) -> Result<()> {
+        self.stage(
+            inputs,
+            |name, shape, v| check_count("input", name, shape.num_elements(), v.len(), "elements"),
+            |v, dtype, dst| f32_to_bytes(v, dtype, dst),
+        )
     }
 
     /// Runs with named `f32` inputs (converted to each input's dtype) and returns every
@@ -372,26 +387,20 @@ impl CompiledGraph {
     /// Runs with named inputs of exactly their dtypes; outputs come back in their own
     /// dtypes.
     pub fn run_typed(&mut self, inputs: &[(&str, TensorRef<'_>)]) -> Result<Vec<TensorData>> {
-        self.check_params()?;
-        match_named(&self.plan, inputs, |name, shape, v| {
-            if v.dtype() != shape.dtype() {
-                return Err(Error::dtype(
-                    format!("input '{name}'"),
-                    shape.dtype().name(),
-                    v.dtype(),
-                ));
-            }
-            check_count("input", name, shape.num_elements(), v.len(), "elements")
-        })?;
-        for (name, values) in inputs {
-            let k = self
-                .plan
-                .inputs
-                .iter()
-                .position(|s| s.name == *name)
-                .unwrap_or(0);
-            values.write_le_bytes(self.exe.input_staging(k)?)?;
-        }
+        self.stage(
+            inputs,
+            |name, shape, v| {
+                if v.dtype() != shape.dtype() {
+                    return Err(Error::dtype(
+                        format!("input '{name}'"),
+                        shape.dtype().name(),
+                        v.dtype(),
+                    ));
+                }
+                check_count("input", name, shape.num_elements(), v.len(), "elements")
+            },
+            |v, _, dst| v.write_le_bytes(dst),
+        )?;
         self.execute()?;
         (0..self.plan.outputs.len())
             .map(|i| {
@@ -403,19 +412,14 @@ impl CompiledGraph {
 
     /// Runs with named inputs as raw little-endian bytes; returns raw output bytes.
     pub fn run_raw(&mut self, inputs: &[(&str, &[u8])]) -> Result<Vec<Vec<u8>>> {
-        self.check_params()?;
-        match_named(&self.plan, inputs, |name, shape, v| {
-            check_count("input", name, shape.byte_size(), v.len(), "bytes")
-        })?;
-        for (name, bytes) in inputs {
-            let k = self
-                .plan
-                .inputs
-                .iter()
-                .position(|s| s.name == *name)
-                .unwrap_or(0);
-            self.exe.input_staging(k)?.copy_from_slice(bytes);
-        }
+        self.stage(
+            inputs,
+            |name, shape, v| check_count("input", name, shape.byte_size(), v.len(), "bytes"),
+            |v, _, dst| {
+                dst.copy_from_slice(v);
+                Ok(())
+            },
+        )?;
         self.execute()?;
         (0..self.plan.outputs.len())
             .map(|i| Ok(self.exe.value_bytes(self.output_node(i)?)?.to_vec()))
