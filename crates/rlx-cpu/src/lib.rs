@@ -136,6 +136,33 @@ impl CpuProgram {
         Arc::make_mut(buf).write(bytes)
     }
 
+    /// Param `index`'s storage, to share with another program (no copy).
+    pub fn param_buffer(&self, index: usize) -> Result<Arc<Buffer>> {
+        self.params
+            .get(index)
+            .cloned()
+            .ok_or_else(|| Error::invalid("param", format!("no param #{index}")))
+    }
+
+    /// Makes param `index` use `buffer` (shared, copied only if later written). Its
+    /// shape and dtype must be the param's.
+    pub fn set_param_buffer(&mut self, index: usize, buffer: Arc<Buffer>) -> Result<()> {
+        let slot = self
+            .params
+            .get_mut(index)
+            .ok_or_else(|| Error::invalid("set_param", format!("no param #{index}")))?;
+        if buffer.shape() != slot.shape() {
+            return Err(Error::ShapeMismatch {
+                op: format!("share param #{index}"),
+                lhs: slot.shape().clone(),
+                rhs: buffer.shape().clone(),
+                reason: "a shared param must have the same shape and dtype".into(),
+            });
+        }
+        *slot = buffer;
+        Ok(())
+    }
+
     /// The arena bytes of run-time input `index`, to be filled before [`execute`].
     ///
     /// [`execute`]: CpuProgram::execute

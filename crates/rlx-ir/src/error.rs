@@ -137,6 +137,14 @@ pub enum Error {
         /// What is wrong, with byte offsets or names where known.
         message: String,
     },
+    /// A packaged model could not be fetched into the local cache.
+    #[error("cannot fetch model '{name}': {message}")]
+    Fetch {
+        /// The model's short name.
+        name: String,
+        /// What failed, and how to use local files instead.
+        message: String,
+    },
 }
 
 impl Error {

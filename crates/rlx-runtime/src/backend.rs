@@ -5,6 +5,7 @@
 use rlx_driver::Device;
 use rlx_ir::{NodeId, Result};
 use rlx_opt::Plan;
+use std::any::Any;
 use std::sync::Arc;
 
 /// A device backend.
@@ -21,6 +22,12 @@ pub trait Executable: Send {
     fn kernels(&self) -> Vec<(NodeId, String)>;
     /// Replaces param `index` (in plan order) with `bytes` of its dtype.
     fn set_param(&mut self, index: usize, bytes: &[u8]) -> Result<()>;
+    /// Param `index`'s storage as an opaque handle another executable of the same
+    /// backend can adopt with [`Executable::import_param`] without copying.
+    fn export_param(&self, index: usize) -> Result<SharedParam>;
+    /// Makes param `index` use storage exported by another executable of this backend.
+    /// Shared storage is copied only when one of its users writes it.
+    fn import_param(&mut self, index: usize, param: &SharedParam) -> Result<()>;
     /// Host-visible bytes where run-time input `index` is staged before a run.
     fn input_staging(&mut self, index: usize) -> Result<&mut [u8]>;
     /// Starts a run with the staged inputs; may return before it finishes.
@@ -41,6 +48,39 @@ pub trait Executable: Send {
     /// An independent copy with its own arena and handles (params may be shared until
     /// written).
     fn clone_box(&self) -> Box<dyn Executable>;
+}
+
+/// A param's storage, exported by one executable for others of the same device.
+#[derive(Clone)]
+pub struct SharedParam {
+    device: Device,
+    storage: Arc<dyn Any + Send + Sync>,
+}
+
+impl SharedParam {
+    /// Wraps backend-specific storage (e.g. `Arc<Buffer>` on the CPU).
+    pub fn new<T: Any + Send + Sync>(device: Device, storage: T) -> SharedParam {
+        SharedParam {
+            device,
+            storage: Arc::new(storage),
+        }
+    }
+
+    /// The device whose memory holds it.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The storage, when it is of type `T`.
+    pub fn storage<T: Any>(&self) -> Option<&T> {
+        self.storage.downcast_ref::<T>()
+    }
+}
+
+impl std::fmt::Debug for SharedParam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedParam(on {})", self.device)
+    }
 }
 
 /// The backend for `device`, if this build has one.

@@ -324,6 +324,45 @@ impl CompiledGraph {
         Ok(())
     }
 
+    /// Makes every param of this graph that `other` also has (same name) use
+    /// `other`'s storage instead of its own, without copying: graphs compiled from
+    /// one model at different shapes hold its weights once. A later `set_param` on
+    /// either graph copies first, so the other is unaffected. Returns how many params
+    /// are now shared. Fails, changing nothing, when a same-named param differs in
+    /// shape or dtype or the graphs are on different devices.
+    pub fn share_params_from(&mut self, other: &CompiledGraph) -> Result<usize> {
+        if other.device != self.device {
+            return Err(Error::invalid(
+                "share_params_from",
+                format!(
+                    "graphs are on different devices ({} and {})",
+                    self.device, other.device
+                ),
+            ));
+        }
+        let mut pairs = Vec::new();
+        for (i, mine) in self.plan.params.iter().enumerate() {
+            let Some(j) = other.plan.params.iter().position(|p| p.name == mine.name) else {
+                continue;
+            };
+            let theirs = &other.plan.params[j].shape;
+            if *theirs != mine.shape {
+                return Err(Error::ShapeMismatch {
+                    op: format!("share_params_from (param '{}')", mine.name),
+                    lhs: mine.shape.clone(),
+                    rhs: theirs.clone(),
+                    reason: "a shared param must have the same shape and dtype".into(),
+                });
+            }
+            pairs.push((i, other.exe.export_param(j)?, other.param_set[j]));
+        }
+        for (i, param, set) in &pairs {
+            self.exe.import_param(*i, param)?;
+            self.param_set[*i] = *set;
+        }
+        Ok(pairs.len())
+    }
+
     fn check_params(&self) -> Result<()> {
         if let Some(i) = self.param_set.iter().position(|&s| !s) {
             let p = &self.plan.params[i];

@@ -421,3 +421,74 @@ fn runtime_errors_leave_the_graph_usable() {
     let out = c.run(&[("ids", &[4.0, -1.0, 0.0])]).unwrap();
     assert_eq!(out[0], vec![8., 9., 8., 9., 0., 1.]);
 }
+
+/// The same two-layer model at batch `rows`: params `w` [4, 3] and `b` [3].
+fn mlp_rows(rows: usize) -> Graph {
+    let g = Graph::new("mlp_rows");
+    let x = g.input("x", Shape::new(&[rows, 4], DType::F32));
+    let w = g.param("w", Shape::new(&[4, 3], DType::F32));
+    let b = g.param("b", Shape::new(&[3], DType::F32));
+    let y = g.add(g.matmul(x, w).unwrap(), b).unwrap();
+    g.set_outputs(vec![y]);
+    g
+}
+
+#[test]
+fn graphs_of_one_model_share_params_without_copying() {
+    let session = Session::new(Device::Cpu);
+    let mut one = session.compile(mlp_rows(1)).unwrap();
+    one.set_param("w", &W).unwrap();
+    one.set_param("b", &B).unwrap();
+    let mut three = session.compile(mlp_rows(3)).unwrap();
+    // Before sharing, `three` has no params set.
+    assert!(matches!(
+        three.run(&[("x", &[0.0; 12])]),
+        Err(Error::ParamNotSet { .. })
+    ));
+    assert_eq!(three.share_params_from(&one).unwrap(), 2);
+    let x3 = [1.0, 2.0, 3.0, 4.0, 0.5, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+    let out = three.run(&[("x", &x3)]).unwrap();
+    let expected = [1.1, 2.2, 3.3, 0.6, 0.2, -0.7, 0.1, 0.2, 0.3];
+    for (a, b) in out[0].iter().zip(expected) {
+        assert!((a - b).abs() < 1e-6, "{:?}", out[0]);
+    }
+    // Writing a shared param in one graph leaves the other's values alone.
+    three.set_param("b", &[0.0; 3]).unwrap();
+    let first = one.run(&[("x", &x3[..4])]).unwrap();
+    assert_eq!(first[0], vec![1.1, 2.2, 3.3]);
+    let second = three.run(&[("x", &x3)]).unwrap();
+    assert_eq!(&second[0][..3], &[1.0, 2.0, 3.0]);
+}
+
+#[test]
+fn sharing_params_of_another_shape_is_an_error_and_changes_nothing() {
+    let session = Session::new(Device::Cpu);
+    let mut a = session.compile(mlp_rows(1)).unwrap();
+    a.set_param("w", &W).unwrap();
+    a.set_param("b", &B).unwrap();
+    let other = Graph::new("wide");
+    let x = other.input("x", Shape::new(&[1, 4], DType::F32));
+    let w = other.param("w", Shape::new(&[4, 3], DType::F32));
+    let b = other.param("b", Shape::new(&[1, 3], DType::F32));
+    other.set_outputs(vec![other.add(other.matmul(x, w).unwrap(), b).unwrap()]);
+    let mut wide = session.compile(other).unwrap();
+    let err = wide.share_params_from(&a).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("'b'") && text.contains("[1, 3]"), "{text}");
+    // Nothing was shared, not even the matching `w`.
+    assert!(matches!(
+        wide.run(&[("x", &[0.0; 4])]),
+        Err(Error::ParamNotSet { .. })
+    ));
+    // Both graphs still work.
+    wide.set_param("w", &W).unwrap();
+    wide.set_param("b", &B).unwrap();
+    assert_eq!(
+        wide.run(&[("x", &[1.0, 0.0, 0.0, 0.0])]).unwrap()[0],
+        vec![1.1, 0.2, 0.3]
+    );
+    assert_eq!(
+        a.run(&[("x", &[1.0, 0.0, 0.0, 0.0])]).unwrap()[0],
+        vec![1.1, 0.2, 0.3]
+    );
+}

@@ -1,8 +1,8 @@
 //! The CPU backend adapter over [`rlx_cpu::CpuProgram`].
 
-use crate::backend::{Backend, Executable};
+use crate::backend::{Backend, Executable, SharedParam};
 use rlx_cpu::CpuProgram;
-use rlx_driver::Device;
+use rlx_driver::{Buffer, Device};
 use rlx_ir::{Error, NodeId, Result};
 use rlx_opt::Plan;
 use std::sync::Arc;
@@ -27,6 +27,23 @@ impl Executable for CpuProgram {
 
     fn set_param(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
         CpuProgram::set_param(self, index, bytes)
+    }
+
+    fn export_param(&self, index: usize) -> Result<SharedParam> {
+        Ok(SharedParam::new(Device::Cpu, self.param_buffer(index)?))
+    }
+
+    fn import_param(&mut self, index: usize, param: &SharedParam) -> Result<()> {
+        let buffer = param
+            .storage::<Arc<Buffer>>()
+            .filter(|_| param.device() == Device::Cpu)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "share param",
+                    format!("storage from {} cannot be used on the CPU", param.device()),
+                )
+            })?;
+        self.set_param_buffer(index, buffer.clone())
     }
 
     fn input_staging(&mut self, index: usize) -> Result<&mut [u8]> {
