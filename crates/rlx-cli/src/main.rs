@@ -1,5 +1,7 @@
 //! The `rlx` command-line tool.
 
+mod bench;
+mod embed;
 mod examples;
 mod inspect;
 
@@ -16,6 +18,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Embed sentences with a sentence-embedding model (default: minilm, fetched on
+    /// first use).
+    Embed(embed::EmbedArgs),
+    /// Time a compiled model in process (median of repeated runs, warm-up excluded).
+    Bench(bench::BenchArgs),
     /// Print a graph, its memory plan and the kernel that runs each op.
     Inspect(inspect::InspectArgs),
 }
@@ -23,6 +30,8 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Embed(args) => embed::run(&args),
+        Command::Bench(args) => bench::run(&args),
         Command::Inspect(args) => inspect::run(&args),
     };
     match result {

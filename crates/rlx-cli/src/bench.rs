@@ -1,0 +1,172 @@
+//! `rlx bench`: in-process timings of compiled models (warm-up excluded, medians).
+
+use anyhow::Context;
+use rlx::TensorRef;
+use rlx::models::{Embedder, EmbedderOptions, ModelStore};
+use serde::Serialize;
+use std::time::Instant;
+
+/// Arguments of `rlx bench`.
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    what: BenchTarget,
+}
+
+#[derive(clap::Subcommand)]
+enum BenchTarget {
+    /// The MiniLM sentence encoder forward pass (embeddings out) at a fixed shape.
+    Minilm(MinilmArgs),
+}
+
+/// Arguments of `rlx bench minilm`.
+#[derive(clap::Args)]
+pub struct MinilmArgs {
+    /// Texts per forward pass.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    batch: u32,
+    /// Tokens per text (at most the model's maximum length).
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(2..=512))]
+    seq: u32,
+    /// Timed runs (the median is reported).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    runs: u32,
+    /// Untimed runs first.
+    #[arg(long, default_value_t = 2)]
+    warmup: u32,
+    /// The model (packaged name or directory).
+    #[arg(long, default_value = "minilm")]
+    model: String,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Report<'a> {
+    model: &'a str,
+    batch: usize,
+    seq: usize,
+    threads: usize,
+    runs: usize,
+    median_ms: f64,
+    min_ms: f64,
+    max_ms: f64,
+    tokens_per_s: f64,
+    compile_ms: f64,
+    load_ms: f64,
+}
+
+/// Runs the chosen benchmark.
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    match &args.what {
+        BenchTarget::Minilm(a) => minilm(a),
+    }
+}
+
+fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
+    let (batch, seq) = (args.batch as usize, args.seq as usize);
+    let started = Instant::now();
+    let options = EmbedderOptions {
+        store: Some(ModelStore::from_env()?.quiet(args.json)),
+        ..EmbedderOptions::default()
+    };
+    let embedder = Embedder::load_with(&args.model, options)
+        .with_context(|| format!("loading model '{}'", args.model))?;
+    let load_ms = ms(started);
+    if seq > embedder.max_seq_length() {
+        anyhow::bail!(
+            "--seq {seq} is longer than the model's maximum of {} tokens",
+            embedder.max_seq_length()
+        );
+    }
+    let started = Instant::now();
+    let mut encoder = embedder.compile(batch, seq)?;
+    let compile_ms = ms(started);
+
+    let ids = synthetic_ids(batch, seq, embedder.config().vocab_size);
+    let types = vec![0i64; batch * seq];
+    let mask = vec![1i64; batch * seq];
+    let inputs = [
+        ("input_ids", TensorRef::I64(&ids)),
+        ("token_type_ids", TensorRef::I64(&types)),
+        ("attention_mask", TensorRef::I64(&mask)),
+    ];
+    for _ in 0..args.warmup {
+        encoder.run_typed(&inputs)?;
+    }
+    let mut times = Vec::with_capacity(args.runs as usize);
+    for _ in 0..args.runs {
+        let started = Instant::now();
+        let out = encoder.run_typed(&inputs)?;
+        times.push(ms(started));
+        std::hint::black_box(out);
+    }
+    times.sort_by(f64::total_cmp);
+    let median = median_of_sorted(&times);
+    let report = Report {
+        model: embedder.name(),
+        batch,
+        seq,
+        threads: 1,
+        runs: times.len(),
+        median_ms: median,
+        min_ms: times[0],
+        max_ms: times[times.len() - 1],
+        tokens_per_s: (batch * seq) as f64 / (median / 1e3),
+        compile_ms,
+        load_ms,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "{} encoder, batch {batch} x {seq} tokens, {} thread(s)",
+            report.model, report.threads
+        );
+        println!(
+            "  latency  median {:.2} ms  (min {:.2}, max {:.2}, {} runs after {} warm-up)",
+            median, report.min_ms, report.max_ms, report.runs, args.warmup
+        );
+        println!("  throughput  {:.0} tokens/s", report.tokens_per_s);
+        println!("  compile  {compile_ms:.1} ms   load  {load_ms:.0} ms");
+    }
+    Ok(())
+}
+
+/// Deterministic token ids: `[CLS]`-like first, `[SEP]`-like last, the rest spread
+/// over the vocabulary.
+fn synthetic_ids(batch: usize, seq: usize, vocab: usize) -> Vec<i64> {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut ids = Vec::with_capacity(batch * seq);
+    for _ in 0..batch {
+        for k in 0..seq {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let id = match k {
+                0 => 101.min(vocab - 1),
+                k if k == seq - 1 => 102.min(vocab - 1),
+                _ => {
+                    ((state >> 33) as usize % vocab.saturating_sub(1000).max(1))
+                        + 999.min(vocab - 1)
+                }
+            };
+            ids.push(id as i64);
+        }
+    }
+    ids
+}
+
+fn median_of_sorted(times: &[f64]) -> f64 {
+    let n = times.len();
+    if n % 2 == 1 {
+        times[n / 2]
+    } else {
+        (times[n / 2 - 1] + times[n / 2]) / 2.0
+    }
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
