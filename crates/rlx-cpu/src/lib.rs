@@ -2,10 +2,15 @@
 //! weights, the constants and the persistent handles, and runs the plan's steps with
 //! the reference kernels. Running allocates nothing.
 
+mod blas;
 mod elem;
+mod gemm;
 mod kernels;
+pub mod pool;
 mod tensor;
+mod vmath;
 
+pub use blas::{gemm_kernel_name, matmul_f32, peak_fma_gflops};
 use kernels::ReduceGeometry;
 use rlx_driver::{Buffer, DeviceArena, HostArena};
 use rlx_ir::{Error, NodeId, Op, Result, Shape};

@@ -1,0 +1,153 @@
+//! Public entry points to the CPU's dense kernels, for benchmarks and for programs that
+//! want a fast matrix product without building a graph.
+
+use crate::gemm::{Epilogue, Gemm, GemmScratch, best_kernel, sgemm};
+use crate::pool::ThreadPool;
+use rlx_ir::{Error, Result};
+
+/// `c = a · b` for row-major `a [m, k]`, `b [k, n]`, `c [m, n]`, on up to `threads`
+/// threads of the global pool. Lengths are checked.
+pub fn matmul_f32(
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    threads: usize,
+) -> Result<()> {
+    for (name, got, want) in [
+        ("a", a.len(), m * k),
+        ("b", b.len(), k * n),
+        ("c", c.len(), m * n),
+    ] {
+        if got != want {
+            return Err(Error::LengthMismatch {
+                kind: "matrix",
+                name: name.into(),
+                expected: want,
+                got,
+                unit: "elements",
+            });
+        }
+    }
+    let g = Gemm {
+        m,
+        n,
+        k,
+        a: a.as_ptr(),
+        lda: k,
+        b: b.as_ptr(),
+        ldb: n,
+        b_transposed: false,
+        c: c.as_mut_ptr(),
+        ldc: n,
+        epilogue: Epilogue::NONE,
+    };
+    let scratch = GemmScratch::new(threads.max(1));
+    // SAFETY: the lengths were checked above; `c` is a distinct mutable borrow.
+    unsafe { sgemm(&g, ThreadPool::global(), &scratch) }
+}
+
+/// The name of the GEMM micro-kernel this CPU uses (`avx512`, `avx2` or `generic`).
+pub fn gemm_kernel_name() -> &'static str {
+    best_kernel().name
+}
+
+/// Measures the CPU's peak `f32` multiply-add rate in GFLOP/s (2 flops per FMA) with
+/// independent FMA chains in registers, on `threads` threads at once, for about
+/// `millis` milliseconds.
+pub fn peak_fma_gflops(threads: usize, millis: u64) -> f64 {
+    let threads = threads.max(1);
+    let results: Vec<f64> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| s.spawn(move || single_core_peak(millis)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(0.0))
+            .collect()
+    });
+    results.iter().sum()
+}
+
+fn single_core_peak(millis: u64) -> f64 {
+    let deadline = std::time::Duration::from_millis(millis);
+    let start = std::time::Instant::now();
+    let mut flops = 0.0f64;
+    let mut sink = 0.0f32;
+    while start.elapsed() < deadline {
+        let (f, s) = fma_burst(1 << 16);
+        flops += f;
+        sink += s;
+    }
+    std::hint::black_box(sink);
+    flops / start.elapsed().as_secs_f64() / 1e9
+}
+
+/// Runs `iters` rounds of independent FMAs; returns (flops, a value to keep).
+fn fma_burst(iters: usize) -> (f64, f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F is available.
+            return unsafe { x86::burst_avx512(iters) };
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: AVX2 and FMA are available.
+            return unsafe { x86::burst_avx2(iters) };
+        }
+    }
+    let mut acc = [1.0f32; 16];
+    for _ in 0..iters {
+        for a in acc.iter_mut() {
+            *a = a.mul_add(0.999_999, 1e-7);
+        }
+    }
+    ((iters * 16 * 2) as f64, acc.iter().sum())
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    const CHAINS: usize = 12;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn burst_avx512(iters: usize) -> (f64, f32) {
+        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+        let m = _mm512_set1_ps(0.999_999);
+        let a = _mm512_set1_ps(1e-7);
+        for _ in 0..iters {
+            for x in acc.iter_mut() {
+                *x = _mm512_fmadd_ps(*x, m, a);
+            }
+        }
+        let mut total = _mm512_setzero_ps();
+        for x in acc {
+            total = _mm512_add_ps(total, x);
+        }
+        (
+            (iters * CHAINS * 16 * 2) as f64,
+            _mm512_reduce_add_ps(total),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn burst_avx2(iters: usize) -> (f64, f32) {
+        let mut acc = [_mm256_set1_ps(1.0); CHAINS];
+        let m = _mm256_set1_ps(0.999_999);
+        let a = _mm256_set1_ps(1e-7);
+        for _ in 0..iters {
+            for x in acc.iter_mut() {
+                *x = _mm256_fmadd_ps(*x, m, a);
+            }
+        }
+        let mut lanes = [0.0f32; 8];
+        let mut total = _mm256_setzero_ps();
+        for x in acc {
+            total = _mm256_add_ps(total, x);
+        }
+        // SAFETY: `lanes` holds 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), total) };
+        ((iters * CHAINS * 8 * 2) as f64, lanes.iter().sum())
+    }
+}

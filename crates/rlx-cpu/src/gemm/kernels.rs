@@ -1,0 +1,235 @@
+//! Register-blocked micro-kernels: `C[MR x NR] (+)= A[MR x kc] · Bpanel` where `A` is
+//! read in place (row `i` at `a + i * lda`) and the B panel is `kc` groups of `NR`
+//! values (see `pack`). One kernel per instruction set, chosen once at run time.
+
+/// A micro-kernel: `(kc, a, lda, b_panel, c, ldc, accumulate)`.
+///
+/// # Safety
+/// `a` must address `MR` rows of `kc` floats with row stride `lda`, `b` `kc * NR`
+/// floats, and `c` an `MR x NR` tile with row stride `ldc`, not aliased by `a` or `b`.
+pub(crate) type KernelFn = unsafe fn(usize, *const f32, usize, *const f32, *mut f32, usize, bool);
+
+/// The micro-kernel for this CPU and its tile size.
+#[derive(Clone, Copy)]
+pub(crate) struct MicroKernel {
+    pub run: KernelFn,
+    pub mr: usize,
+    pub nr: usize,
+    pub name: &'static str,
+}
+
+/// The fastest kernel this CPU supports (detected once).
+pub(crate) fn best() -> MicroKernel {
+    static BEST: std::sync::OnceLock<MicroKernel> = std::sync::OnceLock::new();
+    *BEST.get_or_init(detect)
+}
+
+fn detect() -> MicroKernel {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::env::var("RLX_CPU_KERNEL").as_deref() != Ok("generic") {
+            if std::is_x86_feature_detected!("avx512f")
+                && std::env::var("RLX_CPU_KERNEL").as_deref() != Ok("avx2")
+            {
+                return MicroKernel {
+                    run: x86::kernel_avx512,
+                    mr: x86::AVX512_MR,
+                    nr: x86::AVX512_NR,
+                    name: "avx512",
+                };
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                return MicroKernel {
+                    run: x86::kernel_avx2,
+                    mr: x86::AVX2_MR,
+                    nr: x86::AVX2_NR,
+                    name: "avx2",
+                };
+            }
+        }
+    }
+    generic_kernel()
+}
+
+/// The portable kernel (every CPU; also used to test the SIMD ones).
+pub(crate) fn generic_kernel() -> MicroKernel {
+    MicroKernel {
+        run: kernel_generic,
+        mr: GENERIC_MR,
+        nr: GENERIC_NR,
+        name: "generic",
+    }
+}
+
+/// Every kernel this CPU can run, for tests.
+pub(crate) fn available() -> Vec<MicroKernel> {
+    let mut all = vec![generic_kernel()];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            all.push(MicroKernel {
+                run: x86::kernel_avx2,
+                mr: x86::AVX2_MR,
+                nr: x86::AVX2_NR,
+                name: "avx2",
+            });
+        }
+        if std::is_x86_feature_detected!("avx512f") {
+            all.push(MicroKernel {
+                run: x86::kernel_avx512,
+                mr: x86::AVX512_MR,
+                nr: x86::AVX512_NR,
+                name: "avx512",
+            });
+        }
+    }
+    all
+}
+
+const GENERIC_MR: usize = 4;
+const GENERIC_NR: usize = 8;
+
+/// # Safety
+/// See [`KernelFn`].
+unsafe fn kernel_generic(
+    kc: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    let mut acc = [[0.0f32; GENERIC_NR]; GENERIC_MR];
+    for p in 0..kc {
+        // SAFETY: the B panel holds `kc` groups of NR values.
+        let bv = unsafe { std::slice::from_raw_parts(b.add(p * GENERIC_NR), GENERIC_NR) };
+        for (i, row) in acc.iter_mut().enumerate() {
+            // SAFETY: row `i` of A has `kc` values.
+            let x = unsafe { *a.add(i * lda + p) };
+            for (o, &y) in row.iter_mut().zip(bv) {
+                *o = x.mul_add(y, *o);
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            // SAFETY: the tile is MR x NR with row stride `ldc`.
+            unsafe {
+                let dst = c.add(i * ldc + j);
+                *dst = if accumulate { *dst + v } else { v };
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    pub const AVX512_MR: usize = 8;
+    pub const AVX512_NR: usize = 48;
+    pub const AVX2_MR: usize = 6;
+    pub const AVX2_NR: usize = 16;
+
+    /// `MR x NR` tile in `MR * NR / 16` zmm accumulators.
+    ///
+    /// # Safety
+    /// AVX-512F must be available; pointers as in `KernelFn`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn kernel_avx512(
+        kc: usize,
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        const MR: usize = AVX512_MR;
+        const NR: usize = AVX512_NR;
+        const NV: usize = NR / 16;
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+        let (mut a, mut b) = (a, b);
+        for _ in 0..kc {
+            // SAFETY: each step reads one column of the MR rows of A and NR values of
+            // the B panel.
+            unsafe {
+                let mut bv = [_mm512_setzero_ps(); NV];
+                for (v, x) in bv.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(b.add(16 * v));
+                }
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let x = _mm512_set1_ps(*a.add(i * lda));
+                    for v in 0..NV {
+                        row[v] = _mm512_fmadd_ps(x, bv[v], row[v]);
+                    }
+                }
+                a = a.add(1);
+                b = b.add(NR);
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (v, &value) in row.iter().enumerate() {
+                // SAFETY: the tile is MR x NR with row stride `ldc`.
+                unsafe {
+                    let dst = c.add(i * ldc + 16 * v);
+                    let value = if accumulate {
+                        _mm512_add_ps(value, _mm512_loadu_ps(dst))
+                    } else {
+                        value
+                    };
+                    _mm512_storeu_ps(dst, value);
+                }
+            }
+        }
+    }
+
+    /// 6 x 16 tile in 12 ymm accumulators.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available; pointers as in `KernelFn`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn kernel_avx2(
+        kc: usize,
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        const MR: usize = AVX2_MR;
+        const NR: usize = AVX2_NR;
+        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        let (mut a, mut b) = (a, b);
+        for _ in 0..kc {
+            // SAFETY: each step reads one column of the MR rows of A and NR values of
+            // the B panel.
+            unsafe {
+                let b0 = _mm256_loadu_ps(b);
+                let b1 = _mm256_loadu_ps(b.add(8));
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let x = _mm256_set1_ps(*a.add(i * lda));
+                    row[0] = _mm256_fmadd_ps(x, b0, row[0]);
+                    row[1] = _mm256_fmadd_ps(x, b1, row[1]);
+                }
+                a = a.add(1);
+                b = b.add(NR);
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            // SAFETY: the tile is MR x NR with row stride `ldc`.
+            unsafe {
+                let dst = c.add(i * ldc);
+                let (mut v0, mut v1) = (row[0], row[1]);
+                if accumulate {
+                    v0 = _mm256_add_ps(v0, _mm256_loadu_ps(dst));
+                    v1 = _mm256_add_ps(v1, _mm256_loadu_ps(dst.add(8)));
+                }
+                _mm256_storeu_ps(dst, v0);
+                _mm256_storeu_ps(dst.add(8), v1);
+            }
+        }
+    }
+}

@@ -1,0 +1,502 @@
+//! Single-precision GEMM, `C = epilogue(A · B)`, row-major with arbitrary row strides.
+//!
+//! Goto-style blocking: `B` is packed `KC x NC` at a time into `NR`-wide panels, `A`
+//! `MC x KC` at a time into `MR`-tall panels, and a register-blocked micro-kernel
+//! (AVX-512, AVX2+FMA or portable, chosen at run time) computes `MR x NR` tiles. The
+//! epilogue (scale, bias, activation, residual) is applied to each tile right after its
+//! last `K` block, while the tile is still in L1. Work is split across the thread pool
+//! by columns (or rows, for tall-thin problems); every thread packs into its own
+//! scratch, so nothing is allocated per call.
+
+mod kernels;
+mod pack;
+
+pub(crate) use kernels::{MicroKernel, available as available_kernels, best as best_kernel};
+
+use crate::pool::ThreadPool;
+use rlx_ir::Result;
+use std::cell::UnsafeCell;
+
+/// Depth of one packed block.
+const KC: usize = 256;
+/// Rows of `A` packed at once (rounded down to a multiple of `MR`).
+const MC: usize = 96;
+/// Columns of `B` packed at once (a multiple of every `NR`).
+const NC: usize = 480;
+
+/// An elementwise function applied in the epilogue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Activation {
+    /// Exact GELU, `x Φ(x)`.
+    Gelu,
+    /// Tanh-approximated GELU.
+    GeluTanh,
+    /// `max(x, 0)`.
+    Relu,
+    /// `x σ(x)`.
+    Silu,
+}
+
+/// What happens to each output value `v = (A·B)[i, j]` before it is stored:
+/// `act(v * alpha + bias[j]) + residual[i, j]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Epilogue {
+    pub alpha: f32,
+    pub bias: Option<*const f32>,
+    pub activation: Option<Activation>,
+    /// `(pointer, row stride)` of an `m x n` matrix added last.
+    pub residual: Option<(*const f32, usize)>,
+}
+
+impl Epilogue {
+    /// Just the product.
+    pub const NONE: Epilogue = Epilogue {
+        alpha: 1.0,
+        bias: None,
+        activation: None,
+        residual: None,
+    };
+
+    fn is_identity(&self) -> bool {
+        self.alpha == 1.0
+            && self.bias.is_none()
+            && self.activation.is_none()
+            && self.residual.is_none()
+    }
+}
+
+/// One GEMM problem. `A[i, p]` is `a[i * lda + p]`; `B[p, j]` is `b[p * ldb + j]`, or
+/// `b[j * ldb + p]` when `b_transposed`; `C[i, j]` is `c[i * ldc + j]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: *const f32,
+    pub lda: usize,
+    pub b: *const f32,
+    pub ldb: usize,
+    pub b_transposed: bool,
+    pub c: *mut f32,
+    pub ldc: usize,
+    pub epilogue: Epilogue,
+}
+
+// SAFETY: a `Gemm` is a description of memory the caller owns for the duration of the
+// call; threads write disjoint tiles of `c` and only read `a`, `b` and the epilogue.
+unsafe impl Send for Gemm {}
+// SAFETY: as above.
+unsafe impl Sync for Gemm {}
+
+/// Per-thread packing buffers, sized once for the largest problem a program runs.
+pub(crate) struct GemmScratch {
+    per_thread: Vec<UnsafeCell<Vec<f32>>>,
+}
+
+// SAFETY: thread `t` of a pool job only touches `per_thread[t]`, and the pool gives each
+// thread index to one thread at a time.
+unsafe impl Sync for GemmScratch {}
+
+impl Clone for GemmScratch {
+    fn clone(&self) -> Self {
+        GemmScratch::new(self.per_thread.len())
+    }
+}
+
+impl GemmScratch {
+    /// Buffers for `threads` threads.
+    pub fn new(threads: usize) -> GemmScratch {
+        let kernel = best_kernel();
+        let len = scratch_floats(kernel);
+        GemmScratch {
+            per_thread: (0..threads.max(1))
+                .map(|_| UnsafeCell::new(vec![0.0; len]))
+                .collect(),
+        }
+    }
+
+    fn threads(&self) -> usize {
+        self.per_thread.len()
+    }
+
+    /// # Safety
+    /// Only thread `t` of the running job may call this, once.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn buffer(&self, t: usize) -> &mut [f32] {
+        // SAFETY: per the contract, no other reference to this buffer exists.
+        unsafe { (*self.per_thread[t].get()).as_mut_slice() }
+    }
+}
+
+fn mc_for(kernel: MicroKernel) -> usize {
+    (MC / kernel.mr).max(1) * kernel.mr
+}
+
+fn scratch_floats(kernel: MicroKernel) -> usize {
+    kernel.mr * KC + KC * NC + kernel.mr * kernel.nr
+}
+
+/// Runs `g` with the best kernel for this CPU on up to `threads` threads of `pool`.
+///
+/// # Safety
+/// The pointers of `g` must address matrices of the stated sizes and strides; `c` must
+/// not overlap `a`, `b` or the epilogue's operands.
+pub(crate) unsafe fn sgemm(g: &Gemm, pool: &ThreadPool, scratch: &GemmScratch) -> Result<()> {
+    // SAFETY: forwarded contract.
+    unsafe { sgemm_with(g, best_kernel(), pool, scratch) }
+}
+
+/// [`sgemm`] with an explicit micro-kernel (tests compare them all).
+///
+/// # Safety
+/// As [`sgemm`]; the kernel must be supported by this CPU.
+pub(crate) unsafe fn sgemm_with(
+    g: &Gemm,
+    kernel: MicroKernel,
+    pool: &ThreadPool,
+    scratch: &GemmScratch,
+) -> Result<()> {
+    if g.m == 0 || g.n == 0 {
+        return Ok(());
+    }
+    let threads = scratch.threads().min(pool.threads());
+    // Split the larger output dimension into one range per thread, in whole tiles.
+    let (split_cols, unit, extent) = if g.n >= g.m {
+        (true, kernel.nr, g.n)
+    } else {
+        (false, kernel.mr, g.m)
+    };
+    let units = extent.div_ceil(unit);
+    let parts = threads.min(units).max(1);
+    // Work per thread, too small to be worth a second thread below ~64k multiply-adds.
+    let parts = if g.m * g.n * g.k.max(1) < 1 << 16 {
+        1
+    } else {
+        parts
+    };
+    let task = |t: usize, thread: usize| {
+        let first = units * t / parts;
+        let last = units * (t + 1) / parts;
+        let (lo, hi) = (first * unit, (last * unit).min(extent));
+        if lo >= hi {
+            return;
+        }
+        let (rows, cols) = if split_cols {
+            (0..g.m, lo..hi)
+        } else {
+            (lo..hi, 0..g.n)
+        };
+        // SAFETY: each thread index runs one task at a time and owns its buffer; tasks
+        // write disjoint row or column ranges of C.
+        unsafe { serial(g, kernel, rows, cols, scratch.buffer(thread)) };
+    };
+    if parts == 1 {
+        task(0, 0);
+        return Ok(());
+    }
+    pool.run(parts, threads, &task)
+}
+
+/// The blocked loops over one rectangle of `C`.
+///
+/// # Safety
+/// As [`sgemm`]; `buf` holds at least `scratch_floats(kernel)` floats.
+unsafe fn serial(
+    g: &Gemm,
+    kernel: MicroKernel,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    buf: &mut [f32],
+) {
+    let (mr, nr) = (kernel.mr, kernel.nr);
+    let mc_max = mc_for(kernel);
+    let (a_edge, rest) = buf.split_at_mut(kernel.mr * KC);
+    let (b_pack, tile) = rest.split_at_mut(KC * NC);
+    if g.k == 0 {
+        // An empty sum: C is the epilogue of zeros.
+        for i in rows.clone() {
+            for j in cols.clone() {
+                // SAFETY: (i, j) is inside C.
+                unsafe { *g.c.add(i * g.ldc + j) = 0.0 };
+            }
+        }
+        // SAFETY: as above.
+        unsafe { apply_epilogue(g, rows, cols) };
+        return;
+    }
+    let mut jc = cols.start;
+    while jc < cols.end {
+        let nc = NC.min(cols.end - jc);
+        let mut pc = 0;
+        while pc < g.k {
+            let kc = KC.min(g.k - pc);
+            let last_k = pc + kc == g.k;
+            // SAFETY: the block lies inside B; b_pack holds KC x NC floats.
+            unsafe { pack::pack_b(g, pc, kc, jc, nc, nr, b_pack) };
+            let mut ic = rows.start;
+            while ic < rows.end {
+                let mc = mc_max.min(rows.end - ic);
+                for jr in (0..nc).step_by(nr) {
+                    let nr_eff = nr.min(nc - jr);
+                    for ir in (0..mc).step_by(mr) {
+                        let mr_eff = mr.min(mc - ir);
+                        let (ci, cj) = (ic + ir, jc + jr);
+                        // Full row panels are read in place; a short one is copied
+                        // into zero-padded rows.
+                        let (a_panel, lda) = if mr_eff == mr {
+                            // SAFETY: rows ci.. ci+MR, columns pc.., lie inside A.
+                            (unsafe { g.a.add(ci * g.lda + pc) }, g.lda)
+                        } else {
+                            // SAFETY: rows ci..ci+mr_eff lie inside A.
+                            unsafe { pack::pack_a_rows(g, ci, mr_eff, pc, kc, mr, a_edge) };
+                            (a_edge.as_ptr(), kc)
+                        };
+                        let b_panel = b_pack[jr * kc..].as_ptr();
+                        // SAFETY: A rows and the B panel hold kc values each; the tile
+                        // is inside C (or the temporary tile for edges).
+                        unsafe {
+                            let c_tile = g.c.add(ci * g.ldc + cj);
+                            if mr_eff == mr && nr_eff == nr {
+                                (kernel.run)(kc, a_panel, lda, b_panel, c_tile, g.ldc, pc > 0);
+                            } else {
+                                let edge = Edge {
+                                    mr_eff,
+                                    nr_eff,
+                                    accumulate: pc > 0,
+                                };
+                                edge_tile(
+                                    kernel,
+                                    kc,
+                                    (a_panel, lda),
+                                    b_panel,
+                                    (c_tile, g.ldc),
+                                    edge,
+                                    tile,
+                                );
+                            }
+                            if last_k && !g.epilogue.is_identity() {
+                                apply_epilogue(g, ci..ci + mr_eff, cj..cj + nr_eff);
+                            }
+                        }
+                    }
+                }
+                ic += mc;
+            }
+            pc += kc;
+        }
+        jc += nc;
+    }
+}
+
+/// The valid part of a partial tile.
+struct Edge {
+    mr_eff: usize,
+    nr_eff: usize,
+    accumulate: bool,
+}
+
+/// A partial tile: computed in `tile` at full size, then the valid part copied.
+///
+/// # Safety
+/// As the micro-kernel; `c` addresses an `mr_eff x nr_eff` region with stride `ldc`.
+unsafe fn edge_tile(
+    kernel: MicroKernel,
+    kc: usize,
+    (a, lda): (*const f32, usize),
+    b: *const f32,
+    (c, ldc): (*mut f32, usize),
+    edge: Edge,
+    tile: &mut [f32],
+) {
+    let Edge {
+        mr_eff,
+        nr_eff,
+        accumulate,
+    } = edge;
+    let nr = kernel.nr;
+    tile.fill(0.0);
+    for i in 0..mr_eff {
+        for j in 0..nr_eff {
+            // SAFETY: inside the valid region of C.
+            tile[i * nr + j] = if accumulate {
+                unsafe { *c.add(i * ldc + j) }
+            } else {
+                0.0
+            };
+        }
+    }
+    // SAFETY: `tile` is MR x NR with stride NR.
+    unsafe { (kernel.run)(kc, a, lda, b, tile.as_mut_ptr(), nr, accumulate) };
+    for i in 0..mr_eff {
+        for j in 0..nr_eff {
+            // SAFETY: inside the valid region of C.
+            unsafe { *c.add(i * ldc + j) = tile[i * nr + j] };
+        }
+    }
+}
+
+/// Applies the epilogue to `C[rows, cols]` in place.
+///
+/// # Safety
+/// The region, the bias (`n` values) and the residual must be valid.
+unsafe fn apply_epilogue(g: &Gemm, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
+    let e = &g.epilogue;
+    for i in rows {
+        // SAFETY: row `i`, columns `cols`, of C.
+        let out =
+            unsafe { std::slice::from_raw_parts_mut(g.c.add(i * g.ldc + cols.start), cols.len()) };
+        if e.alpha != 1.0 {
+            out.iter_mut().for_each(|v| *v *= e.alpha);
+        }
+        if let Some(bias) = e.bias {
+            // SAFETY: the bias has `n` values.
+            let bias = unsafe { std::slice::from_raw_parts(bias.add(cols.start), cols.len()) };
+            out.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+        }
+        if let Some(act) = e.activation {
+            crate::vmath::activate(act, out);
+        }
+        if let Some((res, ld)) = e.residual {
+            // SAFETY: the residual is m x n with row stride `ld`.
+            let res =
+                unsafe { std::slice::from_raw_parts(res.add(i * ld + cols.start), cols.len()) };
+            out.iter_mut().zip(res).for_each(|(v, r)| *v += r);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn reference(m: usize, n: usize, k: usize, a: &[f32], b: &[f32], bt: bool) -> Vec<f64> {
+        let mut c = vec![0.0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0f64;
+                for p in 0..k {
+                    let bv = if bt { b[j * k + p] } else { b[p * n + j] };
+                    s += f64::from(a[i * k + p]) * f64::from(bv);
+                }
+                c[i * n + j] = s;
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn every_kernel_matches_the_reference_on_awkward_shapes() {
+        let pool = ThreadPool::new(3);
+        let mut seed = 42u64;
+        let shapes = [
+            (1, 1, 1),
+            (1, 384, 384),
+            (7, 33, 5),
+            (16, 384, 384),
+            (13, 17, 300),
+            (97, 65, 257),
+            (128, 1536, 384),
+            (200, 40, 600),
+            (3, 1100, 70),
+            (5, 7, 0),
+        ];
+        for kernel in available_kernels() {
+            for &(m, n, k) in &shapes {
+                for bt in [false, true] {
+                    let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+                    let b: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed)).collect();
+                    let want = reference(m, n, k, &a, &b, bt);
+                    for threads in [1, 3] {
+                        let mut c = vec![f32::NAN; m * n];
+                        let g = Gemm {
+                            m,
+                            n,
+                            k,
+                            a: a.as_ptr(),
+                            lda: k,
+                            b: b.as_ptr(),
+                            ldb: if bt { k } else { n },
+                            b_transposed: bt,
+                            c: c.as_mut_ptr(),
+                            ldc: n,
+                            epilogue: Epilogue::NONE,
+                        };
+                        let scratch = GemmScratch::new(threads);
+                        // SAFETY: all buffers match the stated sizes.
+                        unsafe { sgemm_with(&g, kernel, &pool, &scratch) }.unwrap();
+                        for (idx, (&got, &w)) in c.iter().zip(&want).enumerate() {
+                            let tol = 1e-5 * (k as f64).sqrt().max(1.0) * 4.0;
+                            assert!(
+                                (f64::from(got) - w).abs() <= tol,
+                                "{} {m}x{n}x{k} bt={bt} threads={threads} at {idx}: {got} vs {w}",
+                                kernel.name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_epilogue_scales_adds_bias_activates_and_adds_the_residual() {
+        let pool = ThreadPool::new(2);
+        let mut seed = 7u64;
+        let (m, n, k) = (37, 70, 45);
+        let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+        let b: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed)).collect();
+        let bias: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
+        let res: Vec<f32> = (0..m * n).map(|_| lcg(&mut seed)).collect();
+        let base = reference(m, n, k, &a, &b, false);
+        for kernel in available_kernels() {
+            for act in [None, Some(Activation::Relu), Some(Activation::Gelu)] {
+                let mut c = vec![0.0f32; m * n];
+                let g = Gemm {
+                    m,
+                    n,
+                    k,
+                    a: a.as_ptr(),
+                    lda: k,
+                    b: b.as_ptr(),
+                    ldb: n,
+                    b_transposed: false,
+                    c: c.as_mut_ptr(),
+                    ldc: n,
+                    epilogue: Epilogue {
+                        alpha: 0.5,
+                        bias: Some(bias.as_ptr()),
+                        activation: act,
+                        residual: Some((res.as_ptr(), n)),
+                    },
+                };
+                let scratch = GemmScratch::new(2);
+                // SAFETY: all buffers match the stated sizes.
+                unsafe { sgemm_with(&g, kernel, &pool, &scratch) }.unwrap();
+                for i in 0..m {
+                    for j in 0..n {
+                        let mut v = base[i * n + j] * 0.5 + f64::from(bias[j]);
+                        v = match act {
+                            None => v,
+                            Some(Activation::Relu) => v.max(0.0),
+                            Some(_) => 0.5 * v * (1.0 + libm::erf(v / std::f64::consts::SQRT_2)),
+                        };
+                        v += f64::from(res[i * n + j]);
+                        let got = f64::from(c[i * n + j]);
+                        assert!(
+                            (got - v).abs() < 1e-4,
+                            "{} {act:?} ({i},{j}): {got} vs {v}",
+                            kernel.name
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
