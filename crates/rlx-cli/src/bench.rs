@@ -28,6 +28,9 @@ pub struct MinilmArgs {
     /// Tokens per text (at most the model's maximum length).
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(2..=512))]
     seq: u32,
+    /// CPU threads (default: one per core, or $RLX_NUM_THREADS).
+    #[arg(long, default_value_t = 0, hide_default_value = true)]
+    threads: usize,
     /// Timed runs (the median is reported).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     runs: u32,
@@ -67,8 +70,22 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
     let (batch, seq) = (args.batch as usize, args.seq as usize);
     let started = Instant::now();
+    let available = rlx::cpu_threads();
+    if args.threads > available {
+        anyhow::bail!(
+            "--threads {} is more than the runtime's {available} threads (set RLX_NUM_THREADS to \
+             change the pool size)",
+            args.threads
+        );
+    }
+    let threads = if args.threads == 0 {
+        available
+    } else {
+        args.threads
+    };
     let options = EmbedderOptions {
         store: Some(ModelStore::from_env()?.quiet(args.json)),
+        threads,
         ..EmbedderOptions::default()
     };
     let embedder = Embedder::load_with(&args.model, options)
@@ -108,7 +125,7 @@ fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
         model: embedder.name(),
         batch,
         seq,
-        threads: 1,
+        threads,
         runs: times.len(),
         median_ms: median,
         min_ms: times[0],

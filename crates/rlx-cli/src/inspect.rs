@@ -16,18 +16,44 @@ pub struct InspectArgs {
     /// Plan memory without sharing bytes between values (for comparison).
     #[arg(long)]
     no_reuse: bool,
+    /// Compile the graph as built: no folding, CSE or fusion (for comparison).
+    #[arg(long)]
+    no_optimize: bool,
 }
 
 /// Builds the example, compiles it and prints graph, memory plan and kernels.
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     let device: Device = args.device.parse()?;
     let graph = args.example.build().context("building the example graph")?;
-    let options = CompileOptions::new().memory_reuse(!args.no_reuse);
+    let options = CompileOptions::new()
+        .memory_reuse(!args.no_reuse)
+        .optimize(!args.no_optimize);
     let compiled = Session::new(device)
         .compile_with(&graph, &options)
         .context("compiling")?;
     println!("{graph}");
     println!();
+    let plan = compiled.plan();
+    if plan.fusions.is_empty() {
+        println!("fusions: none");
+    } else {
+        println!("fusions ({}):", plan.fusions.len());
+        let nodes = plan.graph.nodes();
+        for f in &plan.fusions {
+            let node = &nodes[f.node.index()];
+            let attrs = rlx::ir::op_attributes(&node.op);
+            println!(
+                "  %{:<4} {} [{attrs}] <- {}",
+                f.node.index(),
+                node.op.name(),
+                f.replaced.join(", ")
+            );
+        }
+    }
+    println!();
+    if plan.graph.len() != graph.len() || !plan.fusions.is_empty() {
+        println!("after passes: {}", plan.graph);
+    }
     let stats = compiled.memory_stats();
     println!("memory plan ({device}):");
     println!("  arena            {:>10} bytes", stats.arena_bytes);
@@ -43,7 +69,6 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     println!("  in place         {:>10}", stats.in_place);
     println!();
     println!("kernels ({} launches):", compiled.kernels().len());
-    let plan = compiled.plan();
     let nodes = plan.graph.nodes();
     for (node, kernel) in compiled.kernels() {
         let n = &nodes[node.index()];

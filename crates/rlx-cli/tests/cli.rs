@@ -31,9 +31,27 @@ fn inspect_prints_graph_plan_and_kernels() {
             out.contains("graph \"") && out.contains("memory plan") && out.contains("lower bound"),
             "{out}"
         );
-        assert!(out.contains("cpu.ref."), "{out}");
+        assert!(out.contains("cpu."), "{out}");
     }
+    // The MLP's matmul, bias add and gelu become one kernel; without optimization
+    // every op keeps its own.
+    let (_, out, _) = rlx(&["inspect", "--example", "mlp"]);
+    assert!(
+        out.contains("fused_matmul [+bias gelu] <- matmul %3, add %4, gelu %5")
+            && out.contains("matmul+epilogue"),
+        "{out}"
+    );
+    let (_, out, _) = rlx(&["inspect", "--example", "mlp", "--no-optimize"]);
+    assert!(
+        out.contains("fusions: none") && out.contains("cpu.ref.gelu"),
+        "{out}"
+    );
     let (_, out, _) = rlx(&["inspect", "--example", "transformer"]);
+    assert!(
+        out.contains("cpu.flash.attention.f32") && out.contains("+bias +residual"),
+        "{out}"
+    );
+    let (_, out, _) = rlx(&["inspect", "--example", "transformer", "--no-optimize"]);
     assert!(
         out.contains("attention")
             && out.contains("(in place)")

@@ -40,9 +40,10 @@ pub fn matmul_f32(
         b_transposed: false,
         c: c.as_mut_ptr(),
         ldc: n,
+        accumulate: false,
         epilogue: Epilogue::NONE,
     };
-    let scratch = GemmScratch::new(threads.max(1));
+    let scratch = GemmScratch::new(threads.max(1), 0);
     // SAFETY: the lengths were checked above; `c` is a distinct mutable borrow.
     unsafe { sgemm(&g, ThreadPool::global(), &scratch) }
 }

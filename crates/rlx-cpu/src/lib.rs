@@ -11,7 +11,9 @@ mod tensor;
 mod vmath;
 
 pub use blas::{gemm_kernel_name, matmul_f32, peak_fma_gflops};
+use gemm::GemmScratch;
 use kernels::ReduceGeometry;
+use pool::ThreadPool;
 use rlx_driver::{Buffer, DeviceArena, HostArena};
 use rlx_ir::{Error, NodeId, Op, Result, Shape};
 use rlx_opt::{Location, Plan, Region};
@@ -39,18 +41,21 @@ pub struct CpuProgram {
     handles: Vec<Buffer>,
     steps: Vec<Step>,
     scratch: Vec<f64>,
+    gemm: GemmScratch,
     /// Addresses of the handle buffers, refreshed (not reallocated) by every run.
     handle_addrs: Vec<usize>,
 }
 
 impl CpuProgram {
-    /// Prepares `plan` for execution: allocates the arena once, zeroed params and
-    /// handles, copies the constants.
-    pub fn new(plan: Arc<Plan>) -> Result<CpuProgram> {
+    /// Prepares `plan` for execution on up to `threads` threads (0: every thread of
+    /// the global pool): allocates the arena once, zeroed params and handles, copies
+    /// the constants.
+    pub fn new(plan: Arc<Plan>, threads: usize) -> Result<CpuProgram> {
         let graph = &plan.graph;
         let nodes = graph.nodes();
         let mut steps = Vec::with_capacity(plan.schedule.len());
         let mut scratch_len = 0;
+        let mut thread_scratch = 0;
         for &id in &plan.schedule {
             let node = &nodes[id.index()];
             let in_shapes: Vec<Shape> = node
@@ -69,6 +74,8 @@ impl CpuProgram {
                 _ => None,
             };
             scratch_len = scratch_len.max(kernels::scratch_len(&node.op, &in_shapes));
+            thread_scratch =
+                thread_scratch.max(kernels::thread_scratch_floats(&node.op, &in_shapes));
             steps.push(Step {
                 node: id,
                 op: node.op.clone(),
@@ -106,6 +113,14 @@ impl CpuProgram {
             handles,
             steps,
             scratch: vec![0.0; scratch_len],
+            gemm: GemmScratch::new(
+                if threads == 0 {
+                    ThreadPool::global().threads()
+                } else {
+                    threads.min(ThreadPool::global().threads())
+                },
+                thread_scratch,
+            ),
             handle_addrs: vec![0; plan_handles],
         })
     }
@@ -231,9 +246,15 @@ impl CpuProgram {
             handles,
             steps,
             scratch,
+            gemm,
             handle_addrs,
             ..
         } = self;
+        let mut ctx = kernels::Ctx {
+            scratch,
+            gemm,
+            pool: ThreadPool::global(),
+        };
         let arena_base = arena.as_mut_ptr();
         for (addr, h) in handle_addrs.iter_mut().zip(handles.iter_mut()) {
             *addr = h.storage_mut().as_mut_ptr() as usize;
@@ -253,6 +274,7 @@ impl CpuProgram {
                 Src {
                     ptr: unsafe { base(loc.region).add(loc.offset) },
                     shape,
+                    len: shape.num_elements(),
                 }
             };
             let (loc, shape) = &step.output;
@@ -261,6 +283,7 @@ impl CpuProgram {
             let out = Dst {
                 ptr: unsafe { base(loc.region).add(loc.offset) },
                 shape,
+                len: shape.num_elements(),
             };
             kernels::run(
                 &step.op,
@@ -268,7 +291,7 @@ impl CpuProgram {
                 &src,
                 out,
                 step.geometry.as_ref(),
-                scratch,
+                &mut ctx,
             )?;
         }
         Ok(())

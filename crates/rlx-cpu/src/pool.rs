@@ -180,8 +180,11 @@ fn worker(s: &Shared, index: usize) {
     loop {
         let start = Instant::now();
         let mut generation = s.generation.load(Ordering::Acquire);
+        let mut spins = 0u32;
         while generation == seen {
-            if start.elapsed() < SPIN {
+            spins = spins.wrapping_add(1);
+            // Reading the clock costs more than a spin: look at it now and then.
+            if !spins.is_multiple_of(256) || start.elapsed() < SPIN {
                 std::hint::spin_loop();
             } else {
                 let lock = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());

@@ -13,6 +13,8 @@ use rlx_ir::{MAX_RANK, Shape};
 pub(crate) struct Src<'a> {
     pub ptr: *const u8,
     pub shape: &'a Shape,
+    /// `shape.num_elements()`, computed once.
+    pub len: usize,
 }
 
 /// The tensor a kernel writes.
@@ -20,13 +22,15 @@ pub(crate) struct Src<'a> {
 pub(crate) struct Dst<'a> {
     pub ptr: *mut u8,
     pub shape: &'a Shape,
+    /// `shape.num_elements()`, computed once.
+    pub len: usize,
 }
 
 impl Src<'_> {
     /// Element `i`.
     #[inline]
     pub fn get<T: Elem>(&self, i: usize) -> T {
-        assert!(i < self.shape.num_elements(), "kernel read out of bounds");
+        assert!(i < self.len, "kernel read out of bounds");
         // SAFETY: `i` is in bounds and `ptr` addresses `num_elements` values of `T`.
         unsafe { self.ptr.cast::<T>().add(i).read_unaligned() }
     }
@@ -39,10 +43,18 @@ impl Src<'_> {
 }
 
 impl Dst<'_> {
+    /// Element `i` (for kernels that finish their output in a second pass).
+    #[inline]
+    pub fn get<T: Elem>(&self, i: usize) -> T {
+        assert!(i < self.len, "kernel read out of bounds");
+        // SAFETY: `i` is in bounds and `ptr` addresses `len` values of `T`.
+        unsafe { self.ptr.cast::<T>().add(i).read_unaligned() }
+    }
+
     /// Writes element `i`.
     #[inline]
     pub fn set<T: Elem>(&self, i: usize, v: T) {
-        assert!(i < self.shape.num_elements(), "kernel write out of bounds");
+        assert!(i < self.len, "kernel write out of bounds");
         // SAFETY: `i` is in bounds and `ptr` addresses `num_elements` values of `T`.
         unsafe { self.ptr.cast::<T>().add(i).write_unaligned(v) }
     }
@@ -112,30 +124,15 @@ pub(crate) fn for_each_strided<const N: usize>(
     }
 }
 
-impl Src<'_> {
+impl<'a> Src<'a> {
     /// The operand as a typed slice (only for operands never written by the kernel).
-    pub fn as_slice<T: Elem>(&self) -> &[T] {
+    pub fn as_slice<T: Elem>(&self) -> &'a [T] {
         assert_eq!(
             self.ptr as usize % std::mem::align_of::<T>(),
             0,
             "misaligned operand"
         );
         // SAFETY: aligned (checked), sized by the plan, and not written during the kernel.
-        unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.shape.num_elements()) }
-    }
-}
-
-impl Dst<'_> {
-    /// The output as a typed slice (only for kernels whose operands never alias it).
-    #[allow(clippy::mut_from_ref)]
-    pub fn as_mut_slice<T: Elem>(&self) -> &mut [T] {
-        assert_eq!(
-            self.ptr as usize % std::mem::align_of::<T>(),
-            0,
-            "misaligned output"
-        );
-        // SAFETY: aligned (checked), sized by the plan; non-elementwise outputs never
-        // alias an operand, so no other reference to these bytes exists.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<T>(), self.shape.num_elements()) }
+        unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.len) }
     }
 }

@@ -122,6 +122,57 @@ unsafe fn activate_avx2(act: Activation, v: &mut [f32]) {
     activate_body(act, v)
 }
 
+/// Replaces every `x` by `e^(x - shift)` and returns their sum (`-inf` gives 0).
+pub(crate) fn exp_shifted_sum(v: &mut [f32], shift: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd_level() >= 2 {
+            // SAFETY: AVX-512F is available.
+            return unsafe { exp_shifted_sum_avx512(v, shift) };
+        }
+        if simd_level() == 1 {
+            // SAFETY: AVX2 and FMA are available.
+            return unsafe { exp_shifted_sum_avx2(v, shift) };
+        }
+    }
+    exp_shifted_sum_body(v, shift)
+}
+
+#[inline(always)]
+fn exp_shifted_sum_body(v: &mut [f32], shift: f32) -> f32 {
+    // Sixteen partial sums so the additions vectorize.
+    let mut sums = [0.0f32; 16];
+    let mut chunks = v.chunks_exact_mut(16);
+    for chunk in &mut chunks {
+        for (x, s) in chunk.iter_mut().zip(sums.iter_mut()) {
+            *x = exp(*x - shift);
+            *s += *x;
+        }
+    }
+    let mut total: f32 = chunks
+        .into_remainder()
+        .iter_mut()
+        .map(|x| {
+            *x = exp(*x - shift);
+            *x
+        })
+        .sum();
+    total += sums.iter().sum::<f32>();
+    total
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_shifted_sum_avx512(v: &mut [f32], shift: f32) -> f32 {
+    exp_shifted_sum_body(v, shift)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_shifted_sum_avx2(v: &mut [f32], shift: f32) -> f32 {
+    exp_shifted_sum_body(v, shift)
+}
+
 /// 2 with AVX-512F, 1 with AVX2+FMA, 0 otherwise (detected once).
 pub(crate) fn simd_level() -> u8 {
     static LEVEL: std::sync::OnceLock<u8> = std::sync::OnceLock::new();

@@ -60,6 +60,37 @@ pub fn op_attributes(op: &Op) -> String {
         ),
         Op::Attention { scale, causal } => format!("scale={:.6} causal={causal}", scale.get()),
         Op::Rope { style } => format!("style={style:?}"),
+        Op::FusedMatMul {
+            alpha,
+            bias,
+            activation,
+            residual,
+        } => {
+            let mut parts = Vec::new();
+            if alpha.get() != 1.0 {
+                parts.push(format!("alpha={}", alpha.get()));
+            }
+            if *bias {
+                parts.push("+bias".to_string());
+            }
+            if let Some(act) = activation {
+                parts.push(act.name().to_string());
+            }
+            if *residual {
+                parts.push("+residual".to_string());
+            }
+            parts.join(" ")
+        }
+        Op::Elementwise { steps } => {
+            let parts: Vec<String> = steps
+                .iter()
+                .map(|s| match s {
+                    crate::EwStep::Unary(op, a) => format!("{}(r{a})", op.name()),
+                    crate::EwStep::Binary(op, a, b) => format!("{}(r{a},r{b})", op.name()),
+                })
+                .collect();
+            parts.join("; ")
+        }
     }
 }
 

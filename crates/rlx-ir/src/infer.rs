@@ -1,6 +1,8 @@
 //! Shape and dtype inference: the one dispatch from an op to its family's rule.
 
-use crate::ops::{attention, conv, elementwise, matmul, misc, norm, reduce, shape_ops, state};
+use crate::ops::{
+    attention, conv, elementwise, fused, matmul, misc, norm, reduce, shape_ops, state,
+};
 use crate::{Error, Op, Result, Shape};
 
 /// The operand counts an op accepts (inclusive range).
@@ -11,7 +13,8 @@ fn arity(op: &Op) -> (usize, usize) {
         Op::Where | Op::LayerNorm { .. } | Op::Rope { .. } | Op::WriteAt { .. } => (3, 3),
         Op::Conv2d { .. } => (2, 3),
         Op::Attention { .. } => (3, 4),
-        Op::Concat { .. } => (1, usize::MAX),
+        Op::Concat { .. } | Op::Elementwise { .. } => (1, usize::MAX),
+        Op::FusedMatMul { .. } => (2, 4),
         _ => (1, 1),
     }
 }
@@ -75,6 +78,13 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
         Op::MaxPool2d { window } => conv::infer_pool("max_pool2d", window, x()),
         Op::AvgPool2d { window, .. } => conv::infer_pool("avg_pool2d", window, x()),
         Op::Attention { .. } => attention::infer_attention(inputs),
+        Op::FusedMatMul {
+            bias,
+            residual,
+            activation,
+            ..
+        } => fused::infer_fused_matmul(*bias, *residual, *activation, inputs),
+        Op::Elementwise { steps } => fused::infer_elementwise(steps, inputs),
         Op::Rope { .. } => attention::infer_rope(inputs[0], inputs[1], inputs[2]),
         Op::WriteAt { axis } => state::infer_write_at(*axis, inputs[0], inputs[1], inputs[2]),
     }

@@ -2,6 +2,7 @@
 //! passes compare ops by value (CSE, pattern matching, compile caches).
 
 use crate::DType;
+use crate::ops::fused::EwStep;
 
 /// An `f64` attribute stored by its bits, so that ops can be hashed and compared.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -514,6 +515,25 @@ pub enum Op {
         /// The axis written along.
         axis: usize,
     },
+    /// `act(alpha * (a @ b) + bias) + residual`: a matmul with its epilogue, formed by
+    /// the optimizer. Operands: `a`, `b`, then `bias` (`[N]`) if `bias`, then the
+    /// residual (the output's shape) if `residual`.
+    FusedMatMul {
+        /// Scale of the product.
+        alpha: F64Bits,
+        /// Whether a bias operand follows `b`.
+        bias: bool,
+        /// Applied after the bias.
+        activation: Option<UnaryOp>,
+        /// Whether a residual operand comes last.
+        residual: bool,
+    },
+    /// A region of float elementwise ops computed in one pass (see [`EwStep`]),
+    /// formed by the optimizer.
+    Elementwise {
+        /// The steps, in order; the last one is the output.
+        steps: Vec<EwStep>,
+    },
 }
 
 impl Op {
@@ -566,6 +586,8 @@ impl Op {
             Op::Attention { .. } => "attention".into(),
             Op::Rope { .. } => "rope".into(),
             Op::WriteAt { .. } => "write_at".into(),
+            Op::FusedMatMul { .. } => "fused_matmul".into(),
+            Op::Elementwise { .. } => "elementwise".into(),
         }
     }
 
@@ -580,6 +602,9 @@ impl Op {
     /// True for ops where output element `i` depends only on input elements `i` of
     /// same-shaped operands, so the output may overwrite such an operand in place.
     pub fn is_elementwise(&self) -> bool {
-        matches!(self, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_))
+        matches!(
+            self,
+            Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Elementwise { .. }
+        )
     }
 }

@@ -3,7 +3,9 @@
 //! It defines what every op means; backends are tested against it. It allocates
 //! freely and is slow by design.
 
-use crate::ops::{attention, conv, elementwise, matmul, misc, norm, reduce, shape_ops, state};
+use crate::ops::{
+    attention, conv, elementwise, fused, matmul, misc, norm, reduce, shape_ops, state,
+};
 use crate::{Error, Graph, Op, Result, Shape, TensorData};
 use std::collections::HashMap;
 
@@ -110,6 +112,13 @@ pub fn eval_node(
         }
         Op::Rope { style } => attention::eval_rope(*style, inputs[0], inputs[1], inputs[2]),
         Op::WriteAt { axis } => state::eval_write_at(*axis, inputs[0], inputs[1], inputs[2])?,
+        Op::FusedMatMul {
+            alpha,
+            bias,
+            activation,
+            residual,
+        } => fused::eval_fused_matmul(alpha.get(), *bias, *activation, *residual, inputs, out)?,
+        Op::Elementwise { steps } => fused::eval_elementwise(steps, inputs, out),
     })
 }
 

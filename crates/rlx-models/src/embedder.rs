@@ -10,7 +10,7 @@ use crate::tokenize::{TextTokenizer, TokenizedText};
 use crate::weights::SafeTensorsFile;
 use rlx_driver::Device;
 use rlx_ir::{DType, Error, Result, TensorData, TensorRef};
-use rlx_runtime::{CompiledGraph, Session};
+use rlx_runtime::{CompileOptions, CompiledGraph, Session};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -29,6 +29,8 @@ pub struct EmbedderOptions {
     pub max_batch: usize,
     /// How many compiled shapes are kept (least recently used ones are dropped).
     pub max_cached_shapes: usize,
+    /// The most CPU threads a forward pass uses (0: all of the runtime's threads).
+    pub threads: usize,
 }
 
 impl Default for EmbedderOptions {
@@ -38,6 +40,7 @@ impl Default for EmbedderOptions {
             device: Device::Cpu,
             max_batch: 32,
             max_cached_shapes: 8,
+            threads: 0,
         }
     }
 }
@@ -124,7 +127,8 @@ impl Embedder {
             SEQ_BUCKET.min(head.max_seq_length),
             &|n| dtypes.get(n).copied().unwrap_or(DType::F32),
         )?;
-        let mut weights = session.compile(anchor)?;
+        let compile_options = CompileOptions::new().threads(options.threads);
+        let mut weights = session.compile_with(anchor, &compile_options)?;
         for (spec, _) in &specs {
             let view = weights_file.tensor(&format!("{prefix}{}", spec.name), &spec.dims)?;
             if spec.transposed {
@@ -323,7 +327,8 @@ impl Embedder {
         let graph = build_encoder(&self.config, &self.head, batch, seq, &|n| {
             dtypes.get(n).copied().unwrap_or(DType::F32)
         })?;
-        let mut compiled = self.session.compile(graph)?;
+        let options = CompileOptions::new().threads(self.options.threads);
+        let mut compiled = self.session.compile_with(graph, &options)?;
         compiled.share_params_from(&self.weights)?;
         Ok(compiled)
     }

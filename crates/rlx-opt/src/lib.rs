@@ -1,13 +1,19 @@
 //! Graph passes, scheduling and memory planning: everything between a verified
 //! [`rlx_ir::Graph`] and the [`Plan`] a backend compiles.
 //!
-//! The pipeline ([`plan_graph`]) is: verify, dead-code elimination, verify, schedule
-//! (respecting in-place writes to persistent handles), memory plan.
+//! The pipeline ([`plan_graph`]) is: verify, constant folding, common-subexpression
+//! elimination, dead-code elimination, the fusions the backend runs (matmul
+//! epilogues, then elementwise regions), verify, schedule (respecting in-place writes
+//! to persistent handles), memory plan.
 
+pub mod cse;
 pub mod dce;
+pub mod fuse;
 pub mod lifetimes;
 mod plan;
+mod rewrite;
 pub mod schedule;
 
+pub use fuse::{FusionOptions, FusionRecord};
 pub use lifetimes::{Lifetime, OffsetAssignment, assign_offsets};
 pub use plan::{Location, MemoryStats, Plan, PlanOptions, Region, Source, plan_graph};

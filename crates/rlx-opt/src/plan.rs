@@ -1,5 +1,6 @@
 //! From a graph to a [`Plan`]: passes, schedule, and where every value lives.
 
+use crate::fuse::{FusionOptions, FusionRecord};
 use crate::lifetimes::{Lifetime, assign_offsets};
 use rlx_ir::{Error, Graph, NodeId, Op, Result, Shape, SliceAxis};
 
@@ -48,6 +49,10 @@ pub struct PlanOptions {
     pub memory_reuse: bool,
     /// Let elementwise ops overwrite an operand that dies at them.
     pub in_place: bool,
+    /// Run constant folding and common-subexpression elimination.
+    pub simplify: bool,
+    /// The fused forms to build (those the backend runs).
+    pub fusion: FusionOptions,
 }
 
 impl Default for PlanOptions {
@@ -56,6 +61,8 @@ impl Default for PlanOptions {
             handles: Vec::new(),
             memory_reuse: true,
             in_place: true,
+            simplify: true,
+            fusion: FusionOptions::default(),
         }
     }
 }
@@ -111,6 +118,8 @@ pub struct Plan {
     pub handles: Vec<Source>,
     /// The graph's outputs.
     pub outputs: Vec<NodeId>,
+    /// Fused nodes of `graph` and the ops each replaced.
+    pub fusions: Vec<FusionRecord>,
     /// Memory figures.
     pub stats: MemoryStats,
     arena_roots: Vec<(NodeId, Lifetime, usize)>,
@@ -129,14 +138,36 @@ impl Plan {
     }
 }
 
-/// Runs the pipeline on `graph`: verify, dead-code elimination, verify, schedule,
-/// memory plan.
+/// Runs the pipeline on `graph`: verify, constant folding and CSE (if
+/// `options.simplify`), dead-code elimination, the fusions in `options.fusion`, verify,
+/// schedule, memory plan.
 pub fn plan_graph(graph: &Graph, options: &PlanOptions) -> Result<Plan> {
     graph.verify()?;
-    let (graph, _) = crate::dce::eliminate_dead_code(graph);
+    let mut graph = graph.clone();
+    if options.simplify {
+        graph = crate::cse::fold_constants(&graph);
+        graph = crate::cse::eliminate_common_subexpressions(&graph);
+    }
+    graph = crate::dce::eliminate_dead_code(&graph).0;
+    let mut fusions = Vec::new();
+    if options.fusion.matmul_epilogue {
+        let fused = crate::fuse::fuse_matmul_epilogues(&graph);
+        graph = fused.graph;
+        fusions.extend(fused.records);
+    }
+    if options.fusion.elementwise_regions {
+        let fused = crate::fuse::fuse_elementwise_regions(&graph);
+        for r in &mut fusions {
+            r.node = fused.remap[r.node.index()];
+        }
+        graph = fused.graph;
+        fusions.extend(fused.records);
+    }
     graph.verify()?;
     let order = crate::schedule::schedule(&graph)?;
-    Planner::new(&graph, options)?.finish(graph.clone(), order)
+    let mut plan = Planner::new(&graph, options)?.finish(graph.clone(), order)?;
+    plan.fusions = fusions;
+    Ok(plan)
 }
 
 struct Planner<'a> {
@@ -378,6 +409,7 @@ impl<'a> Planner<'a> {
         let shapes = nodes.iter().map(|n| n.shape.clone()).collect();
         drop(nodes);
         Ok(Plan {
+            fusions: Vec::new(),
             shapes,
             outputs: graph.outputs(),
             graph,

@@ -4,7 +4,7 @@
 
 use rlx_driver::Device;
 use rlx_ir::{NodeId, Result};
-use rlx_opt::Plan;
+use rlx_opt::{FusionOptions, Plan};
 use std::any::Any;
 use std::sync::Arc;
 
@@ -12,8 +12,17 @@ use std::sync::Arc;
 pub trait Backend: Send + Sync {
     /// The device it runs on.
     fn device(&self) -> Device;
+    /// The fused forms it runs natively; the planner forms only these.
+    fn fusion(&self) -> FusionOptions;
     /// Prepares a plan for execution (allocates the arena, weights and handles once).
-    fn compile(&self, plan: Arc<Plan>) -> Result<Box<dyn Executable>>;
+    fn compile(&self, plan: Arc<Plan>, options: &BackendOptions) -> Result<Box<dyn Executable>>;
+}
+
+/// Device-level settings a backend compiles with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendOptions {
+    /// Most CPU threads a run may use; 0 means all the runtime's threads.
+    pub threads: usize,
 }
 
 /// One compiled plan on one device, with its memory.

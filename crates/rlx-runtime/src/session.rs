@@ -1,10 +1,10 @@
 //! Sessions and compile options.
 
 use crate::CompiledGraph;
-use crate::backend::backend_for;
+use crate::backend::{BackendOptions, backend_for};
 use rlx_driver::{BufferHandle, Device};
 use rlx_ir::{Graph, Result};
-use rlx_opt::{PlanOptions, plan_graph};
+use rlx_opt::{FusionOptions, PlanOptions, plan_graph};
 use std::borrow::Borrow;
 use std::sync::Arc;
 
@@ -20,6 +20,8 @@ pub struct CompileOptions {
     handles: Vec<BufferHandle>,
     memory_reuse: bool,
     in_place: bool,
+    optimize: bool,
+    threads: usize,
 }
 
 impl Default for CompileOptions {
@@ -28,6 +30,8 @@ impl Default for CompileOptions {
             handles: Vec::new(),
             memory_reuse: true,
             in_place: true,
+            optimize: true,
+            threads: 0,
         }
     }
 }
@@ -56,6 +60,21 @@ impl CompileOptions {
     /// Turns in-place elementwise execution on or off (on by default).
     pub fn in_place(mut self, on: bool) -> CompileOptions {
         self.in_place = on;
+        self
+    }
+
+    /// Turns the graph optimizations on or off (on by default): constant folding,
+    /// common-subexpression elimination and the fusions the device runs. Off gives
+    /// one kernel per op of the graph as built, for comparison and debugging.
+    pub fn optimize(mut self, on: bool) -> CompileOptions {
+        self.optimize = on;
+        self
+    }
+
+    /// The most CPU threads a run may use (0, the default: every thread of the
+    /// runtime's pool, which has one per core or `$RLX_NUM_THREADS`).
+    pub fn threads(mut self, threads: usize) -> CompileOptions {
+        self.threads = threads;
         self
     }
 
@@ -107,9 +126,18 @@ impl Session {
                 .collect(),
             memory_reuse: options.memory_reuse,
             in_place: options.in_place,
+            simplify: options.optimize,
+            fusion: if options.optimize {
+                backend.fusion()
+            } else {
+                FusionOptions::default()
+            },
         };
         let plan = Arc::new(plan_graph(graph.borrow(), &plan_options)?);
-        let exe = backend.compile(plan.clone())?;
+        let backend_options = BackendOptions {
+            threads: options.threads,
+        };
+        let exe = backend.compile(plan.clone(), &backend_options)?;
         Ok(CompiledGraph::new(self.device, plan, exe))
     }
 }

@@ -33,6 +33,12 @@ pub use rlx_opt as opt;
 pub use rlx_runtime as runtime;
 pub use rlx_runtime::{CompileOptions, CompiledGraph, MemoryStats, Session, SlotOutputs};
 
+/// How many threads the CPU backend's pool runs kernels on (one per core, or
+/// `$RLX_NUM_THREADS`).
+pub fn cpu_threads() -> usize {
+    rlx_cpu::pool::ThreadPool::global().threads()
+}
+
 /// Everything needed to build, compile and run a graph.
 pub mod prelude {
     pub use crate::{

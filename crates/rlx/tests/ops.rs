@@ -1946,6 +1946,33 @@ fn attention_variants() {
             );
         }
     }
+    // Long sequences: several query blocks (64) and key blocks (256) of the blocked
+    // f32 kernel, with the online softmax across key blocks, causal and masked.
+    for (sq, sk, causal) in [(150, 600, false), (70, 300, true), (300, 300, true)] {
+        let ins = [
+            inp("q", &[1, 2, sq, 16], DType::F32),
+            inp("k", &[1, 1, sk, 16], DType::F32),
+            inp("v", &[1, 1, sk, 12], DType::F32),
+            inp("mask", &[1, 1, 1, sk], DType::Bool).dist(Dist::Sparse),
+        ];
+        s.check(
+            &format!("attention long sq={sq} sk={sk} causal={causal}"),
+            &ins,
+            acc(sk * 16),
+            |g, x| one(g.attention(x[0], x[1], x[2], Some(x[3]), causal, None)?),
+        );
+        s.check(
+            &format!("attention long sq={sq} sk={sk} causal={causal} float mask"),
+            &[
+                ins[0].clone(),
+                ins[1].clone(),
+                ins[2].clone(),
+                inp("mask", &[sq, sk], DType::F32),
+            ],
+            acc(sk * 16),
+            |g, x| one(g.attention(x[0], x[1], x[2], Some(x[3]), causal, None)?),
+        );
+    }
     s.check(
         "attention no keys",
         &[

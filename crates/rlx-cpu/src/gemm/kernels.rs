@@ -62,6 +62,7 @@ pub(crate) fn generic_kernel() -> MicroKernel {
 }
 
 /// Every kernel this CPU can run, for tests.
+#[cfg(test)]
 pub(crate) fn available() -> Vec<MicroKernel> {
     let mut all = vec![generic_kernel()];
     #[cfg(target_arch = "x86_64")]

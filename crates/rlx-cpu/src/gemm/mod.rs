@@ -11,7 +11,9 @@
 mod kernels;
 mod pack;
 
-pub(crate) use kernels::{MicroKernel, available as available_kernels, best as best_kernel};
+#[cfg(test)]
+use kernels::available as available_kernels;
+pub(crate) use kernels::{MicroKernel, best as best_kernel};
 
 use crate::pool::ThreadPool;
 use rlx_ir::Result;
@@ -79,6 +81,8 @@ pub(crate) struct Gemm {
     pub b_transposed: bool,
     pub c: *mut f32,
     pub ldc: usize,
+    /// Add the product to `C` instead of overwriting it.
+    pub accumulate: bool,
     pub epilogue: Epilogue,
 }
 
@@ -88,9 +92,11 @@ unsafe impl Send for Gemm {}
 // SAFETY: as above.
 unsafe impl Sync for Gemm {}
 
-/// Per-thread packing buffers, sized once for the largest problem a program runs.
+/// Per-thread scratch, sized once when a program is compiled: GEMM packing buffers
+/// plus `extra` floats for other kernels that run inside pool tasks.
 pub(crate) struct GemmScratch {
     per_thread: Vec<UnsafeCell<Vec<f32>>>,
+    extra: usize,
 }
 
 // SAFETY: thread `t` of a pool job only touches `per_thread[t]`, and the pool gives each
@@ -99,32 +105,38 @@ unsafe impl Sync for GemmScratch {}
 
 impl Clone for GemmScratch {
     fn clone(&self) -> Self {
-        GemmScratch::new(self.per_thread.len())
+        GemmScratch::new(self.per_thread.len(), self.extra)
     }
 }
 
 impl GemmScratch {
-    /// Buffers for `threads` threads.
-    pub fn new(threads: usize) -> GemmScratch {
-        let kernel = best_kernel();
-        let len = scratch_floats(kernel);
+    /// Buffers for `threads` threads, each with `extra` more floats.
+    pub fn new(threads: usize, extra: usize) -> GemmScratch {
+        let len = scratch_floats(best_kernel()) + extra;
         GemmScratch {
             per_thread: (0..threads.max(1))
                 .map(|_| UnsafeCell::new(vec![0.0; len]))
                 .collect(),
+            extra,
         }
     }
 
-    fn threads(&self) -> usize {
+    /// Threads it has buffers for.
+    pub fn threads(&self) -> usize {
         self.per_thread.len()
     }
 
+    /// Thread `t`'s GEMM buffer and its `extra` floats.
+    ///
     /// # Safety
-    /// Only thread `t` of the running job may call this, once.
+    /// Only thread `t` of the running job may call this, and only while no other
+    /// reference from an earlier call is alive.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn buffer(&self, t: usize) -> &mut [f32] {
+    pub unsafe fn parts(&self, t: usize) -> (&mut [f32], &mut [f32]) {
         // SAFETY: per the contract, no other reference to this buffer exists.
-        unsafe { (*self.per_thread[t].get()).as_mut_slice() }
+        let all = unsafe { (*self.per_thread[t].get()).as_mut_slice() };
+        let split = all.len() - self.extra;
+        all.split_at_mut(split)
     }
 }
 
@@ -188,13 +200,25 @@ pub(crate) unsafe fn sgemm_with(
         };
         // SAFETY: each thread index runs one task at a time and owns its buffer; tasks
         // write disjoint row or column ranges of C.
-        unsafe { serial(g, kernel, rows, cols, scratch.buffer(thread)) };
+        unsafe { serial(g, kernel, rows, cols, scratch.parts(thread).0) };
     };
     if parts == 1 {
         task(0, 0);
         return Ok(());
     }
     pool.run(parts, threads, &task)
+}
+
+/// `g` on the calling thread only (for kernels that already run inside pool tasks),
+/// with `buf` from [`GemmScratch::parts`].
+///
+/// # Safety
+/// As [`sgemm`].
+pub(crate) unsafe fn sgemm_serial(g: &Gemm, buf: &mut [f32]) {
+    if g.m > 0 && g.n > 0 {
+        // SAFETY: forwarded contract; `buf` is a full GEMM buffer.
+        unsafe { serial(g, best_kernel(), 0..g.m, 0..g.n, buf) }
+    }
 }
 
 /// The blocked loops over one rectangle of `C`.
@@ -213,11 +237,14 @@ unsafe fn serial(
     let (a_edge, rest) = buf.split_at_mut(kernel.mr * KC);
     let (b_pack, tile) = rest.split_at_mut(KC * NC);
     if g.k == 0 {
-        // An empty sum: C is the epilogue of zeros.
+        // An empty sum: C (or zeros) goes through the epilogue.
         for i in rows.clone() {
             for j in cols.clone() {
                 // SAFETY: (i, j) is inside C.
-                unsafe { *g.c.add(i * g.ldc + j) = 0.0 };
+                unsafe {
+                    let c = g.c.add(i * g.ldc + j);
+                    *c = if g.accumulate { *c } else { 0.0 };
+                }
             }
         }
         // SAFETY: as above.
@@ -231,6 +258,7 @@ unsafe fn serial(
         while pc < g.k {
             let kc = KC.min(g.k - pc);
             let last_k = pc + kc == g.k;
+            let accumulate = pc > 0 || g.accumulate;
             // SAFETY: the block lies inside B; b_pack holds KC x NC floats.
             unsafe { pack::pack_b(g, pc, kc, jc, nc, nr, b_pack) };
             let mut ic = rows.start;
@@ -257,12 +285,12 @@ unsafe fn serial(
                         unsafe {
                             let c_tile = g.c.add(ci * g.ldc + cj);
                             if mr_eff == mr && nr_eff == nr {
-                                (kernel.run)(kc, a_panel, lda, b_panel, c_tile, g.ldc, pc > 0);
+                                (kernel.run)(kc, a_panel, lda, b_panel, c_tile, g.ldc, accumulate);
                             } else {
                                 let edge = Edge {
                                     mr_eff,
                                     nr_eff,
-                                    accumulate: pc > 0,
+                                    accumulate,
                                 };
                                 edge_tile(
                                     kernel,
@@ -426,9 +454,10 @@ mod tests {
                             b_transposed: bt,
                             c: c.as_mut_ptr(),
                             ldc: n,
+                            accumulate: false,
                             epilogue: Epilogue::NONE,
                         };
-                        let scratch = GemmScratch::new(threads);
+                        let scratch = GemmScratch::new(threads, 0);
                         // SAFETY: all buffers match the stated sizes.
                         unsafe { sgemm_with(&g, kernel, &pool, &scratch) }.unwrap();
                         for (idx, (&got, &w)) in c.iter().zip(&want).enumerate() {
@@ -469,6 +498,7 @@ mod tests {
                     b_transposed: false,
                     c: c.as_mut_ptr(),
                     ldc: n,
+                    accumulate: false,
                     epilogue: Epilogue {
                         alpha: 0.5,
                         bias: Some(bias.as_ptr()),
@@ -476,7 +506,7 @@ mod tests {
                         residual: Some((res.as_ptr(), n)),
                     },
                 };
-                let scratch = GemmScratch::new(2);
+                let scratch = GemmScratch::new(2, 0);
                 // SAFETY: all buffers match the stated sizes.
                 unsafe { sgemm_with(&g, kernel, &pool, &scratch) }.unwrap();
                 for i in 0..m {

@@ -1,7 +1,10 @@
 //! Batched matrix multiplication (numpy `matmul`), batch dims broadcast.
 
+use super::Ctx;
 use crate::elem::{Elem, with_dtype};
+use crate::gemm::{Epilogue, Gemm, sgemm};
 use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
+use rlx_ir::{DType, Result};
 
 /// `(m, k, n)` and the batch dims of the output, from operand ranks (1-D promoted).
 fn geometry<'a>(a: &Src<'a>, b: &Src<'a>) -> (usize, usize, usize, &'a [usize], &'a [usize]) {
@@ -17,48 +20,48 @@ fn geometry<'a>(a: &Src<'a>, b: &Src<'a>) -> (usize, usize, usize, &'a [usize], 
     (m, k, n, a_batch, b_batch)
 }
 
-pub(crate) fn matmul(a: Src, b: Src, out: Dst) {
+pub(crate) fn matmul(a: Src, b: Src, out: Dst, ctx: &Ctx) -> Result<()> {
     let (m, k, n, a_batch, b_batch) = geometry(&a, &b);
     let batch_rank = a_batch.len().max(b_batch.len());
     let out_batch = &out.shape.dims()[..batch_rank];
     let sa = broadcast_strides(a_batch, out_batch);
     let sb = broadcast_strides(b_batch, out_batch);
+    if out.shape.dtype() == DType::F32 {
+        let mut result = Ok(());
+        for_each_strided(out_batch, [&sa, &sb], [0, 0], |bi, [ab, bb]| {
+            if result.is_err() {
+                return;
+            }
+            let g = Gemm {
+                m,
+                n,
+                k,
+                // SAFETY: batch element `ab` of A holds m*k floats inside A; likewise
+                // for B and the output.
+                a: unsafe { a.ptr.cast::<f32>().add(ab as usize * m * k) },
+                lda: k,
+                b: unsafe { b.ptr.cast::<f32>().add(bb as usize * k * n) },
+                ldb: n,
+                b_transposed: false,
+                c: unsafe { out.ptr.cast::<f32>().add(bi * m * n) },
+                ldc: n,
+                accumulate: false,
+                epilogue: Epilogue::NONE,
+            };
+            // SAFETY: the plan never places a matmul's output over its operands.
+            result = unsafe { sgemm(&g, ctx.pool, ctx.gemm) };
+        });
+        return result;
+    }
     with_dtype!(out.shape.dtype(), T => {
         for_each_strided(out_batch, [&sa, &sb], [0, 0], |bi, [ab, bb]| {
             let a_off = ab as usize * m * k;
             let b_off = bb as usize * k * n;
             let o_off = bi * m * n;
-            if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
-                matmul_f32(&a, &b, &out, (a_off, b_off, o_off), (m, k, n));
-            } else {
-                matmul_generic::<T>(&a, &b, &out, (a_off, b_off, o_off), (m, k, n));
-            }
+            matmul_generic::<T>(&a, &b, &out, (a_off, b_off, o_off), (m, k, n));
         });
-    })
-}
-
-/// Row-by-row `f32` kernel (i-p-j order, so the inner loop is contiguous).
-fn matmul_f32(
-    a: &Src,
-    b: &Src,
-    out: &Dst,
-    (ao, bo, oo): (usize, usize, usize),
-    (m, k, n): (usize, usize, usize),
-) {
-    let a_all: &[f32] = a.as_slice();
-    let b_all: &[f32] = b.as_slice();
-    let o_all: &mut [f32] = out.as_mut_slice();
-    for i in 0..m {
-        let row = &mut o_all[oo + i * n..oo + (i + 1) * n];
-        row.fill(0.0);
-        for p in 0..k {
-            let av = a_all[ao + i * k + p];
-            let b_row = &b_all[bo + p * n..bo + (p + 1) * n];
-            for (o, &bv) in row.iter_mut().zip(b_row) {
-                *o += av * bv;
-            }
-        }
-    }
+    });
+    Ok(())
 }
 
 fn matmul_generic<T: Elem>(

@@ -2,17 +2,22 @@
 //! its kernel. Straightforward loops: correctness first; a later pass makes them fast.
 
 mod attention;
+pub(crate) mod attention_f32;
 mod conv;
 mod elementwise;
+mod fused;
 mod layout;
 mod matmul;
 mod misc;
 mod norm;
+mod norm_f32;
 mod reduce;
 mod state;
 
+use crate::gemm::GemmScratch;
+use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
-use rlx_ir::{Op, Result, Shape};
+use rlx_ir::{DType, Op, Result, Shape};
 
 pub(crate) use reduce::ReduceGeometry;
 
@@ -27,7 +32,57 @@ pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
 /// Name of the kernel that runs `op` producing `out`, as shown by `rlx inspect`.
 pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
     let dtype = inputs.first().map_or(out.dtype(), |s| s.dtype());
-    format!("cpu.ref.{}.{}", op.name(), dtype)
+    match op {
+        Op::MatMul if dtype == DType::F32 => {
+            format!("cpu.gemm.{}.matmul.f32", crate::gemm::best_kernel().name)
+        }
+        Op::Attention { .. } if dtype == DType::F32 => "cpu.flash.attention.f32".into(),
+        Op::FusedMatMul { .. } if dtype == DType::F32 => {
+            format!(
+                "cpu.gemm.{}.matmul+epilogue.f32",
+                crate::gemm::best_kernel().name
+            )
+        }
+        Op::Elementwise { steps } => format!("cpu.region{}.{}", steps.len(), out.dtype()),
+        _ if inputs.first().is_some_and(|x| fast_rows(op, x)) => {
+            format!("cpu.rows.{}.f32", op.name())
+        }
+        _ => format!("cpu.ref.{}.{}", op.name(), dtype),
+    }
+}
+
+/// Whether a row-wise op (norms, last-axis softmax) on `x` has an `f32` fast kernel.
+fn fast_rows(op: &Op, x: &Shape) -> bool {
+    x.dtype() == DType::F32
+        && match op {
+            Op::LayerNorm { .. } | Op::RmsNorm { .. } => true,
+            Op::Softmax { axis } | Op::LogSoftmax { axis } => *axis + 1 == x.rank(),
+            _ => false,
+        }
+}
+
+/// Per-thread `f32` scratch a step needs beyond the GEMM buffers.
+pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
+    match op {
+        Op::Attention { .. } if inputs[0].dtype() == DType::F32 => {
+            attention_f32::scratch_floats(inputs[2].dim(3))
+        }
+        Op::Elementwise { steps } => fused::region_scratch_floats(inputs.len() + steps.len()),
+        _ => 0,
+    }
+}
+
+/// The most inputs an elementwise region may have (the optimizer respects it).
+pub const MAX_REGION_INPUTS: usize = 16;
+
+/// What kernels share during one run: scratch memory and the threads.
+pub(crate) struct Ctx<'a> {
+    /// `f64` scratch (`scratch_len` values at least).
+    pub scratch: &'a mut [f64],
+    /// Per-thread GEMM packing buffers.
+    pub gemm: &'a GemmScratch,
+    /// The pool kernels split work over.
+    pub pool: &'static ThreadPool,
 }
 
 /// Runs one step. `src(k)` gives operand `k`; `n_inputs` is how many there are.
@@ -37,7 +92,7 @@ pub(crate) fn run<'a>(
     src: &dyn Fn(usize) -> Src<'a>,
     out: Dst<'a>,
     geometry: Option<&ReduceGeometry>,
-    scratch: &mut [f64],
+    ctx: &mut Ctx,
 ) -> Result<()> {
     let opt = |k: usize| (k < n_inputs).then(|| src(k));
     match op {
@@ -57,9 +112,20 @@ pub(crate) fn run<'a>(
             reduce::reduce(*op, geo, src(0), out)
         }
         Op::ArgReduce { op, axis, .. } => reduce::arg_reduce(*op, *axis, src(0), out),
+        Op::Softmax { axis } | Op::LogSoftmax { axis }
+            if fast_rows(op, src(0).shape) && *axis + 1 == src(0).shape.rank() =>
+        {
+            norm_f32::softmax_last(matches!(op, Op::LogSoftmax { .. }), src(0), out, ctx)?
+        }
         Op::Softmax { axis } => norm::softmax(*axis, false, src(0), out),
         Op::LogSoftmax { axis } => norm::softmax(*axis, true, src(0), out),
-        Op::MatMul => matmul::matmul(src(0), src(1), out),
+        Op::LayerNorm { eps } if fast_rows(op, src(0).shape) => {
+            norm_f32::norm(src(0), src(1), Some(src(2)), eps.get(), out, ctx)?
+        }
+        Op::RmsNorm { eps } if fast_rows(op, src(0).shape) => {
+            norm_f32::norm(src(0), src(1), None, eps.get(), out, ctx)?
+        }
+        Op::MatMul => matmul::matmul(src(0), src(1), out, ctx)?,
         Op::LayerNorm { eps } => norm::norm(src(0), src(1), Some(src(2)), eps.get(), out),
         Op::RmsNorm { eps } => norm::norm(src(0), src(1), None, eps.get(), out),
         // The planner makes every reshape a view; run as a copy if one ever is not.
@@ -97,6 +163,18 @@ pub(crate) fn run<'a>(
             window,
             count_include_pad,
         } => conv::pool(window, false, *count_include_pad, src(0), out),
+        Op::Attention { scale, causal } if src(0).shape.dtype() == DType::F32 => {
+            attention_f32::attention(
+                scale.get(),
+                *causal,
+                src(0),
+                src(1),
+                src(2),
+                opt(3),
+                out,
+                ctx,
+            )?
+        }
         Op::Attention { scale, causal } => attention::attention(
             scale.get(),
             *causal,
@@ -105,10 +183,36 @@ pub(crate) fn run<'a>(
             src(2),
             opt(3),
             out,
-            scratch,
+            ctx.scratch,
         ),
         Op::Rope { style } => attention::rope(*style, src(0), src(1), src(2), out),
         Op::WriteAt { axis } => state::write_at(*axis, src(1), src(2), out)?,
+        Op::FusedMatMul {
+            alpha,
+            bias,
+            activation,
+            residual,
+        } => {
+            let bias_src = bias.then(|| src(2));
+            let residual_src = residual.then(|| src(n_inputs - 1));
+            fused::fused_matmul(
+                alpha.get(),
+                *activation,
+                src(0),
+                src(1),
+                bias_src,
+                residual_src,
+                out,
+                ctx,
+            )?
+        }
+        Op::Elementwise { steps } => {
+            let mut inputs = [src(0); MAX_REGION_INPUTS];
+            for (k, slot) in inputs.iter_mut().enumerate().take(n_inputs).skip(1) {
+                *slot = src(k);
+            }
+            fused::elementwise(steps, &inputs[..n_inputs], out, ctx)?
+        }
         Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => {}
     }
     Ok(())

@@ -1,10 +1,10 @@
 //! The CPU backend adapter over [`rlx_cpu::CpuProgram`].
 
-use crate::backend::{Backend, Executable, SharedParam};
+use crate::backend::{Backend, BackendOptions, Executable, SharedParam};
 use rlx_cpu::CpuProgram;
 use rlx_driver::{Buffer, Device};
 use rlx_ir::{Error, NodeId, Result};
-use rlx_opt::Plan;
+use rlx_opt::{FusionOptions, Plan};
 use std::sync::Arc;
 
 /// Runs plans on the host CPU.
@@ -15,8 +15,12 @@ impl Backend for CpuBackend {
         Device::Cpu
     }
 
-    fn compile(&self, plan: Arc<Plan>) -> Result<Box<dyn Executable>> {
-        Ok(Box::new(CpuProgram::new(plan)?))
+    fn fusion(&self) -> FusionOptions {
+        FusionOptions::ALL
+    }
+
+    fn compile(&self, plan: Arc<Plan>, options: &BackendOptions) -> Result<Box<dyn Executable>> {
+        Ok(Box::new(CpuProgram::new(plan, options.threads)?))
     }
 }
 

@@ -1,0 +1,206 @@
+//! Fused `f32` attention: one pool task per (batch, head, block of queries). Scores are
+//! computed for one block of keys at a time with the GEMM micro-kernels, masked, and
+//! folded into the output with an online softmax (running maximum and sum), so the
+//! full `Sq x Sk` score matrix never exists.
+
+use super::Ctx;
+use crate::elem::Bool8;
+use crate::gemm::{Epilogue, Gemm, sgemm_serial};
+use crate::tensor::{Dst, Src, broadcast_strides};
+use crate::vmath;
+use rlx_ir::{DType, MAX_RANK, Result};
+
+/// Queries per task.
+const QB: usize = 64;
+/// Keys per score block.
+const KB: usize = 256;
+
+/// Per-thread scratch floats the kernel needs for value width `dv`.
+pub(crate) fn scratch_floats(dv: usize) -> usize {
+    QB * KB + QB * dv + 2 * QB
+}
+
+/// The operands, shared by every task.
+struct Problem<'a> {
+    scale: f32,
+    causal: bool,
+    q: Src<'a>,
+    k: Src<'a>,
+    v: Src<'a>,
+    mask: Option<(Src<'a>, [isize; MAX_RANK])>,
+    out: Dst<'a>,
+    dims: [usize; 7], // b, hq, hkv, sq, sk, d, dv
+}
+
+// SAFETY: tasks only read q, k, v and the mask, and write disjoint rows of `out`.
+unsafe impl Sync for Problem<'_> {}
+
+/// `softmax(q k^T * scale + mask) v` for `f32` operands (see `Graph::attention`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    scale: f64,
+    causal: bool,
+    q: Src,
+    k: Src,
+    v: Src,
+    mask: Option<Src>,
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    let [b, hq, sq, d] = [
+        q.shape.dim(0),
+        q.shape.dim(1),
+        q.shape.dim(2),
+        q.shape.dim(3),
+    ];
+    let (hkv, sk, dv) = (k.shape.dim(1), k.shape.dim(2), v.shape.dim(3));
+    let full = [b, hq, sq, sk];
+    let p = Problem {
+        scale: scale as f32,
+        causal,
+        q,
+        k,
+        v,
+        mask: mask.map(|m| (m, broadcast_strides(m.shape.dims(), &full))),
+        out,
+        dims: [b, hq, hkv, sq, sk, d, dv],
+    };
+    let blocks = sq.div_ceil(QB);
+    let tasks = b * hq * blocks;
+    let task = |t: usize, thread: usize| {
+        // SAFETY: each thread index runs one task at a time and owns its scratch.
+        let (gemm_buf, extra) = unsafe { ctx.gemm.parts(thread) };
+        // SAFETY: the task writes only its own rows of `out`.
+        unsafe { one_block(&p, t / blocks, (t % blocks) * QB, gemm_buf, extra) };
+    };
+    ctx.pool.run(tasks, ctx.gemm.threads(), &task)
+}
+
+/// Attention for rows `q0 .. q0 + QB` of head `bh` (= batch * hq + head).
+///
+/// # Safety
+/// `extra` holds `scratch_floats(dv)` floats; no other task writes these output rows.
+unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], extra: &mut [f32]) {
+    let [_, hq, hkv, sq, sk, d, dv] = p.dims;
+    let (bi, h) = (bh / hq, bh % hq);
+    let kh = h / (hq / hkv);
+    let rows = QB.min(sq - q0);
+    let (scores, rest) = extra.split_at_mut(QB * KB);
+    let (acc, rest) = rest.split_at_mut(QB * dv);
+    let (row_max, rest) = rest.split_at_mut(QB);
+    let row_sum = &mut rest[..QB];
+    row_max.fill(f32::NEG_INFINITY);
+    row_sum.fill(0.0);
+    acc[..rows * dv].fill(0.0);
+    let q_ptr = p.q.ptr.cast::<f32>();
+    let k_ptr = p.k.ptr.cast::<f32>();
+    let v_ptr = p.v.ptr.cast::<f32>();
+    let mut j0 = 0;
+    while j0 < sk {
+        let kb = KB.min(sk - j0);
+        // With a causal mask, query i sees key j when j + sq <= i + sk.
+        if p.causal && j0 + sq > q0 + rows - 1 + sk {
+            break;
+        }
+        let scores_gemm = Gemm {
+            m: rows,
+            n: kb,
+            k: d,
+            // SAFETY: rows q0.. of this head of Q, keys j0.. of its key head.
+            a: unsafe { q_ptr.add(((bi * hq + h) * sq + q0) * d) },
+            lda: d,
+            b: unsafe { k_ptr.add(((bi * hkv + kh) * sk + j0) * d) },
+            ldb: d,
+            b_transposed: true,
+            c: scores.as_mut_ptr(),
+            ldc: KB,
+            accumulate: false,
+            epilogue: Epilogue {
+                alpha: p.scale,
+                ..Epilogue::NONE
+            },
+        };
+        // SAFETY: the operands lie inside Q and K; `scores` holds QB x KB floats.
+        unsafe { sgemm_serial(&scores_gemm, gemm_buf) };
+        for r in 0..rows {
+            let i = q0 + r;
+            let row = &mut scores[r * KB..r * KB + kb];
+            mask_row(p, bi, h, i, j0, row);
+            let block_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if block_max == f32::NEG_INFINITY {
+                row.fill(0.0);
+                continue;
+            }
+            let new_max = row_max[r].max(block_max);
+            let correction = if row_max[r] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                vmath::exp(row_max[r] - new_max)
+            };
+            let block_sum = vmath::exp_shifted_sum(row, new_max);
+            row_sum[r] = row_sum[r] * correction + block_sum;
+            if correction != 1.0 {
+                acc[r * dv..(r + 1) * dv]
+                    .iter_mut()
+                    .for_each(|x| *x *= correction);
+            }
+            row_max[r] = new_max;
+        }
+        let values_gemm = Gemm {
+            m: rows,
+            n: dv,
+            k: kb,
+            a: scores.as_ptr(),
+            lda: KB,
+            // SAFETY: keys j0.. of this key head of V.
+            b: unsafe { v_ptr.add(((bi * hkv + kh) * sk + j0) * dv) },
+            ldb: dv,
+            b_transposed: false,
+            c: acc.as_mut_ptr(),
+            ldc: dv,
+            accumulate: true,
+            epilogue: Epilogue::NONE,
+        };
+        // SAFETY: the operands lie inside the scratch and V.
+        unsafe { sgemm_serial(&values_gemm, gemm_buf) };
+        j0 += kb;
+    }
+    let out = p.out.ptr.cast::<f32>();
+    for r in 0..rows {
+        let inv = if row_sum[r] > 0.0 {
+            1.0 / row_sum[r]
+        } else {
+            0.0
+        };
+        let o_row = ((bi * hq + h) * sq + q0 + r) * dv;
+        for e in 0..dv {
+            // SAFETY: this task's rows of the output.
+            unsafe { *out.add(o_row + e) = acc[r * dv + e] * inv };
+        }
+    }
+}
+
+/// Applies the causal and explicit masks to the scores of query `i`, keys `j0..`.
+fn mask_row(p: &Problem, bi: usize, h: usize, i: usize, j0: usize, row: &mut [f32]) {
+    let [_, _, _, sq, sk, _, _] = p.dims;
+    if p.causal {
+        for (j, s) in row.iter_mut().enumerate() {
+            if j0 + j + sq > i + sk {
+                *s = f32::NEG_INFINITY;
+            }
+        }
+    }
+    if let Some((m, st)) = &p.mask {
+        let base = bi as isize * st[0] + h as isize * st[1] + i as isize * st[2];
+        for (j, s) in row.iter_mut().enumerate() {
+            let at = (base + (j0 + j) as isize * st[3]) as usize;
+            if m.shape.dtype() == DType::Bool {
+                if m.get::<Bool8>(at).0 == 0 {
+                    *s = f32::NEG_INFINITY;
+                }
+            } else {
+                *s += m.get::<f32>(at);
+            }
+        }
+    }
+}

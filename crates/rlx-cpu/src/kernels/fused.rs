@@ -1,0 +1,387 @@
+//! Kernels for the optimizer's fused ops: a matmul with its epilogue in the GEMM's
+//! output write, and elementwise regions evaluated chunk by chunk in `f32` with every
+//! intermediate in per-thread scratch (one pass over memory).
+
+use super::Ctx;
+use crate::elem::{Elem, with_dtype};
+use crate::gemm::{Activation, Epilogue, Gemm, sgemm};
+use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
+use crate::vmath;
+use rlx_ir::scalar::{binary_f64, unary_f64};
+use rlx_ir::{BinaryOp, DType, EwStep, MAX_RANK, Result, UnaryOp};
+
+/// The GEMM epilogue form of a unary op, if it has one.
+fn gemm_activation(op: UnaryOp) -> Option<Activation> {
+    match op {
+        UnaryOp::Gelu => Some(Activation::Gelu),
+        UnaryOp::GeluTanh => Some(Activation::GeluTanh),
+        UnaryOp::Relu => Some(Activation::Relu),
+        UnaryOp::Silu => Some(Activation::Silu),
+        _ => None,
+    }
+}
+
+/// `act(alpha * (a @ b) + bias) + residual`; operands as in `Op::FusedMatMul`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fused_matmul(
+    alpha: f64,
+    activation: Option<UnaryOp>,
+    a: Src,
+    b: Src,
+    bias: Option<Src>,
+    residual: Option<Src>,
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    let ad = a.shape.dims();
+    let bd = b.shape.dims();
+    let m = if ad.len() == 1 { 1 } else { ad[ad.len() - 2] };
+    let k = ad[ad.len() - 1];
+    let n = if bd.len() == 1 { 1 } else { bd[bd.len() - 1] };
+    let a_batch = &ad[..ad.len().saturating_sub(2)];
+    let b_batch = &bd[..bd.len().saturating_sub(2)];
+    let batch_rank = a_batch.len().max(b_batch.len());
+    let out_batch = &out.shape.dims()[..batch_rank];
+    let sa = broadcast_strides(a_batch, out_batch);
+    let sb = broadcast_strides(b_batch, out_batch);
+    if out.shape.dtype() != DType::F32 {
+        generic(
+            alpha,
+            activation,
+            a,
+            b,
+            bias,
+            residual,
+            out,
+            (m, k, n),
+            out_batch,
+            [&sa, &sb],
+        );
+        return Ok(());
+    }
+    let in_gemm = activation.and_then(gemm_activation);
+    let mut result = Ok(());
+    for_each_strided(out_batch, [&sa, &sb], [0, 0], |bi, [ab, bb]| {
+        if result.is_err() {
+            return;
+        }
+        let c_off = bi * m * n;
+        // SAFETY: batch elements of A, B, the output and the residual lie inside them.
+        let g = unsafe {
+            Gemm {
+                m,
+                n,
+                k,
+                a: a.ptr.cast::<f32>().add(ab as usize * m * k),
+                lda: k,
+                b: b.ptr.cast::<f32>().add(bb as usize * k * n),
+                ldb: n,
+                b_transposed: false,
+                c: out.ptr.cast::<f32>().add(c_off),
+                ldc: n,
+                accumulate: false,
+                epilogue: Epilogue {
+                    alpha: alpha as f32,
+                    bias: bias.map(|s| s.ptr.cast::<f32>()),
+                    activation: in_gemm,
+                    residual: if activation.is_some() && in_gemm.is_none() {
+                        None
+                    } else {
+                        residual.map(|r| (r.ptr.cast::<f32>().add(c_off), n))
+                    },
+                },
+            }
+        };
+        // SAFETY: the plan never places this output over its operands.
+        result = unsafe { sgemm(&g, ctx.pool, ctx.gemm) };
+        if let (Some(act), None) = (activation, in_gemm) {
+            // An activation the GEMM does not apply: finish here.
+            for i in c_off..c_off + m * n {
+                let mut v = f64::from(out.get::<f32>(i));
+                v = f64::from(unary_f64(act, v) as f32);
+                if let Some(r) = residual {
+                    v += f64::from(r.get::<f32>(i));
+                }
+                out.set(i, v as f32);
+            }
+        }
+    });
+    result
+}
+
+/// Any float dtype: the product in `f64`, then each epilogue step rounded to the dtype.
+#[allow(clippy::too_many_arguments)]
+fn generic(
+    alpha: f64,
+    activation: Option<UnaryOp>,
+    a: Src,
+    b: Src,
+    bias: Option<Src>,
+    residual: Option<Src>,
+    out: Dst,
+    (m, k, n): (usize, usize, usize),
+    out_batch: &[usize],
+    strides: [&[isize; MAX_RANK]; 2],
+) {
+    with_dtype!(out.shape.dtype(), T => {
+        let round = |v: f64| T::from_f64(v).to_f64();
+        for_each_strided(out_batch, strides, [0, 0], |bi, [ab, bb]| {
+            for i in 0..m {
+                for j in 0..n {
+                    let mut acc = 0.0;
+                    for p in 0..k {
+                        acc += a.f64::<T>(ab as usize * m * k + i * k + p)
+                            * b.f64::<T>(bb as usize * k * n + p * n + j);
+                    }
+                    let mut v = round(acc);
+                    if alpha != 1.0 {
+                        v = round(v * alpha);
+                    }
+                    if let Some(bias) = bias {
+                        v = round(v + bias.f64::<T>(j));
+                    }
+                    if let Some(act) = activation {
+                        v = round(unary_f64(act, v));
+                    }
+                    let o = bi * m * n + i * n + j;
+                    if let Some(r) = residual {
+                        v = round(v + r.f64::<T>(o));
+                    }
+                    out.set(o, T::from_f64(v));
+                }
+            }
+        });
+    })
+}
+
+/// Elements per chunk of an elementwise region.
+const CHUNK: usize = 512;
+
+/// Per-thread scratch floats a region with `registers` registers needs.
+pub(crate) fn region_scratch_floats(registers: usize) -> usize {
+    registers * CHUNK
+}
+
+/// How one region input maps output positions to its own.
+#[derive(Clone, Copy)]
+enum Access {
+    /// Same shape as the output.
+    Same,
+    /// Its `len` values repeat along the output (its dims are the output's last ones).
+    Suffix(usize),
+    /// Anything else: strides per output axis.
+    Strided([isize; MAX_RANK]),
+}
+
+/// A region's operands, shared by its chunk tasks.
+struct Region<'a, 'b> {
+    inputs: &'b [Src<'a>],
+    out: Dst<'a>,
+    access: [Access; 16],
+}
+
+// SAFETY: tasks read the inputs and write disjoint chunks of the output.
+unsafe impl Sync for Region<'_, '_> {}
+
+/// Evaluates an `Op::Elementwise` region.
+pub(crate) fn elementwise(steps: &[EwStep], inputs: &[Src], out: Dst, ctx: &Ctx) -> Result<()> {
+    if out.shape.dtype() != DType::F32 {
+        elementwise_generic(steps, inputs, out);
+        return Ok(());
+    }
+    let dims = out.shape.dims();
+    let total = out.len;
+    let mut access = [Access::Same; 16];
+    let n_in = inputs.len();
+    for (slot, x) in access.iter_mut().zip(inputs) {
+        let xd = x.shape.dims();
+        let core: &[usize] = &xd[xd.iter().take_while(|&&d| d == 1).count()..];
+        *slot = if x.len == total {
+            Access::Same
+        } else if core.len() <= dims.len() && core == &dims[dims.len() - core.len()..] {
+            Access::Suffix(x.len.max(1))
+        } else {
+            Access::Strided(broadcast_strides(xd, dims))
+        };
+    }
+    let chunks = total.div_ceil(CHUNK);
+    let region = Region {
+        inputs,
+        out,
+        access,
+    };
+    let task = |t: usize, thread: usize| {
+        let Region {
+            inputs,
+            out,
+            access,
+        } = &region;
+        // SAFETY: one task per thread index at a time.
+        let (_, regs) = unsafe { ctx.gemm.parts(thread) };
+        let start = t * CHUNK;
+        let len = CHUNK.min(total - start);
+        for (r, x) in inputs.iter().enumerate() {
+            let reg = &mut regs[r * CHUNK..r * CHUNK + len];
+            load(x, access[r], dims, start, reg);
+        }
+        for (s, step) in steps.iter().enumerate() {
+            let (before, after) = regs.split_at_mut((n_in + s) * CHUNK);
+            let dst = &mut after[..len];
+            let reg = |i: u16| &before[usize::from(i) * CHUNK..usize::from(i) * CHUNK + len];
+            match *step {
+                EwStep::Unary(op, a) => unary_chunk(op, reg(a), dst),
+                EwStep::Binary(op, a, b) => binary_chunk(op, reg(a), reg(b), dst),
+            }
+        }
+        let last = (n_in + steps.len() - 1) * CHUNK;
+        // SAFETY: chunk `t` of the output; every read of the inputs for this chunk is
+        // done (an input may share the output's bytes when the op runs in place).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                regs[last..].as_ptr(),
+                out.ptr.cast::<f32>().add(start),
+                len,
+            )
+        };
+    };
+    let threads = if total >= 1 << 15 {
+        ctx.gemm.threads()
+    } else {
+        1
+    };
+    ctx.pool.run(chunks, threads, &task)
+}
+
+fn load(x: &Src, access: Access, dims: &[usize], start: usize, reg: &mut [f32]) {
+    let base = x.ptr.cast::<f32>();
+    match access {
+        Access::Same => {
+            // SAFETY: positions start.. of an input of the output's size.
+            unsafe { std::ptr::copy_nonoverlapping(base.add(start), reg.as_mut_ptr(), reg.len()) };
+        }
+        Access::Suffix(n) => {
+            for (i, v) in reg.iter_mut().enumerate() {
+                *v = x.get::<f32>((start + i) % n);
+            }
+        }
+        Access::Strided(strides) => {
+            // Walk the odometer from `start`.
+            let mut idx = [0usize; MAX_RANK];
+            let mut rest = start;
+            let mut offset = 0isize;
+            for axis in (0..dims.len()).rev() {
+                let d = dims[axis].max(1);
+                idx[axis] = rest % d;
+                offset += idx[axis] as isize * strides[axis];
+                rest /= d;
+            }
+            for v in reg.iter_mut() {
+                *v = x.get::<f32>(offset as usize);
+                let mut axis = dims.len();
+                while axis > 0 {
+                    axis -= 1;
+                    idx[axis] += 1;
+                    offset += strides[axis];
+                    if idx[axis] < dims[axis] {
+                        break;
+                    }
+                    offset -= strides[axis] * dims[axis] as isize;
+                    idx[axis] = 0;
+                }
+            }
+        }
+    }
+}
+
+fn unary_chunk(op: UnaryOp, a: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if vmath::simd_level() >= 2 {
+            // SAFETY: AVX-512F is available.
+            return unsafe { unary_avx512(op, a, out) };
+        }
+    }
+    unary_body(op, a, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn unary_avx512(op: UnaryOp, a: &[f32], out: &mut [f32]) {
+    unary_body(op, a, out)
+}
+
+#[inline(always)]
+fn unary_body(op: UnaryOp, a: &[f32], out: &mut [f32]) {
+    let f =
+        |g: fn(f32) -> f32, out: &mut [f32]| out.iter_mut().zip(a).for_each(|(o, &x)| *o = g(x));
+    match op {
+        UnaryOp::Neg => f(|x| -x, out),
+        UnaryOp::Abs => f(f32::abs, out),
+        UnaryOp::Exp => f(vmath::exp, out),
+        UnaryOp::Sqrt => f(f32::sqrt, out),
+        UnaryOp::Rsqrt => f(|x| 1.0 / x.sqrt(), out),
+        UnaryOp::Reciprocal => f(|x| 1.0 / x, out),
+        UnaryOp::Tanh => f(vmath::tanh, out),
+        UnaryOp::Sigmoid => f(|x| 1.0 / (1.0 + vmath::exp(-x)), out),
+        UnaryOp::Relu => f(|x| x.max(0.0), out),
+        UnaryOp::Gelu => f(vmath::gelu, out),
+        UnaryOp::GeluTanh => f(vmath::gelu_tanh, out),
+        UnaryOp::Silu => f(vmath::silu, out),
+        UnaryOp::Erf => f(vmath::erf, out),
+        // The rest are rare in hot regions: the exact scalar definitions.
+        other => out
+            .iter_mut()
+            .zip(a)
+            .for_each(|(o, &x)| *o = unary_f64(other, f64::from(x)) as f32),
+    }
+}
+
+fn binary_chunk(op: BinaryOp, a: &[f32], b: &[f32], out: &mut [f32]) {
+    let f = |g: fn(f32, f32) -> f32, out: &mut [f32]| {
+        out.iter_mut()
+            .zip(a.iter().zip(b))
+            .for_each(|(o, (&x, &y))| *o = g(x, y))
+    };
+    match op {
+        BinaryOp::Add => f(|x, y| x + y, out),
+        BinaryOp::Sub => f(|x, y| x - y, out),
+        BinaryOp::Mul => f(|x, y| x * y, out),
+        BinaryOp::Div => f(|x, y| x / y, out),
+        other => out
+            .iter_mut()
+            .zip(a.iter().zip(b))
+            .for_each(|(o, (&x, &y))| *o = binary_f64(other, f64::from(x), f64::from(y)) as f32),
+    }
+}
+
+/// Any float dtype, element by element in `f64` with each step rounded.
+fn elementwise_generic(steps: &[EwStep], inputs: &[Src], out: Dst) {
+    let dims = out.shape.dims();
+    let strides: Vec<[isize; MAX_RANK]> = inputs
+        .iter()
+        .map(|x| broadcast_strides(x.shape.dims(), dims))
+        .collect();
+    with_dtype!(out.shape.dtype(), T => {
+        let mut regs = [0.0f64; 64];
+        let mut idx = [0usize; MAX_RANK];
+        for o in 0..out.len {
+            let mut rest = o;
+            for axis in (0..dims.len()).rev() {
+                idx[axis] = rest % dims[axis].max(1);
+                rest /= dims[axis].max(1);
+            }
+            for (r, x) in inputs.iter().enumerate() {
+                let at: isize = (0..dims.len()).map(|a| idx[a] as isize * strides[r][a]).sum();
+                regs[r] = x.f64::<T>(at as usize);
+            }
+            for (s, step) in steps.iter().enumerate() {
+                let v = match *step {
+                    EwStep::Unary(op, a) => unary_f64(op, regs[usize::from(a)]),
+                    EwStep::Binary(op, a, b) => binary_f64(op, regs[usize::from(a)], regs[usize::from(b)]),
+                };
+                regs[inputs.len() + s] = T::from_f64(v).to_f64();
+            }
+            out.set(o, T::from_f64(regs[inputs.len() + steps.len() - 1]));
+        }
+    })
+}

@@ -1,0 +1,187 @@
+//! Single-pass-per-row `f32` LayerNorm, RMSNorm and softmax: each row is read once
+//! for its statistics and once more (from L1) for the output, with vectorized loops,
+//! rows split across the thread pool when there are enough of them.
+
+use super::Ctx;
+use crate::tensor::{Dst, Src};
+use crate::vmath;
+use rlx_ir::Result;
+
+/// Rows per pool task.
+const ROWS_PER_TASK: usize = 16;
+
+/// Operands shared by the row tasks.
+struct Rows<'a> {
+    x: Src<'a>,
+    gamma: Option<&'a [f32]>,
+    beta: Option<&'a [f32]>,
+    out: Dst<'a>,
+    width: usize,
+}
+
+// SAFETY: tasks read `x` and the params and write disjoint rows of `out` (which never
+// overlaps `x`: these ops do not run in place).
+unsafe impl Sync for Rows<'_> {}
+
+/// LayerNorm (with `beta`) or RMSNorm (without) over the last axis.
+pub(crate) fn norm(
+    x: Src,
+    gamma: Src,
+    beta: Option<Src>,
+    eps: f64,
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    let width = x.shape.dims().last().copied().unwrap_or(1);
+    let rows = Rows {
+        x,
+        gamma: Some(gamma.as_slice::<f32>()),
+        beta: beta.map(|b| b.as_slice::<f32>()),
+        out,
+        width,
+    };
+    let eps = eps as f32;
+    for_rows(&rows, ctx, &|row, dst| match rows.beta {
+        Some(beta) => layer_norm_row(row, rows.gamma.unwrap_or(&[]), beta, eps, dst),
+        None => rms_norm_row(row, rows.gamma.unwrap_or(&[]), eps, dst),
+    })
+}
+
+/// Softmax (or log-softmax) over the last axis.
+pub(crate) fn softmax_last(log: bool, x: Src, out: Dst, ctx: &Ctx) -> Result<()> {
+    let width = x.shape.dims().last().copied().unwrap_or(1);
+    let rows = Rows {
+        x,
+        gamma: None,
+        beta: None,
+        out,
+        width,
+    };
+    for_rows(&rows, ctx, &|row, dst| softmax_row(log, row, dst))
+}
+
+fn for_rows(rows: &Rows, ctx: &Ctx, f: &(dyn Fn(&[f32], &mut [f32]) + Sync)) -> Result<()> {
+    let w = rows.width;
+    if w == 0 {
+        return Ok(());
+    }
+    let count = rows.x.len / w;
+    let tasks = count.div_ceil(ROWS_PER_TASK);
+    let threads = if rows.x.len >= 1 << 14 {
+        ctx.gemm.threads()
+    } else {
+        1
+    };
+    let task = |t: usize, _thread: usize| {
+        let first = t * ROWS_PER_TASK;
+        let last = (first + ROWS_PER_TASK).min(count);
+        // SAFETY: rows first..last of `x` and `out`, both `count * w` floats; each task
+        // owns its rows of `out`, which does not overlap `x`.
+        let (src, dst) = unsafe {
+            (
+                std::slice::from_raw_parts(
+                    rows.x.ptr.cast::<f32>().add(first * w),
+                    (last - first) * w,
+                ),
+                std::slice::from_raw_parts_mut(
+                    rows.out.ptr.cast::<f32>().add(first * w),
+                    (last - first) * w,
+                ),
+            )
+        };
+        for (row, out) in src.chunks_exact(w).zip(dst.chunks_exact_mut(w)) {
+            run_row(f, row, out);
+        }
+    };
+    ctx.pool.run(tasks, threads, &task)
+}
+
+fn run_row(f: &(dyn Fn(&[f32], &mut [f32]) + Sync), row: &[f32], out: &mut [f32]) {
+    f(row, out)
+}
+
+/// Sum of `v` in 16 lanes (vectorizes; also more accurate than one running sum).
+#[inline(always)]
+fn sum16(v: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut lanes = [0.0f32; 16];
+    let mut chunks = v.chunks_exact(16);
+    for c in &mut chunks {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l += f(x);
+        }
+    }
+    let tail: f32 = chunks.remainder().iter().map(|&x| f(x)).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
+macro_rules! multiversion {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? $body:block) => {
+        $(#[$doc])*
+        fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn wide($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn narrow($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
+                match vmath::simd_level() {
+                    // SAFETY: the level says the features are available.
+                    2 => return unsafe { wide($($arg),*) },
+                    // SAFETY: as above.
+                    1 => return unsafe { narrow($($arg),*) },
+                    _ => {}
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+
+multiversion! {
+    /// One LayerNorm row.
+    fn layer_norm_row(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [f32]) {
+        let n = x.len() as f32;
+        let mean = sum16(x, |v| v) / n;
+        let var = sum16(x, |v| (v - mean) * (v - mean)) / n;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (((o, &v), &g), &b) in out.iter_mut().zip(x).zip(gamma).zip(beta) {
+            *o = (v - mean) * inv * g + b;
+        }
+    }
+}
+
+multiversion! {
+    /// One RMSNorm row.
+    fn rms_norm_row(x: &[f32], gamma: &[f32], eps: f32, out: &mut [f32]) {
+        let n = x.len() as f32;
+        let inv = 1.0 / (sum16(x, |v| v * v) / n + eps).sqrt();
+        for ((o, &v), &g) in out.iter_mut().zip(x).zip(gamma) {
+            *o = v * inv * g;
+        }
+    }
+}
+
+multiversion! {
+    /// One softmax (or log-softmax) row.
+    fn softmax_row(log: bool, x: &[f32], out: &mut [f32]) {
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::NEG_INFINITY {
+            // Every entry is -inf (or the row is empty): the reference gives NaN.
+            out.iter_mut().for_each(|o| *o = f32::NAN);
+            return;
+        }
+        out.copy_from_slice(x);
+        let sum = vmath::exp_shifted_sum(out, max);
+        if log {
+            let shift = max + sum.ln();
+            for (o, &v) in out.iter_mut().zip(x) {
+                *o = v - shift;
+            }
+        } else {
+            let inv = 1.0 / sum;
+            out.iter_mut().for_each(|o| *o *= inv);
+        }
+    }
+}

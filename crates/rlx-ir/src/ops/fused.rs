@@ -1,0 +1,185 @@
+//! Fused ops, formed by the optimizer from ops a backend can run as one kernel:
+//!
+//! - `FusedMatMul`: `act(alpha * (a @ b) + bias) + residual`, the epilogue applied
+//!   while the product is written;
+//! - `Elementwise`: a connected region of float elementwise ops computed in one pass.
+//!
+//! Their reference semantics are exactly the unfused ops' (every step rounded to the
+//! dtype), so a fused graph computes what the original did.
+
+use super::matmul::{eval_matmul, infer_matmul};
+use super::{broadcast_source, mismatch, require_float, same_dtype, unravel};
+use crate::reference::HostTensor;
+use crate::scalar::{binary_f64, unary_f64};
+use crate::shape::broadcast_dims;
+use crate::{BinaryOp, Error, Result, Shape, UnaryOp};
+
+/// One step of an [`Op::Elementwise`](crate::Op::Elementwise) region. Operands are
+/// registers: `0..n` are the region's `n` inputs (broadcast to the output shape),
+/// register `n + s` is the result of step `s`, and the last step is the output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EwStep {
+    /// A unary op of one register.
+    Unary(UnaryOp, u16),
+    /// A binary op of two registers.
+    Binary(BinaryOp, u16, u16),
+}
+
+/// Binary ops an elementwise region may hold: the arithmetic ones (no comparisons or
+/// logic, whose results are bool).
+pub fn fusable_binary(op: BinaryOp) -> bool {
+    !op.is_comparison() && !op.is_logical()
+}
+
+/// Unary ops an elementwise region may hold: those defined on floats.
+pub fn fusable_unary(op: UnaryOp) -> bool {
+    op != UnaryOp::Not
+}
+
+pub(crate) fn infer_fused_matmul(
+    bias: bool,
+    residual: bool,
+    activation: Option<UnaryOp>,
+    inputs: &[&Shape],
+) -> Result<Shape> {
+    let expected = 2 + usize::from(bias) + usize::from(residual);
+    if inputs.len() != expected {
+        return Err(Error::invalid(
+            "fused_matmul",
+            format!("takes {expected} operands, got {}", inputs.len()),
+        ));
+    }
+    let out = infer_matmul(inputs[0], inputs[1])?;
+    if let Some(act) = activation
+        && !fusable_unary(act)
+    {
+        return Err(Error::invalid(
+            "fused_matmul",
+            format!("{} cannot be an epilogue", act.name()),
+        ));
+    }
+    let n = out.dims().last().copied().unwrap_or(1);
+    if bias {
+        let b = inputs[2];
+        same_dtype("fused_matmul", &out, b)?;
+        if b.dims() != [n] {
+            return Err(mismatch(
+                "fused_matmul",
+                &out,
+                b,
+                format!("bias must be [{n}]"),
+            ));
+        }
+    }
+    if residual {
+        let r = inputs[expected - 1];
+        same_dtype("fused_matmul", &out, r)?;
+        if r.dims() != out.dims() {
+            return Err(mismatch(
+                "fused_matmul",
+                &out,
+                r,
+                "the residual must have the output's shape",
+            ));
+        }
+    }
+    Ok(out)
+}
+
+pub(crate) fn eval_fused_matmul(
+    alpha: f64,
+    bias: bool,
+    activation: Option<UnaryOp>,
+    residual: bool,
+    inputs: &[&HostTensor],
+    out: &Shape,
+) -> Result<HostTensor> {
+    let mut t = eval_matmul(inputs[0], inputs[1], out)?;
+    let dtype = out.dtype();
+    let n = out.dims().last().copied().unwrap_or(1).max(1);
+    for (i, v) in t.data.iter_mut().enumerate() {
+        if alpha != 1.0 {
+            *v = dtype.round_value(*v * alpha);
+        }
+        if bias {
+            *v = dtype.round_value(*v + inputs[2].data[i % n]);
+        }
+        if let Some(act) = activation {
+            *v = dtype.round_value(unary_f64(act, *v));
+        }
+        if residual {
+            *v = dtype.round_value(*v + inputs[inputs.len() - 1].data[i]);
+        }
+    }
+    Ok(t)
+}
+
+pub(crate) fn infer_elementwise(steps: &[EwStep], inputs: &[&Shape]) -> Result<Shape> {
+    let Some(first) = inputs.first() else {
+        return Err(Error::invalid(
+            "elementwise",
+            "a region needs at least one input",
+        ));
+    };
+    require_float("elementwise", first)?;
+    let mut dims = first.dims().to_vec();
+    for s in &inputs[1..] {
+        same_dtype("elementwise", first, s)?;
+        dims = broadcast_dims(&dims, s.dims())
+            .ok_or_else(|| mismatch("elementwise", first, s, "inputs do not broadcast"))?;
+    }
+    if steps.is_empty() {
+        return Err(Error::invalid(
+            "elementwise",
+            "a region needs at least one step",
+        ));
+    }
+    for (k, step) in steps.iter().enumerate() {
+        let available = inputs.len() + k;
+        let (ok_op, r1, r2) = match *step {
+            EwStep::Unary(op, a) => (fusable_unary(op), a, a),
+            EwStep::Binary(op, a, b) => (fusable_binary(op), a, b),
+        };
+        if !ok_op {
+            return Err(Error::invalid(
+                "elementwise",
+                format!("step {k}: {step:?} cannot be fused"),
+            ));
+        }
+        if usize::from(r1.max(r2)) >= available {
+            return Err(Error::invalid(
+                "elementwise",
+                format!("step {k} reads a register that is not yet defined"),
+            ));
+        }
+    }
+    Ok(Shape::new(&dims, first.dtype()))
+}
+
+pub(crate) fn eval_elementwise(
+    steps: &[EwStep],
+    inputs: &[&HostTensor],
+    out: &Shape,
+) -> HostTensor {
+    let dtype = out.dtype();
+    let mut regs = vec![0.0f64; inputs.len() + steps.len()];
+    let data = (0..out.num_elements())
+        .map(|i| {
+            let idx = unravel(i, out.dims());
+            for (r, x) in inputs.iter().enumerate() {
+                regs[r] = x.data[broadcast_source(&idx, x.shape.dims())];
+            }
+            for (k, step) in steps.iter().enumerate() {
+                let v = match *step {
+                    EwStep::Unary(op, a) => unary_f64(op, regs[usize::from(a)]),
+                    EwStep::Binary(op, a, b) => {
+                        binary_f64(op, regs[usize::from(a)], regs[usize::from(b)])
+                    }
+                };
+                regs[inputs.len() + k] = dtype.round_value(v);
+            }
+            regs[regs.len() - 1]
+        })
+        .collect();
+    HostTensor::new(out.clone(), data)
+}

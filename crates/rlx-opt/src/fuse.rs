@@ -1,0 +1,323 @@
+//! Fusion: rewrites groups of ops into the fused ops a backend runs as one kernel.
+//!
+//! - Matmul epilogues: `matmul` followed by a bias add (`[N]`), an activation (gelu,
+//!   gelu_tanh, relu, silu) and a residual add (same shape), each only when the
+//!   intermediate value has no other reader, become one `FusedMatMul`.
+//! - Elementwise regions: connected float elementwise ops of one output shape whose
+//!   intermediate values are read only inside the region become one `Elementwise`.
+
+use crate::rewrite::{Rewriter, consumers, use_counts};
+use rlx_ir::{
+    BinaryOp, EwStep, F64Bits, Graph, Node, NodeId, Op, UnaryOp, fusable_binary, fusable_unary,
+};
+use std::collections::{BTreeSet, BinaryHeap};
+
+/// The fused forms a backend can run (it declares them; the planner forms only these).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FusionOptions {
+    /// Form `FusedMatMul` nodes.
+    pub matmul_epilogue: bool,
+    /// Form `Elementwise` region nodes.
+    pub elementwise_regions: bool,
+}
+
+impl FusionOptions {
+    /// Every fused form.
+    pub const ALL: FusionOptions = FusionOptions {
+        matmul_epilogue: true,
+        elementwise_regions: true,
+    };
+}
+
+/// A fused node and the ops it replaced (in order, as `op` names with their original
+/// node ids), for `rlx inspect`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FusionRecord {
+    /// The fused node in the rewritten graph.
+    pub node: NodeId,
+    /// The ops it computes, e.g. `["matmul %12", "add %14", "gelu %15"]`.
+    pub replaced: Vec<String>,
+}
+
+/// The most operands and steps one region holds (the CPU kernel's limits).
+const MAX_REGION_INPUTS: usize = 16;
+const MAX_REGION_STEPS: usize = 48;
+
+fn epilogue_activation(op: &Op) -> Option<UnaryOp> {
+    match op {
+        Op::Unary(u @ (UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Relu | UnaryOp::Silu)) => {
+            Some(*u)
+        }
+        _ => None,
+    }
+}
+
+struct Epilogue {
+    matmul: usize,
+    last: usize,
+    bias: Option<NodeId>,
+    activation: Option<UnaryOp>,
+    residual: Option<NodeId>,
+    absorbed: Vec<usize>,
+}
+
+/// Folds bias, activation and residual adds into the matmuls that feed them.
+pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
+    let uses = use_counts(graph);
+    let readers = consumers(graph);
+    let nodes = graph.nodes();
+    let only_reader = |i: usize| -> Option<usize> {
+        (uses[i] == 1 && readers[i].len() == 1).then(|| readers[i][0])
+    };
+    let mut found: Vec<Epilogue> = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        if node.op != Op::MatMul
+            || nodes[node.inputs[0].index()].shape.rank() < 2
+            || nodes[node.inputs[1].index()].shape.rank() < 2
+        {
+            continue;
+        }
+        let shape = &node.shape;
+        let n = shape.dims().last().copied().unwrap_or(0);
+        let mut e = Epilogue {
+            matmul: i,
+            last: i,
+            bias: None,
+            activation: None,
+            residual: None,
+            absorbed: vec![i],
+        };
+        let other_operand = |j: usize, cur: usize| -> Option<NodeId> {
+            let ins = &nodes[j].inputs;
+            match (ins[0].index() == cur, ins[1].index() == cur) {
+                (true, false) => Some(ins[1]),
+                (false, true) => Some(ins[0]),
+                _ => None,
+            }
+        };
+        if let Some(j) = only_reader(e.last)
+            && nodes[j].op == Op::Binary(BinaryOp::Add)
+            && nodes[j].shape == *shape
+            && let Some(b) = other_operand(j, e.last)
+            && nodes[b.index()].shape.dims() == [n]
+        {
+            e.bias = Some(b);
+            e.absorbed.push(j);
+            e.last = j;
+        }
+        if let Some(j) = only_reader(e.last)
+            && let Some(act) = epilogue_activation(&nodes[j].op)
+        {
+            e.activation = Some(act);
+            e.absorbed.push(j);
+            e.last = j;
+        }
+        if let Some(j) = only_reader(e.last)
+            && nodes[j].op == Op::Binary(BinaryOp::Add)
+            && nodes[j].shape == *shape
+            && let Some(r) = other_operand(j, e.last)
+            && nodes[r.index()].shape == *shape
+        {
+            e.residual = Some(r);
+            e.absorbed.push(j);
+            e.last = j;
+        }
+        if e.absorbed.len() > 1 {
+            found.push(e);
+        }
+    }
+    let mut absorbed_into = vec![None; nodes.len()];
+    for (k, e) in found.iter().enumerate() {
+        for &a in &e.absorbed {
+            absorbed_into[a] = Some(k);
+        }
+    }
+    let mut w = Rewriter::new(nodes.len());
+    let mut records = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        match absorbed_into[i] {
+            Some(k) if found[k].last == i => {
+                let e = &found[k];
+                let mm = &nodes[e.matmul];
+                let mut inputs = mm.inputs.clone();
+                inputs.extend(e.bias);
+                inputs.extend(e.residual);
+                w.place(
+                    i,
+                    Node {
+                        op: Op::FusedMatMul {
+                            alpha: F64Bits::new(1.0),
+                            bias: e.bias.is_some(),
+                            activation: e.activation,
+                            residual: e.residual.is_some(),
+                        },
+                        inputs,
+                        shape: node.shape.clone(),
+                    },
+                );
+                records.push((
+                    i,
+                    e.absorbed
+                        .iter()
+                        .map(|&a| format!("{} %{a}", nodes[a].op.name()))
+                        .collect(),
+                ));
+            }
+            Some(_) => {}
+            None => w.place(i, node.clone()),
+        }
+    }
+    finish(graph, w, records)
+}
+
+fn region_member(node: &Node) -> bool {
+    node.shape.dtype().is_float()
+        && match node.op {
+            Op::Unary(u) => fusable_unary(u),
+            Op::Binary(b) => fusable_binary(b),
+            _ => false,
+        }
+}
+
+/// Merges connected elementwise ops into `Elementwise` regions.
+pub fn fuse_elementwise_regions(graph: &Graph) -> Fused {
+    let uses = use_counts(graph);
+    let readers = consumers(graph);
+    let outputs: BTreeSet<usize> = graph.outputs().iter().map(|o| o.index()).collect();
+    let nodes = graph.nodes();
+    let mut region_of = vec![None::<usize>; nodes.len()];
+    let mut regions: Vec<Vec<usize>> = Vec::new();
+    for root in (0..nodes.len()).rev() {
+        if region_of[root].is_some() || !region_member(&nodes[root]) {
+            continue;
+        }
+        let id = regions.len();
+        let mut members = vec![root];
+        region_of[root] = Some(id);
+        let mut candidates: BinaryHeap<usize> =
+            nodes[root].inputs.iter().map(|x| x.index()).collect();
+        while let Some(p) = candidates.pop() {
+            if region_of[p].is_some()
+                || !region_member(&nodes[p])
+                || nodes[p].shape != nodes[root].shape
+                || outputs.contains(&p)
+                || members.len() >= MAX_REGION_STEPS
+                || readers[p].len() != uses[p]
+                || !readers[p].iter().all(|&r| region_of[r] == Some(id))
+            {
+                continue;
+            }
+            region_of[p] = Some(id);
+            members.push(p);
+            candidates.extend(nodes[p].inputs.iter().map(|x| x.index()));
+            if external_inputs(&nodes, &members, &region_of, id).len() > MAX_REGION_INPUTS {
+                region_of[p] = None;
+                members.pop();
+            }
+        }
+        members.sort_unstable();
+        if members.len() < 2 {
+            region_of[root] = None;
+            continue;
+        }
+        regions.push(members);
+    }
+    let mut w = Rewriter::new(nodes.len());
+    let mut records = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        let Some(id) = region_of[i] else {
+            w.place(i, node.clone());
+            continue;
+        };
+        let members = &regions[id];
+        if members.last() != Some(&i) {
+            continue;
+        }
+        let inputs = external_inputs(&nodes, members, &region_of, id);
+        let register = |x: NodeId| -> u16 {
+            let r = match members.iter().position(|&m| m == x.index()) {
+                Some(k) => inputs.len() + k,
+                None => inputs.iter().position(|&y| y == x).unwrap_or(0),
+            };
+            r as u16
+        };
+        let steps = members
+            .iter()
+            .map(|&m| match nodes[m].op {
+                Op::Unary(u) => EwStep::Unary(u, register(nodes[m].inputs[0])),
+                Op::Binary(b) => EwStep::Binary(
+                    b,
+                    register(nodes[m].inputs[0]),
+                    register(nodes[m].inputs[1]),
+                ),
+                _ => EwStep::Unary(UnaryOp::Neg, 0), // unreachable: members are elementwise
+            })
+            .collect();
+        w.place(
+            i,
+            Node {
+                op: Op::Elementwise { steps },
+                inputs,
+                shape: node.shape.clone(),
+            },
+        );
+        records.push((
+            i,
+            members
+                .iter()
+                .map(|&m| format!("{} %{m}", nodes[m].op.name()))
+                .collect(),
+        ));
+    }
+    finish(graph, w, records)
+}
+
+/// Operands of region `id` computed outside it, in order of first use.
+fn external_inputs(
+    nodes: &[Node],
+    members: &[usize],
+    region_of: &[Option<usize>],
+    id: usize,
+) -> Vec<NodeId> {
+    let mut sorted = members.to_vec();
+    sorted.sort_unstable();
+    let mut inputs: Vec<NodeId> = Vec::new();
+    for &m in &sorted {
+        for &x in &nodes[m].inputs {
+            if region_of[x.index()] != Some(id) && !inputs.contains(&x) {
+                inputs.push(x);
+            }
+        }
+    }
+    inputs
+}
+
+/// The result of a fusion pass: the new graph, its fused nodes, and for every old node
+/// its new id (absorbed nodes map to themselves and must not be looked up).
+pub struct Fused {
+    /// The rewritten graph.
+    pub graph: Graph,
+    /// Fused nodes, with the ops they replaced.
+    pub records: Vec<FusionRecord>,
+    /// New id of each old node.
+    pub remap: Vec<NodeId>,
+}
+
+fn finish(graph: &Graph, w: Rewriter, records: Vec<(usize, Vec<String>)>) -> Fused {
+    let records = records
+        .into_iter()
+        .map(|(old, replaced)| FusionRecord {
+            node: w.map(NodeId::from_index(old)),
+            replaced,
+        })
+        .collect();
+    let remap = (0..graph.len())
+        .map(|i| w.map(NodeId::from_index(i)))
+        .collect();
+    let constants = graph.constants().to_vec();
+    Fused {
+        graph: w.finish(graph, constants),
+        records,
+        remap,
+    }
+}

@@ -1,0 +1,290 @@
+//! The optimizer's rewrites (constant folding, CSE, matmul epilogues, elementwise
+//! regions) against the unfused graph: the rewritten graph must compute the same values
+//! under the reference evaluator, and the CPU's fused kernels must match the reference
+//! of the original graph, on random data and shapes.
+
+use rlx::ir::reference::{HostTensor, evaluate};
+use rlx::opt::{FusionOptions, PlanOptions, plan_graph};
+use rlx::prelude::*;
+use std::collections::HashMap;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn value(&mut self) -> f32 {
+        (self.next() % 20001) as f32 / 10000.0 - 1.0
+    }
+}
+
+/// Random values for every input and param of `g`.
+fn feeds(g: &Graph, rng: &mut Rng) -> Vec<(String, Vec<f32>)> {
+    g.inputs()
+        .into_iter()
+        .chain(g.params())
+        .map(|(name, _, shape)| {
+            (
+                name,
+                (0..shape.num_elements()).map(|_| rng.value()).collect(),
+            )
+        })
+        .collect()
+}
+
+fn reference(g: &Graph, feeds: &[(String, Vec<f32>)]) -> Vec<HostTensor> {
+    let mut values: HashMap<String, HostTensor> = HashMap::new();
+    for (name, data) in feeds {
+        let shape = g
+            .inputs()
+            .into_iter()
+            .chain(g.params())
+            .find(|(n, _, _)| n == name)
+            .unwrap()
+            .2;
+        values.insert(
+            name.clone(),
+            HostTensor::from_data(shape.dims(), &TensorData::F32(data.clone())).unwrap(),
+        );
+    }
+    evaluate(g, &mut values).unwrap()
+}
+
+fn run_cpu(g: &Graph, feeds: &[(String, Vec<f32>)], optimize: bool) -> Vec<Vec<f32>> {
+    let mut c = Session::new(Device::Cpu)
+        .compile_with(g, &CompileOptions::new().optimize(optimize))
+        .unwrap();
+    let params: Vec<String> = g.params().into_iter().map(|p| p.0).collect();
+    for (name, data) in feeds.iter().filter(|(n, _)| params.contains(n)) {
+        c.set_param(name, data).unwrap();
+    }
+    let inputs: Vec<(&str, &[f32])> = feeds
+        .iter()
+        .filter(|(n, _)| !params.contains(n))
+        .map(|(n, d)| (n.as_str(), d.as_slice()))
+        .collect();
+    c.run(&inputs).unwrap()
+}
+
+fn all_passes() -> PlanOptions {
+    PlanOptions {
+        fusion: FusionOptions::ALL,
+        ..PlanOptions::default()
+    }
+}
+
+/// Checks `g` three ways and returns how many fused nodes the plan has.
+fn check(g: &Graph, rng: &mut Rng, what: &str) -> usize {
+    let feeds = feeds(g, rng);
+    let want = reference(g, &feeds);
+    let plan = plan_graph(g, &all_passes()).unwrap();
+    // 1. The rewritten graph means the same thing.
+    let rewritten = reference(&plan.graph, &feeds);
+    for (o, (w, r)) in want.iter().zip(&rewritten).enumerate() {
+        assert_eq!(w.shape, r.shape, "{what}: output {o} shape");
+        for (i, (a, b)) in w.data.iter().zip(&r.data).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * (1.0 + a.abs()),
+                "{what}: rewritten graph, output {o}[{i}]: {b} vs {a}\n{}",
+                plan.graph
+            );
+        }
+    }
+    // 2. The fused kernels match the reference of the original graph.
+    let got = run_cpu(g, &feeds, true);
+    for (o, (w, r)) in want.iter().zip(&got).enumerate() {
+        for (i, (a, &b)) in w.data.iter().zip(r).enumerate() {
+            assert!(
+                (a - f64::from(b)).abs() <= 2e-5 * (1.0 + a.abs()),
+                "{what}: fused CPU, output {o}[{i}]: {b} vs {a}\n{}",
+                plan.graph
+            );
+        }
+    }
+    // 3. And the unfused CPU path agrees too.
+    let plain = run_cpu(g, &feeds, false);
+    for (o, (w, r)) in want.iter().zip(&plain).enumerate() {
+        for (i, (a, &b)) in w.data.iter().zip(r).enumerate() {
+            assert!(
+                (a - f64::from(b)).abs() <= 2e-5 * (1.0 + a.abs()),
+                "{what}: unfused CPU, output {o}[{i}]"
+            );
+        }
+    }
+    plan.fusions.len()
+}
+
+#[test]
+fn matmul_epilogues_fuse_and_match() {
+    let mut rng = Rng(11);
+    type Activation = fn(&Graph, NodeId) -> rlx::Result<NodeId>;
+    let acts: [Option<Activation>; 5] = [
+        None,
+        Some(|g, x| g.gelu(x)),
+        Some(|g, x| g.gelu_tanh(x)),
+        Some(|g, x| g.relu(x)),
+        Some(|g, x| g.silu(x)),
+    ];
+    let mut fused_total = 0;
+    for case in 0..40 {
+        let batch = [vec![], vec![2], vec![3, 2]][rng.below(3)].clone();
+        let (m, k, n) = (1 + rng.below(70), 1 + rng.below(90), 1 + rng.below(130));
+        let g = Graph::new("epilogue");
+        let mut a_dims = batch.clone();
+        a_dims.extend([m, k]);
+        let a = g.input("a", Shape::new(&a_dims, DType::F32));
+        let w = g.param("w", Shape::new(&[k, n], DType::F32));
+        let mut y = g.matmul(a, w).unwrap();
+        let with_bias = rng.below(3) > 0;
+        if with_bias {
+            let b = g.param("b", Shape::new(&[n], DType::F32));
+            // The bias on either side of the add.
+            y = if rng.below(2) == 0 {
+                g.add(y, b)
+            } else {
+                g.add(b, y)
+            }
+            .unwrap();
+        }
+        let act = acts[rng.below(acts.len())];
+        if let Some(f) = act {
+            y = f(&g, y).unwrap();
+        }
+        if rng.below(2) == 0 {
+            let mut r_dims = batch.clone();
+            r_dims.extend([m, n]);
+            let r = g.input("r", Shape::new(&r_dims, DType::F32));
+            y = g.add(r, y).unwrap();
+        }
+        g.set_outputs(vec![y]);
+        let fused = check(
+            &g,
+            &mut rng,
+            &format!("case {case} [{m}x{k}x{n}] batch {batch:?}"),
+        );
+        fused_total += fused;
+    }
+    assert!(fused_total >= 30, "only {fused_total} fusions formed");
+}
+
+#[test]
+fn an_intermediate_read_twice_is_not_absorbed() {
+    let g = Graph::new("shared");
+    let a = g.input("a", Shape::new(&[4, 8], DType::F32));
+    let w = g.param("w", Shape::new(&[8, 8], DType::F32));
+    let b = g.param("b", Shape::new(&[8], DType::F32));
+    let h = g.add(g.matmul(a, w).unwrap(), b).unwrap();
+    let y = g.gelu(h).unwrap();
+    // `h` is read again: the gelu must not be folded into the matmul.
+    g.set_outputs(vec![g.add(y, h).unwrap()]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    let names: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+    assert!(names.contains(&"gelu".to_string()) || names.contains(&"elementwise".to_string()));
+    assert!(
+        plan.fusions
+            .iter()
+            .all(|f| !f.replaced.iter().any(|r| r.starts_with("gelu %5")))
+    );
+    check(&g, &mut Rng(3), "shared intermediate");
+}
+
+#[test]
+fn elementwise_regions_fuse_with_broadcasts_and_match() {
+    let mut rng = Rng(29);
+    let mut fused_total = 0;
+    for case in 0..40 {
+        let rows = 1 + rng.below(50);
+        let cols = 1 + rng.below(700);
+        let g = Graph::new("region");
+        let x = g.input("x", Shape::new(&[2, rows, cols], DType::F32));
+        let row_vec = g.input("v", Shape::new(&[cols], DType::F32));
+        let col_vec = g.input("c", Shape::new(&[rows, 1], DType::F32));
+        let scalar = g.input("s", Shape::new(&[1], DType::F32));
+        let mut pool = vec![x];
+        let mut y = x;
+        for _ in 0..2 + rng.below(8) {
+            let other = [row_vec, col_vec, scalar, x, pool[rng.below(pool.len())]][rng.below(5)];
+            y = match rng.below(10) {
+                0 => g.add(y, other),
+                1 => g.mul(other, y),
+                2 => g.sub(y, other),
+                3 => g.div(
+                    y,
+                    g.add(g.abs(other).unwrap(), g.scalar(1.0, DType::F32))
+                        .unwrap(),
+                ),
+                4 => g.tanh(y),
+                5 => g.gelu(y),
+                6 => g.exp(g.neg(g.abs(y).unwrap()).unwrap()),
+                7 => g.maximum(y, other),
+                8 => g.sigmoid(y),
+                _ => g.silu(y),
+            }
+            .unwrap();
+            pool.push(y);
+        }
+        // Sometimes a second output reads an intermediate, which must stay computed.
+        let outputs = if rng.below(3) == 0 && pool.len() > 2 {
+            vec![y, pool[1 + rng.below(pool.len() - 2)]]
+        } else {
+            vec![y]
+        };
+        g.set_outputs(outputs);
+        fused_total += check(&g, &mut rng, &format!("case {case} [2x{rows}x{cols}]"));
+    }
+    assert!(fused_total >= 30, "only {fused_total} regions formed");
+}
+
+#[test]
+fn constants_fold_and_duplicates_merge() {
+    let g = Graph::new("simplify");
+    let x = g.input("x", Shape::new(&[3, 5], DType::F32));
+    let c1 = g.constant_f32(&[1.0, 2.0, 3.0, 4.0, 5.0], &[5]).unwrap();
+    let c2 = g.constant_f32(&[0.5; 5], &[5]).unwrap();
+    // exp(c1) * c2 + range: folded to one constant.
+    let r = g.range(0.0, 5.0, 1.0, DType::F32).unwrap();
+    let folded = g.add(g.mul(g.exp(c1).unwrap(), c2).unwrap(), r).unwrap();
+    // The same subexpression twice.
+    let t1 = g.tanh(x).unwrap();
+    let t2 = g.tanh(x).unwrap();
+    let y = g
+        .add(g.mul(t1, folded).unwrap(), g.mul(t2, folded).unwrap())
+        .unwrap();
+    g.set_outputs(vec![y]);
+    let plan = plan_graph(&g, &PlanOptions::default()).unwrap();
+    let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+    assert_eq!(ops.iter().filter(|o| *o == "tanh").count(), 1, "{ops:?}");
+    assert_eq!(ops.iter().filter(|o| *o == "mul").count(), 1, "{ops:?}");
+    assert!(
+        !ops.contains(&"exp".to_string()) && !ops.contains(&"range".to_string()),
+        "{ops:?}"
+    );
+    check(&g, &mut Rng(5), "folding and CSE");
+}
+
+#[test]
+fn write_at_is_never_merged_or_folded() {
+    let g = Graph::new("state");
+    let cache = g.input("cache", Shape::new(&[4, 2], DType::F32));
+    let row = g.input("row", Shape::new(&[1, 2], DType::F32));
+    let pos = g.constant(TensorData::I64(vec![1]), &[1]).unwrap();
+    let w1 = g.write_at(cache, row, pos, 0).unwrap();
+    g.set_outputs(vec![g.sum(w1, &[0], false).unwrap()]);
+    let plan = plan_graph(
+        &g,
+        &PlanOptions {
+            handles: vec![("cache".into(), Shape::new(&[4, 2], DType::F32))],
+            ..PlanOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(plan.graph.nodes().iter().any(|n| n.op.name() == "write_at"));
+}
