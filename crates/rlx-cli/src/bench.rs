@@ -58,6 +58,9 @@ struct Report<'a> {
     tokens_per_s: f64,
     compile_ms: f64,
     load_ms: f64,
+    arena_bytes: usize,
+    lower_bound_bytes: usize,
+    kernels: usize,
 }
 
 /// Runs the chosen benchmark.
@@ -133,6 +136,9 @@ fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
         tokens_per_s: (batch * seq) as f64 / (median / 1e3),
         compile_ms,
         load_ms,
+        arena_bytes: encoder.memory_stats().arena_bytes,
+        lower_bound_bytes: encoder.memory_stats().lower_bound,
+        kernels: encoder.kernels().len(),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -147,6 +153,13 @@ fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
         );
         println!("  throughput  {:.0} tokens/s", report.tokens_per_s);
         println!("  compile  {compile_ms:.1} ms   load  {load_ms:.0} ms");
+        println!(
+            "  arena  {} bytes ({:.2}x the lower bound {}), {} kernels",
+            report.arena_bytes,
+            report.arena_bytes as f64 / report.lower_bound_bytes.max(1) as f64,
+            report.lower_bound_bytes,
+            report.kernels
+        );
     }
     Ok(())
 }

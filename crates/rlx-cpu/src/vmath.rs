@@ -86,11 +86,28 @@ pub(crate) fn silu(x: f32) -> f32 {
 
 #[inline(always)]
 fn activate_body(act: Activation, v: &mut [f32]) {
+    // Plain loops (not iterator adaptors) so they inline into the SIMD callers.
     match act {
-        Activation::Gelu => v.iter_mut().for_each(|x| *x = gelu(*x)),
-        Activation::GeluTanh => v.iter_mut().for_each(|x| *x = gelu_tanh(*x)),
-        Activation::Relu => v.iter_mut().for_each(|x| *x = x.max(0.0)),
-        Activation::Silu => v.iter_mut().for_each(|x| *x = silu(*x)),
+        Activation::Gelu => {
+            for x in v.iter_mut() {
+                *x = gelu(*x);
+            }
+        }
+        Activation::GeluTanh => {
+            for x in v.iter_mut() {
+                *x = gelu_tanh(*x);
+            }
+        }
+        Activation::Relu => {
+            for x in v.iter_mut() {
+                *x = x.max(0.0);
+            }
+        }
+        Activation::Silu => {
+            for x in v.iter_mut() {
+                *x = silu(*x);
+            }
+        }
     }
 }
 

@@ -2,12 +2,14 @@
 //! read in place (row `i` at `a + i * lda`) and the B panel is `kc` groups of `NR`
 //! values (see `pack`). One kernel per instruction set, chosen once at run time.
 
-/// A micro-kernel: `(kc, a, lda, b_panel, c, ldc, accumulate)`.
+/// A micro-kernel: `(kc, a, lda, b, ldb, c, ldc, accumulate)`.
 ///
 /// # Safety
-/// `a` must address `MR` rows of `kc` floats with row stride `lda`, `b` `kc * NR`
-/// floats, and `c` an `MR x NR` tile with row stride `ldc`, not aliased by `a` or `b`.
-pub(crate) type KernelFn = unsafe fn(usize, *const f32, usize, *const f32, *mut f32, usize, bool);
+/// `a` must address `MR` rows of `kc` floats with row stride `lda`, `b` `kc` rows of
+/// `NR` floats with row stride `ldb`, and `c` an `MR x NR` tile with row stride `ldc`,
+/// not aliased by `a` or `b`.
+pub(crate) type KernelFn =
+    unsafe fn(usize, *const f32, usize, *const f32, usize, *mut f32, usize, bool);
 
 /// The micro-kernel for this CPU and its tile size.
 #[derive(Clone, Copy)]
@@ -97,14 +99,15 @@ unsafe fn kernel_generic(
     a: *const f32,
     lda: usize,
     b: *const f32,
+    ldb: usize,
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
 ) {
     let mut acc = [[0.0f32; GENERIC_NR]; GENERIC_MR];
     for p in 0..kc {
-        // SAFETY: the B panel holds `kc` groups of NR values.
-        let bv = unsafe { std::slice::from_raw_parts(b.add(p * GENERIC_NR), GENERIC_NR) };
+        // SAFETY: the B panel holds `kc` rows of NR values.
+        let bv = unsafe { std::slice::from_raw_parts(b.add(p * ldb), GENERIC_NR) };
         for (i, row) in acc.iter_mut().enumerate() {
             // SAFETY: row `i` of A has `kc` values.
             let x = unsafe { *a.add(i * lda + p) };
@@ -143,6 +146,7 @@ mod x86 {
         a: *const f32,
         lda: usize,
         b: *const f32,
+        ldb: usize,
         c: *mut f32,
         ldc: usize,
         accumulate: bool,
@@ -167,7 +171,7 @@ mod x86 {
                     }
                 }
                 a = a.add(1);
-                b = b.add(NR);
+                b = b.add(ldb);
             }
         }
         for (i, row) in acc.iter().enumerate() {
@@ -196,6 +200,7 @@ mod x86 {
         a: *const f32,
         lda: usize,
         b: *const f32,
+        ldb: usize,
         c: *mut f32,
         ldc: usize,
         accumulate: bool,
@@ -216,7 +221,7 @@ mod x86 {
                     row[1] = _mm256_fmadd_ps(x, b1, row[1]);
                 }
                 a = a.add(1);
-                b = b.add(NR);
+                b = b.add(ldb);
             }
         }
         for (i, row) in acc.iter().enumerate() {

@@ -23,6 +23,8 @@ use std::cell::UnsafeCell;
 const KC: usize = 256;
 /// Rows of `A` packed at once (rounded down to a multiple of `MR`).
 const MC: usize = 96;
+/// Up to this many rows of `A` per thread, a row-major `B` is read without packing.
+const IN_PLACE_B_MAX_ROWS: usize = 48;
 /// Columns of `B` packed at once (a multiple of every `NR`).
 const NC: usize = 480;
 
@@ -259,8 +261,31 @@ unsafe fn serial(
             let kc = KC.min(g.k - pc);
             let last_k = pc + kc == g.k;
             let accumulate = pc > 0 || g.accumulate;
-            // SAFETY: the block lies inside B; b_pack holds KC x NC floats.
-            unsafe { pack::pack_b(g, pc, kc, jc, nc, nr, b_pack) };
+            // With few rows of A, a B panel is reused too little to repay packing:
+            // a row-major B is then read in place (only a last partial panel is
+            // packed). With more rows, packing turns the strided first read of B into
+            // a sequential one and the kernel reads L1-resident panels.
+            let in_place = !g.b_transposed && rows.len() <= IN_PLACE_B_MAX_ROWS;
+            if in_place {
+                let full = nc / nr * nr;
+                if full < nc {
+                    // SAFETY: the partial panel lies inside B; b_pack holds KC x NR.
+                    unsafe {
+                        pack::pack_b(
+                            g,
+                            pc,
+                            kc,
+                            jc + full,
+                            nc - full,
+                            nr,
+                            &mut b_pack[full * kc..],
+                        )
+                    };
+                }
+            } else {
+                // SAFETY: the block lies inside B; b_pack holds KC x NC floats.
+                unsafe { pack::pack_b(g, pc, kc, jc, nc, nr, b_pack) };
+            }
             let mut ic = rows.start;
             while ic < rows.end {
                 let mc = mc_max.min(rows.end - ic);
@@ -279,13 +304,20 @@ unsafe fn serial(
                             unsafe { pack::pack_a_rows(g, ci, mr_eff, pc, kc, mr, a_edge) };
                             (a_edge.as_ptr(), kc)
                         };
-                        let b_panel = b_pack[jr * kc..].as_ptr();
+                        let (b_panel, ldb) = if in_place && nr_eff == nr {
+                            // SAFETY: rows pc.., columns jc+jr.., lie inside B.
+                            (unsafe { g.b.add(pc * g.ldb + jc + jr) }, g.ldb)
+                        } else {
+                            (b_pack[jr * kc..].as_ptr(), nr)
+                        };
                         // SAFETY: A rows and the B panel hold kc values each; the tile
                         // is inside C (or the temporary tile for edges).
                         unsafe {
                             let c_tile = g.c.add(ci * g.ldc + cj);
                             if mr_eff == mr && nr_eff == nr {
-                                (kernel.run)(kc, a_panel, lda, b_panel, c_tile, g.ldc, accumulate);
+                                (kernel.run)(
+                                    kc, a_panel, lda, b_panel, ldb, c_tile, g.ldc, accumulate,
+                                );
                             } else {
                                 let edge = Edge {
                                     mr_eff,
@@ -296,7 +328,7 @@ unsafe fn serial(
                                     kernel,
                                     kc,
                                     (a_panel, lda),
-                                    b_panel,
+                                    (b_panel, ldb),
                                     (c_tile, g.ldc),
                                     edge,
                                     tile,
@@ -331,7 +363,7 @@ unsafe fn edge_tile(
     kernel: MicroKernel,
     kc: usize,
     (a, lda): (*const f32, usize),
-    b: *const f32,
+    (b, ldb): (*const f32, usize),
     (c, ldc): (*mut f32, usize),
     edge: Edge,
     tile: &mut [f32],
@@ -354,7 +386,7 @@ unsafe fn edge_tile(
         }
     }
     // SAFETY: `tile` is MR x NR with stride NR.
-    unsafe { (kernel.run)(kc, a, lda, b, tile.as_mut_ptr(), nr, accumulate) };
+    unsafe { (kernel.run)(kc, a, lda, b, ldb, tile.as_mut_ptr(), nr, accumulate) };
     for i in 0..mr_eff {
         for j in 0..nr_eff {
             // SAFETY: inside the valid region of C.
