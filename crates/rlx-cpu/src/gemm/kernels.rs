@@ -94,6 +94,7 @@ const GENERIC_NR: usize = 8;
 
 /// # Safety
 /// See [`KernelFn`].
+#[allow(clippy::too_many_arguments)] // the micro-kernel ABI: operands, strides, mode
 unsafe fn kernel_generic(
     kc: usize,
     a: *const f32,
@@ -141,6 +142,7 @@ mod x86 {
     /// # Safety
     /// AVX-512F must be available; pointers as in `KernelFn`.
     #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)] // the micro-kernel ABI
     pub unsafe fn kernel_avx512(
         kc: usize,
         a: *const f32,
@@ -152,8 +154,7 @@ mod x86 {
         accumulate: bool,
     ) {
         const MR: usize = AVX512_MR;
-        const NR: usize = AVX512_NR;
-        const NV: usize = NR / 16;
+        const NV: usize = AVX512_NR / 16;
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
         let (mut a, mut b) = (a, b);
         for _ in 0..kc {
@@ -195,6 +196,7 @@ mod x86 {
     /// # Safety
     /// AVX2 and FMA must be available; pointers as in `KernelFn`.
     #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)] // the micro-kernel ABI
     pub unsafe fn kernel_avx2(
         kc: usize,
         a: *const f32,
@@ -206,7 +208,6 @@ mod x86 {
         accumulate: bool,
     ) {
         const MR: usize = AVX2_MR;
-        const NR: usize = AVX2_NR;
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
         let (mut a, mut b) = (a, b);
         for _ in 0..kc {
