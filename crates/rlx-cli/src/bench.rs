@@ -17,6 +17,46 @@ pub struct BenchArgs {
 enum BenchTarget {
     /// The MiniLM sentence encoder forward pass (embeddings out) at a fixed shape.
     Minilm(MinilmArgs),
+    /// f32 matrix products (row-major `[m, k] x [k, n]`) against the CPU's measured
+    /// peak multiply-add rate.
+    Gemm(GemmArgs),
+}
+
+/// Arguments of `rlx bench gemm`.
+#[derive(clap::Args)]
+pub struct GemmArgs {
+    /// Shapes as `MxNxK` (default: 1024^3 and the MiniLM encoder's products).
+    #[arg(long = "shape", value_name = "MxNxK")]
+    shapes: Vec<String>,
+    /// CPU threads (default: all of the runtime's).
+    #[arg(long, default_value_t = 0, hide_default_value = true)]
+    threads: usize,
+    /// Timed runs per shape (the median is reported).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    runs: u32,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct GemmRow {
+    m: usize,
+    n: usize,
+    k: usize,
+    median_ms: f64,
+    gflops: f64,
+    percent_of_peak: f64,
+}
+
+#[derive(Serialize)]
+struct GemmReport {
+    kernel: &'static str,
+    threads: usize,
+    runs: usize,
+    peak_gflops: f64,
+    peak_gflops_one_thread: f64,
+    results: Vec<GemmRow>,
 }
 
 /// Arguments of `rlx bench minilm`.
@@ -67,6 +107,7 @@ struct Report<'a> {
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     match &args.what {
         BenchTarget::Minilm(a) => minilm(a),
+        BenchTarget::Gemm(a) => gemm(a),
     }
 }
 
@@ -159,6 +200,98 @@ fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
             report.arena_bytes as f64 / report.lower_bound_bytes.max(1) as f64,
             report.lower_bound_bytes,
             report.kernels
+        );
+    }
+    Ok(())
+}
+
+fn parse_shape(text: &str) -> anyhow::Result<(usize, usize, usize)> {
+    let parts: Vec<&str> = text.split(['x', 'X']).collect();
+    let bad = || anyhow::anyhow!("--shape '{text}': expected MxNxK with positive integers, e.g. 128x384x1536");
+    if parts.len() != 3 {
+        return Err(bad());
+    }
+    let mut dims = [0usize; 3];
+    for (d, p) in dims.iter_mut().zip(&parts) {
+        *d = p.trim().parse().map_err(|_| bad())?;
+        if *d == 0 || *d > 1 << 16 {
+            return Err(bad());
+        }
+    }
+    Ok((dims[0], dims[1], dims[2]))
+}
+
+fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
+    let available = rlx::cpu_threads();
+    if args.threads > available {
+        anyhow::bail!("--threads {} is more than the runtime's {available} threads", args.threads);
+    }
+    let threads = if args.threads == 0 { available } else { args.threads };
+    let shapes = if args.shapes.is_empty() {
+        vec![
+            (1024, 1024, 1024),
+            (128, 384, 384),
+            (128, 1536, 384),
+            (128, 384, 1536),
+            (16, 384, 384),
+            (4096, 384, 384),
+            (4096, 1536, 384),
+            (4096, 384, 1536),
+        ]
+    } else {
+        args.shapes.iter().map(|s| parse_shape(s)).collect::<anyhow::Result<_>>()?
+    };
+    let peak = rlx::cpu::peak_fma_gflops(threads, 400);
+    let peak_one = rlx::cpu::peak_fma_gflops(1, 400);
+    let mut results = Vec::new();
+    for &(m, n, k) in &shapes {
+        let a: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| ((i % 89) as f32 - 44.0) / 89.0).collect();
+        let mut c = vec![0.0f32; m * n];
+        rlx::cpu::matmul_f32(&a, &b, &mut c, (m, n, k), threads)?;
+        let mut times = Vec::with_capacity(args.runs as usize);
+        for _ in 0..args.runs {
+            let started = Instant::now();
+            rlx::cpu::matmul_f32(&a, &b, &mut c, (m, n, k), threads)?;
+            times.push(ms(started));
+        }
+        std::hint::black_box(&c);
+        times.sort_by(f64::total_cmp);
+        let median = median_of_sorted(&times);
+        let gflops = 2.0 * (m * n * k) as f64 / (median / 1e3) / 1e9;
+        results.push(GemmRow {
+            m,
+            n,
+            k,
+            median_ms: median,
+            gflops,
+            percent_of_peak: 100.0 * gflops / peak,
+        });
+    }
+    let report = GemmReport {
+        kernel: rlx::cpu::gemm_kernel_name(),
+        threads,
+        runs: args.runs as usize,
+        peak_gflops: peak,
+        peak_gflops_one_thread: peak_one,
+        results,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    println!(
+        "f32 GEMM, {} kernel, {threads} thread(s); measured FMA peak {:.1} GFLOP/s ({:.1} on one thread)",
+        report.kernel, peak, peak_one
+    );
+    println!("{:>18} {:>10} {:>10} {:>8}", "m x n x k", "median", "GFLOP/s", "of peak");
+    for r in &report.results {
+        println!(
+            "{:>18} {:>7.3} ms {:>10.1} {:>7.1}%",
+            format!("{}x{}x{}", r.m, r.n, r.k),
+            r.median_ms,
+            r.gflops,
+            r.percent_of_peak
         );
     }
     Ok(())

@@ -23,6 +23,7 @@
 //! ```
 
 pub use half;
+pub use rlx_cpu as cpu;
 pub use rlx_driver as driver;
 pub use rlx_driver::{BufferHandle, Device};
 pub use rlx_ir as ir;
