@@ -20,11 +20,11 @@ use rlx_ir::Result;
 use std::cell::UnsafeCell;
 
 /// Depth of one packed block.
-const KC: usize = 256;
+const KC: usize = 192;
 /// Rows of `A` packed at once (rounded down to a multiple of `MR`).
 const MC: usize = 96;
 /// Up to this many rows of `A` per thread, a row-major `B` is read without packing.
-const IN_PLACE_B_MAX_ROWS: usize = 48;
+const IN_PLACE_B_MAX_ROWS: usize = 256;
 /// Columns of `B` packed at once (a multiple of every `NR`).
 const NC: usize = 480;
 
@@ -261,7 +261,8 @@ unsafe fn serial(
             let kc = KC.min(g.k - pc);
             let last_k = pc + kc == g.k;
             let accumulate = pc > 0 || g.accumulate;
-            // With few rows of A, a B panel is reused too little to repay packing:
+            // With few rows of A (up to the MiniLM-sized 128 per thread and a bit),
+            // a B panel is reused too little to repay packing:
             // a row-major B is then read in place (only a last partial panel is
             // packed). With more rows, packing turns the strided first read of B into
             // a sequential one and the kernel reads L1-resident panels.
@@ -466,6 +467,8 @@ mod tests {
             (200, 40, 600),
             (3, 1100, 70),
             (5, 7, 0),
+            (50, 70, 512),
+            (300, 500, 200),
         ];
         for kernel in available_kernels() {
             for &(m, n, k) in &shapes {
