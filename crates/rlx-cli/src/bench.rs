@@ -83,6 +83,15 @@ pub struct MinilmArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// With --json, also list every timed run (`times_ms`, in run order).
+    #[arg(long, requires = "json")]
+    all_times: bool,
+    /// Time every kernel and print where the time goes (after the other output).
+    #[arg(long)]
+    profile: bool,
+    /// With --json, also include the first text's embedding (`embedding`).
+    #[arg(long, requires = "json")]
+    print_embedding: bool,
 }
 
 #[derive(Serialize)]
@@ -101,6 +110,10 @@ struct Report<'a> {
     arena_bytes: usize,
     lower_bound_bytes: usize,
     kernels: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    times_ms: Option<Vec<f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    embedding: Option<Vec<f32>>,
 }
 
 /// Runs the chosen benchmark.
@@ -156,13 +169,22 @@ fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
     for _ in 0..args.warmup {
         encoder.run_typed(&inputs)?;
     }
+    encoder.set_profiling(args.profile);
     let mut times = Vec::with_capacity(args.runs as usize);
+    let mut first_embedding = None;
     for _ in 0..args.runs {
         let started = Instant::now();
         let out = encoder.run_typed(&inputs)?;
         times.push(ms(started));
+        if first_embedding.is_none()
+            && args.print_embedding
+            && let Some(rlx::TensorData::F32(v)) = out.first()
+        {
+            first_embedding = Some(v[..embedder.dim().min(v.len())].to_vec());
+        }
         std::hint::black_box(out);
     }
+    let in_order = times.clone();
     times.sort_by(f64::total_cmp);
     let median = median_of_sorted(&times);
     let report = Report {
@@ -180,20 +202,59 @@ fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
         arena_bytes: encoder.memory_stats().arena_bytes,
         lower_bound_bytes: encoder.memory_stats().lower_bound,
         kernels: encoder.kernels().len(),
+        times_ms: args.all_times.then_some(in_order),
+        embedding: first_embedding,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
+        print_minilm(&report, median, args.warmup);
+    }
+    if let Some((steps, runs)) = encoder.profile() {
+        print_profile(&steps, runs);
+    }
+    Ok(())
+}
+
+fn print_profile(steps: &[(rlx::NodeId, String, std::time::Duration)], runs: u64) {
+    let runs = runs.max(1) as f64;
+    let total: f64 = steps.iter().map(|s| s.2.as_secs_f64()).sum::<f64>() / runs * 1e3;
+    let mut by_kernel: Vec<(String, f64, usize)> = Vec::new();
+    for (_, kernel, t) in steps {
+        let ms = t.as_secs_f64() / runs * 1e3;
+        match by_kernel.iter_mut().find(|k| k.0 == *kernel) {
+            Some(k) => {
+                k.1 += ms;
+                k.2 += 1;
+            }
+            None => by_kernel.push((kernel.clone(), ms, 1)),
+        }
+    }
+    by_kernel.sort_by(|a, b| b.1.total_cmp(&a.1));
+    println!("profile: {total:.3} ms per run in kernels");
+    for (kernel, ms, count) in by_kernel {
         println!(
-            "{} encoder, batch {batch} x {seq} tokens, {} thread(s)",
-            report.model, report.threads
+            "  {kernel:<44} {ms:>8.3} ms {:>5.1}%  ({count} launches)",
+            100.0 * ms / total.max(1e-9)
+        );
+    }
+}
+
+fn print_minilm(report: &Report, median: f64, warmup: u32) {
+    {
+        println!(
+            "{} encoder, batch {} x {} tokens, {} thread(s)",
+            report.model, report.batch, report.seq, report.threads
         );
         println!(
             "  latency  median {:.2} ms  (min {:.2}, max {:.2}, {} runs after {} warm-up)",
-            median, report.min_ms, report.max_ms, report.runs, args.warmup
+            median, report.min_ms, report.max_ms, report.runs, warmup
         );
         println!("  throughput  {:.0} tokens/s", report.tokens_per_s);
-        println!("  compile  {compile_ms:.1} ms   load  {load_ms:.0} ms");
+        println!(
+            "  compile  {:.1} ms   load  {:.0} ms",
+            report.compile_ms, report.load_ms
+        );
         println!(
             "  arena  {} bytes ({:.2}x the lower bound {}), {} kernels",
             report.arena_bytes,
@@ -202,12 +263,15 @@ fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
             report.kernels
         );
     }
-    Ok(())
 }
 
 fn parse_shape(text: &str) -> anyhow::Result<(usize, usize, usize)> {
     let parts: Vec<&str> = text.split(['x', 'X']).collect();
-    let bad = || anyhow::anyhow!("--shape '{text}': expected MxNxK with positive integers, e.g. 128x384x1536");
+    let bad = || {
+        anyhow::anyhow!(
+            "--shape '{text}': expected MxNxK with positive integers, e.g. 128x384x1536"
+        )
+    };
     if parts.len() != 3 {
         return Err(bad());
     }
@@ -224,9 +288,16 @@ fn parse_shape(text: &str) -> anyhow::Result<(usize, usize, usize)> {
 fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
     let available = rlx::cpu_threads();
     if args.threads > available {
-        anyhow::bail!("--threads {} is more than the runtime's {available} threads", args.threads);
+        anyhow::bail!(
+            "--threads {} is more than the runtime's {available} threads",
+            args.threads
+        );
     }
-    let threads = if args.threads == 0 { available } else { args.threads };
+    let threads = if args.threads == 0 {
+        available
+    } else {
+        args.threads
+    };
     let shapes = if args.shapes.is_empty() {
         vec![
             (1024, 1024, 1024),
@@ -239,14 +310,21 @@ fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
             (4096, 384, 1536),
         ]
     } else {
-        args.shapes.iter().map(|s| parse_shape(s)).collect::<anyhow::Result<_>>()?
+        args.shapes
+            .iter()
+            .map(|s| parse_shape(s))
+            .collect::<anyhow::Result<_>>()?
     };
     let peak = rlx::cpu::peak_fma_gflops(threads, 400);
     let peak_one = rlx::cpu::peak_fma_gflops(1, 400);
     let mut results = Vec::new();
     for &(m, n, k) in &shapes {
-        let a: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect();
-        let b: Vec<f32> = (0..k * n).map(|i| ((i % 89) as f32 - 44.0) / 89.0).collect();
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
+            .collect();
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| ((i % 89) as f32 - 44.0) / 89.0)
+            .collect();
         let mut c = vec![0.0f32; m * n];
         rlx::cpu::matmul_f32(&a, &b, &mut c, (m, n, k), threads)?;
         let mut times = Vec::with_capacity(args.runs as usize);
@@ -284,7 +362,10 @@ fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
         "f32 GEMM, {} kernel, {threads} thread(s); measured FMA peak {:.1} GFLOP/s ({:.1} on one thread)",
         report.kernel, peak, peak_one
     );
-    println!("{:>18} {:>10} {:>10} {:>8}", "m x n x k", "median", "GFLOP/s", "of peak");
+    println!(
+        "{:>18} {:>10} {:>10} {:>8}",
+        "m x n x k", "median", "GFLOP/s", "of peak"
+    );
     for r in &report.results {
         println!(
             "{:>18} {:>7.3} ms {:>10.1} {:>7.1}%",

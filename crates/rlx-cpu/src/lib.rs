@@ -44,6 +44,9 @@ pub struct CpuProgram {
     gemm: GemmScratch,
     /// Addresses of the handle buffers, refreshed (not reallocated) by every run.
     handle_addrs: Vec<usize>,
+    /// Nanoseconds spent in each step over all runs, when profiling.
+    step_nanos: Option<Vec<u64>>,
+    profiled_runs: u64,
 }
 
 impl CpuProgram {
@@ -122,6 +125,8 @@ impl CpuProgram {
                 thread_scratch,
             ),
             handle_addrs: vec![0; plan_handles],
+            step_nanos: None,
+            profiled_runs: 0,
         })
     }
 
@@ -237,6 +242,25 @@ impl CpuProgram {
         self.arena.as_ptr()
     }
 
+    /// Turns per-step timing on (clearing earlier totals) or off.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.step_nanos = on.then(|| vec![0; self.steps.len()]);
+        self.profiled_runs = 0;
+    }
+
+    /// With profiling on: `(node, kernel, total time)` of every step over the
+    /// profiled runs, and the number of runs.
+    pub fn profile(&self) -> Option<(Vec<(NodeId, String, std::time::Duration)>, u64)> {
+        let nanos = self.step_nanos.as_ref()?;
+        let steps = self
+            .steps
+            .iter()
+            .zip(nanos)
+            .map(|(s, &n)| (s.node, s.kernel.clone(), std::time::Duration::from_nanos(n)))
+            .collect();
+        Some((steps, self.profiled_runs))
+    }
+
     /// Runs every step in order. Allocation-free.
     pub fn execute(&mut self) -> Result<()> {
         let CpuProgram {
@@ -248,8 +272,13 @@ impl CpuProgram {
             scratch,
             gemm,
             handle_addrs,
+            step_nanos,
+            profiled_runs,
             ..
         } = self;
+        if step_nanos.is_some() {
+            *profiled_runs += 1;
+        }
         let mut ctx = kernels::Ctx {
             scratch,
             gemm,
@@ -259,7 +288,8 @@ impl CpuProgram {
         for (addr, h) in handle_addrs.iter_mut().zip(handles.iter_mut()) {
             *addr = h.storage_mut().as_mut_ptr() as usize;
         }
-        for step in steps.iter() {
+        for (k, step) in steps.iter().enumerate() {
+            let started = step_nanos.as_ref().map(|_| std::time::Instant::now());
             let base = |region: Region| -> *mut u8 {
                 match region {
                     Region::Arena => arena_base,
@@ -293,6 +323,9 @@ impl CpuProgram {
                 step.geometry.as_ref(),
                 &mut ctx,
             )?;
+            if let (Some(nanos), Some(t)) = (step_nanos.as_mut(), started) {
+                nanos[k] += t.elapsed().as_nanos() as u64;
+            }
         }
         Ok(())
     }

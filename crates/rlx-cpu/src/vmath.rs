@@ -25,7 +25,11 @@ pub(crate) fn exp(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let scale = f32::from_bits((((n as i32) + 127).clamp(1, 254) as u32) << 23);
+    // 2^n from its exponent bits: n + 127 lands in the low mantissa bits of
+    // 2^23 + n + 127, and shifting those bits into the exponent field gives 2^n
+    // (n is in -126..=127 after the clamp, so the exponent is never 0 or 255).
+    let biased = (n + (127.0 + 8_388_608.0)).to_bits();
+    let scale = f32::from_bits(biased.wrapping_shl(23));
     let value = p * scale;
     if x <= -87.33 { 0.0 } else { value }
 }

@@ -58,7 +58,15 @@ pub fn op_attributes(op: &Op) -> String {
             "kernel={:?} stride={:?} pad={:?} count_include_pad={count_include_pad}",
             window.kernel, window.stride, window.padding
         ),
-        Op::Attention { scale, causal } => format!("scale={:.6} causal={causal}", scale.get()),
+        Op::Attention {
+            scale,
+            causal,
+            seq_major,
+        } => format!(
+            "scale={:.6} causal={causal}{}",
+            scale.get(),
+            if *seq_major { " seq_major" } else { "" }
+        ),
         Op::Rope { style } => format!("style={style:?}"),
         Op::FusedMatMul {
             alpha,

@@ -77,7 +77,7 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
         Op::Conv2d { window, groups } => conv::infer_conv2d(window, *groups, inputs),
         Op::MaxPool2d { window } => conv::infer_pool("max_pool2d", window, x()),
         Op::AvgPool2d { window, .. } => conv::infer_pool("avg_pool2d", window, x()),
-        Op::Attention { .. } => attention::infer_attention(inputs),
+        Op::Attention { seq_major, .. } => attention::infer_attention(inputs, *seq_major),
         Op::FusedMatMul {
             bias,
             residual,

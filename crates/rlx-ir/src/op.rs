@@ -502,6 +502,9 @@ pub enum Op {
         scale: F64Bits,
         /// Masks key `j` for query `i` when `j > i + (Sk - Sq)`.
         causal: bool,
+        /// `q`, `k`, `v` and the output are `[B, S, H, D]` (sequence before heads)
+        /// instead of `[B, H, S, D]`; the mask is indexed `[B, H, Sq, Sk]` either way.
+        seq_major: bool,
     },
     /// Rotary position embedding of `x [..., S, D]` with `cos`, `sin` of shape
     /// `[..., S, D/2]` (broadcast against `x`'s leading dims).

@@ -107,9 +107,11 @@ pub fn eval_node(
             window,
             count_include_pad,
         } => conv::eval_pool(window, false, *count_include_pad, x(), out),
-        Op::Attention { scale, causal } => {
-            attention::eval_attention(scale.get(), *causal, inputs, out)
-        }
+        Op::Attention {
+            scale,
+            causal,
+            seq_major,
+        } => attention::eval_attention(scale.get(), *causal, *seq_major, inputs, out),
         Op::Rope { style } => attention::eval_rope(*style, inputs[0], inputs[1], inputs[2]),
         Op::WriteAt { axis } => state::eval_write_at(*axis, inputs[0], inputs[1], inputs[2])?,
         Op::FusedMatMul {

@@ -19,6 +19,8 @@ pub struct FusionOptions {
     pub matmul_epilogue: bool,
     /// Form `Elementwise` region nodes.
     pub elementwise_regions: bool,
+    /// Fold the head transposes around an attention into a sequence-major attention.
+    pub attention_layout: bool,
 }
 
 impl FusionOptions {
@@ -26,7 +28,85 @@ impl FusionOptions {
     pub const ALL: FusionOptions = FusionOptions {
         matmul_epilogue: true,
         elementwise_regions: true,
+        attention_layout: true,
     };
+}
+
+/// `[B, S, H, D] <-> [B, H, S, D]`.
+const HEAD_SWAP: [usize; 4] = [0, 2, 1, 3];
+
+fn is_head_swap(op: &Op) -> bool {
+    matches!(op, Op::Permute { perm } if perm.as_slice() == HEAD_SWAP)
+}
+
+/// `permute(attention(permute(q), permute(k), permute(v), mask))` with the heads and
+/// sequence axes swapped in each permute becomes `attention_seq_major(q, k, v, mask)`:
+/// the kernel reads and writes the sequence-major layout directly, and the transposes
+/// (copies) disappear.
+pub fn fuse_attention_layout(graph: &Graph) -> Fused {
+    let uses = use_counts(graph);
+    let readers = consumers(graph);
+    let nodes = graph.nodes();
+    // attention node -> the permute that reads its output
+    let mut found: Vec<(usize, usize)> = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        let Op::Attention {
+            seq_major: false, ..
+        } = node.op
+        else {
+            continue;
+        };
+        let inputs_swapped = node.inputs[..3]
+            .iter()
+            .all(|x| is_head_swap(&nodes[x.index()].op));
+        if inputs_swapped
+            && uses[i] == 1
+            && readers[i].len() == 1
+            && is_head_swap(&nodes[readers[i][0]].op)
+        {
+            found.push((i, readers[i][0]));
+        }
+    }
+    let mut w = Rewriter::new(nodes.len());
+    let mut records = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        if found.iter().any(|&(a, _)| a == i) {
+            continue;
+        }
+        let Some(&(a, _)) = found.iter().find(|&&(_, o)| o == i) else {
+            w.place(i, node.clone());
+            continue;
+        };
+        let att = &nodes[a];
+        let Op::Attention { scale, causal, .. } = att.op else {
+            continue;
+        };
+        let mut inputs: Vec<NodeId> = att.inputs[..3]
+            .iter()
+            .map(|x| nodes[x.index()].inputs[0])
+            .collect();
+        inputs.extend(att.inputs.get(3).copied());
+        w.place(
+            i,
+            Node {
+                op: Op::Attention {
+                    scale,
+                    causal,
+                    seq_major: true,
+                },
+                inputs,
+                shape: node.shape.clone(),
+            },
+        );
+        let mut replaced: Vec<String> = att.inputs[..3]
+            .iter()
+            .map(|x| format!("permute %{}", x.index()))
+            .collect();
+        replaced.push(format!("attention %{a}"));
+        replaced.push(format!("permute %{i}"));
+        records.push((i, replaced));
+    }
+    finish(graph, w, records)
 }
 
 /// A fused node and the ops it replaced (in order, as `op` names with their original

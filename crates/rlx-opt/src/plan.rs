@@ -150,8 +150,16 @@ pub fn plan_graph(graph: &Graph, options: &PlanOptions) -> Result<Plan> {
     }
     graph = crate::dce::eliminate_dead_code(&graph).0;
     let mut fusions = Vec::new();
+    if options.fusion.attention_layout {
+        let fused = crate::fuse::fuse_attention_layout(&graph);
+        graph = fused.graph;
+        fusions.extend(fused.records);
+    }
     if options.fusion.matmul_epilogue {
         let fused = crate::fuse::fuse_matmul_epilogues(&graph);
+        for r in &mut fusions {
+            r.node = fused.remap[r.node.index()];
+        }
         graph = fused.graph;
         fusions.extend(fused.records);
     }
@@ -163,6 +171,12 @@ pub fn plan_graph(graph: &Graph, options: &PlanOptions) -> Result<Plan> {
         graph = fused.graph;
         fusions.extend(fused.records);
     }
+    // Transposes whose only reader was fused away are dead now.
+    let (live, remap) = crate::dce::eliminate_dead_code(&graph);
+    for r in &mut fusions {
+        r.node = remap[r.node.index()].unwrap_or(r.node);
+    }
+    graph = live;
     graph.verify()?;
     let order = crate::schedule::schedule(&graph)?;
     let mut plan = Planner::new(&graph, options)?.finish(graph.clone(), order)?;

@@ -54,6 +54,11 @@ pub trait Executable: Send {
     fn write_handle(&mut self, index: usize, bytes: &[u8]) -> Result<()>;
     /// Base address of the arena when it is host memory.
     fn arena_ptr(&self) -> Option<*const u8>;
+    /// Turns per-kernel timing on (clearing earlier totals) or off.
+    fn set_profiling(&mut self, on: bool);
+    /// With profiling on: `(node, kernel, total time)` per kernel launch over the
+    /// profiled runs, and how many runs that was.
+    fn profile(&self) -> Option<(Vec<(NodeId, String, std::time::Duration)>, u64)>;
     /// An independent copy with its own arena and handles (params may be shared until
     /// written).
     fn clone_box(&self) -> Box<dyn Executable>;

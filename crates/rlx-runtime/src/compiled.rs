@@ -324,6 +324,18 @@ impl CompiledGraph {
         Ok(())
     }
 
+    /// Turns per-kernel timing on (clearing earlier totals) or off. Profiling adds a
+    /// clock read around every kernel; it allocates nothing per run.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.exe.set_profiling(on)
+    }
+
+    /// With profiling on: per kernel launch `(node, kernel name, total time)` over the
+    /// profiled runs, and the number of runs. `None` when profiling is off.
+    pub fn profile(&self) -> Option<(Vec<(NodeId, String, std::time::Duration)>, u64)> {
+        self.exe.profile()
+    }
+
     /// Makes every param of this graph that `other` also has (same name) use
     /// `other`'s storage instead of its own, without copying: graphs compiled from
     /// one model at different shapes hold its weights once. A later `set_param` on

@@ -288,3 +288,47 @@ fn write_at_is_never_merged_or_folded() {
     .unwrap();
     assert!(plan.graph.nodes().iter().any(|n| n.op.name() == "write_at"));
 }
+
+#[test]
+fn attention_head_transposes_fold_into_a_sequence_major_attention() {
+    let mut rng = Rng(41);
+    for (b, s, heads, d, causal) in [
+        (1, 7, 2, 4, false),
+        (2, 70, 3, 8, true),
+        (1, 130, 4, 16, false),
+    ] {
+        let g = Graph::new("heads");
+        let h = heads * d;
+        let x = g.input("x", Shape::new(&[b, s, h], DType::F32));
+        let mask = g.input("mask", Shape::new(&[b, 1, 1, s], DType::F32));
+        let split = |t: NodeId| {
+            g.permute(g.reshape(t, &[b, s, heads, d]).unwrap(), &[0, 2, 1, 3])
+                .unwrap()
+        };
+        let wq = g.param("wq", Shape::new(&[h, h], DType::F32));
+        let q = split(g.matmul(x, wq).unwrap());
+        let k = split(g.tanh(x).unwrap());
+        let v = split(x);
+        let a = g.attention(q, k, v, Some(mask), causal, None).unwrap();
+        let merged = g
+            .reshape(g.permute(a, &[0, 2, 1, 3]).unwrap(), &[b, s, h])
+            .unwrap();
+        g.set_outputs(vec![merged]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let nodes = plan.graph.nodes();
+        assert!(
+            nodes.iter().all(|n| n.op.name() != "permute"),
+            "{}",
+            plan.graph
+        );
+        assert!(nodes.iter().any(|n| matches!(
+            n.op,
+            rlx::ir::Op::Attention {
+                seq_major: true,
+                ..
+            }
+        )));
+        drop(nodes);
+        check(&g, &mut rng, &format!("attention layout b={b} s={s}"));
+    }
+}

@@ -1946,6 +1946,33 @@ fn attention_variants() {
             );
         }
     }
+    // Sequence-major layout ([B, S, H, D]), with grouped heads, masks and causal.
+    for (sq, sk, causal, dt) in [
+        (5, 7, false, DType::F32),
+        (5, 7, true, DType::F32),
+        (70, 300, true, DType::F32),
+        (5, 7, true, DType::F64),
+    ] {
+        let (hq, hkv) = (4, 2);
+        let ins = [
+            inp("q", &[2, sq, hq, 8], dt),
+            inp("k", &[2, sk, hkv, 8], dt),
+            inp("v", &[2, sk, hkv, 6], dt),
+            inp("mask", &[2, 1, 1, sk], DType::Bool).dist(Dist::Sparse),
+        ];
+        s.check(
+            &format!("attention seq_major {dt} sq={sq} sk={sk} causal={causal}"),
+            &ins[..3],
+            acc(sk * 8),
+            |g, x| one(g.attention_seq_major(x[0], x[1], x[2], None, causal, None)?),
+        );
+        s.check(
+            &format!("attention seq_major {dt} sq={sq} sk={sk} causal={causal} mask"),
+            &ins,
+            acc(sk * 8),
+            |g, x| one(g.attention_seq_major(x[0], x[1], x[2], Some(x[3]), causal, None)?),
+        );
+    }
     // Long sequences: several query blocks (64) and key blocks (256) of the blocked
     // f32 kernel, with the online softmax across key blocks, causal and masked.
     for (sq, sk, causal) in [(150, 600, false), (70, 300, true), (300, 300, true)] {

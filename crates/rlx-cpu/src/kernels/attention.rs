@@ -9,6 +9,7 @@ use rlx_ir::{DType, RopeStyle};
 pub(crate) fn attention(
     scale: f64,
     causal: bool,
+    seq_major: bool,
     q: Src,
     k: Src,
     v: Src,
@@ -16,14 +17,24 @@ pub(crate) fn attention(
     out: Dst,
     scores: &mut [f64],
 ) {
+    let (hd, sd) = if seq_major { (2, 1) } else { (1, 2) };
     let [b, hq, sq, d] = [
         q.shape.dim(0),
-        q.shape.dim(1),
-        q.shape.dim(2),
+        q.shape.dim(hd),
+        q.shape.dim(sd),
         q.shape.dim(3),
     ];
-    let (hkv, sk, dv) = (k.shape.dim(1), k.shape.dim(2), v.shape.dim(3));
+    let (hkv, sk, dv) = (k.shape.dim(hd), k.shape.dim(sd), v.shape.dim(3));
     let group = hq / hkv;
+    // Offset of row (batch, head, position) of a tensor with `heads` heads, `len`
+    // positions and rows of `width`.
+    let row = |bi: usize, h: usize, i: usize, heads: usize, len: usize, width: usize| {
+        if seq_major {
+            ((bi * len + i) * heads + h) * width
+        } else {
+            ((bi * heads + h) * len + i) * width
+        }
+    };
     let full = [b, hq, sq, sk];
     let ms = mask.map(|m| broadcast_strides(m.shape.dims(), &full));
     let scores = &mut scores[..sk];
@@ -32,14 +43,14 @@ pub(crate) fn attention(
             for h in 0..hq {
                 let kh = h / group;
                 for i in 0..sq {
-                    let q_row = ((bi * hq + h) * sq + i) * d;
+                    let q_row = row(bi, h, i, hq, sq, d);
                     let mut max = f64::NEG_INFINITY;
                     for (j, score) in scores.iter_mut().enumerate() {
                         *score = f64::NEG_INFINITY;
                         if causal && j + sq > i + sk {
                             continue;
                         }
-                        let k_row = ((bi * hkv + kh) * sk + j) * d;
+                        let k_row = row(bi, kh, j, hkv, sk, d);
                         let mut s = 0.0;
                         for p in 0..d {
                             s += q.f64::<T>(q_row + p) * k.f64::<T>(k_row + p);
@@ -58,7 +69,7 @@ pub(crate) fn attention(
                         *score = s;
                         max = max.max(s);
                     }
-                    let o_row = ((bi * hq + h) * sq + i) * dv;
+                    let o_row = row(bi, h, i, hq, sq, dv);
                     if max == f64::NEG_INFINITY {
                         for e in 0..dv {
                             out.set(o_row + e, T::from_f64(0.0));
@@ -73,7 +84,7 @@ pub(crate) fn attention(
                     for e in 0..dv {
                         let mut acc = 0.0;
                         for (j, &w) in scores.iter().enumerate() {
-                            acc += w * v.f64::<T>(((bi * hkv + kh) * sk + j) * dv + e);
+                            acc += w * v.f64::<T>(row(bi, kh, j, hkv, sk, dv) + e);
                         }
                         out.set(o_row + e, T::from_f64(acc / total));
                     }

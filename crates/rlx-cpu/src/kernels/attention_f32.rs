@@ -30,6 +30,27 @@ struct Problem<'a> {
     mask: Option<(Src<'a>, [isize; MAX_RANK])>,
     out: Dst<'a>,
     dims: [usize; 7], // b, hq, hkv, sq, sk, d, dv
+    seq_major: bool,
+}
+
+impl Problem<'_> {
+    /// Offset of row (batch, head, position) and the stride between positions, for a
+    /// tensor with `heads` heads, `len` positions and rows of `width`.
+    fn row(
+        &self,
+        bi: usize,
+        h: usize,
+        i: usize,
+        heads: usize,
+        len: usize,
+        width: usize,
+    ) -> (usize, usize) {
+        if self.seq_major {
+            (((bi * len + i) * heads + h) * width, heads * width)
+        } else {
+            (((bi * heads + h) * len + i) * width, width)
+        }
+    }
 }
 
 // SAFETY: tasks only read q, k, v and the mask, and write disjoint rows of `out`.
@@ -40,6 +61,7 @@ unsafe impl Sync for Problem<'_> {}
 pub(crate) fn attention(
     scale: f64,
     causal: bool,
+    seq_major: bool,
     q: Src,
     k: Src,
     v: Src,
@@ -47,13 +69,14 @@ pub(crate) fn attention(
     out: Dst,
     ctx: &Ctx,
 ) -> Result<()> {
+    let (hd, sd) = if seq_major { (2, 1) } else { (1, 2) };
     let [b, hq, sq, d] = [
         q.shape.dim(0),
-        q.shape.dim(1),
-        q.shape.dim(2),
+        q.shape.dim(hd),
+        q.shape.dim(sd),
         q.shape.dim(3),
     ];
-    let (hkv, sk, dv) = (k.shape.dim(1), k.shape.dim(2), v.shape.dim(3));
+    let (hkv, sk, dv) = (k.shape.dim(hd), k.shape.dim(sd), v.shape.dim(3));
     let full = [b, hq, sq, sk];
     let p = Problem {
         scale: scale as f32,
@@ -64,6 +87,7 @@ pub(crate) fn attention(
         mask: mask.map(|m| (m, broadcast_strides(m.shape.dims(), &full))),
         out,
         dims: [b, hq, hkv, sq, sk, d, dv],
+        seq_major,
     };
     let blocks = sq.div_ceil(QB);
     let tasks = b * hq * blocks;
@@ -102,15 +126,17 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
         if p.causal && j0 + sq > q0 + rows - 1 + sk {
             break;
         }
+        let (q_at, q_stride) = p.row(bi, h, q0, hq, sq, d);
+        let (k_at, k_stride) = p.row(bi, kh, j0, hkv, sk, d);
         let scores_gemm = Gemm {
             m: rows,
             n: kb,
             k: d,
             // SAFETY: rows q0.. of this head of Q, keys j0.. of its key head.
-            a: unsafe { q_ptr.add(((bi * hq + h) * sq + q0) * d) },
-            lda: d,
-            b: unsafe { k_ptr.add(((bi * hkv + kh) * sk + j0) * d) },
-            ldb: d,
+            a: unsafe { q_ptr.add(q_at) },
+            lda: q_stride,
+            b: unsafe { k_ptr.add(k_at) },
+            ldb: k_stride,
             b_transposed: true,
             c: scores.as_mut_ptr(),
             ldc: KB,
@@ -146,6 +172,7 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
             }
             row_max[r] = new_max;
         }
+        let (v_at, v_stride) = p.row(bi, kh, j0, hkv, sk, dv);
         let values_gemm = Gemm {
             m: rows,
             n: dv,
@@ -153,8 +180,8 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
             a: scores.as_ptr(),
             lda: KB,
             // SAFETY: keys j0.. of this key head of V.
-            b: unsafe { v_ptr.add(((bi * hkv + kh) * sk + j0) * dv) },
-            ldb: dv,
+            b: unsafe { v_ptr.add(v_at) },
+            ldb: v_stride,
             b_transposed: false,
             c: acc.as_mut_ptr(),
             ldc: dv,
@@ -172,7 +199,7 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
         } else {
             0.0
         };
-        let o_row = ((bi * hq + h) * sq + q0 + r) * dv;
+        let o_row = p.row(bi, h, q0 + r, hq, sq, dv).0;
         for e in 0..dv {
             // SAFETY: this task's rows of the output.
             unsafe { *out.add(o_row + e) = acc[r * dv + e] * inv };
@@ -192,6 +219,25 @@ fn mask_row(p: &Problem, bi: usize, h: usize, i: usize, j0: usize, row: &mut [f3
     }
     if let Some((m, st)) = &p.mask {
         let base = bi as isize * st[0] + h as isize * st[1] + i as isize * st[2];
+        let start = base + j0 as isize * st[3];
+        if st[3] == 1 && start >= 0 && start as usize + row.len() <= m.len {
+            // The common case: the mask row is contiguous along the keys.
+            let at = start as usize;
+            if m.shape.dtype() == DType::Bool {
+                let keep = &m.as_slice::<u8>()[at..at + row.len()];
+                for (s, &k) in row.iter_mut().zip(keep) {
+                    if k == 0 {
+                        *s = f32::NEG_INFINITY;
+                    }
+                }
+            } else {
+                let add = &m.as_slice::<f32>()[at..at + row.len()];
+                for (s, &a) in row.iter_mut().zip(add) {
+                    *s += a;
+                }
+            }
+            return;
+        }
         for (j, s) in row.iter_mut().enumerate() {
             let at = (base + (j0 + j) as isize * st[3]) as usize;
             if m.shape.dtype() == DType::Bool {

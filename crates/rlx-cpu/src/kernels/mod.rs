@@ -24,7 +24,7 @@ pub(crate) use reduce::ReduceGeometry;
 /// `f64` scratch values a step needs (attention keeps one row of scores).
 pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
     match op {
-        Op::Attention { .. } => inputs[1].dim(2),
+        Op::Attention { seq_major, .. } => inputs[1].dim(if *seq_major { 1 } else { 2 }),
         _ => 0,
     }
 }
@@ -163,21 +163,29 @@ pub(crate) fn run<'a>(
             window,
             count_include_pad,
         } => conv::pool(window, false, *count_include_pad, src(0), out),
-        Op::Attention { scale, causal } if src(0).shape.dtype() == DType::F32 => {
-            attention_f32::attention(
-                scale.get(),
-                *causal,
-                src(0),
-                src(1),
-                src(2),
-                opt(3),
-                out,
-                ctx,
-            )?
-        }
-        Op::Attention { scale, causal } => attention::attention(
+        Op::Attention {
+            scale,
+            causal,
+            seq_major,
+        } if src(0).shape.dtype() == DType::F32 => attention_f32::attention(
             scale.get(),
             *causal,
+            *seq_major,
+            src(0),
+            src(1),
+            src(2),
+            opt(3),
+            out,
+            ctx,
+        )?,
+        Op::Attention {
+            scale,
+            causal,
+            seq_major,
+        } => attention::attention(
+            scale.get(),
+            *causal,
+            *seq_major,
             src(0),
             src(1),
             src(2),

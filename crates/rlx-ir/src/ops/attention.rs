@@ -30,6 +30,34 @@ impl Graph {
             Op::Attention {
                 scale: F64Bits::new(scale),
                 causal,
+                seq_major: false,
+            },
+            &inputs,
+        )
+    }
+
+    /// [`attention`](Graph::attention) with `q [B, Sq, Hq, D]`, `k [B, Sk, Hkv, D]`,
+    /// `v [B, Sk, Hkv, Dv]` and output `[B, Sq, Hq, Dv]`: the layout a linear
+    /// projection reshaped into heads already has, so no transposes are needed. The
+    /// mask broadcasts to `[B, Hq, Sq, Sk]` as before.
+    pub fn attention_seq_major(
+        &self,
+        q: NodeId,
+        k: NodeId,
+        v: NodeId,
+        mask: Option<NodeId>,
+        causal: bool,
+        scale: Option<f64>,
+    ) -> Result<NodeId> {
+        let d = self.shape(q)?.dims().last().copied().unwrap_or(1);
+        let scale = scale.unwrap_or(1.0 / (d.max(1) as f64).sqrt());
+        let mut inputs = vec![q, k, v];
+        inputs.extend(mask);
+        self.push(
+            Op::Attention {
+                scale: F64Bits::new(scale),
+                causal,
+                seq_major: true,
             },
             &inputs,
         )
@@ -43,7 +71,22 @@ impl Graph {
     }
 }
 
-pub(crate) fn infer_attention(inputs: &[&Shape]) -> Result<Shape> {
+/// Swaps axes 1 and 2 of a rank-4 shape (other ranks unchanged).
+fn swap_seq_heads(s: &Shape) -> Shape {
+    if s.rank() == 4 {
+        s.with_dims(&[s.dim(0), s.dim(2), s.dim(1), s.dim(3)])
+    } else {
+        s.clone()
+    }
+}
+
+pub(crate) fn infer_attention(inputs: &[&Shape], seq_major: bool) -> Result<Shape> {
+    if seq_major {
+        let swapped: Vec<Shape> = inputs[..3].iter().map(|s| swap_seq_heads(s)).collect();
+        let mut all: Vec<&Shape> = swapped.iter().collect();
+        all.extend(inputs.get(3).copied());
+        return infer_attention(&all, false).map(|out| swap_seq_heads(&out));
+    }
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     require_float("attention", q)?;
     same_dtype("attention", q, k)?;
@@ -140,9 +183,20 @@ pub(crate) fn infer_rope(x: &Shape, cos: &Shape, sin: &Shape) -> Result<Shape> {
 pub(crate) fn eval_attention(
     scale: f64,
     causal: bool,
+    seq_major: bool,
     inputs: &[&HostTensor],
     out: &Shape,
 ) -> HostTensor {
+    if seq_major {
+        let swap = |t: &HostTensor| {
+            super::shape_ops::eval_permute(&[0, 2, 1, 3], t, &swap_seq_heads(&t.shape))
+        };
+        let swapped: Vec<HostTensor> = inputs[..3].iter().map(|t| swap(t)).collect();
+        let mut all: Vec<&HostTensor> = swapped.iter().collect();
+        all.extend(inputs.get(3).copied());
+        let head_major = eval_attention(scale, causal, false, &all, &swap_seq_heads(out));
+        return swap(&head_major);
+    }
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     let [b, hq, sq, d] = [
         q.shape.dim(0),

@@ -93,6 +93,14 @@ impl Executable for CpuProgram {
         Some(CpuProgram::arena_ptr(self))
     }
 
+    fn set_profiling(&mut self, on: bool) {
+        CpuProgram::set_profiling(self, on)
+    }
+
+    fn profile(&self) -> Option<(Vec<(NodeId, String, std::time::Duration)>, u64)> {
+        CpuProgram::profile(self)
+    }
+
     fn clone_box(&self) -> Box<dyn Executable> {
         Box::new(self.clone())
     }
