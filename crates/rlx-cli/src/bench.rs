@@ -210,17 +210,26 @@ fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
     } else {
         print_minilm(&report, median, args.warmup);
     }
-    if let Some((steps, runs)) = encoder.profile() {
-        print_profile(&steps, runs);
+    if let Some(profile) = encoder.profile() {
+        print_profile(&profile);
     }
     Ok(())
 }
 
-fn print_profile(steps: &[(rlx::NodeId, String, std::time::Duration)], runs: u64) {
-    let runs = runs.max(1) as f64;
-    let total: f64 = steps.iter().map(|s| s.2.as_secs_f64()).sum::<f64>() / runs * 1e3;
+fn print_profile(profile: &rlx::driver::Profile) {
+    let runs = profile.runs.max(1) as f64;
+    let total: f64 = profile
+        .kernels
+        .iter()
+        .map(|k| k.total.as_secs_f64())
+        .sum::<f64>()
+        / runs
+        * 1e3;
     let mut by_kernel: Vec<(String, f64, usize)> = Vec::new();
-    for (_, kernel, t) in steps {
+    for rlx::driver::KernelTime {
+        kernel, total: t, ..
+    } in &profile.kernels
+    {
         let ms = t.as_secs_f64() / runs * 1e3;
         match by_kernel.iter_mut().find(|k| k.0 == *kernel) {
             Some(k) => {

@@ -14,7 +14,7 @@ pub use blas::{gemm_kernel_name, matmul_f32, peak_fma_gflops};
 use gemm::GemmScratch;
 use kernels::ReduceGeometry;
 use pool::ThreadPool;
-use rlx_driver::{Buffer, DeviceArena, HostArena};
+use rlx_driver::{Buffer, DeviceArena, HostArena, KernelTime, Profile};
 use rlx_ir::{Error, NodeId, Op, Result, Shape};
 use rlx_opt::{Location, Plan, Region};
 use std::sync::Arc;
@@ -248,17 +248,23 @@ impl CpuProgram {
         self.profiled_runs = 0;
     }
 
-    /// With profiling on: `(node, kernel, total time)` of every step over the
-    /// profiled runs, and the number of runs.
-    pub fn profile(&self) -> Option<(Vec<(NodeId, String, std::time::Duration)>, u64)> {
+    /// With profiling on: the time of every step over the profiled runs.
+    pub fn profile(&self) -> Option<Profile> {
         let nanos = self.step_nanos.as_ref()?;
-        let steps = self
+        let kernels = self
             .steps
             .iter()
             .zip(nanos)
-            .map(|(s, &n)| (s.node, s.kernel.clone(), std::time::Duration::from_nanos(n)))
+            .map(|(s, &n)| KernelTime {
+                node: s.node,
+                kernel: s.kernel.clone(),
+                total: std::time::Duration::from_nanos(n),
+            })
             .collect();
-        Some((steps, self.profiled_runs))
+        Some(Profile {
+            runs: self.profiled_runs,
+            kernels,
+        })
     }
 
     /// Runs every step in order. Allocation-free.

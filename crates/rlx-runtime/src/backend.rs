@@ -2,7 +2,7 @@
 //! an [`Executable`]. Nothing here assumes the arena is host memory: inputs go through
 //! a host staging area, outputs are made host-visible by [`Executable::sync_outputs`].
 
-use rlx_driver::Device;
+use rlx_driver::{Device, Profile};
 use rlx_ir::{NodeId, Result};
 use rlx_opt::{FusionOptions, Plan};
 use std::any::Any;
@@ -56,9 +56,8 @@ pub trait Executable: Send {
     fn arena_ptr(&self) -> Option<*const u8>;
     /// Turns per-kernel timing on (clearing earlier totals) or off.
     fn set_profiling(&mut self, on: bool);
-    /// With profiling on: `(node, kernel, total time)` per kernel launch over the
-    /// profiled runs, and how many runs that was.
-    fn profile(&self) -> Option<(Vec<(NodeId, String, std::time::Duration)>, u64)>;
+    /// With profiling on: per-kernel times over the profiled runs.
+    fn profile(&self) -> Option<Profile>;
     /// An independent copy with its own arena and handles (params may be shared until
     /// written).
     fn clone_box(&self) -> Box<dyn Executable>;

@@ -2,7 +2,7 @@
 
 use crate::backend::Executable;
 use rlx_driver::convert::{bytes_to_f32, bytes_to_f32_vec, f32_to_bytes, f32_to_vec};
-use rlx_driver::{BufferHandle, Device};
+use rlx_driver::{BufferHandle, Device, Profile};
 use rlx_ir::{DType, Error, Graph, NodeId, Result, Shape, TensorData, TensorRef};
 use rlx_opt::{MemoryStats, Plan, Region};
 use std::sync::Arc;
@@ -330,9 +330,9 @@ impl CompiledGraph {
         self.exe.set_profiling(on)
     }
 
-    /// With profiling on: per kernel launch `(node, kernel name, total time)` over the
-    /// profiled runs, and the number of runs. `None` when profiling is off.
-    pub fn profile(&self) -> Option<(Vec<(NodeId, String, std::time::Duration)>, u64)> {
+    /// With profiling on: the time of every kernel launch over the profiled runs.
+    /// `None` when profiling is off.
+    pub fn profile(&self) -> Option<Profile> {
         self.exe.profile()
     }
 

@@ -2,7 +2,7 @@
 
 use crate::backend::{Backend, BackendOptions, Executable, SharedParam};
 use rlx_cpu::CpuProgram;
-use rlx_driver::{Buffer, Device};
+use rlx_driver::{Buffer, Device, Profile};
 use rlx_ir::{Error, NodeId, Result};
 use rlx_opt::{FusionOptions, Plan};
 use std::sync::Arc;
@@ -97,7 +97,7 @@ impl Executable for CpuProgram {
         CpuProgram::set_profiling(self, on)
     }
 
-    fn profile(&self) -> Option<(Vec<(NodeId, String, std::time::Duration)>, u64)> {
+    fn profile(&self) -> Option<Profile> {
         CpuProgram::profile(self)
     }
 
