@@ -135,6 +135,8 @@ mod x86 {
     pub const AVX512_MR: usize = 8;
     pub const AVX512_NR: usize = 48;
     pub const AVX2_MR: usize = 6;
+    /// How many B rows ahead the AVX-512 kernel prefetches.
+    const PREFETCH_ROWS: usize = 8;
     pub const AVX2_NR: usize = 16;
 
     /// `MR x NR` tile in `MR * NR / 16` zmm accumulators.
@@ -164,6 +166,12 @@ mod x86 {
                 let mut bv = [_mm512_setzero_ps(); NV];
                 for (v, x) in bv.iter_mut().enumerate() {
                     *x = _mm512_loadu_ps(b.add(16 * v));
+                }
+                // B rows further down the panel, for when B is read in place (its
+                // rows are far apart and the hardware prefetcher lags); a prefetch
+                // never faults, so running past the panel is harmless.
+                for v in 0..NV {
+                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH_ROWS * ldb + 16 * v).cast::<i8>());
                 }
                 for (i, row) in acc.iter_mut().enumerate() {
                     let x = _mm512_set1_ps(*a.add(i * lda));
