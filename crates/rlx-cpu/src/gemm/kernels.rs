@@ -33,12 +33,7 @@ fn detect() -> MicroKernel {
             if std::is_x86_feature_detected!("avx512f")
                 && std::env::var("RLX_CPU_KERNEL").as_deref() != Ok("avx2")
             {
-                return MicroKernel {
-                    run: x86::kernel_avx512,
-                    mr: x86::AVX512_MR,
-                    nr: x86::AVX512_NR,
-                    name: "avx512",
-                };
+                return x86::AVX512_WIDE;
             }
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                 return MicroKernel {
@@ -51,6 +46,38 @@ fn detect() -> MicroKernel {
         }
     }
     generic_kernel()
+}
+
+/// The kernel for a product `n` columns wide: the best one, or a narrower variant of it
+/// when that tiles `n` exactly and the best does not.
+pub(crate) fn for_width(n: usize) -> MicroKernel {
+    let best = best();
+    #[cfg(target_arch = "x86_64")]
+    {
+        let narrow = x86::AVX512_NARROW;
+        if best.name == "avx512" && !n.is_multiple_of(best.nr) && n.is_multiple_of(narrow.nr) {
+            return narrow;
+        }
+    }
+    let _ = n;
+    best
+}
+
+/// The largest `(mr, mr * nr)` of the kernels `for_width` can return, for sizing
+/// scratch buffers.
+pub(crate) fn largest_tiles() -> (usize, usize) {
+    let best = best();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if best.name == "avx512" {
+            let narrow = x86::AVX512_NARROW;
+            return (
+                best.mr.max(narrow.mr),
+                (best.mr * best.nr).max(narrow.mr * narrow.nr),
+            );
+        }
+    }
+    (best.mr, best.mr * best.nr)
 }
 
 /// The portable kernel (every CPU; also used to test the SIMD ones).
@@ -78,12 +105,8 @@ pub(crate) fn available() -> Vec<MicroKernel> {
             });
         }
         if std::is_x86_feature_detected!("avx512f") {
-            all.push(MicroKernel {
-                run: x86::kernel_avx512,
-                mr: x86::AVX512_MR,
-                nr: x86::AVX512_NR,
-                name: "avx512",
-            });
+            all.push(x86::AVX512_WIDE);
+            all.push(x86::AVX512_NARROW);
         }
     }
     all
@@ -134,18 +157,36 @@ mod x86 {
 
     pub const AVX512_MR: usize = 8;
     pub const AVX512_NR: usize = 48;
+    /// The narrow variant, for products whose width is a multiple of 32 but not 48
+    /// (attention heads of 32 or 64).
+    pub const AVX512_NARROW_MR: usize = 12;
+    pub const AVX512_NARROW_NR: usize = 32;
     pub const AVX2_MR: usize = 6;
+    /// The main AVX-512 kernel.
+    pub const AVX512_WIDE: super::MicroKernel = super::MicroKernel {
+        run: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }>,
+        mr: AVX512_MR,
+        nr: AVX512_NR,
+        name: "avx512",
+    };
+    /// The AVX-512 kernel for widths that are multiples of 32.
+    pub const AVX512_NARROW: super::MicroKernel = super::MicroKernel {
+        run: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }>,
+        mr: AVX512_NARROW_MR,
+        nr: AVX512_NARROW_NR,
+        name: "avx512",
+    };
     /// How many B rows ahead the AVX-512 kernel prefetches.
     const PREFETCH_ROWS: usize = 8;
     pub const AVX2_NR: usize = 16;
 
-    /// `MR x NR` tile in `MR * NR / 16` zmm accumulators.
+    /// `MR x 16 NV` tile in `MR * NV` zmm accumulators.
     ///
     /// # Safety
     /// AVX-512F must be available; pointers as in `KernelFn`.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)] // the micro-kernel ABI
-    pub unsafe fn kernel_avx512(
+    pub unsafe fn kernel_avx512<const MR: usize, const NV: usize>(
         kc: usize,
         a: *const f32,
         lda: usize,
@@ -155,8 +196,6 @@ mod x86 {
         ldc: usize,
         accumulate: bool,
     ) {
-        const MR: usize = AVX512_MR;
-        const NV: usize = AVX512_NR / 16;
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
         let (mut a, mut b) = (a, b);
         for _ in 0..kc {
@@ -171,7 +210,9 @@ mod x86 {
                 // rows are far apart and the hardware prefetcher lags); a prefetch
                 // never faults, so running past the panel is harmless.
                 for v in 0..NV {
-                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH_ROWS * ldb + 16 * v).cast::<i8>());
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        b.wrapping_add(PREFETCH_ROWS * ldb + 16 * v).cast::<i8>(),
+                    );
                 }
                 for (i, row) in acc.iter_mut().enumerate() {
                     let x = _mm512_set1_ps(*a.add(i * lda));

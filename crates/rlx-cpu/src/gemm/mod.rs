@@ -114,7 +114,7 @@ impl Clone for GemmScratch {
 impl GemmScratch {
     /// Buffers for `threads` threads, each with `extra` more floats.
     pub fn new(threads: usize, extra: usize) -> GemmScratch {
-        let len = scratch_floats(best_kernel()) + extra;
+        let len = scratch_floats() + extra;
         GemmScratch {
             per_thread: (0..threads.max(1))
                 .map(|_| UnsafeCell::new(vec![0.0; len]))
@@ -146,8 +146,9 @@ fn mc_for(kernel: MicroKernel) -> usize {
     (MC / kernel.mr).max(1) * kernel.mr
 }
 
-fn scratch_floats(kernel: MicroKernel) -> usize {
-    kernel.mr * KC + KC * NC + kernel.mr * kernel.nr
+fn scratch_floats() -> usize {
+    let (mr, tile) = kernels::largest_tiles();
+    mr * KC + KC * NC + tile
 }
 
 /// Runs `g` with the best kernel for this CPU on up to `threads` threads of `pool`.
@@ -157,7 +158,7 @@ fn scratch_floats(kernel: MicroKernel) -> usize {
 /// not overlap `a`, `b` or the epilogue's operands.
 pub(crate) unsafe fn sgemm(g: &Gemm, pool: &ThreadPool, scratch: &GemmScratch) -> Result<()> {
     // SAFETY: forwarded contract.
-    unsafe { sgemm_with(g, best_kernel(), pool, scratch) }
+    unsafe { sgemm_with(g, kernels::for_width(g.n), pool, scratch) }
 }
 
 /// [`sgemm`] with an explicit micro-kernel (tests compare them all).
@@ -219,7 +220,7 @@ pub(crate) unsafe fn sgemm_with(
 pub(crate) unsafe fn sgemm_serial(g: &Gemm, buf: &mut [f32]) {
     if g.m > 0 && g.n > 0 {
         // SAFETY: forwarded contract; `buf` is a full GEMM buffer.
-        unsafe { serial(g, best_kernel(), 0..g.m, 0..g.n, buf) }
+        unsafe { serial(g, kernels::for_width(g.n), 0..g.m, 0..g.n, buf) }
     }
 }
 
@@ -235,7 +236,14 @@ unsafe fn serial(
     buf: &mut [f32],
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
-    let mc_max = mc_for(kernel);
+    // Even blocks: the range is cut into as few blocks as the limits allow, all of
+    // about the same size, so no thin leftover block repeats the per-block work.
+    let even = |len: usize, limit: usize, unit: usize| -> usize {
+        let blocks = len.div_ceil(limit).max(1);
+        len.div_ceil(blocks).div_ceil(unit) * unit
+    };
+    let mc_max = even(rows.len(), mc_for(kernel), mr).min(mc_for(kernel));
+    let nc_max = even(cols.len(), NC, nr).min(NC);
     let (a_edge, rest) = buf.split_at_mut(kernel.mr * KC);
     let (b_pack, tile) = rest.split_at_mut(KC * NC);
     if g.k == 0 {
@@ -255,7 +263,7 @@ unsafe fn serial(
     }
     let mut jc = cols.start;
     while jc < cols.end {
-        let nc = NC.min(cols.end - jc);
+        let nc = nc_max.min(cols.end - jc);
         let mut pc = 0;
         while pc < g.k {
             let kc = KC.min(g.k - pc);
