@@ -88,6 +88,7 @@ def fp32_onnx_model():
         keep.append(node)
     used = {i for n in keep for i in n.input}
     keep = [n for n in keep if not (n.op_type == "Cast" and n.output[0] not in used)]
+    used = {i for n in keep for i in n.input}
     del graph.node[:]
     graph.node.extend(keep)
     remaining = [i for i in graph.initializer if i.name in used]

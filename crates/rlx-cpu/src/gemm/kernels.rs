@@ -177,7 +177,7 @@ mod x86 {
         name: "avx512",
     };
     /// How many B rows ahead the AVX-512 kernel prefetches.
-    const PREFETCH_ROWS: usize = 8;
+    const PREFETCH_ROWS: usize = 24;
     pub const AVX2_NR: usize = 16;
 
     /// `MR x 16 NV` tile in `MR * NV` zmm accumulators.
@@ -212,6 +212,9 @@ mod x86 {
                 for v in 0..NV {
                     _mm_prefetch::<_MM_HINT_T0>(
                         b.wrapping_add(PREFETCH_ROWS * ldb + 16 * v).cast::<i8>(),
+                    );
+                    _mm_prefetch::<_MM_HINT_T1>(
+                        b.wrapping_add(4 * PREFETCH_ROWS * ldb + 16 * v).cast::<i8>(),
                     );
                 }
                 for (i, row) in acc.iter_mut().enumerate() {
