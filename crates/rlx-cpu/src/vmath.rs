@@ -195,6 +195,7 @@ unsafe fn exp_shifted_sum_avx2(v: &mut [f32], shift: f32) -> f32 {
 }
 
 /// 2 with AVX-512F, 1 with AVX2+FMA, 0 otherwise (detected once).
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn simd_level() -> u8 {
     static LEVEL: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
     *LEVEL.get_or_init(|| {
