@@ -48,6 +48,10 @@ fn detect() -> MicroKernel {
     generic_kernel()
 }
 
+/// The widest product the narrow AVX-512 kernel is used for.
+#[cfg(target_arch = "x86_64")]
+const NARROW_MAX_WIDTH: usize = 256;
+
 /// The kernel for a product `n` columns wide: the best one, or a narrower variant of it
 /// when that tiles `n` exactly and the best does not.
 pub(crate) fn for_width(n: usize) -> MicroKernel {
@@ -55,7 +59,13 @@ pub(crate) fn for_width(n: usize) -> MicroKernel {
     #[cfg(target_arch = "x86_64")]
     {
         let narrow = x86::AVX512_NARROW;
-        if best.name == "avx512" && !n.is_multiple_of(best.nr) && n.is_multiple_of(narrow.nr) {
+        // Only for narrow products (attention heads, score blocks): on wide ones the
+        // wide kernel's denser tiles win over its one partial panel.
+        if best.name == "avx512"
+            && n <= NARROW_MAX_WIDTH
+            && !n.is_multiple_of(best.nr)
+            && n.is_multiple_of(narrow.nr)
+        {
             return narrow;
         }
     }
