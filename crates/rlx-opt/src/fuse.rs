@@ -21,6 +21,8 @@ pub struct FusionOptions {
     pub elementwise_regions: bool,
     /// Fold the head transposes around an attention into a sequence-major attention.
     pub attention_layout: bool,
+    /// Recognize attention written out as matmul, scale, mask, softmax and matmul.
+    pub attention_pattern: bool,
 }
 
 impl FusionOptions {
@@ -29,7 +31,184 @@ impl FusionOptions {
         matmul_epilogue: true,
         elementwise_regions: true,
         attention_layout: true,
+        attention_pattern: true,
     };
+}
+
+/// A matched `softmax(q @ k^T * scale + mask) @ v`.
+struct AttentionMatch {
+    q: NodeId,
+    k: NodeId,
+    v: NodeId,
+    mask: Option<NodeId>,
+    scale: f64,
+    /// Every node the pattern replaces, the final matmul last.
+    nodes: Vec<usize>,
+}
+
+/// The single value of a constant node holding one element.
+fn scalar_constant(graph: &Graph, node: &Node) -> Option<f64> {
+    let Op::Constant { id } = node.op else {
+        return None;
+    };
+    let data = graph.constants().get(id)?.clone();
+    (node.shape.num_elements() == 1).then(|| data.as_ref().to_f64_vec().first().copied())?
+}
+
+/// Matches the attention written out in ops, ending at matmul node `end`:
+/// `matmul(softmax(s, -1), v)` where `s` is `qk`, `qk * c`, `qk / c`, optionally plus a
+/// float mask, and `qk = matmul(q, transpose(k))` over `[B, H, S, D]` operands; every
+/// intermediate read only by the next step.
+fn match_attention(
+    graph: &Graph,
+    nodes: &[Node],
+    uses: &[usize],
+    end: usize,
+) -> Option<AttentionMatch> {
+    let single = |id: NodeId| uses[id.index()] == 1;
+    let node = |id: NodeId| &nodes[id.index()];
+    let out = &nodes[end];
+    if out.op != Op::MatMul || out.shape.rank() != 4 || !out.shape.dtype().is_float() {
+        return None;
+    }
+    let (probs, v) = (out.inputs[0], out.inputs[1]);
+    let Op::Softmax { axis: 3 } = node(probs).op else {
+        return None;
+    };
+    if !single(probs) {
+        return None;
+    }
+    let mut matched = vec![probs.index()];
+    let mut cur = node(probs).inputs[0];
+    let mut mask = None;
+    if node(cur).op == Op::Binary(BinaryOp::Add) && single(cur) {
+        let [a, b] = [node(cur).inputs[0], node(cur).inputs[1]];
+        // The scores: the full [B, H, Sq, Sk] operand computed by a matmul or a scale.
+        let scoreish = |x: NodeId| {
+            node(x).shape == node(cur).shape
+                && matches!(
+                    node(x).op,
+                    Op::MatMul | Op::Binary(BinaryOp::Mul | BinaryOp::Div)
+                )
+        };
+        let (scores, m) = match (scoreish(a), scoreish(b)) {
+            (true, _) => (a, b),
+            (false, true) => (b, a),
+            _ => return None,
+        };
+        matched.push(cur.index());
+        mask = Some(m);
+        cur = scores;
+    }
+    let mut scale = 1.0;
+    if let Op::Binary(op @ (BinaryOp::Mul | BinaryOp::Div)) = node(cur).op
+        && single(cur)
+    {
+        let [a, b] = [node(cur).inputs[0], node(cur).inputs[1]];
+        let (scores, c) = match (
+            scalar_constant(graph, node(a)),
+            scalar_constant(graph, node(b)),
+        ) {
+            (_, Some(c)) => (a, c),
+            (Some(c), None) if op == BinaryOp::Mul => (b, c),
+            _ => return None,
+        };
+        if c == 0.0 || !c.is_finite() {
+            return None;
+        }
+        scale = if op == BinaryOp::Mul { c } else { 1.0 / c };
+        matched.push(cur.index());
+        cur = scores;
+    }
+    let qk = node(cur);
+    if qk.op != Op::MatMul || !single(cur) {
+        return None;
+    }
+    matched.push(cur.index());
+    let (q, kt) = (qk.inputs[0], qk.inputs[1]);
+    if !matches!(&node(kt).op, Op::Permute { perm } if perm.as_slice() == [0, 1, 3, 2]) {
+        return None;
+    }
+    let k = node(kt).inputs[0];
+    if [q, k, v].iter().any(|x| node(*x).shape.rank() != 4) {
+        return None;
+    }
+    // The fused node must be a valid attention of the same result (batch dims that
+    // the matmuls broadcast, for one, are not).
+    let op = Op::Attention {
+        scale: F64Bits::new(scale),
+        causal: false,
+        seq_major: false,
+    };
+    let mut shapes = vec![&node(q).shape, &node(k).shape, &node(v).shape];
+    if let Some(m) = mask {
+        shapes.push(&node(m).shape);
+    }
+    if rlx_ir::infer_shape(&op, &shapes).ok().as_ref() != Some(&out.shape) {
+        return None;
+    }
+    // The transpose stays for any other reader; it dies with the pattern otherwise.
+    matched.push(end);
+    Some(AttentionMatch {
+        q,
+        k,
+        v,
+        mask,
+        scale,
+        nodes: matched,
+    })
+}
+
+/// Attention written out in ops (`softmax(q @ k^T * scale + mask) @ v`, as exported
+/// models spell it) becomes one `attention` node: the fused kernel never materializes
+/// the whole score matrix.
+pub fn fuse_attention_pattern(graph: &Graph) -> Fused {
+    let uses = use_counts(graph);
+    let nodes = graph.nodes();
+    let mut absorbed = vec![false; nodes.len()];
+    let mut at_end: Vec<Option<AttentionMatch>> = (0..nodes.len()).map(|_| None).collect();
+    for end in 0..nodes.len() {
+        if let Some(m) = match_attention(graph, &nodes, &uses, end)
+            && m.nodes.iter().all(|&n| !absorbed[n])
+        {
+            for &n in &m.nodes {
+                absorbed[n] = true;
+            }
+            at_end[end] = Some(m);
+        }
+    }
+    let mut w = Rewriter::new(nodes.len());
+    let mut records = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        if let Some(m) = &at_end[i] {
+            let mut inputs = vec![m.q, m.k, m.v];
+            inputs.extend(m.mask);
+            w.place(
+                i,
+                Node {
+                    op: Op::Attention {
+                        scale: F64Bits::new(m.scale),
+                        causal: false,
+                        seq_major: false,
+                    },
+                    inputs,
+                    shape: node.shape.clone(),
+                },
+            );
+            let mut replaced: Vec<usize> = m.nodes.clone();
+            replaced.sort_unstable();
+            records.push((
+                i,
+                replaced
+                    .iter()
+                    .map(|&n| format!("{} %{n}", nodes[n].op.name()))
+                    .collect(),
+            ));
+        } else if !absorbed[i] {
+            w.place(i, node.clone());
+        }
+    }
+    finish(graph, w, records)
 }
 
 /// `[B, S, H, D] <-> [B, H, S, D]`.

@@ -150,8 +150,16 @@ pub fn plan_graph(graph: &Graph, options: &PlanOptions) -> Result<Plan> {
     }
     graph = crate::dce::eliminate_dead_code(&graph).0;
     let mut fusions = Vec::new();
+    if options.fusion.attention_pattern {
+        let fused = crate::fuse::fuse_attention_pattern(&graph);
+        graph = fused.graph;
+        fusions.extend(fused.records);
+    }
     if options.fusion.attention_layout {
         let fused = crate::fuse::fuse_attention_layout(&graph);
+        for r in &mut fusions {
+            r.node = fused.remap[r.node.index()];
+        }
         graph = fused.graph;
         fusions.extend(fused.records);
     }

@@ -332,3 +332,57 @@ fn attention_head_transposes_fold_into_a_sequence_major_attention() {
         check(&g, &mut rng, &format!("attention layout b={b} s={s}"));
     }
 }
+
+#[test]
+fn attention_written_out_in_ops_becomes_one_attention() {
+    let mut rng = Rng(57);
+    // (batch, heads, sq, sk, d, scale form, masked)
+    for (b, h, sq, sk, d, form, masked) in [
+        (1, 2, 5, 7, 4, 0, false),
+        (2, 3, 70, 300, 8, 1, true),
+        (1, 4, 16, 16, 16, 2, true),
+        (2, 1, 9, 9, 4, 0, true),
+    ] {
+        let g = Graph::new("spelled-out attention");
+        let q = g.input("q", Shape::new(&[b, h, sq, d], DType::F32));
+        let k = g.input("k", Shape::new(&[b, h, sk, d], DType::F32));
+        let v = g.input("v", Shape::new(&[b, h, sk, d], DType::F32));
+        let mask = g.input("mask", Shape::new(&[b, 1, 1, sk], DType::F32));
+        let qk = g.matmul(q, g.transpose(k, -1, -2).unwrap()).unwrap();
+        let c = (d as f64).sqrt();
+        let scaled = match form {
+            0 => g.div(qk, g.scalar(c, DType::F32)),
+            1 => g.mul(qk, g.scalar(1.0 / c, DType::F32)),
+            _ => g.mul(g.scalar(0.3, DType::F32), qk),
+        }
+        .unwrap();
+        let scores = if masked {
+            g.add(mask, scaled).unwrap()
+        } else {
+            scaled
+        };
+        let out = g.matmul(g.softmax(scores, -1).unwrap(), v).unwrap();
+        g.set_outputs(vec![out]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+        assert!(
+            ops.contains(&"attention".to_string()) && !ops.contains(&"softmax".to_string()),
+            "{}",
+            plan.graph
+        );
+        check(
+            &g,
+            &mut rng,
+            &format!("attention pattern b={b} h={h} sq={sq} sk={sk}"),
+        );
+    }
+    // A softmax over another axis, or scores read twice, is left alone.
+    let g = Graph::new("not attention");
+    let q = g.input("q", Shape::new(&[1, 2, 4, 4], DType::F32));
+    let qk = g.matmul(q, g.transpose(q, -1, -2).unwrap()).unwrap();
+    let p = g.softmax(qk, 2).unwrap();
+    g.set_outputs(vec![g.matmul(p, q).unwrap(), qk]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    assert!(plan.graph.nodes().iter().any(|n| n.op.name() == "softmax"));
+    check(&g, &mut rng, "not attention");
+}
