@@ -167,14 +167,14 @@ pub fn fuse_attention_pattern(graph: &Graph) -> Fused {
     let nodes = graph.nodes();
     let mut absorbed = vec![false; nodes.len()];
     let mut at_end: Vec<Option<AttentionMatch>> = (0..nodes.len()).map(|_| None).collect();
-    for end in 0..nodes.len() {
+    for (end, slot) in at_end.iter_mut().enumerate() {
         if let Some(m) = match_attention(graph, &nodes, &uses, end)
             && m.nodes.iter().all(|&n| !absorbed[n])
         {
             for &n in &m.nodes {
                 absorbed[n] = true;
             }
-            at_end[end] = Some(m);
+            *slot = Some(m);
         }
     }
     let mut w = Rewriter::new(nodes.len());
