@@ -1,7 +1,7 @@
 //! Public entry points to the CPU's dense kernels, for benchmarks and for programs that
 //! want a fast matrix product without building a graph.
 
-use crate::gemm::{Epilogue, Gemm, GemmScratch, best_kernel, sgemm};
+use crate::gemm::{BFormat, Epilogue, Gemm, GemmScratch, best_kernel, sgemm};
 use crate::pool::ThreadPool;
 use rlx_ir::{Error, Result};
 
@@ -38,6 +38,7 @@ pub fn matmul_f32(
         b: b.as_ptr(),
         ldb: n,
         b_transposed: false,
+        b_format: BFormat::F32,
         c: c.as_mut_ptr(),
         ldc: n,
         accumulate: false,

@@ -194,6 +194,40 @@ unsafe fn exp_shifted_sum_avx2(v: &mut [f32], shift: f32) -> f32 {
     exp_shifted_sum_body(v, shift)
 }
 
+/// Converts half-precision values to `f32` (the F16C instructions where the CPU has
+/// them, exact either way).
+pub(crate) fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("f16c") {
+            // SAFETY: F16C (with AVX, which it implies) is available.
+            return unsafe { f16_to_f32_f16c(src, dst) };
+        }
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn f16_to_f32_f16c(src: &[half::f16], dst: &mut [f32]) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: elements i..i+8 of both slices exist.
+        unsafe {
+            let halves = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(halves));
+        }
+        i += 8;
+    }
+    for k in i..n {
+        dst[k] = src[k].to_f32();
+    }
+}
+
 /// 2 with AVX-512F, 1 with AVX2+FMA, 0 otherwise (detected once).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn simd_level() -> u8 {

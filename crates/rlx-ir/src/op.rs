@@ -520,7 +520,8 @@ pub enum Op {
     },
     /// `act(alpha * (a @ b) + bias) + residual`: a matmul with its epilogue, formed by
     /// the optimizer. Operands: `a`, `b`, then `bias` (`[N]`) if `bias`, then the
-    /// residual (the output's shape) if `residual`.
+    /// residual (the output's shape) if `residual`. With an `f32` `a`, `b` may be `f16`
+    /// or `bf16` (read as `f32`: stored weights need no conversion pass).
     FusedMatMul {
         /// Scale of the product.
         alpha: F64Bits,

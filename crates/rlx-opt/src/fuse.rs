@@ -2,13 +2,16 @@
 //!
 //! - Matmul epilogues: `matmul` followed by a bias add (`[N]`), an activation (gelu,
 //!   gelu_tanh, relu, silu) and a residual add (same shape), each only when the
-//!   intermediate value has no other reader, become one `FusedMatMul`.
+//!   intermediate value has no other reader, become one `FusedMatMul`; a cast of
+//!   `f16`/`bf16` weights to `f32` feeding the matmul is absorbed too (the kernel reads
+//!   the stored weights).
 //! - Elementwise regions: connected float elementwise ops of one output shape whose
 //!   intermediate values are read only inside the region become one `Elementwise`.
 
 use crate::rewrite::{Rewriter, consumers, use_counts};
 use rlx_ir::{
-    BinaryOp, EwStep, F64Bits, Graph, Node, NodeId, Op, UnaryOp, fusable_binary, fusable_unary,
+    BinaryOp, DType, EwStep, F64Bits, Graph, Node, NodeId, Op, UnaryOp, fusable_binary,
+    fusable_unary,
 };
 use std::collections::{BTreeSet, BinaryHeap};
 
@@ -313,6 +316,8 @@ fn epilogue_activation(op: &Op) -> Option<UnaryOp> {
 
 struct Epilogue {
     matmul: usize,
+    /// A cast of half-precision weights to `f32` feeding `b`, read natively instead.
+    b_cast: Option<usize>,
     last: usize,
     bias: Option<NodeId>,
     activation: Option<UnaryOp>,
@@ -338,8 +343,23 @@ pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
         }
         let shape = &node.shape;
         let n = shape.dims().last().copied().unwrap_or(0);
+        let b = node.inputs[1];
+        let b_cast = match nodes[b.index()].op {
+            Op::Cast(DType::F32)
+                if uses[b.index()] == 1
+                    && node.shape.dtype() == DType::F32
+                    && matches!(
+                        nodes[nodes[b.index()].inputs[0].index()].shape.dtype(),
+                        DType::F16 | DType::BF16
+                    ) =>
+            {
+                Some(b.index())
+            }
+            _ => None,
+        };
         let mut e = Epilogue {
             matmul: i,
+            b_cast,
             last: i,
             bias: None,
             activation: None,
@@ -381,13 +401,13 @@ pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
             e.absorbed.push(j);
             e.last = j;
         }
-        if e.absorbed.len() > 1 {
+        if e.absorbed.len() > 1 || e.b_cast.is_some() {
             found.push(e);
         }
     }
     let mut absorbed_into = vec![None; nodes.len()];
     for (k, e) in found.iter().enumerate() {
-        for &a in &e.absorbed {
+        for &a in e.absorbed.iter().chain(&e.b_cast) {
             absorbed_into[a] = Some(k);
         }
     }
@@ -399,6 +419,9 @@ pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
                 let e = &found[k];
                 let mm = &nodes[e.matmul];
                 let mut inputs = mm.inputs.clone();
+                if let Some(c) = e.b_cast {
+                    inputs[1] = nodes[c].inputs[0];
+                }
                 inputs.extend(e.bias);
                 inputs.extend(e.residual);
                 w.place(
@@ -414,9 +437,12 @@ pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
                         shape: node.shape.clone(),
                     },
                 );
+                let mut replaced: Vec<usize> =
+                    e.absorbed.iter().chain(&e.b_cast).copied().collect();
+                replaced.sort_unstable();
                 records.push((
                     i,
-                    e.absorbed
+                    replaced
                         .iter()
                         .map(|&a| format!("{} %{a}", nodes[a].op.name()))
                         .collect(),

@@ -50,9 +50,11 @@ fn reference(g: &Graph, feeds: &[(String, Vec<f32>)]) -> Vec<HostTensor> {
             .find(|(n, _, _)| n == name)
             .unwrap()
             .2;
+        let wide: Vec<f64> = data.iter().map(|&v| f64::from(v)).collect();
         values.insert(
             name.clone(),
-            HostTensor::from_data(shape.dims(), &TensorData::F32(data.clone())).unwrap(),
+            HostTensor::from_data(shape.dims(), &TensorData::from_f64(shape.dtype(), &wide))
+                .unwrap(),
         );
     }
     evaluate(g, &mut values).unwrap()
@@ -385,4 +387,58 @@ fn attention_written_out_in_ops_becomes_one_attention() {
     let plan = plan_graph(&g, &all_passes()).unwrap();
     assert!(plan.graph.nodes().iter().any(|n| n.op.name() == "softmax"));
     check(&g, &mut rng, "not attention");
+}
+
+#[test]
+fn half_precision_weights_are_read_by_the_matmul_without_a_cast() {
+    let mut rng = Rng(77);
+    for dtype in [DType::F16, DType::BF16] {
+        for (m, k, n) in [(3, 17, 40), (64, 96, 130)] {
+            let g = Graph::new("half weights");
+            let x = g.input("x", Shape::new(&[m, k], DType::F32));
+            let w = g.param("w", Shape::new(&[k, n], dtype));
+            let b = g.param("b", Shape::new(&[n], DType::F32));
+            let y = g
+                .gelu(
+                    g.add(g.matmul(x, g.cast(w, DType::F32).unwrap()).unwrap(), b)
+                        .unwrap(),
+                )
+                .unwrap();
+            g.set_outputs(vec![y]);
+            let plan = plan_graph(&g, &all_passes()).unwrap();
+            {
+                let nodes = plan.graph.nodes();
+                let fused = nodes
+                    .iter()
+                    .find(|n| n.op.name() == "fused_matmul")
+                    .expect("a fused matmul");
+                assert_eq!(
+                    nodes[fused.inputs[1].index()].shape.dtype(),
+                    dtype,
+                    "{}",
+                    plan.graph
+                );
+                assert!(
+                    nodes.iter().all(|n| n.op.name() != "cast"),
+                    "{}",
+                    plan.graph
+                );
+            }
+            // Values exact in both half formats (multiples of 1/128 in [-1, 1]), so the
+            // reference, which reads the f32 feeds, sees the stored weights.
+            let mut feeds = feeds(&g, &mut rng);
+            for (_, data) in &mut feeds {
+                data.iter_mut()
+                    .for_each(|v| *v = (*v * 128.0).round() / 128.0);
+            }
+            let want = reference(&g, &feeds);
+            let got = run_cpu(&g, &feeds, true);
+            for (i, (a, &b)) in want[0].data.iter().zip(&got[0]).enumerate() {
+                assert!(
+                    (a - f64::from(b)).abs() <= 2e-5 * (1.0 + a.abs()),
+                    "{dtype} {m}x{k}x{n} [{i}]: {b} vs {a}"
+                );
+            }
+        }
+    }
 }

@@ -69,6 +69,17 @@ impl Epilogue {
     }
 }
 
+/// The storage format of `B`'s elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BFormat {
+    /// `f32`.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
 /// One GEMM problem. `A[i, p]` is `a[i * lda + p]`; `B[p, j]` is `b[p * ldb + j]`, or
 /// `b[j * ldb + p]` when `b_transposed`; `C[i, j]` is `c[i * ldc + j]`.
 #[derive(Clone, Copy, Debug)]
@@ -81,6 +92,9 @@ pub(crate) struct Gemm {
     pub b: *const f32,
     pub ldb: usize,
     pub b_transposed: bool,
+    /// How `b`'s elements are stored (`b` then points at `u16` values for the half
+    /// formats, converted to `f32` as they are packed).
+    pub b_format: BFormat,
     pub c: *mut f32,
     pub ldc: usize,
     /// Add the product to `C` instead of overwriting it.
@@ -274,7 +288,8 @@ unsafe fn serial(
             // a row-major B is then read in place (only a last partial panel is
             // packed). With more rows, packing turns the strided first read of B into
             // a sequential one and the kernel reads L1-resident panels.
-            let in_place = !g.b_transposed && rows.len() <= IN_PLACE_B_MAX_ROWS;
+            let in_place =
+                !g.b_transposed && g.b_format == BFormat::F32 && rows.len() <= IN_PLACE_B_MAX_ROWS;
             if in_place {
                 let full = nc / nr * nr;
                 if full < nc {
@@ -495,6 +510,7 @@ mod tests {
                             b: b.as_ptr(),
                             ldb: if bt { k } else { n },
                             b_transposed: bt,
+                            b_format: BFormat::F32,
                             c: c.as_mut_ptr(),
                             ldc: n,
                             accumulate: false,
@@ -511,6 +527,76 @@ mod tests {
                                 kernel.name
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn half_precision_b_is_converted_while_packing() {
+        let pool = ThreadPool::new(2);
+        let mut seed = 99u64;
+        for &(m, n, k) in &[(5, 70, 33), (130, 100, 200), (300, 50, 400)] {
+            let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+            let b32: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed)).collect();
+            let halves: Vec<half::f16> = b32.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let brains: Vec<half::bf16> = b32.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let cases: [(BFormat, *const f32, Vec<f32>); 2] = [
+                (
+                    BFormat::F16,
+                    halves.as_ptr().cast(),
+                    halves.iter().map(|h| h.to_f32()).collect(),
+                ),
+                (
+                    BFormat::BF16,
+                    brains.as_ptr().cast(),
+                    brains.iter().map(|h| h.to_f32()).collect(),
+                ),
+            ];
+            for (format, ptr, exact) in cases {
+                for bt in [false, true] {
+                    // The transposed layout of the same values.
+                    let (ptr, exact, ldb, _keep16, _keepb) = if bt {
+                        let t16: Vec<half::f16> =
+                            (0..n * k).map(|i| halves[(i % k) * n + i / k]).collect();
+                        let tb: Vec<half::bf16> =
+                            (0..n * k).map(|i| brains[(i % k) * n + i / k]).collect();
+                        let texact: Vec<f32> =
+                            (0..n * k).map(|i| exact[(i % k) * n + i / k]).collect();
+                        let p: *const f32 = if format == BFormat::F16 {
+                            t16.as_ptr().cast()
+                        } else {
+                            tb.as_ptr().cast()
+                        };
+                        (p, texact, k, t16, tb)
+                    } else {
+                        (ptr, exact.clone(), n, Vec::new(), Vec::new())
+                    };
+                    let want = reference(m, n, k, &a, &exact, bt);
+                    let mut c = vec![0.0f32; m * n];
+                    let g = Gemm {
+                        m,
+                        n,
+                        k,
+                        a: a.as_ptr(),
+                        lda: k,
+                        b: ptr,
+                        ldb,
+                        b_transposed: bt,
+                        b_format: format,
+                        c: c.as_mut_ptr(),
+                        ldc: n,
+                        accumulate: false,
+                        epilogue: Epilogue::NONE,
+                    };
+                    // SAFETY: all buffers match the stated sizes and formats.
+                    unsafe { sgemm(&g, &pool, &GemmScratch::new(2, 0)) }.unwrap();
+                    for (idx, (&got, &w)) in c.iter().zip(&want).enumerate() {
+                        assert!(
+                            (f64::from(got) - w).abs() <= 1e-5 * (k as f64).sqrt() * 4.0,
+                            "{format:?} bt={bt} {m}x{n}x{k} at {idx}: {got} vs {w}"
+                        );
                     }
                 }
             }
@@ -539,6 +625,7 @@ mod tests {
                     b: b.as_ptr(),
                     ldb: n,
                     b_transposed: false,
+                    b_format: BFormat::F32,
                     c: c.as_mut_ptr(),
                     ldc: n,
                     accumulate: false,

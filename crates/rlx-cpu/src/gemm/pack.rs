@@ -2,7 +2,7 @@
 //! micro-kernel reads them, and the last short row panel of `A` into zero-padded rows;
 //! both padded with zeros past the matrix edge.
 
-use super::Gemm;
+use super::{BFormat, Gemm};
 
 /// Copies `rows` (< `mr`) rows of `A[i0.., pc..pc+kc]` into `out` as `mr` rows of `kc`
 /// values, the missing rows zero.
@@ -31,7 +31,7 @@ pub(super) unsafe fn pack_a_rows(
 }
 
 /// Packs `B[pc..pc+kc, jc..jc+nc]`: panel `q` holds columns `jc + q*nr ..`, stored as
-/// `kc` groups of `nr` values.
+/// `kc` groups of `nr` values, converted to `f32` from `B`'s storage format.
 ///
 /// # Safety
 /// The block must lie inside `B`; `out` holds at least `kc*ceil(nc/nr)*nr` floats.
@@ -44,6 +44,7 @@ pub(super) unsafe fn pack_b(
     nr: usize,
     out: &mut [f32],
 ) {
+    let mut column = [0.0f32; super::KC];
     for (panel, cols) in (0..nc).step_by(nr).enumerate() {
         let dst = &mut out[panel * nr * kc..(panel + 1) * nr * kc];
         let valid = nr.min(nc - cols);
@@ -51,11 +52,10 @@ pub(super) unsafe fn pack_b(
             // B[p, j] = b[j * ldb + p]: each column of the panel is contiguous in memory.
             for j in 0..nr {
                 if j < valid {
+                    let run = &mut column[..kc];
                     // SAFETY: column jc + cols + j, rows pc..pc+kc, lie inside B.
-                    let src = unsafe {
-                        std::slice::from_raw_parts(g.b.add((jc + cols + j) * g.ldb + pc), kc)
-                    };
-                    for (p, &v) in src.iter().enumerate() {
+                    unsafe { read_b_run(g, (jc + cols + j) * g.ldb + pc, run) };
+                    for (p, &v) in run.iter().enumerate() {
                         dst[p * nr + j] = v;
                     }
                 } else {
@@ -68,11 +68,36 @@ pub(super) unsafe fn pack_b(
             for p in 0..kc {
                 let row = &mut dst[p * nr..(p + 1) * nr];
                 // SAFETY: row pc + p, columns jc+cols .. +valid, lie inside B.
-                let src = unsafe {
-                    std::slice::from_raw_parts(g.b.add((pc + p) * g.ldb + jc + cols), valid)
-                };
-                row[..valid].copy_from_slice(src);
+                unsafe { read_b_run(g, (pc + p) * g.ldb + jc + cols, &mut row[..valid]) };
                 row[valid..].fill(0.0);
+            }
+        }
+    }
+}
+
+/// Reads `dst.len()` consecutive elements of `B` from element `offset` on, as `f32`.
+///
+/// # Safety
+/// The elements must lie inside `B`.
+unsafe fn read_b_run(g: &Gemm, offset: usize, dst: &mut [f32]) {
+    let len = dst.len();
+    match g.b_format {
+        BFormat::F32 => {
+            // SAFETY: per the contract.
+            let src = unsafe { std::slice::from_raw_parts(g.b.add(offset), len) };
+            dst.copy_from_slice(src);
+        }
+        BFormat::F16 => {
+            // SAFETY: per the contract; half-precision B holds `u16` elements.
+            let src =
+                unsafe { std::slice::from_raw_parts(g.b.cast::<half::f16>().add(offset), len) };
+            crate::vmath::f16_to_f32(src, dst);
+        }
+        BFormat::BF16 => {
+            // SAFETY: as above.
+            let src = unsafe { std::slice::from_raw_parts(g.b.cast::<u16>().add(offset), len) };
+            for (d, &bits) in dst.iter_mut().zip(src) {
+                *d = f32::from_bits(u32::from(bits) << 16);
             }
         }
     }

@@ -5,7 +5,7 @@
 
 use super::Ctx;
 use crate::elem::Bool8;
-use crate::gemm::{Epilogue, Gemm, sgemm_serial};
+use crate::gemm::{BFormat, Epilogue, Gemm, sgemm_serial};
 use crate::tensor::{Dst, Src, broadcast_strides};
 use crate::vmath;
 use rlx_ir::{DType, MAX_RANK, Result};
@@ -138,6 +138,7 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
             b: unsafe { k_ptr.add(k_at) },
             ldb: k_stride,
             b_transposed: true,
+            b_format: BFormat::F32,
             c: scores.as_mut_ptr(),
             ldc: KB,
             accumulate: false,
@@ -169,6 +170,7 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
             b: unsafe { v_ptr.add(v_at) },
             ldb: v_stride,
             b_transposed: false,
+            b_format: BFormat::F32,
             c: acc.as_mut_ptr(),
             ldc: dv,
             accumulate: true,

@@ -4,7 +4,7 @@
 
 use super::Ctx;
 use crate::elem::{Elem, with_dtype};
-use crate::gemm::{Activation, Epilogue, Gemm, sgemm};
+use crate::gemm::{Activation, BFormat, Epilogue, Gemm, sgemm};
 use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
 use crate::vmath;
 use rlx_ir::scalar::{binary_f64, unary_f64};
@@ -60,6 +60,13 @@ pub(crate) fn fused_matmul(
         return Ok(());
     }
     let in_gemm = activation.and_then(gemm_activation);
+    // Half-precision weights are converted as they are packed.
+    let b_format = match b.shape.dtype() {
+        DType::F16 => BFormat::F16,
+        DType::BF16 => BFormat::BF16,
+        _ => BFormat::F32,
+    };
+    let b_size = b.shape.dtype().size_in_bytes();
     let mut result = Ok(());
     for_each_strided(out_batch, [&sa, &sb], [0, 0], |bi, [ab, bb]| {
         if result.is_err() {
@@ -74,9 +81,10 @@ pub(crate) fn fused_matmul(
                 k,
                 a: a.ptr.cast::<f32>().add(ab as usize * m * k),
                 lda: k,
-                b: b.ptr.cast::<f32>().add(bb as usize * k * n),
+                b: b.ptr.add(bb as usize * k * n * b_size).cast::<f32>(),
                 ldb: n,
                 b_transposed: false,
+                b_format,
                 c: out.ptr.cast::<f32>().add(c_off),
                 ldc: n,
                 accumulate: false,

@@ -2,7 +2,7 @@
 
 use super::Ctx;
 use crate::elem::{Elem, with_dtype};
-use crate::gemm::{Epilogue, Gemm, sgemm};
+use crate::gemm::{BFormat, Epilogue, Gemm, sgemm};
 use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
 use rlx_ir::{DType, Result};
 
@@ -43,6 +43,7 @@ pub(crate) fn matmul(a: Src, b: Src, out: Dst, ctx: &Ctx) -> Result<()> {
                 b: unsafe { b.ptr.cast::<f32>().add(bb as usize * k * n) },
                 ldb: n,
                 b_transposed: false,
+                b_format: BFormat::F32,
                 c: unsafe { out.ptr.cast::<f32>().add(bi * m * n) },
                 ldc: n,
                 accumulate: false,

@@ -12,7 +12,7 @@ use super::{broadcast_source, mismatch, require_float, same_dtype, unravel};
 use crate::reference::HostTensor;
 use crate::scalar::{binary_f64, unary_f64};
 use crate::shape::broadcast_dims;
-use crate::{BinaryOp, Error, Result, Shape, UnaryOp};
+use crate::{BinaryOp, DType, Error, Result, Shape, UnaryOp};
 
 /// One step of an [`Op::Elementwise`](crate::Op::Elementwise) region. Operands are
 /// registers: `0..n` are the region's `n` inputs (broadcast to the output shape),
@@ -49,7 +49,20 @@ pub(crate) fn infer_fused_matmul(
             format!("takes {expected} operands, got {}", inputs.len()),
         ));
     }
-    let out = infer_matmul(inputs[0], inputs[1])?;
+    // A half-precision `b` with an `f32` `a` is read as `f32` (the weights stay stored
+    // as they are; the kernel converts while it packs).
+    let (a, b) = (inputs[0], inputs[1]);
+    let b_as_a;
+    let b = if b.dtype() != a.dtype()
+        && a.dtype() == DType::F32
+        && matches!(b.dtype(), DType::F16 | DType::BF16)
+    {
+        b_as_a = b.with_dtype(DType::F32);
+        &b_as_a
+    } else {
+        b
+    };
+    let out = infer_matmul(a, b)?;
     if let Some(act) = activation
         && !fusable_unary(act)
     {
