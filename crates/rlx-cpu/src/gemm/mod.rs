@@ -23,6 +23,8 @@ use std::cell::UnsafeCell;
 const KC: usize = 192;
 /// Rows of `A` packed at once (rounded down to a multiple of `MR`).
 const MC: usize = 96;
+/// Tasks per thread a multi-threaded product is cut into.
+const TASKS_PER_THREAD: usize = 4;
 /// Up to this many rows of `A` per thread, a row-major `B` is read without packing.
 const IN_PLACE_B_MAX_ROWS: usize = 256;
 /// Columns of `B` packed at once (a multiple of every `NR`).
@@ -196,7 +198,13 @@ pub(crate) unsafe fn sgemm_with(
         (false, kernel.mr, g.m)
     };
     let units = extent.div_ceil(unit);
-    let parts = threads.min(units).max(1);
+    // A few tasks per thread, claimed dynamically: a core slowed by another process
+    // then takes fewer tasks instead of holding up the whole product.
+    let parts = if threads > 1 {
+        (threads * TASKS_PER_THREAD).min(units).max(1)
+    } else {
+        1
+    };
     // Work per thread, too small to be worth a second thread below ~64k multiply-adds.
     let parts = if g.m * g.n * g.k.max(1) < 1 << 16 {
         1
