@@ -23,8 +23,10 @@ use std::cell::UnsafeCell;
 const KC: usize = 192;
 /// Rows of `A` packed at once (rounded down to a multiple of `MR`).
 const MC: usize = 96;
-/// Tasks per thread a multi-threaded product is cut into.
+/// Tasks per thread a multi-threaded product is cut into, when the operand every task
+/// re-reads is at most `SMALL_SHARED_OPERAND` bytes.
 const TASKS_PER_THREAD: usize = 4;
+const SMALL_SHARED_OPERAND: usize = 512 << 10;
 /// Up to this many rows of `A` per thread, a row-major `B` is read without packing.
 const IN_PLACE_B_MAX_ROWS: usize = 256;
 /// Columns of `B` packed at once (a multiple of every `NR`).
@@ -200,8 +202,16 @@ pub(crate) unsafe fn sgemm_with(
     let units = extent.div_ceil(unit);
     // A few tasks per thread, claimed dynamically: a core slowed by another process
     // then takes fewer tasks instead of holding up the whole product.
+    // Every task reads all of the operand it does not split (A when splitting
+    // columns, B when splitting rows): more tasks only while that stays cheap.
+    let shared_bytes = 4 * g.k * if split_cols { g.m } else { g.n };
+    let per_thread = if shared_bytes <= SMALL_SHARED_OPERAND {
+        TASKS_PER_THREAD
+    } else {
+        1
+    };
     let parts = if threads > 1 {
-        (threads * TASKS_PER_THREAD).min(units).max(1)
+        (threads * per_thread).min(units).max(1)
     } else {
         1
     };
