@@ -17,7 +17,7 @@ mod state;
 use crate::gemm::GemmScratch;
 use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
-use rlx_ir::{DType, Op, Result, Shape};
+use rlx_ir::{DType, Op, ReduceOp, Result, Shape};
 
 pub(crate) use reduce::ReduceGeometry;
 
@@ -44,6 +44,11 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
             )
         }
         Op::Elementwise { steps } => format!("cpu.region{}.{}", steps.len(), out.dtype()),
+        Op::Reduce {
+            op: ReduceOp::Sum | ReduceOp::Mean,
+            axes,
+            ..
+        } if axes.len() == 1 && dtype == DType::F32 => format!("cpu.axis.{}.f32", op.name()),
         _ if inputs.first().is_some_and(|x| fast_rows(op, x)) => {
             format!("cpu.rows.{}.f32", op.name())
         }
@@ -100,6 +105,13 @@ pub(crate) fn run<'a>(
         Op::Binary(b) => elementwise::binary(*b, src(0), src(1), out),
         Op::Where => elementwise::select(src(0), src(1), src(2), out),
         Op::Cast(_) => elementwise::cast(src(0), out),
+        Op::Reduce {
+            op: op @ (ReduceOp::Sum | ReduceOp::Mean),
+            axes,
+            ..
+        } if axes.len() == 1 && src(0).shape.dtype() == DType::F32 => {
+            norm_f32::sum_axis(*op == ReduceOp::Mean, src(0), axes[0], out)
+        }
         Op::Reduce { op, .. } => {
             let fallback;
             let geo = match geometry {

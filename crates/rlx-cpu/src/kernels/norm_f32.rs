@@ -185,3 +185,44 @@ multiversion! {
         }
     }
 }
+
+/// Sum (or mean) of `f32` values over one axis: `x` seen as `[outer, len, inner]`, the
+/// result `[outer, inner]`; each output row accumulates whole contiguous input rows, in
+/// `f64` as the reference does.
+pub(crate) fn sum_axis(mean: bool, x: Src, axis: usize, out: Dst) {
+    let dims = x.shape.dims();
+    let outer: usize = dims[..axis].iter().product();
+    let len = dims[axis];
+    let inner: usize = dims[axis + 1..].iter().product();
+    // A mean over nothing is 0 / 0 = NaN, as in the reference.
+    let scale = if mean { 1.0 / len as f64 } else { 1.0 };
+    let src = x.as_slice::<f32>();
+    // SAFETY: the output is `outer * inner` floats and a reduction never runs in place.
+    let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr.cast::<f32>(), outer * inner) };
+    sum_rows(src, dst, (outer, len, inner), scale);
+}
+
+multiversion! {
+    /// The loops of `sum_axis`.
+    fn sum_rows(src: &[f32], dst: &mut [f32], shape: (usize, usize, usize), scale: f64) {
+        let (outer, len, inner) = shape;
+        let mut acc = [0.0f64; 64];
+        for o in 0..outer {
+            // Columns in chunks of 64 so the accumulators stay in registers.
+            for c0 in (0..inner).step_by(64) {
+                let width = 64.min(inner - c0);
+                let acc = &mut acc[..width];
+                acc.fill(0.0);
+                for k in 0..len {
+                    let row = &src[(o * len + k) * inner + c0..][..width];
+                    for (a, &v) in acc.iter_mut().zip(row) {
+                        *a += f64::from(v);
+                    }
+                }
+                for (d, &a) in dst[o * inner + c0..][..width].iter_mut().zip(acc.iter()) {
+                    *d = (a * scale) as f32;
+                }
+            }
+        }
+    }
+}
