@@ -89,17 +89,27 @@ pub(crate) fn gather(axis: usize, x: Src, idx: Src, out: Dst) -> Result<()> {
     }
     let outer: usize = xd[..axis].iter().product();
     let inner: usize = xd[axis + 1..].iter().product();
-    with_dtype!(x.shape.dtype(), T => {
-        for o in 0..outer {
-            for i in 0..count {
-                let k = index_at(&idx, i);
-                let k = if k < 0 { k + n } else { k } as usize;
-                for e in 0..inner {
-                    out.set::<T>((o * count + i) * inner + e, x.get((o * xd[axis] + k) * inner + e));
-                }
-            }
+    // Whole rows of `inner` elements are copied as bytes (gather never runs in place).
+    let row_bytes = inner * x.shape.dtype().size_in_bytes();
+    for o in 0..outer {
+        for i in 0..count {
+            let k = index_at(&idx, i);
+            let k = if k < 0 { k + n } else { k } as usize;
+            let (from, to) = ((o * xd[axis] + k) * inner, (o * count + i) * inner);
+            assert!(
+                from + inner <= x.len && to + inner <= out.len,
+                "gather row out of bounds"
+            );
+            // SAFETY: both rows are in bounds (checked) and the tensors do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    x.ptr.add(from * x.shape.dtype().size_in_bytes()),
+                    out.ptr.add(to * x.shape.dtype().size_in_bytes()),
+                    row_bytes,
+                )
+            };
         }
-    });
+    }
     Ok(())
 }
 
