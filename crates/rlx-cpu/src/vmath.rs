@@ -5,6 +5,36 @@
 
 use crate::gemm::Activation;
 
+/// Defines `fn $name` whose body is compiled three times: for AVX-512, for AVX2+FMA and
+/// for the baseline, and dispatches on the CPU at run time. The body should be plain
+/// loops over slices that the compiler can vectorize.
+macro_rules! multiversion {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? $body:block) => {
+        $(#[$doc])*
+        fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn wide($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn narrow($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
+                match $crate::vmath::simd_level() {
+                    // SAFETY: the level says the features are available.
+                    2 => return unsafe { wide($($arg),*) },
+                    // SAFETY: as above.
+                    1 => return unsafe { narrow($($arg),*) },
+                    _ => {}
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+
+pub(crate) use multiversion;
+
 /// `e^x` for `f32`, relative error below 2e-7; 0 below -87.33, and `e^88.37`
 /// (about 2.5e38) for anything above 88.37.
 #[inline(always)]

@@ -8,6 +8,7 @@ use crate::elem::Bool8;
 use crate::gemm::{BFormat, Epilogue, Gemm, sgemm_serial};
 use crate::tensor::{Dst, Src, broadcast_strides};
 use crate::vmath;
+use crate::vmath::multiversion;
 use rlx_ir::{DType, MAX_RANK, Result};
 
 /// Queries per task (64 measured best: 32 repeats key packing, 128 overflows L2).
@@ -206,72 +207,42 @@ struct Block {
     dv: usize,
 }
 
-/// Masks one block of scores and folds it into the running softmax: turns the scores
-/// into `e^(s - max)`, updates each row's maximum and sum, and rescales the rows of the
-/// accumulated output when the maximum grows. Compiled for the widest vectors.
-fn softmax_block(
-    p: &Problem,
-    b: &Block,
-    scores: &mut [f32],
-    row_max: &mut [f32],
-    row_sum: &mut [f32],
-    acc: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if vmath::simd_level() >= 2 {
-            // SAFETY: AVX-512F is available.
-            return unsafe { softmax_block_avx512(p, b, scores, row_max, row_sum, acc) };
-        }
-    }
-    softmax_block_body(p, b, scores, row_max, row_sum, acc)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn softmax_block_avx512(
-    p: &Problem,
-    b: &Block,
-    scores: &mut [f32],
-    row_max: &mut [f32],
-    row_sum: &mut [f32],
-    acc: &mut [f32],
-) {
-    softmax_block_body(p, b, scores, row_max, row_sum, acc)
-}
-
-#[inline(always)]
-fn softmax_block_body(
-    p: &Problem,
-    b: &Block,
-    scores: &mut [f32],
-    row_max: &mut [f32],
-    row_sum: &mut [f32],
-    acc: &mut [f32],
-) {
-    let dv = b.dv;
-    for r in 0..b.rows {
-        let row = &mut scores[r * KB..r * KB + b.kb];
-        mask_row(p, b.bi, b.h, b.q0 + r, b.j0, row);
-        let block_max = max16(row);
-        if block_max == f32::NEG_INFINITY {
-            row.fill(0.0);
-            continue;
-        }
-        let new_max = row_max[r].max(block_max);
-        let correction = if row_max[r] == f32::NEG_INFINITY {
-            0.0
-        } else {
-            vmath::exp(row_max[r] - new_max)
-        };
-        let block_sum = vmath::exp_shifted_sum(row, new_max);
-        row_sum[r] = row_sum[r] * correction + block_sum;
-        if correction != 1.0 {
-            for x in acc[r * dv..(r + 1) * dv].iter_mut() {
-                *x *= correction;
+multiversion! {
+    /// Masks one block of scores and folds it into the running softmax: turns the
+    /// scores into `e^(s - max)`, updates each row's maximum and sum, and rescales the
+    /// rows of the accumulated output when the maximum grows.
+    fn softmax_block(
+        p: &Problem,
+        b: &Block,
+        scores: &mut [f32],
+        row_max: &mut [f32],
+        row_sum: &mut [f32],
+        acc: &mut [f32]
+    ) {
+        let dv = b.dv;
+        for r in 0..b.rows {
+            let row = &mut scores[r * KB..r * KB + b.kb];
+            mask_row(p, b.bi, b.h, b.q0 + r, b.j0, row);
+            let block_max = max16(row);
+            if block_max == f32::NEG_INFINITY {
+                row.fill(0.0);
+                continue;
             }
+            let new_max = row_max[r].max(block_max);
+            let correction = if row_max[r] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                vmath::exp(row_max[r] - new_max)
+            };
+            let block_sum = vmath::exp_shifted_sum(row, new_max);
+            row_sum[r] = row_sum[r] * correction + block_sum;
+            if correction != 1.0 {
+                for x in acc[r * dv..(r + 1) * dv].iter_mut() {
+                    *x *= correction;
+                }
+            }
+            row_max[r] = new_max;
         }
-        row_max[r] = new_max;
     }
 }
 

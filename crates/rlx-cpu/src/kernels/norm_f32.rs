@@ -5,6 +5,7 @@
 use super::Ctx;
 use crate::tensor::{Dst, Src};
 use crate::vmath;
+use crate::vmath::multiversion;
 use rlx_ir::Result;
 
 /// Rows per pool task.
@@ -112,31 +113,6 @@ fn sum16(v: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     }
     let tail: f32 = chunks.remainder().iter().map(|&x| f(x)).sum();
     lanes.iter().sum::<f32>() + tail
-}
-
-macro_rules! multiversion {
-    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? $body:block) => {
-        $(#[$doc])*
-        fn $name($($arg: $ty),*) $(-> $ret)? {
-            #[inline(always)]
-            fn body($($arg: $ty),*) $(-> $ret)? $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f")]
-                unsafe fn wide($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn narrow($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
-                match vmath::simd_level() {
-                    // SAFETY: the level says the features are available.
-                    2 => return unsafe { wide($($arg),*) },
-                    // SAFETY: as above.
-                    1 => return unsafe { narrow($($arg),*) },
-                    _ => {}
-                }
-            }
-            body($($arg),*)
-        }
-    };
 }
 
 multiversion! {

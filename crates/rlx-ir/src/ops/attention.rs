@@ -22,18 +22,7 @@ impl Graph {
         causal: bool,
         scale: Option<f64>,
     ) -> Result<NodeId> {
-        let d = self.shape(q)?.dims().last().copied().unwrap_or(1);
-        let scale = scale.unwrap_or(1.0 / (d.max(1) as f64).sqrt());
-        let mut inputs = vec![q, k, v];
-        inputs.extend(mask);
-        self.push(
-            Op::Attention {
-                scale: F64Bits::new(scale),
-                causal,
-                seq_major: false,
-            },
-            &inputs,
-        )
+        self.push_attention([q, k, v], mask, causal, scale, false)
     }
 
     /// [`attention`](Graph::attention) with `q [B, Sq, Hq, D]`, `k [B, Sk, Hkv, D]`,
@@ -49,6 +38,17 @@ impl Graph {
         causal: bool,
         scale: Option<f64>,
     ) -> Result<NodeId> {
+        self.push_attention([q, k, v], mask, causal, scale, true)
+    }
+
+    fn push_attention(
+        &self,
+        [q, k, v]: [NodeId; 3],
+        mask: Option<NodeId>,
+        causal: bool,
+        scale: Option<f64>,
+        seq_major: bool,
+    ) -> Result<NodeId> {
         let d = self.shape(q)?.dims().last().copied().unwrap_or(1);
         let scale = scale.unwrap_or(1.0 / (d.max(1) as f64).sqrt());
         let mut inputs = vec![q, k, v];
@@ -57,7 +57,7 @@ impl Graph {
             Op::Attention {
                 scale: F64Bits::new(scale),
                 causal,
-                seq_major: true,
+                seq_major,
             },
             &inputs,
         )
