@@ -20,6 +20,10 @@ graph ends at last_hidden_state; RLX's includes mean pooling and normalization
 Usage:
     python3 bench/minilm_vs_ort.py [--threads T] [--rounds R] [--runs N]
                                    [--shapes 1x16,1x128,32x128] [--json FILE] [--plot FILE]
+                                   [--no-gemm]
+
+After the MiniLM table it prints RLX's GEMM table (GFLOP/s against the FMA peak that
+`rlx bench gemm` measures in the same run).
 
 It installs what it needs (onnxruntime 1.31, onnx, numpy, matplotlib) into a virtual
 environment in the cache ($RLX_CACHE or ~/.cache/rlx) and re-runs itself there.
@@ -205,6 +209,7 @@ def main():
     parser.add_argument("--shapes", default="1x16,1x128,32x128")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG bar chart here")
+    parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM table")
     if len(sys.argv) > 1 and sys.argv[1] == "--ort-worker":
         ort_worker(sys.argv[2:])
         return
@@ -261,10 +266,27 @@ def main():
               f"| {row['runs_each']} |")
     result = {"ort_version": ort.__version__, "threads": args.threads, "agreement_cosine": agreement,
               "rows": rows}
+    if not args.no_gemm:
+        result["gemm"] = gemm_table(rlx, args.threads)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
         plot(rows, args.plot, ort.__version__, args.threads)
+
+
+def gemm_table(rlx, threads):
+    """RLX's f32 GEMM against the FMA peak the harness measures in the same run."""
+    report = json.loads(subprocess.check_output(
+        [str(rlx), "bench", "gemm", "--threads", str(threads), "--runs", "30", "--json"], text=True))
+    print()
+    print(f"f32 GEMM, {report['kernel']} kernel, {threads} threads, measured FMA peak "
+          f"{report['peak_gflops']:.0f} GFLOP/s")
+    print("| m x n x k | median | GFLOP/s | of peak |")
+    print("|---|---|---|---|")
+    for r in report["results"]:
+        print(f"| {r['m']}x{r['n']}x{r['k']} | {r['median_ms']:.3f} ms | {r['gflops']:.0f} "
+              f"| {r['percent_of_peak']:.0f}% |")
+    return report
 
 
 def plot(rows, path, ort_version, threads):
