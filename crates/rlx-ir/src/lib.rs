@@ -40,7 +40,9 @@ pub use op::{
     ArgReduceOp, BinaryOp, F64Bits, Op, PadMode, ReduceOp, RopeStyle, SliceAxis, TopKOutput,
     UnaryOp, Window2d,
 };
-pub use ops::fused::{EwStep, fusable_binary, fusable_unary};
+pub use ops::fused::{
+    EwStep, MAX_REGION_INPUTS, MAX_REGION_REGISTERS, fusable_binary, fusable_unary,
+};
 pub use ops::matmul::{MatMulDims, matmul_dims};
 pub use shape::{MAX_RANK, Shape, broadcast_dims, contiguous_strides, normalize_axis};
 pub use tensor::{TensorData, TensorRef};

@@ -10,8 +10,8 @@
 
 use crate::rewrite::{Rewriter, consumers, use_counts};
 use rlx_ir::{
-    BinaryOp, DType, EwStep, F64Bits, Graph, Node, NodeId, Op, UnaryOp, fusable_binary,
-    fusable_unary,
+    BinaryOp, DType, EwStep, F64Bits, Graph, MAX_REGION_INPUTS, MAX_REGION_REGISTERS, Node, NodeId,
+    Op, UnaryOp, fusable_binary, fusable_unary,
 };
 use std::collections::{BTreeSet, BinaryHeap};
 
@@ -301,9 +301,9 @@ pub struct FusionRecord {
     pub replaced: Vec<String>,
 }
 
-/// The most operands and steps one region holds (the CPU kernel's limits).
-const MAX_REGION_INPUTS: usize = 16;
-const MAX_REGION_STEPS: usize = 48;
+/// The most steps one region holds (the IR allows `MAX_REGION_REGISTERS` registers,
+/// inputs included).
+const MAX_REGION_STEPS: usize = MAX_REGION_REGISTERS - MAX_REGION_INPUTS;
 
 fn epilogue_activation(op: &Op) -> Option<UnaryOp> {
     match op {

@@ -442,3 +442,64 @@ fn half_precision_weights_are_read_by_the_matmul_without_a_cast() {
         }
     }
 }
+
+#[test]
+fn a_region_built_by_hand_is_checked() {
+    use rlx::ir::{BinaryOp, EwStep, Op};
+    let g = Graph::new("hand-made region");
+    let inputs: Vec<NodeId> = (0..17)
+        .map(|i| g.input(format!("x{i}"), Shape::new(&[4], DType::F32)))
+        .collect();
+    let add = |a: u16, b: u16| EwStep::Binary(BinaryOp::Add, a, b);
+    // Too many inputs.
+    let err = g
+        .push(
+            Op::Elementwise {
+                steps: vec![add(0, 1)],
+            },
+            &inputs,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("at most 16 inputs"), "{err}");
+    // A register read before it is defined.
+    let err = g
+        .push(
+            Op::Elementwise {
+                steps: vec![add(0, 5)],
+            },
+            &inputs[..2],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not yet defined"), "{err}");
+    // A comparison cannot be in a region.
+    let err = g
+        .push(
+            Op::Elementwise {
+                steps: vec![EwStep::Binary(BinaryOp::Lt, 0, 1)],
+            },
+            &inputs[..2],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cannot be fused"), "{err}");
+    // A valid hand-made region runs and matches its definition.
+    let g = Graph::new("hand-made region");
+    let x0 = g.input("x0", Shape::new(&[4], DType::F32));
+    let x1 = g.input("x1", Shape::new(&[4], DType::F32));
+    let y = g
+        .push(
+            Op::Elementwise {
+                steps: vec![add(0, 1), add(2, 2)],
+            },
+            &[x0, x1],
+        )
+        .unwrap();
+    g.set_outputs(vec![y]);
+    let mut c = Session::new(Device::Cpu).compile(&g).unwrap();
+    let out = c
+        .run(&[("x0", &[1.0, 2.0, 3.0, 4.0]), ("x1", &[0.5; 4])])
+        .unwrap();
+    assert_eq!(out[0], vec![3.0, 5.0, 7.0, 9.0]);
+}

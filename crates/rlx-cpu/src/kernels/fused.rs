@@ -8,7 +8,9 @@ use crate::gemm::{Activation, BFormat, Epilogue, Gemm, sgemm};
 use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
 use crate::vmath;
 use rlx_ir::scalar::{binary_f64, unary_f64};
-use rlx_ir::{BinaryOp, DType, EwStep, MAX_RANK, Result, UnaryOp};
+use rlx_ir::{
+    BinaryOp, DType, EwStep, MAX_RANK, MAX_REGION_INPUTS, MAX_REGION_REGISTERS, Result, UnaryOp,
+};
 
 /// The GEMM epilogue form of a unary op, if it has one.
 fn gemm_activation(op: UnaryOp) -> Option<Activation> {
@@ -185,7 +187,7 @@ enum Access {
 struct Region<'a, 'b> {
     inputs: &'b [Src<'a>],
     out: Dst<'a>,
-    access: [Access; 16],
+    access: [Access; MAX_REGION_INPUTS],
 }
 
 // SAFETY: tasks read the inputs and write disjoint chunks of the output.
@@ -199,7 +201,7 @@ pub(crate) fn elementwise(steps: &[EwStep], inputs: &[Src], out: Dst, ctx: &Ctx)
     }
     let dims = out.shape.dims();
     let total = out.len;
-    let mut access = [Access::Same; 16];
+    let mut access = [Access::Same; MAX_REGION_INPUTS];
     let n_in = inputs.len();
     for (slot, x) in access.iter_mut().zip(inputs) {
         let xd = x.shape.dims();
@@ -370,7 +372,7 @@ fn elementwise_generic(steps: &[EwStep], inputs: &[Src], out: Dst) {
         .map(|x| broadcast_strides(x.shape.dims(), dims))
         .collect();
     with_dtype!(out.shape.dtype(), T => {
-        let mut regs = [0.0f64; 64];
+        let mut regs = [0.0f64; MAX_REGION_REGISTERS];
         let mut idx = [0usize; MAX_RANK];
         for o in 0..out.len {
             let mut rest = o;

@@ -17,7 +17,7 @@ mod state;
 use crate::gemm::GemmScratch;
 use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
-use rlx_ir::{DType, Op, ReduceOp, Result, Shape};
+use rlx_ir::{DType, MAX_REGION_INPUTS, Op, ReduceOp, Result, Shape};
 
 pub(crate) use reduce::ReduceGeometry;
 
@@ -76,9 +76,6 @@ pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
         _ => 0,
     }
 }
-
-/// The most inputs an elementwise region may have (the optimizer respects it).
-pub const MAX_REGION_INPUTS: usize = 16;
 
 /// What kernels share during one run: scratch memory and the threads.
 pub(crate) struct Ctx<'a> {

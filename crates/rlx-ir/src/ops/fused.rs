@@ -25,6 +25,11 @@ pub enum EwStep {
     Binary(BinaryOp, u16, u16),
 }
 
+/// The most inputs an elementwise region may have.
+pub const MAX_REGION_INPUTS: usize = 16;
+/// The most registers (inputs plus steps) an elementwise region may use.
+pub const MAX_REGION_REGISTERS: usize = 64;
+
 /// Binary ops an elementwise region may hold: the arithmetic ones (no comparisons or
 /// logic, whose results are bool).
 pub fn fusable_binary(op: BinaryOp) -> bool {
@@ -145,6 +150,17 @@ pub(crate) fn infer_elementwise(steps: &[EwStep], inputs: &[&Shape]) -> Result<S
         return Err(Error::invalid(
             "elementwise",
             "a region needs at least one step",
+        ));
+    }
+    if inputs.len() > MAX_REGION_INPUTS || inputs.len() + steps.len() > MAX_REGION_REGISTERS {
+        return Err(Error::invalid(
+            "elementwise",
+            format!(
+                "a region takes at most {MAX_REGION_INPUTS} inputs and {MAX_REGION_REGISTERS} \
+                 registers, got {} inputs and {} steps",
+                inputs.len(),
+                steps.len()
+            ),
         ));
     }
     for (k, step) in steps.iter().enumerate() {
