@@ -17,7 +17,9 @@ mod state;
 use crate::gemm::GemmScratch;
 use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
-use rlx_ir::{DType, MAX_REGION_INPUTS, Op, ReduceOp, Result, Shape};
+use rlx_ir::{
+    BinaryOp, DType, EwStep, MAX_REGION_INPUTS, Op, ReduceOp, Result, Shape, fusable_binary,
+};
 
 pub(crate) use reduce::ReduceGeometry;
 
@@ -44,6 +46,9 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
             )
         }
         Op::Elementwise { steps } => format!("cpu.region{}.{}", steps.len(), out.dtype()),
+        Op::Binary(b) if fast_binary(*b, &inputs[0], out) => {
+            format!("cpu.region1.{}.f32", b.name())
+        }
         Op::Reduce {
             op: ReduceOp::Sum | ReduceOp::Mean,
             axes,
@@ -66,6 +71,11 @@ fn fast_rows(op: &Op, x: &Shape) -> bool {
         }
 }
 
+/// Whether a binary op runs on the vectorized region kernel: `f32` arithmetic.
+fn fast_binary(op: BinaryOp, a: &Shape, out: &Shape) -> bool {
+    a.dtype() == DType::F32 && out.dtype() == DType::F32 && fusable_binary(op)
+}
+
 /// Per-thread `f32` scratch a step needs beyond the GEMM buffers.
 pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
     match op {
@@ -73,6 +83,7 @@ pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
             attention_f32::scratch_floats(inputs[2].dim(3))
         }
         Op::Elementwise { steps } => fused::region_scratch_floats(inputs.len() + steps.len()),
+        Op::Binary(b) if fast_binary(*b, &inputs[0], &inputs[0]) => fused::region_scratch_floats(3),
         _ => 0,
     }
 }
@@ -99,6 +110,10 @@ pub(crate) fn run<'a>(
     let opt = |k: usize| (k < n_inputs).then(|| src(k));
     match op {
         Op::Unary(u) => elementwise::unary(*u, src(0), out),
+        Op::Binary(b) if fast_binary(*b, src(0).shape, out.shape) => {
+            // One arithmetic op on f32: the region kernel, with a one-step program.
+            fused::elementwise(&[EwStep::Binary(*b, 0, 1)], &[src(0), src(1)], out, ctx)?
+        }
         Op::Binary(b) => elementwise::binary(*b, src(0), src(1), out),
         Op::Where => elementwise::select(src(0), src(1), src(2), out),
         Op::Cast(_) => elementwise::cast(src(0), out),
