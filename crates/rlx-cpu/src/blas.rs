@@ -6,7 +6,8 @@ use crate::pool::ThreadPool;
 use rlx_ir::{Error, Result};
 
 /// `c = a · b` for row-major `a [m, k]`, `b [k, n]`, `c [m, n]`, on up to `threads`
-/// threads of the global pool. Lengths are checked.
+/// threads of the global pool. Lengths are checked. The packing buffers are kept per
+/// calling thread, so repeated calls allocate nothing.
 pub fn matmul_f32(
     a: &[f32],
     b: &[f32],
@@ -44,9 +45,23 @@ pub fn matmul_f32(
         accumulate: false,
         epilogue: Epilogue::NONE,
     };
-    let scratch = GemmScratch::new(threads.max(1), 0);
-    // SAFETY: the lengths were checked above; `c` is a distinct mutable borrow.
-    unsafe { sgemm(&g, ThreadPool::global(), &scratch) }
+    // Packing buffers are made once per calling thread and thread count, then reused:
+    // a call allocates nothing after the first, as a compiled graph's runs do.
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Option<GemmScratch>> = const { std::cell::RefCell::new(None) };
+    }
+    let threads = threads.max(1);
+    SCRATCH.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.as_ref().is_none_or(|s| s.threads() != threads) {
+            *slot = Some(GemmScratch::new(threads, 0));
+        }
+        let scratch = slot
+            .as_ref()
+            .ok_or_else(|| Error::runtime("matmul_f32", "no scratch"))?;
+        // SAFETY: the lengths were checked above; `c` is a distinct mutable borrow.
+        unsafe { sgemm(&g, ThreadPool::global(), scratch) }
+    })
 }
 
 /// The name of the GEMM micro-kernel this CPU uses (`avx512`, `avx2` or `generic`).

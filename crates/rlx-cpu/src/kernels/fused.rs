@@ -367,10 +367,10 @@ fn binary_chunk(op: BinaryOp, a: &[f32], b: &[f32], out: &mut [f32]) {
 /// Any float dtype, element by element in `f64` with each step rounded.
 fn elementwise_generic(steps: &[EwStep], inputs: &[Src], out: Dst) {
     let dims = out.shape.dims();
-    let strides: Vec<[isize; MAX_RANK]> = inputs
-        .iter()
-        .map(|x| broadcast_strides(x.shape.dims(), dims))
-        .collect();
+    let mut strides = [[0isize; MAX_RANK]; MAX_REGION_INPUTS];
+    for (st, x) in strides.iter_mut().zip(inputs) {
+        *st = broadcast_strides(x.shape.dims(), dims);
+    }
     with_dtype!(out.shape.dtype(), T => {
         let mut regs = [0.0f64; MAX_REGION_REGISTERS];
         let mut idx = [0usize; MAX_RANK];
