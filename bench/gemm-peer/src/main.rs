@@ -14,7 +14,10 @@ fn time_rlx(a: &[f32], b: &[f32], c: &mut [f32], (m, n, k): (usize, usize, usize
     (0..runs)
         .map(|_| {
             let t = Instant::now();
-            rlx_cpu::matmul_f32(a, b, c, (m, n, k), threads).expect("valid shapes");
+            if let Err(e) = rlx_cpu::matmul_f32(a, b, c, (m, n, k), threads) {
+                eprintln!("rlx matmul failed: {e}");
+                std::process::exit(1);
+            }
             t.elapsed().as_secs_f64() * 1e3
         })
         .collect()

@@ -471,7 +471,8 @@ pub fn fuse_elementwise_regions(graph: &Graph) -> Fused {
     let outputs: BTreeSet<usize> = graph.outputs().iter().map(|o| o.index()).collect();
     let nodes = graph.nodes();
     let mut region_of = vec![None::<usize>; nodes.len()];
-    let mut regions: Vec<Vec<usize>> = Vec::new();
+    // Per region: its members (in order), its external inputs, and its program.
+    let mut regions: Vec<(Vec<usize>, Vec<NodeId>, Vec<EwStep>)> = Vec::new();
     for root in (0..nodes.len()).rev() {
         if region_of[root].is_some() || !region_member(&nodes[root]) {
             continue;
@@ -501,11 +502,17 @@ pub fn fuse_elementwise_regions(graph: &Graph) -> Fused {
             }
         }
         members.sort_unstable();
-        if members.len() < 2 {
-            region_of[root] = None;
+        let inputs = external_inputs(&nodes, &members, &region_of, id);
+        let program = (members.len() >= 2)
+            .then(|| region_program(&nodes, &members, &inputs))
+            .flatten();
+        let Some(steps) = program else {
+            for &m in &members {
+                region_of[m] = None;
+            }
             continue;
-        }
-        regions.push(members);
+        };
+        regions.push((members, inputs, steps));
     }
     let mut w = Rewriter::new(nodes.len());
     let mut records = Vec::new();
@@ -514,35 +521,17 @@ pub fn fuse_elementwise_regions(graph: &Graph) -> Fused {
             w.place(i, node.clone());
             continue;
         };
-        let members = &regions[id];
+        let (members, inputs, steps) = &regions[id];
         if members.last() != Some(&i) {
             continue;
         }
-        let inputs = external_inputs(&nodes, members, &region_of, id);
-        let register = |x: NodeId| -> u16 {
-            let r = match members.iter().position(|&m| m == x.index()) {
-                Some(k) => inputs.len() + k,
-                None => inputs.iter().position(|&y| y == x).unwrap_or(0),
-            };
-            r as u16
-        };
-        let steps = members
-            .iter()
-            .map(|&m| match nodes[m].op {
-                Op::Unary(u) => EwStep::Unary(u, register(nodes[m].inputs[0])),
-                Op::Binary(b) => EwStep::Binary(
-                    b,
-                    register(nodes[m].inputs[0]),
-                    register(nodes[m].inputs[1]),
-                ),
-                _ => EwStep::Unary(UnaryOp::Neg, 0), // unreachable: members are elementwise
-            })
-            .collect();
         w.place(
             i,
             Node {
-                op: Op::Elementwise { steps },
-                inputs,
+                op: Op::Elementwise {
+                    steps: steps.clone(),
+                },
+                inputs: inputs.clone(),
                 shape: node.shape.clone(),
             },
         );
@@ -555,6 +544,30 @@ pub fn fuse_elementwise_regions(graph: &Graph) -> Fused {
         ));
     }
     finish(graph, w, records)
+}
+
+/// The register program of a region: inputs are registers `0..inputs.len()`, member
+/// `k` (in order) is register `inputs.len() + k`. `None` if a member is not a unary or
+/// binary op or reads a value that is neither an input nor an earlier member.
+fn region_program(nodes: &[Node], members: &[usize], inputs: &[NodeId]) -> Option<Vec<EwStep>> {
+    let register = |x: NodeId| -> Option<u16> {
+        let r = match members.iter().position(|&m| m == x.index()) {
+            Some(k) => inputs.len() + k,
+            None => inputs.iter().position(|&y| y == x)?,
+        };
+        u16::try_from(r).ok()
+    };
+    members
+        .iter()
+        .map(|&m| {
+            let ins = &nodes[m].inputs;
+            match nodes[m].op {
+                Op::Unary(u) => Some(EwStep::Unary(u, register(ins[0])?)),
+                Op::Binary(b) => Some(EwStep::Binary(b, register(ins[0])?, register(ins[1])?)),
+                _ => None,
+            }
+        })
+        .collect()
 }
 
 /// Operands of region `id` computed outside it, in order of first use.
