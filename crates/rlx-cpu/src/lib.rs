@@ -7,6 +7,7 @@ mod elem;
 mod gemm;
 mod kernels;
 pub mod pool;
+mod quant;
 mod tensor;
 mod vmath;
 

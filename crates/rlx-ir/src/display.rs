@@ -68,6 +68,8 @@ pub fn op_attributes(op: &Op) -> String {
             if *seq_major { " seq_major" } else { "" }
         ),
         Op::Rope { style } => format!("style={style:?}"),
+        Op::QuantMatMul { format } | Op::Dequantize { format } => format!("format={format}"),
+        Op::CachedAttention { scale } => format!("scale={:.6}", scale.get()),
         Op::FusedMatMul {
             alpha,
             bias,

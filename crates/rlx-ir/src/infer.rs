@@ -1,7 +1,7 @@
 //! Shape and dtype inference: the one dispatch from an op to its family's rule.
 
 use crate::ops::{
-    attention, conv, elementwise, fused, matmul, misc, norm, reduce, shape_ops, state,
+    attention, conv, elementwise, fused, matmul, misc, norm, quant, reduce, shape_ops, state,
 };
 use crate::{Error, Op, Result, Shape};
 
@@ -13,6 +13,8 @@ fn arity(op: &Op) -> (usize, usize) {
         Op::Where | Op::LayerNorm { .. } | Op::Rope { .. } | Op::WriteAt { .. } => (3, 3),
         Op::Conv2d { .. } => (2, 3),
         Op::Attention { .. } => (3, 4),
+        Op::QuantMatMul { .. } => (2, 2),
+        Op::CachedAttention { .. } => (4, 4),
         Op::Concat { .. } | Op::Elementwise { .. } => (1, usize::MAX),
         Op::FusedMatMul { .. } => (2, 4),
         _ => (1, 1),
@@ -87,5 +89,8 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
         Op::Elementwise { steps } => fused::infer_elementwise(steps, inputs),
         Op::Rope { .. } => attention::infer_rope(inputs[0], inputs[1], inputs[2]),
         Op::WriteAt { axis } => state::infer_write_at(*axis, inputs[0], inputs[1], inputs[2]),
+        Op::QuantMatMul { format } => quant::infer_quant_matmul(*format, inputs[0], inputs[1]),
+        Op::Dequantize { format } => quant::infer_dequantize(*format, x()),
+        Op::CachedAttention { .. } => attention::infer_cached_attention(inputs),
     }
 }

@@ -25,6 +25,7 @@ mod graph;
 mod infer;
 mod op;
 pub mod ops;
+pub mod quant;
 pub mod reference;
 pub mod scalar;
 mod shape;
@@ -44,5 +45,6 @@ pub use ops::fused::{
     EwStep, MAX_REGION_INPUTS, MAX_REGION_REGISTERS, fusable_binary, fusable_unary,
 };
 pub use ops::matmul::{MatMulDims, matmul_dims};
+pub use quant::{QuantFormat, dequantize_row};
 pub use shape::{MAX_RANK, Shape, broadcast_dims, contiguous_strides, normalize_axis};
 pub use tensor::{TensorData, TensorRef};

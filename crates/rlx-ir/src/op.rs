@@ -3,6 +3,7 @@
 
 use crate::DType;
 use crate::ops::fused::EwStep;
+use crate::quant::QuantFormat;
 
 /// An `f64` attribute stored by its bits, so that ops can be hashed and compared.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -538,6 +539,27 @@ pub enum Op {
         /// The steps, in order; the last one is the output.
         steps: Vec<EwStep>,
     },
+    /// `a @ dequantize(w)^T` with `a [..., K]` (`f32`) and `w` packed weights: a `u8`
+    /// tensor `[N, row_bytes]` whose rows are `K` values in `format`'s blocks (the
+    /// GGUF layout of a linear layer). The result is `[..., N]` `f32`.
+    QuantMatMul {
+        /// The block format of `w`'s rows.
+        format: QuantFormat,
+    },
+    /// Decodes packed rows: `u8 [..., row_bytes]` in `format` to `f32 [..., K]`.
+    Dequantize {
+        /// The block format of the rows.
+        format: QuantFormat,
+    },
+    /// Causal attention of new queries over a key/value cache, sequence-major:
+    /// `q [B, Sq, Hq, D]`, `k [B, Smax, Hkv, D]`, `v [B, Smax, Hkv, Dv]` and a
+    /// one-element integer `pos`. Query `i` sits at position `pos + i` and sees keys
+    /// `0 ..= pos + i`; cache rows after `pos + Sq` are never read. `pos + Sq > Smax`
+    /// is a run-time error. The result is `[B, Sq, Hq, Dv]`.
+    CachedAttention {
+        /// Multiplies `q . k`.
+        scale: F64Bits,
+    },
 }
 
 impl Op {
@@ -592,6 +614,9 @@ impl Op {
             Op::WriteAt { .. } => "write_at".into(),
             Op::FusedMatMul { .. } => "fused_matmul".into(),
             Op::Elementwise { .. } => "elementwise".into(),
+            Op::QuantMatMul { .. } => "quant_matmul".into(),
+            Op::Dequantize { .. } => "dequantize".into(),
+            Op::CachedAttention { .. } => "cached_attention".into(),
         }
     }
 

@@ -4,7 +4,7 @@
 //! freely and is slow by design.
 
 use crate::ops::{
-    attention, conv, elementwise, fused, matmul, misc, norm, reduce, shape_ops, state,
+    attention, conv, elementwise, fused, matmul, misc, norm, quant, reduce, shape_ops, state,
 };
 use crate::{Error, Graph, Op, Result, Shape, TensorData};
 use std::collections::HashMap;
@@ -121,6 +121,11 @@ pub fn eval_node(
             residual,
         } => fused::eval_fused_matmul(alpha.get(), *bias, *activation, *residual, inputs, out)?,
         Op::Elementwise { steps } => fused::eval_elementwise(steps, inputs, out),
+        Op::QuantMatMul { format } => quant::eval_quant_matmul(*format, inputs[0], inputs[1], out)?,
+        Op::Dequantize { format } => quant::eval_dequantize(*format, x(), out)?,
+        Op::CachedAttention { scale } => {
+            attention::eval_cached_attention(scale.get(), inputs, out)?
+        }
     })
 }
 

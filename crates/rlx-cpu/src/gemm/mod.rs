@@ -82,6 +82,10 @@ pub(crate) enum BFormat {
     F16,
     /// bfloat16.
     BF16,
+    /// Rows of blocks in a quantized format: `b` points at the packed bytes, and
+    /// `ldb` counts values (a row of `ldb` values takes `format.row_bytes(ldb)`
+    /// bytes), so element `(r, c)` of the stored matrix is element `r * ldb + c`.
+    Quant(rlx_ir::QuantFormat),
 }
 
 /// One GEMM problem. `A[i, p]` is `a[i * lda + p]`; `B[p, j]` is `b[p * ldb + j]`, or

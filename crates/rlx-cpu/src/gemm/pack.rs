@@ -93,6 +93,15 @@ unsafe fn read_b_run(g: &Gemm, offset: usize, dst: &mut [f32]) {
                 unsafe { std::slice::from_raw_parts(g.b.cast::<half::f16>().add(offset), len) };
             crate::vmath::f16_to_f32(src, dst);
         }
+        BFormat::Quant(format) => {
+            let (row, start) = (offset / g.ldb, offset % g.ldb);
+            let row_bytes = g.ldb / format.block_len() * format.block_bytes();
+            // SAFETY: per the contract, values start.. of stored row `row` exist, and
+            // `b` points at the packed bytes for this format.
+            unsafe {
+                crate::quant::decode_run(format, g.b.cast::<u8>().add(row * row_bytes), start, dst)
+            };
+        }
         BFormat::BF16 => {
             // SAFETY: as above.
             let src = unsafe { std::slice::from_raw_parts(g.b.cast::<u16>().add(offset), len) };

@@ -5,11 +5,12 @@
 
 use super::Ctx;
 use crate::elem::Bool8;
+use crate::elem::{Elem, with_dtype};
 use crate::gemm::{BFormat, Epilogue, Gemm, sgemm_serial};
 use crate::tensor::{Dst, Src, broadcast_strides};
 use crate::vmath;
 use crate::vmath::multiversion;
-use rlx_ir::{DType, MAX_RANK, Result};
+use rlx_ir::{DType, Error, MAX_RANK, Result};
 
 /// Queries per task (64 measured best: 32 repeats key packing, 128 overflows L2).
 const QB: usize = 64;
@@ -31,6 +32,8 @@ struct Problem<'a> {
     mask: Option<(Src<'a>, [isize; MAX_RANK])>,
     out: Dst<'a>,
     dims: [usize; 7], // b, hq, hkv, sq, sk, d, dv
+    /// Rows stored per key/value head (`sk`, or the cache length).
+    stored: usize,
     seq_major: bool,
 }
 
@@ -67,6 +70,7 @@ pub(crate) fn attention(
     k: Src,
     v: Src,
     mask: Option<Src>,
+    valid_keys: Option<usize>,
     out: Dst,
     ctx: &Ctx,
 ) -> Result<()> {
@@ -77,7 +81,9 @@ pub(crate) fn attention(
         q.shape.dim(sd),
         q.shape.dim(3),
     ];
-    let (hkv, sk, dv) = (k.shape.dim(hd), k.shape.dim(sd), v.shape.dim(3));
+    let (hkv, stored, dv) = (k.shape.dim(hd), k.shape.dim(sd), v.shape.dim(3));
+    // With a cache, only the first `valid_keys` stored rows are keys.
+    let sk = valid_keys.unwrap_or(stored).min(stored);
     let full = [b, hq, sq, sk];
     let p = Problem {
         scale: scale as f32,
@@ -88,6 +94,7 @@ pub(crate) fn attention(
         mask: mask.map(|m| (m, broadcast_strides(m.shape.dims(), &full))),
         out,
         dims: [b, hq, hkv, sq, sk, d, dv],
+        stored,
         seq_major,
     };
     let blocks = sq.div_ceil(QB);
@@ -99,6 +106,46 @@ pub(crate) fn attention(
         unsafe { one_block(&p, t / blocks, (t % blocks) * QB, gemm_buf, extra) };
     };
     ctx.pool.run(tasks, ctx.gemm.threads(), &task)
+}
+
+/// Causal attention of new queries over a sequence-major key/value cache
+/// (`Op::CachedAttention`): the queries start at the position held by `pos`.
+pub(crate) fn cached_attention(
+    scale: f64,
+    [q, k, v]: [Src; 3],
+    pos: Src,
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    if [q.shape, k.shape, v.shape, out.shape]
+        .iter()
+        .any(|s| s.dtype() != DType::F32)
+    {
+        return Err(Error::runtime(
+            "cached_attention",
+            "the CPU runs cached attention on f32 queries and caches only",
+        ));
+    }
+    let p = with_dtype!(pos.shape.dtype(), I => pos.get::<I>(0).to_i64());
+    let (sq, stored) = (q.shape.dim(1), k.shape.dim(1));
+    if p < 0 || p as usize + sq > stored {
+        return Err(Error::runtime(
+            "cached_attention",
+            format!("position {p} + {sq} queries does not fit a cache of {stored} rows"),
+        ));
+    }
+    attention(
+        scale,
+        true,
+        true,
+        q,
+        k,
+        v,
+        None,
+        Some(p as usize + sq),
+        out,
+        ctx,
+    )
 }
 
 /// Attention for rows `q0 .. q0 + QB` of head `bh` (= batch * hq + head).
@@ -128,7 +175,7 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
             break;
         }
         let (q_at, q_stride) = p.row(bi, h, q0, hq, sq, d);
-        let (k_at, k_stride) = p.row(bi, kh, j0, hkv, sk, d);
+        let (k_at, k_stride) = p.row(bi, kh, j0, hkv, p.stored, d);
         let scores_gemm = Gemm {
             m: rows,
             n: kb,
@@ -160,7 +207,7 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
             dv,
         };
         softmax_block(p, &block, scores, row_max, row_sum, acc);
-        let (v_at, v_stride) = p.row(bi, kh, j0, hkv, sk, dv);
+        let (v_at, v_stride) = p.row(bi, kh, j0, hkv, p.stored, dv);
         let values_gemm = Gemm {
             m: rows,
             n: dv,

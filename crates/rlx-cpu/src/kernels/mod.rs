@@ -11,6 +11,7 @@ mod matmul;
 mod misc;
 mod norm;
 mod norm_f32;
+mod quant;
 mod reduce;
 mod state;
 
@@ -39,6 +40,9 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
             format!("cpu.gemm.{}.matmul.f32", crate::gemm::best_kernel().name)
         }
         Op::Attention { .. } if dtype == DType::F32 => "cpu.flash.attention.f32".into(),
+        Op::CachedAttention { .. } => "cpu.flash.cached_attention.f32".into(),
+        Op::QuantMatMul { format } => format!("cpu.quant.{format}.matmul"),
+        Op::Dequantize { format } => format!("cpu.quant.{format}.dequantize"),
         Op::FusedMatMul { .. } if dtype == DType::F32 => {
             format!(
                 "cpu.gemm.{}.matmul+epilogue.f32",
@@ -79,7 +83,7 @@ fn fast_binary(op: BinaryOp, a: &Shape, out: &Shape) -> bool {
 /// Per-thread `f32` scratch a step needs beyond the GEMM buffers.
 pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
     match op {
-        Op::Attention { .. } if inputs[0].dtype() == DType::F32 => {
+        Op::Attention { .. } | Op::CachedAttention { .. } if inputs[0].dtype() == DType::F32 => {
             attention_f32::scratch_floats(inputs[2].dim(3))
         }
         Op::Elementwise { steps } => fused::region_scratch_floats(inputs.len() + steps.len()),
@@ -199,6 +203,7 @@ pub(crate) fn run<'a>(
             src(1),
             src(2),
             opt(3),
+            None,
             out,
             ctx,
         )?,
@@ -245,6 +250,15 @@ pub(crate) fn run<'a>(
             }
             fused::elementwise(steps, &inputs[..n_inputs], out, ctx)?
         }
+        Op::QuantMatMul { format } => quant::quant_matmul(*format, src(0), src(1), out, ctx)?,
+        Op::Dequantize { format } => quant::dequantize(*format, src(0), out)?,
+        Op::CachedAttention { scale } => attention_f32::cached_attention(
+            scale.get(),
+            [src(0), src(1), src(2)],
+            src(3),
+            out,
+            ctx,
+        )?,
         Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => {}
     }
     Ok(())

@@ -63,6 +63,29 @@ impl Graph {
         )
     }
 
+    /// Causal attention of `Sq` new queries over a key/value cache (see
+    /// [`Op::CachedAttention`]): `q [B, Sq, Hq, D]`, `k_cache [B, Smax, Hkv, D]`,
+    /// `v_cache [B, Smax, Hkv, Dv]`, and `pos`, a one-element integer tensor holding
+    /// the position of the first query. Query `i` sees cache rows `0 ..= pos + i`.
+    /// `scale` defaults to `1 / sqrt(D)`.
+    pub fn cached_attention(
+        &self,
+        q: NodeId,
+        k_cache: NodeId,
+        v_cache: NodeId,
+        pos: NodeId,
+        scale: Option<f64>,
+    ) -> Result<NodeId> {
+        let d = self.shape(q)?.dims().last().copied().unwrap_or(1);
+        let scale = scale.unwrap_or(1.0 / (d.max(1) as f64).sqrt());
+        self.push(
+            Op::CachedAttention {
+                scale: F64Bits::new(scale),
+            },
+            &[q, k_cache, v_cache, pos],
+        )
+    }
+
     /// Rotary position embedding of `x [..., S, D]` (even `D`) with `cos` and `sin`
     /// of shape `[..., S, D/2]`, broadcast over `x`'s leading dims. Each pair
     /// `(a, b)` becomes `(a cos - b sin, a sin + b cos)`.
@@ -281,4 +304,63 @@ pub(crate) fn eval_rope(
         }
     }
     HostTensor::new(x.shape.clone(), data)
+}
+
+pub(crate) fn infer_cached_attention(inputs: &[&Shape]) -> Result<Shape> {
+    let (q, k, v, pos) = (inputs[0], inputs[1], inputs[2], inputs[3]);
+    super::require_int("cached_attention", "position", pos)?;
+    if pos.num_elements() != 1 {
+        return Err(Error::invalid(
+            "cached_attention",
+            format!("position must hold one element, got {pos}"),
+        ));
+    }
+    let out = infer_attention(&[q, k, v], true)?;
+    if q.dim(1) > k.dim(1) {
+        return Err(mismatch(
+            "cached_attention",
+            q,
+            k,
+            "more new queries than cache rows",
+        ));
+    }
+    Ok(out)
+}
+
+/// The first query's position, checked so that `sq` queries fit a cache of `smax`.
+fn cache_position(pos: &HostTensor, sq: usize, smax: usize) -> Result<usize> {
+    let p = pos.data[0] as i64;
+    if p < 0 || p as usize + sq > smax {
+        return Err(Error::runtime(
+            "cached_attention",
+            format!("position {p} + {sq} queries does not fit a cache of {smax} rows"),
+        ));
+    }
+    Ok(p as usize)
+}
+
+pub(crate) fn eval_cached_attention(
+    scale: f64,
+    inputs: &[&HostTensor],
+    out: &Shape,
+) -> Result<HostTensor> {
+    let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+    let [sq, smax] = [q.shape.dim(1), k.shape.dim(1)];
+    let pos = cache_position(inputs[3], sq, smax)?;
+    let len = pos + sq;
+    let prefix = |t: &HostTensor| {
+        let axes = (0..4)
+            .map(|a| crate::SliceAxis {
+                start: 0,
+                len: if a == 1 { len } else { t.shape.dim(a) },
+                step: 1,
+            })
+            .collect::<Vec<_>>();
+        let mut dims = t.shape.dims().to_vec();
+        dims[1] = len;
+        let shape = Shape::new(&dims, t.shape.dtype());
+        super::shape_ops::eval_slice(&axes, t, &shape)
+    };
+    let (k, v) = (prefix(k), prefix(v));
+    Ok(eval_attention(scale, true, true, &[q, &k, &v], out))
 }

@@ -10,6 +10,7 @@ pub mod fused;
 pub mod matmul;
 pub mod misc;
 pub mod norm;
+pub mod quant;
 pub mod reduce;
 pub mod shape_ops;
 pub mod state;

@@ -1,0 +1,187 @@
+//! AVX-512 dot products of activation rows with one packed weight row, for the
+//! formats GGUF models mostly use (Q4_0, Q4_1, Q8_0). Each block is widened to two
+//! vectors of 16 `f32` weights once and multiplied into every activation row.
+
+use super::GEMV_MAX_ROWS;
+use rlx_ir::QuantFormat;
+
+/// `sums[i] = a[i, :] . row` for `i < m`, when this CPU and format have a fast
+/// kernel; returns false (and leaves `sums` alone) otherwise.
+pub(super) fn dot_rows(
+    format: QuantFormat,
+    row: &[u8],
+    a: &[f32],
+    m: usize,
+    k: usize,
+    sums: &mut [f32; GEMV_MAX_ROWS],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !matches!(
+            format,
+            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0
+        ) || !avx512::available()
+            || m == 0
+            || m > GEMV_MAX_ROWS
+            || row.len() != k / 32 * format.block_bytes()
+            || a.len() < m * k
+        {
+            return false;
+        }
+        // SAFETY: the features are present; `row` holds k/32 blocks and `a` m x k
+        // floats (both checked above).
+        unsafe { avx512::dot_rows(format, row, a, m, k, sums) };
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (format, row, a, m, k, sums);
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::GEMV_MAX_ROWS;
+    use rlx_ir::QuantFormat;
+    use std::arch::x86_64::*;
+
+    /// AVX-512F and F16C, detected once.
+    pub(super) fn available() -> bool {
+        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OK.get_or_init(|| {
+            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("f16c")
+        })
+    }
+
+    /// Dispatches on the row count so the accumulators stay in registers.
+    ///
+    /// # Safety
+    /// AVX-512F and F16C are available; `row` holds `k / 32` blocks of `format` and
+    /// `a` holds `m x k` floats, `1 <= m <= GEMV_MAX_ROWS`.
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) unsafe fn dot_rows(
+        format: QuantFormat,
+        row: &[u8],
+        a: &[f32],
+        m: usize,
+        k: usize,
+        sums: &mut [f32; GEMV_MAX_ROWS],
+    ) {
+        macro_rules! go {
+            ($m:literal) => {
+                // SAFETY: forwarded contract.
+                unsafe { rows::<$m>(format, row.as_ptr(), a.as_ptr(), k, sums) }
+            };
+        }
+        match m {
+            1 => go!(1),
+            2 => go!(2),
+            3 => go!(3),
+            4 => go!(4),
+            5 => go!(5),
+            6 => go!(6),
+            7 => go!(7),
+            _ => go!(8),
+        }
+    }
+
+    /// The two `f16` values at `p` (scale and minimum, or scale and the next byte
+    /// pair), widened.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn two_halves(p: *const u8) -> (f32, f32) {
+        // SAFETY: the caller's block holds 4 bytes at `p`.
+        let bits = unsafe { p.cast::<i32>().read_unaligned() };
+        // SAFETY: F16C is enabled by the caller.
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)))
+    }
+
+    /// Block `b`'s 32 weights as two vectors (values 0..16 and 16..32).
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn weights(format: QuantFormat, row: *const u8, b: usize) -> (__m512, __m512) {
+        let low_nibbles = _mm_set1_epi8(0x0f);
+        match format {
+            QuantFormat::Q4_1 => {
+                // SAFETY: block b of a Q4_1 row is 20 bytes at b * 20.
+                let block = unsafe { row.add(b * 20) };
+                // SAFETY: as above.
+                let (d, min) = unsafe { two_halves(block) };
+                // SAFETY: as above.
+                let q = unsafe { _mm_loadu_si128(block.add(4).cast()) };
+                let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low_nibbles)));
+                let hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(
+                    _mm_srli_epi16(q, 4),
+                    low_nibbles,
+                )));
+                let (d, min) = (_mm512_set1_ps(d), _mm512_set1_ps(min));
+                (_mm512_fmadd_ps(lo, d, min), _mm512_fmadd_ps(hi, d, min))
+            }
+            QuantFormat::Q4_0 => {
+                // SAFETY: block b of a Q4_0 row is 18 bytes at b * 18.
+                let block = unsafe { row.add(b * 18) };
+                // SAFETY: the scale and the first two quant bytes (only the scale kept).
+                let (d, _) = unsafe { two_halves(block) };
+                // SAFETY: as above.
+                let q = unsafe { _mm_loadu_si128(block.add(2).cast()) };
+                let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low_nibbles)));
+                let hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(
+                    _mm_srli_epi16(q, 4),
+                    low_nibbles,
+                )));
+                let (d, off) = (_mm512_set1_ps(d), _mm512_set1_ps(-8.0 * d));
+                (_mm512_fmadd_ps(lo, d, off), _mm512_fmadd_ps(hi, d, off))
+            }
+            _ => {
+                // Q8_0: 34 bytes per block.
+                // SAFETY: block b of a Q8_0 row is 34 bytes at b * 34.
+                let block = unsafe { row.add(b * 34) };
+                // SAFETY: as above.
+                let (d, _) = unsafe { two_halves(block) };
+                // SAFETY: as above.
+                let (q0, q1) = unsafe {
+                    (
+                        _mm_loadu_si128(block.add(2).cast()),
+                        _mm_loadu_si128(block.add(18).cast()),
+                    )
+                };
+                let d = _mm512_set1_ps(d);
+                (
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d),
+                )
+            }
+        }
+    }
+
+    /// `M` activation rows against one weight row.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn rows<const M: usize>(
+        format: QuantFormat,
+        row: *const u8,
+        a: *const f32,
+        k: usize,
+        sums: &mut [f32; GEMV_MAX_ROWS],
+    ) {
+        let mut acc = [_mm512_setzero_ps(); M];
+        for b in 0..k / 32 {
+            // SAFETY: b < k / 32 blocks.
+            let (w0, w1) = unsafe { weights(format, row, b) };
+            for (i, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: row i of `a` holds k floats.
+                let x = unsafe { a.add(i * k + b * 32) };
+                // SAFETY: as above.
+                unsafe {
+                    *acc = _mm512_fmadd_ps(_mm512_loadu_ps(x), w0, *acc);
+                    *acc = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(16)), w1, *acc);
+                }
+            }
+        }
+        for (s, acc) in sums.iter_mut().zip(acc) {
+            *s = _mm512_reduce_add_ps(acc);
+        }
+    }
+}
