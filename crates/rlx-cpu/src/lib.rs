@@ -238,6 +238,39 @@ impl CpuProgram {
             .write(bytes)
     }
 
+    /// Moves persistent handle `index`'s buffer out, leaving an empty one: the
+    /// program must get a buffer back through [`CpuProgram::put_handle`] before it
+    /// runs again (a run with an empty handle is refused).
+    pub fn take_handle(&mut self, index: usize) -> Result<Buffer> {
+        let slot = self
+            .handles
+            .get_mut(index)
+            .ok_or_else(|| Error::invalid("handle", format!("no handle #{index}")))?;
+        let empty = Buffer::zeroed(Shape::new(&[0], slot.shape().dtype()));
+        Ok(std::mem::replace(slot, empty))
+    }
+
+    /// Installs `buffer` as persistent handle `index`; its shape and dtype must be the
+    /// handle's.
+    pub fn put_handle(&mut self, index: usize, buffer: Buffer) -> Result<()> {
+        let expected = &self
+            .plan
+            .handles
+            .get(index)
+            .ok_or_else(|| Error::invalid("handle", format!("no handle #{index}")))?
+            .shape;
+        if buffer.shape() != expected {
+            return Err(Error::ShapeMismatch {
+                op: format!("put_handle #{index}"),
+                lhs: expected.clone(),
+                rhs: buffer.shape().clone(),
+                reason: "the storage must have the handle's shape and dtype".into(),
+            });
+        }
+        self.handles[index] = buffer;
+        Ok(())
+    }
+
     /// Base address of the arena (outputs are at their plan offsets from it).
     pub fn arena_ptr(&self) -> *const u8 {
         self.arena.as_ptr()
@@ -271,6 +304,7 @@ impl CpuProgram {
     /// Runs every step in order. Allocation-free.
     pub fn execute(&mut self) -> Result<()> {
         let CpuProgram {
+            plan,
             arena,
             params,
             constants,
@@ -283,6 +317,19 @@ impl CpuProgram {
             profiled_runs,
             ..
         } = self;
+        if let Some(i) = handles
+            .iter()
+            .zip(&plan.handles)
+            .position(|(h, p)| h.shape() != &p.shape)
+        {
+            return Err(Error::runtime(
+                "run",
+                format!(
+                    "handle '{}' was moved out (take_handle) and not put back",
+                    plan.handles[i].name
+                ),
+            ));
+        }
         if step_nanos.is_some() {
             *profiled_runs += 1;
         }

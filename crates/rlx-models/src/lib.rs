@@ -13,6 +13,7 @@
 pub mod bert;
 mod embedder;
 mod fetch;
+pub mod llama;
 mod tokenize;
 mod weights;
 

@@ -52,6 +52,12 @@ pub trait Executable: Send {
     fn read_handle(&self, index: usize, dst: &mut [u8]) -> Result<()>;
     /// Replaces persistent handle `index`.
     fn write_handle(&mut self, index: usize, bytes: &[u8]) -> Result<()>;
+    /// Moves persistent handle `index`'s storage out (leaving it empty until a
+    /// [`Executable::put_handle`]), so that another executable can adopt it.
+    fn take_handle(&mut self, index: usize) -> Result<HandleStorage>;
+    /// Installs storage taken from an executable of this backend as handle `index`;
+    /// its shape and dtype must be the handle's.
+    fn put_handle(&mut self, index: usize, storage: HandleStorage) -> Result<()>;
     /// Base address of the arena when it is host memory.
     fn arena_ptr(&self) -> Option<*const u8>;
     /// Turns per-kernel timing on (clearing earlier totals) or off.
@@ -93,6 +99,43 @@ impl SharedParam {
 impl std::fmt::Debug for SharedParam {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "SharedParam(on {})", self.device)
+    }
+}
+
+/// A persistent handle's storage, moved between executables of one device (a KV
+/// cache handed from a prefill graph to a decode graph without a copy).
+pub struct HandleStorage {
+    device: Device,
+    storage: Box<dyn Any + Send>,
+}
+
+impl HandleStorage {
+    /// Wraps backend-specific storage (a `Buffer` on the CPU).
+    pub fn new<T: Any + Send>(device: Device, storage: T) -> HandleStorage {
+        HandleStorage {
+            device,
+            storage: Box::new(storage),
+        }
+    }
+
+    /// The device whose memory holds it.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The storage, when it is of type `T` (else `self` back).
+    pub fn into_inner<T: Any>(self) -> std::result::Result<T, HandleStorage> {
+        let device = self.device;
+        self.storage
+            .downcast::<T>()
+            .map(|b| *b)
+            .map_err(|storage| HandleStorage { device, storage })
+    }
+}
+
+impl std::fmt::Debug for HandleStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HandleStorage(on {})", self.device)
     }
 }
 

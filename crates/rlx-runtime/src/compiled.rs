@@ -656,6 +656,45 @@ impl CompiledGraph {
         self.exe.write_handle(i, &f32_to_vec(values, shape.dtype()))
     }
 
+    /// Exchanges the storage of every persistent handle this graph shares a name with
+    /// in `other` (no copy): a KV cache filled by a prefill graph moves to the decode
+    /// graph and back. Returns how many handles were exchanged. Fails, changing
+    /// nothing, when a same-named handle differs in shape or dtype or the graphs are
+    /// on different devices.
+    pub fn swap_handles(&mut self, other: &mut CompiledGraph) -> Result<usize> {
+        if other.device != self.device {
+            return Err(Error::invalid(
+                "swap_handles",
+                format!(
+                    "graphs are on different devices ({} and {})",
+                    self.device, other.device
+                ),
+            ));
+        }
+        let mut pairs = Vec::new();
+        for (i, mine) in self.plan.handles.iter().enumerate() {
+            let Some(j) = other.plan.handles.iter().position(|h| h.name == mine.name) else {
+                continue;
+            };
+            if other.plan.handles[j].shape != mine.shape {
+                return Err(Error::ShapeMismatch {
+                    op: format!("swap_handles (handle '{}')", mine.name),
+                    lhs: mine.shape.clone(),
+                    rhs: other.plan.handles[j].shape.clone(),
+                    reason: "exchanged handles must have the same shape and dtype".into(),
+                });
+            }
+            pairs.push((i, j));
+        }
+        for &(i, j) in &pairs {
+            let mine = self.exe.take_handle(i)?;
+            let theirs = other.exe.take_handle(j)?;
+            self.exe.put_handle(i, theirs)?;
+            other.exe.put_handle(j, mine)?;
+        }
+        Ok(pairs.len())
+    }
+
     /// A persistent handle's contents as `f32`.
     pub fn read_handle(&self, name: &str) -> Result<Vec<f32>> {
         let i = self.handle_index(name)?;

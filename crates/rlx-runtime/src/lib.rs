@@ -18,7 +18,7 @@ pub mod backends;
 mod compiled;
 mod session;
 
-pub use backend::{Backend, BackendOptions, Executable, SharedParam, backend_for};
+pub use backend::{Backend, BackendOptions, Executable, HandleStorage, SharedParam, backend_for};
 pub use compiled::{CompiledGraph, SlotOutputs};
 pub use rlx_driver::{BufferHandle, Device};
 pub use rlx_ir::{Error, Graph, Result};

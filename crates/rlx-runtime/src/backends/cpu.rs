@@ -1,6 +1,6 @@
 //! The CPU backend adapter over [`rlx_cpu::CpuProgram`].
 
-use crate::backend::{Backend, BackendOptions, Executable, SharedParam};
+use crate::backend::{Backend, BackendOptions, Executable, HandleStorage, SharedParam};
 use rlx_cpu::CpuProgram;
 use rlx_driver::{Buffer, Device, Profile};
 use rlx_ir::{Error, NodeId, Result};
@@ -87,6 +87,23 @@ impl Executable for CpuProgram {
 
     fn write_handle(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
         CpuProgram::write_handle(self, index, bytes)
+    }
+
+    fn take_handle(&mut self, index: usize) -> Result<HandleStorage> {
+        Ok(HandleStorage::new(
+            Device::Cpu,
+            CpuProgram::take_handle(self, index)?,
+        ))
+    }
+
+    fn put_handle(&mut self, index: usize, storage: HandleStorage) -> Result<()> {
+        let buffer = storage.into_inner::<Buffer>().map_err(|s| {
+            Error::invalid(
+                "put_handle",
+                format!("storage from {} is not a CPU buffer", s.device()),
+            )
+        })?;
+        CpuProgram::put_handle(self, index, buffer)
     }
 
     fn arena_ptr(&self) -> Option<*const u8> {

@@ -1,0 +1,17 @@
+//! Llama-architecture language models: configuration, weights (GGUF or Hugging Face
+//! safetensors), the forward graph over a key/value cache, the tokenizer from GGUF
+//! metadata, sampling, and generation ([`Llm`]).
+
+mod config;
+mod graph;
+mod llm;
+mod sample;
+mod tokenizer;
+mod weights;
+
+pub use config::LlamaConfig;
+pub use graph::{build_graph, cache_handles, k_cache_name, rope_tables, v_cache_name};
+pub use llm::{GenerateOptions, Generation, Llm, LlmOptions, StopReason};
+pub use sample::{Sampler, SamplingOptions, argmax};
+pub use tokenizer::LlmTokenizer;
+pub use weights::{LlamaWeights, WeightEntry};
