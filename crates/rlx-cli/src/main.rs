@@ -3,6 +3,7 @@
 mod bench;
 mod embed;
 mod examples;
+mod generate;
 mod inspect;
 
 use clap::{Parser, Subcommand};
@@ -21,6 +22,9 @@ enum Command {
     /// Embed sentences with a sentence-embedding model (default: minilm, fetched on
     /// first use).
     Embed(embed::EmbedArgs),
+    /// Generate text with a Llama-architecture model (default: smollm2, fetched on
+    /// first use), streaming tokens to stdout.
+    Generate(generate::GenerateArgs),
     /// Time a compiled model in process (median of repeated runs, warm-up excluded).
     Bench(bench::BenchArgs),
     /// Print a graph, its memory plan and the kernel that runs each op.
@@ -31,6 +35,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Embed(args) => embed::run(&args),
+        Command::Generate(args) => generate::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Inspect(args) => inspect::run(&args),
     };

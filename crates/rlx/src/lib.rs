@@ -25,11 +25,13 @@
 pub use half;
 pub use rlx_cpu as cpu;
 pub use rlx_driver as driver;
+pub use rlx_gguf as gguf;
 pub use rlx_driver::{BufferHandle, Device};
 pub use rlx_ir as ir;
 pub use rlx_ir::{DType, Error, Graph, NodeId, Result, Shape, TensorData, TensorRef};
 pub use rlx_models as models;
 pub use rlx_models::Embedder;
+pub use rlx_models::llama::Llm;
 pub use rlx_opt as opt;
 pub use rlx_runtime as runtime;
 pub use rlx_runtime::{CompileOptions, CompiledGraph, MemoryStats, Session, SlotOutputs};
