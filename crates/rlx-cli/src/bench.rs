@@ -17,6 +17,8 @@ pub struct BenchArgs {
 enum BenchTarget {
     /// The MiniLM sentence encoder forward pass (embeddings out) at a fixed shape.
     Minilm(MinilmArgs),
+    /// Prompt processing and generation of a Llama model (tokens/s, as llama-bench).
+    Llm(crate::bench_llm::LlmArgs),
     /// f32 matrix products (row-major `[m, k] x [k, n]`) against the CPU's measured
     /// peak multiply-add rate.
     Gemm(GemmArgs),
@@ -121,6 +123,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     match &args.what {
         BenchTarget::Minilm(a) => minilm(a),
         BenchTarget::Gemm(a) => gemm(a),
+        BenchTarget::Llm(a) => crate::bench_llm::run(a),
     }
 }
 
@@ -216,7 +219,7 @@ fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_profile(profile: &rlx::driver::Profile) {
+pub(crate) fn print_profile(profile: &rlx::driver::Profile) {
     let runs = profile.runs.max(1) as f64;
     let total: f64 = profile
         .kernels

@@ -1,6 +1,7 @@
 //! The `rlx` command-line tool.
 
 mod bench;
+mod bench_llm;
 mod embed;
 mod examples;
 mod generate;

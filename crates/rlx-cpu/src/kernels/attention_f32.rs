@@ -134,18 +134,100 @@ pub(crate) fn cached_attention(
             format!("position {p} + {sq} queries does not fit a cache of {stored} rows"),
         ));
     }
-    attention(
-        scale,
-        true,
-        true,
-        q,
-        k,
-        v,
-        None,
-        Some(p as usize + sq),
-        out,
-        ctx,
-    )
+    let keys = p as usize + sq;
+    if sq <= FEW_QUERIES && keys <= QB * KB {
+        return few_queries(scale as f32, [q, k, v], p as usize, out, ctx);
+    }
+    attention(scale, true, true, q, k, v, None, Some(keys), out, ctx)
+}
+
+/// Up to this many new queries (token-by-token decoding) take [`few_queries`].
+const FEW_QUERIES: usize = 4;
+
+/// Cached attention for a few queries: per (query row, head), scores by direct dot
+/// products with the cached keys, a softmax, and a weighted sum of cached values.
+/// No packing: every key and value row is read once per query head.
+fn few_queries(scale: f32, [q, k, v]: [Src; 3], pos: usize, out: Dst, ctx: &Ctx) -> Result<()> {
+    let [b, sq, hq, d] = [q.shape.dim(0), q.shape.dim(1), q.shape.dim(2), q.shape.dim(3)];
+    let (stored, hkv, dv) = (k.shape.dim(1), k.shape.dim(2), v.shape.dim(3));
+    let group = hq / hkv;
+    let (qp, kp, vp, op) = (
+        q.ptr.cast::<f32>() as usize,
+        k.ptr.cast::<f32>() as usize,
+        v.ptr.cast::<f32>() as usize,
+        out.ptr.cast::<f32>() as usize,
+    );
+    let task = |t: usize, thread: usize| {
+        let (bi, i, h) = (t / (sq * hq), t / hq % sq, t % hq);
+        let kh = h / group;
+        let len = pos + i + 1;
+        // SAFETY: each thread index runs one task at a time and owns its scratch.
+        let (_, extra) = unsafe { ctx.gemm.parts(thread) };
+        let scores = &mut extra[..len];
+        // SAFETY: row (bi, i, h) of q, rows 0..len of key head kh of the caches, and
+        // row (bi, i, h) of the output (written by this task only) lie inside their
+        // tensors, whose sizes the plan fixed.
+        unsafe {
+            let q_row = std::slice::from_raw_parts((qp as *const f32).add(((bi * sq + i) * hq + h) * d), d);
+            let keys = Rows {
+                k: (kp as *const f32).add((bi * stored * hkv + kh) * d),
+                k_stride: hkv * d,
+                v: (vp as *const f32).add((bi * stored * hkv + kh) * dv),
+                v_stride: hkv * dv,
+            };
+            let o_row = std::slice::from_raw_parts_mut(
+                (op as *mut f32).add(((bi * sq + i) * hq + h) * dv),
+                dv,
+            );
+            decode_row(scale, q_row, &keys, scores, o_row);
+        }
+    };
+    ctx.pool.run(b * sq * hq, ctx.gemm.threads(), &task)
+}
+
+/// Where the cached key and value rows of one head start, and their strides.
+struct Rows {
+    k: *const f32,
+    k_stride: usize,
+    v: *const f32,
+    v_stride: usize,
+}
+
+multiversion! {
+    /// One query row: `softmax(scale * q . k_j) . v_j` over the rows `0..scores.len()`
+    /// of `rows` (which must hold that many key and value rows).
+    fn decode_row(scale: f32, q: &[f32], rows: &Rows, scores: &mut [f32], out: &mut [f32]) {
+        let d = q.len();
+        let mut max = f32::NEG_INFINITY;
+        for (j, s) in scores.iter_mut().enumerate() {
+            // SAFETY: the caller passes rows that lie inside the cache.
+            let k = unsafe { std::slice::from_raw_parts(rows.k.add(j * rows.k_stride), d) };
+            let mut lanes = [0f32; 16];
+            for (cq, ck) in q.chunks_exact(16).zip(k.chunks_exact(16)) {
+                for l in 0..16 {
+                    lanes[l] += cq[l] * ck[l];
+                }
+            }
+            let tail = d / 16 * 16;
+            let mut dot: f32 = q[tail..].iter().zip(&k[tail..]).map(|(a, b)| a * b).sum();
+            for l in lanes {
+                dot += l;
+            }
+            *s = dot * scale;
+            max = max.max(*s);
+        }
+        let total = vmath::exp_shifted_sum(scores, max);
+        let inv = if total > 0.0 { 1.0 / total } else { 0.0 };
+        out.fill(0.0);
+        for (j, &w) in scores.iter().enumerate() {
+            // SAFETY: as above.
+            let v = unsafe { std::slice::from_raw_parts(rows.v.add(j * rows.v_stride), out.len()) };
+            let w = w * inv;
+            for (o, &x) in out.iter_mut().zip(v) {
+                *o += w * x;
+            }
+        }
+    }
 }
 
 /// Attention for rows `q0 .. q0 + QB` of head `bh` (= batch * hq + head).

@@ -248,6 +248,11 @@ impl Llm {
         })
     }
 
+    /// Bytes of the weights as the graphs hold them (packed where quantized).
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.total_bytes()
+    }
+
     /// Rows of the key/value cache.
     pub fn max_context(&self) -> usize {
         self.max_seq
@@ -263,9 +268,35 @@ impl Llm {
         self.history.clear();
     }
 
-    /// The decode graph (for inspection and profiling).
+    /// The decode graph (for inspection).
     pub fn decode_graph(&mut self) -> &mut CompiledGraph {
         &mut self.decode
+    }
+
+    /// Turns per-kernel timing on or off for the decode graph and every prefill graph
+    /// (those compiled later start with it off).
+    pub fn set_profiling(&mut self, on: bool) {
+        self.decode.set_profiling(on);
+        for (_, g) in &mut self.prefill {
+            g.set_profiling(on);
+        }
+    }
+
+    /// Per-kernel times of each graph with profiling on: `("decode", ...)` and
+    /// `("prefill N", ...)` for chunks of N tokens.
+    pub fn profiles(&self) -> Vec<(String, rlx_driver::Profile)> {
+        let mut out: Vec<(String, rlx_driver::Profile)> = self
+            .decode
+            .profile()
+            .map(|p| ("decode".to_string(), p))
+            .into_iter()
+            .collect();
+        for (key, g) in &self.prefill {
+            if let Some(p) = g.profile() {
+                out.push((format!("prefill {}", key / 1_000_003), p));
+            }
+        }
+        out
     }
 
     fn check_ids(&self, ids: &[u32]) -> Result<()> {
