@@ -158,7 +158,10 @@ pub(crate) unsafe fn decode_run(
         let block = unsafe { std::slice::from_raw_parts(row.add(b * bb), bb) };
         let (lo, hi) = ((b * bl).max(start), ((b + 1) * bl).min(end));
         if lo == b * bl && hi == (b + 1) * bl {
-            format.dequantize_block(block, &mut dst[lo - start..hi - start]);
+            let whole = &mut dst[lo - start..hi - start];
+            if !simd::decode_block32(format, block, 0, whole) {
+                format.dequantize_block(block, whole);
+            }
         } else {
             format.dequantize_block(block, &mut values[..bl]);
             dst[lo - start..hi - start].copy_from_slice(&values[lo - b * bl..hi - b * bl]);

@@ -40,6 +40,32 @@ pub(super) fn dot_rows(
     }
 }
 
+/// Decodes block `b` of a packed row into `out` (32 values) when this CPU and format
+/// have a fast kernel; returns false otherwise.
+pub(super) fn decode_block32(format: QuantFormat, row: &[u8], b: usize, out: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !matches!(
+            format,
+            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0
+        ) || !avx512::available()
+            || out.len() != 32
+            || row.len() < (b + 1) * format.block_bytes()
+        {
+            return false;
+        }
+        // SAFETY: the features are present; block b lies inside `row` and `out`
+        // holds 32 floats (both checked above).
+        unsafe { avx512::decode_block(format, row.as_ptr(), b, out.as_mut_ptr()) };
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (format, row, b, out);
+        false
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::GEMV_MAX_ROWS;
@@ -153,6 +179,20 @@ mod avx512 {
                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d),
                 )
             }
+        }
+    }
+
+    /// Stores block `b`'s 32 weights at `out`.
+    ///
+    /// # Safety
+    /// As [`dot_rows`] for the block; `out` addresses 32 writable floats.
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) unsafe fn decode_block(format: QuantFormat, row: *const u8, b: usize, out: *mut f32) {
+        // SAFETY: per the contract.
+        unsafe {
+            let (w0, w1) = weights(format, row, b);
+            _mm512_storeu_ps(out, w0);
+            _mm512_storeu_ps(out.add(16), w1);
         }
     }
 
