@@ -105,7 +105,9 @@ pub fn run(args: &LlmArgs) -> anyhow::Result<()> {
     }
     let options = LlmOptions {
         store: Some(ModelStore::from_env()?.quiet(args.json)),
-        max_context: (args.prompt + args.generate).max(args.prompt.max(args.generate)).max(1),
+        max_context: (args.prompt + args.generate)
+            .max(args.prompt.max(args.generate))
+            .max(1),
         max_chunk: args.prompt.next_power_of_two().max(16),
         threads,
         ..LlmOptions::default()
@@ -128,7 +130,11 @@ pub fn run(args: &LlmArgs) -> anyhow::Result<()> {
             std::hint::black_box(llm.prefill(&ids)?);
             seconds.push(t.elapsed().as_secs_f64());
         }
-        tests.push(summarize(format!("pp{}", args.prompt), args.prompt, &seconds));
+        tests.push(summarize(
+            format!("pp{}", args.prompt),
+            args.prompt,
+            &seconds,
+        ));
     }
     if args.generate > 0 {
         let ids = synthetic(args.generate, vocab);
@@ -148,7 +154,11 @@ pub fn run(args: &LlmArgs) -> anyhow::Result<()> {
             }
             seconds.push(t.elapsed().as_secs_f64());
         }
-        tests.push(summarize(format!("tg{}", args.generate), args.generate, &seconds));
+        tests.push(summarize(
+            format!("tg{}", args.generate),
+            args.generate,
+            &seconds,
+        ));
     }
     let report = LlmReport {
         model: args.model.clone(),
@@ -160,7 +170,10 @@ pub fn run(args: &LlmArgs) -> anyhow::Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!("{} on {threads} thread(s), loaded in {load_ms:.0} ms", report.model);
+        println!(
+            "{} on {threads} thread(s), loaded in {load_ms:.0} ms",
+            report.model
+        );
         for t in &report.tests {
             println!(
                 "  {:<8} {:>9.2} tokens/s median  ({:.2} ± {:.2} mean ± sd over {} reps)",

@@ -86,9 +86,17 @@ pub(crate) unsafe fn gemv(
 unsafe fn gemv_rows(g: &Gemv, rows: std::ops::Range<usize>) {
     // SAFETY: per the contract.
     let a = unsafe { std::slice::from_raw_parts(g.a, g.m * g.k) };
+    let end = rows.end;
     for j in rows {
         // SAFETY: row j of W.
         let row = unsafe { std::slice::from_raw_parts(g.w.add(j * g.row_bytes), g.row_bytes) };
+        if j + PREFETCH_ROWS < end {
+            // SAFETY: row j + PREFETCH_ROWS of W exists.
+            prefetch(
+                unsafe { g.w.add((j + PREFETCH_ROWS) * g.row_bytes) },
+                g.row_bytes,
+            );
+        }
         let mut sums = [0f32; GEMV_MAX_ROWS];
         if !simd::dot_rows(g.format, row, a, g.m, g.k, &mut sums) {
             dot_rows_generic(g.format, row, a, g.m, g.k, &mut sums);
@@ -98,6 +106,25 @@ unsafe fn gemv_rows(g: &Gemv, rows: std::ops::Range<usize>) {
             unsafe { *g.out.add(i * g.n + j) = s };
         }
     }
+}
+
+/// Weight rows ahead of the current one whose bytes are requested from memory.
+const PREFETCH_ROWS: usize = 4;
+
+/// Asks for the cache lines of `len` bytes at `p` (a hint; no effect elsewhere).
+#[inline(always)]
+fn prefetch(p: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for line in (0..len).step_by(64) {
+        // SAFETY: prefetching never faults; `p + line` is inside the row anyway.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                p.add(line).cast::<i8>(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, len);
 }
 
 /// `sums[i] = a[i, :] . row` for every format: decode a block, then multiply.

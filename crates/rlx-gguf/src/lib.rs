@@ -18,12 +18,14 @@
 
 mod parse;
 mod value;
+mod write;
 
 pub use rlx_ir::quant::{QuantFormat, dequantize_row};
 use rlx_ir::{Error, Result};
 use std::collections::HashMap;
 use std::path::Path;
 pub use value::{Value, ValueType};
+pub use write::GgufBuilder;
 
 /// The largest tensor rank GGUF allows.
 pub const MAX_DIMS: usize = 4;

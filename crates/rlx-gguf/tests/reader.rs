@@ -3,7 +3,7 @@
 //! give errors, never panics.
 
 use half::f16;
-use rlx_gguf::{GgufFile, QuantFormat, TensorType, Value, ValueType};
+use rlx_gguf::{GgufBuilder, GgufFile, QuantFormat, TensorType, Value, ValueType};
 
 /// Writes GGUF images for tests.
 struct Writer {
@@ -312,4 +312,29 @@ fn custom_alignment_is_honoured() {
     let mut w = Writer::new();
     w.kv("general.alignment", 4, &48u32.to_le_bytes());
     assert!(GgufFile::from_bytes("bad", w.build()).is_err());
+}
+
+#[test]
+fn the_builder_round_trips_through_the_reader() {
+    let mut b = GgufBuilder::new();
+    b.metadata("name", Value::String("tiny".into()))
+        .metadata("n", Value::U32(7))
+        .metadata("x", Value::F64(-2.5))
+        .metadata(
+            "list",
+            Value::Array(ValueType::I32, vec![Value::I32(-1), Value::I32(4)]),
+        );
+    let q8: Vec<u8> = f16_bytes(1.0).into_iter().chain(0..32u8).collect();
+    b.tensor("w", &[32, 1], TensorType::Quant(QuantFormat::Q8_0), q8)
+        .unwrap();
+    b.tensor("v", &[3], TensorType::F32, vec![0; 12]).unwrap();
+    assert!(b.tensor("bad", &[3], TensorType::F32, vec![0; 11]).is_err());
+    let file = GgufFile::from_bytes("built", b.to_bytes()).unwrap();
+    assert_eq!(file.get_str("name").unwrap(), "tiny");
+    assert_eq!(file.get_u64("n").unwrap(), 7);
+    assert_eq!(file.get_f64("x").unwrap(), -2.5);
+    assert_eq!(file.get_i64_array("list").unwrap(), [-1, 4]);
+    let w = file.tensor_f32("w").unwrap();
+    assert_eq!(w, (0..32).map(|i| i as f32).collect::<Vec<_>>());
+    assert_eq!(file.tensor("v").unwrap().dims, [3]);
 }

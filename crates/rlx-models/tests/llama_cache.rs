@@ -40,7 +40,10 @@ fn decoding_with_the_cache_matches_a_full_recompute() {
         worst = worst.max(relative_diff(&step, &full[i]));
     }
     eprintln!("worst relative difference {worst:e}");
-    assert!(worst <= 1e-4, "cached decoding differs by {worst:e} (relative)");
+    assert!(
+        worst <= 1e-4,
+        "cached decoding differs by {worst:e} (relative)"
+    );
 }
 
 #[test]
@@ -66,7 +69,10 @@ fn context_limit_bad_ids_and_options_are_errors_or_clean_stops() {
         },
         ..GenerateOptions::default()
     };
-    let e = llm.generate(&[504], &bad, |_| Ok(())).unwrap_err().to_string();
+    let e = llm
+        .generate(&[504], &bad, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("top_p"), "{e}");
     // Generation that reaches the context limit stops cleanly.
     let mut streamed = Vec::new();

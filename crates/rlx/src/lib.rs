@@ -25,8 +25,8 @@
 pub use half;
 pub use rlx_cpu as cpu;
 pub use rlx_driver as driver;
-pub use rlx_gguf as gguf;
 pub use rlx_driver::{BufferHandle, Device};
+pub use rlx_gguf as gguf;
 pub use rlx_ir as ir;
 pub use rlx_ir::{DType, Error, Graph, NodeId, Result, Shape, TensorData, TensorRef};
 pub use rlx_models as models;

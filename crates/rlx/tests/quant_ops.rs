@@ -65,9 +65,13 @@ fn check(label: &str, g: &Graph, inputs: Vec<(&str, HostTensor)>, k: usize) {
         .unwrap_or_else(|e| panic!("{label}: {e}"));
     let data: Vec<(&str, TensorData)> = inputs.iter().map(|(n, t)| (*n, t.to_data())).collect();
     let feed: Vec<(&str, TensorRef<'_>)> = data.iter().map(|(n, d)| (*n, d.as_ref())).collect();
-    let got = compiled.run_typed(&feed).unwrap_or_else(|e| panic!("{label}: {e}"));
-    let mut values: HashMap<String, HostTensor> =
-        inputs.into_iter().map(|(n, t)| (n.to_string(), t)).collect();
+    let got = compiled
+        .run_typed(&feed)
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+    let mut values: HashMap<String, HostTensor> = inputs
+        .into_iter()
+        .map(|(n, t)| (n.to_string(), t))
+        .collect();
     let want = evaluate(g, &mut values).unwrap_or_else(|e| panic!("{label}: reference: {e}"));
     let tol = 1e-5 * (k.max(1) as f64).sqrt();
     for (a, w) in got.iter().zip(&want) {
@@ -92,7 +96,10 @@ fn quant_matmul_every_format_gemv_and_gemm() {
         for rows in [1, 3, 8, 9, 37] {
             let g = Graph::new("qmm");
             let a = g.input("a", Shape::new(&[rows, k], DType::F32));
-            let w = g.input("w", Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8));
+            let w = g.input(
+                "w",
+                Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8),
+            );
             let y = g.quant_matmul(a, w, format).unwrap();
             g.set_outputs(vec![y]);
             let a_data = (0..rows * k).map(|_| rng.uniform()).collect();
@@ -124,8 +131,14 @@ fn quant_matmul_with_batch_dims_and_dequantize() {
     let (k, n) = (96, 20);
     let g = Graph::new("qmm3");
     let a = g.input("a", Shape::new(&[2, 6, k], DType::F32));
-    let w = g.input("w", Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8));
-    let rows = g.input("rows", Shape::new(&[3, 2, format.row_bytes(k).unwrap()], DType::U8));
+    let w = g.input(
+        "w",
+        Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8),
+    );
+    let rows = g.input(
+        "rows",
+        Shape::new(&[3, 2, format.row_bytes(k).unwrap()], DType::U8),
+    );
     let y = g.quant_matmul(a, w, format).unwrap();
     let d = g.dequantize(rows, format).unwrap();
     assert_eq!(g.shape(y).unwrap().dims(), &[2, 6, n]);
@@ -138,7 +151,14 @@ fn quant_matmul_with_batch_dims_and_dequantize() {
         "quant_matmul batch + dequantize",
         &g,
         vec![
-            ("a", host(&[2, 6, k], DType::F32, (0..12 * k).map(|_| rng.uniform()).collect())),
+            (
+                "a",
+                host(
+                    &[2, 6, k],
+                    DType::F32,
+                    (0..12 * k).map(|_| rng.uniform()).collect(),
+                ),
+            ),
             ("w", host(&[n, 60], DType::U8, b(w_data))),
             ("rows", host(&[3, 2, 60], DType::U8, b(r_data))),
         ],
@@ -151,7 +171,10 @@ fn quant_ops_reject_bad_shapes() {
     let g = Graph::new("bad");
     let a = g.input("a", Shape::new(&[2, 96], DType::F32));
     let wrong_row = g.input("w", Shape::new(&[4, 61], DType::U8));
-    let e = g.quant_matmul(a, wrong_row, QuantFormat::Q4_1).unwrap_err().to_string();
+    let e = g
+        .quant_matmul(a, wrong_row, QuantFormat::Q4_1)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("60") && e.contains("61"), "{e}");
     let not_u8 = g.input("f", Shape::new(&[4, 60], DType::F32));
     assert!(g.quant_matmul(a, not_u8, QuantFormat::Q4_1).is_err());
@@ -181,9 +204,18 @@ fn cached_attention_over_a_prefix_of_the_cache() {
             &format!("cached_attention sq={sq} pos={pos}"),
             &g,
             vec![
-                ("q", host(&[1, sq, hq, d], DType::F32, r(sq * hq * d, &mut rng))),
-                ("k", host(&[1, smax, hkv, d], DType::F32, r(smax * hkv * d, &mut rng))),
-                ("v", host(&[1, smax, hkv, d], DType::F32, r(smax * hkv * d, &mut rng))),
+                (
+                    "q",
+                    host(&[1, sq, hq, d], DType::F32, r(sq * hq * d, &mut rng)),
+                ),
+                (
+                    "k",
+                    host(&[1, smax, hkv, d], DType::F32, r(smax * hkv * d, &mut rng)),
+                ),
+                (
+                    "v",
+                    host(&[1, smax, hkv, d], DType::F32, r(smax * hkv * d, &mut rng)),
+                ),
                 ("pos", host(&[1], DType::I64, vec![pos as f64])),
             ],
             smax * d,
@@ -209,5 +241,11 @@ fn cached_attention_over_a_prefix_of_the_cache() {
     assert!(e.contains("position 7"), "{e}");
     assert!(run(&mut c, -1).is_err());
     let ok = run(&mut c, 6).unwrap();
-    assert!(ok[0].as_ref().to_f64_vec().iter().all(|x| (x - 0.25).abs() < 1e-6));
+    assert!(
+        ok[0]
+            .as_ref()
+            .to_f64_vec()
+            .iter()
+            .all(|x| (x - 0.25).abs() < 1e-6)
+    );
 }

@@ -148,7 +148,12 @@ const FEW_QUERIES: usize = 4;
 /// products with the cached keys, a softmax, and a weighted sum of cached values.
 /// No packing: every key and value row is read once per query head.
 fn few_queries(scale: f32, [q, k, v]: [Src; 3], pos: usize, out: Dst, ctx: &Ctx) -> Result<()> {
-    let [b, sq, hq, d] = [q.shape.dim(0), q.shape.dim(1), q.shape.dim(2), q.shape.dim(3)];
+    let [b, sq, hq, d] = [
+        q.shape.dim(0),
+        q.shape.dim(1),
+        q.shape.dim(2),
+        q.shape.dim(3),
+    ];
     let (stored, hkv, dv) = (k.shape.dim(1), k.shape.dim(2), v.shape.dim(3));
     let group = hq / hkv;
     let (qp, kp, vp, op) = (
@@ -168,7 +173,8 @@ fn few_queries(scale: f32, [q, k, v]: [Src; 3], pos: usize, out: Dst, ctx: &Ctx)
         // row (bi, i, h) of the output (written by this task only) lie inside their
         // tensors, whose sizes the plan fixed.
         unsafe {
-            let q_row = std::slice::from_raw_parts((qp as *const f32).add(((bi * sq + i) * hq + h) * d), d);
+            let q_row =
+                std::slice::from_raw_parts((qp as *const f32).add(((bi * sq + i) * hq + h) * d), d);
             let keys = Rows {
                 k: (kp as *const f32).add((bi * stored * hkv + kh) * d),
                 k_stride: hkv * d,

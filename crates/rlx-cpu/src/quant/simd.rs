@@ -187,7 +187,12 @@ mod avx512 {
     /// # Safety
     /// As [`dot_rows`] for the block; `out` addresses 32 writable floats.
     #[target_feature(enable = "avx512f,f16c")]
-    pub(super) unsafe fn decode_block(format: QuantFormat, row: *const u8, b: usize, out: *mut f32) {
+    pub(super) unsafe fn decode_block(
+        format: QuantFormat,
+        row: *const u8,
+        b: usize,
+        out: *mut f32,
+    ) {
         // SAFETY: per the contract.
         unsafe {
             let (w0, w1) = weights(format, row, b);
