@@ -112,16 +112,13 @@ mod avx512 {
         }
     }
 
-    /// The two `f16` values at `p` (scale and minimum, or scale and the next byte
-    /// pair), widened.
+    /// The `f16` at `p`, widened and broadcast to 16 lanes.
     #[inline]
     #[target_feature(enable = "avx512f,f16c")]
-    unsafe fn two_halves(p: *const u8) -> (f32, f32) {
-        // SAFETY: the caller's block holds 4 bytes at `p`.
-        let bits = unsafe { p.cast::<i32>().read_unaligned() };
-        // SAFETY: F16C is enabled by the caller.
-        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
-        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)))
+    unsafe fn half_splat(p: *const u8) -> __m512 {
+        // SAFETY: the caller's block holds 2 bytes at `p`.
+        let bits = unsafe { p.cast::<i16>().read_unaligned() };
+        _mm512_cvtph_ps(_mm256_set1_epi16(bits))
     }
 
     /// Block `b`'s 32 weights as two vectors (values 0..16 and 16..32).
@@ -134,7 +131,7 @@ mod avx512 {
                 // SAFETY: block b of a Q4_1 row is 20 bytes at b * 20.
                 let block = unsafe { row.add(b * 20) };
                 // SAFETY: as above.
-                let (d, min) = unsafe { two_halves(block) };
+                let (d, min) = unsafe { (half_splat(block), half_splat(block.add(2))) };
                 // SAFETY: as above.
                 let q = unsafe { _mm_loadu_si128(block.add(4).cast()) };
                 let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low_nibbles)));
@@ -142,14 +139,13 @@ mod avx512 {
                     _mm_srli_epi16(q, 4),
                     low_nibbles,
                 )));
-                let (d, min) = (_mm512_set1_ps(d), _mm512_set1_ps(min));
                 (_mm512_fmadd_ps(lo, d, min), _mm512_fmadd_ps(hi, d, min))
             }
             QuantFormat::Q4_0 => {
                 // SAFETY: block b of a Q4_0 row is 18 bytes at b * 18.
                 let block = unsafe { row.add(b * 18) };
-                // SAFETY: the scale and the first two quant bytes (only the scale kept).
-                let (d, _) = unsafe { two_halves(block) };
+                // SAFETY: as above.
+                let d = unsafe { half_splat(block) };
                 // SAFETY: as above.
                 let q = unsafe { _mm_loadu_si128(block.add(2).cast()) };
                 let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low_nibbles)));
@@ -157,7 +153,7 @@ mod avx512 {
                     _mm_srli_epi16(q, 4),
                     low_nibbles,
                 )));
-                let (d, off) = (_mm512_set1_ps(d), _mm512_set1_ps(-8.0 * d));
+                let off = _mm512_mul_ps(d, _mm512_set1_ps(-8.0));
                 (_mm512_fmadd_ps(lo, d, off), _mm512_fmadd_ps(hi, d, off))
             }
             _ => {
@@ -165,7 +161,7 @@ mod avx512 {
                 // SAFETY: block b of a Q8_0 row is 34 bytes at b * 34.
                 let block = unsafe { row.add(b * 34) };
                 // SAFETY: as above.
-                let (d, _) = unsafe { two_halves(block) };
+                let d = unsafe { half_splat(block) };
                 // SAFETY: as above.
                 let (q0, q1) = unsafe {
                     (
@@ -173,7 +169,6 @@ mod avx512 {
                         _mm_loadu_si128(block.add(18).cast()),
                     )
                 };
-                let d = _mm512_set1_ps(d);
                 (
                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d),
