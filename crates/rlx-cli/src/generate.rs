@@ -135,7 +135,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             let text = tokenizer.decode(&generated)?;
             if !text.ends_with('\u{fffd}') && text.len() > printed {
                 let mut out = stdout.lock();
-                let _ = out.write_all(text[printed..].as_bytes());
+                let _ = out.write_all(&text.as_bytes()[printed..]);
                 let _ = out.flush();
                 printed = text.len();
             }
@@ -153,10 +153,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         };
         println!("{}", serde_json::to_string(&out)?);
     } else {
+        let mut out = stdout.lock();
         if text.len() > printed {
-            print!("{}", &text[printed..]);
+            out.write_all(&text.as_bytes()[printed..])?;
         }
-        println!();
+        writeln!(out)?;
     }
     if !args.quiet {
         let why = match result.stop {

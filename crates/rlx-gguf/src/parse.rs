@@ -212,7 +212,7 @@ pub(crate) fn parse(bytes: &[u8]) -> Parse<Parsed> {
             .try_fold(1usize, |n, &d| n.checked_mul(d))
             .ok_or_else(|| format!("tensor '{name}' {dims:?} has too many elements"))?;
         let (unit_values, unit_bytes) = ty.unit();
-        if dims[0] % unit_values != 0 {
+        if !dims[0].is_multiple_of(unit_values) {
             return Err(format!(
                 "tensor '{name}' rows of {} values are not whole {ty} blocks of {unit_values}",
                 dims[0]

@@ -101,7 +101,7 @@ impl GgufBuilder {
         let (unit_values, unit_bytes) = ty.unit();
         let elements: usize = dims.iter().product();
         if dims.is_empty()
-            || dims[0] % unit_values != 0
+            || !dims[0].is_multiple_of(unit_values)
             || elements / unit_values * unit_bytes != bytes.len()
         {
             return Err(Error::invalid(

@@ -46,16 +46,16 @@ fn q5_known_values() {
     b0.extend(high.to_le_bytes());
     b0.extend(qs);
     let v = decode(QuantFormat::Q5_0, &b0);
-    for j in 0..32 {
-        assert_eq!(v[j], 0.5 * (j as f32 - 16.0));
+    for (j, x) in v.iter().enumerate() {
+        assert_eq!(*x, 0.5 * (j as f32 - 16.0));
     }
     let mut b1 = f16_bytes(0.5).to_vec();
     b1.extend(f16_bytes(3.0));
     b1.extend(high.to_le_bytes());
     b1.extend(qs);
     let v = decode(QuantFormat::Q5_1, &b1);
-    for j in 0..32 {
-        assert_eq!(v[j], 0.5 * j as f32 + 3.0);
+    for (j, x) in v.iter().enumerate() {
+        assert_eq!(*x, 0.5 * j as f32 + 3.0);
     }
 }
 
@@ -146,7 +146,7 @@ fn q6_k_and_q8_k_known_values() {
         assert_eq!(*x, want, "q6_k value {i}");
     }
     let mut block = 0.75f32.to_le_bytes().to_vec();
-    block.extend((0..256).map(|i| (i as i32 - 128) as i8 as u8));
+    block.extend((0..256).map(|i: i32| (i - 128) as i8 as u8));
     block.extend([0u8; 32]);
     let v = decode(QuantFormat::Q8K, &block);
     for (i, x) in v.iter().enumerate() {

@@ -62,7 +62,7 @@ impl Writer {
             offset += (data.len() as u64).div_ceil(self.alignment as u64) * self.alignment as u64;
         }
         for (_, _, _, data) in &self.tensors {
-            while out.len() % self.alignment != 0 {
+            while !out.len().is_multiple_of(self.alignment) {
                 out.push(0);
             }
             out.extend(data);

@@ -97,7 +97,7 @@ impl QuantFormat {
     /// Bytes of one row of `k` values, or an error when `k` is not a whole number of
     /// blocks.
     pub fn row_bytes(self, k: usize) -> Result<usize> {
-        if k == 0 || k % self.block_len() != 0 {
+        if k == 0 || !k.is_multiple_of(self.block_len()) {
             return Err(Error::invalid(
                 self.name(),
                 format!(
@@ -111,7 +111,7 @@ impl QuantFormat {
 
     /// Values in a row of `bytes` bytes, or an error when that is not whole blocks.
     pub fn row_len(self, bytes: usize) -> Result<usize> {
-        if bytes == 0 || bytes % self.block_bytes() != 0 {
+        if bytes == 0 || !bytes.is_multiple_of(self.block_bytes()) {
             return Err(Error::invalid(
                 self.name(),
                 format!(

@@ -143,13 +143,13 @@ impl LlamaConfig {
         {
             return bad(format!("a zero dimension in {self:?}"));
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return bad(format!(
                 "{} query heads are not a multiple of {} key/value heads",
                 self.heads, self.kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head width {} is odd (rotary pairs)",
                 self.head_dim

@@ -117,7 +117,7 @@ pub fn build_graph(
     let eps = c.rms_eps;
     for l in 0..c.layers {
         let p = |s: &str| format!("blk.{l}.{s}.weight");
-        let norm_w = |s: &str| g.param(&p(s), Shape::new(&[c.hidden], DType::F32));
+        let norm_w = |s: &str| g.param(p(s), Shape::new(&[c.hidden], DType::F32));
         let h = g.rms_norm(x, norm_w("attn_norm"), eps)?;
         let q = g.reshape(
             linear(&g, weights, h, &p("attn_q"))?,
@@ -134,8 +134,8 @@ pub fn build_graph(
         let q = g.rope(q, cos, sin, c.rope_style)?;
         let k = g.rope(k, cos, sin, c.rope_style)?;
         let cache_shape = Shape::new(&[1, max_seq, c.kv_heads, c.head_dim], DType::F32);
-        let k_cache = g.input(&k_cache_name(l), cache_shape.clone());
-        let v_cache = g.input(&v_cache_name(l), cache_shape);
+        let k_cache = g.input(k_cache_name(l), cache_shape.clone());
+        let v_cache = g.input(v_cache_name(l), cache_shape);
         let k_all = g.write_at(k_cache, k, pos, 1)?;
         let v_all = g.write_at(v_cache, v, pos, 1)?;
         let att = g.cached_attention(q, k_all, v_all, pos, None)?;
