@@ -165,7 +165,7 @@ impl LlmTokenizer {
         let mut stop: Vec<u32> = eos.into_iter().chain(eot).collect();
         // The chat end marker and the document end stop generation too.
         for marker in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>"] {
-            if let Some(&i) = tokens.iter().position(|t| *t == marker).as_ref() {
+            if let Some(i) = tokens.iter().position(|t| *t == marker) {
                 let i = i as u32;
                 if !stop.contains(&i) {
                     stop.push(i);
