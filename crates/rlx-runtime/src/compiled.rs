@@ -343,15 +343,7 @@ impl CompiledGraph {
     /// are now shared. Fails, changing nothing, when a same-named param differs in
     /// shape or dtype or the graphs are on different devices.
     pub fn share_params_from(&mut self, other: &CompiledGraph) -> Result<usize> {
-        if other.device != self.device {
-            return Err(Error::invalid(
-                "share_params_from",
-                format!(
-                    "graphs are on different devices ({} and {})",
-                    self.device, other.device
-                ),
-            ));
-        }
+        self.same_device(other, "share_params_from")?;
         let mut pairs = Vec::new();
         for (i, mine) in self.plan.params.iter().enumerate() {
             let Some(j) = other.plan.params.iter().position(|p| p.name == mine.name) else {
@@ -373,6 +365,21 @@ impl CompiledGraph {
             self.param_set[*i] = *set;
         }
         Ok(pairs.len())
+    }
+
+    /// Errors unless `other` runs on this graph's device (for calls that share
+    /// storage between graphs).
+    fn same_device(&self, other: &CompiledGraph, op: &str) -> Result<()> {
+        if other.device != self.device {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "graphs are on different devices ({} and {})",
+                    self.device, other.device
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn check_params(&self) -> Result<()> {
@@ -662,15 +669,7 @@ impl CompiledGraph {
     /// nothing, when a same-named handle differs in shape or dtype or the graphs are
     /// on different devices.
     pub fn swap_handles(&mut self, other: &mut CompiledGraph) -> Result<usize> {
-        if other.device != self.device {
-            return Err(Error::invalid(
-                "swap_handles",
-                format!(
-                    "graphs are on different devices ({} and {})",
-                    self.device, other.device
-                ),
-            ));
-        }
+        self.same_device(other, "swap_handles")?;
         let mut pairs = Vec::new();
         for (i, mine) in self.plan.handles.iter().enumerate() {
             let Some(j) = other.plan.handles.iter().position(|h| h.name == mine.name) else {

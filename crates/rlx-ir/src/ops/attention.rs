@@ -327,18 +327,6 @@ pub(crate) fn infer_cached_attention(inputs: &[&Shape]) -> Result<Shape> {
     Ok(out)
 }
 
-/// The first query's position, checked so that `sq` queries fit a cache of `smax`.
-fn cache_position(pos: &HostTensor, sq: usize, smax: usize) -> Result<usize> {
-    let p = pos.data[0] as i64;
-    if p < 0 || p as usize + sq > smax {
-        return Err(Error::runtime(
-            "cached_attention",
-            format!("position {p} + {sq} queries does not fit a cache of {smax} rows"),
-        ));
-    }
-    Ok(p as usize)
-}
-
 pub(crate) fn eval_cached_attention(
     scale: f64,
     inputs: &[&HostTensor],
@@ -346,7 +334,7 @@ pub(crate) fn eval_cached_attention(
 ) -> Result<HostTensor> {
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     let [sq, smax] = [q.shape.dim(1), k.shape.dim(1)];
-    let pos = cache_position(inputs[3], sq, smax)?;
+    let pos = super::state::checked_position("cached_attention", inputs[3].data[0], sq, smax)?;
     let len = pos + sq;
     let prefix = |t: &HostTensor| {
         let axes = (0..4)

@@ -60,12 +60,12 @@ pub(crate) fn infer_write_at(
     Ok(target.clone())
 }
 
-/// The start position, checked so that `len` elements fit along an axis of `dim`.
-pub(crate) fn checked_position(pos: f64, len: usize, dim: usize) -> Result<usize> {
+/// The start position of `op`, checked so that `len` rows fit along an axis of `dim`.
+pub(crate) fn checked_position(op: &str, pos: f64, len: usize, dim: usize) -> Result<usize> {
     let p = pos as i64;
     if p < 0 || p as usize + len > dim {
         return Err(Error::runtime(
-            "write_at",
+            op,
             format!("position {p} + {len} rows does not fit an axis of length {dim}"),
         ));
     }
@@ -78,7 +78,12 @@ pub(crate) fn eval_write_at(
     update: &HostTensor,
     pos: &HostTensor,
 ) -> Result<HostTensor> {
-    let p = checked_position(pos.data[0], update.shape.dim(axis), target.shape.dim(axis))?;
+    let p = checked_position(
+        "write_at",
+        pos.data[0],
+        update.shape.dim(axis),
+        target.shape.dim(axis),
+    )?;
     let mut data = target.data.clone();
     for (i, &v) in update.data.iter().enumerate() {
         let mut idx = unravel(i, update.shape.dims());
