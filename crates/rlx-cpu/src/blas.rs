@@ -1,7 +1,9 @@
 //! Public entry points to the CPU's dense kernels, for benchmarks and for programs that
 //! want a fast matrix product without building a graph.
 
-use crate::gemm::{BFormat, Epilogue, Gemm, GemmScratch, best_kernel, sgemm};
+use crate::gemm::{
+    BFormat, Epilogue, Gemm, GemmScratch, best_kernel, pack_b_panels, packed_len, sgemm,
+};
 use crate::pool::ThreadPool;
 use rlx_ir::{Error, Result};
 
@@ -15,21 +17,11 @@ pub fn matmul_f32(
     (m, n, k): (usize, usize, usize),
     threads: usize,
 ) -> Result<()> {
-    for (name, got, want) in [
+    check_lengths(&[
         ("a", a.len(), m * k),
         ("b", b.len(), k * n),
         ("c", c.len(), m * n),
-    ] {
-        if got != want {
-            return Err(Error::LengthMismatch {
-                kind: "matrix",
-                name: name.into(),
-                expected: want,
-                got,
-                unit: "elements",
-            });
-        }
-    }
+    ])?;
     let g = Gemm {
         m,
         n,
@@ -45,8 +37,87 @@ pub fn matmul_f32(
         accumulate: false,
         epilogue: Epilogue::NONE,
     };
-    // Packing buffers are made once per calling thread and thread count, then reused:
-    // a call allocates nothing after the first, as a compiled graph's runs do.
+    // SAFETY: the lengths were checked above; `c` is a distinct mutable borrow.
+    unsafe { run_with_thread_scratch(&g, threads) }
+}
+
+/// A row-major `[k, n]` matrix packed once into the GEMM kernel's panel layout, for
+/// repeated products [`matmul_f32_packed`] that then skip packing and read `B` as one
+/// contiguous stream per panel (what a compiled graph does with its weights).
+pub struct PackedMatrix {
+    data: Vec<f32>,
+    k: usize,
+    n: usize,
+    nr: usize,
+}
+
+impl PackedMatrix {
+    /// Packs `b` (`k * n` values, checked).
+    pub fn new(b: &[f32], k: usize, n: usize) -> Result<PackedMatrix> {
+        check_lengths(&[("b", b.len(), k * n)])?;
+        let mut data = vec![0.0; packed_len(k, n)];
+        let nr = pack_b_panels(b, k, n, &mut data);
+        Ok(PackedMatrix { data, k, n, nr })
+    }
+
+    /// `(k, n)`: the rows and columns of the matrix it holds.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.k, self.n)
+    }
+}
+
+/// `c = a · b` as [`matmul_f32`], with `b` packed ahead by [`PackedMatrix::new`]:
+/// `a` is `[m, k]` and `c` `[m, n]` (lengths checked).
+pub fn matmul_f32_packed(
+    a: &[f32],
+    b: &PackedMatrix,
+    c: &mut [f32],
+    m: usize,
+    threads: usize,
+) -> Result<()> {
+    let (k, n) = b.dims();
+    check_lengths(&[("a", a.len(), m * k), ("c", c.len(), m * n)])?;
+    let g = Gemm {
+        m,
+        n,
+        k,
+        a: a.as_ptr(),
+        lda: k,
+        b: b.data.as_ptr(),
+        ldb: n,
+        b_transposed: false,
+        b_format: BFormat::Packed { nr: b.nr },
+        c: c.as_mut_ptr(),
+        ldc: n,
+        accumulate: false,
+        epilogue: Epilogue::NONE,
+    };
+    // SAFETY: the lengths were checked above and `b` holds its packed panels.
+    unsafe { run_with_thread_scratch(&g, threads) }
+}
+
+fn check_lengths(operands: &[(&str, usize, usize)]) -> Result<()> {
+    for &(name, got, want) in operands {
+        if got != want {
+            return Err(Error::LengthMismatch {
+                kind: "matrix",
+                name: name.into(),
+                expected: want,
+                got,
+                unit: "elements",
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Runs `g` on the global pool with packing buffers kept per calling thread and
+/// thread count, so repeated calls allocate nothing after the first, as a compiled
+/// graph's runs do.
+///
+/// # Safety
+/// As [`sgemm`].
+unsafe fn run_with_thread_scratch(g: &Gemm, threads: usize) -> Result<()> {
     thread_local! {
         static SCRATCH: std::cell::RefCell<Option<GemmScratch>> = const { std::cell::RefCell::new(None) };
     }
@@ -59,8 +130,8 @@ pub fn matmul_f32(
         let scratch = slot
             .as_ref()
             .ok_or_else(|| Error::runtime("matmul_f32", "no scratch"))?;
-        // SAFETY: the lengths were checked above; `c` is a distinct mutable borrow.
-        unsafe { sgemm(&g, ThreadPool::global(), scratch) }
+        // SAFETY: forwarded contract.
+        unsafe { sgemm(g, ThreadPool::global(), scratch) }
     })
 }
 

@@ -7,14 +7,16 @@ mod elem;
 mod gemm;
 mod kernels;
 pub mod pool;
+mod prepack;
 mod quant;
 mod tensor;
 mod vmath;
 
-pub use blas::{gemm_kernel_name, matmul_f32, peak_fma_gflops};
+pub use blas::{PackedMatrix, gemm_kernel_name, matmul_f32, matmul_f32_packed, peak_fma_gflops};
 use gemm::GemmScratch;
 use kernels::ReduceGeometry;
 use pool::ThreadPool;
+pub use prepack::PackedParam;
 use rlx_driver::{Buffer, DeviceArena, HostArena, KernelTime, Profile};
 use rlx_ir::{Error, NodeId, Op, Result, Shape};
 use rlx_opt::{Location, Plan, Region};
@@ -30,6 +32,19 @@ struct Step {
     output: (Location, Shape),
     geometry: Option<ReduceGeometry>,
     kernel: String,
+    /// The param this step reads packed ahead as its right operand.
+    packed_b: Option<usize>,
+}
+
+/// A param's storage as programs share it: the value and, where it is packed ahead
+/// for matrix products, the packed panels (shared too, so programs compiled from one
+/// model hold one packed copy).
+#[derive(Clone, Debug)]
+pub struct SharedCpuParam {
+    /// The param's value.
+    pub buffer: Arc<Buffer>,
+    /// Its packed form, if the exporting program keeps one.
+    pub packed: Option<PackedParam>,
 }
 
 /// A compiled plan on the CPU: memory plus prepared steps.
@@ -38,6 +53,8 @@ pub struct CpuProgram {
     plan: Arc<Plan>,
     arena: HostArena,
     params: Vec<Arc<Buffer>>,
+    /// Packed forms of the params that matrix products read as `B`.
+    packed: Vec<Option<PackedParam>>,
     constants: Vec<Buffer>,
     handles: Vec<Buffer>,
     steps: Vec<Step>,
@@ -60,6 +77,8 @@ impl CpuProgram {
         let mut steps = Vec::with_capacity(plan.schedule.len());
         let mut scratch_len = 0;
         let mut thread_scratch = 0;
+        let param_shapes: Vec<Shape> = plan.params.iter().map(|p| p.shape.clone()).collect();
+        let mut packed: Vec<Option<PackedParam>> = vec![None; param_shapes.len()];
         for &id in &plan.schedule {
             let node = &nodes[id.index()];
             let in_shapes: Vec<Shape> = node
@@ -67,12 +86,17 @@ impl CpuProgram {
                 .iter()
                 .map(|x| nodes[x.index()].shape.clone())
                 .collect();
-            let inputs = node
+            let inputs: Vec<(Location, Shape)> = node
                 .inputs
                 .iter()
                 .zip(&in_shapes)
                 .map(|(x, s)| (plan.locations[x.index()], s.clone()))
                 .collect();
+            let packed_b =
+                prepack::packed_operand(&node.op, &inputs, &param_shapes).map(|(index, k, n)| {
+                    packed[index].get_or_insert_with(|| PackedParam::zeroed(k, n));
+                    index
+                });
             let geometry = match &node.op {
                 Op::Reduce { axes, .. } => Some(ReduceGeometry::new(in_shapes[0].dims(), axes)),
                 _ => None,
@@ -87,6 +111,7 @@ impl CpuProgram {
                 inputs,
                 output: (plan.locations[id.index()], node.shape.clone()),
                 geometry,
+                packed_b,
             });
         }
         let constants = graph
@@ -113,6 +138,7 @@ impl CpuProgram {
             arena: HostArena::new(plan.stats.arena_bytes),
             plan,
             params,
+            packed,
             constants,
             handles,
             steps,
@@ -159,24 +185,46 @@ impl CpuProgram {
                 unit: "bytes",
             });
         }
-        Arc::make_mut(buf).write(bytes)
+        Arc::make_mut(buf).write(bytes)?;
+        self.repack(index);
+        Ok(())
+    }
+
+    /// Packs param `index` again after its value changed, if products read it packed.
+    fn repack(&mut self, index: usize) {
+        if let Some(Some(old)) = self.packed.get(index) {
+            let (k, n) = old.dims();
+            self.packed[index] = Some(PackedParam::pack(k, n, self.params[index].bytes()));
+        }
+    }
+
+    /// Bytes of the params packed ahead for matrix products (on top of the params).
+    pub fn packed_param_bytes(&self) -> usize {
+        self.packed.iter().flatten().map(PackedParam::bytes).sum()
     }
 
     /// Param `index`'s storage, to share with another program (no copy).
-    pub fn param_buffer(&self, index: usize) -> Result<Arc<Buffer>> {
-        self.params
+    pub fn shared_param(&self, index: usize) -> Result<SharedCpuParam> {
+        let buffer = self
+            .params
             .get(index)
             .cloned()
-            .ok_or_else(|| Error::invalid("param", format!("no param #{index}")))
+            .ok_or_else(|| Error::invalid("param", format!("no param #{index}")))?;
+        Ok(SharedCpuParam {
+            buffer,
+            packed: self.packed[index].clone(),
+        })
     }
 
-    /// Makes param `index` use `buffer` (shared, copied only if later written). Its
-    /// shape and dtype must be the param's.
-    pub fn set_param_buffer(&mut self, index: usize, buffer: Arc<Buffer>) -> Result<()> {
+    /// Makes param `index` use `shared`'s storage (copied only if later written),
+    /// and its packed panels where they fit this program's products (packing anew
+    /// otherwise). The shape and dtype must be the param's.
+    pub fn set_shared_param(&mut self, index: usize, shared: &SharedCpuParam) -> Result<()> {
         let slot = self
             .params
             .get_mut(index)
             .ok_or_else(|| Error::invalid("set_param", format!("no param #{index}")))?;
+        let buffer = &shared.buffer;
         if buffer.shape() != slot.shape() {
             return Err(Error::ShapeMismatch {
                 op: format!("share param #{index}"),
@@ -185,7 +233,14 @@ impl CpuProgram {
                 reason: "a shared param must have the same shape and dtype".into(),
             });
         }
-        *slot = buffer;
+        *slot = buffer.clone();
+        if let Some(Some(mine)) = self.packed.get(index) {
+            let (k, n) = mine.dims();
+            match &shared.packed {
+                Some(theirs) if theirs.fits(k, n) => self.packed[index] = Some(theirs.clone()),
+                _ => self.repack(index),
+            }
+        }
         Ok(())
     }
 
@@ -307,6 +362,7 @@ impl CpuProgram {
             plan,
             arena,
             params,
+            packed,
             constants,
             handles,
             steps,
@@ -337,6 +393,7 @@ impl CpuProgram {
             scratch,
             gemm,
             pool: ThreadPool::global(),
+            packed_b: None,
         };
         let arena_base = arena.as_mut_ptr();
         for (addr, h) in handle_addrs.iter_mut().zip(handles.iter_mut()) {
@@ -369,6 +426,7 @@ impl CpuProgram {
                 shape,
                 len: shape.num_elements(),
             };
+            ctx.packed_b = step.packed_b.and_then(|i| packed[i].as_ref());
             kernels::run(
                 &step.op,
                 step.inputs.len(),

@@ -460,6 +460,91 @@ fn graphs_of_one_model_share_params_without_copying() {
     assert_eq!(&second[0][..3], &[1.0, 2.0, 3.0]);
 }
 
+/// `x [rows, 300] @ w [300, 130] + b` and its `f64` reference.
+fn wide_linear(rows: usize) -> Graph {
+    let g = Graph::new("wide_linear");
+    let x = g.input("x", Shape::new(&[rows, 300], DType::F32));
+    let w = g.param("w", Shape::new(&[300, 130], DType::F32));
+    let b = g.param("b", Shape::new(&[130], DType::F32));
+    g.set_outputs(vec![g.add(g.matmul(x, w).unwrap(), b).unwrap()]);
+    g
+}
+
+fn wide_linear_reference(x: &[f32], w: &[f32], b: &[f32]) -> Vec<f64> {
+    let rows = x.len() / 300;
+    let mut out = vec![0.0; rows * 130];
+    for i in 0..rows {
+        for j in 0..130 {
+            out[i * 130 + j] = f64::from(b[j])
+                + (0..300)
+                    .map(|p| f64::from(x[i * 300 + p]) * f64::from(w[p * 130 + j]))
+                    .sum::<f64>();
+        }
+    }
+    out
+}
+
+fn assert_close(got: &[f32], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!((f64::from(g) - w).abs() < 1e-4, "{what} at {i}: {g} vs {w}");
+    }
+}
+
+#[test]
+fn weights_packed_ahead_follow_every_set_param_and_stay_per_graph() {
+    // Matrix products read `w` packed ahead; the packed copy must track each write and,
+    // once shared, never leak one graph's write into the other.
+    let values = |seed: u32, len: usize| -> Vec<f32> {
+        (0..len as u32)
+            .map(|i| ((i.wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    };
+    let (w1, w2, b) = (values(1, 300 * 130), values(2, 300 * 130), values(3, 130));
+    let session = Session::new(Device::Cpu);
+    // 5 rows: the few-rows path; 120 rows: the blocked path.
+    let mut few = session.compile(wide_linear(5)).unwrap();
+    let mut many = session.compile(wide_linear(120)).unwrap();
+    let (x5, x120) = (values(4, 5 * 300), values(5, 120 * 300));
+    few.set_param("w", &w1).unwrap();
+    few.set_param("b", &b).unwrap();
+    let out = few.run(&[("x", &x5)]).unwrap();
+    assert_close(
+        &out[0],
+        &wide_linear_reference(&x5, &w1, &b),
+        "few rows, w1",
+    );
+    assert_eq!(many.share_params_from(&few).unwrap(), 2);
+    let out = many.run(&[("x", &x120)]).unwrap();
+    assert_close(
+        &out[0],
+        &wide_linear_reference(&x120, &w1, &b),
+        "many rows, shared w1",
+    );
+    // A rejected write leaves the packed weights as they were.
+    assert!(few.set_param("w", &w2[..100]).is_err());
+    let out = few.run(&[("x", &x5)]).unwrap();
+    assert_close(
+        &out[0],
+        &wide_linear_reference(&x5, &w1, &b),
+        "few rows after a bad write",
+    );
+    // A new value is packed again in the graph written, and only there.
+    few.set_param("w", &w2).unwrap();
+    let out = few.run(&[("x", &x5)]).unwrap();
+    assert_close(
+        &out[0],
+        &wide_linear_reference(&x5, &w2, &b),
+        "few rows, w2",
+    );
+    let out = many.run(&[("x", &x120)]).unwrap();
+    assert_close(
+        &out[0],
+        &wide_linear_reference(&x120, &w1, &b),
+        "many rows, still w1",
+    );
+}
+
 #[test]
 fn sharing_params_of_another_shape_is_an_error_and_changes_nothing() {
     let session = Session::new(Device::Cpu);

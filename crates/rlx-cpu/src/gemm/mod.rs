@@ -86,6 +86,11 @@ pub(crate) enum BFormat {
     /// `ldb` counts values (a row of `ldb` values takes `format.row_bytes(ldb)`
     /// bytes), so element `(r, c)` of the stored matrix is element `r * ldb + c`.
     Quant(rlx_ir::QuantFormat),
+    /// `f32`, already packed by [`pack_b_panels`] for a kernel `nr` columns wide:
+    /// the panel of columns `q * nr ..` starts at `b + q * nr * k` and holds `k`
+    /// groups of `nr` values (zero past the last column); `ldb` is `n`. Read in
+    /// place with no packing pass: one contiguous stream per panel.
+    Packed { nr: usize },
 }
 
 /// One GEMM problem. `A[i, p]` is `a[i * lda + p]`; `B[p, j]` is `b[p * ldb + j]`, or
@@ -179,8 +184,50 @@ fn scratch_floats() -> usize {
 /// The pointers of `g` must address matrices of the stated sizes and strides; `c` must
 /// not overlap `a`, `b` or the epilogue's operands.
 pub(crate) unsafe fn sgemm(g: &Gemm, pool: &ThreadPool, scratch: &GemmScratch) -> Result<()> {
+    let kernel = kernels::for_width(g.n);
+    if let BFormat::Packed { nr } = g.b_format
+        && nr != kernel.nr
+    {
+        return Err(rlx_ir::Error::runtime(
+            "matmul",
+            format!(
+                "B was packed for {nr}-column panels, the kernel for {} columns uses {}",
+                g.n, kernel.nr
+            ),
+        ));
+    }
     // SAFETY: forwarded contract.
-    unsafe { sgemm_with(g, kernels::for_width(g.n), pool, scratch) }
+    unsafe { sgemm_with(g, kernel, pool, scratch) }
+}
+
+/// The panel width [`pack_b_panels`] packs for a product `n` columns wide.
+pub(crate) fn packed_panel_width(n: usize) -> usize {
+    kernels::for_width(n).nr
+}
+
+/// Length in floats of `B [k, n]` packed by [`pack_b_panels`].
+pub(crate) fn packed_len(k: usize, n: usize) -> usize {
+    let nr = packed_panel_width(n);
+    n.div_ceil(nr) * nr * k
+}
+
+/// Packs a row-major `B [k, n]` into `out` ([`packed_len`] floats) in the layout of
+/// [`BFormat::Packed`], for the kernel [`sgemm`] picks for width `n`; returns `nr`.
+pub(crate) fn pack_b_panels(b: &[f32], k: usize, n: usize, out: &mut [f32]) -> usize {
+    let nr = packed_panel_width(n);
+    pack_b_panels_for(nr, b, k, n, out);
+    nr
+}
+
+/// [`pack_b_panels`] for panels `nr` wide; `out` holds `ceil(n / nr) * nr * k` floats.
+fn pack_b_panels_for(nr: usize, b: &[f32], k: usize, n: usize, out: &mut [f32]) {
+    for (q, panel) in out.chunks_exact_mut(nr * k).enumerate() {
+        let (c0, valid) = (q * nr, nr.min(n - q * nr));
+        for (p, dst) in panel.chunks_exact_mut(nr).enumerate() {
+            dst[..valid].copy_from_slice(&b[p * n + c0..p * n + c0 + valid]);
+            dst[valid..].fill(0.0);
+        }
+    }
 }
 
 /// [`sgemm`] with an explicit micro-kernel (tests compare them all).
@@ -297,6 +344,11 @@ unsafe fn serial(
         unsafe { apply_epilogue(g, rows, cols) };
         return;
     }
+    if matches!(g.b_format, BFormat::Packed { .. }) && rows.len() <= mc_max {
+        // SAFETY: forwarded contract.
+        unsafe { packed_few_rows(g, kernel, rows, cols, a_edge, tile) };
+        return;
+    }
     let mut jc = cols.start;
     while jc < cols.end {
         let nc = nc_max.min(cols.end - jc);
@@ -310,9 +362,12 @@ unsafe fn serial(
             // a row-major B is then read in place (only a last partial panel is
             // packed). With more rows, packing turns the strided first read of B into
             // a sequential one and the kernel reads L1-resident panels.
+            let prepacked = matches!(g.b_format, BFormat::Packed { .. });
             let in_place =
                 !g.b_transposed && g.b_format == BFormat::F32 && rows.len() <= IN_PLACE_B_MAX_ROWS;
-            if in_place {
+            if prepacked {
+                // Nothing to pack: the panels are read where they are.
+            } else if in_place {
                 let full = nc / nr * nr;
                 if full < nc {
                     // SAFETY: the partial panel lies inside B; b_pack holds KC x NR.
@@ -350,7 +405,11 @@ unsafe fn serial(
                             unsafe { pack::pack_a_rows(g, ci, mr_eff, pc, kc, mr, a_edge) };
                             (a_edge.as_ptr(), kc)
                         };
-                        let (b_panel, ldb) = if in_place && nr_eff == nr {
+                        let (b_panel, ldb) = if prepacked {
+                            // SAFETY: panel (jc+jr)/nr, rows pc.., lies inside the
+                            // packed B.
+                            (unsafe { g.b.add((jc + jr) / nr * nr * g.k + pc * nr) }, nr)
+                        } else if in_place && nr_eff == nr {
                             // SAFETY: rows pc.., columns jc+jr.., lie inside B.
                             (unsafe { g.b.add(pc * g.ldb + jc + jr) }, g.ldb)
                         } else {
@@ -391,6 +450,74 @@ unsafe fn serial(
             pc += kc;
         }
         jc += nc;
+    }
+}
+
+/// [`serial`] for a packed `B` and rows that fit one block of `A`: each panel is
+/// walked once from top to bottom, so `B` streams from memory in address order (the
+/// product is bound by reading `B` when there are few rows), and every `KC` slice of
+/// it serves all row tiles from L1.
+///
+/// # Safety
+/// As [`serial`]; `g.b_format` is `Packed` with the kernel's `nr`.
+unsafe fn packed_few_rows(
+    g: &Gemm,
+    kernel: MicroKernel,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    a_edge: &mut [f32],
+    tile: &mut [f32],
+) {
+    let (mr, nr) = (kernel.mr, kernel.nr);
+    for jr in cols.clone().step_by(nr) {
+        let nr_eff = nr.min(cols.end - jr);
+        // SAFETY: panel jr / nr lies inside the packed B.
+        let panel = unsafe { g.b.add(jr / nr * nr * g.k) };
+        let mut pc = 0;
+        while pc < g.k {
+            let kc = KC.min(g.k - pc);
+            let accumulate = pc > 0 || g.accumulate;
+            let last_k = pc + kc == g.k;
+            for ci in rows.clone().step_by(mr) {
+                let mr_eff = mr.min(rows.end - ci);
+                let (a_panel, lda) = if mr_eff == mr {
+                    // SAFETY: rows ci..ci+MR, columns pc.., lie inside A.
+                    (unsafe { g.a.add(ci * g.lda + pc) }, g.lda)
+                } else {
+                    // SAFETY: rows ci..ci+mr_eff lie inside A.
+                    unsafe { pack::pack_a_rows(g, ci, mr_eff, pc, kc, mr, a_edge) };
+                    (a_edge.as_ptr(), kc)
+                };
+                // SAFETY: rows pc..pc+kc of the panel; the tile is inside C (or the
+                // temporary tile for edges).
+                unsafe {
+                    let b_panel = panel.add(pc * nr);
+                    let c_tile = g.c.add(ci * g.ldc + jr);
+                    if mr_eff == mr && nr_eff == nr {
+                        (kernel.run)(kc, a_panel, lda, b_panel, nr, c_tile, g.ldc, accumulate);
+                    } else {
+                        let edge = Edge {
+                            mr_eff,
+                            nr_eff,
+                            accumulate,
+                        };
+                        edge_tile(
+                            kernel,
+                            kc,
+                            (a_panel, lda),
+                            (b_panel, nr),
+                            (c_tile, g.ldc),
+                            edge,
+                            tile,
+                        );
+                    }
+                    if last_k && !g.epilogue.is_identity() {
+                        apply_epilogue(g, ci..ci + mr_eff, jr..jr + nr_eff);
+                    }
+                }
+            }
+            pc += kc;
+        }
     }
 }
 
@@ -553,6 +680,110 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn b_packed_ahead_gives_the_same_products_with_epilogue_and_accumulation() {
+        let pool = ThreadPool::new(3);
+        let mut seed = 5u64;
+        // Few rows (one block of A: panels walked top to bottom) and many (blocked).
+        let shapes = [
+            (1, 384, 384),
+            (7, 33, 5),
+            (16, 1536, 384),
+            (13, 100, 450),
+            (96, 96, 200),
+            (97, 65, 257),
+            (200, 130, 600),
+        ];
+        let shapes: [(usize, usize, usize); 7] = shapes;
+        for kernel in available_kernels() {
+            for &(m, n, k) in &shapes {
+                let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+                let b: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed)).collect();
+                let bias: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
+                let start: Vec<f32> = (0..m * n).map(|_| lcg(&mut seed)).collect();
+                let mut packed = vec![f32::NAN; n.div_ceil(kernel.nr) * kernel.nr * k];
+                pack_b_panels_for(kernel.nr, &b, k, n, &mut packed);
+                let product = reference(m, n, k, &a, &b, false);
+                for (accumulate, with_bias) in [(false, false), (true, false), (false, true)] {
+                    for threads in [1, 3] {
+                        let mut c = start.clone();
+                        let g = Gemm {
+                            m,
+                            n,
+                            k,
+                            a: a.as_ptr(),
+                            lda: k,
+                            b: packed.as_ptr(),
+                            ldb: n,
+                            b_transposed: false,
+                            b_format: BFormat::Packed { nr: kernel.nr },
+                            c: c.as_mut_ptr(),
+                            ldc: n,
+                            accumulate,
+                            epilogue: Epilogue {
+                                alpha: if with_bias { 0.5 } else { 1.0 },
+                                bias: with_bias.then_some(bias.as_ptr()),
+                                activation: None,
+                                residual: None,
+                            },
+                        };
+                        // SAFETY: all buffers match the stated sizes and layouts.
+                        unsafe { sgemm_with(&g, kernel, &pool, &GemmScratch::new(threads, 0)) }
+                            .unwrap();
+                        for (idx, &got) in c.iter().enumerate() {
+                            let mut want = product[idx];
+                            if accumulate {
+                                want += f64::from(start[idx]);
+                            }
+                            if with_bias {
+                                want = want * 0.5 + f64::from(bias[idx % n]);
+                            }
+                            let tol = 1e-5 * (k as f64).sqrt().max(1.0) * 4.0;
+                            assert!(
+                                (f64::from(got) - want).abs() <= tol,
+                                "{} {m}x{n}x{k} acc={accumulate} bias={with_bias} \
+                                 threads={threads} at {idx}: {got} vs {want}",
+                                kernel.name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_packed_b_reads_back_element_by_element() {
+        let (k, n, nr): (usize, usize, usize) = (9, 70, 32);
+        let mut seed = 3u64;
+        let b: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed)).collect();
+        let mut packed = vec![f32::NAN; n.div_ceil(nr) * nr * k];
+        pack_b_panels_for(nr, &b, k, n, &mut packed);
+        let mut g = Gemm {
+            m: 1,
+            n,
+            k,
+            a: std::ptr::null(),
+            lda: k,
+            b: packed.as_ptr(),
+            ldb: n,
+            b_transposed: false,
+            b_format: BFormat::Packed { nr },
+            c: std::ptr::null_mut(),
+            ldc: n,
+            accumulate: false,
+            epilogue: Epilogue::NONE,
+        };
+        let (mut from_packed, mut from_plain) = (vec![0.0; 40 * 5], vec![0.0; 40 * 5]);
+        // SAFETY: the block lies inside B in both layouts.
+        unsafe { pack::pack_b(&g, 2, 5, 20, 40, 4, &mut from_packed) };
+        g.b = b.as_ptr();
+        g.b_format = BFormat::F32;
+        // SAFETY: as above.
+        unsafe { pack::pack_b(&g, 2, 5, 20, 40, 4, &mut from_plain) };
+        assert_eq!(from_packed, from_plain);
     }
 
     #[test]

@@ -102,6 +102,16 @@ unsafe fn read_b_run(g: &Gemm, offset: usize, dst: &mut [f32]) {
                 crate::quant::decode_run(format, g.b.cast::<u8>().add(row * row_bytes), start, dst)
             };
         }
+        BFormat::Packed { nr } => {
+            // The serial loop reads packed panels in place; this element-wise form
+            // keeps the format well defined everywhere else.
+            for (i, d) in dst.iter_mut().enumerate() {
+                let (r, c) = ((offset + i) / g.ldb, (offset + i) % g.ldb);
+                // SAFETY: per the contract, (r, c) lies inside B, whose panel of column
+                // c holds k rows of nr values.
+                *d = unsafe { *g.b.add(c / nr * nr * g.k + r * nr + c % nr) };
+            }
+        }
         BFormat::BF16 => {
             // SAFETY: as above.
             let src = unsafe { std::slice::from_raw_parts(g.b.cast::<u16>().add(offset), len) };

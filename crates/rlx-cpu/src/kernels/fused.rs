@@ -63,11 +63,15 @@ pub(crate) fn fused_matmul(
     }
     let in_gemm = activation.and_then(gemm_activation);
     // Half-precision weights are converted as they are packed.
-    let b_format = match b.shape.dtype() {
-        DType::F16 => BFormat::F16,
-        DType::BF16 => BFormat::BF16,
-        _ => BFormat::F32,
+    // Weights packed ahead are read as they are (B is then one 2-D matrix).
+    let packed = crate::prepack::operand_for(ctx.packed_b, &b);
+    let b_format = match (packed, b.shape.dtype()) {
+        (Some((_, nr)), _) => BFormat::Packed { nr },
+        (None, DType::F16) => BFormat::F16,
+        (None, DType::BF16) => BFormat::BF16,
+        (None, _) => BFormat::F32,
     };
+    let b_base = packed.map_or(b.ptr, |(panels, _)| panels.cast::<u8>());
     let b_size = b.shape.dtype().size_in_bytes();
     let mut result = Ok(());
     for_each_strided(out_batch, [&sa, &sb], [0, 0], |bi, [ab, bb]| {
@@ -83,7 +87,7 @@ pub(crate) fn fused_matmul(
                 k,
                 a: a.ptr.cast::<f32>().add(ab as usize * m * k),
                 lda: k,
-                b: b.ptr.add(bb as usize * k * n * b_size).cast::<f32>(),
+                b: b_base.add(bb as usize * k * n * b_size).cast::<f32>(),
                 ldb: n,
                 b_transposed: false,
                 b_format,

@@ -27,6 +27,11 @@ pub(crate) fn matmul(a: Src, b: Src, out: Dst, ctx: &Ctx) -> Result<()> {
     let sa = broadcast_strides(a_batch, out_batch);
     let sb = broadcast_strides(b_batch, out_batch);
     if out.shape.dtype() == DType::F32 {
+        // Weights packed ahead are read as they are (B is then one 2-D matrix).
+        let (b_ptr, b_format) = match crate::prepack::operand_for(ctx.packed_b, &b) {
+            Some((panels, nr)) => (panels, BFormat::Packed { nr }),
+            None => (b.ptr.cast::<f32>(), BFormat::F32),
+        };
         let mut result = Ok(());
         for_each_strided(out_batch, [&sa, &sb], [0, 0], |bi, [ab, bb]| {
             if result.is_err() {
@@ -40,10 +45,10 @@ pub(crate) fn matmul(a: Src, b: Src, out: Dst, ctx: &Ctx) -> Result<()> {
                 // for B and the output.
                 a: unsafe { a.ptr.cast::<f32>().add(ab as usize * m * k) },
                 lda: k,
-                b: unsafe { b.ptr.cast::<f32>().add(bb as usize * k * n) },
+                b: unsafe { b_ptr.add(bb as usize * k * n) },
                 ldb: n,
                 b_transposed: false,
-                b_format: BFormat::F32,
+                b_format,
                 c: unsafe { out.ptr.cast::<f32>().add(bi * m * n) },
                 ldc: n,
                 accumulate: false,

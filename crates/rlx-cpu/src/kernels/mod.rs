@@ -100,6 +100,8 @@ pub(crate) struct Ctx<'a> {
     pub gemm: &'a GemmScratch,
     /// The pool kernels split work over.
     pub pool: &'static ThreadPool,
+    /// This step's right operand packed ahead, if it has one.
+    pub packed_b: Option<&'a crate::prepack::PackedParam>,
 }
 
 /// Runs one step. `src(k)` gives operand `k`; `n_inputs` is how many there are.

@@ -1,7 +1,7 @@
 //! The CPU backend adapter over [`rlx_cpu::CpuProgram`].
 
 use crate::backend::{Backend, BackendOptions, Executable, HandleStorage, SharedParam};
-use rlx_cpu::CpuProgram;
+use rlx_cpu::{CpuProgram, SharedCpuParam};
 use rlx_driver::{Buffer, Device, Profile};
 use rlx_ir::{Error, NodeId, Result};
 use rlx_opt::{FusionOptions, Plan};
@@ -34,12 +34,12 @@ impl Executable for CpuProgram {
     }
 
     fn export_param(&self, index: usize) -> Result<SharedParam> {
-        Ok(SharedParam::new(Device::Cpu, self.param_buffer(index)?))
+        Ok(SharedParam::new(Device::Cpu, self.shared_param(index)?))
     }
 
     fn import_param(&mut self, index: usize, param: &SharedParam) -> Result<()> {
         let buffer = param
-            .storage::<Arc<Buffer>>()
+            .storage::<SharedCpuParam>()
             .filter(|_| param.device() == Device::Cpu)
             .ok_or_else(|| {
                 Error::invalid(
@@ -47,7 +47,7 @@ impl Executable for CpuProgram {
                     format!("storage from {} cannot be used on the CPU", param.device()),
                 )
             })?;
-        self.set_param_buffer(index, buffer.clone())
+        self.set_shared_param(index, buffer)
     }
 
     fn input_staging(&mut self, index: usize) -> Result<&mut [u8]> {
