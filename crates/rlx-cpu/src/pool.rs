@@ -28,6 +28,9 @@ struct Shared {
     panicked: AtomicBool,
     sleep_lock: Mutex<()>,
     wake: Condvar,
+    /// Workers asleep on `wake` (or about to be): a job only pays for a wake-up call
+    /// when one is.
+    sleepers: AtomicUsize,
     shutdown: AtomicBool,
 }
 
@@ -59,6 +62,7 @@ impl ThreadPool {
             panicked: AtomicBool::new(false),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
         });
         let workers = threads.max(1) - 1;
@@ -127,8 +131,11 @@ impl ThreadPool {
         s.tasks.store(tasks, Ordering::Relaxed);
         s.participants.store(helpers, Ordering::Relaxed);
         s.pending.store(helpers, Ordering::Relaxed);
-        s.generation.fetch_add(1, Ordering::Release);
-        {
+        // SeqCst with the sleepers count: either a worker about to sleep sees the new
+        // generation, or this sees it counted and wakes it under the lock it sleeps
+        // with. Spinning workers need no call.
+        s.generation.fetch_add(1, Ordering::SeqCst);
+        if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _lock = s.sleep_lock.lock();
             s.wake.notify_all();
         }
@@ -188,10 +195,12 @@ fn worker(s: &Shared, index: usize) {
                 std::hint::spin_loop();
             } else {
                 let lock = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
-                generation = s.generation.load(Ordering::Acquire);
+                s.sleepers.fetch_add(1, Ordering::SeqCst);
+                generation = s.generation.load(Ordering::SeqCst);
                 if generation == seen {
                     let _unused = s.wake.wait(lock);
                 }
+                s.sleepers.fetch_sub(1, Ordering::SeqCst);
             }
             generation = s.generation.load(Ordering::Acquire);
         }
