@@ -14,7 +14,12 @@ pub(crate) type KernelFn =
 /// The micro-kernel for this CPU and its tile size.
 #[derive(Clone, Copy)]
 pub(crate) struct MicroKernel {
+    /// For a `B` panel already in cache (packed into scratch, or read in place).
     pub run: KernelFn,
+    /// For a `B` panel streamed from memory (weights packed ahead): prefetches the
+    /// rows ahead of the ones it multiplies. On a cached panel the prefetches only
+    /// take load slots from the multiply-adds.
+    pub stream: KernelFn,
     pub mr: usize,
     pub nr: usize,
     pub name: &'static str,
@@ -38,6 +43,7 @@ fn detect() -> MicroKernel {
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                 return MicroKernel {
                     run: x86::kernel_avx2,
+                    stream: x86::kernel_avx2,
                     mr: x86::AVX2_MR,
                     nr: x86::AVX2_NR,
                     name: "avx2",
@@ -94,6 +100,7 @@ pub(crate) fn largest_tiles() -> (usize, usize) {
 pub(crate) fn generic_kernel() -> MicroKernel {
     MicroKernel {
         run: kernel_generic,
+        stream: kernel_generic,
         mr: GENERIC_MR,
         nr: GENERIC_NR,
         name: "generic",
@@ -109,6 +116,7 @@ pub(crate) fn available() -> Vec<MicroKernel> {
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             all.push(MicroKernel {
                 run: x86::kernel_avx2,
+                stream: x86::kernel_avx2,
                 mr: x86::AVX2_MR,
                 nr: x86::AVX2_NR,
                 name: "avx2",
@@ -174,14 +182,16 @@ mod x86 {
     pub const AVX2_MR: usize = 6;
     /// The main AVX-512 kernel.
     pub const AVX512_WIDE: super::MicroKernel = super::MicroKernel {
-        run: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }>,
+        run: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, false>,
+        stream: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, true>,
         mr: AVX512_MR,
         nr: AVX512_NR,
         name: "avx512",
     };
     /// The AVX-512 kernel for widths that are multiples of 32.
     pub const AVX512_NARROW: super::MicroKernel = super::MicroKernel {
-        run: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }>,
+        run: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, false>,
+        stream: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, true>,
         mr: AVX512_NARROW_MR,
         nr: AVX512_NARROW_NR,
         name: "avx512",
@@ -190,13 +200,14 @@ mod x86 {
     const PREFETCH_ROWS: usize = 24;
     pub const AVX2_NR: usize = 16;
 
-    /// `MR x 16 NV` tile in `MR * NV` zmm accumulators.
+    /// `MR x 16 NV` tile in `MR * NV` zmm accumulators; with `PREFETCH`, B rows
+    /// further down the panel are prefetched.
     ///
     /// # Safety
     /// AVX-512F must be available; pointers as in `KernelFn`.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)] // the micro-kernel ABI
-    pub unsafe fn kernel_avx512<const MR: usize, const NV: usize>(
+    pub unsafe fn kernel_avx512<const MR: usize, const NV: usize, const PREFETCH: bool>(
         kc: usize,
         a: *const f32,
         lda: usize,
@@ -216,10 +227,8 @@ mod x86 {
                 for (v, x) in bv.iter_mut().enumerate() {
                     *x = _mm512_loadu_ps(b.add(16 * v));
                 }
-                // B rows further down the panel, for when B is read in place (its
-                // rows are far apart and the hardware prefetcher lags); a prefetch
-                // never faults, so running past the panel is harmless.
-                for v in 0..NV {
+                // A prefetch never faults, so running past the panel is harmless.
+                for v in (0..NV).filter(|_| PREFETCH) {
                     _mm_prefetch::<_MM_HINT_T0>(
                         b.wrapping_add(PREFETCH_ROWS * ldb + 16 * v).cast::<i8>(),
                     );

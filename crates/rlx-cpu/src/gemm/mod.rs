@@ -419,10 +419,11 @@ unsafe fn serial(
                         // is inside C (or the temporary tile for edges).
                         unsafe {
                             let c_tile = g.c.add(ci * g.ldc + cj);
+                            // Panels packed ahead come from memory on the first row
+                            // block; packed or in-place ones here are in cache.
+                            let run = if prepacked { kernel.stream } else { kernel.run };
                             if mr_eff == mr && nr_eff == nr {
-                                (kernel.run)(
-                                    kc, a_panel, lda, b_panel, ldb, c_tile, g.ldc, accumulate,
-                                );
+                                run(kc, a_panel, lda, b_panel, ldb, c_tile, g.ldc, accumulate);
                             } else {
                                 let edge = Edge {
                                     mr_eff,
@@ -494,7 +495,7 @@ unsafe fn packed_few_rows(
                     let b_panel = panel.add(pc * nr);
                     let c_tile = g.c.add(ci * g.ldc + jr);
                     if mr_eff == mr && nr_eff == nr {
-                        (kernel.run)(kc, a_panel, lda, b_panel, nr, c_tile, g.ldc, accumulate);
+                        (kernel.stream)(kc, a_panel, lda, b_panel, nr, c_tile, g.ldc, accumulate);
                     } else {
                         let edge = Edge {
                             mr_eff,
