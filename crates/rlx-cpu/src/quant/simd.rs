@@ -96,13 +96,18 @@ mod avx512 {
     ) {
         macro_rules! go {
             ($m:literal) => {
+                go!($m, 1)
+            };
+            ($m:literal, $chains:literal) => {
                 // SAFETY: forwarded contract.
-                unsafe { rows::<$m>(format, row.as_ptr(), a.as_ptr(), k, sums) }
+                unsafe { rows::<$m, $chains>(format, row.as_ptr(), a.as_ptr(), k, sums) }
             };
         }
         match m {
-            1 => go!(1),
-            2 => go!(2),
+            // Few rows: blocks alternate between accumulator sets, so the sums do not
+            // wait on each other's latency.
+            1 => go!(1, 2),
+            2 => go!(2, 2),
             3 => go!(3),
             4 => go!(4),
             5 => go!(5),
@@ -122,10 +127,18 @@ mod avx512 {
     }
 
     /// Block `b`'s 32 weights as two vectors (values 0..16 and 16..32).
+    ///
+    /// 4-bit formats: a block has only 16 distinct weights, `d * q + m` for the
+    /// nibble `q`, so one multiply-add makes all 16 of them and two in-register
+    /// lookups (`vpermps`, which reads the low 4 bits of each index) place them:
+    /// the bytes, widened to 32 bits, index with their low nibble directly and with
+    /// their high nibble after a shift.
     #[inline]
     #[target_feature(enable = "avx512f,f16c")]
     unsafe fn weights(format: QuantFormat, row: *const u8, b: usize) -> (__m512, __m512) {
-        let low_nibbles = _mm_set1_epi8(0x0f);
+        let nibble_values = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
         match format {
             QuantFormat::Q4_1 => {
                 // SAFETY: block b of a Q4_1 row is 20 bytes at b * 20.
@@ -133,13 +146,12 @@ mod avx512 {
                 // SAFETY: as above.
                 let (d, min) = unsafe { (half_splat(block), half_splat(block.add(2))) };
                 // SAFETY: as above.
-                let q = unsafe { _mm_loadu_si128(block.add(4).cast()) };
-                let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low_nibbles)));
-                let hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(
-                    _mm_srli_epi16(q, 4),
-                    low_nibbles,
-                )));
-                (_mm512_fmadd_ps(lo, d, min), _mm512_fmadd_ps(hi, d, min))
+                let q = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(block.add(4).cast()) });
+                let table = _mm512_fmadd_ps(nibble_values, d, min);
+                (
+                    _mm512_permutexvar_ps(q, table),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table),
+                )
             }
             QuantFormat::Q4_0 => {
                 // SAFETY: block b of a Q4_0 row is 18 bytes at b * 18.
@@ -147,14 +159,12 @@ mod avx512 {
                 // SAFETY: as above.
                 let d = unsafe { half_splat(block) };
                 // SAFETY: as above.
-                let q = unsafe { _mm_loadu_si128(block.add(2).cast()) };
-                let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low_nibbles)));
-                let hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(
-                    _mm_srli_epi16(q, 4),
-                    low_nibbles,
-                )));
-                let off = _mm512_mul_ps(d, _mm512_set1_ps(-8.0));
-                (_mm512_fmadd_ps(lo, d, off), _mm512_fmadd_ps(hi, d, off))
+                let q = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(block.add(2).cast()) });
+                let table = _mm512_mul_ps(_mm512_sub_ps(nibble_values, _mm512_set1_ps(8.0)), d);
+                (
+                    _mm512_permutexvar_ps(q, table),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table),
+                )
             }
             _ => {
                 // Q8_0: 34 bytes per block.
@@ -196,32 +206,52 @@ mod avx512 {
         }
     }
 
-    /// `M` activation rows against one weight row.
+    /// `M` activation rows against one weight row. Each row's sum is split over
+    /// `2 * CHAINS` independent accumulators (the two halves of a block, and blocks
+    /// taken in turn by `CHAINS` sets): one chain of dependent multiply-adds per
+    /// block would leave the loop waiting on their latency.
     #[inline]
     #[target_feature(enable = "avx512f,f16c")]
-    unsafe fn rows<const M: usize>(
+    unsafe fn rows<const M: usize, const CHAINS: usize>(
         format: QuantFormat,
         row: *const u8,
         a: *const f32,
         k: usize,
         sums: &mut [f32; GEMV_MAX_ROWS],
     ) {
-        let mut acc = [_mm512_setzero_ps(); M];
-        for b in 0..k / 32 {
+        let mut acc = [[[_mm512_setzero_ps(); 2]; M]; CHAINS];
+        let blocks = k / 32;
+        // Set `c` takes blocks c, c + CHAINS, ...; indices stay constant per set so
+        // the accumulators live in registers.
+        let step = |set: &mut [[__m512; 2]; M], b: usize| {
             // SAFETY: b < k / 32 blocks.
             let (w0, w1) = unsafe { weights(format, row, b) };
-            for (i, acc) in acc.iter_mut().enumerate() {
+            for (i, acc) in set.iter_mut().enumerate() {
                 // SAFETY: row i of `a` holds k floats.
                 let x = unsafe { a.add(i * k + b * 32) };
                 // SAFETY: as above.
                 unsafe {
-                    *acc = _mm512_fmadd_ps(_mm512_loadu_ps(x), w0, *acc);
-                    *acc = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(16)), w1, *acc);
+                    acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x), w0, acc[0]);
+                    acc[1] = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(16)), w1, acc[1]);
                 }
             }
+        };
+        let mut b = 0;
+        while b + CHAINS <= blocks {
+            for (c, set) in acc.iter_mut().enumerate() {
+                step(set, b + c);
+            }
+            b += CHAINS;
         }
-        for (s, acc) in sums.iter_mut().zip(acc) {
-            *s = _mm512_reduce_add_ps(acc);
+        for (c, set) in acc.iter_mut().enumerate().take(blocks - b) {
+            step(set, b + c);
+        }
+        for (i, s) in sums.iter_mut().enumerate().take(M) {
+            let mut total = _mm512_setzero_ps();
+            for set in &acc {
+                total = _mm512_add_ps(total, _mm512_add_ps(set[i][0], set[i][1]));
+            }
+            *s = _mm512_reduce_add_ps(total);
         }
     }
 }
