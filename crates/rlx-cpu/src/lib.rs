@@ -53,7 +53,10 @@ pub struct CpuProgram {
     plan: Arc<Plan>,
     arena: HostArena,
     params: Vec<Arc<Buffer>>,
-    /// Packed forms of the params that matrix products read as `B`.
+    /// `(k, n)` of the params that matrix products read packed ahead as `B`.
+    packable: Vec<Option<(usize, usize)>>,
+    /// Their packed forms, made when their values are set (until then products read
+    /// the params unpacked).
     packed: Vec<Option<PackedParam>>,
     constants: Vec<Buffer>,
     handles: Vec<Buffer>,
@@ -78,7 +81,7 @@ impl CpuProgram {
         let mut scratch_len = 0;
         let mut thread_scratch = 0;
         let param_shapes: Vec<Shape> = plan.params.iter().map(|p| p.shape.clone()).collect();
-        let mut packed: Vec<Option<PackedParam>> = vec![None; param_shapes.len()];
+        let mut packable = vec![None; param_shapes.len()];
         for &id in &plan.schedule {
             let node = &nodes[id.index()];
             let in_shapes: Vec<Shape> = node
@@ -94,7 +97,7 @@ impl CpuProgram {
                 .collect();
             let packed_b =
                 prepack::packed_operand(&node.op, &inputs, &param_shapes).map(|(index, k, n)| {
-                    packed[index].get_or_insert_with(|| PackedParam::zeroed(k, n));
+                    packable[index] = Some((k, n));
                     index
                 });
             let geometry = match &node.op {
@@ -138,7 +141,8 @@ impl CpuProgram {
             arena: HostArena::new(plan.stats.arena_bytes),
             plan,
             params,
-            packed,
+            packed: vec![None; packable.len()],
+            packable,
             constants,
             handles,
             steps,
@@ -192,9 +196,8 @@ impl CpuProgram {
 
     /// Packs param `index` again after its value changed, if products read it packed.
     fn repack(&mut self, index: usize) {
-        if let Some(Some(old)) = self.packed.get(index) {
-            let (k, n) = old.dims();
-            self.packed[index] = Some(PackedParam::pack(k, n, self.params[index].bytes()));
+        if let Some(&Some((k, n))) = self.packable.get(index) {
+            self.packed[index] = Some(PackedParam::pack(k, n, &self.params[index]));
         }
     }
 
@@ -234,8 +237,7 @@ impl CpuProgram {
             });
         }
         *slot = buffer.clone();
-        if let Some(Some(mine)) = self.packed.get(index) {
-            let (k, n) = mine.dims();
+        if let Some(&Some((k, n))) = self.packable.get(index) {
             match &shared.packed {
                 Some(theirs) if theirs.fits(k, n) => self.packed[index] = Some(theirs.clone()),
                 _ => self.repack(index),

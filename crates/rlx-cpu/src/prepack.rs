@@ -22,35 +22,16 @@ pub struct PackedParam {
 }
 
 impl PackedParam {
-    /// Zero panels for a `[k, n]` param (the packed form of a zeroed param).
-    pub(crate) fn zeroed(k: usize, n: usize) -> PackedParam {
-        PackedParam {
-            k,
-            n,
-            nr: packed_panel_width(n),
-            panels: Arc::new(Buffer::zeroed(Shape::new(&[packed_len(k, n)], DType::F32))),
-        }
-    }
-
-    /// Packs the `k * n` little-endian `f32` values in `bytes`.
-    pub(crate) fn pack(k: usize, n: usize, bytes: &[u8]) -> PackedParam {
-        let values: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+    /// Packs `param`, a `[k, n]` `f32` matrix.
+    pub(crate) fn pack(k: usize, n: usize, param: &Buffer) -> PackedParam {
         let mut panels = Buffer::zeroed(Shape::new(&[packed_len(k, n)], DType::F32));
-        let nr = pack_b_panels(&values, k, n, as_f32_mut(&mut panels));
+        let nr = pack_b_panels(&as_f32(param)[..k * n], k, n, as_f32_mut(&mut panels));
         PackedParam {
             k,
             n,
             nr,
             panels: Arc::new(panels),
         }
-    }
-
-    /// `(k, n)` of the matrix it holds.
-    pub(crate) fn dims(&self) -> (usize, usize) {
-        (self.k, self.n)
     }
 
     /// Whether it is the packed form a `[k, n]` product on this CPU reads.
@@ -67,6 +48,13 @@ impl PackedParam {
     pub fn bytes(&self) -> usize {
         self.panels.bytes().len()
     }
+}
+
+fn as_f32(buffer: &Buffer) -> &[f32] {
+    let bytes = buffer.bytes();
+    // SAFETY: the storage is 64-byte aligned and holds `len / 4` f32 values, and every
+    // bit pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4) }
 }
 
 fn as_f32_mut(buffer: &mut Buffer) -> &mut [f32] {
