@@ -11,6 +11,7 @@
 mod kernels;
 mod pack;
 
+use kernels::KernelFn;
 #[cfg(test)]
 use kernels::available as available_kernels;
 pub(crate) use kernels::{MicroKernel, best as best_kernel};
@@ -395,17 +396,7 @@ unsafe fn serial(
                     for ir in (0..mc).step_by(mr) {
                         let mr_eff = mr.min(mc - ir);
                         let (ci, cj) = (ic + ir, jc + jr);
-                        // Full row panels are read in place; a short one is copied
-                        // into zero-padded rows.
-                        let (a_panel, lda) = if mr_eff == mr {
-                            // SAFETY: rows ci.. ci+MR, columns pc.., lie inside A.
-                            (unsafe { g.a.add(ci * g.lda + pc) }, g.lda)
-                        } else {
-                            // SAFETY: rows ci..ci+mr_eff lie inside A.
-                            unsafe { pack::pack_a_rows(g, ci, mr_eff, pc, kc, mr, a_edge) };
-                            (a_edge.as_ptr(), kc)
-                        };
-                        let (b_panel, ldb) = if prepacked {
+                        let b_panel = if prepacked {
                             // SAFETY: panel (jc+jr)/nr, rows pc.., lies inside the
                             // packed B.
                             (unsafe { g.b.add((jc + jr) / nr * nr * g.k + pc * nr) }, nr)
@@ -415,35 +406,18 @@ unsafe fn serial(
                         } else {
                             (b_pack[jr * kc..].as_ptr(), nr)
                         };
-                        // SAFETY: A rows and the B panel hold kc values each; the tile
-                        // is inside C (or the temporary tile for edges).
-                        unsafe {
-                            let c_tile = g.c.add(ci * g.ldc + cj);
-                            // Panels packed ahead come from memory on the first row
-                            // block; packed or in-place ones here are in cache.
-                            let run = if prepacked { kernel.stream } else { kernel.run };
-                            if mr_eff == mr && nr_eff == nr {
-                                run(kc, a_panel, lda, b_panel, ldb, c_tile, g.ldc, accumulate);
-                            } else {
-                                let edge = Edge {
-                                    mr_eff,
-                                    nr_eff,
-                                    accumulate,
-                                };
-                                edge_tile(
-                                    kernel,
-                                    kc,
-                                    (a_panel, lda),
-                                    (b_panel, ldb),
-                                    (c_tile, g.ldc),
-                                    edge,
-                                    tile,
-                                );
-                            }
-                            if last_k && !g.epilogue.is_identity() {
-                                apply_epilogue(g, ci..ci + mr_eff, cj..cj + nr_eff);
-                            }
-                        }
+                        let step = TileStep {
+                            at: (ci, cj),
+                            size: (mr_eff, nr_eff),
+                            depth: (pc, kc),
+                            accumulate,
+                            last_k,
+                        };
+                        // Panels packed ahead come from memory on the first row block;
+                        // packed or in-place ones here are in cache.
+                        let run = if prepacked { kernel.stream } else { kernel.run };
+                        // SAFETY: the tile is inside C and the panel holds kc rows.
+                        unsafe { tile_step(g, kernel, run, &step, b_panel, a_edge, tile) };
                     }
                 }
                 ic += mc;
@@ -480,44 +454,96 @@ unsafe fn packed_few_rows(
             let accumulate = pc > 0 || g.accumulate;
             let last_k = pc + kc == g.k;
             for ci in rows.clone().step_by(mr) {
-                let mr_eff = mr.min(rows.end - ci);
-                let (a_panel, lda) = if mr_eff == mr {
-                    // SAFETY: rows ci..ci+MR, columns pc.., lie inside A.
-                    (unsafe { g.a.add(ci * g.lda + pc) }, g.lda)
-                } else {
-                    // SAFETY: rows ci..ci+mr_eff lie inside A.
-                    unsafe { pack::pack_a_rows(g, ci, mr_eff, pc, kc, mr, a_edge) };
-                    (a_edge.as_ptr(), kc)
+                let step = TileStep {
+                    at: (ci, jr),
+                    size: (mr.min(rows.end - ci), nr_eff),
+                    depth: (pc, kc),
+                    accumulate,
+                    last_k,
                 };
-                // SAFETY: rows pc..pc+kc of the panel; the tile is inside C (or the
-                // temporary tile for edges).
-                unsafe {
-                    let b_panel = panel.add(pc * nr);
-                    let c_tile = g.c.add(ci * g.ldc + jr);
-                    if mr_eff == mr && nr_eff == nr {
-                        (kernel.stream)(kc, a_panel, lda, b_panel, nr, c_tile, g.ldc, accumulate);
-                    } else {
-                        let edge = Edge {
-                            mr_eff,
-                            nr_eff,
-                            accumulate,
-                        };
-                        edge_tile(
-                            kernel,
-                            kc,
-                            (a_panel, lda),
-                            (b_panel, nr),
-                            (c_tile, g.ldc),
-                            edge,
-                            tile,
-                        );
-                    }
-                    if last_k && !g.epilogue.is_identity() {
-                        apply_epilogue(g, ci..ci + mr_eff, jr..jr + nr_eff);
-                    }
-                }
+                // SAFETY: rows pc..pc+kc of the panel; the tile is inside C.
+                let b_panel = (unsafe { panel.add(pc * nr) }, nr);
+                // SAFETY: as above.
+                unsafe { tile_step(g, kernel, kernel.stream, &step, b_panel, a_edge, tile) };
             }
             pc += kc;
+        }
+    }
+}
+
+/// One micro-kernel call's place in the product.
+struct TileStep {
+    /// `(row, column)` of the tile's first element in `C`.
+    at: (usize, usize),
+    /// `(rows, columns)` of it that lie inside `C`.
+    size: (usize, usize),
+    /// `(first, count)` of the `K` range it multiplies.
+    depth: (usize, usize),
+    accumulate: bool,
+    /// Whether this is the last `K` range (the epilogue follows).
+    last_k: bool,
+}
+
+/// Multiplies rows `step.at.0..` of `A` over the step's `K` range by `b_panel`
+/// (`(first row, row stride)`) into the tile of `C` at `step.at`: full row panels of
+/// `A` are read in place and a short one is copied into zero-padded rows; a partial
+/// tile goes through `tile`; the epilogue follows the last `K` range.
+///
+/// # Safety
+/// As [`serial`]; the panel holds the step's `kc` rows of `nr` values and the tile
+/// lies inside `C`.
+unsafe fn tile_step(
+    g: &Gemm,
+    kernel: MicroKernel,
+    run: KernelFn,
+    step: &TileStep,
+    (b_panel, ldb): (*const f32, usize),
+    a_edge: &mut [f32],
+    tile: &mut [f32],
+) {
+    let (mr, nr) = (kernel.mr, kernel.nr);
+    let ((ci, cj), (mr_eff, nr_eff), (pc, kc)) = (step.at, step.size, step.depth);
+    let (a_panel, lda) = if mr_eff == mr {
+        // SAFETY: rows ci..ci+MR, columns pc.., lie inside A.
+        (unsafe { g.a.add(ci * g.lda + pc) }, g.lda)
+    } else {
+        // SAFETY: rows ci..ci+mr_eff lie inside A.
+        unsafe { pack::pack_a_rows(g, ci, mr_eff, pc, kc, mr, a_edge) };
+        (a_edge.as_ptr(), kc)
+    };
+    // SAFETY: A rows and the B panel hold kc values each; the tile is inside C (or the
+    // temporary tile for edges).
+    unsafe {
+        let c_tile = g.c.add(ci * g.ldc + cj);
+        if mr_eff == mr && nr_eff == nr {
+            run(
+                kc,
+                a_panel,
+                lda,
+                b_panel,
+                ldb,
+                c_tile,
+                g.ldc,
+                step.accumulate,
+            );
+        } else {
+            let edge = Edge {
+                mr_eff,
+                nr_eff,
+                accumulate: step.accumulate,
+            };
+            edge_tile(
+                kernel,
+                kc,
+                (a_panel, lda),
+                (b_panel, ldb),
+                (c_tile, g.ldc),
+                edge,
+                tile,
+            );
+        }
+        if step.last_k && !g.epilogue.is_identity() {
+            apply_epilogue(g, ci..ci + mr_eff, cj..cj + nr_eff);
         }
     }
 }
