@@ -1,13 +1,15 @@
 //! Single-precision GEMM, `C = epilogue(A · B)`, row-major with arbitrary row strides.
 //!
-//! Goto-style blocking: `B` is packed `KC x NC` at a time into `NR`-wide panels, `A`
-//! `MC x KC` at a time into `MR`-tall panels, and a register-blocked micro-kernel
+//! Goto-style blocking: `B` is packed `kc x nc` at a time into `NR`-wide panels (the
+//! block sizes come from [`blocking`]), `A` is read in place `mc x kc` at a time, `MR`
+//! rows per kernel call, and a register-blocked micro-kernel
 //! (AVX-512, AVX2+FMA or portable, chosen at run time) computes `MR x NR` tiles. The
 //! epilogue (scale, bias, activation, residual) is applied to each tile right after its
 //! last `K` block, while the tile is still in L1. Work is split across the thread pool
 //! by columns (or rows, for tall-thin problems); every thread packs into its own
 //! scratch, so nothing is allocated per call.
 
+mod blocking;
 mod kernels;
 mod pack;
 
@@ -17,21 +19,19 @@ use kernels::available as available_kernels;
 pub(crate) use kernels::{MicroKernel, best as best_kernel};
 
 use crate::pool::ThreadPool;
+use blocking::{Blocking, KC_MAX};
 use rlx_ir::Result;
 use std::cell::UnsafeCell;
 
-/// Depth of one packed block.
-const KC: usize = 192;
-/// Rows of `A` packed at once (rounded down to a multiple of `MR`).
-const MC: usize = 96;
+/// Depth of the `K` slices [`packed_few_rows`] walks a panel in: a slice stays in L1
+/// while every row tile reads it.
+const FEW_ROWS_KC: usize = 192;
 /// Tasks per thread a multi-threaded product is cut into, when the operand every task
 /// re-reads is at most `SMALL_SHARED_OPERAND` bytes.
 const TASKS_PER_THREAD: usize = 4;
 const SMALL_SHARED_OPERAND: usize = 512 << 10;
 /// Up to this many rows of `A` per thread, a row-major `B` is read without packing.
 const IN_PLACE_B_MAX_ROWS: usize = 256;
-/// Columns of `B` packed at once (a multiple of every `NR`).
-const NC: usize = 480;
 
 /// An elementwise function applied in the epilogue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,10 +139,14 @@ impl Clone for GemmScratch {
     }
 }
 
+/// Floats in a 64-byte cache line.
+const LINE_FLOATS: usize = 16;
+
 impl GemmScratch {
     /// Buffers for `threads` threads, each with `extra` more floats.
     pub fn new(threads: usize, extra: usize) -> GemmScratch {
-        let len = scratch_floats() + extra;
+        // Room to start the buffer on a cache line, wherever the allocator puts it.
+        let len = scratch_floats() + extra + LINE_FLOATS;
         GemmScratch {
             per_thread: (0..threads.max(1))
                 .map(|_| UnsafeCell::new(vec![0.0; len]))
@@ -165,18 +169,21 @@ impl GemmScratch {
     pub unsafe fn parts(&self, t: usize) -> (&mut [f32], &mut [f32]) {
         // SAFETY: per the contract, no other reference to this buffer exists.
         let all = unsafe { (*self.per_thread[t].get()).as_mut_slice() };
+        // Packed panels are read with full-width vector loads: a buffer that starts
+        // inside a cache line would make every one of them straddle two lines.
+        let skip = all.as_ptr().align_offset(64).min(LINE_FLOATS);
+        let all = &mut all[skip..skip + scratch_floats() + self.extra];
         let split = all.len() - self.extra;
         all.split_at_mut(split)
     }
 }
 
-fn mc_for(kernel: MicroKernel) -> usize {
-    (MC / kernel.mr).max(1) * kernel.mr
-}
-
 fn scratch_floats() -> usize {
     let (mr, tile) = kernels::largest_tiles();
-    mr * KC + KC * NC + tile
+    // Every region a multiple of 16 floats, so each starts on a cache line.
+    (mr * KC_MAX).next_multiple_of(LINE_FLOATS)
+        + Blocking::max_b_block_floats().next_multiple_of(LINE_FLOATS)
+        + tile
 }
 
 /// Runs `g` with the best kernel for this CPU on up to `threads` threads of `pool`.
@@ -311,7 +318,7 @@ pub(crate) unsafe fn sgemm_serial(g: &Gemm, buf: &mut [f32]) {
 /// The blocked loops over one rectangle of `C`.
 ///
 /// # Safety
-/// As [`sgemm`]; `buf` holds at least `scratch_floats(kernel)` floats.
+/// As [`sgemm`]; `buf` holds at least `scratch_floats()` floats.
 unsafe fn serial(
     g: &Gemm,
     kernel: MicroKernel,
@@ -320,16 +327,11 @@ unsafe fn serial(
     buf: &mut [f32],
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
-    // Even blocks: the range is cut into as few blocks as the limits allow, all of
-    // about the same size, so no thin leftover block repeats the per-block work.
-    let even = |len: usize, limit: usize, unit: usize| -> usize {
-        let blocks = len.div_ceil(limit).max(1);
-        len.div_ceil(blocks).div_ceil(unit) * unit
-    };
-    let mc_max = even(rows.len(), mc_for(kernel), mr).min(mc_for(kernel));
-    let nc_max = even(cols.len(), NC, nr).min(NC);
-    let (a_edge, rest) = buf.split_at_mut(kernel.mr * KC);
-    let (b_pack, tile) = rest.split_at_mut(KC * NC);
+    let blocks = Blocking::new(rows.len(), cols.len(), g.k, (mr, nr));
+    let (mc_max, nc_max) = (blocks.mc, blocks.nc);
+    let (a_edge, rest) = buf.split_at_mut((kernel.mr * KC_MAX).next_multiple_of(LINE_FLOATS));
+    let (b_pack, tile) =
+        rest.split_at_mut(Blocking::max_b_block_floats().next_multiple_of(LINE_FLOATS));
     if g.k == 0 {
         // An empty sum: C (or zeros) goes through the epilogue.
         for i in rows.clone() {
@@ -355,7 +357,7 @@ unsafe fn serial(
         let nc = nc_max.min(cols.end - jc);
         let mut pc = 0;
         while pc < g.k {
-            let kc = KC.min(g.k - pc);
+            let kc = blocks.kc.min(g.k - pc);
             let last_k = pc + kc == g.k;
             let accumulate = pc > 0 || g.accumulate;
             // With few rows of A (up to the MiniLM-sized 128 per thread and a bit),
@@ -371,7 +373,7 @@ unsafe fn serial(
             } else if in_place {
                 let full = nc / nr * nr;
                 if full < nc {
-                    // SAFETY: the partial panel lies inside B; b_pack holds KC x NR.
+                    // SAFETY: the partial panel lies inside B; b_pack holds kc x NR.
                     unsafe {
                         pack::pack_b(
                             g,
@@ -385,7 +387,7 @@ unsafe fn serial(
                     };
                 }
             } else {
-                // SAFETY: the block lies inside B; b_pack holds KC x NC floats.
+                // SAFETY: the block lies inside B; b_pack holds kc x nc floats.
                 unsafe { pack::pack_b(g, pc, kc, jc, nc, nr, b_pack) };
             }
             let mut ic = rows.start;
@@ -430,7 +432,7 @@ unsafe fn serial(
 
 /// [`serial`] for a packed `B` and rows that fit one block of `A`: each panel is
 /// walked once from top to bottom, so `B` streams from memory in address order (the
-/// product is bound by reading `B` when there are few rows), and every `KC` slice of
+/// product is bound by reading `B` when there are few rows), and every `FEW_ROWS_KC` slice of
 /// it serves all row tiles from L1.
 ///
 /// # Safety
@@ -450,7 +452,7 @@ unsafe fn packed_few_rows(
         let panel = unsafe { g.b.add(jr / nr * nr * g.k) };
         let mut pc = 0;
         while pc < g.k {
-            let kc = KC.min(g.k - pc);
+            let kc = FEW_ROWS_KC.min(g.k - pc);
             let accumulate = pc > 0 || g.accumulate;
             let last_k = pc + kc == g.k;
             for ci in rows.clone().step_by(mr) {
@@ -574,6 +576,7 @@ unsafe fn edge_tile(
         accumulate,
     } = edge;
     let nr = kernel.nr;
+    let tile = &mut tile[..kernel.mr * nr];
     tile.fill(0.0);
     for i in 0..mr_eff {
         for j in 0..nr_eff {
@@ -668,6 +671,8 @@ mod tests {
             (5, 7, 0),
             (50, 70, 512),
             (300, 500, 200),
+            // Deeper than the deepest K block: the blocks accumulate into C.
+            (37, 100, 3100),
         ];
         for kernel in available_kernels() {
             for &(m, n, k) in &shapes {
@@ -722,8 +727,9 @@ mod tests {
             (96, 96, 200),
             (97, 65, 257),
             (200, 130, 600),
+            (120, 100, 1700),
         ];
-        let shapes: [(usize, usize, usize); 7] = shapes;
+        let shapes: [(usize, usize, usize); 8] = shapes;
         for kernel in available_kernels() {
             for &(m, n, k) in &shapes {
                 let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
@@ -817,7 +823,12 @@ mod tests {
     fn half_precision_b_is_converted_while_packing() {
         let pool = ThreadPool::new(2);
         let mut seed = 99u64;
-        for &(m, n, k) in &[(5, 70, 33), (130, 100, 200), (300, 50, 400)] {
+        for &(m, n, k) in &[
+            (5, 70, 33),
+            (130, 100, 200),
+            (300, 50, 400),
+            (100, 60, 1600),
+        ] {
             let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
             let b32: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed)).collect();
             let halves: Vec<half::f16> = b32.iter().map(|&x| half::f16::from_f32(x)).collect();

@@ -44,7 +44,7 @@ pub(super) unsafe fn pack_b(
     nr: usize,
     out: &mut [f32],
 ) {
-    let mut column = [0.0f32; super::KC];
+    let mut column = [0.0f32; super::KC_MAX];
     for (panel, cols) in (0..nc).step_by(nr).enumerate() {
         let dst = &mut out[panel * nr * kc..(panel + 1) * nr * kc];
         let valid = nr.min(nc - cols);
