@@ -1073,12 +1073,15 @@ fn layer_norm_and_rms_norm() {
 #[test]
 fn matmul_shapes() {
     let mut s = Suite::new(0x0C);
-    let shapes: [(&[usize], &[usize]); 12] = [
+    let shapes: [(&[usize], &[usize]); 14] = [
         (&[4, 6], &[6, 5]),
         (&[2, 4, 6], &[2, 6, 5]),
         (&[2, 1, 4, 6], &[3, 6, 5]),
         (&[4, 6], &[3, 6, 5]),
         (&[2, 3, 4, 6], &[6, 5]),
+        // B's batch dims are all 1: the batch folds into the rows of one product.
+        (&[2, 3, 4, 6], &[1, 6, 5]),
+        (&[5, 6], &[1, 1, 6, 5]),
         (&[6], &[2, 6, 5]),
         (&[2, 4, 6], &[6]),
         (&[6], &[6]),

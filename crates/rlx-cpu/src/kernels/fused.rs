@@ -61,6 +61,10 @@ pub(crate) fn fused_matmul(
         );
         return Ok(());
     }
+    let (m, a_batch, b_batch, out_batch) =
+        super::matmul::batch_plan(m, a_batch, b_batch, out_batch);
+    let sa = broadcast_strides(a_batch, out_batch);
+    let sb = broadcast_strides(b_batch, out_batch);
     let in_gemm = activation.and_then(gemm_activation);
     // Half-precision weights are converted as they are packed.
     // Weights packed ahead are read as they are (B is then one 2-D matrix).

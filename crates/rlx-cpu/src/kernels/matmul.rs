@@ -20,13 +20,32 @@ fn geometry<'a>(a: &Src<'a>, b: &Src<'a>) -> (usize, usize, usize, &'a [usize], 
     (m, k, n, a_batch, b_batch)
 }
 
+/// The products a batched matmul runs: `(rows of each, A's, B's and the output's batch
+/// dims to loop over)`. When every batch element multiplies the same `B` (a weight
+/// matrix, as in every linear layer), the batch folds into the rows of one product:
+/// `[batch, m, k] x [k, n]` is `[batch * m, k] x [k, n]`, since A and the output are
+/// contiguous. One tall product blocks and threads far better than many short ones.
+pub(super) fn batch_plan<'a>(
+    m: usize,
+    a_batch: &'a [usize],
+    b_batch: &'a [usize],
+    out_batch: &'a [usize],
+) -> (usize, &'a [usize], &'a [usize], &'a [usize]) {
+    if b_batch.iter().all(|&d| d == 1) {
+        (m * out_batch.iter().product::<usize>(), &[], &[], &[])
+    } else {
+        (m, a_batch, b_batch, out_batch)
+    }
+}
+
 pub(crate) fn matmul(a: Src, b: Src, out: Dst, ctx: &Ctx) -> Result<()> {
     let (m, k, n, a_batch, b_batch) = geometry(&a, &b);
     let batch_rank = a_batch.len().max(b_batch.len());
     let out_batch = &out.shape.dims()[..batch_rank];
-    let sa = broadcast_strides(a_batch, out_batch);
-    let sb = broadcast_strides(b_batch, out_batch);
     if out.shape.dtype() == DType::F32 {
+        let (m, a_batch, b_batch, out_batch) = batch_plan(m, a_batch, b_batch, out_batch);
+        let sa = broadcast_strides(a_batch, out_batch);
+        let sb = broadcast_strides(b_batch, out_batch);
         // Weights packed ahead are read as they are (B is then one 2-D matrix).
         let (b_ptr, b_format) = match crate::prepack::operand_for(ctx.packed_b, &b) {
             Some((panels, nr)) => (panels, BFormat::Packed { nr }),
@@ -59,6 +78,8 @@ pub(crate) fn matmul(a: Src, b: Src, out: Dst, ctx: &Ctx) -> Result<()> {
         });
         return result;
     }
+    let sa = broadcast_strides(a_batch, out_batch);
+    let sb = broadcast_strides(b_batch, out_batch);
     with_dtype!(out.shape.dtype(), T => {
         for_each_strided(out_batch, [&sa, &sb], [0, 0], |bi, [ab, bb]| {
             let a_off = ab as usize * m * k;
