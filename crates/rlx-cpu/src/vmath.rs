@@ -3,8 +3,6 @@
 //! at run time. Accuracy is a few units in the last place of `f32` (tests bound it
 //! against `f64`).
 
-use crate::gemm::Activation;
-
 /// Defines `fn $name` whose body is compiled three times: for AVX-512, for AVX2+FMA and
 /// for the baseline, and dispatches on the CPU at run time. The body should be plain
 /// loops over slices that the compiler can vectorize.
@@ -116,61 +114,6 @@ pub(crate) fn gelu_tanh(x: f32) -> f32 {
 #[inline(always)]
 pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))
-}
-
-#[inline(always)]
-fn activate_body(act: Activation, v: &mut [f32]) {
-    // Plain loops (not iterator adaptors) so they inline into the SIMD callers.
-    match act {
-        Activation::Gelu => {
-            for x in v.iter_mut() {
-                *x = gelu(*x);
-            }
-        }
-        Activation::GeluTanh => {
-            for x in v.iter_mut() {
-                *x = gelu_tanh(*x);
-            }
-        }
-        Activation::Relu => {
-            for x in v.iter_mut() {
-                *x = x.max(0.0);
-            }
-        }
-        Activation::Silu => {
-            for x in v.iter_mut() {
-                *x = silu(*x);
-            }
-        }
-    }
-}
-
-/// Applies `act` to every value, with the widest vectors this CPU has.
-pub(crate) fn activate(act: Activation, v: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if simd_level() >= 2 {
-            // SAFETY: AVX-512F is available.
-            return unsafe { activate_avx512(act, v) };
-        }
-        if simd_level() == 1 {
-            // SAFETY: AVX2 and FMA are available.
-            return unsafe { activate_avx2(act, v) };
-        }
-    }
-    activate_body(act, v)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn activate_avx512(act: Activation, v: &mut [f32]) {
-    activate_body(act, v)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn activate_avx2(act: Activation, v: &mut [f32]) {
-    activate_body(act, v)
 }
 
 /// Replaces every `x` by `e^(x - shift)` and returns their sum (`-inf` gives 0).
@@ -324,9 +267,5 @@ mod tests {
                 "silu({x})"
             );
         }
-        let mut v: Vec<f32> = samples().collect();
-        let w: Vec<f32> = v.iter().map(|&x| gelu(x)).collect();
-        activate(Activation::Gelu, &mut v);
-        assert_eq!(v, w);
     }
 }

@@ -10,6 +10,7 @@
 //! scratch, so nothing is allocated per call.
 
 mod blocking;
+mod epilogue;
 mod kernels;
 mod pack;
 
@@ -344,7 +345,7 @@ unsafe fn serial(
             }
         }
         // SAFETY: as above.
-        unsafe { apply_epilogue(g, rows, cols) };
+        unsafe { epilogue::apply(g, rows, cols) };
         return;
     }
     if matches!(g.b_format, BFormat::Packed { .. }) && rows.len() <= mc_max {
@@ -545,7 +546,7 @@ unsafe fn tile_step(
             );
         }
         if step.last_k && !g.epilogue.is_identity() {
-            apply_epilogue(g, ci..ci + mr_eff, cj..cj + nr_eff);
+            epilogue::apply(g, ci..ci + mr_eff, cj..cj + nr_eff);
         }
     }
 }
@@ -594,36 +595,6 @@ unsafe fn edge_tile(
         for j in 0..nr_eff {
             // SAFETY: inside the valid region of C.
             unsafe { *c.add(i * ldc + j) = tile[i * nr + j] };
-        }
-    }
-}
-
-/// Applies the epilogue to `C[rows, cols]` in place.
-///
-/// # Safety
-/// The region, the bias (`n` values) and the residual must be valid.
-unsafe fn apply_epilogue(g: &Gemm, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
-    let e = &g.epilogue;
-    for i in rows {
-        // SAFETY: row `i`, columns `cols`, of C.
-        let out =
-            unsafe { std::slice::from_raw_parts_mut(g.c.add(i * g.ldc + cols.start), cols.len()) };
-        if e.alpha != 1.0 {
-            out.iter_mut().for_each(|v| *v *= e.alpha);
-        }
-        if let Some(bias) = e.bias {
-            // SAFETY: the bias has `n` values.
-            let bias = unsafe { std::slice::from_raw_parts(bias.add(cols.start), cols.len()) };
-            out.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
-        }
-        if let Some(act) = e.activation {
-            crate::vmath::activate(act, out);
-        }
-        if let Some((res, ld)) = e.residual {
-            // SAFETY: the residual is m x n with row stride `ld`.
-            let res =
-                unsafe { std::slice::from_raw_parts(res.add(i * ld + cols.start), cols.len()) };
-            out.iter_mut().zip(res).for_each(|(v, r)| *v += r);
         }
     }
 }
