@@ -20,6 +20,10 @@ pub(crate) struct MicroKernel {
     /// rows ahead of the ones it multiplies. On a cached panel the prefetches only
     /// take load slots from the multiply-adds.
     pub stream: KernelFn,
+    /// `(width, kernel)` for a last panel narrower than `nr` that this width covers
+    /// exactly (the panel keeps its `nr`-wide layout): the product then wastes no
+    /// multiply-adds on padding and writes `C` directly instead of through a temporary.
+    pub partial: &'static [(usize, KernelFn)],
     pub mr: usize,
     pub nr: usize,
     pub name: &'static str,
@@ -44,6 +48,7 @@ fn detect() -> MicroKernel {
                 return MicroKernel {
                     run: x86::kernel_avx2,
                     stream: x86::kernel_avx2,
+                    partial: &[],
                     mr: x86::AVX2_MR,
                     nr: x86::AVX2_NR,
                     name: "avx2",
@@ -101,6 +106,7 @@ pub(crate) fn generic_kernel() -> MicroKernel {
     MicroKernel {
         run: kernel_generic,
         stream: kernel_generic,
+        partial: &[],
         mr: GENERIC_MR,
         nr: GENERIC_NR,
         name: "generic",
@@ -117,6 +123,7 @@ pub(crate) fn available() -> Vec<MicroKernel> {
             all.push(MicroKernel {
                 run: x86::kernel_avx2,
                 stream: x86::kernel_avx2,
+                partial: &[],
                 mr: x86::AVX2_MR,
                 nr: x86::AVX2_NR,
                 name: "avx2",
@@ -184,6 +191,10 @@ mod x86 {
     pub const AVX512_WIDE: super::MicroKernel = super::MicroKernel {
         run: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, false>,
         stream: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, true>,
+        partial: &[
+            (16, kernel_avx512::<AVX512_MR, 1, false>),
+            (32, kernel_avx512::<AVX512_MR, 2, false>),
+        ],
         mr: AVX512_MR,
         nr: AVX512_NR,
         name: "avx512",
@@ -192,6 +203,7 @@ mod x86 {
     pub const AVX512_NARROW: super::MicroKernel = super::MicroKernel {
         run: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, false>,
         stream: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, true>,
+        partial: &[(16, kernel_avx512::<AVX512_NARROW_MR, 1, false>)],
         mr: AVX512_NARROW_MR,
         nr: AVX512_NARROW_NR,
         name: "avx512",

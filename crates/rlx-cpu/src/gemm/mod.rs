@@ -254,8 +254,15 @@ pub(crate) unsafe fn sgemm_with(
     }
     let threads = scratch.threads().min(pool.threads());
     // Split the larger output dimension into one range per thread, in whole tiles.
+    // Columns go in whole panels, or in steps of the narrowest partial kernel where B
+    // is packed per call: 1024 columns then split 512 + 512 (ten 48-wide panels and a
+    // 32-wide one each) rather than 528 + 496, which left one thread a panel more.
+    let col_unit = match (g.b_format, kernel.partial.first()) {
+        (BFormat::Packed { .. }, _) | (_, None) => kernel.nr,
+        (_, Some(&(width, _))) => width,
+    };
     let (split_cols, unit, extent) = if g.n >= g.m {
-        (true, kernel.nr, g.n)
+        (true, col_unit, g.n)
     } else {
         (false, kernel.mr, g.m)
     };
@@ -518,8 +525,20 @@ unsafe fn tile_step(
     // temporary tile for edges).
     unsafe {
         let c_tile = g.c.add(ci * g.ldc + cj);
+        let partial = kernel.partial.iter().find(|&&(width, _)| width == nr_eff);
         if mr_eff == mr && nr_eff == nr {
             run(
+                kc,
+                a_panel,
+                lda,
+                b_panel,
+                ldb,
+                c_tile,
+                g.ldc,
+                step.accumulate,
+            );
+        } else if let (true, Some(&(_, narrow))) = (mr_eff == mr, partial) {
+            narrow(
                 kc,
                 a_panel,
                 lda,
@@ -644,6 +663,10 @@ mod tests {
             (300, 500, 200),
             // Deeper than the deepest K block: the blocks accumulate into C.
             (37, 100, 3100),
+            // Last panels 16 and 32 wide, for the partial-width kernels.
+            (40, 112, 50),
+            (64, 160, 70),
+            (24, 1024, 40),
         ];
         for kernel in available_kernels() {
             for &(m, n, k) in &shapes {
