@@ -48,7 +48,11 @@ pub(super) unsafe fn pack_b(
     for (panel, cols) in (0..nc).step_by(nr).enumerate() {
         let dst = &mut out[panel * nr * kc..(panel + 1) * nr * kc];
         let valid = nr.min(nc - cols);
-        if g.b_transposed {
+        if g.b_transposed && g.b_format == BFormat::F32 {
+            // SAFETY: per the contract, columns jc + cols .. + valid, rows pc..pc+kc, lie
+            // inside B; `dst` holds the panel.
+            unsafe { transposed_f32_panel(g, pc, kc, jc + cols, valid, nr, dst) };
+        } else if g.b_transposed {
             // B[p, j] = b[j * ldb + p]: each column of the panel is contiguous in memory.
             for j in 0..nr {
                 if j < valid {
@@ -70,6 +74,94 @@ pub(super) unsafe fn pack_b(
                 // SAFETY: row pc + p, columns jc+cols .. +valid, lie inside B.
                 unsafe { read_b_run(g, (pc + p) * g.ldb + jc + cols, &mut row[..valid]) };
                 row[valid..].fill(0.0);
+            }
+        }
+    }
+}
+
+/// One panel of a transposed `f32` `B` (`B[p, j] = b[j * ldb + p]`): columns `c0 ..
+/// c0 + valid`, rows `pc .. pc + kc`, into `dst` (`kc` groups of `nr`, zero past
+/// `valid`). Blocks of 8 x 8 are transposed in registers where the CPU has AVX; the
+/// rest goes value by value.
+///
+/// # Safety
+/// The block must lie inside `B`; `dst` holds `kc * nr` floats.
+unsafe fn transposed_f32_panel(
+    g: &Gemm,
+    pc: usize,
+    kc: usize,
+    c0: usize,
+    valid: usize,
+    nr: usize,
+    dst: &mut [f32],
+) {
+    let at = |j: usize, p: usize| (c0 + j) * g.ldb + pc + p;
+    let (mut full_cols, mut full_rows) = (0, 0);
+    #[cfg(target_arch = "x86_64")]
+    if crate::vmath::simd_level() >= 1 {
+        (full_cols, full_rows) = (valid / 8 * 8, kc / 8 * 8);
+        for j in (0..full_cols).step_by(8) {
+            for p in (0..full_rows).step_by(8) {
+                // SAFETY: AVX is available (level 1 has AVX2); the 8 x 8 block lies
+                // inside B and inside the panel.
+                unsafe {
+                    x86::transpose_8x8(g.b.add(at(j, p)), g.ldb, dst[p * nr + j..].as_mut_ptr(), nr)
+                };
+            }
+        }
+    }
+    for p in 0..kc {
+        let row = &mut dst[p * nr..(p + 1) * nr];
+        let first = if p < full_rows { full_cols } else { 0 };
+        for (j, d) in row.iter_mut().enumerate().take(valid).skip(first) {
+            // SAFETY: column c0 + j, row pc + p, lies inside B.
+            *d = unsafe { *g.b.add(at(j, p)) };
+        }
+        row[valid..].fill(0.0);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Writes the transpose of the 8 x 8 block at `src` (row stride `lds`) to `dst`
+    /// (row stride `ldd`): row `i` of the output is column `i` of the input.
+    ///
+    /// # Safety
+    /// AVX must be available; both blocks must be valid for 8 rows of 8 floats.
+    #[target_feature(enable = "avx")]
+    pub(super) unsafe fn transpose_8x8(src: *const f32, lds: usize, dst: *mut f32, ldd: usize) {
+        // SAFETY: per the contract.
+        unsafe {
+            let row = |i: usize| _mm256_loadu_ps(src.add(i * lds));
+            let (r0, r1, r2, r3) = (row(0), row(1), row(2), row(3));
+            let (r4, r5, r6, r7) = (row(4), row(5), row(6), row(7));
+            // Rows interleaved in pairs: `lo01` holds elements 0, 1 (and 4, 5) of rows 0
+            // and 1, `hi01` elements 2, 3 (and 6, 7).
+            let (lo01, hi01) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
+            let (lo23, hi23) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
+            let (lo45, hi45) = (_mm256_unpacklo_ps(r4, r5), _mm256_unpackhi_ps(r4, r5));
+            let (lo67, hi67) = (_mm256_unpacklo_ps(r6, r7), _mm256_unpackhi_ps(r6, r7));
+            // `top[c]`: column c (low half) and c + 4 (high half) of rows 0..4;
+            // `bottom[c]` the same of rows 4..8.
+            let top = [
+                _mm256_shuffle_ps::<0x44>(lo01, lo23),
+                _mm256_shuffle_ps::<0xEE>(lo01, lo23),
+                _mm256_shuffle_ps::<0x44>(hi01, hi23),
+                _mm256_shuffle_ps::<0xEE>(hi01, hi23),
+            ];
+            let bottom = [
+                _mm256_shuffle_ps::<0x44>(lo45, lo67),
+                _mm256_shuffle_ps::<0xEE>(lo45, lo67),
+                _mm256_shuffle_ps::<0x44>(hi45, hi67),
+                _mm256_shuffle_ps::<0xEE>(hi45, hi67),
+            ];
+            for c in 0..4 {
+                let low = _mm256_permute2f128_ps::<0x20>(top[c], bottom[c]);
+                let high = _mm256_permute2f128_ps::<0x31>(top[c], bottom[c]);
+                _mm256_storeu_ps(dst.add(c * ldd), low);
+                _mm256_storeu_ps(dst.add((c + 4) * ldd), high);
             }
         }
     }

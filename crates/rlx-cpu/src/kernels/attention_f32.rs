@@ -278,10 +278,8 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
             c: scores.as_mut_ptr(),
             ldc: KB,
             accumulate: false,
-            epilogue: Epilogue {
-                alpha: p.scale,
-                ..Epilogue::NONE
-            },
+            // The scale is applied with the mask, in the softmax's first pass.
+            epilogue: Epilogue::NONE,
         };
         // SAFETY: the operands lie inside Q and K; `scores` holds QB x KB floats.
         unsafe { sgemm_serial(&scores_gemm, gemm_buf) };
@@ -357,7 +355,7 @@ multiversion! {
         let dv = b.dv;
         for r in 0..b.rows {
             let row = &mut scores[r * KB..r * KB + b.kb];
-            mask_row(p, b.bi, b.h, b.q0 + r, b.j0, row);
+            scale_and_mask_row(p, b.bi, b.h, b.q0 + r, b.j0, row);
             let block_max = max16(row);
             if block_max == f32::NEG_INFINITY {
                 row.fill(0.0);
@@ -402,10 +400,17 @@ fn max16(v: &[f32]) -> f32 {
     m
 }
 
-/// Applies the causal and explicit masks to the scores of query `i`, keys `j0..`.
+/// Scales the scores of query `i`, keys `j0..`, and applies the causal and explicit
+/// masks to them.
 #[inline(always)]
-fn mask_row(p: &Problem, bi: usize, h: usize, i: usize, j0: usize, row: &mut [f32]) {
+fn scale_and_mask_row(p: &Problem, bi: usize, h: usize, i: usize, j0: usize, row: &mut [f32]) {
     let [_, _, _, sq, sk, _, _] = p.dims;
+    let scale = p.scale;
+    if !explicit_mask(p, bi, h, i, j0, row) {
+        for s in row.iter_mut() {
+            *s *= scale;
+        }
+    }
     if p.causal {
         for (j, s) in row.iter_mut().enumerate() {
             if j0 + j + sq > i + sk {
@@ -413,6 +418,13 @@ fn mask_row(p: &Problem, bi: usize, h: usize, i: usize, j0: usize, row: &mut [f3
             }
         }
     }
+}
+
+/// Applies the explicit mask (if any) to a row of scores, scaling them in the same
+/// pass; returns whether the row was scaled.
+#[inline(always)]
+fn explicit_mask(p: &Problem, bi: usize, h: usize, i: usize, j0: usize, row: &mut [f32]) -> bool {
+    let scale = p.scale;
     if let Some((m, st)) = &p.mask {
         let base = bi as isize * st[0] + h as isize * st[1] + i as isize * st[2];
         let start = base + j0 as isize * st[3];
@@ -422,17 +434,22 @@ fn mask_row(p: &Problem, bi: usize, h: usize, i: usize, j0: usize, row: &mut [f3
             if m.shape.dtype() == DType::Bool {
                 let keep = &m.as_slice::<u8>()[at..at + row.len()];
                 for (s, &k) in row.iter_mut().zip(keep) {
-                    *s = if k == 0 { f32::NEG_INFINITY } else { *s };
+                    *s = if k == 0 {
+                        f32::NEG_INFINITY
+                    } else {
+                        *s * scale
+                    };
                 }
             } else {
                 let add = &m.as_slice::<f32>()[at..at + row.len()];
                 for (s, &a) in row.iter_mut().zip(add) {
-                    *s += a;
+                    *s = *s * scale + a;
                 }
             }
-            return;
+            return true;
         }
         for (j, s) in row.iter_mut().enumerate() {
+            *s *= scale;
             let at = (base + (j0 + j) as isize * st[3]) as usize;
             if m.shape.dtype() == DType::Bool {
                 if m.get::<Bool8>(at).0 == 0 {
@@ -442,5 +459,7 @@ fn mask_row(p: &Problem, bi: usize, h: usize, i: usize, j0: usize, row: &mut [f3
                 *s += m.get::<f32>(at);
             }
         }
+        return true;
     }
+    false
 }
