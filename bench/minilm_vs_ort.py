@@ -277,10 +277,12 @@ def main():
 def gemm_table(rlx, threads):
     """RLX's f32 GEMM against the FMA peak the harness measures in the same run."""
     report = json.loads(subprocess.check_output(
-        [str(rlx), "bench", "gemm", "--threads", str(threads), "--runs", "30", "--json"], text=True))
+        [str(rlx), "bench", "gemm", "--threads", str(threads), "--runs", "30", "--rounds", "5",
+         "--json"], text=True))
     print()
     print(f"f32 GEMM, {report['kernel']} kernel, {threads} threads, measured FMA peak "
           f"{report['peak_gflops']:.0f} GFLOP/s")
+    print(f"(median of {report['runs']} runs, best of {report['rounds']} rounds)")
     print("| m x n x k | median | GFLOP/s | of peak |")
     print("|---|---|---|---|")
     for r in report["results"]:

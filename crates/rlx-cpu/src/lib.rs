@@ -2,12 +2,6 @@
 //! weights, the constants and the persistent handles, and runs the plan's steps with
 //! the reference kernels. Running allocates nothing.
 
-#[doc(hidden)]
-pub static PH: [std::sync::atomic::AtomicU64; 3] = [
-    std::sync::atomic::AtomicU64::new(0),
-    std::sync::atomic::AtomicU64::new(0),
-    std::sync::atomic::AtomicU64::new(0),
-];
 mod blas;
 mod elem;
 mod gemm;
