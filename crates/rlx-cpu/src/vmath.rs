@@ -132,8 +132,10 @@ pub(crate) fn exp_shifted_sum(v: &mut [f32], shift: f32) -> f32 {
     exp_shifted_sum_body(v, shift)
 }
 
+/// [`exp_shifted_sum`] inlined into the caller, for callers already compiled for the
+/// CPU's vector width (inside `multiversion!`): no dispatch per call.
 #[inline(always)]
-fn exp_shifted_sum_body(v: &mut [f32], shift: f32) -> f32 {
+pub(crate) fn exp_shifted_sum_body(v: &mut [f32], shift: f32) -> f32 {
     // Sixteen partial sums so the additions vectorize.
     let mut sums = [0.0f32; 16];
     let mut chunks = v.chunks_exact_mut(16);
