@@ -74,3 +74,37 @@ fn bad_arguments_fail_cleanly() {
     let (ok, _, _) = rlx(&["frobnicate"]);
     assert!(!ok);
 }
+
+#[test]
+fn bench_gemm_reports_every_round_and_rejects_bad_shapes() {
+    let (ok, out, err) = rlx(&[
+        "bench", "gemm", "--shape", "40x72x33", "--shape", "3x5x7", "--runs", "2", "--rounds", "3",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
+    assert_eq!(report["rounds"], 3, "{out}");
+    assert!(
+        report["peak_gflops"].as_f64().is_some_and(|p| p > 0.0),
+        "{out}"
+    );
+    let results = report["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2, "{out}");
+    for r in results {
+        let rounds: Vec<f64> = r["round_medians_ms"]
+            .as_array()
+            .expect("round medians")
+            .iter()
+            .filter_map(|v| v.as_f64())
+            .collect();
+        assert_eq!(rounds.len(), 3, "{out}");
+        // The reported median is the best round's.
+        let best = rounds.iter().copied().fold(f64::INFINITY, f64::min);
+        assert_eq!(r["median_ms"].as_f64(), Some(best), "{out}");
+        assert!(r["gflops"].as_f64().is_some_and(|g| g > 0.0), "{out}");
+    }
+    let (ok, _, err) = rlx(&["bench", "gemm", "--shape", "4x4", "--runs", "1"]);
+    assert!(!ok && err.contains("4x4"), "{err}");
+    let (ok, _, err) = rlx(&["bench", "gemm", "--rounds", "0"]);
+    assert!(!ok && err.contains("rounds"), "{err}");
+}
