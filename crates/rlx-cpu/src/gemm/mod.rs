@@ -525,20 +525,21 @@ unsafe fn tile_step(
     // temporary tile for edges).
     unsafe {
         let c_tile = g.c.add(ci * g.ldc + cj);
-        let partial = kernel.partial.iter().find(|&&(width, _)| width == nr_eff);
-        if mr_eff == mr && nr_eff == nr {
-            run(
-                kc,
-                a_panel,
-                lda,
-                b_panel,
-                ldb,
-                c_tile,
-                g.ldc,
-                step.accumulate,
-            );
-        } else if let (true, Some(&(_, narrow))) = (mr_eff == mr, partial) {
-            narrow(
+        // A whole tile, or all rows of a last panel one of the partial kernels covers,
+        // goes straight to C; any other edge goes through the temporary tile.
+        let direct = if mr_eff < mr {
+            None
+        } else if nr_eff == nr {
+            Some(run)
+        } else {
+            kernel
+                .partial
+                .iter()
+                .find(|&&(width, _)| width == nr_eff)
+                .map(|&(_, narrow)| narrow)
+        };
+        if let Some(kernel_fn) = direct {
+            kernel_fn(
                 kc,
                 a_panel,
                 lda,
