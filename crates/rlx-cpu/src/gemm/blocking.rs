@@ -60,8 +60,8 @@ impl Blocking {
 
     fn max_b_block_floats_for(l2: usize) -> usize {
         let budget_floats = l2 / 8 * B_BLOCK_EIGHTHS / 4;
-        // `nc` is at least one panel and `kc * nc` at most the budget, or one panel of
-        // the shallowest depth when that is larger; 64 covers every kernel's `nr`.
+        // `kc * nc` is at most the budget, or one panel (`nc = nr`) when a panel at the
+        // deepest depth is larger; 64 covers every kernel's `nr`.
         budget_floats.max(KC_MAX * 64)
     }
 }

@@ -179,12 +179,19 @@ impl GemmScratch {
     }
 }
 
-fn scratch_floats() -> usize {
+/// Floats of a GEMM buffer's regions: the short-row `A` panel, the packed `B` block
+/// and the edge tile, each a multiple of 16 floats so each starts on a cache line.
+fn scratch_regions() -> [usize; 3] {
     let (mr, tile) = kernels::largest_tiles();
-    // Every region a multiple of 16 floats, so each starts on a cache line.
-    (mr * KC_MAX).next_multiple_of(LINE_FLOATS)
-        + Blocking::max_b_block_floats().next_multiple_of(LINE_FLOATS)
-        + tile
+    [
+        (mr * KC_MAX).next_multiple_of(LINE_FLOATS),
+        Blocking::max_b_block_floats().next_multiple_of(LINE_FLOATS),
+        tile,
+    ]
+}
+
+fn scratch_floats() -> usize {
+    scratch_regions().iter().sum()
 }
 
 /// Runs `g` with the best kernel for this CPU on up to `threads` threads of `pool`.
@@ -337,9 +344,9 @@ unsafe fn serial(
     let (mr, nr) = (kernel.mr, kernel.nr);
     let blocks = Blocking::new(rows.len(), cols.len(), g.k, (mr, nr));
     let (mc_max, nc_max) = (blocks.mc, blocks.nc);
-    let (a_edge, rest) = buf.split_at_mut((kernel.mr * KC_MAX).next_multiple_of(LINE_FLOATS));
-    let (b_pack, tile) =
-        rest.split_at_mut(Blocking::max_b_block_floats().next_multiple_of(LINE_FLOATS));
+    let [a_floats, b_floats, _] = scratch_regions();
+    let (a_edge, rest) = buf.split_at_mut(a_floats);
+    let (b_pack, tile) = rest.split_at_mut(b_floats);
     if g.k == 0 {
         // An empty sum: C (or zeros) goes through the epilogue.
         for i in rows.clone() {
@@ -440,8 +447,8 @@ unsafe fn serial(
 
 /// [`serial`] for a packed `B` and rows that fit one block of `A`: each panel is
 /// walked once from top to bottom, so `B` streams from memory in address order (the
-/// product is bound by reading `B` when there are few rows), and every `FEW_ROWS_KC` slice of
-/// it serves all row tiles from L1.
+/// product is bound by reading `B` when there are few rows), and every `FEW_ROWS_KC`
+/// slice of it serves all row tiles from L1.
 ///
 /// # Safety
 /// As [`serial`]; `g.b_format` is `Packed` with the kernel's `nr`.

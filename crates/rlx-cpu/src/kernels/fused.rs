@@ -35,13 +35,7 @@ pub(crate) fn fused_matmul(
     out: Dst,
     ctx: &Ctx,
 ) -> Result<()> {
-    let ad = a.shape.dims();
-    let bd = b.shape.dims();
-    let m = if ad.len() == 1 { 1 } else { ad[ad.len() - 2] };
-    let k = ad[ad.len() - 1];
-    let n = if bd.len() == 1 { 1 } else { bd[bd.len() - 1] };
-    let a_batch = &ad[..ad.len().saturating_sub(2)];
-    let b_batch = &bd[..bd.len().saturating_sub(2)];
+    let (m, k, n, a_batch, b_batch) = super::matmul::geometry(&a, &b);
     let batch_rank = a_batch.len().max(b_batch.len());
     let out_batch = &out.shape.dims()[..batch_rank];
     let sa = broadcast_strides(a_batch, out_batch);

@@ -7,7 +7,10 @@ use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
 use rlx_ir::{DType, Result};
 
 /// `(m, k, n)` and the batch dims of the output, from operand ranks (1-D promoted).
-fn geometry<'a>(a: &Src<'a>, b: &Src<'a>) -> (usize, usize, usize, &'a [usize], &'a [usize]) {
+pub(super) fn geometry<'a>(
+    a: &Src<'a>,
+    b: &Src<'a>,
+) -> (usize, usize, usize, &'a [usize], &'a [usize]) {
     let (ad, bd) = (a.shape.dims(), b.shape.dims());
     let (m, k) = if ad.len() == 1 {
         (1, ad[0])
