@@ -76,6 +76,10 @@ int_elem!(i8);
 int_elem!(i32);
 int_elem!(i64);
 int_elem!(u8);
+int_elem!(i16);
+int_elem!(u16);
+int_elem!(u32);
+int_elem!(u64);
 
 impl Elem for Bool8 {
     const FLOAT: bool = false;
@@ -127,6 +131,22 @@ macro_rules! with_dtype {
             }
             rlx_ir::DType::U8 => {
                 type $T = u8;
+                $body
+            }
+            rlx_ir::DType::I16 => {
+                type $T = i16;
+                $body
+            }
+            rlx_ir::DType::U16 => {
+                type $T = u16;
+                $body
+            }
+            rlx_ir::DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            rlx_ir::DType::U64 => {
+                type $T = u64;
                 $body
             }
             rlx_ir::DType::Bool => {

@@ -35,6 +35,10 @@ pub fn f32_to_bytes(src: &[f32], dtype: DType, dst: &mut [u8]) -> Result<()> {
         DType::I32 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as i32).to_le_bytes())),
         DType::I64 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as i64).to_le_bytes())),
         DType::U8 => chunks.for_each(|(d, v)| d[0] = *v as u8),
+        DType::I16 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as i16).to_le_bytes())),
+        DType::U16 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as u16).to_le_bytes())),
+        DType::U32 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as u32).to_le_bytes())),
+        DType::U64 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as u64).to_le_bytes())),
         DType::Bool => chunks.for_each(|(d, v)| d[0] = (*v != 0.0) as u8),
     }
     Ok(())
@@ -58,6 +62,12 @@ pub fn bytes_to_f32(src: &[u8], dtype: DType, dst: &mut [f32]) -> Result<()> {
         }
         DType::I64 => pairs.for_each(|(s, d)| *d = i64::from_le_bytes(arr8(s)) as f32),
         DType::U8 | DType::Bool => pairs.for_each(|(s, d)| *d = s[0] as f32),
+        DType::I16 => pairs.for_each(|(s, d)| *d = i16::from_le_bytes([s[0], s[1]]) as f32),
+        DType::U16 => pairs.for_each(|(s, d)| *d = u16::from_le_bytes([s[0], s[1]]) as f32),
+        DType::U32 => {
+            pairs.for_each(|(s, d)| *d = u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as f32)
+        }
+        DType::U64 => pairs.for_each(|(s, d)| *d = u64::from_le_bytes(arr8(s)) as f32),
     }
     Ok(())
 }

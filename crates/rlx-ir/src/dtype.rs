@@ -21,13 +21,22 @@ pub enum DType {
     I64,
     /// Unsigned 8-bit integer.
     U8,
+    /// Signed 16-bit integer.
+    I16,
+    /// Unsigned 16-bit integer.
+    U16,
+    /// Unsigned 32-bit integer.
+    U32,
+    /// Unsigned 64-bit integer. Computed in the `i64` domain like every integer, so
+    /// values at or above 2^63 order as negative numbers.
+    U64,
     /// Boolean, stored as one byte holding 0 or 1.
     Bool,
 }
 
 impl DType {
     /// Every dtype, in declaration order.
-    pub const ALL: [DType; 9] = [
+    pub const ALL: [DType; 13] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -36,15 +45,19 @@ impl DType {
         DType::I32,
         DType::I64,
         DType::U8,
+        DType::I16,
+        DType::U16,
+        DType::U32,
+        DType::U64,
         DType::Bool,
     ];
 
     /// Bytes per element.
     pub const fn size_in_bytes(self) -> usize {
         match self {
-            DType::F32 | DType::I32 => 4,
-            DType::F16 | DType::BF16 => 2,
-            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
+            DType::F64 | DType::I64 | DType::U64 => 8,
             DType::I8 | DType::U8 | DType::Bool => 1,
         }
     }
@@ -56,7 +69,17 @@ impl DType {
 
     /// True for the integer types (not `Bool`).
     pub const fn is_int(self) -> bool {
-        matches!(self, DType::I8 | DType::I32 | DType::I64 | DType::U8)
+        matches!(
+            self,
+            DType::I8
+                | DType::I16
+                | DType::I32
+                | DType::I64
+                | DType::U8
+                | DType::U16
+                | DType::U32
+                | DType::U64
+        )
     }
 
     /// True for types that support arithmetic (floats and integers).
@@ -75,6 +98,10 @@ impl DType {
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::U8 => "u8",
+            DType::I16 => "i16",
+            DType::U16 => "u16",
+            DType::U32 => "u32",
+            DType::U64 => "u64",
             DType::Bool => "bool",
         }
     }
@@ -90,9 +117,7 @@ impl DType {
             DType::F16 => half::f16::from_f64(v).to_f64(),
             DType::BF16 => half::bf16::from_f64(v).to_f64(),
             DType::Bool => (v != 0.0) as u8 as f64,
-            DType::I8 | DType::I32 | DType::I64 | DType::U8 => {
-                self.wrap_int(if v.is_nan() { 0 } else { v as i64 }) as f64
-            }
+            _ => self.wrap_int(if v.is_nan() { 0 } else { v as i64 }) as f64,
         }
     }
 
@@ -103,6 +128,9 @@ impl DType {
             DType::I8 => v as i8 as i64,
             DType::I32 => v as i32 as i64,
             DType::U8 => v as u8 as i64,
+            DType::I16 => v as i16 as i64,
+            DType::U16 => v as u16 as i64,
+            DType::U32 => v as u32 as i64,
             DType::Bool => (v != 0) as i64,
             _ => v,
         }
@@ -124,7 +152,7 @@ impl std::str::FromStr for DType {
             .find(|d| d.name() == s)
             .ok_or_else(|| crate::Error::InvalidArgument {
                 context: "dtype".into(),
-                message: format!("unknown dtype '{s}' (expected one of f32, f16, bf16, f64, i8, i32, i64, u8, bool)"),
+                message: format!("unknown dtype '{s}' (expected one of f32, f16, bf16, f64, i8, i16, i32, i64, u8, u16, u32, u64, bool)"),
             })
     }
 }

@@ -22,6 +22,14 @@ pub enum TensorData {
     I64(Vec<i64>),
     /// `u8` values.
     U8(Vec<u8>),
+    /// `i16` values.
+    I16(Vec<i16>),
+    /// `u16` values.
+    U16(Vec<u16>),
+    /// `u32` values.
+    U32(Vec<u32>),
+    /// `u64` values.
+    U64(Vec<u64>),
     /// Booleans.
     Bool(Vec<bool>),
 }
@@ -45,6 +53,14 @@ pub enum TensorRef<'a> {
     I64(&'a [i64]),
     /// `u8` values.
     U8(&'a [u8]),
+    /// `i16` values.
+    I16(&'a [i16]),
+    /// `u16` values.
+    U16(&'a [u16]),
+    /// `u32` values.
+    U32(&'a [u32]),
+    /// `u64` values.
+    U64(&'a [u64]),
     /// Booleans.
     Bool(&'a [bool]),
 }
@@ -60,6 +76,10 @@ macro_rules! each_variant {
             Self::I32($v) => $body,
             Self::I64($v) => $body,
             Self::U8($v) => $body,
+            Self::I16($v) => $body,
+            Self::U16($v) => $body,
+            Self::U32($v) => $body,
+            Self::U64($v) => $body,
             Self::Bool($v) => $body,
         }
     };
@@ -92,6 +112,10 @@ impl TensorData {
             TensorData::I32(v) => TensorRef::I32(v),
             TensorData::I64(v) => TensorRef::I64(v),
             TensorData::U8(v) => TensorRef::U8(v),
+            TensorData::I16(v) => TensorRef::I16(v),
+            TensorData::U16(v) => TensorRef::U16(v),
+            TensorData::U32(v) => TensorRef::U32(v),
+            TensorData::U64(v) => TensorRef::U64(v),
             TensorData::Bool(v) => TensorRef::Bool(v),
         }
     }
@@ -110,6 +134,13 @@ impl TensorData {
                 TensorData::I64(it.map(|v| if v.is_nan() { 0 } else { v as i64 }).collect())
             }
             DType::U8 => TensorData::U8(it.map(|v| DType::U8.round_value(v) as u8).collect()),
+            DType::I16 => TensorData::I16(it.map(|v| DType::I16.round_value(v) as i16).collect()),
+            DType::U16 => TensorData::U16(it.map(|v| DType::U16.round_value(v) as u16).collect()),
+            DType::U32 => TensorData::U32(it.map(|v| DType::U32.round_value(v) as u32).collect()),
+            DType::U64 => TensorData::U64(
+                it.map(|v| if v.is_nan() { 0 } else { v as i64 as u64 })
+                    .collect(),
+            ),
             DType::Bool => TensorData::Bool(it.map(|v| v != 0.0).collect()),
         }
     }
@@ -157,6 +188,22 @@ impl TensorData {
                     .collect(),
             ),
             DType::U8 => TensorData::U8(bytes.to_vec()),
+            DType::I16 => {
+                TensorData::I16(chunks.map(|c| i16::from_le_bytes([c[0], c[1]])).collect())
+            }
+            DType::U16 => {
+                TensorData::U16(chunks.map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+            }
+            DType::U32 => TensorData::U32(
+                chunks
+                    .map(|c| u32::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect(),
+            ),
+            DType::U64 => TensorData::U64(
+                chunks
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect(),
+            ),
             DType::Bool => TensorData::Bool(bytes.iter().map(|&b| b != 0).collect()),
         })
     }
@@ -174,6 +221,10 @@ impl<'a> TensorRef<'a> {
             TensorRef::I32(_) => DType::I32,
             TensorRef::I64(_) => DType::I64,
             TensorRef::U8(_) => DType::U8,
+            TensorRef::I16(_) => DType::I16,
+            TensorRef::U16(_) => DType::U16,
+            TensorRef::U32(_) => DType::U32,
+            TensorRef::U64(_) => DType::U64,
             TensorRef::Bool(_) => DType::Bool,
         }
     }
@@ -199,11 +250,16 @@ impl<'a> TensorRef<'a> {
             TensorRef::I32(v) => TensorData::I32(v.to_vec()),
             TensorRef::I64(v) => TensorData::I64(v.to_vec()),
             TensorRef::U8(v) => TensorData::U8(v.to_vec()),
+            TensorRef::I16(v) => TensorData::I16(v.to_vec()),
+            TensorRef::U16(v) => TensorData::U16(v.to_vec()),
+            TensorRef::U32(v) => TensorData::U32(v.to_vec()),
+            TensorRef::U64(v) => TensorData::U64(v.to_vec()),
             TensorRef::Bool(v) => TensorData::Bool(v.to_vec()),
         }
     }
 
-    /// The values widened to `f64` (exact for every dtype except `i64` beyond 2^53).
+    /// The values widened to `f64` (exact for every dtype except 64-bit integers beyond
+    /// 2^53; `u64` is read through `i64`, as every integer op computes).
     pub fn to_f64_vec(&self) -> Vec<f64> {
         match *self {
             TensorRef::F32(v) => v.iter().map(|&x| x as f64).collect(),
@@ -214,6 +270,11 @@ impl<'a> TensorRef<'a> {
             TensorRef::I32(v) => v.iter().map(|&x| x as f64).collect(),
             TensorRef::I64(v) => v.iter().map(|&x| x as f64).collect(),
             TensorRef::U8(v) => v.iter().map(|&x| x as f64).collect(),
+            TensorRef::I16(v) => v.iter().map(|&x| x as f64).collect(),
+            TensorRef::U16(v) => v.iter().map(|&x| x as f64).collect(),
+            TensorRef::U32(v) => v.iter().map(|&x| x as f64).collect(),
+            // The integer domain is i64: u64 values at or above 2^63 read as negative.
+            TensorRef::U64(v) => v.iter().map(|&x| x as i64 as f64).collect(),
             TensorRef::Bool(v) => v.iter().map(|&x| x as u8 as f64).collect(),
         }
     }
@@ -247,6 +308,10 @@ impl<'a> TensorRef<'a> {
             TensorRef::I32(v) => put!(v),
             TensorRef::I64(v) => put!(v),
             TensorRef::U8(v) => dst.copy_from_slice(v),
+            TensorRef::I16(v) => put!(v),
+            TensorRef::U16(v) => put!(v),
+            TensorRef::U32(v) => put!(v),
+            TensorRef::U64(v) => put!(v),
             TensorRef::Bool(v) => {
                 for (d, &x) in dst.iter_mut().zip(v) {
                     *d = x as u8;

@@ -334,6 +334,8 @@ pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
         (uses[i] == 1 && readers[i].len() == 1).then(|| readers[i][0])
     };
     let mut found: Vec<Epilogue> = Vec::new();
+    // An add of two matmul chains is reachable from both; the first chain claims it.
+    let mut claimed = vec![false; nodes.len()];
     for (i, node) in nodes.iter().enumerate() {
         if node.op != Op::MatMul
             || nodes[node.inputs[0].index()].shape.rank() < 2
@@ -374,6 +376,7 @@ pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
                 _ => None,
             }
         };
+        let only_reader = |i: usize| only_reader(i).filter(|&j| !claimed[j]);
         if let Some(j) = only_reader(e.last)
             && nodes[j].op == Op::Binary(BinaryOp::Add)
             && nodes[j].shape == *shape
@@ -402,6 +405,9 @@ pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
             e.last = j;
         }
         if e.absorbed.len() > 1 || e.b_cast.is_some() {
+            for &a in &e.absorbed {
+                claimed[a] = true;
+            }
             found.push(e);
         }
     }

@@ -199,6 +199,24 @@ fn an_intermediate_read_twice_is_not_absorbed() {
 }
 
 #[test]
+fn two_matmul_chains_added_together_fuse_once() {
+    // An LSTM step: x @ W + b + h @ R + c. The final add is reachable from both
+    // chains; one absorbs it as its residual, the other ends before it.
+    let g = Graph::new("lstm-step");
+    let x = g.input("x", Shape::new(&[3, 5], DType::F32));
+    let h = g.input("h", Shape::new(&[3, 4], DType::F32));
+    let w = g.param("w", Shape::new(&[5, 8], DType::F32));
+    let r = g.param("r", Shape::new(&[4, 8], DType::F32));
+    let b = g.param("b", Shape::new(&[8], DType::F32));
+    let c = g.param("c", Shape::new(&[8], DType::F32));
+    let xw = g.add(g.matmul(x, w).unwrap(), b).unwrap();
+    let hr = g.add(g.matmul(h, r).unwrap(), c).unwrap();
+    g.set_outputs(vec![g.sigmoid(g.add(xw, hr).unwrap()).unwrap()]);
+    let fused = check(&g, &mut Rng(5), "two chains");
+    assert!(fused >= 2, "{fused} fusions");
+}
+
+#[test]
 fn elementwise_regions_fuse_with_broadcasts_and_match() {
     let mut rng = Rng(29);
     let mut fused_total = 0;

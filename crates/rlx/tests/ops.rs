@@ -735,6 +735,10 @@ fn cast_between_dtypes() {
             DType::I64 => vec![Dist::Int(-100_000, 100_000), Dist::Int(-(1 << 50), 1 << 50)],
             DType::I8 => vec![Dist::Int(-128, 127)],
             DType::U8 => vec![Dist::Int(0, 255)],
+            DType::I16 => vec![Dist::Int(-32768, 32767)],
+            DType::U16 => vec![Dist::Int(0, 65535)],
+            DType::U32 => vec![Dist::Int(0, u32::MAX as i64)],
+            DType::U64 => vec![Dist::Int(0, 1 << 50)],
             DType::Bool => vec![Dist::Default],
         };
         for to in DType::ALL {

@@ -141,13 +141,20 @@ pub(crate) fn infer_conv2d(win: &Window2d, groups: usize, inputs: &[&Shape]) -> 
 
 pub(crate) fn infer_pool(op: &str, win: &Window2d, x: &Shape) -> Result<Shape> {
     require_rank(op, "input", x, 4)?;
-    require_float(op, x)?;
-    if (0..4).any(|i| win.padding[i] * 2 > win.kernel[i % 2]) {
+    if op == "max_pool2d" {
+        super::require_numeric(op, x)?;
+    } else {
+        require_float(op, x)?;
+    }
+    // Padding narrower than the window keeps every window on at least one input
+    // element, so a max never sees only padding and an average never divides by 0.
+    let span = |a: usize| win.dilation[a] * (win.kernel[a].max(1) - 1) + 1;
+    if (0..4).any(|i| win.padding[i] >= span(i % 2)) {
         return Err(Error::invalid(
             op,
             format!(
-                "padding {:?} must be at most half the kernel {:?}",
-                win.padding, win.kernel
+                "padding {:?} must be smaller than the window {:?} (dilation {:?})",
+                win.padding, win.kernel, win.dilation
             ),
         ));
     }
