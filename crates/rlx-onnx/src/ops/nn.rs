@@ -1,0 +1,557 @@
+//! Neural-network operators: products, convolution and pooling, normalizations,
+//! softmax, dropout.
+
+use super::{Converter, axis, size, unsupported};
+use crate::import::Cx;
+use rlx_ir::{ArgReduceOp, DType, Error, NodeId, Op, ReduceOp, Result, Window2d};
+
+pub(super) const NAMES: &[&str] = &[
+    "AveragePool",
+    "BatchNormalization",
+    "Conv",
+    "Dropout",
+    "Gemm",
+    "GlobalAveragePool",
+    "GlobalMaxPool",
+    "GroupNormalization",
+    "Hardmax",
+    "InstanceNormalization",
+    "LayerNormalization",
+    "LogSoftmax",
+    "LpNormalization",
+    "MatMul",
+    "MaxPool",
+    "MeanVarianceNormalization",
+    "RMSNormalization",
+    "Softmax",
+];
+
+pub(super) fn converter(op: &str) -> Option<Converter> {
+    Some(match op {
+        "MatMul" => |cx| {
+            let (a, b) = (cx.input(0)?, cx.input(1)?);
+            Ok(vec![cx.g.matmul(a, b)?])
+        },
+        "Gemm" => gemm,
+        "Softmax" => |cx| softmax(cx, Soft::Softmax),
+        "LogSoftmax" => |cx| softmax(cx, Soft::LogSoftmax),
+        "Hardmax" => |cx| softmax(cx, Soft::Hardmax),
+        "Conv" => conv,
+        "MaxPool" => |cx| pool(cx, PoolKind::Max),
+        "AveragePool" => |cx| pool(cx, PoolKind::Avg),
+        "GlobalAveragePool" => |cx| global_pool(cx, ReduceOp::Mean),
+        "GlobalMaxPool" => |cx| global_pool(cx, ReduceOp::Max),
+        "BatchNormalization" => batch_norm,
+        "InstanceNormalization" => instance_norm,
+        "LayerNormalization" => layer_norm,
+        "RMSNormalization" => rms_norm,
+        "GroupNormalization" => group_norm,
+        "LpNormalization" => lp_norm,
+        "MeanVarianceNormalization" => mvn,
+        "Dropout" => dropout,
+        _ => return None,
+    })
+}
+
+fn scalar(cx: &Cx, v: f64, dt: DType) -> NodeId {
+    cx.g.scalar(v, dt)
+}
+
+fn gemm(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let mut a = cx.input(0)?;
+    let mut b = cx.input(1)?;
+    let dt = cx.dtype(0)?;
+    if cx.attr_i("transA", 0) != 0 {
+        a = cx.g.permute(a, &[1, 0])?;
+    }
+    if cx.attr_i("transB", 0) != 0 {
+        b = cx.g.permute(b, &[1, 0])?;
+    }
+    let alpha = cx.attr_f("alpha", 1.0) as f64;
+    let beta = cx.attr_f("beta", 1.0) as f64;
+    let mut y = cx.g.matmul(a, b)?;
+    if alpha != 1.0 {
+        y = cx.g.mul(y, scalar(cx, alpha, dt))?;
+    }
+    if let Some(c) = cx.opt_input(2)? {
+        let c = if beta != 1.0 {
+            cx.g.mul(c, scalar(cx, beta, dt))?
+        } else {
+            c
+        };
+        y = cx.g.add(y, c)?;
+    }
+    Ok(vec![y])
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Soft {
+    Softmax,
+    LogSoftmax,
+    Hardmax,
+}
+
+fn softmax(cx: &mut Cx, kind: Soft) -> Result<Vec<NodeId>> {
+    let dims = cx.dims(0)?;
+    let rank = dims.len();
+    let x = cx.input(0)?;
+    let apply = |x: NodeId, a: usize| -> Result<NodeId> {
+        match kind {
+            Soft::Softmax => cx.g.softmax(x, a as isize),
+            Soft::LogSoftmax => cx.g.log_softmax(x, a as isize),
+            Soft::Hardmax => {
+                let s = cx.g.shape(x)?;
+                let idx = cx.g.push(
+                    Op::ArgReduce {
+                        op: ArgReduceOp::ArgMax,
+                        axis: a,
+                        keepdims: false,
+                    },
+                    &[x],
+                )?;
+                let hot = cx.g.one_hot(idx, s.dim(a), s.dtype())?;
+                if a + 1 == s.rank() {
+                    return Ok(hot);
+                }
+                let mut perm: Vec<usize> = (0..s.rank() - 1).collect();
+                perm.insert(a, s.rank() - 1);
+                cx.g.permute(hot, &perm)
+            }
+        }
+    };
+    if cx.opset >= 13 {
+        let a = axis(cx.attr_i("axis", -1), rank)?;
+        return Ok(vec![apply(x, a)?]);
+    }
+    // Before opset 13 the input is seen as 2-D: [prod(dims[..axis]), prod(dims[axis..])].
+    let a = axis(cx.attr_i("axis", 1), rank.max(1))?;
+    let outer: usize = dims[..a].iter().product();
+    let inner: usize = dims[a..].iter().product();
+    let flat = cx.g.reshape(x, &[outer, inner])?;
+    let y = apply(flat, 1)?;
+    Ok(vec![cx.g.reshape(y, &dims)?])
+}
+
+/// `(begin, end)` padding per spatial axis from `pads`/`auto_pad`.
+fn spatial_pads(
+    cx: &Cx,
+    input: &[usize],
+    kernel: &[usize],
+    strides: &[usize],
+    dilations: &[usize],
+) -> Result<Vec<(usize, usize)>> {
+    let n = input.len();
+    let auto = cx.attr_s("auto_pad", "NOTSET");
+    match auto.as_str() {
+        "NOTSET" => {
+            let pads = cx.attr_ints("pads").unwrap_or_else(|| vec![0; 2 * n]);
+            if pads.len() != 2 * n {
+                return Err(Error::invalid(
+                    "pads",
+                    format!("{} values for {n} axes", pads.len()),
+                ));
+            }
+            (0..n)
+                .map(|i| Ok((size(pads[i], "pads")?, size(pads[i + n], "pads")?)))
+                .collect()
+        }
+        "VALID" => Ok(vec![(0, 0); n]),
+        "SAME_UPPER" | "SAME_LOWER" => Ok((0..n)
+            .map(|i| {
+                let out = input[i].div_ceil(strides[i]);
+                let span = (kernel[i] - 1) * dilations[i] + 1;
+                let total = ((out.saturating_sub(1)) * strides[i] + span).saturating_sub(input[i]);
+                let small = total / 2;
+                if auto == "SAME_UPPER" {
+                    (small, total - small)
+                } else {
+                    (total - small, small)
+                }
+            })
+            .collect()),
+        other => Err(unsupported(format!("auto_pad '{other}'"))),
+    }
+}
+
+fn attr_sizes(cx: &Cx, name: &str, n: usize, default: usize) -> Result<Vec<usize>> {
+    match cx.attr_ints(name) {
+        Some(v) if v.len() == n => v.iter().map(|&d| size(d, name)).collect(),
+        Some(v) => Err(Error::invalid(
+            name,
+            format!("{} values for {n} spatial axes", v.len()),
+        )),
+        None => Ok(vec![default; n]),
+    }
+}
+
+/// Lifts a 1-D spatial tensor `[N, C, W]` to `[N, C, 1, W]`.
+fn lift_1d(cx: &Cx, x: NodeId) -> Result<NodeId> {
+    cx.g.unsqueeze(x, &[2])
+}
+
+fn conv(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let xd = cx.dims(0)?;
+    let wd = cx.dims(1)?;
+    if xd.len() != wd.len() || !(3..=4).contains(&xd.len()) {
+        return Err(unsupported(format!(
+            "Conv of a {}-D input with a {}-D weight (1-D and 2-D convolutions are supported)",
+            xd.len(),
+            wd.len()
+        )));
+    }
+    let n = xd.len() - 2;
+    let kernel = wd[2..].to_vec();
+    if let Some(k) = cx.attr_ints("kernel_shape")
+        && k.iter().map(|&v| v as usize).collect::<Vec<_>>() != kernel
+    {
+        return Err(Error::invalid(
+            "kernel_shape",
+            format!("{k:?} disagrees with the weight {wd:?}"),
+        ));
+    }
+    let strides = attr_sizes(cx, "strides", n, 1)?;
+    let dilations = attr_sizes(cx, "dilations", n, 1)?;
+    let pads = spatial_pads(cx, &xd[2..], &kernel, &strides, &dilations)?;
+    let groups = size(cx.attr_i("group", 1), "group")?;
+    let mut x = cx.input(0)?;
+    let mut w = cx.input(1)?;
+    let bias = cx.opt_input(2)?;
+    let (stride, dilation, padding) = if n == 1 {
+        x = lift_1d(cx, x)?;
+        w = lift_1d(cx, w)?;
+        (
+            [1, strides[0]],
+            [1, dilations[0]],
+            [0, pads[0].0, 0, pads[0].1],
+        )
+    } else {
+        (
+            [strides[0], strides[1]],
+            [dilations[0], dilations[1]],
+            [pads[0].0, pads[1].0, pads[0].1, pads[1].1],
+        )
+    };
+    let y = cx.g.conv2d(x, w, bias, stride, padding, dilation, groups)?;
+    let y = if n == 1 { cx.g.squeeze(y, &[2])? } else { y };
+    Ok(vec![y])
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum PoolKind {
+    Max,
+    Avg,
+}
+
+fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
+    if cx.wants_output(1) {
+        return Err(unsupported("MaxPool's Indices output"));
+    }
+    let xd = cx.dims(0)?;
+    if !(3..=4).contains(&xd.len()) {
+        return Err(unsupported(format!(
+            "pooling over {} spatial axes",
+            xd.len().saturating_sub(2)
+        )));
+    }
+    let n = xd.len() - 2;
+    let kernel = attr_sizes(cx, "kernel_shape", n, 0)?;
+    if kernel.contains(&0) {
+        return Err(Error::invalid("kernel_shape", "missing or zero"));
+    }
+    let strides = attr_sizes(cx, "strides", n, 1)?;
+    let dilations = attr_sizes(cx, "dilations", n, 1)?;
+    let mut pads = spatial_pads(cx, &xd[2..], &kernel, &strides, &dilations)?;
+    if cx.attr_i("ceil_mode", 0) != 0 {
+        // Extra end padding so the last, partial window is counted; a window that
+        // would start in the end padding is not added.
+        for i in 0..n {
+            let span = (kernel[i] - 1) * dilations[i] + 1;
+            let padded = xd[2 + i] + pads[i].0 + pads[i].1;
+            if padded < span {
+                continue;
+            }
+            let floor_out = (padded - span) / strides[i] + 1;
+            let mut ceil_out = (padded - span).div_ceil(strides[i]) + 1;
+            if (ceil_out - 1) * strides[i] >= xd[2 + i] + pads[i].0 {
+                ceil_out -= 1;
+            }
+            pads[i].1 += (ceil_out - floor_out) * strides[i];
+        }
+    }
+    let mut x = cx.input(0)?;
+    let window = if n == 1 {
+        x = lift_1d(cx, x)?;
+        Window2d {
+            kernel: [1, kernel[0]],
+            stride: [1, strides[0]],
+            padding: [0, pads[0].0, 0, pads[0].1],
+            dilation: [1, dilations[0]],
+        }
+    } else {
+        Window2d {
+            kernel: [kernel[0], kernel[1]],
+            stride: [strides[0], strides[1]],
+            padding: [pads[0].0, pads[1].0, pads[0].1, pads[1].1],
+            dilation: [dilations[0], dilations[1]],
+        }
+    };
+    let op = match kind {
+        PoolKind::Max => Op::MaxPool2d { window },
+        PoolKind::Avg => Op::AvgPool2d {
+            window,
+            count_include_pad: cx.attr_i("count_include_pad", 0) != 0,
+        },
+    };
+    let y = cx.g.push(op, &[x])?;
+    let y = if n == 1 { cx.g.squeeze(y, &[2])? } else { y };
+    Ok(vec![y])
+}
+
+fn global_pool(cx: &mut Cx, op: ReduceOp) -> Result<Vec<NodeId>> {
+    let rank = cx.shape(0)?.rank();
+    let x = cx.input(0)?;
+    let list: Vec<usize> = (2..rank).collect();
+    Ok(vec![cx.g.push(
+        Op::Reduce {
+            op,
+            axes: list,
+            keepdims: true,
+        },
+        &[x],
+    )?])
+}
+
+/// A per-channel vector `[C]` reshaped to broadcast against `[N, C, ...]`.
+fn per_channel(cx: &Cx, v: NodeId, rank: usize) -> Result<NodeId> {
+    let c = cx.g.shape(v)?.num_elements();
+    let mut dims = vec![1; rank - 1];
+    dims[0] = c;
+    cx.g.reshape(v, &dims)
+}
+
+fn batch_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    if cx.attr_i("training_mode", 0) != 0 || cx.num_outputs() > 1 && cx.wants_output(1) {
+        return Err(unsupported("BatchNormalization in training mode"));
+    }
+    let rank = cx.shape(0)?.rank();
+    let dt = cx.dtype(0)?;
+    let eps = cx.attr_f("epsilon", 1e-5) as f64;
+    let x = cx.input(0)?;
+    let (scale, bias, mean, var) = (cx.input(1)?, cx.input(2)?, cx.input(3)?, cx.input(4)?);
+    let inv = cx.g.div(
+        scale,
+        cx.g.sqrt(cx.g.add(var, scalar(cx, eps, cx.dtype(4)?))?)?,
+    )?;
+    let shift = cx.g.sub(bias, cx.g.mul(mean, inv)?)?;
+    let inv = per_channel(cx, inv, rank)?;
+    let shift = per_channel(cx, shift, rank)?;
+    let _ = dt;
+    Ok(vec![cx.g.add(cx.g.mul(x, inv)?, shift)?])
+}
+
+/// `(x - mean) / sqrt(var + eps)` over `axes` (kept as size 1).
+fn normalize(cx: &Cx, x: NodeId, axes: &[usize], eps: f64) -> Result<NodeId> {
+    let dt = cx.g.shape(x)?.dtype();
+    let mean = cx.g.push(
+        Op::Reduce {
+            op: ReduceOp::Mean,
+            axes: axes.to_vec(),
+            keepdims: true,
+        },
+        &[x],
+    )?;
+    let d = cx.g.sub(x, mean)?;
+    let var = cx.g.push(
+        Op::Reduce {
+            op: ReduceOp::Mean,
+            axes: axes.to_vec(),
+            keepdims: true,
+        },
+        &[cx.g.mul(d, d)?],
+    )?;
+    let std = cx.g.sqrt(cx.g.add(var, scalar(cx, eps, dt))?)?;
+    cx.g.div(d, std)
+}
+
+fn instance_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let rank = cx.shape(0)?.rank();
+    let eps = cx.attr_f("epsilon", 1e-5) as f64;
+    let x = cx.input(0)?;
+    let (scale, bias) = (cx.input(1)?, cx.input(2)?);
+    let list: Vec<usize> = (2..rank).collect();
+    let y = normalize(cx, x, &list, eps)?;
+    let y = cx.g.mul(y, per_channel(cx, scale, rank)?)?;
+    Ok(vec![cx.g.add(y, per_channel(cx, bias, rank)?)?])
+}
+
+fn layer_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let dims = cx.dims(0)?;
+    let rank = dims.len();
+    let dt = cx.dtype(0)?;
+    let a = axis(cx.attr_i("axis", -1), rank)?;
+    let eps = cx.attr_f("epsilon", 1e-5) as f64;
+    let x = cx.input(0)?;
+    let scale = cx.input(1)?;
+    let bias = cx.opt_input(2)?;
+    let last_only = a + 1 == rank
+        && cx.dims(1)? == [dims[rank - 1]]
+        && (!cx.has(2) || cx.dims(2)? == [dims[rank - 1]]);
+    let wants_stats = cx.wants_output(1) || cx.wants_output(2);
+    if last_only && !wants_stats && dt.is_float() {
+        let bias = match bias {
+            Some(b) => b,
+            None => cx.g.constant(
+                rlx_ir::TensorData::from_f64(dt, &vec![0.0; dims[rank - 1]]),
+                &[dims[rank - 1]],
+            )?,
+        };
+        return Ok(vec![cx.g.layer_norm(x, scale, bias, eps)?]);
+    }
+    let list: Vec<usize> = (a..rank).collect();
+    let mean = cx.g.push(
+        Op::Reduce {
+            op: ReduceOp::Mean,
+            axes: list.clone(),
+            keepdims: true,
+        },
+        &[x],
+    )?;
+    let d = cx.g.sub(x, mean)?;
+    let var = cx.g.push(
+        Op::Reduce {
+            op: ReduceOp::Mean,
+            axes: list,
+            keepdims: true,
+        },
+        &[cx.g.mul(d, d)?],
+    )?;
+    let inv = cx.g.rsqrt(cx.g.add(var, scalar(cx, eps, dt))?)?;
+    let mut y = cx.g.mul(cx.g.mul(d, inv)?, scale)?;
+    if let Some(b) = bias {
+        y = cx.g.add(y, b)?;
+    }
+    Ok(vec![y, mean, inv])
+}
+
+fn rms_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let dims = cx.dims(0)?;
+    let rank = dims.len();
+    let dt = cx.dtype(0)?;
+    let a = axis(cx.attr_i("axis", -1), rank)?;
+    let eps = cx.attr_f("epsilon", 1e-5) as f64;
+    let x = cx.input(0)?;
+    let scale = cx.input(1)?;
+    if a + 1 == rank && cx.dims(1)? == [dims[rank - 1]] && dt.is_float() {
+        return Ok(vec![cx.g.rms_norm(x, scale, eps)?]);
+    }
+    let list: Vec<usize> = (a..rank).collect();
+    let ms = cx.g.push(
+        Op::Reduce {
+            op: ReduceOp::Mean,
+            axes: list,
+            keepdims: true,
+        },
+        &[cx.g.mul(x, x)?],
+    )?;
+    let inv = cx.g.rsqrt(cx.g.add(ms, scalar(cx, eps, dt))?)?;
+    Ok(vec![cx.g.mul(cx.g.mul(x, inv)?, scale)?])
+}
+
+fn group_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let dims = cx.dims(0)?;
+    let rank = dims.len();
+    if rank < 2 {
+        return Err(Error::invalid(
+            "GroupNormalization",
+            "input must have rank 2 or more",
+        ));
+    }
+    let g = size(cx.attr_i("num_groups", 0), "num_groups")?;
+    let (n, c) = (dims[0], dims[1]);
+    if g == 0 || !c.is_multiple_of(g) {
+        return Err(Error::invalid(
+            "GroupNormalization",
+            format!("{c} channels in {g} groups"),
+        ));
+    }
+    let eps = cx.attr_f("epsilon", 1e-5) as f64;
+    let x = cx.input(0)?;
+    let (scale, bias) = (cx.input(1)?, cx.input(2)?);
+    let rest: usize = dims[1..].iter().product::<usize>() / g;
+    let grouped = cx.g.reshape(x, &[n, g, rest])?;
+    let y = normalize(cx, grouped, &[2], eps)?;
+    let y = cx.g.reshape(y, &dims)?;
+    let (scale, bias) = if cx.opset < 21 {
+        // Per-group scale and bias: repeat each over its channels.
+        let per = c / g;
+        let s =
+            cx.g.reshape(cx.g.expand(cx.g.reshape(scale, &[g, 1])?, &[g, per])?, &[c])?;
+        let b =
+            cx.g.reshape(cx.g.expand(cx.g.reshape(bias, &[g, 1])?, &[g, per])?, &[c])?;
+        (s, b)
+    } else {
+        (scale, bias)
+    };
+    let y = cx.g.mul(y, per_channel(cx, scale, rank)?)?;
+    Ok(vec![cx.g.add(y, per_channel(cx, bias, rank)?)?])
+}
+
+fn lp_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let rank = cx.shape(0)?.rank();
+    let a = axis(cx.attr_i("axis", -1), rank)?;
+    let p = cx.attr_i("p", 2);
+    let x = cx.input(0)?;
+    let norm = match p {
+        1 => cx.g.push(
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                axes: vec![a],
+                keepdims: true,
+            },
+            &[cx.g.abs(x)?],
+        )?,
+        2 => {
+            let s = cx.g.push(
+                Op::Reduce {
+                    op: ReduceOp::Sum,
+                    axes: vec![a],
+                    keepdims: true,
+                },
+                &[cx.g.mul(x, x)?],
+            )?;
+            cx.g.sqrt(s)?
+        }
+        other => return Err(unsupported(format!("LpNormalization with p = {other}"))),
+    };
+    Ok(vec![cx.g.div(x, norm)?])
+}
+
+fn mvn(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let rank = cx.shape(0)?.rank();
+    let list = cx.attr_ints("axes").unwrap_or_else(|| vec![0, 2, 3]);
+    let list = super::axes(&list, rank)?;
+    let x = cx.input(0)?;
+    Ok(vec![normalize(cx, x, &list, 1e-9)?])
+}
+
+fn dropout(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    if cx.attr_i("training_mode", 0) != 0 {
+        return Err(unsupported("Dropout in training mode"));
+    }
+    if let Some(t) = cx.known(2)
+        && t.to_i64_vec().first().copied().unwrap_or(0) != 0
+    {
+        return Err(unsupported("Dropout in training mode"));
+    }
+    if cx.has(2) && cx.known(2).is_none() {
+        return Err(unsupported("Dropout with a run-time training_mode"));
+    }
+    let x = cx.input(0)?;
+    let mut out = vec![x];
+    if cx.wants_output(1) {
+        let dims = cx.dims(0)?;
+        let n: usize = dims.iter().product();
+        out.push(cx.g.constant(rlx_ir::TensorData::Bool(vec![true; n]), &dims)?);
+    }
+    Ok(out)
+}
