@@ -14,6 +14,8 @@ pub mod bert;
 mod embedder;
 mod fetch;
 pub mod llama;
+pub mod npy;
+pub mod onnx;
 mod tokenize;
 mod weights;
 

@@ -32,6 +32,7 @@ pub use rlx_ir::{DType, Error, Graph, NodeId, Result, Shape, TensorData, TensorR
 pub use rlx_models as models;
 pub use rlx_models::Embedder;
 pub use rlx_models::llama::Llm;
+pub use rlx_onnx as onnx;
 pub use rlx_opt as opt;
 pub use rlx_runtime as runtime;
 pub use rlx_runtime::{CompileOptions, CompiledGraph, MemoryStats, Session, SlotOutputs};
