@@ -22,6 +22,8 @@ enum BenchTarget {
     /// f32 matrix products (row-major `[m, k] x [k, n]`) against the CPU's measured
     /// peak multiply-add rate.
     Gemm(GemmArgs),
+    /// An ONNX model at a binding of its symbolic dims (median of repeated runs).
+    Onnx(crate::bench_onnx::OnnxBenchArgs),
 }
 
 /// Arguments of `rlx bench gemm`.
@@ -133,6 +135,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         BenchTarget::Minilm(a) => minilm(a),
         BenchTarget::Gemm(a) => gemm(a),
         BenchTarget::Llm(a) => crate::bench_llm::run(a),
+        BenchTarget::Onnx(a) => crate::bench_onnx::run(a),
     }
 }
 

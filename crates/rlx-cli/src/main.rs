@@ -2,10 +2,13 @@
 
 mod bench;
 mod bench_llm;
+mod bench_onnx;
 mod embed;
 mod examples;
 mod generate;
 mod inspect;
+mod onnx_test;
+mod run_onnx;
 
 use clap::{Parser, Subcommand};
 
@@ -30,6 +33,11 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Print a graph, its memory plan and the kernel that runs each op.
     Inspect(inspect::InspectArgs),
+    /// Run an ONNX model on .npy inputs, or list its inputs and outputs.
+    Run(run_onnx::RunArgs),
+    /// Run ONNX backend test directories (model.onnx + test_data_set_*) and report
+    /// PASS, FAIL or UNSUPPORTED for each.
+    OnnxTest(onnx_test::OnnxTestArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -39,6 +47,8 @@ fn main() -> std::process::ExitCode {
         Command::Generate(args) => generate::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Inspect(args) => inspect::run(&args),
+        Command::OnnxTest(args) => onnx_test::run(&args),
+        Command::Run(args) => run_onnx::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
