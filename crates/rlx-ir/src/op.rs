@@ -72,11 +72,15 @@ pub enum UnaryOp {
     Sign,
     /// Logical not (bool only).
     Not,
+    /// Arctangent, in radians.
+    Atan,
+    /// Bitwise complement (integers only).
+    BitNot,
 }
 
 impl UnaryOp {
     /// Every unary op.
-    pub const ALL: [UnaryOp; 21] = [
+    pub const ALL: [UnaryOp; 23] = [
         UnaryOp::Neg,
         UnaryOp::Abs,
         UnaryOp::Exp,
@@ -98,6 +102,8 @@ impl UnaryOp {
         UnaryOp::Round,
         UnaryOp::Sign,
         UnaryOp::Not,
+        UnaryOp::Atan,
+        UnaryOp::BitNot,
     ];
 
     /// Lowercase name.
@@ -124,6 +130,8 @@ impl UnaryOp {
             UnaryOp::Round => "round",
             UnaryOp::Sign => "sign",
             UnaryOp::Not => "not",
+            UnaryOp::Atan => "atan",
+            UnaryOp::BitNot => "bit_not",
         }
     }
 
@@ -131,7 +139,12 @@ impl UnaryOp {
     pub fn float_only(self) -> bool {
         !matches!(
             self,
-            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu | UnaryOp::Sign | UnaryOp::Not
+            UnaryOp::Neg
+                | UnaryOp::Abs
+                | UnaryOp::Relu
+                | UnaryOp::Sign
+                | UnaryOp::Not
+                | UnaryOp::BitNot
         )
     }
 }
@@ -173,11 +186,21 @@ pub enum BinaryOp {
     Or,
     /// Logical exclusive or (bool operands).
     Xor,
+    /// Bitwise and (integer operands).
+    BitAnd,
+    /// Bitwise or (integer operands).
+    BitOr,
+    /// Bitwise exclusive or (integer operands).
+    BitXor,
+    /// `a << b`, wrapping to the dtype's width; shifts of the width or more give 0.
+    ShiftLeft,
+    /// `a >> b`, logical (zeros shifted in); shifts of the width or more give 0.
+    ShiftRight,
 }
 
 impl BinaryOp {
     /// Every binary op.
-    pub const ALL: [BinaryOp; 17] = [
+    pub const ALL: [BinaryOp; 22] = [
         BinaryOp::Add,
         BinaryOp::Sub,
         BinaryOp::Mul,
@@ -195,6 +218,11 @@ impl BinaryOp {
         BinaryOp::And,
         BinaryOp::Or,
         BinaryOp::Xor,
+        BinaryOp::BitAnd,
+        BinaryOp::BitOr,
+        BinaryOp::BitXor,
+        BinaryOp::ShiftLeft,
+        BinaryOp::ShiftRight,
     ];
 
     /// Lowercase name.
@@ -217,6 +245,11 @@ impl BinaryOp {
             BinaryOp::And => "and",
             BinaryOp::Or => "or",
             BinaryOp::Xor => "xor",
+            BinaryOp::BitAnd => "bit_and",
+            BinaryOp::BitOr => "bit_or",
+            BinaryOp::BitXor => "bit_xor",
+            BinaryOp::ShiftLeft => "shift_left",
+            BinaryOp::ShiftRight => "shift_right",
         }
     }
 
@@ -231,6 +264,18 @@ impl BinaryOp {
     /// True for logical ops (bool operands and result).
     pub fn is_logical(self) -> bool {
         matches!(self, BinaryOp::And | BinaryOp::Or | BinaryOp::Xor)
+    }
+
+    /// True for bitwise ops and shifts (integer operands and result).
+    pub fn is_bitwise(self) -> bool {
+        matches!(
+            self,
+            BinaryOp::BitAnd
+                | BinaryOp::BitOr
+                | BinaryOp::BitXor
+                | BinaryOp::ShiftLeft
+                | BinaryOp::ShiftRight
+        )
     }
 }
 

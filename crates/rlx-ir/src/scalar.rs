@@ -45,6 +45,8 @@ pub fn unary_f64(op: UnaryOp, x: f64) -> f64 {
             }
         }
         UnaryOp::Not => (x == 0.0) as u8 as f64,
+        UnaryOp::Atan => x.atan(),
+        UnaryOp::BitNot => !(x as i64) as f64,
     }
 }
 
@@ -56,6 +58,7 @@ pub fn unary_i64(op: UnaryOp, x: i64) -> i64 {
         UnaryOp::Relu => x.max(0),
         UnaryOp::Sign => x.signum(),
         UnaryOp::Not => (x == 0) as i64,
+        UnaryOp::BitNot => !x,
         // Float-only ops never reach integer data (the builder rejects them); treat the
         // value as exact and apply the float definition.
         other => unary_f64(other, x as f64) as i64,
@@ -110,6 +113,12 @@ pub fn binary_f64(op: BinaryOp, a: f64, b: f64) -> f64 {
         BinaryOp::And => ((a != 0.0) && (b != 0.0)) as u8 as f64,
         BinaryOp::Or => ((a != 0.0) || (b != 0.0)) as u8 as f64,
         BinaryOp::Xor => ((a != 0.0) != (b != 0.0)) as u8 as f64,
+        // Bitwise ops never reach float data (the builder rejects them).
+        op @ (BinaryOp::BitAnd
+        | BinaryOp::BitOr
+        | BinaryOp::BitXor
+        | BinaryOp::ShiftLeft
+        | BinaryOp::ShiftRight) => binary_i64(op, a as i64, b as i64) as f64,
     }
 }
 
@@ -150,6 +159,19 @@ pub fn binary_i64(op: BinaryOp, a: i64, b: i64) -> i64 {
         BinaryOp::And => ((a != 0) && (b != 0)) as i64,
         BinaryOp::Or => ((a != 0) || (b != 0)) as i64,
         BinaryOp::Xor => ((a != 0) != (b != 0)) as i64,
+        BinaryOp::BitAnd => a & b,
+        BinaryOp::BitOr => a | b,
+        BinaryOp::BitXor => a ^ b,
+        // The caller wraps the result to the dtype's width.
+        BinaryOp::ShiftLeft => u32::try_from(b)
+            .ok()
+            .and_then(|s| (a as u64).checked_shl(s))
+            .map_or(0, |v| v as i64),
+        // Operands are unsigned values held in i64 (u64 as its bit pattern).
+        BinaryOp::ShiftRight => u32::try_from(b)
+            .ok()
+            .and_then(|s| (a as u64).checked_shr(s))
+            .map_or(0, |v| v as i64),
     }
 }
 

@@ -357,7 +357,7 @@ fn unary_float_ops() {
     let mut s = Suite::new(0x01);
     let shapes: [&[usize]; 5] = [&[3, 5, 7], &[1, 4, 1], &[], &[2, 0, 3], &[33]];
     for op in UnaryOp::ALL {
-        if op == UnaryOp::Not {
+        if matches!(op, UnaryOp::Not | UnaryOp::BitNot) {
             continue;
         }
         let base = match op {
@@ -452,7 +452,10 @@ const BROADCAST: [(&[usize], &[usize]); 7] = [
 #[test]
 fn binary_float_ops() {
     let mut s = Suite::new(0x03);
-    for op in BinaryOp::ALL.into_iter().filter(|o| !o.is_logical()) {
+    for op in BinaryOp::ALL
+        .into_iter()
+        .filter(|o| !o.is_logical() && !o.is_bitwise())
+    {
         for dt in FLOATS {
             for (a, b) in BROADCAST {
                 s.check(
@@ -583,6 +586,96 @@ fn binary_integer_ops() {
         EW,
         |g, x| Ok(vec![g.div(x[0], x[1])?, g.modulo(x[0], x[1])?]),
     );
+}
+
+#[test]
+fn bitwise_and_shift_ops() {
+    let mut s = Suite::new(0x05);
+    let cases = [
+        (DType::U8, Dist::Int(0, 255)),
+        (DType::I8, Dist::Int(-128, 127)),
+        (DType::U16, Dist::Int(0, 65535)),
+        (DType::I16, Dist::Int(-32768, 32767)),
+        (DType::I32, Dist::Int(i32::MIN as i64, i32::MAX as i64)),
+        (DType::U32, Dist::Int(0, u32::MAX as i64)),
+        (DType::I64, Dist::Int(-(1 << 40), 1 << 40)),
+        (DType::U64, Dist::Int(0, 1 << 40)),
+    ];
+    for op in [BinaryOp::BitAnd, BinaryOp::BitOr, BinaryOp::BitXor] {
+        for (dt, dist) in cases {
+            for (a, b) in BROADCAST {
+                s.check(
+                    &format!("{} {dt} {a:?} {b:?}", op.name()),
+                    &[inp("a", a, dt).dist(dist), inp("b", b, dt).dist(dist)],
+                    EW,
+                    |g, x| one(g.binary(op, x[0], x[1])?),
+                );
+            }
+        }
+    }
+    // Shift amounts past the width give 0.
+    for op in [BinaryOp::ShiftLeft, BinaryOp::ShiftRight] {
+        for (dt, dist, width) in [
+            (DType::U8, Dist::Int(0, 255), 8),
+            (DType::U16, Dist::Int(0, 65535), 16),
+            (DType::U32, Dist::Int(0, u32::MAX as i64), 32),
+            (DType::U64, Dist::Int(0, 1 << 40), 64),
+        ] {
+            s.check(
+                &format!("{} {dt}", op.name()),
+                &[
+                    inp("a", &[5, 7], dt).dist(dist),
+                    inp("b", &[7], dt).dist(Dist::Int(0, width + 2)),
+                ],
+                EW,
+                |g, x| one(g.binary(op, x[0], x[1])?),
+            );
+        }
+    }
+    for (dt, dist) in cases {
+        s.check(
+            &format!("bit_not {dt}"),
+            &[inp("x", &[3, 5, 7], dt).dist(dist)],
+            EW,
+            |g, x| one(g.unary(UnaryOp::BitNot, x[0])?),
+        );
+    }
+    // Known values, independent of the shared scalar definitions.
+    let g = Graph::new("bits");
+    let a = g
+        .constant(TensorData::U8(vec![0b1100_1010, 255, 1]), &[3])
+        .unwrap();
+    let b = g
+        .constant(TensorData::U8(vec![0b1010_0110, 3, 9]), &[3])
+        .unwrap();
+    let outs = [
+        g.binary(BinaryOp::BitAnd, a, b).unwrap(),
+        g.binary(BinaryOp::BitOr, a, b).unwrap(),
+        g.binary(BinaryOp::BitXor, a, b).unwrap(),
+        g.binary(BinaryOp::ShiftLeft, a, b).unwrap(),
+        g.binary(BinaryOp::ShiftRight, a, b).unwrap(),
+        g.unary(UnaryOp::BitNot, a).unwrap(),
+    ];
+    g.set_outputs(outs.to_vec());
+    let got = evaluate(&g, &mut HashMap::new()).unwrap();
+    let want: [[f64; 3]; 6] = [
+        [0b1000_0010 as f64, 3.0, 1.0],
+        [0b1110_1110 as f64, 255.0, 9.0],
+        [0b0110_1100 as f64, 252.0, 8.0],
+        [0.0, 248.0, 0.0],
+        [0.0, 31.0, 0.0],
+        [0b0011_0101 as f64, 0.0, 254.0],
+    ];
+    for (t, w) in got.iter().zip(want) {
+        assert_eq!(t.data, w, "{:?}", t.shape);
+    }
+    // Floats and bools are rejected.
+    let f = g.input("f", Shape::new(&[3], DType::F32));
+    let t = g.input("t", Shape::new(&[3], DType::Bool));
+    for x in [f, t] {
+        assert!(g.binary(BinaryOp::BitAnd, x, x).is_err());
+        assert!(g.unary(UnaryOp::BitNot, x).is_err());
+    }
 }
 
 #[test]

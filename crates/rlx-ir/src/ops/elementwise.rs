@@ -132,7 +132,9 @@ impl Graph {
 
 pub(crate) fn infer_unary(op: UnaryOp, x: &Shape) -> Result<Shape> {
     let name = op.name();
-    if op == UnaryOp::Not {
+    if op == UnaryOp::BitNot {
+        require_integer(name, x)?;
+    } else if op == UnaryOp::Not {
         if x.dtype() != DType::Bool {
             return Err(Error::dtype(
                 format!("{name} (operand {x})"),
@@ -160,6 +162,9 @@ pub(crate) fn infer_binary(op: BinaryOp, a: &Shape, b: &Shape) -> Result<Shape> 
             ));
         }
         DType::Bool
+    } else if op.is_bitwise() {
+        require_integer(name, a)?;
+        a.dtype()
     } else if op.is_comparison() {
         if !matches!(op, BinaryOp::Eq | BinaryOp::Ne) {
             require_numeric(name, a)?;
@@ -172,6 +177,17 @@ pub(crate) fn infer_binary(op: BinaryOp, a: &Shape, b: &Shape) -> Result<Shape> 
     let dims = broadcast_dims(a.dims(), b.dims())
         .ok_or_else(|| mismatch(name, a, b, "dimensions do not broadcast"))?;
     Ok(Shape::new(&dims, out_dtype))
+}
+
+fn require_integer(name: &str, x: &Shape) -> Result<()> {
+    if x.dtype().is_float() || x.dtype() == DType::Bool {
+        return Err(Error::dtype(
+            format!("{name} (operand {x})"),
+            "an integer",
+            x.dtype(),
+        ));
+    }
+    Ok(())
 }
 
 pub(crate) fn infer_where(c: &Shape, a: &Shape, b: &Shape) -> Result<Shape> {

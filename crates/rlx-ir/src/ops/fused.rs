@@ -33,12 +33,12 @@ pub const MAX_REGION_REGISTERS: usize = 64;
 /// Binary ops an elementwise region may hold: the arithmetic ones (no comparisons or
 /// logic, whose results are bool).
 pub fn fusable_binary(op: BinaryOp) -> bool {
-    !op.is_comparison() && !op.is_logical()
+    !op.is_comparison() && !op.is_logical() && !op.is_bitwise()
 }
 
 /// Unary ops an elementwise region may hold: those defined on floats.
 pub fn fusable_unary(op: UnaryOp) -> bool {
-    op != UnaryOp::Not
+    !matches!(op, UnaryOp::Not | UnaryOp::BitNot)
 }
 
 pub(crate) fn infer_fused_matmul(

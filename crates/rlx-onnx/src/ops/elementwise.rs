@@ -69,6 +69,14 @@ pub(super) const NAMES: &[&str] = &[
     "Asinh",
     "Acosh",
     "Atanh",
+    "Atan",
+    "Asin",
+    "Acos",
+    "BitwiseAnd",
+    "BitwiseOr",
+    "BitwiseXor",
+    "BitwiseNot",
+    "BitShift",
 ];
 
 pub(super) fn converter(op: &str) -> Option<Converter> {
@@ -91,6 +99,34 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         "Round" => |cx| unary(cx, UnaryOp::Round),
         "Sign" => |cx| unary(cx, UnaryOp::Sign),
         "Not" => |cx| unary(cx, UnaryOp::Not),
+        "Atan" => |cx| unary(cx, UnaryOp::Atan),
+        "Asin" => |cx| {
+            // atan(x / sqrt(1 - x^2)); x = ±1 gives atan(±inf) = ±pi/2.
+            let x = cx.input(0)?;
+            let dt = cx.dtype(0)?;
+            let c = cx.g.sqrt(cx.g.sub(scalar(cx, 1.0, dt), cx.g.mul(x, x)?)?)?;
+            Ok(vec![cx.g.unary(UnaryOp::Atan, cx.g.div(x, c)?)?])
+        },
+        "Acos" => |cx| {
+            // 2 atan(sqrt((1 - x) / (1 + x))), accurate near x = 1 where pi/2 - asin is not.
+            let x = cx.input(0)?;
+            let dt = cx.dtype(0)?;
+            let one = scalar(cx, 1.0, dt);
+            let q = cx.g.div(cx.g.sub(one, x)?, cx.g.add(one, x)?)?;
+            let t = cx.g.unary(UnaryOp::Atan, cx.g.sqrt(q)?)?;
+            Ok(vec![cx.g.mul(t, scalar(cx, 2.0, dt))?])
+        },
+        "BitwiseAnd" => |cx| binary(cx, BinaryOp::BitAnd),
+        "BitwiseOr" => |cx| binary(cx, BinaryOp::BitOr),
+        "BitwiseXor" => |cx| binary(cx, BinaryOp::BitXor),
+        "BitwiseNot" => |cx| unary(cx, UnaryOp::BitNot),
+        "BitShift" => |cx| match cx.attr_s("direction", "").as_str() {
+            "LEFT" => binary(cx, BinaryOp::ShiftLeft),
+            "RIGHT" => binary(cx, BinaryOp::ShiftRight),
+            other => Err(unsupported(format!(
+                "direction = '{other}' (expected LEFT or RIGHT)"
+            ))),
+        },
         "Add" => |cx| binary(cx, BinaryOp::Add),
         "Sub" => |cx| binary(cx, BinaryOp::Sub),
         "Mul" => |cx| binary(cx, BinaryOp::Mul),

@@ -523,7 +523,12 @@ fn lp_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
         }
         other => return Err(unsupported(format!("LpNormalization with p = {other}"))),
     };
-    Ok(vec![cx.g.div(x, norm)?])
+    // A zero vector stays zero (instead of 0 / 0).
+    let dt = cx.dtype(0)?;
+    let zero =
+        cx.g.binary(rlx_ir::BinaryOp::Eq, norm, scalar(cx, 0.0, dt))?;
+    let safe = cx.g.select(zero, scalar(cx, 1.0, dt), norm)?;
+    Ok(vec![cx.g.div(x, safe)?])
 }
 
 fn mvn(cx: &mut Cx) -> Result<Vec<NodeId>> {

@@ -1,8 +1,8 @@
 //! Reductions (`ReduceSum` ... `ReduceLogSumExp`) and `ArgMax`/`ArgMin`.
 
-use super::{Converter, axes, axis, scalar, size};
+use super::{Converter, axes, axis, scalar, size, unsupported};
 use crate::import::Cx;
-use rlx_ir::{ArgReduceOp, BinaryOp, Error, NodeId, Op, ReduceOp, Result, SliceAxis};
+use rlx_ir::{ArgReduceOp, BinaryOp, DType, Error, NodeId, Op, ReduceOp, Result, SliceAxis};
 
 pub(super) const NAMES: &[&str] = &[
     "ArgMax",
@@ -75,6 +75,36 @@ fn reduce(cx: &mut Cx, kind: Kind) -> Result<Vec<NodeId>> {
         None => (0..shape.rank()).collect(),
     };
     let dt = shape.dtype();
+    if dt == DType::Bool {
+        // Reduce bools as 0/1 bytes: max is any, min is all.
+        let Kind::Plain(op @ (ReduceOp::Max | ReduceOp::Min)) = kind else {
+            return Err(unsupported("this reduction on bool"));
+        };
+        let empty = list.iter().any(|&a| shape.dim(a) == 0);
+        let bytes = cx.g.cast(x, DType::U8)?;
+        let r = if list.is_empty() {
+            bytes
+        } else if empty {
+            let fill = if op == ReduceOp::Max { 0.0 } else { 1.0 };
+            return Ok(vec![filled(
+                cx,
+                &shape.with_dtype(DType::Bool),
+                &list,
+                keepdims,
+                fill,
+            )?]);
+        } else {
+            cx.g.push(
+                Op::Reduce {
+                    op,
+                    axes: list.clone(),
+                    keepdims,
+                },
+                &[bytes],
+            )?
+        };
+        return Ok(vec![cx.g.cast(r, DType::Bool)?]);
+    }
     let plain = |op: ReduceOp, v: NodeId| -> Result<NodeId> {
         if list.is_empty() {
             // Reducing a scalar: the value itself.
