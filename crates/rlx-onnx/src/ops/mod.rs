@@ -7,6 +7,7 @@ mod elementwise;
 mod losses;
 mod nn;
 mod reduce;
+mod resize;
 mod rnn;
 mod shape;
 
@@ -25,6 +26,7 @@ pub(crate) fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| attention::converter(op_type))
         .or_else(|| losses::converter(op_type))
         .or_else(|| rnn::converter(op_type))
+        .or_else(|| resize::converter(op_type))
 }
 
 /// Every operator type the importer converts, for listings.
@@ -37,6 +39,7 @@ pub fn supported_ops() -> Vec<&'static str> {
         attention::NAMES,
         losses::NAMES,
         rnn::NAMES,
+        resize::NAMES,
         &["If", "Loop", "Scan"],
     ]
     .concat();
