@@ -6,6 +6,7 @@ mod attention;
 mod elementwise;
 mod losses;
 mod nn;
+mod quant;
 mod reduce;
 mod resize;
 mod rnn;
@@ -27,6 +28,7 @@ pub(crate) fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| losses::converter(op_type))
         .or_else(|| rnn::converter(op_type))
         .or_else(|| resize::converter(op_type))
+        .or_else(|| quant::converter(op_type))
 }
 
 /// Every operator type the importer converts, for listings.
@@ -40,6 +42,7 @@ pub fn supported_ops() -> Vec<&'static str> {
         losses::NAMES,
         rnn::NAMES,
         resize::NAMES,
+        quant::NAMES,
         &["If", "Loop", "Scan"],
     ]
     .concat();

@@ -190,8 +190,21 @@ fn lift_1d(cx: &Cx, x: NodeId) -> Result<NodeId> {
 }
 
 fn conv(cx: &mut Cx) -> Result<Vec<NodeId>> {
-    let xd = cx.dims(0)?;
-    let wd = cx.dims(1)?;
+    let x = cx.input(0)?;
+    let w = cx.input(1)?;
+    let bias = cx.opt_input(2)?;
+    Ok(vec![conv_nodes(cx, x, w, bias)?])
+}
+
+/// A convolution of `x` by `w` with the node's `Conv` attributes (1-D or 2-D).
+pub(super) fn conv_nodes(
+    cx: &Cx,
+    mut x: NodeId,
+    mut w: NodeId,
+    bias: Option<NodeId>,
+) -> Result<NodeId> {
+    let xd = cx.g.shape(x)?.dims().to_vec();
+    let wd = cx.g.shape(w)?.dims().to_vec();
     if xd.len() != wd.len() || !(3..=4).contains(&xd.len()) {
         return Err(unsupported(format!(
             "Conv of a {}-D input with a {}-D weight (1-D and 2-D convolutions are supported)",
@@ -213,9 +226,6 @@ fn conv(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let dilations = attr_sizes(cx, "dilations", n, 1)?;
     let pads = spatial_pads(cx, &xd[2..], &kernel, &strides, &dilations)?;
     let groups = size(cx.attr_i("group", 1), "group")?;
-    let mut x = cx.input(0)?;
-    let mut w = cx.input(1)?;
-    let bias = cx.opt_input(2)?;
     let (stride, dilation, padding) = if n == 1 {
         x = lift_1d(cx, x)?;
         w = lift_1d(cx, w)?;
@@ -232,8 +242,7 @@ fn conv(cx: &mut Cx) -> Result<Vec<NodeId>> {
         )
     };
     let y = cx.g.conv2d(x, w, bias, stride, padding, dilation, groups)?;
-    let y = if n == 1 { cx.g.squeeze(y, &[2])? } else { y };
-    Ok(vec![y])
+    if n == 1 { cx.g.squeeze(y, &[2]) } else { Ok(y) }
 }
 
 #[derive(Clone, Copy, PartialEq)]
