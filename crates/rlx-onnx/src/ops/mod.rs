@@ -10,6 +10,7 @@ mod quant;
 mod reduce;
 mod resize;
 mod rnn;
+mod scatter;
 mod shape;
 
 use crate::import::Cx;
@@ -29,6 +30,7 @@ pub(crate) fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| rnn::converter(op_type))
         .or_else(|| resize::converter(op_type))
         .or_else(|| quant::converter(op_type))
+        .or_else(|| scatter::converter(op_type))
 }
 
 /// Every operator type the importer converts, for listings.
@@ -43,6 +45,7 @@ pub fn supported_ops() -> Vec<&'static str> {
         rnn::NAMES,
         resize::NAMES,
         quant::NAMES,
+        scatter::NAMES,
         &["If", "Loop", "Scan"],
     ]
     .concat();

@@ -19,6 +19,8 @@ pub(super) const NAMES: &[&str] = &[
     "LayerNormalization",
     "LogSoftmax",
     "LpNormalization",
+    "LpPool",
+    "GlobalLpPool",
     "MatMul",
     "MaxPool",
     "MeanVarianceNormalization",
@@ -39,6 +41,11 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         "Conv" => conv,
         "MaxPool" => |cx| pool(cx, PoolKind::Max),
         "AveragePool" => |cx| pool(cx, PoolKind::Avg),
+        "LpPool" => |cx| {
+            let p = lp_order(cx)?;
+            pool(cx, PoolKind::Lp(p))
+        },
+        "GlobalLpPool" => global_lp_pool,
         "GlobalAveragePool" => |cx| global_pool(cx, ReduceOp::Mean),
         "GlobalMaxPool" => |cx| global_pool(cx, ReduceOp::Max),
         "BatchNormalization" => batch_norm,
@@ -249,6 +256,8 @@ pub(super) fn conv_nodes(
 enum PoolKind {
     Max,
     Avg,
+    /// `(sum |x|^p)^(1/p)` over the window.
+    Lp(i64),
 }
 
 fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
@@ -288,6 +297,10 @@ fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
         }
     }
     let mut x = cx.input(0)?;
+    let dt = cx.dtype(0)?;
+    if let PoolKind::Lp(p) = kind {
+        x = lp_power(cx, x, p, dt)?;
+    }
     let window = if n == 1 {
         x = lift_1d(cx, x)?;
         Window2d {
@@ -310,10 +323,67 @@ fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
             window,
             count_include_pad: cx.attr_i("count_include_pad", 0) != 0,
         },
+        // The window sum is the mean over the whole window, padding included, times
+        // its size (padding adds zero).
+        PoolKind::Lp(_) => Op::AvgPool2d {
+            window,
+            count_include_pad: true,
+        },
     };
-    let y = cx.g.push(op, &[x])?;
+    let mut y = cx.g.push(op, &[x])?;
+    if let PoolKind::Lp(p) = kind {
+        let count: usize = kernel.iter().product();
+        y = cx.g.mul(y, scalar(cx, count as f64, dt))?;
+        y = lp_root(cx, y, p, dt)?;
+    }
     let y = if n == 1 { cx.g.squeeze(y, &[2])? } else { y };
     Ok(vec![y])
+}
+
+fn lp_order(cx: &Cx) -> Result<i64> {
+    match cx.attr_i("p", 2) {
+        p if p >= 1 => Ok(p),
+        p => Err(Error::invalid("p", format!("{p} must be 1 or more"))),
+    }
+}
+
+/// `|x|^p`.
+fn lp_power(cx: &Cx, x: NodeId, p: i64, dt: DType) -> Result<NodeId> {
+    let a = cx.g.abs(x)?;
+    match p {
+        1 => Ok(a),
+        2 => cx.g.mul(a, a),
+        p => {
+            cx.g.binary(rlx_ir::BinaryOp::Pow, a, scalar(cx, p as f64, dt))
+        }
+    }
+}
+
+/// `s^(1/p)`.
+fn lp_root(cx: &Cx, s: NodeId, p: i64, dt: DType) -> Result<NodeId> {
+    match p {
+        1 => Ok(s),
+        2 => cx.g.sqrt(s),
+        p => {
+            cx.g.binary(rlx_ir::BinaryOp::Pow, s, scalar(cx, 1.0 / p as f64, dt))
+        }
+    }
+}
+
+fn global_lp_pool(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let p = lp_order(cx)?;
+    let rank = cx.shape(0)?.rank();
+    let dt = cx.dtype(0)?;
+    let x = cx.input(0)?;
+    let s = cx.g.push(
+        Op::Reduce {
+            op: ReduceOp::Sum,
+            axes: (2..rank).collect(),
+            keepdims: true,
+        },
+        &[lp_power(cx, x, p, dt)?],
+    )?;
+    Ok(vec![lp_root(cx, s, p, dt)?])
 }
 
 fn global_pool(cx: &mut Cx, op: ReduceOp) -> Result<Vec<NodeId>> {

@@ -173,12 +173,18 @@ fn reduce(cx: &mut Cx, kind: Kind) -> Result<Vec<NodeId>> {
     Ok(vec![y])
 }
 
-fn int_bounds(dt: rlx_ir::DType) -> (f64, f64) {
+/// The smallest and largest values of an integer dtype.
+pub(super) fn int_bounds(dt: rlx_ir::DType) -> (f64, f64) {
     use rlx_ir::DType::*;
     match dt {
         I8 => (i8::MIN as f64, i8::MAX as f64),
         U8 => (0.0, u8::MAX as f64),
+        I16 => (i16::MIN as f64, i16::MAX as f64),
+        U16 => (0.0, u16::MAX as f64),
         I32 => (i32::MIN as f64, i32::MAX as f64),
+        U32 => (0.0, u32::MAX as f64),
+        U64 => (0.0, u64::MAX as f64),
+        Bool => (0.0, 1.0),
         _ => (i64::MIN as f64, i64::MAX as f64),
     }
 }

@@ -12,6 +12,7 @@ pub(super) const NAMES: &[&str] = &[
     "Constant",
     "ConstantOfShape",
     "CumSum",
+    "CumProd",
     "DepthToSpace",
     "Expand",
     "EyeLike",
@@ -94,11 +95,59 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
             let reverse = cx.attr_i("reverse", 0) != 0;
             Ok(vec![cx.g.cumsum(x, a as isize, exclusive, reverse)?])
         },
+        "CumProd" => cumprod,
         "TopK" => topk,
         "DepthToSpace" => depth_to_space,
         "SpaceToDepth" => space_to_depth,
         _ => return None,
     })
+}
+
+/// `CumProd` as a doubling scan: after step `k` every position holds the product of
+/// the `2^k` values ending at it, so `log2(n)` multiplies cover an axis of `n`.
+fn cumprod(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let dims = cx.dims(0)?;
+    let dt = cx.dtype(0)?;
+    let a = cx.ints(1)?.first().copied().unwrap_or(0);
+    let a = axis(a, dims.len())?;
+    let exclusive = cx.attr_i("exclusive", 0) != 0;
+    let reverse = cx.attr_i("reverse", 0) != 0;
+    let n = dims[a];
+    let mut x = cx.input(0)?;
+    if n == 0 {
+        return Ok(vec![x]);
+    }
+    let reversed: Vec<i64> = (0..n as i64).rev().collect();
+    let flip = |x: NodeId| -> Result<NodeId> {
+        let idx = cx.g.constant(TensorData::I64(reversed.clone()), &[n])?;
+        cx.g.gather(x, idx, a as isize)
+    };
+    let ones = |k: usize| -> Result<NodeId> {
+        let mut d = dims.clone();
+        d[a] = k;
+        let count: usize = d.iter().product();
+        cx.g.constant(TensorData::from_f64(dt, &vec![1.0; count]), &d)
+    };
+    // The first `n - k` entries along the axis, shifted down by `k` behind ones.
+    let shifted = |y: NodeId, k: usize| -> Result<NodeId> {
+        let head = cx.g.slice(y, a as isize, 0, (n - k) as isize, 1)?;
+        cx.g.concat(&[ones(k)?, head], a as isize)
+    };
+    if reverse {
+        x = flip(x)?;
+    }
+    if exclusive {
+        x = shifted(x, 1)?;
+    }
+    let mut k = 1;
+    while k < n {
+        x = cx.g.mul(x, shifted(x, k)?)?;
+        k *= 2;
+    }
+    if reverse {
+        x = flip(x)?;
+    }
+    Ok(vec![x])
 }
 
 /// Sizes from integers (all non-negative).
@@ -558,7 +607,7 @@ fn same_dtype(cx: &Cx, x: NodeId, like: &Shape) -> Result<NodeId> {
 
 /// Integer indices as `i64` with negative ones counted from the end of `dims`
 /// (broadcast against the indices' last axis when `dims` has several entries).
-fn wrap_indices(cx: &Cx, idx: NodeId, dims: &[usize]) -> Result<NodeId> {
+pub(super) fn wrap_indices(cx: &Cx, idx: NodeId, dims: &[usize]) -> Result<NodeId> {
     let idx = cast_to(cx, idx, DType::I64)?;
     let d = if dims.len() == 1 {
         cx.g.scalar(dims[0] as f64, DType::I64)
