@@ -32,7 +32,10 @@ fn subgraph<'n>(node: &'n NodeProto, name: &str) -> Result<&'n GraphProto> {
 fn operand(imp: &Importer, node: &NodeProto, i: usize) -> Result<Option<Slot>> {
     match node.input.get(i) {
         Some(name) if !name.is_empty() => imp.slot(name).map(Some).ok_or_else(|| {
-            Error::invalid("input", format!("'{name}' is not defined before this node"))
+            Error::invalid(
+                "input",
+                format!("'{name}' is not a graph input, an initializer or the output of any node"),
+            )
         }),
         _ => Ok(None),
     }

@@ -593,7 +593,8 @@ impl<'m> Importer<'m> {
     }
 
     fn import_nodes(&mut self, gp: &GraphProto) -> Result<()> {
-        for node in &gp.node {
+        for i in topological_order(&gp.node)? {
+            let node = &gp.node[i];
             self.import_node(node)
                 .map_err(|e| node_error(node, self.opset, e))?;
         }
@@ -646,7 +647,12 @@ impl<'m> Importer<'m> {
                     return Ok(None);
                 }
                 let slot = self.lookup(name).cloned().ok_or_else(|| {
-                    Error::invalid("input", format!("'{name}' is not defined before this node"))
+                    Error::invalid(
+                        "input",
+                        format!(
+                            "'{name}' is not a graph input, an initializer or the output of any node"
+                        ),
+                    )
                 })?;
                 let hint = match (&slot.known, slot.node) {
                     (None, Some(id)) => self.hints.get(&id).cloned(),
@@ -897,6 +903,85 @@ fn check_declared(g: &Graph, id: NodeId, info: &ValueInfo, kind: &str) -> Result
 }
 
 /// Adds the node's identity to an error.
+/// The names a node reads: its inputs, and those its subgraphs read (a superset of
+/// the outer names they capture).
+fn names_read(node: &NodeProto, out: &mut Vec<String>) {
+    out.extend(node.input.iter().filter(|n| !n.is_empty()).cloned());
+    for a in &node.attribute {
+        for g in a.g.iter().chain(&a.graphs) {
+            for n in &g.node {
+                names_read(n, out);
+            }
+        }
+    }
+}
+
+/// The nodes in an order where each comes after the nodes it reads from, keeping the
+/// file's order where it already is one. A cycle is an error naming its nodes.
+pub(crate) fn topological_order(nodes: &[NodeProto]) -> Result<Vec<usize>> {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let mut producer: HashMap<&str, usize> = HashMap::new();
+    for (i, n) in nodes.iter().enumerate() {
+        for o in n.output.iter().filter(|o| !o.is_empty()) {
+            producer.entry(o.as_str()).or_insert(i);
+        }
+    }
+    let mut waiting = vec![0usize; nodes.len()];
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+    for (i, n) in nodes.iter().enumerate() {
+        let mut read = Vec::new();
+        names_read(n, &mut read);
+        let mut deps: Vec<usize> = read
+            .iter()
+            .filter_map(|name| producer.get(name.as_str()).copied())
+            .collect();
+        deps.sort_unstable();
+        deps.dedup();
+        waiting[i] = deps.len();
+        for d in deps {
+            readers[d].push(i);
+        }
+    }
+    let mut ready: BinaryHeap<Reverse<usize>> = (0..nodes.len())
+        .filter(|&i| waiting[i] == 0)
+        .map(Reverse)
+        .collect();
+    let mut order = Vec::with_capacity(nodes.len());
+    while let Some(Reverse(i)) = ready.pop() {
+        order.push(i);
+        for &r in &readers[i] {
+            waiting[r] -= 1;
+            if waiting[r] == 0 {
+                ready.push(Reverse(r));
+            }
+        }
+    }
+    if order.len() < nodes.len() {
+        let stuck: Vec<String> = (0..nodes.len())
+            .filter(|&i| waiting[i] > 0)
+            .take(8)
+            .map(|i| {
+                let n = &nodes[i];
+                format!(
+                    "'{}' ({} -> {})",
+                    n.name.as_deref().unwrap_or(""),
+                    n.op_type.as_deref().unwrap_or(""),
+                    n.output.join(", ")
+                )
+            })
+            .collect();
+        return Err(Error::invalid(
+            "graph",
+            format!(
+                "it has a cycle: these nodes wait on each other: {}",
+                stuck.join(", ")
+            ),
+        ));
+    }
+    Ok(order)
+}
+
 pub(crate) fn node_error(node: &NodeProto, opset: i64, e: Error) -> Error {
     let op_type = node.op_type.as_deref().unwrap_or("");
     let domain = node.domain.as_deref().unwrap_or("");
