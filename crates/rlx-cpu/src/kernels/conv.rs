@@ -1,8 +1,139 @@
-//! Direct 2-D convolution and pooling over NCHW.
+//! 2-D convolution and pooling over NCHW. An f32 convolution is a GEMM per image and
+//! group: the weights `[out channels, in channels x kh x kw]` times the input's
+//! patches laid out as columns (`im2col`), into the output's `[channels, pixels]`
+//! rows. A 1x1 convolution with unit stride and no padding reads the input in place.
+//! Other dtypes take the direct loop.
 
+use super::Ctx;
 use crate::elem::{Elem, with_dtype};
+use crate::gemm::{BFormat, Epilogue, Gemm, sgemm};
 use crate::tensor::{Dst, Src};
-use rlx_ir::Window2d;
+use rlx_ir::{Result, Shape, Window2d};
+
+/// Floats of patch columns an f32 convolution needs (0 when it reads its input in
+/// place), from its input and weight shapes.
+pub(crate) fn im2col_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
+    if reads_in_place(win) {
+        return 0;
+    }
+    // Output extent along an axis (the builder checked the window fits).
+    let extent = |axis: usize, size: usize| {
+        let padded = size + win.padding[axis] + win.padding[axis + 2];
+        let span = win.dilation[axis] * (win.kernel[axis] - 1) + 1;
+        padded.saturating_sub(span) / win.stride[axis] + 1
+    };
+    w.dim(1) * w.dim(2) * w.dim(3) * extent(0, x.dim(2)) * extent(1, x.dim(3))
+}
+
+fn reads_in_place(win: &Window2d) -> bool {
+    win.kernel == [1, 1] && win.stride == [1, 1] && win.padding == [0; 4]
+}
+
+/// Writes the patches of one image's group (`c` channels of `h x w` at `x`) as a
+/// `[c * kh * kw, oh * ow]` matrix: row `(ic, ky, kx)` holds the input value each
+/// output pixel's tap reads (0 in the padding).
+fn im2col(
+    win: &Window2d,
+    x: &[f32],
+    c: usize,
+    h: usize,
+    w: usize,
+    oh: usize,
+    ow: usize,
+    col: &mut [f32],
+) {
+    let [kh, kw] = win.kernel;
+    let p = oh * ow;
+    for ic in 0..c {
+        let plane = &x[ic * h * w..(ic + 1) * h * w];
+        for ky in 0..kh {
+            for kx in 0..kw {
+                let row = &mut col[((ic * kh + ky) * kw + kx) * p..][..p];
+                for y in 0..oh {
+                    let out = &mut row[y * ow..(y + 1) * ow];
+                    let Some(iy) = tap(win, 0, y, ky, h) else {
+                        out.fill(0.0);
+                        continue;
+                    };
+                    let src = &plane[iy * w..(iy + 1) * w];
+                    for (xo, v) in out.iter_mut().enumerate() {
+                        *v = tap(win, 1, xo, kx, w).map_or(0.0, |ix| src[ix]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The f32 convolution as GEMMs; `col` holds [`im2col_floats`] floats.
+pub(crate) fn conv2d_f32(
+    win: &Window2d,
+    groups: usize,
+    x: Src,
+    w: Src,
+    bias: Option<Src>,
+    out: Dst,
+    col: &mut [f32],
+    ctx: &Ctx,
+) -> Result<()> {
+    let [n, c, h, wd] = [
+        x.shape.dim(0),
+        x.shape.dim(1),
+        x.shape.dim(2),
+        x.shape.dim(3),
+    ];
+    let [o, oh, ow] = [out.shape.dim(1), out.shape.dim(2), out.shape.dim(3)];
+    let (cg, og) = (c / groups, o / groups);
+    let k = cg * win.kernel[0] * win.kernel[1];
+    let p = oh * ow;
+    let in_place = reads_in_place(win);
+    // SAFETY: the operands are f32 tensors of the shapes read above, and the plan
+    // never places the output over an input.
+    let (xs, ws, os) = unsafe {
+        (
+            std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len),
+            std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len),
+            std::slice::from_raw_parts_mut(out.ptr.cast::<f32>(), out.len),
+        )
+    };
+    let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), b.len) });
+    for b in 0..n {
+        for g in 0..groups {
+            let image = &xs[(b * c + g * cg) * h * wd..][..cg * h * wd];
+            let cols: &[f32] = if in_place {
+                image
+            } else {
+                im2col(win, image, cg, h, wd, oh, ow, &mut col[..k * p]);
+                &col[..k * p]
+            };
+            let dst = &mut os[(b * o + g * og) * p..][..og * p];
+            if let Some(bias) = bias {
+                for (r, row) in dst.chunks_exact_mut(p.max(1)).enumerate() {
+                    row.fill(bias[g * og + r]);
+                }
+            }
+            let gemm = Gemm {
+                m: og,
+                n: p,
+                k,
+                a: ws[g * og * k..].as_ptr(),
+                lda: k,
+                b: cols.as_ptr(),
+                ldb: p,
+                b_transposed: false,
+                b_format: BFormat::F32,
+                c: dst.as_mut_ptr(),
+                ldc: p,
+                accumulate: bias.is_some(),
+                epilogue: Epilogue::NONE,
+            };
+            // SAFETY: A, B and C above are `m x k`, `k x n` and `m x n` matrices
+            // inside their slices.
+            unsafe { sgemm(&gemm, ctx.pool, ctx.gemm)? };
+        }
+    }
+    Ok(())
+}
 
 /// Input coordinate of window tap `k` at output position `o` on `axis`, if inside.
 #[inline]
