@@ -34,6 +34,10 @@ pub struct OnnxBenchArgs {
     /// Print one JSON object: `{"median_ms", "runs", "threads"}` and more.
     #[arg(long)]
     json: bool,
+    /// After timing, run as many times again with per-kernel timing and print where
+    /// the time goes.
+    #[arg(long)]
+    profile: bool,
 }
 
 /// Data for an input that was not given.
@@ -109,6 +113,17 @@ pub fn run(args: &OnnxBenchArgs) -> Result<()> {
     } else {
         (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
     };
+    let profile = if args.profile {
+        compiled.graph.set_profiling(true);
+        for _ in 0..args.runs {
+            std::hint::black_box(compiled.graph.run_typed(&feeds)?);
+        }
+        let p = compiled.graph.profile();
+        compiled.graph.set_profiling(false);
+        p
+    } else {
+        None
+    };
     if args.json {
         println!(
             "{}",
@@ -125,6 +140,9 @@ pub fn run(args: &OnnxBenchArgs) -> Result<()> {
             "median {median:.3} ms, min {:.3} ms over {n} runs on {threads} threads (import + compile {prepare_ms:.0} ms)",
             sorted[0]
         );
+    }
+    if let Some(p) = profile {
+        crate::bench::print_profile(&p);
     }
     Ok(())
 }

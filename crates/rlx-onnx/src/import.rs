@@ -247,6 +247,34 @@ impl<'a> Cx<'a> {
         Ok(id)
     }
 
+    /// Operand `i` (a matrix) transposed, as a node. A value known at import (a
+    /// weight) is transposed once here, so runs do not repeat it.
+    pub fn input_transposed(&mut self, i: usize) -> Result<NodeId> {
+        let known = self.operand(i)?.slot.known.clone();
+        match known {
+            Some(t) if t.dims.len() == 2 && t.data.dtype().is_float() => {
+                let (r, c) = (t.dims[0], t.dims[1]);
+                let v = t.to_f64_vec();
+                let mut out = vec![0.0; v.len()];
+                for y in 0..r {
+                    for x in 0..c {
+                        out[x * r + y] = v[y * c + x];
+                    }
+                }
+                let tt = Tensor {
+                    dims: vec![c, r],
+                    data: TensorData::from_f64(t.data.dtype(), &out),
+                };
+                let name = format!("{}.T", self.operand(i)?.name);
+                materialize(self.g, &mut self.sink, &name, &tt)
+            }
+            _ => {
+                let x = self.input(i)?;
+                self.g.permute(x, &[1, 0])
+            }
+        }
+    }
+
     /// Operand `i` as a node, if present.
     pub fn opt_input(&mut self, i: usize) -> Result<Option<NodeId>> {
         if self.has(i) {

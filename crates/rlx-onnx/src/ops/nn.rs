@@ -65,15 +65,17 @@ fn scalar(cx: &Cx, v: f64, dt: DType) -> NodeId {
 }
 
 fn gemm(cx: &mut Cx) -> Result<Vec<NodeId>> {
-    let mut a = cx.input(0)?;
-    let mut b = cx.input(1)?;
     let dt = cx.dtype(0)?;
-    if cx.attr_i("transA", 0) != 0 {
-        a = cx.g.permute(a, &[1, 0])?;
-    }
-    if cx.attr_i("transB", 0) != 0 {
-        b = cx.g.permute(b, &[1, 0])?;
-    }
+    let a = if cx.attr_i("transA", 0) != 0 {
+        cx.input_transposed(0)?
+    } else {
+        cx.input(0)?
+    };
+    let b = if cx.attr_i("transB", 0) != 0 {
+        cx.input_transposed(1)?
+    } else {
+        cx.input(1)?
+    };
     let alpha = cx.attr_f("alpha", 1.0) as f64;
     let beta = cx.attr_f("beta", 1.0) as f64;
     let mut y = cx.g.matmul(a, b)?;
