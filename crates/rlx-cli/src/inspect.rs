@@ -7,6 +7,15 @@ use rlx::prelude::*;
 /// Arguments of `rlx inspect`.
 #[derive(clap::Args)]
 pub struct InspectArgs {
+    /// An `.onnx` file to import and inspect instead of a built-in example.
+    model: Option<std::path::PathBuf>,
+    /// With a model: a symbolic dim as `SYM=N` (repeatable).
+    #[arg(long = "shape", value_name = "SYM=N")]
+    shapes: Vec<String>,
+    /// With a model: an input as `NAME=FILE.npy` (gives its dims, and its value to
+    /// converters that need one).
+    #[arg(long = "input", value_name = "NAME=FILE.npy")]
+    inputs: Vec<String>,
     /// Which built-in graph to inspect.
     #[arg(long, value_enum, default_value_t = Example::Mlp)]
     example: Example,
@@ -24,7 +33,26 @@ pub struct InspectArgs {
 /// Builds the example, compiles it and prints graph, memory plan and kernels.
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     let device: Device = args.device.parse()?;
-    let graph = args.example.build().context("building the example graph")?;
+    let graph = match &args.model {
+        Some(path) => {
+            let model = rlx::onnx::OnnxModel::load(path)?;
+            let mut options = rlx::onnx::ImportOptions::new();
+            options.symbols = crate::run_onnx::parse_shapes(&args.shapes)?;
+            for (name, t) in crate::run_onnx::read_inputs(&args.inputs)? {
+                options = options.input_value(name, t);
+            }
+            let imported = model.import(&options)?;
+            println!(
+                "{}: opset {}, {} nodes after import, {} params",
+                path.display(),
+                model.opset(),
+                imported.graph.len(),
+                imported.params.len()
+            );
+            imported.graph
+        }
+        None => args.example.build().context("building the example graph")?,
+    };
     let options = CompileOptions::new()
         .memory_reuse(!args.no_reuse)
         .optimize(!args.no_optimize);

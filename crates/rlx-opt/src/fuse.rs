@@ -74,14 +74,34 @@ fn match_attention(
     if out.op != Op::MatMul || out.shape.rank() != 4 || !out.shape.dtype().is_float() {
         return None;
     }
-    let (probs, v) = (out.inputs[0], out.inputs[1]);
+    let (mut probs, v) = (out.inputs[0], out.inputs[1]);
+    let mut matched = Vec::new();
+    // A guard that zeroes NaN probabilities (`where(p != p, 0, p)`, which exporters
+    // add for fully masked rows) is dropped: the kernel gives such rows no NaN.
+    if node(probs).op == Op::Where && single(probs) {
+        let [c, zero, p] = [
+            node(probs).inputs[0],
+            node(probs).inputs[1],
+            node(probs).inputs[2],
+        ];
+        let is_guard = node(c).op == Op::Binary(BinaryOp::Ne)
+            && node(c).inputs[0] == p
+            && node(c).inputs[1] == p
+            && uses[c.index()] == 1
+            && uses[p.index()] == 3
+            && scalar_constant(graph, node(zero)) == Some(0.0);
+        if !is_guard {
+            return None;
+        }
+        matched.extend([probs.index(), c.index()]);
+        probs = p;
+    } else if !single(probs) {
+        return None;
+    }
     let Op::Softmax { axis: 3 } = node(probs).op else {
         return None;
     };
-    if !single(probs) {
-        return None;
-    }
-    let mut matched = vec![probs.index()];
+    matched.push(probs.index());
     let mut cur = node(probs).inputs[0];
     let mut mask = None;
     if node(cur).op == Op::Binary(BinaryOp::Add) && single(cur) {
@@ -128,11 +148,28 @@ fn match_attention(
         return None;
     }
     matched.push(cur.index());
-    let (q, kt) = (qk.inputs[0], qk.inputs[1]);
-    if !matches!(&node(kt).op, Op::Permute { perm } if perm.as_slice() == [0, 1, 3, 2]) {
-        return None;
+    let (mut q, mut kt) = (qk.inputs[0], qk.inputs[1]);
+    // Scales applied to the operands instead of the scores (`(q * a) @ (k^T * b)`).
+    for x in [&mut q, &mut kt] {
+        if node(*x).op == Op::Binary(BinaryOp::Mul) && single(*x) {
+            let [a, b] = [node(*x).inputs[0], node(*x).inputs[1]];
+            let (t, c) = match (
+                scalar_constant(graph, node(a)),
+                scalar_constant(graph, node(b)),
+            ) {
+                (_, Some(c)) => (a, c),
+                (Some(c), None) => (b, c),
+                _ => continue,
+            };
+            if c == 0.0 || !c.is_finite() {
+                return None;
+            }
+            scale *= c;
+            matched.push(x.index());
+            *x = t;
+        }
     }
-    let k = node(kt).inputs[0];
+    let k = key_of_transpose(nodes, kt)?;
     if [q, k, v].iter().any(|x| node(*x).shape.rank() != 4) {
         return None;
     }
@@ -160,6 +197,37 @@ fn match_attention(
         scale,
         nodes: matched,
     })
+}
+
+/// The `[B, H, S, D]` key whose transpose `kt` is: `permute(k, [0, 1, 3, 2])`, or the
+/// same spelled `reshape(permute(reshape(k, [B*H, S, D]), [0, 2, 1]), [B, H, D, S])`.
+fn key_of_transpose(nodes: &[Node], kt: NodeId) -> Option<NodeId> {
+    let node = |id: NodeId| &nodes[id.index()];
+    if matches!(&node(kt).op, Op::Permute { perm } if perm.as_slice() == [0, 1, 3, 2]) {
+        return Some(node(kt).inputs[0]);
+    }
+    let Op::Reshape { .. } = node(kt).op else {
+        return None;
+    };
+    let p = node(kt).inputs[0];
+    if !matches!(&node(p).op, Op::Permute { perm } if perm.as_slice() == [0, 2, 1]) {
+        return None;
+    }
+    let r = node(p).inputs[0];
+    let Op::Reshape { .. } = node(r).op else {
+        return None;
+    };
+    let k = node(r).inputs[0];
+    let kd = node(k).shape.dims();
+    let ktd = node(kt).shape.dims();
+    let rd = node(r).shape.dims();
+    let fits =
+        kd.len() == 4 && rd == [kd[0] * kd[1], kd[2], kd[3]] && ktd == [kd[0], kd[1], kd[3], kd[2]];
+    if !fits {
+        return None;
+    }
+    // The chain stays for any other reader; dead-code elimination removes it otherwise.
+    Some(k)
 }
 
 /// Attention written out in ops (`softmax(q @ k^T * scale + mask) @ v`, as exported
@@ -280,6 +348,8 @@ pub fn fuse_attention_layout(graph: &Graph) -> Fused {
                 shape: node.shape.clone(),
             },
         );
+        // Records of earlier passes that name the attention now name its replacement.
+        w.alias(a, NodeId::from_index(i));
         let mut replaced: Vec<String> = att.inputs[..3]
             .iter()
             .map(|x| format!("permute %{}", x.index()))

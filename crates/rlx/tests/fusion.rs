@@ -521,3 +521,65 @@ fn a_region_built_by_hand_is_checked() {
         .unwrap();
     assert_eq!(out[0], vec![3.0, 5.0, 7.0, 9.0]);
 }
+
+#[test]
+fn attention_as_exporters_spell_it_becomes_one_attention() {
+    // Scales on both operands, the key transposed through a rank-3 view, and a guard
+    // that zeroes NaN probabilities: the spelling of a BERT exported to ONNX.
+    let mut rng = Rng(58);
+    for (b, h, s, d, fully_masked) in [(1, 3, 20, 8, false), (1, 2, 33, 16, true)] {
+        let g = Graph::new("exported attention");
+        let q = g.input("q", Shape::new(&[b, h, s, d], DType::F32));
+        let k = g.input("k", Shape::new(&[b, h, s, d], DType::F32));
+        let v = g.input("v", Shape::new(&[b, h, s, d], DType::F32));
+        // Every third key hidden; with `fully_masked`, every key.
+        let keep_values: Vec<f32> = (0..b * s)
+            .map(|i| if fully_masked || i % 3 == 0 { 0.0 } else { 1.0 })
+            .collect();
+        let keep = g
+            .constant(TensorData::F32(keep_values), &[b, 1, 1, s])
+            .unwrap();
+        let kt = g
+            .reshape(
+                g.permute(g.reshape(k, &[b * h, s, d]).unwrap(), &[0, 2, 1])
+                    .unwrap(),
+                &[b, h, d, s],
+            )
+            .unwrap();
+        let c = g.scalar(1.0 / (d as f64).sqrt().sqrt(), DType::F32);
+        let scores = g
+            .matmul(g.mul(q, c).unwrap(), g.mul(kt, c).unwrap())
+            .unwrap();
+        // keep > 0.5 -> 0, else a large negative (or -inf: every key hidden).
+        let hide = if fully_masked {
+            f64::NEG_INFINITY
+        } else {
+            -1e4
+        };
+        let visible = g.gt(keep, g.scalar(0.5, DType::F32)).unwrap();
+        let mask = g
+            .select(
+                visible,
+                g.scalar(0.0, DType::F32),
+                g.scalar(hide, DType::F32),
+            )
+            .unwrap();
+        let p = g.softmax(g.add(scores, mask).unwrap(), -1).unwrap();
+        let guarded = g
+            .select(
+                g.binary(BinaryOp::Ne, p, p).unwrap(),
+                g.scalar(0.0, DType::F32),
+                p,
+            )
+            .unwrap();
+        g.set_outputs(vec![g.matmul(guarded, v).unwrap()]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+        assert!(
+            ops.contains(&"attention".to_string()) && !ops.contains(&"softmax".to_string()),
+            "{}",
+            plan.graph
+        );
+        check(&g, &mut rng, &format!("exported attention s={s} d={d}"));
+    }
+}

@@ -45,7 +45,10 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
         }
         Op::Attention { .. } if dtype == DType::F32 => "cpu.flash.attention.f32".into(),
         Op::Conv2d { .. } if dtype == DType::F32 => {
-            format!("cpu.gemm.{}.im2col.conv2d.f32", crate::gemm::best_kernel().name)
+            format!(
+                "cpu.gemm.{}.im2col.conv2d.f32",
+                crate::gemm::best_kernel().name
+            )
         }
         Op::CachedAttention { .. } => "cpu.flash.cached_attention.f32".into(),
         Op::QuantMatMul { format } => format!("cpu.quant.{format}.matmul"),
