@@ -229,7 +229,11 @@ mod tests {
         let empty = Shape::new(&[0, 1 << 40], DType::F32);
         assert_eq!(empty.checked_num_elements(), Some(0));
         assert!(empty.check_size("e").is_ok());
-        assert!(Shape::new(&[0, 1 << 40, 1 << 40], DType::F32).check_size("e").is_err());
+        assert!(
+            Shape::new(&[0, 1 << 40, 1 << 40], DType::F32)
+                .check_size("e")
+                .is_err()
+        );
         assert!(Shape::scalar(DType::F64).check_size("s").is_ok());
     }
 }

@@ -224,7 +224,9 @@ fn elementwise_regions_fuse_with_broadcasts_and_match() {
         let rows = 1 + rng.below(50);
         let cols = 1 + rng.below(700);
         let g = Graph::new("region");
-        let x = g.input("x", Shape::new(&[2, rows, cols], DType::F32)).unwrap();
+        let x = g
+            .input("x", Shape::new(&[2, rows, cols], DType::F32))
+            .unwrap();
         let row_vec = g.input("v", Shape::new(&[cols], DType::F32)).unwrap();
         let col_vec = g.input("c", Shape::new(&[rows, 1], DType::F32)).unwrap();
         let scalar = g.input("s", Shape::new(&[1], DType::F32)).unwrap();
@@ -320,7 +322,9 @@ fn attention_head_transposes_fold_into_a_sequence_major_attention() {
         let g = Graph::new("heads");
         let h = heads * d;
         let x = g.input("x", Shape::new(&[b, s, h], DType::F32)).unwrap();
-        let mask = g.input("mask", Shape::new(&[b, 1, 1, s], DType::F32)).unwrap();
+        let mask = g
+            .input("mask", Shape::new(&[b, 1, 1, s], DType::F32))
+            .unwrap();
         let split = |t: NodeId| {
             g.permute(g.reshape(t, &[b, s, heads, d]).unwrap(), &[0, 2, 1, 3])
                 .unwrap()
@@ -364,10 +368,18 @@ fn attention_written_out_in_ops_becomes_one_attention() {
         (2, 1, 9, 9, 4, 0, true),
     ] {
         let g = Graph::new("spelled-out attention");
-        let q = g.input("q", Shape::new(&[b, h, sq, d], DType::F32)).unwrap();
-        let k = g.input("k", Shape::new(&[b, h, sk, d], DType::F32)).unwrap();
-        let v = g.input("v", Shape::new(&[b, h, sk, d], DType::F32)).unwrap();
-        let mask = g.input("mask", Shape::new(&[b, 1, 1, sk], DType::F32)).unwrap();
+        let q = g
+            .input("q", Shape::new(&[b, h, sq, d], DType::F32))
+            .unwrap();
+        let k = g
+            .input("k", Shape::new(&[b, h, sk, d], DType::F32))
+            .unwrap();
+        let v = g
+            .input("v", Shape::new(&[b, h, sk, d], DType::F32))
+            .unwrap();
+        let mask = g
+            .input("mask", Shape::new(&[b, 1, 1, sk], DType::F32))
+            .unwrap();
         let qk = g.matmul(q, g.transpose(k, -1, -2).unwrap()).unwrap();
         let c = (d as f64).sqrt();
         let scaled = match form {
@@ -466,7 +478,10 @@ fn a_region_built_by_hand_is_checked() {
     use rlx::ir::{BinaryOp, EwStep, Op};
     let g = Graph::new("hand-made region");
     let inputs: Vec<NodeId> = (0..17)
-        .map(|i| g.input(format!("x{i}"), Shape::new(&[4], DType::F32)).unwrap())
+        .map(|i| {
+            g.input(format!("x{i}"), Shape::new(&[4], DType::F32))
+                .unwrap()
+        })
         .collect();
     let add = |a: u16, b: u16| EwStep::Binary(BinaryOp::Add, a, b);
     // Too many inputs.

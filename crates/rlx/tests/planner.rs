@@ -93,7 +93,10 @@ fn random_graph(rng: &mut Rng, inputs: usize, ops: usize) -> Graph {
     let g = Graph::new("random");
     let (r, c) = (4 + rng.below(5), 4 + rng.below(5));
     let mut pool: Vec<NodeId> = (0..inputs)
-        .map(|i| g.input(format!("in{i}"), Shape::new(&[r, c], DType::F32)).unwrap())
+        .map(|i| {
+            g.input(format!("in{i}"), Shape::new(&[r, c], DType::F32))
+                .unwrap()
+        })
         .collect();
     let w = g.param("w", Shape::new(&[c, c], DType::F32)).unwrap();
     for _ in 0..ops {

@@ -96,10 +96,12 @@ fn quant_matmul_every_format_gemv_and_gemm() {
         for rows in [1, 3, 8, 9, 37] {
             let g = Graph::new("qmm");
             let a = g.input("a", Shape::new(&[rows, k], DType::F32)).unwrap();
-            let w = g.input(
-                "w",
-                Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8),
-            ).unwrap();
+            let w = g
+                .input(
+                    "w",
+                    Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8),
+                )
+                .unwrap();
             let y = g.quant_matmul(a, w, format).unwrap();
             g.set_outputs(vec![y]);
             let a_data = (0..rows * k).map(|_| rng.uniform()).collect();
@@ -131,14 +133,18 @@ fn quant_matmul_with_batch_dims_and_dequantize() {
     let (k, n) = (96, 20);
     let g = Graph::new("qmm3");
     let a = g.input("a", Shape::new(&[2, 6, k], DType::F32)).unwrap();
-    let w = g.input(
-        "w",
-        Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8),
-    ).unwrap();
-    let rows = g.input(
-        "rows",
-        Shape::new(&[3, 2, format.row_bytes(k).unwrap()], DType::U8),
-    ).unwrap();
+    let w = g
+        .input(
+            "w",
+            Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8),
+        )
+        .unwrap();
+    let rows = g
+        .input(
+            "rows",
+            Shape::new(&[3, 2, format.row_bytes(k).unwrap()], DType::U8),
+        )
+        .unwrap();
     let y = g.quant_matmul(a, w, format).unwrap();
     let d = g.dequantize(rows, format).unwrap();
     assert_eq!(g.shape(y).unwrap().dims(), &[2, 6, n]);
@@ -193,9 +199,15 @@ fn cached_attention_over_a_prefix_of_the_cache() {
     let (smax, hq, hkv, d) = (40, 6, 2, 8);
     for (sq, pos) in [(1, 0), (1, 17), (5, 0), (5, 12), (7, 33), (70 - 40 + 3, 5)] {
         let g = Graph::new("cached");
-        let q = g.input("q", Shape::new(&[1, sq, hq, d], DType::F32)).unwrap();
-        let k = g.input("k", Shape::new(&[1, smax, hkv, d], DType::F32)).unwrap();
-        let v = g.input("v", Shape::new(&[1, smax, hkv, d], DType::F32)).unwrap();
+        let q = g
+            .input("q", Shape::new(&[1, sq, hq, d], DType::F32))
+            .unwrap();
+        let k = g
+            .input("k", Shape::new(&[1, smax, hkv, d], DType::F32))
+            .unwrap();
+        let v = g
+            .input("v", Shape::new(&[1, smax, hkv, d], DType::F32))
+            .unwrap();
         let p = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
         let y = g.cached_attention(q, k, v, p, None).unwrap();
         g.set_outputs(vec![y]);
@@ -224,7 +236,9 @@ fn cached_attention_over_a_prefix_of_the_cache() {
     // A position past the cache is a run-time error, and the graph runs afterwards.
     let g = Graph::new("cached_bad");
     let q = g.input("q", Shape::new(&[1, 4, 2, 4], DType::F32)).unwrap();
-    let k = g.input("k", Shape::new(&[1, 10, 1, 4], DType::F32)).unwrap();
+    let k = g
+        .input("k", Shape::new(&[1, 10, 1, 4], DType::F32))
+        .unwrap();
     let p = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
     let y = g.cached_attention(q, k, k, p, None).unwrap();
     g.set_outputs(vec![y]);

@@ -267,7 +267,9 @@ fn invalid_graphs_and_devices_are_errors() {
 
 fn kv_graph(rows: usize, dim: usize) -> Graph {
     let g = Graph::new("kv");
-    let cache = g.input("cache", Shape::new(&[rows, dim], DType::F32)).unwrap();
+    let cache = g
+        .input("cache", Shape::new(&[rows, dim], DType::F32))
+        .unwrap();
     let row = g.input("row", Shape::new(&[1, dim], DType::F32)).unwrap();
     let pos = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
     let updated = g.write_at(cache, row, pos, 0).unwrap();

@@ -92,7 +92,10 @@ pub fn window_output(op: &str, win: &Window2d, h: usize, w: usize) -> Result<[us
         let (Some(padded), Some(span)) = (padded, span) else {
             return Err(Error::invalid(
                 op,
-                format!("{win:?}: padded extent or window span overflows on axis {}", a + 2),
+                format!(
+                    "{win:?}: padded extent or window span overflows on axis {}",
+                    a + 2
+                ),
             ));
         };
         if padded < span {

@@ -20,11 +20,14 @@ impl Graph {
     /// Like [`Graph::reshape`], but one entry may be `-1` and is inferred.
     pub fn reshape_infer(&self, x: NodeId, dims: &[isize]) -> Result<NodeId> {
         let shape = self.shape(x)?;
-        let known: usize = dims
+        let known = dims
             .iter()
             .filter(|&&d| d >= 0)
-            .map(|&d| d as usize)
-            .product();
+            .try_fold(1usize, |n, &d| n.checked_mul(d as usize))
+            .ok_or_else(|| Error::SizeOverflow {
+                context: "reshape".into(),
+                what: format!("the product of {dims:?}"),
+            })?;
         let holes = dims.iter().filter(|&&d| d == -1).count();
         if holes > 1 || dims.iter().any(|&d| d < -1) {
             return Err(Error::invalid(
@@ -298,8 +301,7 @@ pub(crate) fn infer_slice(axes: &[SliceAxis], x: &Shape) -> Result<Shape> {
         });
         let ok = s.step != 0
             && (s.len == 0
-                || (s.start < x.dim(a)
-                    && last.is_some_and(|l| l >= 0 && (l as usize) < x.dim(a))));
+                || (s.start < x.dim(a) && last.is_some_and(|l| l >= 0 && (l as usize) < x.dim(a))));
         if !ok {
             return Err(Error::invalid(
                 "slice",
@@ -333,10 +335,13 @@ pub(crate) fn infer_concat(axis: usize, xs: &[&Shape]) -> Result<Shape> {
                 format!("dimensions other than axis {axis} must agree"),
             ));
         }
-        total = s.dim(axis).checked_add(total).ok_or_else(|| Error::SizeOverflow {
-            context: "concat".into(),
-            what: format!("the sum of {} extents along axis {axis}", xs.len()),
-        })?;
+        total = s
+            .dim(axis)
+            .checked_add(total)
+            .ok_or_else(|| Error::SizeOverflow {
+                context: "concat".into(),
+                what: format!("the sum of {} extents along axis {axis}", xs.len()),
+            })?;
     }
     let mut dims = first.dims().to_vec();
     dims[axis] = total;
