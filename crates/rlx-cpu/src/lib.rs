@@ -74,6 +74,12 @@ impl CpuProgram {
     /// Prepares `plan` for execution on up to `threads` threads (0: every thread of
     /// the global pool): allocates the arena once, zeroed params and handles, copies
     /// the constants.
+    ///
+    /// # Errors
+    /// [`Error::InvalidGraph`] when an operand of a step would lie outside its region
+    /// (checked for every step, so kernels never address past a buffer), and
+    /// [`Error::OutOfMemory`] naming the param, handle, constant, arena or scratch
+    /// whose allocation failed (never an abort).
     pub fn new(plan: Arc<Plan>, threads: usize) -> Result<CpuProgram> {
         let graph = &plan.graph;
         let nodes = graph.nodes();
@@ -82,6 +88,16 @@ impl CpuProgram {
         let mut thread_scratch = 0;
         let param_shapes: Vec<Shape> = plan.params.iter().map(|p| p.shape.clone()).collect();
         let mut packable = vec![None; param_shapes.len()];
+        // Every value (so every operand and output of every step, inputs and views
+        // included) must lie inside its region: kernels address through raw pointers.
+        for (i, node) in nodes.iter().enumerate() {
+            let location = *plan.locations.get(i).ok_or_else(|| Error::InvalidGraph {
+                graph: graph.name().into(),
+                node: format!("%{i}"),
+                message: "the plan has no location for this node".into(),
+            })?;
+            plan.check_range(&format!("%{i} ({})", node.op.name()), location, &node.shape)?;
+        }
         for &id in &plan.schedule {
             let node = &nodes[id.index()];
             let in_shapes: Vec<Shape> = node
@@ -120,25 +136,48 @@ impl CpuProgram {
         let constants = graph
             .constants()
             .iter()
-            .map(|data| {
+            .enumerate()
+            .map(|(i, data)| {
                 let shape = Shape::new(&[data.len()], data.dtype());
-                Buffer::from_bytes(shape, &data.as_ref().to_le_bytes())
+                let mut buffer = Buffer::try_zeroed(shape, &format!("constant #{i}"))?;
+                buffer.write(&data.as_ref().to_le_bytes())?;
+                Ok(buffer)
             })
             .collect::<Result<Vec<_>>>()?;
+        // Every allocation below fails as an error naming what it was for.
         let params = plan
             .params
             .iter()
-            .map(|p| Arc::new(Buffer::zeroed(p.shape.clone())))
-            .collect();
+            .map(|p| {
+                Buffer::try_zeroed(p.shape.clone(), &format!("param '{}'", p.name)).map(Arc::new)
+            })
+            .collect::<Result<Vec<_>>>()?;
         let handles = plan
             .handles
             .iter()
-            .map(|h| Buffer::zeroed(h.shape.clone()))
-            .collect();
+            .map(|h| Buffer::try_zeroed(h.shape.clone(), &format!("handle '{}'", h.name)))
+            .collect::<Result<Vec<_>>>()?;
+        let arena = HostArena::try_new(plan.stats.arena_bytes)?;
+        let mut scratch = Vec::new();
+        scratch
+            .try_reserve_exact(scratch_len)
+            .map_err(|_| Error::OutOfMemory {
+                tensor: "kernel scratch".into(),
+                bytes: scratch_len.saturating_mul(8),
+            })?;
+        scratch.resize(scratch_len, 0.0);
+        let gemm = GemmScratch::try_new(
+            if threads == 0 {
+                ThreadPool::global().threads()
+            } else {
+                threads.min(ThreadPool::global().threads())
+            },
+            thread_scratch,
+        )?;
         let plan_handles = plan.handles.len();
         drop(nodes);
         Ok(CpuProgram {
-            arena: HostArena::new(plan.stats.arena_bytes),
+            arena,
             plan,
             params,
             packed: vec![None; packable.len()],
@@ -146,15 +185,8 @@ impl CpuProgram {
             constants,
             handles,
             steps,
-            scratch: vec![0.0; scratch_len],
-            gemm: GemmScratch::new(
-                if threads == 0 {
-                    ThreadPool::global().threads()
-                } else {
-                    threads.min(ThreadPool::global().threads())
-                },
-                thread_scratch,
-            ),
+            scratch,
+            gemm,
             handle_addrs: vec![0; plan_handles],
             step_nanos: None,
             profiled_runs: 0,
@@ -174,11 +206,14 @@ impl CpuProgram {
             .collect()
     }
 
-    /// Replaces param `index`'s bytes (exactly its size).
+    /// Replaces param `index`'s bytes (exactly its size). Memory it needs (a private
+    /// copy of a shared param, the packed panels) is allocated before anything
+    /// changes: [`Error::OutOfMemory`] leaves the param as it was.
     pub fn set_param(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
+        let what = self.param_label(index);
         let buf = self
             .params
-            .get_mut(index)
+            .get(index)
             .ok_or_else(|| Error::invalid("set_param", format!("no param #{index}")))?;
         if bytes.len() != buf.bytes().len() {
             return Err(Error::LengthMismatch {
@@ -189,16 +224,34 @@ impl CpuProgram {
                 unit: "bytes",
             });
         }
-        Arc::make_mut(buf).write(bytes)?;
-        self.repack(index);
+        let packing = match self.packable.get(index) {
+            Some(&Some((k, n))) => Some((k, n, PackedParam::panels(k, n, &what)?)),
+            _ => None,
+        };
+        let shared = Arc::strong_count(buf) > 1 || Arc::weak_count(buf) > 0;
+        let fresh = if shared {
+            Some(Buffer::try_zeroed(buf.shape().clone(), &what)?)
+        } else {
+            None
+        };
+        let slot = &mut self.params[index];
+        if let Some(fresh) = fresh {
+            *slot = Arc::new(fresh);
+        }
+        // Unique now, so this never copies.
+        Arc::make_mut(slot).write(bytes)?;
+        if let Some((k, n, panels)) = packing {
+            self.packed[index] = Some(PackedParam::pack_into(k, n, slot, panels));
+        }
         Ok(())
     }
 
-    /// Packs param `index` again after its value changed, if products read it packed.
-    fn repack(&mut self, index: usize) {
-        if let Some(&Some((k, n))) = self.packable.get(index) {
-            self.packed[index] = Some(PackedParam::pack(k, n, &self.params[index]));
-        }
+    /// `param 'name'`, for errors.
+    fn param_label(&self, index: usize) -> String {
+        self.plan.params.get(index).map_or_else(
+            || format!("param #{index}"),
+            |p| format!("param '{}'", p.name),
+        )
     }
 
     /// Bytes of the params packed ahead for matrix products (on top of the params).
@@ -236,12 +289,16 @@ impl CpuProgram {
                 reason: "a shared param must have the same shape and dtype".into(),
             });
         }
+        let packed = match self.packable.get(index) {
+            Some(&Some((k, n))) => Some(match &shared.packed {
+                Some(theirs) if theirs.fits(k, n) => theirs.clone(),
+                _ => PackedParam::pack(k, n, buffer, &format!("param #{index}"))?,
+            }),
+            _ => None,
+        };
         *slot = buffer.clone();
-        if let Some(&Some((k, n))) = self.packable.get(index) {
-            match &shared.packed {
-                Some(theirs) if theirs.fits(k, n) => self.packed[index] = Some(theirs.clone()),
-                _ => self.repack(index),
-            }
+        if packed.is_some() {
+            self.packed[index] = packed;
         }
         Ok(())
     }

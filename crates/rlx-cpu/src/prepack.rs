@@ -7,7 +7,7 @@
 use crate::gemm::{pack_b_panels, packed_len, packed_panel_width};
 use crate::tensor::Src;
 use rlx_driver::Buffer;
-use rlx_ir::{DType, Op, Shape};
+use rlx_ir::{DType, Op, Result, Shape};
 use rlx_opt::{Location, Region};
 use std::sync::Arc;
 
@@ -22,9 +22,26 @@ pub struct PackedParam {
 }
 
 impl PackedParam {
-    /// Packs `param`, a `[k, n]` `f32` matrix.
-    pub(crate) fn pack(k: usize, n: usize, param: &Buffer) -> PackedParam {
-        let mut panels = Buffer::zeroed(Shape::new(&[packed_len(k, n)], DType::F32));
+    /// Packs `param`, a `[k, n]` `f32` matrix; `what` names it in the
+    /// [`rlx_ir::Error::OutOfMemory`] returned when the panels cannot be allocated.
+    pub(crate) fn pack(k: usize, n: usize, param: &Buffer, what: &str) -> Result<PackedParam> {
+        Ok(PackedParam::pack_into(
+            k,
+            n,
+            param,
+            PackedParam::panels(k, n, what)?,
+        ))
+    }
+
+    /// Zeroed storage for the panels of a `[k, n]` matrix (the fallible part of
+    /// packing, done before anything is changed).
+    pub(crate) fn panels(k: usize, n: usize, what: &str) -> Result<Buffer> {
+        let what = format!("packed panels of {what}");
+        Buffer::try_zeroed(Shape::new(&[packed_len(k, n)], DType::F32), &what)
+    }
+
+    /// Packs `param` into `panels` (from [`PackedParam::panels`] for the same `k, n`).
+    pub(crate) fn pack_into(k: usize, n: usize, param: &Buffer, mut panels: Buffer) -> PackedParam {
         let nr = pack_b_panels(&as_f32(param)[..k * n], k, n, as_f32_mut(&mut panels));
         PackedParam {
             k,

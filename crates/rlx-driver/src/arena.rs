@@ -32,11 +32,20 @@ pub struct HostArena {
 }
 
 impl HostArena {
-    /// A zeroed arena of `len` bytes.
+    /// A zeroed arena of `len` bytes. Aborts when the memory is not available; see
+    /// [`HostArena::try_new`].
     pub fn new(len: usize) -> HostArena {
         HostArena {
             bytes: AlignedBytes::zeroed(len),
         }
+    }
+
+    /// A zeroed arena of `len` bytes, or [`Error::OutOfMemory`] (tensor "arena") when
+    /// the allocation fails.
+    pub fn try_new(len: usize) -> Result<HostArena> {
+        Ok(HostArena {
+            bytes: AlignedBytes::try_zeroed(len, "arena")?,
+        })
     }
 
     /// Base address (for kernels that address values by plan offset).

@@ -18,12 +18,40 @@ pub struct AlignedBytes {
 }
 
 impl AlignedBytes {
-    /// `len` zero bytes.
+    /// `len` zero bytes. Aborts, as any Rust allocation does, when the memory is not
+    /// available; use [`AlignedBytes::try_zeroed`] for sizes that come from a model.
     pub fn zeroed(len: usize) -> AlignedBytes {
         AlignedBytes {
             lines: vec![Line([0; ALIGN]); len.div_ceil(ALIGN)],
             len,
         }
+    }
+
+    /// `len` zero bytes, or [`Error::OutOfMemory`] naming `what` and `len` when the
+    /// allocation fails (or `len` is past `isize::MAX`). Never aborts.
+    pub fn try_zeroed(len: usize, what: &str) -> Result<AlignedBytes> {
+        let out_of_memory = || Error::OutOfMemory {
+            tensor: what.to_string(),
+            bytes: len,
+        };
+        let count = len.div_ceil(ALIGN);
+        if count == 0 {
+            return Ok(AlignedBytes {
+                lines: Vec::new(),
+                len,
+            });
+        }
+        let layout = std::alloc::Layout::array::<Line>(count).map_err(|_| out_of_memory())?;
+        // SAFETY: `layout` has a non-zero size (`count > 0`).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(out_of_memory());
+        }
+        // SAFETY: `ptr` comes from the global allocator with the layout of
+        // `[Line; count]` (so a `Vec<Line>` of capacity `count` may own and free it),
+        // and all-zero bytes are a valid `Line`, so all `count` elements are initialized.
+        let lines = unsafe { Vec::from_raw_parts(ptr.cast::<Line>(), count, count) };
+        Ok(AlignedBytes { lines, len })
     }
 
     /// Length in bytes.
@@ -80,9 +108,22 @@ impl Buffer {
         Buffer { shape, bytes }
     }
 
+    /// A zeroed buffer for `shape`, or an error instead of an abort:
+    /// [`Error::SizeOverflow`] when the shape needs more than `isize::MAX` bytes,
+    /// [`Error::OutOfMemory`] naming `what` (such as `param 'w'`) and the bytes when
+    /// the allocation fails.
+    pub fn try_zeroed(shape: Shape, what: &str) -> Result<Buffer> {
+        shape.check_size(what)?;
+        let bytes = AlignedBytes::try_zeroed(shape.byte_size(), what)?;
+        Ok(Buffer { shape, bytes })
+    }
+
     /// A buffer holding `bytes`, which must be exactly `shape.byte_size()` long.
+    /// Fails as [`Buffer::try_zeroed`] does (with `what` "buffer" and the shape) when
+    /// the memory cannot be had.
     pub fn from_bytes(shape: Shape, bytes: &[u8]) -> Result<Buffer> {
-        let mut buf = Buffer::zeroed(shape);
+        let what = format!("buffer {shape}");
+        let mut buf = Buffer::try_zeroed(shape, &what)?;
         buf.write(bytes)?;
         Ok(buf)
     }
@@ -172,5 +213,36 @@ mod tests {
         assert_eq!(b.bytes()[29], 7);
         let h = BufferHandle::new("kv", &[2, 4, 8], DType::F32);
         assert_eq!((h.num_elements(), h.byte_size()), (64, 256));
+    }
+
+    #[test]
+    fn failed_allocations_are_errors() {
+        let a = AlignedBytes::try_zeroed(100, "t").unwrap();
+        assert_eq!(a.len(), 100);
+        assert_eq!(a.as_ptr() as usize % 64, 0);
+        assert!(a.as_slice().iter().all(|&b| b == 0));
+        assert!(AlignedBytes::try_zeroed(0, "t").unwrap().is_empty());
+        // Past isize::MAX: the layout itself is refused.
+        let err = AlignedBytes::try_zeroed(usize::MAX, "big").unwrap_err();
+        assert_eq!(
+            err,
+            Error::OutOfMemory {
+                tensor: "big".into(),
+                bytes: usize::MAX
+            }
+        );
+        // 2^62 bytes is a valid layout no machine can back.
+        let err = Buffer::try_zeroed(Shape::new(&[1 << 60], DType::F32), "param 'w'").unwrap_err();
+        assert_eq!(
+            err,
+            Error::OutOfMemory {
+                tensor: "param 'w'".into(),
+                bytes: 1 << 62
+            }
+        );
+        assert!(matches!(
+            Buffer::try_zeroed(Shape::new(&[1 << 62], DType::F32), "p"),
+            Err(Error::SizeOverflow { .. })
+        ));
     }
 }

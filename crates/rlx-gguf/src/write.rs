@@ -99,16 +99,21 @@ impl GgufBuilder {
         bytes: Vec<u8>,
     ) -> Result<&mut Self> {
         let (unit_values, unit_bytes) = ty.unit();
-        let elements: usize = dims.iter().product();
-        if dims.is_empty()
-            || !dims[0].is_multiple_of(unit_values)
-            || elements / unit_values * unit_bytes != bytes.len()
-        {
+        // Every product checked: dims come from the caller, possibly from a file.
+        let needed = dims
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .and_then(|elements| (elements / unit_values.max(1)).checked_mul(unit_bytes))
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| Error::SizeOverflow {
+                context: format!("gguf writer: tensor '{name}'"),
+                what: format!("{dims:?} of {ty}"),
+            })?;
+        if dims.is_empty() || !dims[0].is_multiple_of(unit_values) || needed != bytes.len() {
             return Err(Error::invalid(
                 "gguf writer",
                 format!(
-                    "tensor '{name}' {dims:?} of {ty} needs {} bytes, got {}",
-                    elements / unit_values.max(1) * unit_bytes,
+                    "tensor '{name}' {dims:?} of {ty} needs {needed} bytes, got {}",
                     bytes.len()
                 ),
             ));

@@ -329,6 +329,16 @@ fn the_builder_round_trips_through_the_reader() {
         .unwrap();
     b.tensor("v", &[3], TensorType::F32, vec![0; 12]).unwrap();
     assert!(b.tensor("bad", &[3], TensorType::F32, vec![0; 11]).is_err());
+    // Dimensions whose product overflows are an error, not a wrapped size.
+    let err = b
+        .tensor("huge", &[1 << 32, 1 << 32], TensorType::F32, vec![0; 16])
+        .err()
+        .unwrap();
+    assert!(matches!(err, rlx_ir::Error::SizeOverflow { .. }), "{err}");
+    assert!(
+        b.tensor("past", &[1 << 62], TensorType::F32, vec![])
+            .is_err()
+    );
     let file = GgufFile::from_bytes("built", b.to_bytes()).unwrap();
     assert_eq!(file.get_str("name").unwrap(), "tiny");
     assert_eq!(file.get_u64("n").unwrap(), 7);

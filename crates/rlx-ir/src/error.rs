@@ -121,6 +121,25 @@ pub enum Error {
         /// What happened.
         message: String,
     },
+    /// A tensor, region or file section is larger than can be addressed: its element
+    /// or byte count overflows, or it needs more than `isize::MAX` bytes. Found when the
+    /// graph is built, planned or read, never by a panic.
+    #[error("{context}: {what} needs more than isize::MAX bytes")]
+    SizeOverflow {
+        /// Where: the input, param, op, region or file.
+        context: String,
+        /// What is too large: a shape such as `f32[4294967296, 4294967296]`, or a sum
+        /// of sizes.
+        what: String,
+    },
+    /// An allocation failed: the memory asked for is not available.
+    #[error("cannot allocate {bytes} bytes for {tensor}: out of memory")]
+    OutOfMemory {
+        /// The tensor or buffer: a param, input, handle or the arena.
+        tensor: String,
+        /// The bytes asked for.
+        bytes: usize,
+    },
     /// A file could not be read.
     #[error("{path}: {message}")]
     Io {

@@ -104,18 +104,31 @@ impl Graph {
 
     /// Declares a run-time input. Names must be unique among inputs and params
     /// (checked by [`Graph::verify`]).
-    pub fn input(&self, name: impl Into<String>, shape: Shape) -> NodeId {
-        self.push_unchecked(Op::Input { name: name.into() }, vec![], shape)
+    ///
+    /// # Errors
+    /// [`Error::SizeOverflow`] when the shape needs more than `isize::MAX` bytes
+    /// ([`Shape::check_size`]), [`Error::InvalidArgument`] when its rank exceeds
+    /// [`crate::MAX_RANK`]. Nothing is added to the graph then.
+    pub fn input(&self, name: impl Into<String>, shape: Shape) -> Result<NodeId> {
+        let name = name.into();
+        check_source("input", &name, &shape)?;
+        Ok(self.push_unchecked(Op::Input { name }, vec![], shape))
     }
 
     /// Declares a weight, set on the compiled graph with `set_param`.
-    pub fn param(&self, name: impl Into<String>, shape: Shape) -> NodeId {
-        self.push_unchecked(Op::Param { name: name.into() }, vec![], shape)
+    ///
+    /// # Errors
+    /// As for [`Graph::input`]; nothing is added to the graph on an error.
+    pub fn param(&self, name: impl Into<String>, shape: Shape) -> Result<NodeId> {
+        let name = name.into();
+        check_source("param", &name, &shape)?;
+        Ok(self.push_unchecked(Op::Param { name }, vec![], shape))
     }
 
     /// A constant tensor; `data.len()` must equal the product of `dims`.
     pub fn constant(&self, data: TensorData, dims: &[usize]) -> Result<NodeId> {
         let shape = Shape::new(dims, data.dtype());
+        shape.check_size("constant")?;
         if data.len() != shape.num_elements() {
             return Err(Error::LengthMismatch {
                 kind: "input",
@@ -212,6 +225,7 @@ impl Graph {
         let refs: Vec<&Shape> = shapes.iter().collect();
         let shape = crate::infer::infer_shape(&op, &refs)?;
         check_rank(&op.name(), &shape)?;
+        shape.check_size(&op.name())?;
         Ok(self.push_unchecked(op, inputs.to_vec(), shape))
     }
 
@@ -292,6 +306,12 @@ impl Graph {
             .filter_map(|(i, n)| pick(&n.op).map(|name| (name, NodeId(i as u32), n.shape.clone())))
             .collect()
     }
+}
+
+fn check_source(kind: &str, name: &str, shape: &Shape) -> Result<()> {
+    let context = format!("{kind} '{name}'");
+    check_rank(&context, shape)?;
+    shape.check_size(&context)
 }
 
 pub(crate) fn check_rank(op: &str, shape: &Shape) -> Result<()> {

@@ -9,9 +9,9 @@
 //! ```
 //! use rlx_ir::{DType, Graph, Shape};
 //! let g = Graph::new("mlp");
-//! let x = g.input("x", Shape::new(&[2, 4], DType::F32));
-//! let w = g.param("w", Shape::new(&[4, 3], DType::F32));
-//! let b = g.param("b", Shape::new(&[3], DType::F32));
+//! let x = g.input("x", Shape::new(&[2, 4], DType::F32))?;
+//! let w = g.param("w", Shape::new(&[4, 3], DType::F32))?;
+//! let b = g.param("b", Shape::new(&[3], DType::F32))?;
 //! let y = g.gelu(g.add(g.matmul(x, w)?, b)?)?;
 //! g.set_outputs(vec![y]);
 //! assert_eq!(g.shape(y)?.dims(), &[2, 3]);

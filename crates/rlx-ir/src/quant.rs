@@ -106,7 +106,12 @@ impl QuantFormat {
                 ),
             ));
         }
-        Ok(k / self.block_len() * self.block_bytes())
+        (k / self.block_len())
+            .checked_mul(self.block_bytes())
+            .ok_or_else(|| Error::SizeOverflow {
+                context: self.name().into(),
+                what: format!("a row of {k} values"),
+            })
     }
 
     /// Values in a row of `bytes` bytes, or an error when that is not whole blocks.
@@ -120,7 +125,12 @@ impl QuantFormat {
                 ),
             ));
         }
-        Ok(bytes / self.block_bytes() * self.block_len())
+        (bytes / self.block_bytes())
+            .checked_mul(self.block_len())
+            .ok_or_else(|| Error::SizeOverflow {
+                context: self.name().into(),
+                what: format!("a row of {bytes} bytes"),
+            })
     }
 
     /// Decodes one block (`block_bytes()` bytes) into `block_len()` values.

@@ -1,6 +1,6 @@
 //! Tensor shapes: dimensions plus element type.
 
-use crate::DType;
+use crate::{DType, Error, Result};
 use std::fmt;
 
 /// The largest tensor rank the IR accepts. Kernels index with fixed-size arrays of
@@ -53,13 +53,58 @@ impl Shape {
     }
 
     /// Number of elements (1 for a scalar, 0 if any dimension is 0).
+    ///
+    /// Exact for every shape in a graph (the builder checks sizes, see
+    /// [`Shape::check_size`]); for a shape whose count overflows it saturates at
+    /// `usize::MAX` rather than panicking. Use [`Shape::checked_num_elements`] where the
+    /// shape has not been checked.
     pub fn num_elements(&self) -> usize {
-        self.dims.iter().product()
+        self.checked_num_elements().unwrap_or(usize::MAX)
     }
 
-    /// Bytes needed to store the tensor densely.
+    /// Bytes needed to store the tensor densely. Exact for a checked shape, saturating
+    /// at `usize::MAX` otherwise (see [`Shape::num_elements`]).
     pub fn byte_size(&self) -> usize {
-        self.num_elements() * self.dtype.size_in_bytes()
+        self.checked_byte_size().unwrap_or(usize::MAX)
+    }
+
+    /// Number of elements, or `None` if the product of the dimensions overflows
+    /// `usize`. A shape with a zero dimension has 0 elements whatever the others are.
+    pub fn checked_num_elements(&self) -> Option<usize> {
+        if self.dims.contains(&0) {
+            return Some(0);
+        }
+        self.dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+    }
+
+    /// Bytes needed to store the tensor densely, or `None` if that overflows `usize`.
+    pub fn checked_byte_size(&self) -> Option<usize> {
+        self.checked_num_elements()?
+            .checked_mul(self.dtype.size_in_bytes())
+    }
+
+    /// Checks that the tensor can be addressed: the product of its non-zero dimensions
+    /// times the element size is at most `isize::MAX` bytes (the largest allocation
+    /// Rust allows). Zero dimensions count as 1 so that strides of an empty tensor
+    /// cannot overflow either. After this check, element counts, byte sizes, strides
+    /// and byte offsets of the shape are computed without overflow.
+    ///
+    /// # Errors
+    /// [`Error::SizeOverflow`] naming `context` (the input, param or op) and the shape.
+    pub fn check_size(&self, context: &str) -> Result<()> {
+        let fits = self
+            .dims
+            .iter()
+            .try_fold(self.dtype.size_in_bytes(), |n, &d| n.checked_mul(d.max(1)))
+            .is_some_and(|bytes| bytes <= isize::MAX as usize);
+        if fits {
+            Ok(())
+        } else {
+            Err(Error::SizeOverflow {
+                context: context.to_string(),
+                what: self.to_string(),
+            })
+        }
     }
 
     /// The same dimensions with another element type.
@@ -81,11 +126,12 @@ impl Shape {
     }
 }
 
-/// Row-major strides, in elements, of a dense tensor with these dimensions.
+/// Row-major strides, in elements, of a dense tensor with these dimensions. Exact for
+/// a shape that passed [`Shape::check_size`]; saturating otherwise.
 pub fn contiguous_strides(dims: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; dims.len()];
+    let mut strides = vec![1usize; dims.len()];
     for i in (0..dims.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * dims[i + 1];
+        strides[i] = strides[i + 1].saturating_mul(dims[i + 1]);
     }
     strides
 }
@@ -156,5 +202,38 @@ mod tests {
         let s = Shape::new(&[2, 3], DType::F16);
         assert_eq!((s.num_elements(), s.byte_size()), (6, 12));
         assert_eq!(s.to_string(), "f16[2, 3]");
+    }
+
+    #[test]
+    fn sizes_are_checked() {
+        let huge = Shape::new(&[1 << 32, 1 << 32], DType::F32);
+        assert_eq!(huge.checked_num_elements(), None);
+        assert_eq!(huge.checked_byte_size(), None);
+        assert_eq!(huge.num_elements(), usize::MAX);
+        let err = huge.check_size("input 'x'").unwrap_err();
+        assert!(
+            matches!(&err, Error::SizeOverflow { context, what }
+                if context == "input 'x'" && what == "f32[4294967296, 4294967296]"),
+            "{err}"
+        );
+        // Fits in usize but not in isize::MAX bytes.
+        let past_isize = Shape::new(&[1 << 62], DType::F32);
+        assert_eq!(past_isize.checked_byte_size(), None);
+        assert!(past_isize.check_size("p").is_err());
+        let just_past = Shape::new(&[(isize::MAX as usize) / 2 + 1], DType::U16);
+        assert!(just_past.checked_byte_size().is_some());
+        assert!(just_past.check_size("p").is_err());
+        let largest = Shape::new(&[isize::MAX as usize], DType::U8);
+        assert!(largest.check_size("p").is_ok());
+        // Empty tensors: zero elements, but the other dimensions still bound strides.
+        let empty = Shape::new(&[0, 1 << 40], DType::F32);
+        assert_eq!(empty.checked_num_elements(), Some(0));
+        assert!(empty.check_size("e").is_ok());
+        assert!(
+            Shape::new(&[0, 1 << 40, 1 << 40], DType::F32)
+                .check_size("e")
+                .is_err()
+        );
+        assert!(Shape::scalar(DType::F64).check_size("s").is_ok());
     }
 }

@@ -5,8 +5,9 @@ use std::collections::HashMap;
 
 impl Graph {
     /// Checks that every operand precedes its user, every stored shape matches what
-    /// inference gives, constants match their shapes, source names are unique, outputs
-    /// exist, and `write_at` targets inputs.
+    /// inference gives, every shape fits in `isize::MAX` bytes ([`crate::Shape::check_size`]:
+    /// [`Error::SizeOverflow`]), constants match their shapes, source names are unique,
+    /// outputs exist, and `write_at` targets inputs.
     pub fn verify(&self) -> Result<()> {
         let nodes = self.nodes();
         let constants = self.constants();
@@ -26,6 +27,7 @@ impl Graph {
             }
             crate::graph::check_rank(&node.op.name(), &node.shape)
                 .map_err(|e| fail(at.clone(), e.to_string()))?;
+            node.shape.check_size(&at)?;
             match &node.op {
                 Op::Input { name } | Op::Param { name } => {
                     if name.is_empty() {

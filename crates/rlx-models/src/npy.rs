@@ -147,12 +147,12 @@ pub fn parse_npy(bytes: &[u8], name: &str) -> Result<(Vec<usize>, TensorData)> {
 
 /// The bytes of an `.npy` file (version 1) holding `data` with `dims`.
 pub fn npy_bytes(dims: &[usize], data: &TensorData) -> Result<Vec<u8>> {
-    let count: usize = dims.iter().product();
-    if count != data.len() {
+    let count = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    if count != Some(data.len()) {
         return Err(Error::LengthMismatch {
             kind: "output",
             name: "npy array".into(),
-            expected: count,
+            expected: count.unwrap_or(usize::MAX),
             got: data.len(),
             unit: "elements",
         });

@@ -132,7 +132,10 @@ impl SafeTensorsFile {
                 path: self.path.clone(),
                 message: format!("tensor '{name}' lies outside the file"),
             })?;
-        if bytes.len() != dims.iter().product::<usize>() * dtype.size_in_bytes() {
+        let expected = dims
+            .iter()
+            .try_fold(dtype.size_in_bytes(), |n, &d| n.checked_mul(d));
+        if expected != Some(bytes.len()) {
             return Err(Error::Format {
                 path: self.path.clone(),
                 message: format!("tensor '{name}' has the wrong number of bytes"),

@@ -133,7 +133,9 @@ fn malformed_protobuf_is_an_error() {
         &good[..good.len() / 2],
         &[0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f][..],
     ] {
-        let e = parse(bad).err().expect("malformed bytes are rejected");
+        let e = parse(bad)
+            .map(|_| ())
+            .expect_err("malformed bytes are rejected");
         assert!(message(&e).contains("test.onnx"), "{e}");
     }
     // A model without a graph parses as protobuf but is not a model.
@@ -155,8 +157,8 @@ fn graph_with_a_cycle_is_an_error() {
     let model = parse(&bytes).expect("parses");
     let e = model
         .import(&ImportOptions::new())
-        .err()
-        .expect("a cycle is rejected");
+        .map(|_| ())
+        .expect_err("a cycle is rejected");
     let m = message(&e);
     assert!(m.contains("cycle") && m.contains('b'), "{m}");
 }
@@ -169,7 +171,10 @@ fn dangling_input_name_is_an_error() {
         vec![value("y", &[D::N(2)])],
     );
     let model = parse(&bytes).expect("parses");
-    let e = model.import(&ImportOptions::new()).err().expect("rejected");
+    let e = model
+        .import(&ImportOptions::new())
+        .map(|_| ())
+        .expect_err("rejected");
     let m = message(&e);
     assert!(m.contains("nowhere"), "{m}");
     // An output that nothing produces.
@@ -181,8 +186,8 @@ fn dangling_input_name_is_an_error() {
     let e = parse(&bytes)
         .unwrap()
         .import(&ImportOptions::new())
-        .err()
-        .expect("rejected");
+        .map(|_| ())
+        .expect_err("rejected");
     assert!(message(&e).contains("missing"), "{e}");
 }
 
@@ -200,8 +205,8 @@ fn shape_contradictions_are_errors() {
     let e = parse(&bytes)
         .unwrap()
         .import(&ImportOptions::new())
-        .err()
-        .expect("rejected");
+        .map(|_| ())
+        .expect_err("rejected");
     let m = message(&e);
     assert!(m.contains("Add") && m.contains("broadcast"), "{m}");
     // A declared output shape the graph does not produce.
@@ -213,16 +218,16 @@ fn shape_contradictions_are_errors() {
     let e = parse(&bytes)
         .unwrap()
         .import(&ImportOptions::new())
-        .err()
-        .expect("rejected");
+        .map(|_| ())
+        .expect_err("rejected");
     assert!(message(&e).contains('y'), "{e}");
     // An input whose data disagrees with a fixed dim, or with itself.
     let mut s = session();
     let wrong = tensor(&[2, 4], vec![0.0; 8]);
     let e = s
         .run(&[("x", &wrong)], &BTreeMap::new())
-        .err()
-        .expect("rejected");
+        .map(|_| ())
+        .expect_err("rejected");
     assert!(message(&e).contains('x'), "{e}");
     let torn = tensor(&[2, 3], vec![0.0; 5]);
     assert!(s.run(&[("x", &torn)], &BTreeMap::new()).is_err());
@@ -235,15 +240,15 @@ fn symbols_unbound_zero_or_negative_are_errors() {
     // Unbound: nothing gives `batch` a size.
     let e = s
         .prepare(&ImportOptions::new())
-        .err()
-        .expect("unbound symbol rejected");
+        .map(|_| ())
+        .expect_err("unbound symbol rejected");
     assert!(message(&e).contains("batch"), "{e}");
     assert_still_runs(&mut s);
     // Bound to zero.
     let e = s
         .prepare(&ImportOptions::new().symbol("batch", 0))
-        .err()
-        .expect("zero rejected");
+        .map(|_| ())
+        .expect_err("zero rejected");
     assert!(message(&e).contains("batch"), "{e}");
     assert_still_runs(&mut s);
     // Negative, zero and malformed bindings from text (the CLI's --shape).
@@ -260,8 +265,8 @@ fn symbols_unbound_zero_or_negative_are_errors() {
     symbols.insert("batch".to_string(), 5);
     let e = s
         .run(&[("x", &x)], &symbols)
-        .err()
-        .expect("contradiction rejected");
+        .map(|_| ())
+        .expect_err("contradiction rejected");
     assert!(message(&e).contains("batch"), "{e}");
     assert_still_runs(&mut s);
 }
@@ -278,15 +283,15 @@ fn oversized_shapes_are_errors() {
     let mut s = OnnxSession::new(model, CompileOptions::new());
     let e = s
         .prepare(&ImportOptions::new())
-        .err()
-        .expect("oversized shape rejected");
+        .map(|_| ())
+        .expect_err("oversized shape rejected");
     assert!(message(&e).contains('x'), "{e}");
     // A symbol bound past what memory can hold.
     let mut s = session();
     let e = s
         .prepare(&ImportOptions::new().symbol("batch", usize::MAX / 2))
-        .err()
-        .expect("oversized binding rejected");
+        .map(|_| ())
+        .expect_err("oversized binding rejected");
     assert!(!message(&e).is_empty());
     assert_still_runs(&mut s);
 }

@@ -384,7 +384,7 @@ fn materialize(g: &Graph, sink: &mut Sink, name: &str, t: &Tensor) -> Result<Nod
     }
     sink.param_names.insert(pname.clone());
     sink.params.push((pname.clone(), t.data.clone()));
-    Ok(g.param(pname, Shape::new(&t.dims, t.data.dtype())))
+    g.param(pname, Shape::new(&t.dims, t.data.dtype()))
 }
 
 /// Ops never folded at import (their result is not a function of their inputs).
@@ -519,7 +519,7 @@ impl<'m> Importer<'m> {
                 dtype,
                 &format!("input '{}'", info.name),
             )?;
-            let id = self.graph.input(info.name.clone(), shape.clone());
+            let id = self.graph.input(info.name.clone(), shape.clone())?;
             if let Some(v) = self.options.input_values.get(&info.name) {
                 if v.data.dtype() != dtype {
                     return Err(Error::dtype(

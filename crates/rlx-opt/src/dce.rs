@@ -53,8 +53,8 @@ mod tests {
     #[test]
     fn removes_unused_branches_and_keeps_interface() {
         let g = Graph::new("dce");
-        let x = g.input("x", Shape::new(&[4], DType::F32));
-        let unused_in = g.input("unused", Shape::new(&[2], DType::F32));
+        let x = g.input("x", Shape::new(&[4], DType::F32)).unwrap();
+        let unused_in = g.input("unused", Shape::new(&[2], DType::F32)).unwrap();
         let dead = g.exp(x).unwrap();
         let _dead2 = g.neg(dead).unwrap();
         let y = g.relu(x).unwrap();

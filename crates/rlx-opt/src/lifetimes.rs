@@ -4,6 +4,8 @@
 //! each into the smallest gap between already-placed values whose lifetimes overlap
 //! its own, or above them all when no gap fits.
 
+use rlx_ir::{Error, Result};
+
 /// One value to place: `size` bytes, live from step `start` to step `end` inclusive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lifetime {
@@ -35,21 +37,39 @@ pub struct OffsetAssignment {
 /// Assigns every value an offset (a multiple of `align`) such that values whose
 /// lifetimes overlap never share bytes. With `reuse` off, every value gets its own
 /// bytes (useful to rule the planner out when chasing a miscompile).
-pub fn assign_offsets(values: &[Lifetime], align: usize, reuse: bool) -> OffsetAssignment {
+///
+/// # Errors
+/// [`Error::SizeOverflow`] when an aligned size, an offset or the arena would pass
+/// `isize::MAX` bytes (every sum is checked; nothing wraps).
+pub fn assign_offsets(values: &[Lifetime], align: usize, reuse: bool) -> Result<OffsetAssignment> {
     let align = align.max(1);
-    let padded = |s: usize| s.div_ceil(align) * align;
+    let too_large = |what: String| Error::SizeOverflow {
+        context: "memory plan".into(),
+        what,
+    };
+    let padded: Vec<usize> = values
+        .iter()
+        .map(|v| {
+            v.size
+                .div_ceil(align)
+                .checked_mul(align)
+                .filter(|&p| p <= isize::MAX as usize)
+                .ok_or_else(|| too_large(format!("a value of {} bytes", v.size)))
+        })
+        .collect::<Result<_>>()?;
     let mut offsets = vec![0usize; values.len()];
     let mut order: Vec<usize> = (0..values.len()).filter(|&i| values[i].size > 0).collect();
     order.sort_by_key(|&i| (std::cmp::Reverse(values[i].size), values[i].start, i));
     let mut placed: Vec<usize> = Vec::with_capacity(order.len());
     let mut arena = 0usize;
     for &i in &order {
-        let size = padded(values[i].size);
+        let size = padded[i];
         let offset = if reuse {
+            // Placed values end at most at `arena`, which is checked below.
             let mut busy: Vec<(usize, usize)> = placed
                 .iter()
                 .filter(|&&j| values[j].overlaps(&values[i]))
-                .map(|&j| (offsets[j], offsets[j] + padded(values[j].size)))
+                .map(|&j| (offsets[j], offsets[j] + padded[j]))
                 .collect();
             busy.sort_unstable();
             let mut best: Option<(usize, usize)> = None; // (gap size, offset)
@@ -67,34 +87,45 @@ pub fn assign_offsets(values: &[Lifetime], align: usize, reuse: bool) -> OffsetA
         } else {
             arena
         };
+        let end = offset
+            .checked_add(size)
+            .filter(|&e| e <= isize::MAX as usize)
+            .ok_or_else(|| {
+                too_large(format!(
+                    "an arena of {} values (a value of {} bytes at offset {offset})",
+                    order.len(),
+                    values[i].size
+                ))
+            })?;
         offsets[i] = offset;
-        arena = arena.max(offset + size);
+        arena = arena.max(end);
         placed.push(i);
     }
-    OffsetAssignment {
+    Ok(OffsetAssignment {
         offsets,
         arena_bytes: arena,
         lower_bound: lower_bound(values, align),
-    }
+    })
 }
 
-/// The largest total of (aligned) bytes live at any one step.
+/// The largest total of (aligned) bytes live at any one step (saturating at
+/// `usize::MAX`).
 pub fn lower_bound(values: &[Lifetime], align: usize) -> usize {
-    let align = align.max(1);
-    let mut events: Vec<(usize, isize)> = Vec::with_capacity(values.len() * 2);
+    let align = align.max(1) as i128;
+    let mut events: Vec<(usize, i128)> = Vec::with_capacity(values.len() * 2);
     for v in values.iter().filter(|v| v.size > 0) {
-        let size = (v.size.div_ceil(align) * align) as isize;
+        let size = (v.size as i128 + align - 1) / align * align;
         events.push((v.start, size));
-        events.push((v.end + 1, -size));
+        events.push((v.end.saturating_add(1), -size));
     }
     // At equal steps, frees (negative) come before allocations.
     events.sort_unstable();
-    let (mut live, mut peak) = (0isize, 0isize);
+    let (mut live, mut peak) = (0i128, 0i128);
     for (_, delta) in events {
         live += delta;
         peak = peak.max(live);
     }
-    peak as usize
+    usize::try_from(peak).unwrap_or(usize::MAX)
 }
 
 /// Checks that no two overlapping lifetimes share bytes; returns the first clash.
@@ -105,7 +136,9 @@ pub fn find_overlap(values: &[Lifetime], offsets: &[usize]) -> Option<(usize, us
             if a.size == 0 || b.size == 0 || !a.overlaps(b) {
                 continue;
             }
-            if offsets[i] < offsets[j] + b.size && offsets[j] < offsets[i] + a.size {
+            if offsets[i] < offsets[j].saturating_add(b.size)
+                && offsets[j] < offsets[i].saturating_add(a.size)
+            {
                 return Some((i, j));
             }
         }
@@ -134,11 +167,11 @@ mod tests {
                 end: t + 1,
             })
             .collect();
-        let a = assign_offsets(&values, 64, true);
+        let a = assign_offsets(&values, 64, true).unwrap();
         assert_eq!(a.lower_bound, 2 * 1024);
         assert_eq!(a.arena_bytes, 2 * 1024);
         assert!(find_overlap(&values, &a.offsets).is_none());
-        let no_reuse = assign_offsets(&values, 64, false);
+        let no_reuse = assign_offsets(&values, 64, false).unwrap();
         assert_eq!(no_reuse.arena_bytes, 50 * 1024);
     }
 
@@ -158,10 +191,47 @@ mod tests {
                     }
                 })
                 .collect();
-            let a = assign_offsets(&values, 64, true);
+            let a = assign_offsets(&values, 64, true).unwrap();
             assert!(find_overlap(&values, &a.offsets).is_none());
             assert!(a.arena_bytes >= a.lower_bound);
             assert!(a.offsets.iter().all(|o| o % 64 == 0));
         }
+    }
+
+    #[test]
+    fn arena_past_isize_max_is_an_error() {
+        let big = isize::MAX as usize / 2;
+        let values = vec![
+            Lifetime {
+                size: big,
+                start: 0,
+                end: 1,
+            };
+            3
+        ];
+        // Live together, or placed apart with reuse off: 3 * (isize::MAX / 2) bytes.
+        for reuse in [true, false] {
+            let err = assign_offsets(&values, 64, reuse).unwrap_err();
+            assert!(matches!(err, Error::SizeOverflow { .. }), "{err}");
+        }
+        // One step apart, they share the same bytes.
+        let apart: Vec<Lifetime> = (0..3)
+            .map(|t| Lifetime {
+                size: big,
+                start: 2 * t,
+                end: 2 * t,
+            })
+            .collect();
+        let a = assign_offsets(&apart, 64, true).unwrap();
+        assert!(a.arena_bytes < isize::MAX as usize);
+        assert!(assign_offsets(&apart, 64, false).is_err());
+        // Aligning usize::MAX up overflows.
+        let huge = [Lifetime {
+            size: usize::MAX,
+            start: 0,
+            end: 0,
+        }];
+        assert!(assign_offsets(&huge, 64, true).is_err());
+        assert_eq!(lower_bound(&huge, 64), usize::MAX);
     }
 }

@@ -73,7 +73,7 @@ pub struct MemoryStats {
     /// Bytes the arena occupies.
     pub arena_bytes: usize,
     /// Sum of the bytes of every transient tensor (what the arena would need with no
-    /// reuse, no in-place and no views).
+    /// reuse, no in-place and no views), saturating at `usize::MAX`.
     pub transient_bytes: usize,
     /// The largest total of simultaneously live bytes under this schedule.
     pub lower_bound: usize,
@@ -135,6 +135,48 @@ impl Plan {
     /// used to check that no two simultaneously live values overlap.
     pub fn arena_values(&self) -> &[(NodeId, Lifetime, usize)] {
         &self.arena_roots
+    }
+
+    /// Bytes of `region`: the arena's size, or the size of the param, constant or
+    /// handle; `None` for an index the plan does not have.
+    pub fn region_bytes(&self, region: Region) -> Option<usize> {
+        match region {
+            Region::Arena => Some(self.stats.arena_bytes),
+            Region::Param(i) => self.params.get(i).map(|p| p.shape.byte_size()),
+            Region::Handle(i) => self.handles.get(i).map(|h| h.shape.byte_size()),
+            Region::Constant(i) => self
+                .graph
+                .constants()
+                .get(i)
+                .and_then(|c| c.len().checked_mul(c.dtype().size_in_bytes())),
+        }
+    }
+
+    /// Checks that `shape`'s bytes at `location` lie inside the location's region;
+    /// `what` names the operand for the error (for example "%7 (matmul) operand 1").
+    /// Backends call this for every operand of every step when they build a program,
+    /// so no kernel can address outside its buffer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidGraph`] naming `what`, the byte range and the region.
+    pub fn check_range(&self, what: &str, location: Location, shape: &Shape) -> Result<()> {
+        let region = self.region_bytes(location.region);
+        let end = shape
+            .checked_byte_size()
+            .and_then(|len| location.offset.checked_add(len));
+        match (region, end) {
+            (Some(region), Some(end)) if end <= region => Ok(()),
+            _ => Err(Error::InvalidGraph {
+                graph: self.graph.name().into(),
+                node: what.into(),
+                message: format!(
+                    "{shape} at byte {} of {:?} lies outside the region ({} bytes)",
+                    location.offset,
+                    location.region,
+                    region.map_or("no such region".into(), |r| r.to_string())
+                ),
+            }),
+        }
     }
 }
 
@@ -317,7 +359,7 @@ impl<'a> Planner<'a> {
             if matches!(node.op, Op::Input { .. }) {
                 root[i] = i;
                 group_last[i] = last_use[i];
-                transient += shape.byte_size();
+                transient = transient.saturating_add(shape.byte_size());
                 continue;
             }
             if let Op::WriteAt { .. } = node.op {
@@ -367,13 +409,13 @@ impl<'a> Planner<'a> {
                     root[i] = r;
                     group_last[r] = group_last[r].max(last_use[i]);
                     in_place[i] = true;
-                    transient += shape.byte_size();
+                    transient = transient.saturating_add(shape.byte_size());
                     continue;
                 }
             }
             root[i] = i;
             group_last[i] = last_use[i];
-            transient += shape.byte_size();
+            transient = transient.saturating_add(shape.byte_size());
         }
 
         // Place every arena root.
@@ -400,7 +442,7 @@ impl<'a> Planner<'a> {
                 }
             })
             .collect();
-        let assignment = assign_offsets(&lifetimes, ARENA_ALIGN, self.options.memory_reuse);
+        let assignment = assign_offsets(&lifetimes, ARENA_ALIGN, self.options.memory_reuse)?;
         let mut root_offset = vec![0usize; n];
         for (k, &r) in arena_roots.iter().enumerate() {
             root_offset[r] = assignment.offsets[k];

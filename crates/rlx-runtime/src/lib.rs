@@ -5,7 +5,7 @@
 //! use rlx_runtime::{Session, Device};
 //! use rlx_ir::{DType, Graph, Shape};
 //! let g = Graph::new("double");
-//! let x = g.input("x", Shape::new(&[3], DType::F32));
+//! let x = g.input("x", Shape::new(&[3], DType::F32))?;
 //! let y = g.add(x, x)?;
 //! g.set_outputs(vec![y]);
 //! let mut compiled = Session::new(Device::Cpu).compile(g)?;

@@ -8,10 +8,10 @@ use rlx::prelude::*;
 fn main() -> Result<()> {
     // Build: x [2, 4] -> matmul + bias -> gelu -> matmul -> softmax.
     let g = Graph::new("quickstart");
-    let x = g.input("x", Shape::new(&[2, 4], DType::F32));
-    let w1 = g.param("w1", Shape::new(&[4, 3], DType::F32));
-    let b1 = g.param("b1", Shape::new(&[3], DType::F32));
-    let w2 = g.param("w2", Shape::new(&[3, 2], DType::F32));
+    let x = g.input("x", Shape::new(&[2, 4], DType::F32))?;
+    let w1 = g.param("w1", Shape::new(&[4, 3], DType::F32))?;
+    let b1 = g.param("b1", Shape::new(&[3], DType::F32))?;
+    let w2 = g.param("w2", Shape::new(&[3, 2], DType::F32))?;
     let h = g.gelu(g.add(g.matmul(x, w1)?, b1)?)?;
     let probs = g.softmax(g.matmul(h, w2)?, -1)?;
     g.set_outputs(vec![h, probs]);

@@ -7,9 +7,9 @@
 //! use rlx::prelude::*;
 //!
 //! let g = Graph::new("mlp");
-//! let x = g.input("x", Shape::new(&[2, 4], DType::F32));
-//! let w = g.param("w", Shape::new(&[4, 3], DType::F32));
-//! let b = g.param("b", Shape::new(&[3], DType::F32));
+//! let x = g.input("x", Shape::new(&[2, 4], DType::F32))?;
+//! let w = g.param("w", Shape::new(&[4, 3], DType::F32))?;
+//! let b = g.param("b", Shape::new(&[3], DType::F32))?;
 //! let h = g.matmul(x, w)?;
 //! let y = g.gelu(g.add(h, b)?)?;
 //! g.set_outputs(vec![y]);

@@ -33,12 +33,12 @@ static GLOBAL: Counting = Counting;
 fn model() -> Graph {
     let (s, d, h) = (8usize, 16usize, 4usize);
     let g = Graph::new("alloc");
-    let x = g.input("x", Shape::new(&[1, s, d], DType::F32));
-    let ids = g.input("ids", Shape::new(&[s], DType::I32));
-    let emb = g.param("emb", Shape::new(&[10, d], DType::F32));
-    let w = g.param("w", Shape::new(&[d, 3 * d], DType::F32));
-    let gamma = g.param("gamma", Shape::new(&[d], DType::F32));
-    let beta = g.param("beta", Shape::new(&[d], DType::F32));
+    let x = g.input("x", Shape::new(&[1, s, d], DType::F32)).unwrap();
+    let ids = g.input("ids", Shape::new(&[s], DType::I32)).unwrap();
+    let emb = g.param("emb", Shape::new(&[10, d], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[d, 3 * d], DType::F32)).unwrap();
+    let gamma = g.param("gamma", Shape::new(&[d], DType::F32)).unwrap();
+    let beta = g.param("beta", Shape::new(&[d], DType::F32)).unwrap();
     let e = g
         .reshape(g.gather(emb, ids, 0).unwrap(), &[1, s, d])
         .unwrap();

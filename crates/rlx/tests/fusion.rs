@@ -142,12 +142,12 @@ fn matmul_epilogues_fuse_and_match() {
         let g = Graph::new("epilogue");
         let mut a_dims = batch.clone();
         a_dims.extend([m, k]);
-        let a = g.input("a", Shape::new(&a_dims, DType::F32));
-        let w = g.param("w", Shape::new(&[k, n], DType::F32));
+        let a = g.input("a", Shape::new(&a_dims, DType::F32)).unwrap();
+        let w = g.param("w", Shape::new(&[k, n], DType::F32)).unwrap();
         let mut y = g.matmul(a, w).unwrap();
         let with_bias = rng.below(3) > 0;
         if with_bias {
-            let b = g.param("b", Shape::new(&[n], DType::F32));
+            let b = g.param("b", Shape::new(&[n], DType::F32)).unwrap();
             // The bias on either side of the add.
             y = if rng.below(2) == 0 {
                 g.add(y, b)
@@ -163,7 +163,7 @@ fn matmul_epilogues_fuse_and_match() {
         if rng.below(2) == 0 {
             let mut r_dims = batch.clone();
             r_dims.extend([m, n]);
-            let r = g.input("r", Shape::new(&r_dims, DType::F32));
+            let r = g.input("r", Shape::new(&r_dims, DType::F32)).unwrap();
             y = g.add(r, y).unwrap();
         }
         g.set_outputs(vec![y]);
@@ -180,9 +180,9 @@ fn matmul_epilogues_fuse_and_match() {
 #[test]
 fn an_intermediate_read_twice_is_not_absorbed() {
     let g = Graph::new("shared");
-    let a = g.input("a", Shape::new(&[4, 8], DType::F32));
-    let w = g.param("w", Shape::new(&[8, 8], DType::F32));
-    let b = g.param("b", Shape::new(&[8], DType::F32));
+    let a = g.input("a", Shape::new(&[4, 8], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[8, 8], DType::F32)).unwrap();
+    let b = g.param("b", Shape::new(&[8], DType::F32)).unwrap();
     let h = g.add(g.matmul(a, w).unwrap(), b).unwrap();
     let y = g.gelu(h).unwrap();
     // `h` is read again: the gelu must not be folded into the matmul.
@@ -203,12 +203,12 @@ fn two_matmul_chains_added_together_fuse_once() {
     // An LSTM step: x @ W + b + h @ R + c. The final add is reachable from both
     // chains; one absorbs it as its residual, the other ends before it.
     let g = Graph::new("lstm-step");
-    let x = g.input("x", Shape::new(&[3, 5], DType::F32));
-    let h = g.input("h", Shape::new(&[3, 4], DType::F32));
-    let w = g.param("w", Shape::new(&[5, 8], DType::F32));
-    let r = g.param("r", Shape::new(&[4, 8], DType::F32));
-    let b = g.param("b", Shape::new(&[8], DType::F32));
-    let c = g.param("c", Shape::new(&[8], DType::F32));
+    let x = g.input("x", Shape::new(&[3, 5], DType::F32)).unwrap();
+    let h = g.input("h", Shape::new(&[3, 4], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[5, 8], DType::F32)).unwrap();
+    let r = g.param("r", Shape::new(&[4, 8], DType::F32)).unwrap();
+    let b = g.param("b", Shape::new(&[8], DType::F32)).unwrap();
+    let c = g.param("c", Shape::new(&[8], DType::F32)).unwrap();
     let xw = g.add(g.matmul(x, w).unwrap(), b).unwrap();
     let hr = g.add(g.matmul(h, r).unwrap(), c).unwrap();
     g.set_outputs(vec![g.sigmoid(g.add(xw, hr).unwrap()).unwrap()]);
@@ -224,10 +224,12 @@ fn elementwise_regions_fuse_with_broadcasts_and_match() {
         let rows = 1 + rng.below(50);
         let cols = 1 + rng.below(700);
         let g = Graph::new("region");
-        let x = g.input("x", Shape::new(&[2, rows, cols], DType::F32));
-        let row_vec = g.input("v", Shape::new(&[cols], DType::F32));
-        let col_vec = g.input("c", Shape::new(&[rows, 1], DType::F32));
-        let scalar = g.input("s", Shape::new(&[1], DType::F32));
+        let x = g
+            .input("x", Shape::new(&[2, rows, cols], DType::F32))
+            .unwrap();
+        let row_vec = g.input("v", Shape::new(&[cols], DType::F32)).unwrap();
+        let col_vec = g.input("c", Shape::new(&[rows, 1], DType::F32)).unwrap();
+        let scalar = g.input("s", Shape::new(&[1], DType::F32)).unwrap();
         let mut pool = vec![x];
         let mut y = x;
         for _ in 0..2 + rng.below(8) {
@@ -266,7 +268,7 @@ fn elementwise_regions_fuse_with_broadcasts_and_match() {
 #[test]
 fn constants_fold_and_duplicates_merge() {
     let g = Graph::new("simplify");
-    let x = g.input("x", Shape::new(&[3, 5], DType::F32));
+    let x = g.input("x", Shape::new(&[3, 5], DType::F32)).unwrap();
     let c1 = g.constant_f32(&[1.0, 2.0, 3.0, 4.0, 5.0], &[5]).unwrap();
     let c2 = g.constant_f32(&[0.5; 5], &[5]).unwrap();
     // exp(c1) * c2 + range: folded to one constant.
@@ -293,8 +295,8 @@ fn constants_fold_and_duplicates_merge() {
 #[test]
 fn write_at_is_never_merged_or_folded() {
     let g = Graph::new("state");
-    let cache = g.input("cache", Shape::new(&[4, 2], DType::F32));
-    let row = g.input("row", Shape::new(&[1, 2], DType::F32));
+    let cache = g.input("cache", Shape::new(&[4, 2], DType::F32)).unwrap();
+    let row = g.input("row", Shape::new(&[1, 2], DType::F32)).unwrap();
     let pos = g.constant(TensorData::I64(vec![1]), &[1]).unwrap();
     let w1 = g.write_at(cache, row, pos, 0).unwrap();
     g.set_outputs(vec![g.sum(w1, &[0], false).unwrap()]);
@@ -319,13 +321,15 @@ fn attention_head_transposes_fold_into_a_sequence_major_attention() {
     ] {
         let g = Graph::new("heads");
         let h = heads * d;
-        let x = g.input("x", Shape::new(&[b, s, h], DType::F32));
-        let mask = g.input("mask", Shape::new(&[b, 1, 1, s], DType::F32));
+        let x = g.input("x", Shape::new(&[b, s, h], DType::F32)).unwrap();
+        let mask = g
+            .input("mask", Shape::new(&[b, 1, 1, s], DType::F32))
+            .unwrap();
         let split = |t: NodeId| {
             g.permute(g.reshape(t, &[b, s, heads, d]).unwrap(), &[0, 2, 1, 3])
                 .unwrap()
         };
-        let wq = g.param("wq", Shape::new(&[h, h], DType::F32));
+        let wq = g.param("wq", Shape::new(&[h, h], DType::F32)).unwrap();
         let q = split(g.matmul(x, wq).unwrap());
         let k = split(g.tanh(x).unwrap());
         let v = split(x);
@@ -364,10 +368,18 @@ fn attention_written_out_in_ops_becomes_one_attention() {
         (2, 1, 9, 9, 4, 0, true),
     ] {
         let g = Graph::new("spelled-out attention");
-        let q = g.input("q", Shape::new(&[b, h, sq, d], DType::F32));
-        let k = g.input("k", Shape::new(&[b, h, sk, d], DType::F32));
-        let v = g.input("v", Shape::new(&[b, h, sk, d], DType::F32));
-        let mask = g.input("mask", Shape::new(&[b, 1, 1, sk], DType::F32));
+        let q = g
+            .input("q", Shape::new(&[b, h, sq, d], DType::F32))
+            .unwrap();
+        let k = g
+            .input("k", Shape::new(&[b, h, sk, d], DType::F32))
+            .unwrap();
+        let v = g
+            .input("v", Shape::new(&[b, h, sk, d], DType::F32))
+            .unwrap();
+        let mask = g
+            .input("mask", Shape::new(&[b, 1, 1, sk], DType::F32))
+            .unwrap();
         let qk = g.matmul(q, g.transpose(k, -1, -2).unwrap()).unwrap();
         let c = (d as f64).sqrt();
         let scaled = match form {
@@ -398,7 +410,7 @@ fn attention_written_out_in_ops_becomes_one_attention() {
     }
     // A softmax over another axis, or scores read twice, is left alone.
     let g = Graph::new("not attention");
-    let q = g.input("q", Shape::new(&[1, 2, 4, 4], DType::F32));
+    let q = g.input("q", Shape::new(&[1, 2, 4, 4], DType::F32)).unwrap();
     let qk = g.matmul(q, g.transpose(q, -1, -2).unwrap()).unwrap();
     let p = g.softmax(qk, 2).unwrap();
     g.set_outputs(vec![g.matmul(p, q).unwrap(), qk]);
@@ -413,9 +425,9 @@ fn half_precision_weights_are_read_by_the_matmul_without_a_cast() {
     for dtype in [DType::F16, DType::BF16] {
         for (m, k, n) in [(3, 17, 40), (64, 96, 130)] {
             let g = Graph::new("half weights");
-            let x = g.input("x", Shape::new(&[m, k], DType::F32));
-            let w = g.param("w", Shape::new(&[k, n], dtype));
-            let b = g.param("b", Shape::new(&[n], DType::F32));
+            let x = g.input("x", Shape::new(&[m, k], DType::F32)).unwrap();
+            let w = g.param("w", Shape::new(&[k, n], dtype)).unwrap();
+            let b = g.param("b", Shape::new(&[n], DType::F32)).unwrap();
             let y = g
                 .gelu(
                     g.add(g.matmul(x, g.cast(w, DType::F32).unwrap()).unwrap(), b)
@@ -466,7 +478,10 @@ fn a_region_built_by_hand_is_checked() {
     use rlx::ir::{BinaryOp, EwStep, Op};
     let g = Graph::new("hand-made region");
     let inputs: Vec<NodeId> = (0..17)
-        .map(|i| g.input(format!("x{i}"), Shape::new(&[4], DType::F32)))
+        .map(|i| {
+            g.input(format!("x{i}"), Shape::new(&[4], DType::F32))
+                .unwrap()
+        })
         .collect();
     let add = |a: u16, b: u16| EwStep::Binary(BinaryOp::Add, a, b);
     // Too many inputs.
@@ -504,8 +519,8 @@ fn a_region_built_by_hand_is_checked() {
     assert!(err.contains("cannot be fused"), "{err}");
     // A valid hand-made region runs and matches its definition.
     let g = Graph::new("hand-made region");
-    let x0 = g.input("x0", Shape::new(&[4], DType::F32));
-    let x1 = g.input("x1", Shape::new(&[4], DType::F32));
+    let x0 = g.input("x0", Shape::new(&[4], DType::F32)).unwrap();
+    let x1 = g.input("x1", Shape::new(&[4], DType::F32)).unwrap();
     let y = g
         .push(
             Op::Elementwise {
@@ -529,9 +544,9 @@ fn attention_as_exporters_spell_it_becomes_one_attention() {
     let mut rng = Rng(58);
     for (b, h, s, d, fully_masked) in [(1, 3, 20, 8, false), (1, 2, 33, 16, true)] {
         let g = Graph::new("exported attention");
-        let q = g.input("q", Shape::new(&[b, h, s, d], DType::F32));
-        let k = g.input("k", Shape::new(&[b, h, s, d], DType::F32));
-        let v = g.input("v", Shape::new(&[b, h, s, d], DType::F32));
+        let q = g.input("q", Shape::new(&[b, h, s, d], DType::F32)).unwrap();
+        let k = g.input("k", Shape::new(&[b, h, s, d], DType::F32)).unwrap();
+        let v = g.input("v", Shape::new(&[b, h, s, d], DType::F32)).unwrap();
         // Every third key hidden; with `fully_masked`, every key.
         let keep_values: Vec<f32> = (0..b * s)
             .map(|i| if fully_masked || i % 3 == 0 { 0.0 } else { 1.0 })

@@ -267,7 +267,7 @@ fn check(
     let g = Graph::new(label);
     let ids: Vec<NodeId> = inputs
         .iter()
-        .map(|i| g.input(i.name.clone(), i.shape.clone()))
+        .map(|i| g.input(i.name.clone(), i.shape.clone()).unwrap())
         .collect();
     let outs =
         build(&g, &ids).unwrap_or_else(|e| panic!("{label}: building the graph failed: {e}"));
@@ -429,8 +429,8 @@ fn unary_integer_and_bool_ops() {
     }
     // The builder rejects float-only ops on integers and `not` on numbers.
     let g = Graph::new("reject");
-    let i = g.input("i", Shape::new(&[3], DType::I32));
-    let f = g.input("f", Shape::new(&[3], DType::F32));
+    let i = g.input("i", Shape::new(&[3], DType::I32)).unwrap();
+    let f = g.input("f", Shape::new(&[3], DType::F32)).unwrap();
     for op in UnaryOp::ALL.into_iter().filter(|o| o.float_only()) {
         assert!(g.unary(op, i).is_err(), "{} accepted i32", op.name());
     }
@@ -670,8 +670,8 @@ fn bitwise_and_shift_ops() {
         assert_eq!(t.data, w, "{:?}", t.shape);
     }
     // Floats and bools are rejected.
-    let f = g.input("f", Shape::new(&[3], DType::F32));
-    let t = g.input("t", Shape::new(&[3], DType::Bool));
+    let f = g.input("f", Shape::new(&[3], DType::F32)).unwrap();
+    let t = g.input("t", Shape::new(&[3], DType::Bool)).unwrap();
     for x in [f, t] {
         assert!(g.binary(BinaryOp::BitAnd, x, x).is_err());
         assert!(g.unary(UnaryOp::BitNot, x).is_err());
@@ -972,7 +972,7 @@ fn reductions() {
         );
         if matches!(op, ReduceOp::Max | ReduceOp::Min) {
             let g = Graph::new("empty max");
-            let x = g.input("x", Shape::new(&[3, 0, 4], DType::F32));
+            let x = g.input("x", Shape::new(&[3, 0, 4], DType::F32)).unwrap();
             assert!(g.reduce(op, x, &[1], false).is_err());
         } else {
             s.check(
@@ -1311,7 +1311,7 @@ fn reshape_squeeze_unsqueeze() {
         },
     );
     let g = Graph::new("bad squeeze");
-    let x = g.input("x", Shape::new(&[1, 3], DType::F32));
+    let x = g.input("x", Shape::new(&[1, 3], DType::F32)).unwrap();
     assert!(g.squeeze(x, &[1]).is_err());
     assert!(g.reshape(x, &[4]).is_err());
     assert!(g.reshape_infer(x, &[-1, -1]).is_err());
@@ -1537,7 +1537,7 @@ fn concat_and_split() {
         },
     );
     let g = Graph::new("bad split");
-    let x = g.input("x", Shape::new(&[3, 4], DType::F32));
+    let x = g.input("x", Shape::new(&[3, 4], DType::F32)).unwrap();
     assert!(g.split(x, 1, &[2, 3]).is_err());
 }
 
@@ -1651,7 +1651,7 @@ fn expand_pad_tile() {
     );
     {
         let g = Graph::new("bad pad");
-        let x = g.input("x", Shape::new(&[2, 3], DType::F32));
+        let x = g.input("x", Shape::new(&[2, 3], DType::F32)).unwrap();
         assert!(g.pad(x, &[(2, 0), (0, 0)], PadMode::Reflect).is_err());
     }
     for dt in [DType::F32, DType::I8, DType::Bool] {
@@ -1991,7 +1991,7 @@ fn pooling() {
         |g, x| one(g.max_pool2d(x[0], [3, 3], [2, 2], [1, 1, 1, 1])?),
     );
     let g = Graph::new("bad pool");
-    let x = g.input("x", Shape::new(&[1, 1, 5, 5], DType::F32));
+    let x = g.input("x", Shape::new(&[1, 1, 5, 5], DType::F32)).unwrap();
     assert!(g.max_pool2d(x, [2, 2], [1, 1], [2, 0, 0, 0]).is_err());
 }
 
@@ -2188,8 +2188,8 @@ fn rope_variants() {
         );
     }
     let g = Graph::new("bad rope");
-    let x = g.input("x", Shape::new(&[4, 5], DType::F32));
-    let c = g.input("c", Shape::new(&[4, 2], DType::F32));
+    let x = g.input("x", Shape::new(&[4, 5], DType::F32)).unwrap();
+    let c = g.input("c", Shape::new(&[4, 2], DType::F32)).unwrap();
     assert!(g.rope(x, c, c, RopeStyle::HalfSplit).is_err());
 }
 
@@ -2336,8 +2336,8 @@ fn elementwise_chains_in_place_and_views() {
 #[test]
 fn params_and_constants() {
     let g = Graph::new("params");
-    let x = g.input("x", Shape::new(&[3, 4], DType::F32));
-    let w = g.param("w", Shape::new(&[4, 2], DType::F32));
+    let x = g.input("x", Shape::new(&[3, 4], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[4, 2], DType::F32)).unwrap();
     let c = g.constant_f32(&[0.5, -1.0], &[2]).unwrap();
     let k = g.scalar(2.0, DType::F32);
     let y = g
@@ -2374,9 +2374,9 @@ fn handle_graph(
     views: bool,
 ) -> Graph {
     let g = Graph::new("kv");
-    let c = g.input("cache", Shape::new(cache, DType::F32));
-    let u = g.input("upd", Shape::new(update, DType::F32));
-    let p = g.input("pos", Shape::new(&[], pos_dtype));
+    let c = g.input("cache", Shape::new(cache, DType::F32)).unwrap();
+    let u = g.input("upd", Shape::new(update, DType::F32)).unwrap();
+    let p = g.input("pos", Shape::new(&[], pos_dtype)).unwrap();
     let mut outs = Vec::new();
     // Reads of the old state through views of the handle, created before the write.
     let (flat, first) = if views {
@@ -2521,9 +2521,9 @@ fn handle_outputs_overwritten_by_write_at_are_refused() {
     // show the new state, where the reference gives the old one: compiling refuses it.
     for view in [false, true] {
         let g = Graph::new("handle output");
-        let c = g.input("cache", Shape::new(&[4, 2], DType::F32));
-        let u = g.input("upd", Shape::new(&[1, 2], DType::F32));
-        let p = g.input("pos", Shape::new(&[], DType::I32));
+        let c = g.input("cache", Shape::new(&[4, 2], DType::F32)).unwrap();
+        let u = g.input("upd", Shape::new(&[1, 2], DType::F32)).unwrap();
+        let p = g.input("pos", Shape::new(&[], DType::I32)).unwrap();
         let out = if view {
             g.slice(g.reshape(c, &[8]).unwrap(), 0, 2, 6, 1).unwrap()
         } else {
@@ -2542,8 +2542,8 @@ fn handle_outputs_overwritten_by_write_at_are_refused() {
 #[test]
 fn gather_out_of_range_is_an_error() {
     let g = Graph::new("gather oob");
-    let data = g.input("data", Shape::new(&[5, 3], DType::F32));
-    let idx = g.input("idx", Shape::new(&[4], DType::I32));
+    let data = g.input("data", Shape::new(&[5, 3], DType::F32)).unwrap();
+    let idx = g.input("idx", Shape::new(&[4], DType::I32)).unwrap();
     let e = g.exp(data).unwrap();
     let y = g.gather(e, idx, 0).unwrap();
     let z = g.add(y, g.scalar(1.0, DType::F32)).unwrap();
@@ -2587,8 +2587,8 @@ fn gather_out_of_range_is_an_error() {
     }
     // An out-of-range index is an error even when the result is empty.
     let g = Graph::new("gather oob empty");
-    let data = g.input("data", Shape::new(&[5, 0], DType::F32));
-    let idx = g.input("idx", Shape::new(&[2], DType::I64));
+    let data = g.input("data", Shape::new(&[5, 0], DType::F32)).unwrap();
+    let idx = g.input("idx", Shape::new(&[2], DType::I64)).unwrap();
     g.set_outputs(vec![g.gather(data, idx, 0).unwrap()]);
     let mut compiled = Session::new(Device::Cpu).compile(&g).unwrap();
     let err = compiled.run_typed(&[

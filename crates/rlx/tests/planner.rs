@@ -44,8 +44,8 @@ fn assert_no_overlap(c: &CompiledGraph) {
 fn deep_chain_reuses_memory() {
     let g = Graph::new("chain");
     let n = 256;
-    let x = g.input("x", Shape::new(&[n], DType::F32));
-    let w = g.param("w", Shape::new(&[n, n], DType::F32));
+    let x = g.input("x", Shape::new(&[n], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[n, n], DType::F32)).unwrap();
     let mut h = x;
     for i in 0..40 {
         // A matmul cannot run in place, so every step needs a fresh buffer.
@@ -93,9 +93,12 @@ fn random_graph(rng: &mut Rng, inputs: usize, ops: usize) -> Graph {
     let g = Graph::new("random");
     let (r, c) = (4 + rng.below(5), 4 + rng.below(5));
     let mut pool: Vec<NodeId> = (0..inputs)
-        .map(|i| g.input(format!("in{i}"), Shape::new(&[r, c], DType::F32)))
+        .map(|i| {
+            g.input(format!("in{i}"), Shape::new(&[r, c], DType::F32))
+                .unwrap()
+        })
         .collect();
-    let w = g.param("w", Shape::new(&[c, c], DType::F32));
+    let w = g.param("w", Shape::new(&[c, c], DType::F32)).unwrap();
     for _ in 0..ops {
         let a = pool[rng.below(pool.len())];
         let b = pool[rng.below(pool.len())];

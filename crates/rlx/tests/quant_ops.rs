@@ -95,11 +95,13 @@ fn quant_matmul_every_format_gemv_and_gemm() {
         // Rows of activations: the GEMV path (<= 8) and the packed GEMM (more).
         for rows in [1, 3, 8, 9, 37] {
             let g = Graph::new("qmm");
-            let a = g.input("a", Shape::new(&[rows, k], DType::F32));
-            let w = g.input(
-                "w",
-                Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8),
-            );
+            let a = g.input("a", Shape::new(&[rows, k], DType::F32)).unwrap();
+            let w = g
+                .input(
+                    "w",
+                    Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8),
+                )
+                .unwrap();
             let y = g.quant_matmul(a, w, format).unwrap();
             g.set_outputs(vec![y]);
             let a_data = (0..rows * k).map(|_| rng.uniform()).collect();
@@ -130,15 +132,19 @@ fn quant_matmul_with_batch_dims_and_dequantize() {
     let format = QuantFormat::Q4_1;
     let (k, n) = (96, 20);
     let g = Graph::new("qmm3");
-    let a = g.input("a", Shape::new(&[2, 6, k], DType::F32));
-    let w = g.input(
-        "w",
-        Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8),
-    );
-    let rows = g.input(
-        "rows",
-        Shape::new(&[3, 2, format.row_bytes(k).unwrap()], DType::U8),
-    );
+    let a = g.input("a", Shape::new(&[2, 6, k], DType::F32)).unwrap();
+    let w = g
+        .input(
+            "w",
+            Shape::new(&[n, format.row_bytes(k).unwrap()], DType::U8),
+        )
+        .unwrap();
+    let rows = g
+        .input(
+            "rows",
+            Shape::new(&[3, 2, format.row_bytes(k).unwrap()], DType::U8),
+        )
+        .unwrap();
     let y = g.quant_matmul(a, w, format).unwrap();
     let d = g.dequantize(rows, format).unwrap();
     assert_eq!(g.shape(y).unwrap().dims(), &[2, 6, n]);
@@ -169,19 +175,19 @@ fn quant_matmul_with_batch_dims_and_dequantize() {
 #[test]
 fn quant_ops_reject_bad_shapes() {
     let g = Graph::new("bad");
-    let a = g.input("a", Shape::new(&[2, 96], DType::F32));
-    let wrong_row = g.input("w", Shape::new(&[4, 61], DType::U8));
+    let a = g.input("a", Shape::new(&[2, 96], DType::F32)).unwrap();
+    let wrong_row = g.input("w", Shape::new(&[4, 61], DType::U8)).unwrap();
     let e = g
         .quant_matmul(a, wrong_row, QuantFormat::Q4_1)
         .unwrap_err()
         .to_string();
     assert!(e.contains("60") && e.contains("61"), "{e}");
-    let not_u8 = g.input("f", Shape::new(&[4, 60], DType::F32));
+    let not_u8 = g.input("f", Shape::new(&[4, 60], DType::F32)).unwrap();
     assert!(g.quant_matmul(a, not_u8, QuantFormat::Q4_1).is_err());
-    let odd_k = g.input("a2", Shape::new(&[2, 100], DType::F32));
-    let w = g.input("w2", Shape::new(&[4, 60], DType::U8));
+    let odd_k = g.input("a2", Shape::new(&[2, 100], DType::F32)).unwrap();
+    let w = g.input("w2", Shape::new(&[4, 60], DType::U8)).unwrap();
     assert!(g.quant_matmul(odd_k, w, QuantFormat::Q4_1).is_err());
-    let rows = g.input("r", Shape::new(&[3, 19], DType::U8));
+    let rows = g.input("r", Shape::new(&[3, 19], DType::U8)).unwrap();
     assert!(g.dequantize(rows, QuantFormat::Q4_1).is_err());
     // The graph still builds after the rejected calls.
     assert!(g.quant_matmul(a, w, QuantFormat::Q4_1).is_ok());
@@ -193,10 +199,16 @@ fn cached_attention_over_a_prefix_of_the_cache() {
     let (smax, hq, hkv, d) = (40, 6, 2, 8);
     for (sq, pos) in [(1, 0), (1, 17), (5, 0), (5, 12), (7, 33), (70 - 40 + 3, 5)] {
         let g = Graph::new("cached");
-        let q = g.input("q", Shape::new(&[1, sq, hq, d], DType::F32));
-        let k = g.input("k", Shape::new(&[1, smax, hkv, d], DType::F32));
-        let v = g.input("v", Shape::new(&[1, smax, hkv, d], DType::F32));
-        let p = g.input("pos", Shape::new(&[1], DType::I64));
+        let q = g
+            .input("q", Shape::new(&[1, sq, hq, d], DType::F32))
+            .unwrap();
+        let k = g
+            .input("k", Shape::new(&[1, smax, hkv, d], DType::F32))
+            .unwrap();
+        let v = g
+            .input("v", Shape::new(&[1, smax, hkv, d], DType::F32))
+            .unwrap();
+        let p = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
         let y = g.cached_attention(q, k, v, p, None).unwrap();
         g.set_outputs(vec![y]);
         let r = |n: usize, rng: &mut Rng| (0..n).map(|_| rng.uniform()).collect::<Vec<_>>();
@@ -223,9 +235,11 @@ fn cached_attention_over_a_prefix_of_the_cache() {
     }
     // A position past the cache is a run-time error, and the graph runs afterwards.
     let g = Graph::new("cached_bad");
-    let q = g.input("q", Shape::new(&[1, 4, 2, 4], DType::F32));
-    let k = g.input("k", Shape::new(&[1, 10, 1, 4], DType::F32));
-    let p = g.input("pos", Shape::new(&[1], DType::I64));
+    let q = g.input("q", Shape::new(&[1, 4, 2, 4], DType::F32)).unwrap();
+    let k = g
+        .input("k", Shape::new(&[1, 10, 1, 4], DType::F32))
+        .unwrap();
+    let p = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
     let y = g.cached_attention(q, k, k, p, None).unwrap();
     g.set_outputs(vec![y]);
     let mut c = Session::new(Device::Cpu).compile(&g).unwrap();

@@ -18,9 +18,9 @@ fn gelu(x: f64) -> f64 {
 
 fn mlp() -> Graph {
     let g = Graph::new("mlp");
-    let x = g.input("x", Shape::new(&[2, 4], DType::F32));
-    let w = g.param("w", Shape::new(&[4, 3], DType::F32));
-    let b = g.param("b", Shape::new(&[3], DType::F32));
+    let x = g.input("x", Shape::new(&[2, 4], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[4, 3], DType::F32)).unwrap();
+    let b = g.param("b", Shape::new(&[3], DType::F32)).unwrap();
     let h = g.matmul(x, w).unwrap();
     let y = g.gelu(g.add(h, b).unwrap()).unwrap();
     g.set_outputs(vec![y]);
@@ -217,8 +217,8 @@ fn running_before_params_are_set_is_an_error() {
 #[test]
 fn shape_mismatch_at_build_time_names_op_and_shapes() {
     let g = Graph::new("bad");
-    let a = g.input("a", Shape::new(&[2, 3], DType::F32));
-    let b = g.input("b", Shape::new(&[4, 5], DType::F32));
+    let a = g.input("a", Shape::new(&[2, 3], DType::F32)).unwrap();
+    let b = g.input("b", Shape::new(&[4, 5], DType::F32)).unwrap();
     let e = g.matmul(a, b).unwrap_err();
     assert!(
         matches!(&e, Error::ShapeMismatch { op, .. } if op == "matmul"),
@@ -244,8 +244,8 @@ fn shape_mismatch_at_build_time_names_op_and_shapes() {
 #[test]
 fn invalid_graphs_and_devices_are_errors() {
     let g = Graph::new("dup");
-    let a = g.input("a", Shape::new(&[2], DType::F32));
-    let _ = g.input("a", Shape::new(&[2], DType::F32));
+    let a = g.input("a", Shape::new(&[2], DType::F32)).unwrap();
+    let _ = g.input("a", Shape::new(&[2], DType::F32)).unwrap();
     g.set_outputs(vec![a]);
     let e = Session::new(Device::Cpu).compile(&g).unwrap_err();
     assert!(
@@ -253,7 +253,7 @@ fn invalid_graphs_and_devices_are_errors() {
         "{e}"
     );
     let g = Graph::new("no outputs");
-    let _ = g.input("a", Shape::new(&[2], DType::F32));
+    let _ = g.input("a", Shape::new(&[2], DType::F32)).unwrap();
     assert!(Session::new(Device::Cpu).compile(&g).is_err());
     let g = mlp();
     let e = Session::new(Device::Tpu).compile(&g).unwrap_err();
@@ -267,9 +267,11 @@ fn invalid_graphs_and_devices_are_errors() {
 
 fn kv_graph(rows: usize, dim: usize) -> Graph {
     let g = Graph::new("kv");
-    let cache = g.input("cache", Shape::new(&[rows, dim], DType::F32));
-    let row = g.input("row", Shape::new(&[1, dim], DType::F32));
-    let pos = g.input("pos", Shape::new(&[1], DType::I64));
+    let cache = g
+        .input("cache", Shape::new(&[rows, dim], DType::F32))
+        .unwrap();
+    let row = g.input("row", Shape::new(&[1, dim], DType::F32)).unwrap();
+    let pos = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
     let updated = g.write_at(cache, row, pos, 0).unwrap();
     let total = g.sum(updated, &[0], false).unwrap();
     g.set_outputs(vec![total]);
@@ -363,8 +365,8 @@ fn kv_cache_handle_accumulates_rows() {
 fn f16_and_bf16_round_trip_exactly() {
     for dtype in [DType::F16, DType::BF16] {
         let g = Graph::new("typed");
-        let x = g.input("x", Shape::new(&[4], dtype));
-        let w = g.param("w", Shape::new(&[4], dtype));
+        let x = g.input("x", Shape::new(&[4], dtype)).unwrap();
+        let w = g.param("w", Shape::new(&[4], dtype)).unwrap();
         let y = g.mul(x, w).unwrap();
         let w_out = g.reshape(w, &[2, 2]).unwrap();
         g.set_outputs(vec![y, w_out]);
@@ -406,8 +408,8 @@ fn f16_and_bf16_round_trip_exactly() {
 #[test]
 fn runtime_errors_leave_the_graph_usable() {
     let g = Graph::new("gather");
-    let table = g.param("table", Shape::new(&[5, 2], DType::F32));
-    let ids = g.input("ids", Shape::new(&[3], DType::I32));
+    let table = g.param("table", Shape::new(&[5, 2], DType::F32)).unwrap();
+    let ids = g.input("ids", Shape::new(&[3], DType::I32)).unwrap();
     let rows = g.gather(table, ids, 0).unwrap();
     g.set_outputs(vec![rows]);
     let mut c = Session::new(Device::Cpu).compile(&g).unwrap();
@@ -425,9 +427,9 @@ fn runtime_errors_leave_the_graph_usable() {
 /// The same two-layer model at batch `rows`: params `w` [4, 3] and `b` [3].
 fn mlp_rows(rows: usize) -> Graph {
     let g = Graph::new("mlp_rows");
-    let x = g.input("x", Shape::new(&[rows, 4], DType::F32));
-    let w = g.param("w", Shape::new(&[4, 3], DType::F32));
-    let b = g.param("b", Shape::new(&[3], DType::F32));
+    let x = g.input("x", Shape::new(&[rows, 4], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[4, 3], DType::F32)).unwrap();
+    let b = g.param("b", Shape::new(&[3], DType::F32)).unwrap();
     let y = g.add(g.matmul(x, w).unwrap(), b).unwrap();
     g.set_outputs(vec![y]);
     g
@@ -463,9 +465,9 @@ fn graphs_of_one_model_share_params_without_copying() {
 /// `x [rows, 300] @ w [300, 130] + b` and its `f64` reference.
 fn wide_linear(rows: usize) -> Graph {
     let g = Graph::new("wide_linear");
-    let x = g.input("x", Shape::new(&[rows, 300], DType::F32));
-    let w = g.param("w", Shape::new(&[300, 130], DType::F32));
-    let b = g.param("b", Shape::new(&[130], DType::F32));
+    let x = g.input("x", Shape::new(&[rows, 300], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[300, 130], DType::F32)).unwrap();
+    let b = g.param("b", Shape::new(&[130], DType::F32)).unwrap();
     g.set_outputs(vec![g.add(g.matmul(x, w).unwrap(), b).unwrap()]);
     g
 }
@@ -552,9 +554,9 @@ fn sharing_params_of_another_shape_is_an_error_and_changes_nothing() {
     a.set_param("w", &W).unwrap();
     a.set_param("b", &B).unwrap();
     let other = Graph::new("wide");
-    let x = other.input("x", Shape::new(&[1, 4], DType::F32));
-    let w = other.param("w", Shape::new(&[4, 3], DType::F32));
-    let b = other.param("b", Shape::new(&[1, 3], DType::F32));
+    let x = other.input("x", Shape::new(&[1, 4], DType::F32)).unwrap();
+    let w = other.param("w", Shape::new(&[4, 3], DType::F32)).unwrap();
+    let b = other.param("b", Shape::new(&[1, 3], DType::F32)).unwrap();
     other.set_outputs(vec![other.add(other.matmul(x, w).unwrap(), b).unwrap()]);
     let mut wide = session.compile(other).unwrap();
     let err = wide.share_params_from(&a).unwrap_err();

@@ -156,6 +156,34 @@ impl GemmScratch {
         }
     }
 
+    /// As [`GemmScratch::new`], but a size that overflows or an allocation that fails
+    /// is an [`rlx_ir::Error::OutOfMemory`] ("gemm scratch") instead of an abort.
+    pub fn try_new(threads: usize, extra: usize) -> rlx_ir::Result<GemmScratch> {
+        let threads = threads.max(1);
+        let len = scratch_floats()
+            .checked_add(extra)
+            .and_then(|n| n.checked_add(LINE_FLOATS));
+        let out_of_memory = |floats: Option<usize>| rlx_ir::Error::OutOfMemory {
+            tensor: format!("gemm scratch ({threads} threads)"),
+            bytes: floats
+                .and_then(|n| n.checked_mul(4 * threads))
+                .unwrap_or(usize::MAX),
+        };
+        let len = len.ok_or_else(|| out_of_memory(None))?;
+        let mut per_thread = Vec::new();
+        per_thread
+            .try_reserve_exact(threads)
+            .map_err(|_| out_of_memory(Some(len)))?;
+        for _ in 0..threads {
+            let mut buf: Vec<f32> = Vec::new();
+            buf.try_reserve_exact(len)
+                .map_err(|_| out_of_memory(Some(len)))?;
+            buf.resize(len, 0.0);
+            per_thread.push(UnsafeCell::new(buf));
+        }
+        Ok(GemmScratch { per_thread, extra })
+    }
+
     /// Threads it has buffers for.
     pub fn threads(&self) -> usize {
         self.per_thread.len()
@@ -224,7 +252,8 @@ pub(crate) fn packed_panel_width(n: usize) -> usize {
 /// Length in floats of `B [k, n]` packed by [`pack_b_panels`].
 pub(crate) fn packed_len(k: usize, n: usize) -> usize {
     let nr = packed_panel_width(n);
-    n.div_ceil(nr) * nr * k
+    // Saturates rather than wraps, so an impossible size fails the allocation's check.
+    n.div_ceil(nr).saturating_mul(nr).saturating_mul(k)
 }
 
 /// Packs a row-major `B [k, n]` into `out` ([`packed_len`] floats) in the layout of

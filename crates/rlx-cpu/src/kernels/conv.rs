@@ -32,16 +32,7 @@ fn reads_in_place(win: &Window2d) -> bool {
 /// Writes the patches of one image's group (`c` channels of `h x w` at `x`) as a
 /// `[c * kh * kw, oh * ow]` matrix: row `(ic, ky, kx)` holds the input value each
 /// output pixel's tap reads (0 in the padding).
-fn im2col(
-    win: &Window2d,
-    x: &[f32],
-    c: usize,
-    h: usize,
-    w: usize,
-    oh: usize,
-    ow: usize,
-    col: &mut [f32],
-) {
+fn im2col(win: &Window2d, x: &[f32], [c, h, w]: [usize; 3], [oh, ow]: [usize; 2], col: &mut [f32]) {
     let [kh, kw] = win.kernel;
     let p = oh * ow;
     for ic in 0..c {
@@ -69,8 +60,7 @@ fn im2col(
 pub(crate) fn conv2d_f32(
     win: &Window2d,
     groups: usize,
-    x: Src,
-    w: Src,
+    [x, w]: [Src; 2],
     bias: Option<Src>,
     out: Dst,
     col: &mut [f32],
@@ -103,7 +93,7 @@ pub(crate) fn conv2d_f32(
             let cols: &[f32] = if in_place {
                 image
             } else {
-                im2col(win, image, cg, h, wd, oh, ow, &mut col[..k * p]);
+                im2col(win, image, [cg, h, wd], [oh, ow], &mut col[..k * p]);
                 &col[..k * p]
             };
             let dst = &mut os[(b * o + g * og) * p..][..og * p];

@@ -206,7 +206,7 @@ pub(crate) fn run<'a>(
                     scratch.len() * 2,
                 )
             };
-            let r = conv::conv2d_f32(window, *groups, src(0), src(1), opt(2), out, col, ctx);
+            let r = conv::conv2d_f32(window, *groups, [src(0), src(1)], opt(2), out, col, ctx);
             ctx.scratch = scratch;
             r?
         }

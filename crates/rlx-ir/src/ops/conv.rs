@@ -83,8 +83,21 @@ pub fn window_output(op: &str, win: &Window2d, h: usize, w: usize) -> Result<[us
     }
     let mut out = [0; 2];
     for (a, size) in [h, w].into_iter().enumerate() {
-        let padded = size + win.padding[a] + win.padding[a + 2];
-        let span = win.dilation[a] * (win.kernel[a] - 1) + 1;
+        let padded = size
+            .checked_add(win.padding[a])
+            .and_then(|p| p.checked_add(win.padding[a + 2]));
+        let span = win.dilation[a]
+            .checked_mul(win.kernel[a] - 1)
+            .and_then(|s| s.checked_add(1));
+        let (Some(padded), Some(span)) = (padded, span) else {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "{win:?}: padded extent or window span overflows on axis {}",
+                    a + 2
+                ),
+            ));
+        };
         if padded < span {
             return Err(Error::invalid(
                 op,
@@ -148,7 +161,11 @@ pub(crate) fn infer_pool(op: &str, win: &Window2d, x: &Shape) -> Result<Shape> {
     }
     // Padding narrower than the window keeps every window on at least one input
     // element, so a max never sees only padding and an average never divides by 0.
-    let span = |a: usize| win.dilation[a] * (win.kernel[a].max(1) - 1) + 1;
+    let span = |a: usize| {
+        win.dilation[a]
+            .saturating_mul(win.kernel[a].max(1) - 1)
+            .saturating_add(1)
+    };
     if (0..4).any(|i| win.padding[i] >= span(i % 2)) {
         return Err(Error::invalid(
             op,

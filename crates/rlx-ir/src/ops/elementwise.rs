@@ -280,15 +280,15 @@ mod tests {
     #[test]
     fn broadcasting_and_errors() {
         let g = Graph::new("t");
-        let a = g.input("a", Shape::new(&[2, 1, 4], DType::F32));
-        let b = g.input("b", Shape::new(&[3, 1], DType::F32));
+        let a = g.input("a", Shape::new(&[2, 1, 4], DType::F32)).unwrap();
+        let b = g.input("b", Shape::new(&[3, 1], DType::F32)).unwrap();
         let c = g.add(a, b).unwrap();
         assert_eq!(g.shape(c).unwrap(), Shape::new(&[2, 3, 4], DType::F32));
-        let d = g.input("d", Shape::new(&[5], DType::F32));
+        let d = g.input("d", Shape::new(&[5], DType::F32)).unwrap();
         let err = g.mul(a, d).unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { ref op, .. } if op == "mul"));
         assert!(err.to_string().contains("f32[2, 1, 4]") && err.to_string().contains("f32[5]"));
-        let i = g.input("i", Shape::new(&[4], DType::I32));
+        let i = g.input("i", Shape::new(&[4], DType::I32)).unwrap();
         assert!(matches!(g.add(a, i), Err(Error::DTypeMismatch { .. })));
         assert!(matches!(g.exp(i), Err(Error::DTypeMismatch { .. })));
         let m = g.lt(a, b).unwrap();

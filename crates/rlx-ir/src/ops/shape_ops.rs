@@ -20,11 +20,14 @@ impl Graph {
     /// Like [`Graph::reshape`], but one entry may be `-1` and is inferred.
     pub fn reshape_infer(&self, x: NodeId, dims: &[isize]) -> Result<NodeId> {
         let shape = self.shape(x)?;
-        let known: usize = dims
+        let known = dims
             .iter()
             .filter(|&&d| d >= 0)
-            .map(|&d| d as usize)
-            .product();
+            .try_fold(1usize, |n, &d| n.checked_mul(d as usize))
+            .ok_or_else(|| Error::SizeOverflow {
+                context: "reshape".into(),
+                what: format!("the product of {dims:?}"),
+            })?;
         let holes = dims.iter().filter(|&&d| d == -1).count();
         if holes > 1 || dims.iter().any(|&d| d < -1) {
             return Err(Error::invalid(
@@ -291,9 +294,14 @@ pub(crate) fn infer_slice(axes: &[SliceAxis], x: &Shape) -> Result<Shape> {
         ));
     }
     for (a, s) in axes.iter().enumerate() {
-        let last = s.start as isize + (s.len as isize - 1) * s.step;
+        // The last index read, `start + (len - 1) * step`, computed without overflow.
+        let last = isize::try_from(s.start).ok().and_then(|start| {
+            let steps = isize::try_from(s.len.checked_sub(1)?).ok()?;
+            start.checked_add(steps.checked_mul(s.step)?)
+        });
         let ok = s.step != 0
-            && (s.len == 0 || (s.start < x.dim(a) && last >= 0 && (last as usize) < x.dim(a)));
+            && (s.len == 0
+                || (s.start < x.dim(a) && last.is_some_and(|l| l >= 0 && (l as usize) < x.dim(a))));
         if !ok {
             return Err(Error::invalid(
                 "slice",
@@ -314,7 +322,7 @@ pub(crate) fn infer_concat(axis: usize, xs: &[&Shape]) -> Result<Shape> {
             format!("axis {axis} out of range for {first}"),
         ));
     }
-    let mut total = 0;
+    let mut total = 0usize;
     for s in xs {
         super::same_dtype("concat", first, s)?;
         let agree = s.rank() == first.rank()
@@ -327,7 +335,13 @@ pub(crate) fn infer_concat(axis: usize, xs: &[&Shape]) -> Result<Shape> {
                 format!("dimensions other than axis {axis} must agree"),
             ));
         }
-        total += s.dim(axis);
+        total = s
+            .dim(axis)
+            .checked_add(total)
+            .ok_or_else(|| Error::SizeOverflow {
+                context: "concat".into(),
+                what: format!("the sum of {} extents along axis {axis}", xs.len()),
+            })?;
     }
     let mut dims = first.dims().to_vec();
     dims[axis] = total;
@@ -386,8 +400,12 @@ pub(crate) fn infer_pad(pads: &[(usize, usize)], mode: PadMode, x: &Shape) -> Re
         &pads
             .iter()
             .zip(x.dims())
-            .map(|(&(b, a), &d)| b + d + a)
-            .collect::<Vec<_>>(),
+            .map(|(&(b, a), &d)| b.checked_add(d)?.checked_add(a))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Error::SizeOverflow {
+                context: "pad".into(),
+                what: format!("{x} padded by {pads:?}"),
+            })?,
     ))
 }
 
@@ -402,8 +420,12 @@ pub(crate) fn infer_tile(reps: &[usize], x: &Shape) -> Result<Shape> {
         &reps
             .iter()
             .zip(x.dims())
-            .map(|(r, d)| r * d)
-            .collect::<Vec<_>>(),
+            .map(|(r, d)| r.checked_mul(*d))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Error::SizeOverflow {
+                context: "tile".into(),
+                what: format!("{x} tiled {reps:?} times"),
+            })?,
     ))
 }
 

@@ -113,9 +113,9 @@ pub fn build_encoder(
     };
     let (h, heads, hd) = (config.hidden_size, config.num_heads, config.head_dim());
     let ids_shape = Shape::new(&[batch, seq], DType::I64);
-    let ids = g.input("input_ids", ids_shape.clone());
-    let types = g.input("token_type_ids", ids_shape.clone());
-    let mask = g.input("attention_mask", ids_shape);
+    let ids = g.input("input_ids", ids_shape.clone())?;
+    let types = g.input("token_type_ids", ids_shape.clone())?;
+    let mask = g.input("attention_mask", ids_shape)?;
 
     // Embeddings: word + position + token type, then LayerNorm.
     let words = g.gather(
@@ -223,7 +223,7 @@ impl Builder<'_> {
     /// The param `name` as `f32` (cast in the graph when stored otherwise).
     fn weight(&self, name: &str, dims: &[usize]) -> Result<NodeId> {
         let dtype = (self.dtype_of)(name);
-        let p = self.g.param(name, Shape::new(dims, dtype));
+        let p = self.g.param(name, Shape::new(dims, dtype))?;
         if dtype == DType::F32 {
             Ok(p)
         } else {

@@ -70,7 +70,7 @@ pub fn rope_tables(config: &LlamaConfig, max_seq: usize) -> (Vec<f32>, Vec<f32>)
 /// Adds `x @ W^T` for the linear weight `name` (packed rows or a dense `[K, N]`).
 fn linear(g: &Graph, weights: &LlamaWeights, x: NodeId, name: &str) -> Result<NodeId> {
     let entry = weights.entry(name)?;
-    let w = g.param(name, entry.shape.clone());
+    let w = g.param(name, entry.shape.clone())?;
     match entry.format {
         Some(format) => g.quant_matmul(x, w, format),
         None => g.matmul(x, w),
@@ -88,14 +88,14 @@ pub fn build_graph(
 ) -> Result<Graph> {
     let c = config;
     let g = Graph::new(format!("llama_s{seq}"));
-    let tokens = g.input("tokens", Shape::new(&[seq], DType::I64));
-    let pos = g.input("pos", Shape::new(&[1], DType::I64));
-    let rows = g.input("logit_rows", Shape::new(&[logit_rows], DType::I64));
+    let tokens = g.input("tokens", Shape::new(&[seq], DType::I64))?;
+    let pos = g.input("pos", Shape::new(&[1], DType::I64))?;
+    let rows = g.input("logit_rows", Shape::new(&[logit_rows], DType::I64))?;
     let half = c.head_dim / 2;
 
     // Token embedding: packed rows are gathered, then decoded.
     let embd = weights.entry("token_embd.weight")?;
-    let table = g.param("token_embd.weight", embd.shape.clone());
+    let table = g.param("token_embd.weight", embd.shape.clone())?;
     let picked = g.gather(table, tokens, 0)?;
     let mut x = match embd.format {
         Some(format) => g.dequantize(picked, format)?,
@@ -109,7 +109,7 @@ pub fn build_graph(
     )?;
     let table_shape = Shape::new(&[max_seq, half], DType::F32);
     let rope = |name: &str| -> Result<NodeId> {
-        let t = g.param(name, table_shape.clone());
+        let t = g.param(name, table_shape.clone())?;
         g.reshape(g.gather(t, positions, 0)?, &[1, seq, 1, half])
     };
     let (cos, sin) = (rope("rope.cos")?, rope("rope.sin")?);
@@ -118,7 +118,7 @@ pub fn build_graph(
     for l in 0..c.layers {
         let p = |s: &str| format!("blk.{l}.{s}.weight");
         let norm_w = |s: &str| g.param(p(s), Shape::new(&[c.hidden], DType::F32));
-        let h = g.rms_norm(x, norm_w("attn_norm"), eps)?;
+        let h = g.rms_norm(x, norm_w("attn_norm")?, eps)?;
         let q = g.reshape(
             linear(&g, weights, h, &p("attn_q"))?,
             &[1, seq, c.heads, c.head_dim],
@@ -134,21 +134,21 @@ pub fn build_graph(
         let q = g.rope(q, cos, sin, c.rope_style)?;
         let k = g.rope(k, cos, sin, c.rope_style)?;
         let cache_shape = Shape::new(&[1, max_seq, c.kv_heads, c.head_dim], DType::F32);
-        let k_cache = g.input(k_cache_name(l), cache_shape.clone());
-        let v_cache = g.input(v_cache_name(l), cache_shape);
+        let k_cache = g.input(k_cache_name(l), cache_shape.clone())?;
+        let v_cache = g.input(v_cache_name(l), cache_shape)?;
         let k_all = g.write_at(k_cache, k, pos, 1)?;
         let v_all = g.write_at(v_cache, v, pos, 1)?;
         let att = g.cached_attention(q, k_all, v_all, pos, None)?;
         let att = g.reshape(att, &[seq, c.q_width()])?;
         x = g.add(x, linear(&g, weights, att, &p("attn_output"))?)?;
 
-        let h = g.rms_norm(x, norm_w("ffn_norm"), eps)?;
+        let h = g.rms_norm(x, norm_w("ffn_norm")?, eps)?;
         let gate = linear(&g, weights, h, &p("ffn_gate"))?;
         let up = linear(&g, weights, h, &p("ffn_up"))?;
         let act = g.mul(g.silu(gate)?, up)?;
         x = g.add(x, linear(&g, weights, act, &p("ffn_down"))?)?;
     }
-    let final_norm = g.param("output_norm.weight", Shape::new(&[c.hidden], DType::F32));
+    let final_norm = g.param("output_norm.weight", Shape::new(&[c.hidden], DType::F32))?;
     let last = g.gather(x, rows, 0)?;
     let h = g.rms_norm(last, final_norm, eps)?;
     let logits = if weights.has_output_head() {

@@ -384,7 +384,7 @@ fn taps(s: &Settings, input: usize, output: usize, scale: f64, crop: Option<(f64
         let p = xp.floor();
         let frac = xp - p;
         let half = (n / 2) as i64;
-        let offset = if n % 2 == 0 {
+        let offset = if n.is_multiple_of(2) {
             if frac == 0.0 { -half } else { -half + 1 }
         } else {
             let base = -(((n - 1) / 2) as i64);

@@ -202,7 +202,12 @@ fn reshape(cx: &mut Cx) -> Result<Vec<NodeId>> {
     }
     let total: usize = src.iter().product();
     if let Some(i) = infer {
-        let known: usize = dims.iter().product();
+        // The shape comes from the file: a product that overflows cannot divide
+        // `total` (which fits), so it is reported like any other mismatch.
+        let known = dims
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .unwrap_or(0);
         if known == 0 || !total.is_multiple_of(known) {
             return Err(Error::invalid(
                 "Reshape",
