@@ -122,6 +122,9 @@ pub(crate) struct Sink<'a> {
     params: &'a mut Vec<(String, TensorData)>,
     param_names: &'a mut HashSet<String>,
     specialized: &'a mut BTreeSet<String>,
+    /// Nodes made from known values (e.g. a transposed weight), by the value's
+    /// address and what was made, so every reader shares one.
+    derived: &'a mut HashMap<(usize, &'static str), NodeId>,
     /// Scratch graphs for folding take every known value as a constant.
     folding: bool,
 }
@@ -253,6 +256,10 @@ impl<'a> Cx<'a> {
         let known = self.operand(i)?.slot.known.clone();
         match known {
             Some(t) if t.dims.len() == 2 && t.data.dtype().is_float() => {
+                let key = (Rc::as_ptr(&t) as usize, "transposed");
+                if let Some(&id) = self.sink.derived.get(&key) {
+                    return Ok(id);
+                }
                 let (r, c) = (t.dims[0], t.dims[1]);
                 let v = t.to_f64_vec();
                 let mut out = vec![0.0; v.len()];
@@ -266,7 +273,9 @@ impl<'a> Cx<'a> {
                     data: TensorData::from_f64(t.data.dtype(), &out),
                 };
                 let name = format!("{}.T", self.operand(i)?.name);
-                materialize(self.g, &mut self.sink, &name, &tt)
+                let id = materialize(self.g, &mut self.sink, &name, &tt)?;
+                self.sink.derived.insert(key, id);
+                Ok(id)
             }
             _ => {
                 let x = self.input(i)?;
@@ -410,6 +419,7 @@ pub(crate) struct Importer<'m> {
     /// Given values of graph inputs, by their node.
     hints: HashMap<NodeId, Rc<Tensor>>,
     specialized: BTreeSet<String>,
+    derived: HashMap<(usize, &'static str), NodeId>,
 }
 
 impl<'m> Importer<'m> {
@@ -427,6 +437,7 @@ impl<'m> Importer<'m> {
             inputs: Vec::new(),
             hints: HashMap::new(),
             specialized: BTreeSet::new(),
+            derived: HashMap::new(),
         })
     }
 
@@ -717,6 +728,7 @@ impl<'m> Importer<'m> {
                 params: &mut self.params,
                 param_names: &mut self.param_names,
                 specialized: &mut self.specialized,
+                derived: &mut self.derived,
                 folding: false,
             },
         };
@@ -772,6 +784,7 @@ impl<'m> Importer<'m> {
         let scratch = Graph::new("fold");
         let mut params = Vec::new();
         let mut names = HashSet::new();
+        let mut derived = HashMap::new();
         let mut cx = Cx {
             g: &scratch,
             node,
@@ -781,6 +794,7 @@ impl<'m> Importer<'m> {
                 params: &mut params,
                 param_names: &mut names,
                 specialized: &mut self.specialized,
+                derived: &mut derived,
                 folding: true,
             },
         };
@@ -841,6 +855,7 @@ impl<'m> Importer<'m> {
             params: &mut self.params,
             param_names: &mut self.param_names,
             specialized: &mut self.specialized,
+            derived: &mut self.derived,
             folding: false,
         };
         materialize(&self.graph, &mut sink, name, &known)

@@ -26,6 +26,9 @@ pub struct FusionOptions {
     pub attention_layout: bool,
     /// Recognize attention written out as matmul, scale, mask, softmax and matmul.
     pub attention_pattern: bool,
+    /// Turn products of gathered rows by one weight into one product and gathers
+    /// (see [`hoist_gathered_matmuls`](crate::hoist::hoist_gathered_matmuls)).
+    pub hoist_gathered_matmuls: bool,
 }
 
 impl FusionOptions {
@@ -35,6 +38,7 @@ impl FusionOptions {
         elementwise_regions: true,
         attention_layout: true,
         attention_pattern: true,
+        hoist_gathered_matmuls: true,
     };
 }
 
@@ -677,7 +681,7 @@ pub struct Fused {
     pub remap: Vec<NodeId>,
 }
 
-fn finish(graph: &Graph, w: Rewriter, records: Vec<(usize, Vec<String>)>) -> Fused {
+pub(crate) fn finish(graph: &Graph, w: Rewriter, records: Vec<(usize, Vec<String>)>) -> Fused {
     let records = records
         .into_iter()
         .map(|(old, replaced)| FusionRecord {

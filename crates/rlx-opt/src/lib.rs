@@ -9,6 +9,7 @@
 pub mod cse;
 pub mod dce;
 pub mod fuse;
+pub mod hoist;
 pub mod lifetimes;
 mod plan;
 mod rewrite;

@@ -205,6 +205,14 @@ pub fn plan_graph(graph: &Graph, options: &PlanOptions) -> Result<Plan> {
         graph = fused.graph;
         fusions.extend(fused.records);
     }
+    if options.fusion.hoist_gathered_matmuls {
+        let fused = crate::hoist::hoist_gathered_matmuls(&graph);
+        for r in &mut fusions {
+            r.node = fused.remap[r.node.index()];
+        }
+        graph = fused.graph;
+        fusions.extend(fused.records);
+    }
     if options.fusion.matmul_epilogue {
         let fused = crate::fuse::fuse_matmul_epilogues(&graph);
         for r in &mut fusions {

@@ -31,6 +31,20 @@ impl Rewriter {
         self.nodes.push(node);
     }
 
+    /// Adds a node that has no old counterpart (operands given as old ids) and
+    /// returns its new id.
+    pub fn insert(&mut self, mut node: Node) -> NodeId {
+        node.inputs = node.inputs.iter().map(|&id| self.map(id)).collect();
+        self.nodes.push(node);
+        NodeId::from_index(self.nodes.len() - 1)
+    }
+
+    /// Places `node`, whose operands are already new ids, as the new form of `old`.
+    pub fn place_with_new_inputs(&mut self, old: usize, node: Node) {
+        self.remap[old] = Some(NodeId::from_index(self.nodes.len()));
+        self.nodes.push(node);
+    }
+
     /// Makes old node `old` an alias of old node `target` (already placed; `target`
     /// is an old id, not a new one).
     pub fn alias(&mut self, old: usize, target: NodeId) {

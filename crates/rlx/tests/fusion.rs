@@ -598,3 +598,61 @@ fn attention_as_exporters_spell_it_becomes_one_attention() {
         check(&g, &mut rng, &format!("exported attention s={s} d={d}"));
     }
 }
+
+#[test]
+fn products_of_gathered_rows_by_one_weight_become_one_product() {
+    // An unrolled recurrence: each step multiplies its row of the sequence by the same
+    // weight and feeds the previous step's result in.
+    let mut rng = Rng(59);
+    let (steps, features, width) = (6, 40, 24);
+    let g = Graph::new("unrolled");
+    let x = g
+        .input("x", Shape::new(&[steps, 2, features], DType::F32))
+        .unwrap();
+    let w = g
+        .param("w", Shape::new(&[features, width], DType::F32))
+        .unwrap();
+    let r = g
+        .param("r", Shape::new(&[width, width], DType::F32))
+        .unwrap();
+    let mut h: Option<NodeId> = None;
+    for t in 0..steps {
+        let idx = g.constant(TensorData::I64(vec![t as i64]), &[]).unwrap();
+        let row = g.gather(x, idx, 0).unwrap();
+        let mut y = g.matmul(row, w).unwrap();
+        if let Some(prev) = h {
+            y = g.add(y, g.matmul(prev, r).unwrap()).unwrap();
+        }
+        h = Some(g.tanh(y).unwrap());
+    }
+    g.set_outputs(vec![h.unwrap()]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    let products = plan
+        .graph
+        .nodes()
+        .iter()
+        .filter(|n| n.op.name().contains("matmul") && n.shape.dims()[0] == steps)
+        .count();
+    assert_eq!(products, 1, "{}", plan.graph);
+    check(&g, &mut rng, "hoisted gathered products");
+    // Too few rows taken (one step of six): left alone.
+    let g = Graph::new("one row");
+    let x = g
+        .input("x", Shape::new(&[steps, features], DType::F32))
+        .unwrap();
+    let w = g
+        .param("w", Shape::new(&[features, width], DType::F32))
+        .unwrap();
+    let idx = g.constant(TensorData::I64(vec![2]), &[1]).unwrap();
+    g.set_outputs(vec![g.matmul(g.gather(x, idx, 0).unwrap(), w).unwrap()]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    let nodes = plan.graph.nodes();
+    assert!(
+        nodes
+            .iter()
+            .any(|n| n.op.name() == "gather" && nodes[n.inputs[0].index()].op.name() == "input"),
+        "{}",
+        plan.graph
+    );
+    check(&g, &mut rng, "one gathered row");
+}
