@@ -28,6 +28,12 @@ pub struct InspectArgs {
     /// Compile the graph as built: no folding, CSE or fusion (for comparison).
     #[arg(long)]
     no_optimize: bool,
+    /// Print only the graph after this pipeline stage: `import` (as built or
+    /// imported) or one of the compiler's stages (fold, cse, dce, fuse.attention,
+    /// fuse.attention_layout, fuse.hoist, fuse.epilogue, fuse.regions, dce.fused).
+    /// `RLX_DUMP_AFTER=STAGE` prints the same to stderr during any compile.
+    #[arg(long, value_name = "STAGE")]
+    after: Option<String>,
 }
 
 /// Builds the example, compiles it and prints graph, memory plan and kernels.
@@ -53,6 +59,24 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
         }
         None => args.example.build().context("building the example graph")?,
     };
+    if let Some(stage) = &args.after {
+        if stage == "import" {
+            println!("{graph}");
+            return Ok(());
+        }
+        let plan_options = rlx::opt::PlanOptions {
+            simplify: !args.no_optimize,
+            fusion: if args.no_optimize {
+                rlx::opt::FusionOptions::default()
+            } else {
+                rlx::opt::FusionOptions::ALL
+            },
+            ..Default::default()
+        };
+        let after = rlx::opt::graph_after(&graph, &plan_options, stage)?;
+        println!("after {stage}: {after}");
+        return Ok(());
+    }
     let options = CompileOptions::new()
         .memory_reuse(!args.no_reuse)
         .optimize(!args.no_optimize);

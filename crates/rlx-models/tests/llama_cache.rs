@@ -129,3 +129,31 @@ fn a_seed_repeats_sampled_text() {
     let b = llm.generate(&prompt, &options, |_| Ok(())).unwrap().ids;
     assert_eq!(a, b);
 }
+
+/// The kernels of one decoder layer at decode time: 2 RMSNorms, 7 quantized
+/// projections (q, k, v, o, gate, up, down), 2 rotary embeddings, 2 cache writes, one
+/// cached attention, the SwiGLU product as one region, 2 residual adds. A lost fusion
+/// (e.g. the gate's silu and the up product no longer one region) fails this test.
+#[test]
+fn a_llama_layer_compiles_to_seventeen_kernels() {
+    let mut llm = Llm::load("smollm2").unwrap();
+    let layers = llm.config().layers;
+    let kernels: Vec<String> = llm
+        .decode_graph()
+        .kernels()
+        .into_iter()
+        .map(|(_, k)| k)
+        .collect();
+    let count = |what: &str| kernels.iter().filter(|k| k.contains(what)).count();
+    let listing = kernels.join("\n");
+    // Per layer, then the rest: the embedding gather and decode, the position
+    // arithmetic, the gathered logit rows, the final norm and the head.
+    assert_eq!(count("cached_attention"), layers, "{listing}");
+    assert_eq!(count("q4_1.matmul"), 7 * layers, "{listing}");
+    assert_eq!(count("rope"), 2 * layers, "{listing}");
+    assert_eq!(count("write_at"), 2 * layers, "{listing}");
+    assert_eq!(count("rms_norm"), 2 * layers + 1, "{listing}");
+    assert_eq!(count("region2"), layers, "{listing}");
+    assert_eq!(count("region1.add"), 2 * layers, "{listing}");
+    assert_eq!(kernels.len(), 17 * layers + 8, "{listing}");
+}

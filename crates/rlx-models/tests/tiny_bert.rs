@@ -630,3 +630,48 @@ fn checkpoints_with_a_bert_prefix_load() {
     );
     assert_close(&got[0], &want, "bert. prefix");
 }
+
+/// The kernels of one encoder layer: fused q, k, v projections (one GEMM each, bias in
+/// the epilogue), one flash attention reading the heads in place, the output
+/// projection with bias and residual, layer norm, the up projection with bias and GELU,
+/// the down projection with bias and residual, layer norm. A lost fusion adds kernels
+/// and fails this test.
+#[test]
+fn a_bert_layer_compiles_to_nine_kernels() {
+    let weights = random_weights(5);
+    let dir = temp_dir("kernels");
+    write_model(&dir, &weights, Dtype::F32, Pooling::Mean, true, 32);
+    let kernels = |dir: &Path| -> Vec<String> {
+        let embedder = load(dir).unwrap();
+        let compiled = embedder.compile(2, 16).unwrap();
+        compiled.kernels().into_iter().map(|(_, k)| k).collect()
+    };
+    let two = kernels(&dir);
+    // The same model cut to one layer (the second layer's weights go unread).
+    let one_layer = config_json().replace(
+        &format!("\"num_hidden_layers\": {LAYERS}"),
+        "\"num_hidden_layers\": 1",
+    );
+    assert_ne!(one_layer, config_json());
+    std::fs::write(dir.join("config.json"), one_layer).unwrap();
+    let one = kernels(&dir);
+    assert_eq!(LAYERS, 2);
+    let per_layer = two.len() - one.len();
+    let count = |ks: &[String], what: &str| ks.iter().filter(|k| k.contains(what)).count();
+    assert_eq!(
+        per_layer,
+        9,
+        "one layer:\n{}\ntwo layers:\n{}",
+        one.join("\n"),
+        two.join("\n")
+    );
+    assert_eq!(count(&two, "attention") - count(&one, "attention"), 1);
+    assert_eq!(
+        count(&two, "matmul+epilogue") - count(&one, "matmul+epilogue"),
+        6
+    );
+    assert_eq!(count(&two, "layer_norm") - count(&one, "layer_norm"), 2);
+    for k in &two {
+        assert!(!k.contains("permute") && !k.contains("softmax"), "{k}");
+    }
+}

@@ -17,4 +17,6 @@ pub mod schedule;
 
 pub use fuse::{FusionOptions, FusionRecord};
 pub use lifetimes::{Lifetime, OffsetAssignment, assign_offsets};
-pub use plan::{Location, MemoryStats, Plan, PlanOptions, Region, Source, plan_graph};
+pub use plan::{
+    Location, MemoryStats, Plan, PlanOptions, Region, STAGES, Source, graph_after, plan_graph,
+};

@@ -180,61 +180,106 @@ impl Plan {
     }
 }
 
+/// The graph-to-graph stages of the compile pipeline, in the order they run. A stage
+/// that `PlanOptions` turns off leaves the graph as it is. After them come the
+/// schedule and the memory plan.
+pub const STAGES: [&str; 9] = [
+    "fold",
+    "cse",
+    "dce",
+    "fuse.attention",
+    "fuse.attention_layout",
+    "fuse.hoist",
+    "fuse.epilogue",
+    "fuse.regions",
+    "dce.fused",
+];
+
+/// The graph as it stands after pipeline stage `stage` (one of [`STAGES`]).
+pub fn graph_after(graph: &Graph, options: &PlanOptions, stage: &str) -> Result<Graph> {
+    if !STAGES.contains(&stage) {
+        return Err(Error::invalid(
+            "pipeline stage",
+            format!("'{stage}' is not one of {}", STAGES.join(", ")),
+        ));
+    }
+    Ok(run_stages(graph, options, Some(stage))?.0)
+}
+
+/// Runs the stages (up to and including `stop`, if given). With `RLX_DUMP_AFTER`
+/// set to a stage name, the graph after that stage is printed to stderr.
+fn run_stages(
+    graph: &Graph,
+    options: &PlanOptions,
+    stop: Option<&str>,
+) -> Result<(Graph, Vec<FusionRecord>)> {
+    graph.verify()?;
+    let dump = std::env::var("RLX_DUMP_AFTER").ok();
+    let mut graph = graph.clone();
+    let mut fusions: Vec<FusionRecord> = Vec::new();
+    let f = &options.fusion;
+    for stage in STAGES {
+        let fused = match stage {
+            "fold" if options.simplify => {
+                graph = crate::cse::fold_constants(&graph);
+                None
+            }
+            "cse" if options.simplify => {
+                graph = crate::cse::eliminate_common_subexpressions(&graph);
+                None
+            }
+            "dce" => {
+                graph = crate::dce::eliminate_dead_code(&graph).0;
+                None
+            }
+            "fuse.attention" if f.attention_pattern => {
+                Some(crate::fuse::fuse_attention_pattern(&graph))
+            }
+            "fuse.attention_layout" if f.attention_layout => {
+                Some(crate::fuse::fuse_attention_layout(&graph))
+            }
+            "fuse.hoist" if f.hoist_gathered_matmuls => {
+                Some(crate::hoist::hoist_gathered_matmuls(&graph))
+            }
+            "fuse.epilogue" if f.matmul_epilogue => {
+                Some(crate::fuse::fuse_matmul_epilogues(&graph))
+            }
+            "fuse.regions" if f.elementwise_regions => {
+                Some(crate::fuse::fuse_elementwise_regions(&graph))
+            }
+            "dce.fused" => {
+                // Transposes whose only reader was fused away are dead now.
+                let (live, remap) = crate::dce::eliminate_dead_code(&graph);
+                for r in &mut fusions {
+                    r.node = remap[r.node.index()].unwrap_or(r.node);
+                }
+                graph = live;
+                None
+            }
+            _ => None,
+        };
+        if let Some(fused) = fused {
+            for r in &mut fusions {
+                r.node = fused.remap[r.node.index()];
+            }
+            graph = fused.graph;
+            fusions.extend(fused.records);
+        }
+        if dump.as_deref() == Some(stage) {
+            eprintln!("after {stage}: {graph}");
+        }
+        if stop == Some(stage) {
+            break;
+        }
+    }
+    Ok((graph, fusions))
+}
+
 /// Runs the pipeline on `graph`: verify, constant folding and CSE (if
 /// `options.simplify`), dead-code elimination, the fusions in `options.fusion`, verify,
 /// schedule, memory plan.
 pub fn plan_graph(graph: &Graph, options: &PlanOptions) -> Result<Plan> {
-    graph.verify()?;
-    let mut graph = graph.clone();
-    if options.simplify {
-        graph = crate::cse::fold_constants(&graph);
-        graph = crate::cse::eliminate_common_subexpressions(&graph);
-    }
-    graph = crate::dce::eliminate_dead_code(&graph).0;
-    let mut fusions = Vec::new();
-    if options.fusion.attention_pattern {
-        let fused = crate::fuse::fuse_attention_pattern(&graph);
-        graph = fused.graph;
-        fusions.extend(fused.records);
-    }
-    if options.fusion.attention_layout {
-        let fused = crate::fuse::fuse_attention_layout(&graph);
-        for r in &mut fusions {
-            r.node = fused.remap[r.node.index()];
-        }
-        graph = fused.graph;
-        fusions.extend(fused.records);
-    }
-    if options.fusion.hoist_gathered_matmuls {
-        let fused = crate::hoist::hoist_gathered_matmuls(&graph);
-        for r in &mut fusions {
-            r.node = fused.remap[r.node.index()];
-        }
-        graph = fused.graph;
-        fusions.extend(fused.records);
-    }
-    if options.fusion.matmul_epilogue {
-        let fused = crate::fuse::fuse_matmul_epilogues(&graph);
-        for r in &mut fusions {
-            r.node = fused.remap[r.node.index()];
-        }
-        graph = fused.graph;
-        fusions.extend(fused.records);
-    }
-    if options.fusion.elementwise_regions {
-        let fused = crate::fuse::fuse_elementwise_regions(&graph);
-        for r in &mut fusions {
-            r.node = fused.remap[r.node.index()];
-        }
-        graph = fused.graph;
-        fusions.extend(fused.records);
-    }
-    // Transposes whose only reader was fused away are dead now.
-    let (live, remap) = crate::dce::eliminate_dead_code(&graph);
-    for r in &mut fusions {
-        r.node = remap[r.node.index()].unwrap_or(r.node);
-    }
-    graph = live;
+    let (graph, fusions) = run_stages(graph, options, None)?;
     graph.verify()?;
     let order = crate::schedule::schedule(&graph)?;
     let mut plan = Planner::new(&graph, options)?.finish(graph.clone(), order)?;

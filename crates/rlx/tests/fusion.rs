@@ -656,3 +656,32 @@ fn products_of_gathered_rows_by_one_weight_become_one_product() {
     );
     check(&g, &mut rng, "one gathered row");
 }
+
+#[test]
+fn the_graph_after_each_named_stage() {
+    let g = Graph::new("stages");
+    let x = g.input("x", Shape::new(&[4, 8], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[8, 3], DType::F32)).unwrap();
+    let b = g.param("b", Shape::new(&[3], DType::F32)).unwrap();
+    let y = g.relu(g.add(g.matmul(x, w).unwrap(), b).unwrap()).unwrap();
+    g.set_outputs(vec![y]);
+    let options = all_passes();
+    let names = |g: &Graph| -> Vec<String> { g.nodes().iter().map(|n| n.op.name()).collect() };
+    let before = rlx::opt::graph_after(&g, &options, "dce").unwrap();
+    assert!(names(&before).contains(&"matmul".to_string()));
+    let fused = rlx::opt::graph_after(&g, &options, "fuse.epilogue").unwrap();
+    assert!(
+        names(&fused).contains(&"fused_matmul".to_string())
+            && !names(&fused).contains(&"relu".to_string()),
+        "{fused}"
+    );
+    // The last stage's graph is the planned one.
+    let last = rlx::opt::STAGES[rlx::opt::STAGES.len() - 1];
+    let plan = plan_graph(&g, &options).unwrap();
+    assert_eq!(
+        names(&rlx::opt::graph_after(&g, &options, last).unwrap()),
+        names(&plan.graph)
+    );
+    let e = rlx::opt::graph_after(&g, &options, "fuse.everything").unwrap_err();
+    assert!(e.to_string().contains("fuse.everything") && e.to_string().contains("fuse.regions"));
+}
