@@ -201,6 +201,12 @@ impl<'a> Cx<'a> {
         Some(hint)
     }
 
+    /// Operand `i`'s value when the model itself fixes it (an initializer, a constant,
+    /// or computed from those); never a value given for a graph input.
+    pub fn fixed(&self, i: usize) -> Option<Rc<Tensor>> {
+        self.operands.get(i)?.as_ref()?.slot.known.clone()
+    }
+
     /// Operand `i`'s value, which must be known at import.
     pub fn konst(&mut self, i: usize) -> Result<Rc<Tensor>> {
         if let Some(k) = self.known(i) {
@@ -282,6 +288,28 @@ impl<'a> Cx<'a> {
                 self.g.permute(x, &[1, 0])
             }
         }
+    }
+
+    /// The value of graph node `id` when it is a constant or a param made during this
+    /// import (so its data is at hand), as `f64`s.
+    pub fn node_value(&self, id: NodeId) -> Option<Vec<f64>> {
+        match self.g.node(id).ok()?.op {
+            rlx_ir::Op::Constant { id } => {
+                Some(self.g.constants().get(id)?.clone().as_ref().to_f64_vec())
+            }
+            rlx_ir::Op::Param { name } => self
+                .sink
+                .params
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, d)| d.as_ref().to_f64_vec()),
+            _ => None,
+        }
+    }
+
+    /// A value computed at import as a new node (a constant, or a param when large).
+    pub fn add_value(&mut self, name: &str, t: &Tensor) -> Result<NodeId> {
+        materialize(self.g, &mut self.sink, name, t)
     }
 
     /// Operand `i` as a node, if present.

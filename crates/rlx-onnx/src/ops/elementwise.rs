@@ -127,9 +127,15 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
                 "direction = '{other}' (expected LEFT or RIGHT)"
             ))),
         },
-        "Add" => |cx| binary(cx, BinaryOp::Add),
+        "Add" => |cx| match super::nn::fold_channel_affine(cx, BinaryOp::Add)? {
+            Some(y) => Ok(vec![y]),
+            None => binary(cx, BinaryOp::Add),
+        },
         "Sub" => |cx| binary(cx, BinaryOp::Sub),
-        "Mul" => |cx| binary(cx, BinaryOp::Mul),
+        "Mul" => |cx| match super::nn::fold_channel_affine(cx, BinaryOp::Mul)? {
+            Some(y) => Ok(vec![y]),
+            None => binary(cx, BinaryOp::Mul),
+        },
         "Div" => |cx| binary(cx, BinaryOp::Div),
         "Equal" => |cx| compare(cx, BinaryOp::Eq),
         "Less" => |cx| compare(cx, BinaryOp::Lt),

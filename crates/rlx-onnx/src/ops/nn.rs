@@ -418,6 +418,9 @@ fn batch_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let dt = cx.dtype(0)?;
     let eps = cx.attr_f("epsilon", 1e-5) as f64;
     let x = cx.input(0)?;
+    if let Some(y) = fold_into_conv(cx, x, eps)? {
+        return Ok(vec![y]);
+    }
     let (scale, bias, mean, var) = (cx.input(1)?, cx.input(2)?, cx.input(3)?, cx.input(4)?);
     let inv = cx.g.div(
         scale,
@@ -428,6 +431,151 @@ fn batch_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let shift = per_channel(cx, shift, rank)?;
     let _ = dt;
     Ok(vec![cx.g.add(cx.g.mul(x, inv)?, shift)?])
+}
+
+/// An inference batch norm right after a convolution whose weights are at hand is
+/// folded into them: `w' = w * s`, `b' = (b - mean) * s + beta` per output channel,
+/// with `s = gamma / sqrt(var + eps)`. The result is a new convolution (the old one
+/// dies unless something else reads it).
+fn fold_into_conv(cx: &mut Cx, x: NodeId, eps: f64) -> Result<Option<NodeId>> {
+    let node = cx.g.node(x)?;
+    let Op::Conv2d { window, groups } = node.op.clone() else {
+        return Ok(None);
+    };
+    let dt = node.shape.dtype();
+    if !dt.is_float() {
+        return Ok(None);
+    }
+    let known: Vec<Vec<f64>> = match (1..=4)
+        .map(|i| cx.fixed(i).map(|t| t.to_f64_vec()))
+        .collect::<Option<Vec<_>>>()
+    {
+        Some(k) => k,
+        None => return Ok(None),
+    };
+    let (xin, w) = (node.inputs[0], node.inputs[1]);
+    let Some(wv) = cx.node_value(w) else {
+        return Ok(None);
+    };
+    let channels = node.shape.dim(1);
+    if known.iter().any(|v| v.len() != channels) || wv.len() % channels.max(1) != 0 {
+        return Ok(None);
+    }
+    let bias = match node.inputs.get(2) {
+        Some(&b) => match cx.node_value(b) {
+            Some(v) => v,
+            None => return Ok(None),
+        },
+        None => vec![0.0; channels],
+    };
+    let [gamma, beta, mean, var] = [&known[0], &known[1], &known[2], &known[3]];
+    let s: Vec<f64> = (0..channels)
+        .map(|c| gamma[c] / (var[c] + eps).sqrt())
+        .collect();
+    let per = wv.len() / channels;
+    let folded: Vec<f64> = wv
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| v * s[i / per])
+        .collect();
+    let b2: Vec<f64> = (0..channels)
+        .map(|c| (bias[c] - mean[c]) * s[c] + beta[c])
+        .collect();
+    let wshape = cx.g.shape(w)?;
+    let name = cx.node.name.clone().unwrap_or_default();
+    let w2 = cx.add_value(
+        &format!("{name}.folded_weight"),
+        &crate::tensor::Tensor {
+            dims: wshape.dims().to_vec(),
+            data: rlx_ir::TensorData::from_f64(wshape.dtype(), &folded),
+        },
+    )?;
+    let b2 = cx.add_value(
+        &format!("{name}.folded_bias"),
+        &crate::tensor::Tensor {
+            dims: vec![channels],
+            data: rlx_ir::TensorData::from_f64(dt, &b2),
+        },
+    )?;
+    Ok(Some(
+        cx.g.push(Op::Conv2d { window, groups }, &[xin, w2, b2])?,
+    ))
+}
+
+/// `conv(x) * c` or `conv(x) + c` with `c` a known per-output-channel value (a batch
+/// norm exported as a multiply and an add) folds into the convolution's weights or
+/// bias: a new convolution replaces the product or sum.
+pub(super) fn fold_channel_affine(cx: &mut Cx, op: rlx_ir::BinaryOp) -> Result<Option<NodeId>> {
+    for (conv_at, c_at) in [(0, 1), (1, 0)] {
+        let Some(c) = cx.fixed(c_at) else { continue };
+        if cx.fixed(conv_at).is_some() {
+            return Ok(None);
+        }
+        let x = cx.input(conv_at)?;
+        let node = cx.g.node(x)?;
+        let Op::Conv2d { window, groups } = node.op.clone() else {
+            continue;
+        };
+        let channels = node.shape.dim(1);
+        // c must broadcast as one value per channel: dims [C, 1, 1] or [1, C, 1, 1].
+        let cd = &c.dims;
+        let per_channel = c.len() == channels
+            && cd.len() <= 4
+            && cd.len() >= 3
+            && cd[cd.len() - 3] == channels
+            && cd[cd.len() - 2..].iter().all(|&d| d == 1)
+            && cd[..cd.len() - 3].iter().all(|&d| d == 1);
+        if !per_channel || !node.shape.dtype().is_float() {
+            return Ok(None);
+        }
+        let cv = c.to_f64_vec();
+        let (xin, w) = (node.inputs[0], node.inputs[1]);
+        let bias = match node.inputs.get(2) {
+            Some(&b) => match cx.node_value(b) {
+                Some(v) => v,
+                None => return Ok(None),
+            },
+            None => vec![0.0; channels],
+        };
+        let name = cx.node.name.clone().unwrap_or_default();
+        let dt = node.shape.dtype();
+        let (w2, b2) = if op == rlx_ir::BinaryOp::Mul {
+            let Some(wv) = cx.node_value(w) else {
+                return Ok(None);
+            };
+            let per = wv.len() / channels.max(1);
+            let folded: Vec<f64> = wv
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| v * cv[i / per.max(1)])
+                .collect();
+            let wshape = cx.g.shape(w)?;
+            let w2 = cx.add_value(
+                &format!("{name}.folded_weight"),
+                &crate::tensor::Tensor {
+                    dims: wshape.dims().to_vec(),
+                    data: rlx_ir::TensorData::from_f64(wshape.dtype(), &folded),
+                },
+            )?;
+            (
+                w2,
+                bias.iter().zip(&cv).map(|(b, s)| b * s).collect::<Vec<_>>(),
+            )
+        } else {
+            (w, bias.iter().zip(&cv).map(|(b, t)| b + t).collect())
+        };
+        let b2 = cx.add_value(
+            &format!("{name}.folded_bias"),
+            &crate::tensor::Tensor {
+                dims: vec![channels],
+                data: rlx_ir::TensorData::from_f64(dt, &b2),
+            },
+        )?;
+        return Ok(Some(
+            cx.g.push(Op::Conv2d { window, groups }, &[xin, w2, b2])?,
+        ));
+    }
+    Ok(None)
 }
 
 /// `(x - mean) / sqrt(var + eps)` over `axes` (kept as size 1).

@@ -1,0 +1,219 @@
+//! Import-time folding gives the same results as the unfolded graph: a per-channel
+//! multiply and add after a convolution (a batch norm as exporters write it), and a
+//! BatchNormalization node, fold into the convolution's weights and bias.
+
+use prost::Message;
+use rlx_ir::TensorData;
+use rlx_models::onnx::OnnxSession;
+use rlx_onnx::proto::{
+    AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
+    TensorShapeProto, TypeProto, ValueInfoProto, tensor_shape_proto::Dimension,
+    tensor_shape_proto::dimension, type_proto,
+};
+use rlx_onnx::{OnnxModel, Tensor};
+use rlx_runtime::CompileOptions;
+use std::collections::BTreeMap;
+
+const FLOAT: i32 = 1;
+
+fn value(name: &str, dims: &[i64]) -> ValueInfoProto {
+    ValueInfoProto {
+        name: Some(name.into()),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: Some(FLOAT),
+                shape: Some(TensorShapeProto {
+                    dim: dims
+                        .iter()
+                        .map(|&d| Dimension {
+                            value: Some(dimension::Value::DimValue(d)),
+                            ..Default::default()
+                        })
+                        .collect(),
+                }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn init(name: &str, dims: &[i64], values: &[f32]) -> TensorProto {
+    TensorProto {
+        name: Some(name.into()),
+        dims: dims.to_vec(),
+        data_type: Some(FLOAT),
+        float_data: values.to_vec(),
+        ..Default::default()
+    }
+}
+
+fn node(op: &str, inputs: &[&str], output: &str, attrs: Vec<AttributeProto>) -> NodeProto {
+    NodeProto {
+        op_type: Some(op.into()),
+        name: Some(output.into()),
+        input: inputs.iter().map(|s| s.to_string()).collect(),
+        output: vec![output.into()],
+        attribute: attrs,
+        ..Default::default()
+    }
+}
+
+fn ints(name: &str, v: &[i64]) -> AttributeProto {
+    AttributeProto {
+        name: Some(name.into()),
+        ints: v.to_vec(),
+        r#type: Some(7),
+        ..Default::default()
+    }
+}
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Conv (3 -> 5 channels, 3x3, pad 1) with bias, then `tail`, then Relu. The
+/// per-channel tensors are initializers when `known`, graph inputs otherwise.
+fn model(tail: &str, known: bool) -> (Vec<u8>, Vec<(String, Tensor)>) {
+    let c = 5i64;
+    let per: Vec<(&str, Vec<i64>, Vec<f32>)> = match tail {
+        "affine" => vec![
+            (
+                "s",
+                vec![1, c, 1, 1],
+                values(5, 3).iter().map(|v| v + 1.5).collect(),
+            ),
+            ("t", vec![c, 1, 1], values(5, 4)),
+        ],
+        _ => vec![
+            (
+                "gamma",
+                vec![c],
+                values(5, 5).iter().map(|v| v + 1.5).collect(),
+            ),
+            ("beta", vec![c], values(5, 6)),
+            ("mean", vec![c], values(5, 7)),
+            (
+                "var",
+                vec![c],
+                values(5, 8).iter().map(|v| v + 1.5).collect(),
+            ),
+        ],
+    };
+    let mut initializer = vec![
+        init("w", &[c, 3, 3, 3], &values(5 * 27, 1)),
+        init("b", &[c], &values(5, 2)),
+    ];
+    let mut inputs = vec![value("x", &[2, 3, 6, 7])];
+    let mut feeds = Vec::new();
+    for (name, dims, v) in &per {
+        if known {
+            initializer.push(init(name, dims, v));
+        } else {
+            inputs.push(value(name, dims));
+            feeds.push((
+                name.to_string(),
+                Tensor {
+                    dims: dims.iter().map(|&d| d as usize).collect(),
+                    data: TensorData::F32(v.clone()),
+                },
+            ));
+        }
+    }
+    let conv = node(
+        "Conv",
+        &["x", "w", "b"],
+        "conv",
+        vec![ints("pads", &[1, 1, 1, 1]), ints("kernel_shape", &[3, 3])],
+    );
+    let mut nodes = vec![conv];
+    let last = if tail == "affine" {
+        nodes.push(node("Mul", &["conv", "s"], "scaled", vec![]));
+        nodes.push(node("Add", &["t", "scaled"], "shifted", vec![]));
+        "shifted"
+    } else {
+        nodes.push(node(
+            "BatchNormalization",
+            &["conv", "gamma", "beta", "mean", "var"],
+            "normed",
+            vec![],
+        ));
+        "normed"
+    };
+    nodes.push(node("Relu", &[last], "y", vec![]));
+    let bytes = ModelProto {
+        ir_version: Some(8),
+        opset_import: vec![OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(17),
+        }],
+        graph: Some(GraphProto {
+            name: Some("g".into()),
+            node: nodes,
+            initializer,
+            input: inputs,
+            output: vec![value("y", &[2, c, 6, 7])],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec();
+    (bytes, feeds)
+}
+
+/// The output, and the op names of the imported graph.
+fn run(bytes: &[u8], extra: &[(String, Tensor)]) -> (Vec<f32>, Vec<String>) {
+    let model = OnnxModel::from_bytes(bytes, None, "fold.onnx").unwrap();
+    let mut session = OnnxSession::new(model, CompileOptions::new());
+    let x = Tensor {
+        dims: vec![2, 3, 6, 7],
+        data: TensorData::F32(values(2 * 3 * 42, 9)),
+    };
+    let mut feeds: Vec<(&str, &Tensor)> = vec![("x", &x)];
+    feeds.extend(extra.iter().map(|(n, t)| (n.as_str(), t)));
+    let out = session.run(&feeds, &BTreeMap::new()).unwrap();
+    let TensorData::F32(v) = &out[0].1.data else {
+        panic!("f32 output expected")
+    };
+    let mut options = rlx_onnx::ImportOptions::new();
+    for (n, t) in &feeds {
+        options = options.input_value(*n, (*t).clone());
+    }
+    let imported = OnnxModel::from_bytes(bytes, None, "fold.onnx")
+        .unwrap()
+        .import(&options)
+        .unwrap();
+    let ops = imported.graph.nodes().iter().map(|n| n.op.name()).collect();
+    (v.clone(), ops)
+}
+
+#[test]
+fn per_channel_affine_and_batch_norm_fold_into_the_convolution() {
+    for tail in ["affine", "batchnorm"] {
+        let (folded_model, _) = model(tail, true);
+        let (plain_model, feeds) = model(tail, false);
+        let (folded, folded_ops) = run(&folded_model, &[]);
+        let (plain, plain_ops) = run(&plain_model, &feeds);
+        assert_eq!(folded.len(), plain.len());
+        for (i, (a, b)) in folded.iter().zip(&plain).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "{tail}: element {i}: folded {a} vs {b}"
+            );
+        }
+        assert!(folded.iter().any(|&v| v > 0.0) && folded.iter().any(|&v| v == 0.0));
+        // Folded: no per-channel arithmetic left after the convolution.
+        let arithmetic = |ops: &[String]| ops.iter().filter(|o| *o == "mul" || *o == "add").count();
+        assert_eq!(arithmetic(&folded_ops), 0, "{tail}: {folded_ops:?}");
+        assert!(arithmetic(&plain_ops) > 0, "{tail}: {plain_ops:?}");
+    }
+}
