@@ -210,7 +210,7 @@ fn per_channel_affine_and_batch_norm_fold_into_the_convolution() {
                 "{tail}: element {i}: folded {a} vs {b}"
             );
         }
-        assert!(folded.iter().any(|&v| v > 0.0) && folded.iter().any(|&v| v == 0.0));
+        assert!(folded.iter().any(|&v| v > 0.0) && folded.contains(&0.0));
         // Folded: no per-channel arithmetic left after the convolution.
         let arithmetic = |ops: &[String]| ops.iter().filter(|o| *o == "mul" || *o == "add").count();
         assert_eq!(arithmetic(&folded_ops), 0, "{tail}: {folded_ops:?}");
