@@ -18,6 +18,7 @@
 //! # Ok::<(), rlx_ir::Error>(())
 //! ```
 
+pub mod decompose;
 mod display;
 mod dtype;
 mod error;

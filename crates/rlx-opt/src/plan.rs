@@ -53,6 +53,8 @@ pub struct PlanOptions {
     pub simplify: bool,
     /// The fused forms to build (those the backend runs).
     pub fusion: FusionOptions,
+    /// The ops the backend runs natively; other composites are decomposed first.
+    pub native: rlx_ir::decompose::NativeOps,
 }
 
 impl Default for PlanOptions {
@@ -63,6 +65,7 @@ impl Default for PlanOptions {
             in_place: true,
             simplify: true,
             fusion: FusionOptions::default(),
+            native: rlx_ir::decompose::NativeOps::All,
         }
     }
 }
@@ -183,7 +186,8 @@ impl Plan {
 /// The graph-to-graph stages of the compile pipeline, in the order they run. A stage
 /// that `PlanOptions` turns off leaves the graph as it is. After them come the
 /// schedule and the memory plan.
-pub const STAGES: [&str; 9] = [
+pub const STAGES: [&str; 10] = [
+    "decompose",
     "fold",
     "cse",
     "dce",
@@ -220,6 +224,10 @@ fn run_stages(
     let f = &options.fusion;
     for stage in STAGES {
         let fused = match stage {
+            "decompose" if options.native != rlx_ir::decompose::NativeOps::All => {
+                graph = rlx_ir::decompose::decompose_graph(&graph, &|op| options.native.runs(op))?;
+                None
+            }
             "fold" if options.simplify => {
                 graph = crate::cse::fold_constants(&graph);
                 None
@@ -281,6 +289,13 @@ fn run_stages(
 pub fn plan_graph(graph: &Graph, options: &PlanOptions) -> Result<Plan> {
     let (graph, fusions) = run_stages(graph, options, None)?;
     graph.verify()?;
+    // What is left must run natively: a primitive the backend lacks is an error.
+    if let Some(n) = graph.nodes().iter().find(|n| !options.native.runs(&n.op)) {
+        return Err(Error::Unsupported {
+            device: "this backend".into(),
+            what: format!("op {} (it has no decomposition)", n.op.name()),
+        });
+    }
     let order = crate::schedule::schedule(&graph)?;
     let mut plan = Planner::new(&graph, options)?.finish(graph.clone(), order)?;
     plan.fusions = fusions;

@@ -14,6 +14,11 @@ pub trait Backend: Send + Sync {
     fn device(&self) -> Device;
     /// The fused forms it runs natively; the planner forms only these.
     fn fusion(&self) -> FusionOptions;
+    /// The ops it runs natively. Composites outside the set are decomposed into
+    /// primitives when compiling; a primitive outside it is a compile error naming it.
+    fn native_ops(&self) -> rlx_ir::decompose::NativeOps {
+        rlx_ir::decompose::NativeOps::All
+    }
     /// Prepares a plan for execution (allocates the arena, weights and handles once).
     fn compile(&self, plan: Arc<Plan>, options: &BackendOptions) -> Result<Box<dyn Executable>>;
 }

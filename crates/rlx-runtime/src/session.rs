@@ -22,6 +22,7 @@ pub struct CompileOptions {
     in_place: bool,
     optimize: bool,
     threads: usize,
+    primitives_only: bool,
 }
 
 impl Default for CompileOptions {
@@ -32,6 +33,7 @@ impl Default for CompileOptions {
             in_place: true,
             optimize: true,
             threads: 0,
+            primitives_only: false,
         }
     }
 }
@@ -60,6 +62,15 @@ impl CompileOptions {
     /// Turns in-place elementwise execution on or off (on by default).
     pub fn in_place(mut self, on: bool) -> CompileOptions {
         self.in_place = on;
+        self
+    }
+
+    /// Compiles as a backend that runs only primitives would: every composite
+    /// (softmax, norms, attention, rotary embedding, GELU/SiLU) is decomposed and
+    /// nothing is fused. For checking decompositions on a backend that has every
+    /// kernel (off by default).
+    pub fn primitives_only(mut self, on: bool) -> CompileOptions {
+        self.primitives_only = on;
         self
     }
 
@@ -127,10 +138,15 @@ impl Session {
             memory_reuse: options.memory_reuse,
             in_place: options.in_place,
             simplify: options.optimize,
-            fusion: if options.optimize {
+            fusion: if options.optimize && !options.primitives_only {
                 backend.fusion()
             } else {
                 FusionOptions::default()
+            },
+            native: if options.primitives_only {
+                rlx_ir::decompose::NativeOps::Primitives
+            } else {
+                backend.native_ops()
             },
         };
         let plan = Arc::new(plan_graph(graph.borrow(), &plan_options)?);

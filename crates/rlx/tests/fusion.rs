@@ -685,3 +685,194 @@ fn the_graph_after_each_named_stage() {
     let e = rlx::opt::graph_after(&g, &options, "fuse.everything").unwrap_err();
     assert!(e.to_string().contains("fuse.everything") && e.to_string().contains("fuse.regions"));
 }
+
+/// Runs `g` on the CPU compiled as a primitives-only backend would compile it, after
+/// checking that no composite is left in the plan.
+fn run_primitives(g: &Graph, feeds: &[(String, Vec<f32>)]) -> Vec<Vec<f32>> {
+    let mut c = Session::new(Device::Cpu)
+        .compile_with(g, &CompileOptions::new().primitives_only(true))
+        .unwrap();
+    if let Some(n) = c
+        .plan()
+        .graph
+        .nodes()
+        .iter()
+        .find(|n| rlx::ir::decompose::is_composite(&n.op))
+    {
+        panic!("{} left in {}", n.op.name(), c.plan().graph);
+    }
+    let params: Vec<String> = g.params().into_iter().map(|p| p.0).collect();
+    for (name, data) in feeds.iter().filter(|(n, _)| params.contains(n)) {
+        c.set_param(name, data).unwrap();
+    }
+    let inputs: Vec<(&str, &[f32])> = feeds
+        .iter()
+        .filter(|(n, _)| !params.contains(n))
+        .map(|(n, d)| (n.as_str(), d.as_slice()))
+        .collect();
+    c.run(&inputs).unwrap()
+}
+
+fn check_decomposed(g: &Graph, rng: &mut Rng, what: &str) {
+    let feeds = feeds(g, rng);
+    let want = reference(g, &feeds);
+    let got = run_primitives(g, &feeds);
+    for (o, (w, r)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(w.data.len(), r.len(), "{what}: output {o}");
+        for (i, (a, &b)) in w.data.iter().zip(r).enumerate() {
+            assert!(
+                (a - f64::from(b)).abs() <= 2e-5 * (1.0 + a.abs()),
+                "{what}: output {o}[{i}]: {b} vs {a}"
+            );
+        }
+    }
+}
+
+#[test]
+fn composites_decompose_into_primitives_that_match() {
+    use rlx::ir::RopeStyle;
+    let mut rng = Rng(61);
+    let f32s = |g: &Graph, name: &str, dims: &[usize]| {
+        g.input(name, Shape::new(dims, DType::F32)).unwrap()
+    };
+    // Softmax and log-softmax over inner and outer axes.
+    for (axis, log) in [(-1, false), (1, false), (-1, true), (0, true)] {
+        let g = Graph::new("softmax");
+        let x = f32s(&g, "x", &[3, 5, 7]);
+        let y = if log {
+            g.log_softmax(x, axis).unwrap()
+        } else {
+            g.softmax(x, axis).unwrap()
+        };
+        g.set_outputs(vec![y]);
+        check_decomposed(&g, &mut rng, &format!("softmax axis {axis} log {log}"));
+    }
+    // Norms with params.
+    let g = Graph::new("norms");
+    let x = f32s(&g, "x", &[4, 6, 16]);
+    let gamma = g.param("gamma", Shape::new(&[16], DType::F32)).unwrap();
+    let beta = g.param("beta", Shape::new(&[16], DType::F32)).unwrap();
+    g.set_outputs(vec![
+        g.layer_norm(x, gamma, beta, 1e-5).unwrap(),
+        g.rms_norm(x, gamma, 1e-6).unwrap(),
+    ]);
+    check_decomposed(&g, &mut rng, "norms");
+    // Activations.
+    let g = Graph::new("activations");
+    let x = f32s(&g, "x", &[33]);
+    g.set_outputs(
+        [UnaryOp::Gelu, UnaryOp::GeluTanh, UnaryOp::Silu]
+            .into_iter()
+            .map(|u| g.unary(u, x).unwrap())
+            .collect(),
+    );
+    check_decomposed(&g, &mut rng, "activations");
+    // Attention: grouped heads, float and bool masks, causal, both layouts.
+    for (seq_major, causal, bool_mask) in [
+        (false, false, false),
+        (false, true, true),
+        (true, true, false),
+        (true, false, true),
+    ] {
+        let g = Graph::new("attention");
+        let (b, hq, hkv, sq, sk, d) = (2, 4, 2, 5, 7, 8);
+        let qd = if seq_major {
+            [b, sq, hq, d]
+        } else {
+            [b, hq, sq, d]
+        };
+        let kd = if seq_major {
+            [b, sk, hkv, d]
+        } else {
+            [b, hkv, sk, d]
+        };
+        let q = f32s(&g, "q", &qd);
+        let k = f32s(&g, "k", &kd);
+        let v = f32s(&g, "v", &kd);
+        let m = f32s(&g, "m", &[b, 1, sq, sk]);
+        let mask = if bool_mask {
+            g.gt(m, g.scalar(-0.5, DType::F32)).unwrap()
+        } else {
+            m
+        };
+        let y = if seq_major {
+            g.attention_seq_major(q, k, v, Some(mask), causal, None)
+        } else {
+            g.attention(q, k, v, Some(mask), causal, None)
+        }
+        .unwrap();
+        g.set_outputs(vec![y]);
+        check_decomposed(
+            &g,
+            &mut rng,
+            &format!("attention seq_major {seq_major} causal {causal} bool {bool_mask}"),
+        );
+    }
+    // Rotary embeddings, both pairings.
+    for style in [RopeStyle::HalfSplit, RopeStyle::Interleaved] {
+        let g = Graph::new("rope");
+        let x = f32s(&g, "x", &[2, 6, 3, 8]);
+        let cos = f32s(&g, "cos", &[6, 1, 4]);
+        let sin = f32s(&g, "sin", &[6, 1, 4]);
+        g.set_outputs(vec![g.rope(x, cos, sin, style).unwrap()]);
+        check_decomposed(&g, &mut rng, &format!("rope {style:?}"));
+    }
+    // The fused forms the CPU builds (matmul epilogues, elementwise regions) written
+    // back in primitives mean the same.
+    let g = Graph::new("fused");
+    let x = f32s(&g, "x", &[5, 12]);
+    let w = g.param("w", Shape::new(&[12, 9], DType::F32)).unwrap();
+    let bias = g.param("b", Shape::new(&[9], DType::F32)).unwrap();
+    let r = f32s(&g, "r", &[5, 9]);
+    let h = g
+        .gelu(g.add(g.matmul(x, w).unwrap(), bias).unwrap())
+        .unwrap();
+    let y = g.add(h, r).unwrap();
+    let z = g.mul(g.exp(y).unwrap(), g.scalar(0.5, DType::F32)).unwrap();
+    g.set_outputs(vec![g.sub(z, y).unwrap()]);
+    let fused = plan_graph(&g, &all_passes()).unwrap().graph;
+    assert!(fused.nodes().iter().any(|n| n.op.name() == "fused_matmul"));
+    assert!(fused.nodes().iter().any(|n| n.op.name() == "elementwise"));
+    let back =
+        rlx::ir::decompose::decompose_graph(&fused, &|op| !rlx::ir::decompose::is_composite(op))
+            .unwrap();
+    assert!(
+        back.nodes()
+            .iter()
+            .all(|n| !rlx::ir::decompose::is_composite(&n.op)),
+        "{back}"
+    );
+    let feeds = feeds(&g, &mut rng);
+    let want = reference(&g, &feeds);
+    let got = reference(&back, &feeds);
+    // Both are f32 graphs; the fused matmul rounds to f32 once after its epilogue, the
+    // decomposition after each step, so they differ by a few f32 roundings.
+    for (a, b) in want[0].data.iter().zip(&got[0].data) {
+        assert!((a - b).abs() <= 1e-6 * (1.0 + a.abs()), "{a} vs {b}");
+    }
+}
+
+#[test]
+fn a_primitive_the_backend_lacks_is_a_compile_error_naming_it() {
+    let g = Graph::new("needs matmul");
+    let x = g.input("x", Shape::new(&[2, 3], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[3, 4], DType::F32)).unwrap();
+    g.set_outputs(vec![g.softmax(g.matmul(x, w).unwrap(), -1).unwrap()]);
+    // A backend with the ops a softmax decomposes into, but no matmul.
+    let names = [
+        "reduce_max",
+        "eq",
+        "where",
+        "sub",
+        "exp",
+        "reduce_sum",
+        "div",
+    ];
+    let native = rlx::ir::decompose::NativeOps::Only(names.iter().map(|s| s.to_string()).collect());
+    let options = PlanOptions {
+        native,
+        ..PlanOptions::default()
+    };
+    let e = plan_graph(&g, &options).unwrap_err();
+    assert!(e.to_string().contains("matmul"), "{e}");
+}
