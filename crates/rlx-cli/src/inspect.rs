@@ -29,7 +29,7 @@ pub struct InspectArgs {
     #[arg(long)]
     no_optimize: bool,
     /// Print only the graph after this pipeline stage: `import` (as built or
-    /// imported) or one of the compiler's stages (fold, cse, dce, fuse.attention,
+    /// imported) or one of the compiler's stages (decompose, fold, cse, dce, fuse.attention,
     /// fuse.attention_layout, fuse.hoist, fuse.epilogue, fuse.regions, dce.fused).
     /// `RLX_DUMP_AFTER=STAGE` prints the same to stderr during any compile.
     #[arg(long, value_name = "STAGE")]
