@@ -9,6 +9,7 @@ pub(super) const NAMES: &[&str] = &[
     "AveragePool",
     "BatchNormalization",
     "Conv",
+    "ConvTranspose",
     "Dropout",
     "Gemm",
     "GlobalAveragePool",
@@ -39,6 +40,7 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         "LogSoftmax" => |cx| softmax(cx, Soft::LogSoftmax),
         "Hardmax" => |cx| softmax(cx, Soft::Hardmax),
         "Conv" => conv,
+        "ConvTranspose" => conv_transpose,
         "MaxPool" => |cx| pool(cx, PoolKind::Max),
         "AveragePool" => |cx| pool(cx, PoolKind::Avg),
         "LpPool" => |cx| {
@@ -252,6 +254,198 @@ pub(super) fn conv_nodes(
     };
     let y = cx.g.conv2d(x, w, bias, stride, padding, dilation, groups)?;
     if n == 1 { cx.g.squeeze(y, &[2]) } else { Ok(y) }
+}
+
+/// `ConvTranspose` as a convolution: the input with `stride - 1` zeros between its
+/// elements, padded by the dilated kernel span less the given padding, convolved with
+/// the kernel flipped and its channel axes swapped (per group). Padding beyond the
+/// span crops the result instead.
+fn conv_transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let xd = cx.dims(0)?;
+    let wd = cx.dims(1)?;
+    if xd.len() != wd.len() || !(3..=4).contains(&xd.len()) {
+        return Err(unsupported(format!(
+            "ConvTranspose of a {}-D input (1-D and 2-D are supported)",
+            xd.len()
+        )));
+    }
+    let n = xd.len() - 2;
+    let groups = size(cx.attr_i("group", 1), "group")?;
+    let (c, m_per) = (wd[0], wd[1]);
+    if groups == 0 || xd[1] != c || c % groups != 0 {
+        return Err(Error::invalid(
+            "ConvTranspose",
+            format!("input {xd:?}, weight {wd:?} and group {groups} do not fit"),
+        ));
+    }
+    let kernel = wd[2..].to_vec();
+    let strides = attr_sizes(cx, "strides", n, 1)?;
+    let dilations = attr_sizes(cx, "dilations", n, 1)?;
+    let mut extra = match cx.attr_ints("output_padding") {
+        Some(v) if v.len() == n => v
+            .iter()
+            .map(|&d| size(d, "output_padding"))
+            .collect::<Result<Vec<_>>>()?,
+        Some(v) => {
+            return Err(Error::invalid(
+                "output_padding",
+                format!("{} values for {n} axes", v.len()),
+            ));
+        }
+        None => vec![0; n],
+    };
+    let span: Vec<usize> = (0..n).map(|i| (kernel[i] - 1) * dilations[i] + 1).collect();
+    // The full output extent before padding is taken off.
+    let full: Vec<usize> = (0..n)
+        .map(|i| strides[i] * (xd[2 + i] - 1) + extra[i] + span[i])
+        .collect();
+    let auto = cx.attr_s("auto_pad", "NOTSET");
+    let pads: Vec<(usize, usize)> = if let Some(shape) = cx.attr_ints("output_shape") {
+        let out: Vec<usize> = shape[shape.len().saturating_sub(n)..]
+            .iter()
+            .map(|&d| size(d, "output_shape"))
+            .collect::<Result<_>>()?;
+        if out.len() != n {
+            return Err(Error::invalid(
+                "output_shape",
+                format!("{shape:?} for {n} spatial axes"),
+            ));
+        }
+        (0..n)
+            .map(|i| {
+                // A larger output than the full extent grows at the end (zeros from
+                // the input side, so the kernel's tail reaches it).
+                if out[i] > full[i] {
+                    extra[i] += out[i] - full[i];
+                    return (0, 0);
+                }
+                let total = full[i] - out[i];
+                if auto == "SAME_LOWER" {
+                    (total - total / 2, total / 2)
+                } else {
+                    (total / 2, total - total / 2)
+                }
+            })
+            .collect()
+    } else {
+        match auto.as_str() {
+            "NOTSET" | "VALID" => {
+                let p = cx.attr_ints("pads").unwrap_or_else(|| vec![0; 2 * n]);
+                if p.len() != 2 * n || auto == "VALID" && p.iter().any(|&v| v != 0) {
+                    return Err(Error::invalid("pads", format!("{p:?} for {n} axes")));
+                }
+                (0..n)
+                    .map(|i| Ok((size(p[i], "pads")?, size(p[i + n], "pads")?)))
+                    .collect::<Result<_>>()?
+            }
+            "SAME_UPPER" | "SAME_LOWER" => (0..n)
+                .map(|i| {
+                    let total = full[i].saturating_sub(xd[2 + i] * strides[i]);
+                    if auto == "SAME_UPPER" {
+                        (total / 2, total - total / 2)
+                    } else {
+                        (total - total / 2, total / 2)
+                    }
+                })
+                .collect(),
+            other => return Err(unsupported(format!("auto_pad '{other}'"))),
+        }
+    };
+    let mut x = cx.input(0)?;
+    let mut w = cx.input(1)?;
+    let bias = cx.opt_input(2)?;
+    if n == 1 {
+        x = lift_1d(cx, x)?;
+        w = lift_1d(cx, w)?;
+    }
+    let (sp, kk, st, dl, ex, pd) = if n == 1 {
+        (
+            [1, xd[2]],
+            [1, kernel[0]],
+            [1, strides[0]],
+            [1, dilations[0]],
+            [0, extra[0]],
+            [(0, 0), pads[0]],
+        )
+    } else {
+        (
+            [xd[2], xd[3]],
+            [kernel[0], kernel[1]],
+            [strides[0], strides[1]],
+            [dilations[0], dilations[1]],
+            [extra[0], extra[1]],
+            [pads[0], pads[1]],
+        )
+    };
+    let _ = sp;
+    // Zeros between the input's elements along each spatial axis.
+    for a in 0..2 {
+        let s = st[a];
+        if s == 1 {
+            continue;
+        }
+        let dims = cx.g.shape(x)?.dims().to_vec();
+        let axis = 2 + a;
+        let mut split = dims.clone();
+        split.insert(axis + 1, 1);
+        let y = cx.g.reshape(x, &split)?;
+        let mut pads = vec![(0, 0); split.len()];
+        pads[axis + 1] = (0, s - 1);
+        let y = cx.g.pad(
+            y,
+            &pads,
+            rlx_ir::PadMode::Constant(rlx_ir::F64Bits::new(0.0)),
+        )?;
+        let mut merged = dims.clone();
+        merged[axis] = dims[axis] * s;
+        let y = cx.g.reshape(y, &merged)?;
+        x =
+            cx.g.slice(y, axis as isize, 0, ((dims[axis] - 1) * s + 1) as isize, 1)?;
+    }
+    // The kernel flipped along both spatial axes, in/out channels swapped per group.
+    let k = cx.g.shape(w)?.dims().to_vec();
+    for a in [2usize, 3] {
+        let rev: Vec<i64> = (0..k[a] as i64).rev().collect();
+        let idx = cx.g.constant(rlx_ir::TensorData::I64(rev), &[k[a]])?;
+        w = cx.g.gather(w, idx, a as isize)?;
+    }
+    let cg = c / groups;
+    let w = cx.g.reshape(w, &[groups, cg, m_per, k[2], k[3]])?;
+    let w = cx.g.permute(w, &[0, 2, 1, 3, 4])?;
+    let w = cx.g.reshape(w, &[groups * m_per, cg, k[2], k[3]])?;
+    // Padding: the dilated span less the given padding (and the output padding at
+    // the end); where the given padding exceeds the span, crop afterwards.
+    let mut conv_pad = [0usize; 4];
+    let mut crop = [(0usize, 0usize); 2];
+    for a in 0..2 {
+        let reach = (kk[a] - 1) * dl[a];
+        let (b, e) = pd[a];
+        if b <= reach {
+            conv_pad[a] = reach - b;
+        } else {
+            crop[a].0 = b - reach;
+        }
+        let end = reach + ex[a];
+        if e <= end {
+            conv_pad[a + 2] = end - e;
+        } else {
+            crop[a].1 = e - end;
+        }
+    }
+    let mut y =
+        cx.g.conv2d(x, w, bias, [1, 1], conv_pad, [dl[0], dl[1]], groups)?;
+    for a in 0..2 {
+        let (b, e) = crop[a];
+        if b + e > 0 {
+            let len = cx.g.shape(y)?.dim(2 + a);
+            y =
+                cx.g.slice(y, (2 + a) as isize, b as isize, (len - e) as isize, 1)?;
+        }
+    }
+    if n == 1 {
+        y = cx.g.squeeze(y, &[2])?;
+    }
+    Ok(vec![y])
 }
 
 #[derive(Clone, Copy, PartialEq)]
