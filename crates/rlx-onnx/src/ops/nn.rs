@@ -358,9 +358,8 @@ fn conv_transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
         x = lift_1d(cx, x)?;
         w = lift_1d(cx, w)?;
     }
-    let (sp, kk, st, dl, ex, pd) = if n == 1 {
+    let (kk, st, dl, ex, pd) = if n == 1 {
         (
-            [1, xd[2]],
             [1, kernel[0]],
             [1, strides[0]],
             [1, dilations[0]],
@@ -369,7 +368,6 @@ fn conv_transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
         )
     } else {
         (
-            [xd[2], xd[3]],
             [kernel[0], kernel[1]],
             [strides[0], strides[1]],
             [dilations[0], dilations[1]],
@@ -377,10 +375,8 @@ fn conv_transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
             [pads[0], pads[1]],
         )
     };
-    let _ = sp;
     // Zeros between the input's elements along each spatial axis.
-    for a in 0..2 {
-        let s = st[a];
+    for (a, &s) in st.iter().enumerate() {
         if s == 1 {
             continue;
         }
@@ -434,8 +430,7 @@ fn conv_transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
     }
     let mut y =
         cx.g.conv2d(x, w, bias, [1, 1], conv_pad, [dl[0], dl[1]], groups)?;
-    for a in 0..2 {
-        let (b, e) = crop[a];
+    for (a, &(b, e)) in crop.iter().enumerate() {
         if b + e > 0 {
             let len = cx.g.shape(y)?.dim(2 + a);
             y =
