@@ -13,6 +13,7 @@ pub(super) const NAMES: &[&str] = &[
     "ConstantOfShape",
     "CumSum",
     "CumProd",
+    "CenterCropPad",
     "DepthToSpace",
     "Expand",
     "EyeLike",
@@ -96,11 +97,52 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
             Ok(vec![cx.g.cumsum(x, a as isize, exclusive, reverse)?])
         },
         "CumProd" => cumprod,
+        "CenterCropPad" => center_crop_pad,
         "TopK" => topk,
         "DepthToSpace" => depth_to_space,
         "SpaceToDepth" => space_to_depth,
         _ => return None,
     })
+}
+
+/// `CenterCropPad`: each listed axis is cut to a centered window (when longer than
+/// the target) or padded with zeros on both sides (when shorter), the extra element of
+/// an odd difference going to the end.
+fn center_crop_pad(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let dims = cx.dims(0)?;
+    let rank = dims.len();
+    let target = dims_from(&cx.ints(1)?, "CenterCropPad shape")?;
+    let list: Vec<usize> = match cx.attr_ints("axes") {
+        Some(a) => a.iter().map(|&v| axis(v, rank)).collect::<Result<_>>()?,
+        None => (0..rank).collect(),
+    };
+    if target.len() != list.len() {
+        return Err(Error::invalid(
+            "CenterCropPad",
+            format!("{} sizes for {} axes", target.len(), list.len()),
+        ));
+    }
+    let mut x = cx.input(0)?;
+    let mut pads = vec![(0usize, 0usize); rank];
+    for (&a, &t) in list.iter().zip(&target) {
+        let d = dims[a];
+        if t < d {
+            let start = (d - t) / 2;
+            x =
+                cx.g.slice(x, a as isize, start as isize, (start + t) as isize, 1)?;
+        } else if t > d {
+            let before = (t - d) / 2;
+            pads[a] = (before, t - d - before);
+        }
+    }
+    if pads.iter().any(|&(b, e)| b + e > 0) {
+        x = cx.g.pad(
+            x,
+            &pads,
+            rlx_ir::PadMode::Constant(rlx_ir::F64Bits::new(0.0)),
+        )?;
+    }
+    Ok(vec![x])
 }
 
 /// `CumProd` as a doubling scan: after step `k` every position holds the product of
