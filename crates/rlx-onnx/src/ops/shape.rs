@@ -14,6 +14,9 @@ pub(super) const NAMES: &[&str] = &[
     "CumSum",
     "CumProd",
     "CenterCropPad",
+    "HannWindow",
+    "HammingWindow",
+    "BlackmanWindow",
     "DepthToSpace",
     "Expand",
     "EyeLike",
@@ -98,6 +101,9 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         },
         "CumProd" => cumprod,
         "CenterCropPad" => center_crop_pad,
+        "HannWindow" => |cx| window(cx, &[0.5, -0.5]),
+        "HammingWindow" => |cx| window(cx, &[25.0 / 46.0, -21.0 / 46.0]),
+        "BlackmanWindow" => |cx| window(cx, &[0.42, -0.5, 0.08]),
         "TopK" => topk,
         "DepthToSpace" => depth_to_space,
         "SpaceToDepth" => space_to_depth,
@@ -143,6 +149,35 @@ fn center_crop_pad(cx: &mut Cx) -> Result<Vec<NodeId>> {
         )?;
     }
     Ok(vec![x])
+}
+
+/// A cosine-sum window of length `size`: `sum_k a_k cos(2 pi k n / N)` with `N` the
+/// size (periodic, the default) or the size less one (symmetric). It depends only on
+/// the size, so it is a constant at import.
+fn window(cx: &mut Cx, coefficients: &[f64]) -> Result<Vec<NodeId>> {
+    let n = size(
+        cx.ints(0)?
+            .first()
+            .copied()
+            .ok_or_else(|| Error::invalid("window size", "must hold one value"))?,
+        "window size",
+    )?;
+    let periodic = cx.attr_i("periodic", 1) != 0;
+    let dtype =
+        crate::tensor::dtype_from_onnx(cx.attr_i("output_datatype", 1) as i32, "output_datatype")?;
+    let denom = if periodic { n as f64 } else { n as f64 - 1.0 };
+    let values: Vec<f64> = (0..n)
+        .map(|i| {
+            coefficients
+                .iter()
+                .enumerate()
+                .map(|(k, a)| a * (2.0 * std::f64::consts::PI * k as f64 * i as f64 / denom).cos())
+                .sum()
+        })
+        .collect();
+    Ok(vec![
+        cx.g.constant(TensorData::from_f64(dtype, &values), &[n])?,
+    ])
 }
 
 /// `CumProd` as a doubling scan: after step `k` every position holds the product of
