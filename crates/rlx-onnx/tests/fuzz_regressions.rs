@@ -32,3 +32,12 @@ fn attention_with_v_of_lower_rank() {
         "Attention",
     );
 }
+
+/// `AveragePool` with `ceil_mode` and a stride of 0 divided by the stride.
+#[test]
+fn pool_with_a_zero_stride() {
+    assert_error(
+        include_bytes!("data/fuzz/averagepool_zero_stride.onnx"),
+        "stride",
+    );
+}
