@@ -10,6 +10,11 @@
 #   FUZZ_EXTRA_SEEDS="D.." more seed directories (read, never written)
 #   FUZZ_ARGS="..."        more libFuzzer flags
 #
+# The onnx target also seeds from the ONNX backend node tests when the model cache
+# holds them (the onnx_node_suite test fetches them into $RLX_CACHE, else
+# $XDG_CACHE_HOME/rlx or ~/.cache/rlx): their model.onnx files under 64 KiB are
+# copied to fuzz/node-seeds/ (ignored by git).
+#
 # Needs cargo-fuzz (`cargo install cargo-fuzz`); nightly features come from
 # RUSTC_BOOTSTRAP=1 on the stable toolchain. New corpus entries go to
 # fuzz/corpus/TARGET, crashes to fuzz/artifacts/TARGET (both ignored by git); the
@@ -36,6 +41,21 @@ for t in $targets; do
     artifacts="$root/fuzz/artifacts/$t"
     log="$root/fuzz/artifacts/$t.log"
     mkdir -p "$corpus" "$artifacts"
+    extra=${FUZZ_EXTRA_SEEDS:-}
+    if [ "$t" = onnx ]; then
+        cache=${RLX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rlx}
+        node_seeds="$root/fuzz/node-seeds"
+        for d in "$cache"/models/onnx-node-tests-*/*/; do
+            [ -f "$d/model.onnx" ] || continue
+            [ "$(stat -c %s "$d/model.onnx")" -lt 65536 ] || continue
+            mkdir -p "$node_seeds"
+            cp -u "$d/model.onnx" "$node_seeds/$(basename "$d").onnx"
+        done
+        if [ -d "$node_seeds" ]; then
+            echo "onnx: also seeding from $(find "$node_seeds" -type f | wc -l) node-test models"
+            extra="$extra $node_seeds"
+        fi
+    fi
     cargo fuzz build --fuzz-dir fuzz -a -s "$sanitizer" "$t"
     args=(-max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048
         -print_final_stats=1 -artifact_prefix="$artifacts/")
@@ -45,7 +65,7 @@ for t in $targets; do
     # shellcheck disable=SC2086
     set +e
     cargo fuzz run --fuzz-dir fuzz -a -s "$sanitizer" "$t" \
-        "$corpus" "$root/fuzz/seeds/$t" ${FUZZ_EXTRA_SEEDS:-} -- "${args[@]}" \
+        "$corpus" "$root/fuzz/seeds/$t" $extra -- "${args[@]}" \
         >"$log" 2>&1
     rc=$?
     set -e
