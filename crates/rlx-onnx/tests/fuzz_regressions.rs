@@ -41,3 +41,113 @@ fn pool_with_a_zero_stride() {
         "stride",
     );
 }
+
+/// `Scan` over a scalar input (axis 0 of rank 0) read the input's first dim.
+#[test]
+fn scan_over_a_scalar() {
+    assert_error(include_bytes!("data/fuzz/scan_scalar_input.onnx"), "scalar");
+}
+
+mod control_flow_bodies {
+    //! Bodies with fewer outputs than the node carries indexed past their outputs
+    //! (the same unchecked count as the scalar scan above).
+
+    use super::assert_error;
+    use prost::Message;
+    use rlx_onnx::proto::{
+        AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
+        TensorShapeProto, TypeProto, ValueInfoProto, attribute_proto::AttributeType,
+        tensor_shape_proto::Dimension, tensor_shape_proto::dimension, type_proto,
+    };
+
+    fn value(name: &str, elem: i32, dims: &[i64]) -> ValueInfoProto {
+        ValueInfoProto {
+            name: Some(name.into()),
+            r#type: Some(TypeProto {
+                value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                    elem_type: Some(elem),
+                    shape: Some(TensorShapeProto {
+                        dim: dims
+                            .iter()
+                            .map(|&n| Dimension {
+                                value: Some(dimension::Value::DimValue(n)),
+                                ..Default::default()
+                            })
+                            .collect(),
+                    }),
+                })),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// A model running `op` (`Loop` or `Scan`) over input `x: f32[3, 2]` with a body
+    /// that has the right inputs but no outputs, giving `y`.
+    fn model(op: &str, inputs: &[&str], attrs: Vec<AttributeProto>) -> Vec<u8> {
+        let body = GraphProto {
+            name: Some("body".into()),
+            input: if op == "Loop" {
+                vec![
+                    value("i", 7, &[]),
+                    value("cond", 9, &[]),
+                    value("c", 1, &[3, 2]),
+                ]
+            } else {
+                vec![value("state", 1, &[3, 2]), value("row", 1, &[2])]
+            },
+            ..Default::default()
+        };
+        let mut attribute = vec![AttributeProto {
+            name: Some("body".into()),
+            r#type: Some(AttributeType::Graph as i32),
+            g: Some(body),
+            ..Default::default()
+        }];
+        attribute.extend(attrs);
+        ModelProto {
+            ir_version: Some(8),
+            opset_import: vec![OperatorSetIdProto {
+                domain: Some(String::new()),
+                version: Some(17),
+            }],
+            graph: Some(GraphProto {
+                name: Some("g".into()),
+                node: vec![NodeProto {
+                    op_type: Some(op.into()),
+                    input: inputs.iter().map(|s| s.to_string()).collect(),
+                    output: vec!["y".into()],
+                    attribute,
+                    ..Default::default()
+                }],
+                initializer: vec![TensorProto {
+                    name: Some("trips".into()),
+                    data_type: Some(7),
+                    int64_data: vec![2],
+                    ..Default::default()
+                }],
+                input: vec![value("x", 1, &[3, 2])],
+                output: vec![value("y", 1, &[3, 2])],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+        .encode_to_vec()
+    }
+
+    #[test]
+    fn loop_body_without_outputs() {
+        assert_error(&model("Loop", &["trips", "", "x"], vec![]), "Loop");
+    }
+
+    #[test]
+    fn scan_body_without_outputs() {
+        let scan_inputs = AttributeProto {
+            name: Some("num_scan_inputs".into()),
+            r#type: Some(AttributeType::Int as i32),
+            i: Some(1),
+            ..Default::default()
+        };
+        assert_error(&model("Scan", &["x", "x"], vec![scan_inputs]), "Scan");
+    }
+}
