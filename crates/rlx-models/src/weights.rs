@@ -18,6 +18,21 @@ pub struct TensorView<'a> {
     pub bytes: &'a [u8],
 }
 
+/// Where a file's bytes live.
+enum Storage {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Storage {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Mapped(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
+}
+
 struct Entry {
     dtype: std::result::Result<DType, String>,
     dims: Vec<usize>,
@@ -25,11 +40,11 @@ struct Entry {
     end: usize,
 }
 
-/// A safetensors file opened by memory mapping; nothing is read until a tensor is
-/// used.
+/// A safetensors file opened by memory mapping (or held in memory); nothing is read
+/// until a tensor is used.
 pub struct SafeTensorsFile {
     path: String,
-    map: Mmap,
+    storage: Storage,
     entries: BTreeMap<String, Entry>,
 }
 
@@ -58,8 +73,20 @@ impl SafeTensorsFile {
         // process gives wrong numbers, not undefined behaviour in this program's
         // bounds checks, which all happen on lengths fixed at open time.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| io(format!("cannot map: {e}")))?;
+        SafeTensorsFile::parse(shown, Storage::Mapped(map))
+    }
+
+    /// Parses a safetensors image held in memory, with the same checks as
+    /// [`SafeTensorsFile::open`]; `name` names it in errors. A truncated or hostile
+    /// buffer gives an [`Error::Format`], never a panic.
+    pub fn from_bytes(name: impl Into<String>, bytes: Vec<u8>) -> Result<SafeTensorsFile> {
+        SafeTensorsFile::parse(name.into(), Storage::Owned(bytes))
+    }
+
+    fn parse(shown: String, storage: Storage) -> Result<SafeTensorsFile> {
+        let map = storage.bytes();
         let (header_len, metadata) =
-            SafeTensors::read_metadata(&map).map_err(|e| Error::Format {
+            SafeTensors::read_metadata(map).map_err(|e| Error::Format {
                 path: shown.clone(),
                 message: format!("not a valid safetensors file: {e}"),
             })?;
@@ -86,7 +113,7 @@ impl SafeTensorsFile {
         }
         Ok(SafeTensorsFile {
             path: shown,
-            map,
+            storage,
             entries,
         })
     }
@@ -126,7 +153,8 @@ impl SafeTensorsFile {
             });
         }
         let bytes = self
-            .map
+            .storage
+            .bytes()
             .get(entry.start..entry.end)
             .ok_or_else(|| Error::Format {
                 path: self.path.clone(),

@@ -138,7 +138,13 @@ fn import_loop(imp: &mut Importer, node: &NodeProto) -> Result<Vec<Slot>> {
             "body inputs do not match the carried values",
         ));
     }
-    let n_scan = body.output.len().saturating_sub(1 + carried.len());
+    if body.output.len() < 1 + carried.len() {
+        return Err(Error::invalid(
+            "Loop",
+            "the body must output the condition and every carried value",
+        ));
+    }
+    let n_scan = body.output.len() - (1 + carried.len());
     let mut scans: Vec<Vec<Slot>> = vec![Vec::new(); n_scan];
     let mut i: i64 = 0;
     while running && max_trips.is_none_or(|m| i < m) {
@@ -217,7 +223,13 @@ fn import_scan(imp: &mut Importer, node: &NodeProto) -> Result<Vec<Slot>> {
         .collect::<Result<_>>()?;
     let in_axes = attr_ints("scan_input_axes").unwrap_or_else(|| vec![0; n_scan_in]);
     let in_dirs = attr_ints("scan_input_directions").unwrap_or_else(|| vec![0; n_scan_in]);
-    let n_scan_out = body.output.len().saturating_sub(n_state);
+    if body.output.len() < n_state {
+        return Err(Error::invalid(
+            "Scan",
+            "the body has fewer outputs than state variables",
+        ));
+    }
+    let n_scan_out = body.output.len() - n_state;
     let out_axes = attr_ints("scan_output_axes").unwrap_or_else(|| vec![0; n_scan_out]);
     let out_dirs = attr_ints("scan_output_directions").unwrap_or_else(|| vec![0; n_scan_out]);
     if in_axes.len() != n_scan_in
@@ -233,6 +245,12 @@ fn import_scan(imp: &mut Importer, node: &NodeProto) -> Result<Vec<Slot>> {
     let mut in_ids = Vec::new();
     let mut seq_len = None;
     for (k, s) in scan_in.iter().enumerate() {
+        if s.shape.rank() == 0 {
+            return Err(Error::invalid(
+                "Scan",
+                format!("scan input {k} is a scalar"),
+            ));
+        }
         let a = crate::ops::axis(in_axes[k], s.shape.rank())?;
         let len = s.shape.dim(a);
         if seq_len.is_some_and(|l| l != len) {

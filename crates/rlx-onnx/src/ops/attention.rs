@@ -18,6 +18,12 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
 /// `[B, S, H * D]` to `[B, H, S, D]`.
 fn split_heads(cx: &Cx, x: NodeId, heads: usize) -> Result<NodeId> {
     let d = cx.g.shape(x)?.dims().to_vec();
+    if d.len() != 3 {
+        return Err(Error::invalid(
+            "Attention",
+            format!("3-D Q, K and V expected, found dims {d:?}"),
+        ));
+    }
     if heads == 0 || !d[2].is_multiple_of(heads) {
         return Err(Error::invalid(
             "Attention",
@@ -64,11 +70,28 @@ fn attention(cx: &mut Cx) -> Result<Vec<NodeId>> {
         k = split_heads(cx, k, hkv)?;
         v = split_heads(cx, v, hkv)?;
     }
+    for (name, x) in [("Q", q), ("K", k), ("V", v)] {
+        let r = cx.g.shape(x)?.rank();
+        if r != 4 {
+            return Err(Error::invalid(
+                "Attention",
+                format!("{name} of rank {r} where Q has rank {rank}"),
+            ));
+        }
+    }
     let qs = cx.g.shape(q)?.dims().to_vec();
     let (batch, hq, sq, head) = (qs[0], qs[1], qs[2], qs[3]);
     let past = cx.opt_input(4)?;
     let past_len = match past {
-        Some(p) => cx.g.shape(p)?.dim(2),
+        Some(p) => match cx.g.shape(p)?.dims() {
+            &[_, _, n, _] => n,
+            d => {
+                return Err(Error::invalid(
+                    "Attention",
+                    format!("past key of dims {d:?}, not 4-D"),
+                ));
+            }
+        },
         None => 0,
     };
     if let Some(p) = past {

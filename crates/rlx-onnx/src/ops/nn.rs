@@ -143,7 +143,23 @@ fn softmax(cx: &mut Cx, kind: Soft) -> Result<Vec<NodeId>> {
     Ok(vec![cx.g.reshape(y, &dims)?])
 }
 
-/// `(begin, end)` padding per spatial axis from `pads`/`auto_pad`.
+/// The extent of a window of `kernel` taps `dilation` apart, or an error when a
+/// size is zero or the extent overflows.
+fn window_span(kernel: usize, dilation: usize) -> Result<usize> {
+    if kernel == 0 || dilation == 0 {
+        return Err(Error::invalid(
+            "kernel_shape",
+            format!("kernel {kernel} with dilation {dilation}: both must be at least 1"),
+        ));
+    }
+    (kernel - 1)
+        .checked_mul(dilation)
+        .and_then(|s| s.checked_add(1))
+        .ok_or_else(|| Error::invalid("kernel_shape", "window extent overflows"))
+}
+
+/// `(begin, end)` padding per spatial axis from `pads`/`auto_pad`. Strides and
+/// dilations of zero, and windows whose extent overflows, are errors.
 fn spatial_pads(
     cx: &Cx,
     input: &[usize],
@@ -152,6 +168,15 @@ fn spatial_pads(
     dilations: &[usize],
 ) -> Result<Vec<(usize, usize)>> {
     let n = input.len();
+    if strides.contains(&0) {
+        return Err(Error::invalid(
+            "strides",
+            format!("{strides:?}: every stride must be at least 1"),
+        ));
+    }
+    for i in 0..n {
+        window_span(kernel[i], dilations[i])?;
+    }
     let auto = cx.attr_s("auto_pad", "NOTSET");
     match auto.as_str() {
         "NOTSET" => {
@@ -171,7 +196,11 @@ fn spatial_pads(
             .map(|i| {
                 let out = input[i].div_ceil(strides[i]);
                 let span = (kernel[i] - 1) * dilations[i] + 1;
-                let total = ((out.saturating_sub(1)) * strides[i] + span).saturating_sub(input[i]);
+                let total = out
+                    .saturating_sub(1)
+                    .saturating_mul(strides[i])
+                    .saturating_add(span)
+                    .saturating_sub(input[i]);
                 let small = total / 2;
                 if auto == "SAME_UPPER" {
                     (small, total - small)
@@ -474,8 +503,11 @@ fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
         // Extra end padding so the last, partial window is counted; a window that
         // would start in the end padding is not added.
         for i in 0..n {
-            let span = (kernel[i] - 1) * dilations[i] + 1;
-            let padded = xd[2 + i] + pads[i].0 + pads[i].1;
+            let span = window_span(kernel[i], dilations[i])?;
+            let padded = xd[2 + i]
+                .checked_add(pads[i].0)
+                .and_then(|p| p.checked_add(pads[i].1))
+                .ok_or_else(|| Error::invalid("pads", "padded size overflows"))?;
             if padded < span {
                 continue;
             }
