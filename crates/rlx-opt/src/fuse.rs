@@ -26,6 +26,9 @@ pub struct FusionOptions {
     pub attention_layout: bool,
     /// Recognize attention written out as matmul, scale, mask, softmax and matmul.
     pub attention_pattern: bool,
+    /// Recognize activations spelled out in primitives (an exact GELU written with
+    /// `erf`) as one op.
+    pub activations: bool,
     /// Turn products of gathered rows by one weight into one product and gathers
     /// (see [`hoist_gathered_matmuls`](crate::hoist::hoist_gathered_matmuls)).
     pub hoist_gathered_matmuls: bool,
@@ -39,6 +42,7 @@ impl FusionOptions {
         attention_layout: true,
         attention_pattern: true,
         hoist_gathered_matmuls: true,
+        activations: true,
     };
 }
 

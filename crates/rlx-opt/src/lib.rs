@@ -12,6 +12,7 @@ pub mod fuse;
 pub mod hoist;
 pub mod lifetimes;
 mod plan;
+pub mod recognize;
 mod rewrite;
 pub mod schedule;
 

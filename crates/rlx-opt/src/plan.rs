@@ -186,13 +186,14 @@ impl Plan {
 /// The graph-to-graph stages of the compile pipeline, in the order they run. A stage
 /// that `PlanOptions` turns off leaves the graph as it is. After them come the
 /// schedule and the memory plan.
-pub const STAGES: [&str; 10] = [
+pub const STAGES: [&str; 11] = [
     "decompose",
     "fold",
     "cse",
     "dce",
     "fuse.attention",
     "fuse.attention_layout",
+    "fuse.activations",
     "fuse.hoist",
     "fuse.epilogue",
     "fuse.regions",
@@ -245,6 +246,9 @@ fn run_stages(
             }
             "fuse.attention_layout" if f.attention_layout => {
                 Some(crate::fuse::fuse_attention_layout(&graph))
+            }
+            "fuse.activations" if f.activations => {
+                Some(crate::recognize::recognize_activations(&graph))
             }
             "fuse.hoist" if f.hoist_gathered_matmuls => {
                 Some(crate::hoist::hoist_gathered_matmuls(&graph))

@@ -876,3 +876,47 @@ fn a_primitive_the_backend_lacks_is_a_compile_error_naming_it() {
     let e = plan_graph(&g, &options).unwrap_err();
     assert!(e.to_string().contains("matmul"), "{e}");
 }
+
+#[test]
+fn gelu_spelled_with_erf_becomes_one_activation() {
+    let mut rng = Rng(62);
+    for form in 0..3 {
+        let g = Graph::new("spelled gelu");
+        let a = g.input("a", Shape::new(&[6, 10], DType::F32)).unwrap();
+        let w = g.param("w", Shape::new(&[10, 12], DType::F32)).unwrap();
+        let x = g.matmul(a, w).unwrap();
+        let c = |v: f64| g.scalar(v, DType::F32);
+        let t = match form {
+            0 => g.div(x, c(std::f64::consts::SQRT_2)),
+            _ => g.mul(c(std::f64::consts::FRAC_1_SQRT_2), x),
+        }
+        .unwrap();
+        let plus = g.add(g.erf(t).unwrap(), c(1.0)).unwrap();
+        let y = match form {
+            0 => g.mul(x, g.mul(c(0.5), plus).unwrap()),
+            1 => g.mul(g.mul(x, c(0.5)).unwrap(), plus),
+            _ => g.mul(plus, g.mul(c(0.5), x).unwrap()),
+        }
+        .unwrap();
+        g.set_outputs(vec![y]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+        assert!(
+            ops.contains(&"fused_matmul".to_string())
+                && !ops.iter().any(|o| o == "erf" || o == "elementwise" || o == "mul"),
+            "form {form}: {}",
+            plan.graph
+        );
+        check(&g, &mut rng, &format!("spelled gelu form {form}"));
+    }
+    // A product that only looks alike (0.4 instead of 0.5) is left alone.
+    let g = Graph::new("not gelu");
+    let x = g.input("x", Shape::new(&[7], DType::F32)).unwrap();
+    let c = |v: f64| g.scalar(v, DType::F32);
+    let t = g.div(x, c(std::f64::consts::SQRT_2)).unwrap();
+    let plus = g.add(g.erf(t).unwrap(), c(1.0)).unwrap();
+    g.set_outputs(vec![g.mul(x, g.mul(c(0.4), plus).unwrap()).unwrap()]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    assert!(!plan.graph.nodes().iter().any(|n| n.op.name() == "gelu"));
+    check(&g, &mut rng, "not gelu");
+}

@@ -1,0 +1,178 @@
+//! Recognizing activations that exported models spell out in primitives, so the
+//! fusions that follow see the activation: `x * 0.5 * (1 + erf(x / sqrt(2)))`, in any
+//! grouping of the product and with `x * (1 / sqrt(2))` for the division, becomes
+//! `gelu(x)`, which then joins the matmul that feeds it as its epilogue.
+
+use crate::fuse::Fused;
+use crate::rewrite::{Rewriter, use_counts};
+use rlx_ir::{BinaryOp, Graph, Node, NodeId, Op, UnaryOp};
+
+/// The single value of a one-element constant.
+fn scalar(graph: &Graph, node: &Node) -> Option<f64> {
+    let Op::Constant { id } = node.op else {
+        return None;
+    };
+    if node.shape.num_elements() != 1 {
+        return None;
+    }
+    graph
+        .constants()
+        .get(id)?
+        .clone()
+        .as_ref()
+        .to_f64_vec()
+        .first()
+        .copied()
+}
+
+fn near(v: f64, want: f64) -> bool {
+    (v - want).abs() <= 1e-6 * want.abs()
+}
+
+/// The factors of a product: `mul` nodes read only by the product are opened up.
+fn factors(
+    nodes: &[Node],
+    uses: &[usize],
+    id: NodeId,
+    top: bool,
+    out: &mut Vec<NodeId>,
+    inner: &mut Vec<usize>,
+) {
+    let n = &nodes[id.index()];
+    if n.op == Op::Binary(BinaryOp::Mul) && (top || uses[id.index()] == 1) {
+        if !top {
+            inner.push(id.index());
+        }
+        for &i in &n.inputs {
+            factors(nodes, uses, i, false, out, inner);
+        }
+    } else {
+        out.push(id);
+    }
+}
+
+/// `x` when `t` is `x / sqrt(2)` or `x * (1 / sqrt(2))`.
+fn scaled_input(graph: &Graph, nodes: &[Node], t: NodeId) -> Option<NodeId> {
+    let n = &nodes[t.index()];
+    let [a, b] = [*n.inputs.first()?, *n.inputs.get(1)?];
+    match n.op {
+        Op::Binary(BinaryOp::Div) => {
+            near(scalar(graph, &nodes[b.index()])?, std::f64::consts::SQRT_2).then_some(a)
+        }
+        Op::Binary(BinaryOp::Mul) => {
+            let (x, c) = match (
+                scalar(graph, &nodes[a.index()]),
+                scalar(graph, &nodes[b.index()]),
+            ) {
+                (_, Some(c)) => (a, c),
+                (Some(c), None) => (b, c),
+                _ => return None,
+            };
+            near(c, std::f64::consts::FRAC_1_SQRT_2).then_some(x)
+        }
+        _ => None,
+    }
+}
+
+/// Matches a spelled-out exact GELU ending at product `end`: returns `x` and the
+/// nodes the match replaces.
+fn match_gelu(
+    graph: &Graph,
+    nodes: &[Node],
+    uses: &[usize],
+    end: usize,
+) -> Option<(NodeId, Vec<usize>)> {
+    if nodes[end].op != Op::Binary(BinaryOp::Mul) || !nodes[end].shape.dtype().is_float() {
+        return None;
+    }
+    let mut fs = Vec::new();
+    let mut inner = Vec::new();
+    factors(
+        nodes,
+        uses,
+        NodeId::from_index(end),
+        true,
+        &mut fs,
+        &mut inner,
+    );
+    if fs.len() != 3 {
+        return None;
+    }
+    let half = fs
+        .iter()
+        .position(|f| scalar(graph, &nodes[f.index()]).is_some_and(|v| near(v, 0.5)))?;
+    // The `1 + erf(...)` factor, read only here.
+    let plus = fs.iter().enumerate().find_map(|(k, f)| {
+        let n = &nodes[f.index()];
+        (k != half && n.op == Op::Binary(BinaryOp::Add) && uses[f.index()] == 1).then_some(k)
+    })?;
+    let add = &nodes[fs[plus].index()];
+    let (e, one) = (add.inputs[0], add.inputs[1]);
+    let (e, one) = if nodes[e.index()].op == Op::Unary(UnaryOp::Erf) {
+        (e, one)
+    } else {
+        (one, e)
+    };
+    if nodes[e.index()].op != Op::Unary(UnaryOp::Erf)
+        || uses[e.index()] != 1
+        || !scalar(graph, &nodes[one.index()]).is_some_and(|v| near(v, 1.0))
+    {
+        return None;
+    }
+    let t = nodes[e.index()].inputs[0];
+    if uses[t.index()] != 1 {
+        return None;
+    }
+    let x = scaled_input(graph, nodes, t)?;
+    let other = (0..3).find(|&k| k != half && k != plus)?;
+    if fs[other] != x || nodes[x.index()].shape != nodes[end].shape {
+        return None;
+    }
+    let mut replaced = inner;
+    replaced.extend([fs[plus].index(), e.index(), t.index(), end]);
+    Some((x, replaced))
+}
+
+/// Replaces every spelled-out exact GELU by one `gelu` node.
+pub fn recognize_activations(graph: &Graph) -> Fused {
+    let nodes = graph.nodes();
+    let uses = use_counts(graph);
+    let mut at_end: Vec<Option<NodeId>> = vec![None; nodes.len()];
+    let mut absorbed = vec![false; nodes.len()];
+    let mut records = Vec::new();
+    for end in 0..nodes.len() {
+        if let Some((x, replaced)) = match_gelu(graph, &nodes, &uses, end)
+            && replaced.iter().all(|&n| !absorbed[n])
+        {
+            for &n in &replaced {
+                absorbed[n] = true;
+            }
+            at_end[end] = Some(x);
+            let mut sorted = replaced.clone();
+            sorted.sort_unstable();
+            records.push((
+                end,
+                sorted
+                    .iter()
+                    .map(|&n| format!("{} %{n}", nodes[n].op.name()))
+                    .collect(),
+            ));
+        }
+    }
+    let mut w = Rewriter::new(nodes.len());
+    for (i, node) in nodes.iter().enumerate() {
+        if let Some(x) = at_end[i] {
+            w.place(
+                i,
+                Node {
+                    op: Op::Unary(UnaryOp::Gelu),
+                    inputs: vec![x],
+                    shape: node.shape.clone(),
+                },
+            );
+        } else if !absorbed[i] {
+            w.place(i, node.clone());
+        }
+    }
+    crate::fuse::finish(graph, w, records)
+}
