@@ -140,14 +140,14 @@ pub fn recognize_activations(graph: &Graph) -> Fused {
     let mut at_end: Vec<Option<NodeId>> = vec![None; nodes.len()];
     let mut absorbed = vec![false; nodes.len()];
     let mut records = Vec::new();
-    for end in 0..nodes.len() {
+    for (end, slot) in at_end.iter_mut().enumerate() {
         if let Some((x, replaced)) = match_gelu(graph, &nodes, &uses, end)
             && replaced.iter().all(|&n| !absorbed[n])
         {
             for &n in &replaced {
                 absorbed[n] = true;
             }
-            at_end[end] = Some(x);
+            *slot = Some(x);
             let mut sorted = replaced.clone();
             sorted.sort_unstable();
             records.push((
