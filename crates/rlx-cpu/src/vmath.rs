@@ -33,8 +33,8 @@ macro_rules! multiversion {
 
 pub(crate) use multiversion;
 
-/// `e^x` for `f32`, relative error below 2e-7; 0 below -87.33, and `e^88.37`
-/// (about 2.5e38) for anything above 88.37.
+/// `e^x` for `f32`, relative error below 2e-7; 0 below -87.33 and infinity past
+/// `ln(f32::MAX)`.
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -43,7 +43,8 @@ pub(crate) fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = 1.428_606_8e-6;
     // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(-87.33, 88.37);
+    let big = x > 88.722_84;
+    let x = x.clamp(-87.33, 88.722_84);
     let n = (x * LOG2E + ROUND) - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     // e^r on |r| <= ln2/2: Taylor series to r^7.
@@ -53,13 +54,20 @@ pub(crate) fn exp(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    // 2^n from its exponent bits: n + 127 lands in the low mantissa bits of
-    // 2^23 + n + 127, and shifting those bits into the exponent field gives 2^n
-    // (n is in -126..=127 after the clamp, so the exponent is never 0 or 255).
-    let biased = (n + (127.0 + 8_388_608.0)).to_bits();
-    let scale = f32::from_bits(biased.wrapping_shl(23));
-    let value = p * scale;
-    if x <= -87.33 { 0.0 } else { value }
+    // 2^n as 2^h * 2^(n - h) with h = floor(n / 2): each half's biased exponent
+    // (between 64 and 191 for n in -126..=128) goes straight into the exponent bits.
+    let ni = n as i32;
+    let h = ni >> 1;
+    let s1 = f32::from_bits(((h + 127) as u32) << 23);
+    let s2 = f32::from_bits(((ni - h + 127) as u32) << 23);
+    let value = p * s1 * s2;
+    if x <= -87.33 {
+        0.0
+    } else if big {
+        f32::INFINITY
+    } else {
+        value
+    }
 }
 
 /// `erf(x)` for `f32`: its Taylor series below |x| = 0.6 (relative error under 1e-6),
@@ -99,7 +107,8 @@ pub(crate) fn tanh(x: f32) -> f32 {
     // (its first omitted term is below 1e-8 relative for |x| < 0.125).
     let x2 = x * x;
     let narrow = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 - x2 * (17.0 / 315.0))));
-    if ax < 0.125 { narrow } else { wide }
+    let value = if ax < 0.125 { narrow } else { wide };
+    if x.is_nan() { x } else { value }
 }
 
 /// Exact GELU, `x Φ(x)`.
@@ -231,9 +240,9 @@ mod tests {
     use super::*;
 
     fn samples() -> impl Iterator<Item = f32> {
-        (-200_000..=200_000)
-            .map(|i| i as f32 * 1e-4)
-            .chain([-100.0, -88.0, -87.0, 80.0, 88.0, 0.0, -0.0])
+        (-200_000..=200_000).map(|i| i as f32 * 1e-4).chain([
+            -100.0, -88.0, -87.0, 80.0, 88.0, 88.5, 88.7, 88.72, 0.0, -0.0,
+        ])
     }
 
     #[test]
@@ -250,6 +259,15 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn exp_overflows_to_infinity_and_keeps_nan() {
+        for x in [88.73f32, 89.0, 100.0, f32::INFINITY] {
+            assert_eq!(exp(x), f32::INFINITY, "exp({x})");
+        }
+        assert!(exp(f32::NAN).is_nan());
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
     }
 
     #[test]

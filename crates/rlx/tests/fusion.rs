@@ -903,7 +903,9 @@ fn gelu_spelled_with_erf_becomes_one_activation() {
         let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
         assert!(
             ops.contains(&"fused_matmul".to_string())
-                && !ops.iter().any(|o| o == "erf" || o == "elementwise" || o == "mul"),
+                && !ops
+                    .iter()
+                    .any(|o| o == "erf" || o == "elementwise" || o == "mul"),
             "form {form}: {}",
             plan.graph
         );

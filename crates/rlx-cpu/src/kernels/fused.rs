@@ -335,7 +335,8 @@ fn unary_body(op: UnaryOp, a: &[f32], out: &mut [f32]) {
         UnaryOp::Reciprocal => f(|x| 1.0 / x, out),
         UnaryOp::Tanh => f(vmath::tanh, out),
         UnaryOp::Sigmoid => f(|x| 1.0 / (1.0 + vmath::exp(-x)), out),
-        UnaryOp::Relu => f(|x| x.max(0.0), out),
+        // NaN passes through, as the scalar definition has it.
+        UnaryOp::Relu => f(|x| if x < 0.0 { 0.0 } else { x }, out),
         UnaryOp::Gelu => f(vmath::gelu, out),
         UnaryOp::GeluTanh => f(vmath::gelu_tanh, out),
         UnaryOp::Silu => f(vmath::silu, out),

@@ -63,6 +63,9 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
         Op::Binary(b) if fast_binary(*b, &inputs[0], out) => {
             format!("cpu.region1.{}.f32", b.name())
         }
+        Op::Unary(u) if fast_unary(*u, &inputs[0]) => {
+            format!("cpu.region1.{}.f32", u.name())
+        }
         Op::Reduce {
             op: ReduceOp::Sum | ReduceOp::Mean,
             axes,
@@ -90,6 +93,11 @@ fn fast_binary(op: BinaryOp, a: &Shape, out: &Shape) -> bool {
     a.dtype() == DType::F32 && out.dtype() == DType::F32 && fusable_binary(op)
 }
 
+/// A lone `f32` unary op runs as a one-step region (vectorized, threaded).
+fn fast_unary(op: rlx_ir::UnaryOp, x: &Shape) -> bool {
+    x.dtype() == DType::F32 && rlx_ir::fusable_unary(op)
+}
+
 /// Per-thread `f32` scratch a step needs beyond the GEMM buffers.
 pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
     match op {
@@ -98,6 +106,7 @@ pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
         }
         Op::Elementwise { steps } => fused::region_scratch_floats(inputs.len() + steps.len()),
         Op::Binary(b) if fast_binary(*b, &inputs[0], &inputs[0]) => fused::region_scratch_floats(3),
+        Op::Unary(u) if fast_unary(*u, &inputs[0]) => fused::region_scratch_floats(2),
         _ => 0,
     }
 }
@@ -125,6 +134,9 @@ pub(crate) fn run<'a>(
 ) -> Result<()> {
     let opt = |k: usize| (k < n_inputs).then(|| src(k));
     match op {
+        Op::Unary(u) if fast_unary(*u, src(0).shape) => {
+            fused::elementwise(&[EwStep::Unary(*u, 0)], &[src(0)], out, ctx)?
+        }
         Op::Unary(u) => elementwise::unary(*u, src(0), out),
         Op::Binary(b) if fast_binary(*b, src(0).shape, out.shape) => {
             // One arithmetic op on f32: the region kernel, with a one-step program.
