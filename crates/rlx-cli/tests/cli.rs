@@ -43,7 +43,7 @@ fn inspect_prints_graph_plan_and_kernels() {
     );
     let (_, out, _) = rlx(&["inspect", "--example", "mlp", "--no-optimize"]);
     assert!(
-        out.contains("fusions: none") && out.contains("cpu.ref.gelu"),
+        out.contains("fusions: none") && out.contains("cpu.region1.gelu"),
         "{out}"
     );
     let (_, out, _) = rlx(&["inspect", "--example", "transformer"]);
