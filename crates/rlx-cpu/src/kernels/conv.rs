@@ -6,7 +6,7 @@
 
 use super::Ctx;
 use crate::elem::{Elem, with_dtype};
-use crate::gemm::{BFormat, Epilogue, Gemm, sgemm};
+use crate::gemm::{BFormat, Epilogue, Gemm, sgemm, sgemm_serial};
 use crate::tensor::{Dst, Src};
 use rlx_ir::{Result, Shape, Window2d};
 
@@ -79,46 +79,68 @@ pub(crate) fn conv2d_f32(
     let in_place = reads_in_place(win);
     // SAFETY: the operands are f32 tensors of the shapes read above, and the plan
     // never places the output over an input.
-    let (xs, ws, os) = unsafe {
+    let (xs, ws) = unsafe {
         (
             std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len),
             std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len),
-            std::slice::from_raw_parts_mut(out.ptr.cast::<f32>(), out.len),
         )
     };
+    // The output as an address, so tasks on other threads can write their rows.
+    let out_addr = out.ptr as usize;
     let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), b.len) });
+    // One product per image and group.
+    let product = |b: usize, g: usize, col: &mut [f32]| -> Gemm {
+        let image = &xs[(b * c + g * cg) * h * wd..][..cg * h * wd];
+        let cols: *const f32 = if in_place {
+            image.as_ptr()
+        } else {
+            im2col(win, image, [cg, h, wd], [oh, ow], &mut col[..k * p]);
+            col.as_ptr()
+        };
+        // SAFETY: rows `g * og ..` of image `b`'s output, inside `out`; each (b, g)
+        // writes its own rows.
+        let dst = unsafe { (out_addr as *mut f32).add((b * o + g * og) * p) };
+        if let Some(bias) = bias {
+            for r in 0..og {
+                // SAFETY: as above.
+                unsafe { std::slice::from_raw_parts_mut(dst.add(r * p), p) }.fill(bias[g * og + r]);
+            }
+        }
+        Gemm {
+            m: og,
+            n: p,
+            k,
+            a: ws[g * og * k..].as_ptr(),
+            lda: k,
+            b: cols,
+            ldb: p,
+            b_transposed: false,
+            b_format: BFormat::F32,
+            c: dst,
+            ldc: p,
+            accumulate: bias.is_some(),
+            epilogue: Epilogue::NONE,
+        }
+    };
+    let units = n * groups;
+    let threads = ctx.gemm.threads();
+    if threads > 1 && units >= threads {
+        // Enough images for every thread: each runs whole products, serially, with
+        // its own patch buffer.
+        let task = |u: usize, thread: usize| {
+            // SAFETY: one task per thread index at a time.
+            let (buf, extra) = unsafe { ctx.gemm.parts(thread) };
+            let gemm = product(u / groups, u % groups, extra);
+            // SAFETY: the matrices of `product` lie inside their tensors.
+            unsafe { sgemm_serial(&gemm, buf) };
+        };
+        return ctx.pool.run(units, threads, &task);
+    }
     for b in 0..n {
         for g in 0..groups {
-            let image = &xs[(b * c + g * cg) * h * wd..][..cg * h * wd];
-            let cols: &[f32] = if in_place {
-                image
-            } else {
-                im2col(win, image, [cg, h, wd], [oh, ow], &mut col[..k * p]);
-                &col[..k * p]
-            };
-            let dst = &mut os[(b * o + g * og) * p..][..og * p];
-            if let Some(bias) = bias {
-                for (r, row) in dst.chunks_exact_mut(p.max(1)).enumerate() {
-                    row.fill(bias[g * og + r]);
-                }
-            }
-            let gemm = Gemm {
-                m: og,
-                n: p,
-                k,
-                a: ws[g * og * k..].as_ptr(),
-                lda: k,
-                b: cols.as_ptr(),
-                ldb: p,
-                b_transposed: false,
-                b_format: BFormat::F32,
-                c: dst.as_mut_ptr(),
-                ldc: p,
-                accumulate: bias.is_some(),
-                epilogue: Epilogue::NONE,
-            };
+            let gemm = product(b, g, col);
             // SAFETY: A, B and C above are `m x k`, `k x n` and `m x n` matrices
-            // inside their slices.
+            // inside their tensors.
             unsafe { sgemm(&gemm, ctx.pool, ctx.gemm)? };
         }
     }

@@ -107,6 +107,10 @@ pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
         Op::Elementwise { steps } => fused::region_scratch_floats(inputs.len() + steps.len()),
         Op::Binary(b) if fast_binary(*b, &inputs[0], &inputs[0]) => fused::region_scratch_floats(3),
         Op::Unary(u) if fast_unary(*u, &inputs[0]) => fused::region_scratch_floats(2),
+        // Each thread's patch columns when threads take whole images.
+        Op::Conv2d { window, .. } if inputs[0].dtype() == DType::F32 => {
+            conv::im2col_floats(window, &inputs[0], &inputs[1])
+        }
         _ => 0,
     }
 }
