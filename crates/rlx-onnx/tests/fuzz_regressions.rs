@@ -48,6 +48,16 @@ fn scan_over_a_scalar() {
     assert_error(include_bytes!("data/fuzz/scan_scalar_input.onnx"), "scalar");
 }
 
+/// `Split` (opset 18) with `num_outputs` of 301 million on a node of two outputs
+/// built that many slices: a hang, then out of memory.
+#[test]
+fn split_with_more_parts_than_outputs() {
+    assert_error(
+        include_bytes!("data/fuzz/split_huge_num_outputs.onnx"),
+        "num_outputs",
+    );
+}
+
 mod control_flow_bodies {
     //! Bodies with fewer outputs than the node carries indexed past their outputs
     //! (the same unchecked count as the scalar scan above).
