@@ -58,6 +58,15 @@ fn split_with_more_parts_than_outputs() {
     );
 }
 
+/// `Attention` with a scalar mask took the mask's last axis to be 0 and padded
+/// axis `rank - 1` of a rank-0 tensor (a subtraction overflow). A scalar mask
+/// broadcasts as it is, and the model imports.
+#[test]
+fn attention_with_a_scalar_mask() {
+    import(include_bytes!("data/fuzz/attention_scalar_mask.onnx"))
+        .expect("a scalar mask broadcasts");
+}
+
 mod control_flow_bodies {
     //! Bodies with fewer outputs than the node carries indexed past their outputs
     //! (the same unchecked count as the scalar scan above).
