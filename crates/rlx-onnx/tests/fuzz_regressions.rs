@@ -67,6 +67,16 @@ fn attention_with_a_scalar_mask() {
         .expect("a scalar mask broadcasts");
 }
 
+/// `InstanceNormalization` of a 1-D input indexed the channel axis of its
+/// `[N, C, ...]` broadcast shape, which a rank-1 input does not have.
+#[test]
+fn instance_norm_of_rank_one() {
+    assert_error(
+        include_bytes!("data/fuzz/instancenorm_rank1.onnx"),
+        "rank 2 or more",
+    );
+}
+
 mod control_flow_bodies {
     //! Bodies with fewer outputs than the node carries indexed past their outputs
     //! (the same unchecked count as the scalar scan above).
