@@ -48,6 +48,35 @@ fn scan_over_a_scalar() {
     assert_error(include_bytes!("data/fuzz/scan_scalar_input.onnx"), "scalar");
 }
 
+/// `Split` (opset 18) with `num_outputs` of 301 million on a node of two outputs
+/// built that many slices: a hang, then out of memory.
+#[test]
+fn split_with_more_parts_than_outputs() {
+    assert_error(
+        include_bytes!("data/fuzz/split_huge_num_outputs.onnx"),
+        "num_outputs",
+    );
+}
+
+/// `Attention` with a scalar mask took the mask's last axis to be 0 and padded
+/// axis `rank - 1` of a rank-0 tensor (a subtraction overflow). A scalar mask
+/// broadcasts as it is, and the model imports.
+#[test]
+fn attention_with_a_scalar_mask() {
+    import(include_bytes!("data/fuzz/attention_scalar_mask.onnx"))
+        .expect("a scalar mask broadcasts");
+}
+
+/// `InstanceNormalization` of a 1-D input indexed the channel axis of its
+/// `[N, C, ...]` broadcast shape, which a rank-1 input does not have.
+#[test]
+fn instance_norm_of_rank_one() {
+    assert_error(
+        include_bytes!("data/fuzz/instancenorm_rank1.onnx"),
+        "rank 2 or more",
+    );
+}
+
 mod control_flow_bodies {
     //! Bodies with fewer outputs than the node carries indexed past their outputs
     //! (the same unchecked count as the scalar scan above).

@@ -108,8 +108,10 @@ fn attention(cx: &mut Cx) -> Result<Vec<NodeId>> {
     if let Some(mut m) = cx.opt_input(3)? {
         let md = cx.g.shape(m)?.dims().to_vec();
         let mdt = cx.g.shape(m)?.dtype();
-        let last = *md.last().unwrap_or(&0);
-        if last < skv {
+        // A scalar mask broadcasts as it is; a shorter last axis is padded.
+        if let Some(&last) = md.last()
+            && last < skv
+        {
             let mut pads = vec![(0, 0); md.len()];
             pads[md.len() - 1] = (0, skv - last);
             let fill = if mdt == DType::Bool {

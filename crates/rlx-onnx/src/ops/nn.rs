@@ -625,6 +625,12 @@ fn global_pool(cx: &mut Cx, op: ReduceOp) -> Result<Vec<NodeId>> {
 
 /// A per-channel vector `[C]` reshaped to broadcast against `[N, C, ...]`.
 fn per_channel(cx: &Cx, v: NodeId, rank: usize) -> Result<NodeId> {
+    if rank < 2 {
+        return Err(Error::invalid(
+            "input",
+            format!("per-channel values need an input of rank 2 or more [N, C, ...], not {rank}"),
+        ));
+    }
     let c = cx.g.shape(v)?.num_elements();
     let mut dims = vec![1; rank - 1];
     dims[0] = c;

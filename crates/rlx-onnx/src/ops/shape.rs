@@ -369,6 +369,12 @@ fn split(cx: &mut Cx) -> Result<Vec<NodeId>> {
             if n == 0 {
                 return Err(Error::invalid("Split", "zero outputs"));
             }
+            if n > outputs {
+                return Err(Error::invalid(
+                    "Split",
+                    format!("num_outputs {n}, but the node has {outputs} outputs"),
+                ));
+            }
             let chunk = len.div_ceil(n);
             let mut left = len;
             (0..n)
