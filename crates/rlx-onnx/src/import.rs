@@ -106,8 +106,9 @@ pub struct ImportedGraph {
 
 /// Float values with more elements than this become params rather than constants.
 const PARAM_THRESHOLD: usize = 64;
-/// Nodes whose known inputs hold more elements than this are not folded at import.
-const FOLD_LIMIT: usize = 1 << 26;
+/// Nodes whose known inputs, or any value their folding computes, hold more
+/// elements than this are not folded at import.
+pub(crate) const FOLD_LIMIT: usize = 1 << 26;
 
 /// One named value during import.
 #[derive(Clone, Debug)]
@@ -130,6 +131,7 @@ pub(crate) struct Sink<'a> {
 }
 
 /// An operand of the node being converted.
+#[derive(Clone)]
 pub(crate) struct Operand {
     pub name: String,
     pub slot: Slot,
@@ -744,8 +746,12 @@ impl<'m> Importer<'m> {
             .flatten()
             .map(|o| o.slot.shape.num_elements())
             .sum();
-        if all_known && known_elems <= FOLD_LIMIT && !NO_FOLD.contains(&op_type) {
-            return self.fold(node, conv, operands);
+        if all_known
+            && known_elems <= FOLD_LIMIT
+            && !NO_FOLD.contains(&op_type)
+            && let Some(slots) = self.fold(node, conv, operands.clone())?
+        {
+            return Ok(slots);
         }
         let mut cx = Cx {
             g: &self.graph,
@@ -804,7 +810,7 @@ impl<'m> Importer<'m> {
         node: &NodeProto,
         conv: Converter,
         mut operands: Vec<Option<Operand>>,
-    ) -> Result<Vec<Slot>> {
+    ) -> Result<Option<Vec<Slot>>> {
         // Nodes made in the real graph for these values do not exist in the scratch one.
         for op in operands.iter_mut().flatten() {
             op.slot.node = None;
@@ -827,9 +833,18 @@ impl<'m> Importer<'m> {
             },
         };
         let ids = conv(&mut cx)?;
+        // Small inputs can make a large value (ConstantOfShape, Expand, Tile, ...):
+        // such a node goes into the graph instead of being computed at import.
+        if scratch
+            .nodes()
+            .iter()
+            .any(|n| n.shape.num_elements() > FOLD_LIMIT)
+        {
+            return Ok(None);
+        }
         scratch.set_outputs(ids);
         let values = evaluate(&scratch, &mut HashMap::new())?;
-        Ok(values.into_iter().map(known_slot).collect())
+        Ok(Some(values.into_iter().map(known_slot).collect()))
     }
 
     fn output_node(&mut self, name: &str) -> Result<NodeId> {

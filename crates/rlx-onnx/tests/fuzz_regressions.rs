@@ -77,6 +77,15 @@ fn instance_norm_of_rank_one() {
     );
 }
 
+/// `ConstantOfShape` of a 1.6 TB shape from a small known input was computed at
+/// import (an allocation abort). A node whose folding would make a value past
+/// the fold limit goes into the graph instead, and so does a large
+/// `ConstantOfShape`.
+#[test]
+fn constant_of_shape_too_large_to_fold() {
+    let _ = import(include_bytes!("data/fuzz/constantofshape_huge.onnx"));
+}
+
 mod control_flow_bodies {
     //! Bodies with fewer outputs than the node carries indexed past their outputs
     //! (the same unchecked count as the scalar scan above).

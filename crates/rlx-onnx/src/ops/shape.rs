@@ -536,6 +536,10 @@ fn constant_of_shape(cx: &mut Cx) -> Result<Vec<NodeId>> {
     )?
     .iter()
     .product();
+    if n > crate::import::FOLD_LIMIT {
+        // Too large to hold at import: the fill value broadcast to the shape.
+        return Ok(vec![cx.g.expand(cx.g.scalar(v, dtype), &dims)?]);
+    }
     let data = TensorData::from_f64(dtype, &vec![v; n]);
     Ok(vec![cx.g.constant(data, &dims)?])
 }
