@@ -92,6 +92,13 @@ fn split_of_a_scalar() {
     assert_error(include_bytes!("data/fuzz/split_scalar.onnx"), "scalar");
 }
 
+/// Pooling with `ceil_mode` where the last window would start in the padding took
+/// the ceil output count below the floor one and subtracted with overflow.
+#[test]
+fn pool_ceil_mode_window_in_padding() {
+    let _ = import(include_bytes!("data/fuzz/pool_ceil_mode_underflow.onnx"));
+}
+
 mod control_flow_bodies {
     //! Bodies with fewer outputs than the node carries indexed past their outputs
     //! (the same unchecked count as the scalar scan above).
