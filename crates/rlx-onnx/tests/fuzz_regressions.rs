@@ -86,6 +86,19 @@ fn constant_of_shape_too_large_to_fold() {
     let _ = import(include_bytes!("data/fuzz/constantofshape_huge.onnx"));
 }
 
+/// `Split` of a scalar (axis 0 of rank 0) read the scalar's first dim.
+#[test]
+fn split_of_a_scalar() {
+    assert_error(include_bytes!("data/fuzz/split_scalar.onnx"), "scalar");
+}
+
+/// Pooling with `ceil_mode` where the last window would start in the padding took
+/// the ceil output count below the floor one and subtracted with overflow.
+#[test]
+fn pool_ceil_mode_window_in_padding() {
+    let _ = import(include_bytes!("data/fuzz/pool_ceil_mode_underflow.onnx"));
+}
+
 mod control_flow_bodies {
     //! Bodies with fewer outputs than the node carries indexed past their outputs
     //! (the same unchecked count as the scalar scan above).

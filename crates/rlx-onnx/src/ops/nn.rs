@@ -516,7 +516,8 @@ fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
             if (ceil_out - 1) * strides[i] >= xd[2 + i] + pads[i].0 {
                 ceil_out -= 1;
             }
-            pads[i].1 += (ceil_out - floor_out) * strides[i];
+            // No extra padding when the last window would start in the begin padding.
+            pads[i].1 += ceil_out.saturating_sub(floor_out) * strides[i];
         }
     }
     let mut x = cx.input(0)?;

@@ -350,6 +350,9 @@ fn transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
 
 fn split(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let dims = cx.dims(0)?;
+    if dims.is_empty() {
+        return Err(Error::invalid("Split", "cannot split a scalar"));
+    }
     let a = axis(cx.attr_i("axis", 0), dims.len())?;
     let len = dims[a];
     let outputs = cx.num_outputs();
