@@ -64,7 +64,7 @@ pub(crate) fn unsupported(what: impl Into<String>) -> Error {
 pub(crate) fn axis(a: i64, rank: usize) -> Result<usize> {
     let r = rank as i64;
     let v = if a < 0 { a + r } else { a };
-    if !(0..r.max(1)).contains(&v) {
+    if !(0..r).contains(&v) {
         return Err(Error::invalid(
             "axis",
             format!("{a} is out of range for rank {rank}"),
@@ -93,4 +93,20 @@ pub(crate) fn size(v: i64, what: &str) -> Result<usize> {
 /// A scalar constant of `dtype`.
 pub(crate) fn scalar(cx: &Cx, v: f64, dtype: DType) -> NodeId {
     cx.g.scalar(v, dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn axes_resolve_against_the_rank() {
+        assert_eq!(axis(-1, 3).unwrap(), 2);
+        assert_eq!(axis(0, 3).unwrap(), 0);
+        assert!(axis(3, 3).is_err() && axis(-4, 3).is_err());
+        // A scalar has no axis to name.
+        assert!(axis(0, 0).is_err() && axis(-1, 0).is_err());
+        assert_eq!(axes(&[-1, 0], 2).unwrap(), vec![0, 1]);
+        assert!(axes(&[1, -1], 2).is_err());
+    }
 }
