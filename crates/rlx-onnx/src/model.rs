@@ -98,7 +98,9 @@ pub(crate) fn value_info(v: &ValueInfoProto) -> ValueInfo {
 /// A parsed ONNX model, ready to import at any binding of its symbolic dims.
 #[derive(Clone, Debug)]
 pub struct OnnxModel {
+    /// The model with its graph taken out (into `graph`).
     pub(crate) proto: ModelProto,
+    graph: crate::proto::GraphProto,
     pub(crate) base_dir: Option<PathBuf>,
     pub(crate) path: String,
 }
@@ -117,18 +119,17 @@ impl OnnxModel {
     /// Parses a model from bytes; `base_dir` is where external data lives, `name`
     /// names the model in errors.
     pub fn from_bytes(bytes: &[u8], base_dir: Option<&Path>, name: &str) -> Result<OnnxModel> {
-        let proto = ModelProto::decode(bytes).map_err(|e| Error::Format {
+        let mut proto = ModelProto::decode(bytes).map_err(|e| Error::Format {
             path: name.to_string(),
             message: format!("not an ONNX model protobuf: {e}"),
         })?;
-        if proto.graph.is_none() {
-            return Err(Error::Format {
-                path: name.to_string(),
-                message: "the model has no graph".into(),
-            });
-        }
+        let graph = proto.graph.take().ok_or_else(|| Error::Format {
+            path: name.to_string(),
+            message: "the model has no graph".into(),
+        })?;
         Ok(OnnxModel {
             proto,
+            graph,
             base_dir: base_dir.map(Path::to_path_buf),
             path: name.to_string(),
         })
@@ -186,11 +187,7 @@ impl OnnxModel {
     }
 
     pub(crate) fn graph(&self) -> &crate::proto::GraphProto {
-        // Checked non-empty when the model was parsed.
-        self.proto
-            .graph
-            .as_ref()
-            .expect("model graph checked at parse")
+        &self.graph
     }
 }
 

@@ -221,6 +221,10 @@ fn from_typed_fields(
     context: &str,
 ) -> Result<TensorData> {
     let ints = &t.int32_data;
+    let from_ints = |data: TensorData| -> Result<TensorData> {
+        check_len(context, count, ints.len())?;
+        Ok(data)
+    };
     Ok(match dtype {
         DType::F32 => {
             check_len(context, count, t.float_data.len())?;
@@ -234,35 +238,27 @@ fn from_typed_fields(
             check_len(context, count, t.int64_data.len())?;
             TensorData::I64(t.int64_data.clone())
         }
-        DType::U32 | DType::U64 => {
-            let v = &t.uint64_data;
-            check_len(context, count, v.len())?;
-            if dtype == DType::U32 {
-                TensorData::U32(v.iter().map(|&x| x as u32).collect())
-            } else {
-                TensorData::U64(v.clone())
-            }
+        DType::U32 => {
+            check_len(context, count, t.uint64_data.len())?;
+            TensorData::U32(t.uint64_data.iter().map(|&x| x as u32).collect())
         }
-        _ => {
-            check_len(context, count, ints.len())?;
-            match dtype {
-                DType::I32 => TensorData::I32(ints.clone()),
-                DType::I8 => TensorData::I8(ints.iter().map(|&v| v as i8).collect()),
-                DType::I16 => TensorData::I16(ints.iter().map(|&v| v as i16).collect()),
-                DType::U16 => TensorData::U16(ints.iter().map(|&v| v as u16).collect()),
-                DType::U8 => TensorData::U8(ints.iter().map(|&v| v as u8).collect()),
-                DType::Bool => TensorData::Bool(ints.iter().map(|&v| v != 0).collect()),
-                DType::F16 => {
-                    TensorData::F16(ints.iter().map(|&v| f16::from_bits(v as u16)).collect())
-                }
-                DType::BF16 => {
-                    TensorData::BF16(ints.iter().map(|&v| bf16::from_bits(v as u16)).collect())
-                }
-                DType::F32 | DType::F64 | DType::I64 | DType::U32 | DType::U64 => {
-                    unreachable!("handled above")
-                }
-            }
+        DType::U64 => {
+            check_len(context, count, t.uint64_data.len())?;
+            TensorData::U64(t.uint64_data.clone())
         }
+        // The narrower types are stored widened in `int32_data`.
+        DType::I32 => from_ints(TensorData::I32(ints.clone()))?,
+        DType::I8 => from_ints(TensorData::I8(ints.iter().map(|&v| v as i8).collect()))?,
+        DType::I16 => from_ints(TensorData::I16(ints.iter().map(|&v| v as i16).collect()))?,
+        DType::U16 => from_ints(TensorData::U16(ints.iter().map(|&v| v as u16).collect()))?,
+        DType::U8 => from_ints(TensorData::U8(ints.iter().map(|&v| v as u8).collect()))?,
+        DType::Bool => from_ints(TensorData::Bool(ints.iter().map(|&v| v != 0).collect()))?,
+        DType::F16 => from_ints(TensorData::F16(
+            ints.iter().map(|&v| f16::from_bits(v as u16)).collect(),
+        ))?,
+        DType::BF16 => from_ints(TensorData::BF16(
+            ints.iter().map(|&v| bf16::from_bits(v as u16)).collect(),
+        ))?,
     })
 }
 

@@ -61,9 +61,14 @@ fn reference(g: &Graph, feeds: &[(String, Vec<f32>)]) -> Vec<HostTensor> {
 }
 
 fn run_cpu(g: &Graph, feeds: &[(String, Vec<f32>)], optimize: bool) -> Vec<Vec<f32>> {
-    let mut c = Session::new(Device::Cpu)
+    let c = Session::new(Device::Cpu)
         .compile_with(g, &CompileOptions::new().optimize(optimize))
         .unwrap();
+    run_compiled(c, g, feeds)
+}
+
+/// Sets `g`'s params from `feeds` and runs with the rest as inputs.
+fn run_compiled(mut c: CompiledGraph, g: &Graph, feeds: &[(String, Vec<f32>)]) -> Vec<Vec<f32>> {
     let params: Vec<String> = g.params().into_iter().map(|p| p.0).collect();
     for (name, data) in feeds.iter().filter(|(n, _)| params.contains(n)) {
         c.set_param(name, data).unwrap();
@@ -689,7 +694,7 @@ fn the_graph_after_each_named_stage() {
 /// Runs `g` on the CPU compiled as a primitives-only backend would compile it, after
 /// checking that no composite is left in the plan.
 fn run_primitives(g: &Graph, feeds: &[(String, Vec<f32>)]) -> Vec<Vec<f32>> {
-    let mut c = Session::new(Device::Cpu)
+    let c = Session::new(Device::Cpu)
         .compile_with(g, &CompileOptions::new().primitives_only(true))
         .unwrap();
     if let Some(n) = c
@@ -701,16 +706,7 @@ fn run_primitives(g: &Graph, feeds: &[(String, Vec<f32>)]) -> Vec<Vec<f32>> {
     {
         panic!("{} left in {}", n.op.name(), c.plan().graph);
     }
-    let params: Vec<String> = g.params().into_iter().map(|p| p.0).collect();
-    for (name, data) in feeds.iter().filter(|(n, _)| params.contains(n)) {
-        c.set_param(name, data).unwrap();
-    }
-    let inputs: Vec<(&str, &[f32])> = feeds
-        .iter()
-        .filter(|(n, _)| !params.contains(n))
-        .map(|(n, d)| (n.as_str(), d.as_slice()))
-        .collect();
-    c.run(&inputs).unwrap()
+    run_compiled(c, g, feeds)
 }
 
 fn check_decomposed(g: &Graph, rng: &mut Rng, what: &str) {

@@ -661,34 +661,26 @@ fn batch_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
     Ok(vec![cx.g.add(cx.g.mul(x, inv)?, shift)?])
 }
 
-/// An inference batch norm right after a convolution whose weights are at hand is
-/// folded into them: `w' = w * s`, `b' = (b - mean) * s + beta` per output channel,
-/// with `s = gamma / sqrt(var + eps)`. The result is a new convolution (the old one
-/// dies unless something else reads it).
-fn fold_into_conv(cx: &mut Cx, x: NodeId, eps: f64) -> Result<Option<NodeId>> {
+/// A new convolution computing `conv(x) * scale + shift` per output channel, with
+/// `scale` folded into the weights and both into the bias, when `x` is a float
+/// convolution whose weights and bias are at hand (the old one dies unless something
+/// else reads it). `None` when it is not such a convolution or the sizes disagree.
+fn rescale_conv(
+    cx: &mut Cx,
+    x: NodeId,
+    scale: Option<&[f64]>,
+    shift: &[f64],
+) -> Result<Option<NodeId>> {
     let node = cx.g.node(x)?;
     let Op::Conv2d { window, groups } = node.op.clone() else {
         return Ok(None);
     };
     let dt = node.shape.dtype();
-    if !dt.is_float() {
-        return Ok(None);
-    }
-    let known: Vec<Vec<f64>> = match (1..=4)
-        .map(|i| cx.fixed(i).map(|t| t.to_f64_vec()))
-        .collect::<Option<Vec<_>>>()
-    {
-        Some(k) => k,
-        None => return Ok(None),
-    };
-    let (xin, w) = (node.inputs[0], node.inputs[1]);
-    let Some(wv) = cx.node_value(w) else {
-        return Ok(None);
-    };
     let channels = node.shape.dim(1);
-    if known.iter().any(|v| v.len() != channels) || wv.len() % channels.max(1) != 0 {
+    if !dt.is_float() || shift.len() != channels || scale.is_some_and(|s| s.len() != channels) {
         return Ok(None);
     }
+    let (xin, w) = (node.inputs[0], node.inputs[1]);
     let bias = match node.inputs.get(2) {
         Some(&b) => match cx.node_value(b) {
             Some(v) => v,
@@ -696,28 +688,35 @@ fn fold_into_conv(cx: &mut Cx, x: NodeId, eps: f64) -> Result<Option<NodeId>> {
         },
         None => vec![0.0; channels],
     };
-    let [gamma, beta, mean, var] = [&known[0], &known[1], &known[2], &known[3]];
-    let s: Vec<f64> = (0..channels)
-        .map(|c| gamma[c] / (var[c] + eps).sqrt())
-        .collect();
-    let per = wv.len() / channels;
-    let folded: Vec<f64> = wv
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| v * s[i / per])
-        .collect();
-    let b2: Vec<f64> = (0..channels)
-        .map(|c| (bias[c] - mean[c]) * s[c] + beta[c])
-        .collect();
-    let wshape = cx.g.shape(w)?;
     let name = cx.node.name.clone().unwrap_or_default();
-    let w2 = cx.add_value(
-        &format!("{name}.folded_weight"),
-        &crate::tensor::Tensor {
-            dims: wshape.dims().to_vec(),
-            data: rlx_ir::TensorData::from_f64(wshape.dtype(), &folded),
-        },
-    )?;
+    let w2 = match scale {
+        None => w,
+        Some(s) => {
+            let Some(wv) = cx.node_value(w) else {
+                return Ok(None);
+            };
+            if wv.len() % channels.max(1) != 0 {
+                return Ok(None);
+            }
+            let per = (wv.len() / channels.max(1)).max(1);
+            let folded: Vec<f64> = wv
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| v * s[i / per])
+                .collect();
+            let wshape = cx.g.shape(w)?;
+            cx.add_value(
+                &format!("{name}.folded_weight"),
+                &crate::tensor::Tensor {
+                    dims: wshape.dims().to_vec(),
+                    data: rlx_ir::TensorData::from_f64(wshape.dtype(), &folded),
+                },
+            )?
+        }
+    };
+    let b2: Vec<f64> = (0..channels)
+        .map(|c| bias[c] * scale.map_or(1.0, |s| s[c]) + shift[c])
+        .collect();
     let b2 = cx.add_value(
         &format!("{name}.folded_bias"),
         &crate::tensor::Tensor {
@@ -728,6 +727,29 @@ fn fold_into_conv(cx: &mut Cx, x: NodeId, eps: f64) -> Result<Option<NodeId>> {
     Ok(Some(
         cx.g.push(Op::Conv2d { window, groups }, &[xin, w2, b2])?,
     ))
+}
+
+/// An inference batch norm right after a convolution whose weights are at hand folds
+/// into them: `s = gamma / sqrt(var + eps)` scales each output channel and
+/// `beta - mean * s` shifts it.
+fn fold_into_conv(cx: &mut Cx, x: NodeId, eps: f64) -> Result<Option<NodeId>> {
+    let Some(known) = (1..=4)
+        .map(|i| cx.fixed(i).map(|t| t.to_f64_vec()))
+        .collect::<Option<Vec<_>>>()
+    else {
+        return Ok(None);
+    };
+    let [gamma, beta, mean, var] = [&known[0], &known[1], &known[2], &known[3]];
+    if [beta, mean, var].iter().any(|v| v.len() != gamma.len()) {
+        return Ok(None);
+    }
+    let s: Vec<f64> = gamma
+        .iter()
+        .zip(var)
+        .map(|(g, v)| g / (v + eps).sqrt())
+        .collect();
+    let shift: Vec<f64> = (0..s.len()).map(|c| beta[c] - mean[c] * s[c]).collect();
+    rescale_conv(cx, x, Some(&s), &shift)
 }
 
 /// `conv(x) * c` or `conv(x) + c` with `c` a known per-output-channel value (a batch
@@ -741,67 +763,26 @@ pub(super) fn fold_channel_affine(cx: &mut Cx, op: rlx_ir::BinaryOp) -> Result<O
         }
         let x = cx.input(conv_at)?;
         let node = cx.g.node(x)?;
-        let Op::Conv2d { window, groups } = node.op.clone() else {
+        if !matches!(node.op, Op::Conv2d { .. }) {
             continue;
-        };
-        let channels = node.shape.dim(1);
+        }
         // c must broadcast as one value per channel: dims [C, 1, 1] or [1, C, 1, 1].
+        let channels = node.shape.dim(1);
         let cd = &c.dims;
         let per_channel = c.len() == channels
-            && cd.len() <= 4
-            && cd.len() >= 3
+            && (3..=4).contains(&cd.len())
             && cd[cd.len() - 3] == channels
             && cd[cd.len() - 2..].iter().all(|&d| d == 1)
             && cd[..cd.len() - 3].iter().all(|&d| d == 1);
-        if !per_channel || !node.shape.dtype().is_float() {
+        if !per_channel {
             return Ok(None);
         }
         let cv = c.to_f64_vec();
-        let (xin, w) = (node.inputs[0], node.inputs[1]);
-        let bias = match node.inputs.get(2) {
-            Some(&b) => match cx.node_value(b) {
-                Some(v) => v,
-                None => return Ok(None),
-            },
-            None => vec![0.0; channels],
-        };
-        let name = cx.node.name.clone().unwrap_or_default();
-        let dt = node.shape.dtype();
-        let (w2, b2) = if op == rlx_ir::BinaryOp::Mul {
-            let Some(wv) = cx.node_value(w) else {
-                return Ok(None);
-            };
-            let per = wv.len() / channels.max(1);
-            let folded: Vec<f64> = wv
-                .iter()
-                .enumerate()
-                .map(|(i, &v)| v * cv[i / per.max(1)])
-                .collect();
-            let wshape = cx.g.shape(w)?;
-            let w2 = cx.add_value(
-                &format!("{name}.folded_weight"),
-                &crate::tensor::Tensor {
-                    dims: wshape.dims().to_vec(),
-                    data: rlx_ir::TensorData::from_f64(wshape.dtype(), &folded),
-                },
-            )?;
-            (
-                w2,
-                bias.iter().zip(&cv).map(|(b, s)| b * s).collect::<Vec<_>>(),
-            )
+        return if op == rlx_ir::BinaryOp::Mul {
+            rescale_conv(cx, x, Some(&cv), &vec![0.0; channels])
         } else {
-            (w, bias.iter().zip(&cv).map(|(b, t)| b + t).collect())
+            rescale_conv(cx, x, None, &cv)
         };
-        let b2 = cx.add_value(
-            &format!("{name}.folded_bias"),
-            &crate::tensor::Tensor {
-                dims: vec![channels],
-                data: rlx_ir::TensorData::from_f64(dt, &b2),
-            },
-        )?;
-        return Ok(Some(
-            cx.g.push(Op::Conv2d { window, groups }, &[xin, w2, b2])?,
-        ));
     }
     Ok(None)
 }

@@ -5,7 +5,7 @@
 //! `updates × data` elements, which suits the small scatters models do at shape level.
 
 use super::reduce::int_bounds;
-use super::shape::wrap_indices;
+use super::shape::{offsets_off_axis, wrap_indices};
 use super::{Converter, axis, unsupported};
 use crate::import::Cx;
 use rlx_ir::{BinaryOp, DType, Error, NodeId, Op, ReduceOp, Result, TensorData};
@@ -136,16 +136,7 @@ fn scatter_elements(cx: &mut Cx) -> Result<Vec<NodeId>> {
     }
     let red = reduction(cx)?;
     let strides = rlx_ir::contiguous_strides(&dd);
-    let istrides = rlx_ir::contiguous_strides(&id);
-    let m: usize = id.iter().product();
-    let base: Vec<i64> = (0..m)
-        .map(|f| {
-            (0..rank)
-                .filter(|&k| k != a)
-                .map(|k| ((f / istrides[k]) % id[k].max(1) * strides[k]) as i64)
-                .sum()
-        })
-        .collect();
+    let base = offsets_off_axis(&id, &dd, a);
     let (data, idx, upd) = (cx.input(0)?, cx.input(1)?, cx.input(2)?);
     let idx = wrap_indices(cx, idx, &[dd[a]])?;
     let base = cx.g.constant(TensorData::I64(base), &id)?;
@@ -234,17 +225,8 @@ fn tensor_scatter(cx: &mut Cx) -> Result<Vec<NodeId>> {
         other => return Err(unsupported(format!("mode = '{other}'"))),
     };
     let strides = rlx_ir::contiguous_strides(&cd);
-    let ustrides = rlx_ir::contiguous_strides(&ud);
-    let m: usize = ud.iter().product();
     // Offsets of every update element, less the write position along the axis.
-    let rest: Vec<i64> = (0..m)
-        .map(|f| {
-            (0..rank)
-                .filter(|&i| i != a)
-                .map(|i| ((f / ustrides[i]) % ud[i].max(1) * strides[i]) as i64)
-                .sum()
-        })
-        .collect();
+    let rest = offsets_off_axis(&ud, &cd, a);
     let rest = cx.g.constant(TensorData::I64(rest), &ud)?;
     let mut along = vec![1; rank];
     along[a] = ud[a];

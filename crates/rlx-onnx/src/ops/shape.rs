@@ -702,6 +702,23 @@ fn same_dtype(cx: &Cx, x: NodeId, like: &Shape) -> Result<NodeId> {
 
 /// Integer indices as `i64` with negative ones counted from the end of `dims`
 /// (broadcast against the indices' last axis when `dims` has several entries).
+/// For every element of a `dims`-shaped index tensor, its flat offset into a
+/// `data`-shaped tensor counting every coordinate except the one along `axis` (the
+/// constant part of a gather or scatter along `axis`).
+pub(super) fn offsets_off_axis(dims: &[usize], data: &[usize], axis: usize) -> Vec<i64> {
+    let strides = rlx_ir::contiguous_strides(data);
+    let own = rlx_ir::contiguous_strides(dims);
+    let n: usize = dims.iter().product();
+    (0..n)
+        .map(|flat| {
+            (0..dims.len())
+                .filter(|&k| k != axis)
+                .map(|k| ((flat / own[k]) % dims[k].max(1) * strides[k]) as i64)
+                .sum()
+        })
+        .collect()
+}
+
 pub(super) fn wrap_indices(cx: &Cx, idx: NodeId, dims: &[usize]) -> Result<NodeId> {
     let idx = cast_to(cx, idx, DType::I64)?;
     let d = if dims.len() == 1 {
@@ -739,16 +756,7 @@ fn gather_elements(cx: &mut Cx) -> Result<Vec<NodeId>> {
         ));
     }
     let strides = rlx_ir::contiguous_strides(&dd);
-    let istrides = rlx_ir::contiguous_strides(&id);
-    let n: usize = id.iter().product();
-    let base: Vec<i64> = (0..n)
-        .map(|flat| {
-            (0..rank)
-                .filter(|&k| k != a)
-                .map(|k| ((flat / istrides[k]) % id[k].max(1) * strides[k]) as i64)
-                .sum()
-        })
-        .collect();
+    let base = offsets_off_axis(&id, &dd, a);
     let (data, idx) = (cx.input(0)?, cx.input(1)?);
     let idx = wrap_indices(cx, idx, &[dd[a]])?;
     let base = cx.g.constant(TensorData::I64(base), &id)?;
