@@ -30,6 +30,7 @@ pub mod quant;
 pub mod reference;
 pub mod scalar;
 mod shape;
+mod symbolic;
 mod tensor;
 mod verify;
 
@@ -48,4 +49,5 @@ pub use ops::fused::{
 pub use ops::matmul::{MatMulDims, matmul_dims};
 pub use quant::{QuantFormat, dequantize_row};
 pub use shape::{MAX_RANK, Shape, broadcast_dims, contiguous_strides, normalize_axis};
+pub use symbolic::{Bindings, Dim, SymbolicShape};
 pub use tensor::{TensorData, TensorRef};

@@ -1,22 +1,29 @@
 //! [`Embedder`]: sentences in, unit vectors out, with a BERT sentence-embedding model.
 //!
-//! The encoder is compiled once per batch shape and reused; every compiled shape
-//! shares one copy of the weights. Texts are sorted by length and batched so that
-//! little padding is computed, then returned in input order.
+//! The encoder is one symbolic graph over `batch` and `seq`, kept in a
+//! [`BucketedCompileCache`]: each batch size and sequence bucket is compiled once and
+//! reused, and every compiled shape shares one copy of the weights. Texts are sorted
+//! by length and batched so that little padding is computed, then returned in input
+//! order.
 
-use crate::bert::{BertConfig, SentenceConfig, WeightSpec, build_encoder, weight_specs};
+use crate::bert::{BertConfig, SentenceConfig, WeightSpec, symbolic_encoder, weight_specs};
 use crate::fetch::ModelStore;
 use crate::tokenize::{TextTokenizer, TokenizedText};
 use crate::weights::SafeTensorsFile;
 use rlx_driver::Device;
-use rlx_ir::{DType, Error, Result, TensorData, TensorRef};
-use rlx_runtime::{CompileOptions, CompiledGraph, Session};
+use rlx_ir::{Bindings, DType, Error, Result, TensorData, TensorRef};
+use rlx_runtime::{BucketedCompileCache, Buckets, CompileOptions, CompiledGraph, Session};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// Sequence lengths are padded up to a multiple of this, so that a handful of
 /// compiled shapes serve every input.
 const SEQ_BUCKET: usize = 16;
+
+/// The largest batch one encoder run takes ([`Embedder::encoder`] and
+/// [`Embedder::compile`]; `embed` splits its texts into chunks of
+/// [`EmbedderOptions::max_batch`]).
+const MAX_ENCODER_BATCH: usize = 1 << 16;
 
 /// How an [`Embedder`] is loaded.
 #[derive(Clone, Debug)]
@@ -45,11 +52,6 @@ impl Default for EmbedderOptions {
     }
 }
 
-struct CachedGraph {
-    graph: CompiledGraph,
-    last_used: u64,
-}
-
 /// A sentence-embedding model, ready to embed texts.
 ///
 /// ```no_run
@@ -64,12 +66,8 @@ pub struct Embedder {
     config: BertConfig,
     head: SentenceConfig,
     tokenizer: TextTokenizer,
-    session: Session,
-    dtypes: HashMap<String, DType>,
-    /// The graph that owns the weights; every other shape shares them.
-    weights: CompiledGraph,
-    graphs: HashMap<(usize, usize), CachedGraph>,
-    clock: u64,
+    /// The encoder at every compiled shape, sharing the weights.
+    cache: BucketedCompileCache,
     options: EmbedderOptions,
 }
 
@@ -119,16 +117,14 @@ impl Embedder {
             .iter()
             .map(|(s, dtype)| (s.name.clone(), *dtype))
             .collect();
-        let session = Session::new(options.device);
-        let anchor = build_encoder(
-            &config,
-            &head,
-            1,
-            SEQ_BUCKET.min(head.max_seq_length),
-            &|n| dtypes.get(n).copied().unwrap_or(DType::F32),
-        )?;
-        let compile_options = CompileOptions::new().threads(options.threads);
-        let mut weights = session.compile_with(anchor, &compile_options)?;
+        let encoder = symbolic_encoder(&config, &head, MAX_ENCODER_BATCH, dtypes)?;
+        let mut cache = BucketedCompileCache::new(
+            encoder,
+            Session::new(options.device),
+            CompileOptions::new().threads(options.threads),
+        )?
+        .with_buckets("seq", Buckets::Multiple(SEQ_BUCKET))?
+        .with_capacity(options.max_cached_shapes)?;
         for (spec, _) in &specs {
             let view = weights_file.tensor(&format!("{prefix}{}", spec.name), &spec.dims)?;
             if spec.transposed {
@@ -138,9 +134,9 @@ impl Embedder {
                     spec.dims[1],
                     view.dtype.size_in_bytes(),
                 );
-                weights.set_param_bytes(&spec.name, &bytes)?;
+                cache.set_param_bytes(&spec.name, &bytes)?;
             } else {
-                weights.set_param_bytes(&spec.name, view.bytes)?;
+                cache.set_param_bytes(&spec.name, view.bytes)?;
             }
         }
         let name = Path::new(name_or_path)
@@ -153,11 +149,7 @@ impl Embedder {
             config,
             head,
             tokenizer,
-            session,
-            dtypes,
-            weights,
-            graphs: HashMap::new(),
-            clock: 0,
+            cache,
             options,
         })
     }
@@ -241,17 +233,20 @@ impl Embedder {
         Ok(out)
     }
 
-    /// The padded sequence length a batch whose longest text has `len` tokens runs at.
+    /// The padded sequence length a batch whose longest text has `len` tokens runs at
+    /// (`len` itself when it is out of range).
     pub fn padded_len(&self, len: usize) -> usize {
-        len.div_ceil(SEQ_BUCKET)
-            .saturating_mul(SEQ_BUCKET)
-            .min(self.head.max_seq_length)
-            .max(len)
+        Bindings::new()
+            .with("batch", 1)
+            .and_then(|b| b.with("seq", len))
+            .and_then(|b| self.cache.bucket(&b))
+            .ok()
+            .and_then(|b| b.get("seq"))
+            .unwrap_or(len)
     }
 
     fn run_batch(&mut self, batch: &[&TokenizedText]) -> Result<Vec<Vec<f32>>> {
-        let longest = batch.iter().map(|t| t.ids.len()).max().unwrap_or(1);
-        let seq = self.padded_len(longest);
+        let seq = batch.iter().map(|t| t.ids.len()).max().unwrap_or(1);
         let n = batch.len();
         let mut ids = vec![0i64; n * seq];
         let mut types = vec![0i64; n * seq];
@@ -263,12 +258,15 @@ impl Embedder {
                 mask[row * seq + k] = 1;
             }
         }
-        let graph = self.encoder(n, seq)?;
-        let outputs = graph.run_typed(&[
-            ("input_ids", TensorRef::I64(&ids)),
-            ("token_type_ids", TensorRef::I64(&types)),
-            ("attention_mask", TensorRef::I64(&mask)),
-        ])?;
+        // Padding positions have mask 0, so the padded run pools only real tokens.
+        let outputs = self.cache.run_padded(
+            &encoder_bindings(n, seq)?,
+            &[
+                ("input_ids", TensorRef::I64(&ids)),
+                ("token_type_ids", TensorRef::I64(&types)),
+                ("attention_mask", TensorRef::I64(&mask)),
+            ],
+        )?;
         let Some(TensorData::F32(flat)) = outputs.into_iter().next() else {
             return Err(Error::runtime(
                 "embed",
@@ -282,6 +280,18 @@ impl Embedder {
     /// first use, then cached). Inputs `input_ids`, `token_type_ids`,
     /// `attention_mask` (`i64 [batch, seq]`); output `f32 [batch, dim]`.
     pub fn encoder(&mut self, batch: usize, seq: usize) -> Result<&mut CompiledGraph> {
+        self.check_shape(batch, seq)?;
+        self.cache.get(&encoder_bindings(batch, seq)?)
+    }
+
+    /// Builds and compiles the encoder for one shape, sharing the loaded weights,
+    /// without keeping it in the cache.
+    pub fn compile(&self, batch: usize, seq: usize) -> Result<CompiledGraph> {
+        self.check_shape(batch, seq)?;
+        self.cache.compile_uncached(&encoder_bindings(batch, seq)?)
+    }
+
+    fn check_shape(&self, batch: usize, seq: usize) -> Result<()> {
         if batch == 0 || seq == 0 || seq > self.head.max_seq_length {
             return Err(Error::invalid(
                 "encoder shape",
@@ -291,52 +301,24 @@ impl Embedder {
                 ),
             ));
         }
-        self.clock += 1;
-        let key = (batch, seq);
-        if !self.graphs.contains_key(&key) {
-            let graph = self.compile(batch, seq)?;
-            if self.graphs.len() >= self.options.max_cached_shapes
-                && let Some(oldest) = self
-                    .graphs
-                    .iter()
-                    .min_by_key(|(_, g)| g.last_used)
-                    .map(|(k, _)| *k)
-            {
-                self.graphs.remove(&oldest);
-            }
-            self.graphs.insert(
-                key,
-                CachedGraph {
-                    graph,
-                    last_used: 0,
-                },
-            );
-        }
-        let clock = self.clock;
-        let entry = self
-            .graphs
-            .get_mut(&key)
-            .ok_or_else(|| Error::runtime("embed", "compiled shape vanished from the cache"))?;
-        entry.last_used = clock;
-        Ok(&mut entry.graph)
+        Ok(())
     }
 
-    /// Builds and compiles the encoder for one shape, sharing the loaded weights.
-    pub fn compile(&self, batch: usize, seq: usize) -> Result<CompiledGraph> {
-        let dtypes = &self.dtypes;
-        let graph = build_encoder(&self.config, &self.head, batch, seq, &|n| {
-            dtypes.get(n).copied().unwrap_or(DType::F32)
-        })?;
-        let options = CompileOptions::new().threads(self.options.threads);
-        let mut compiled = self.session.compile_with(graph, &options)?;
-        compiled.share_params_from(&self.weights)?;
-        Ok(compiled)
-    }
-
-    /// How many shapes are compiled and cached now.
+    /// How many shapes are compiled and cached now (besides the one that owns the
+    /// weights).
     pub fn cached_shapes(&self) -> usize {
-        self.graphs.len()
+        self.cache.compiled_count() - 1
     }
+
+    /// The compile cache holding the encoder at every compiled shape.
+    pub fn compile_cache(&mut self) -> &mut BucketedCompileCache {
+        &mut self.cache
+    }
+}
+
+/// The binding of the encoder's symbols for `batch` texts of `seq` tokens.
+fn encoder_bindings(batch: usize, seq: usize) -> Result<Bindings> {
+    Bindings::new().with("batch", batch)?.with("seq", seq)
 }
 
 /// Checks every weight the config needs against the file (name, shape, float dtype)

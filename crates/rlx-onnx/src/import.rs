@@ -46,31 +46,7 @@ impl ImportOptions {
     /// Parses a binding written `SYM=N` (as on the command line): `N` must be a whole
     /// number of at least 1.
     pub fn parse_binding(text: &str) -> Result<(String, usize)> {
-        let (name, value) = text
-            .split_once('=')
-            .ok_or_else(|| Error::invalid("binding", format!("'{text}' is not SYM=N")))?;
-        let name = name.trim();
-        if name.is_empty() {
-            return Err(Error::invalid(
-                "binding",
-                format!("'{text}' has no symbol name"),
-            ));
-        }
-        let n: i64 = value.trim().parse().map_err(|_| {
-            Error::invalid(
-                format!("symbol '{name}'"),
-                format!("'{value}' is not a whole number"),
-            )
-        })?;
-        if n < 1 {
-            return Err(Error::invalid(
-                format!("symbol '{name}'"),
-                format!("bound to {n}; a symbolic dim must be at least 1"),
-            ));
-        }
-        let n = usize::try_from(n)
-            .map_err(|_| Error::invalid(format!("symbol '{name}'"), "too large"))?;
-        Ok((name.to_string(), n))
+        rlx_ir::Bindings::parse(text)
     }
 
     /// Gives an input's full dims.

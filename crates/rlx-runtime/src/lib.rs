@@ -15,12 +15,16 @@
 
 mod backend;
 pub mod backends;
+mod bucketed;
 mod compiled;
 mod session;
+mod symbolic;
 
 pub use backend::{Backend, BackendOptions, Executable, HandleStorage, SharedParam, backend_for};
+pub use bucketed::{BucketedCompileCache, Buckets};
 pub use compiled::{CompiledGraph, SlotOutputs};
 pub use rlx_driver::{BufferHandle, Device};
 pub use rlx_ir::{Error, Graph, Result};
 pub use rlx_opt::MemoryStats;
 pub use session::{CompileOptions, Session};
+pub use symbolic::{GraphBuilder, SymbolRange, SymbolicGraph};

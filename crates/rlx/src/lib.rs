@@ -28,14 +28,19 @@ pub use rlx_driver as driver;
 pub use rlx_driver::{BufferHandle, Device};
 pub use rlx_gguf as gguf;
 pub use rlx_ir as ir;
-pub use rlx_ir::{DType, Error, Graph, NodeId, Result, Shape, TensorData, TensorRef};
+pub use rlx_ir::{
+    Bindings, DType, Dim, Error, Graph, NodeId, Result, Shape, SymbolicShape, TensorData, TensorRef,
+};
 pub use rlx_models as models;
 pub use rlx_models::Embedder;
 pub use rlx_models::llama::Llm;
 pub use rlx_onnx as onnx;
 pub use rlx_opt as opt;
 pub use rlx_runtime as runtime;
-pub use rlx_runtime::{CompileOptions, CompiledGraph, MemoryStats, Session, SlotOutputs};
+pub use rlx_runtime::{
+    BucketedCompileCache, Buckets, CompileOptions, CompiledGraph, MemoryStats, Session,
+    SlotOutputs, SymbolRange, SymbolicGraph,
+};
 
 /// How many threads the CPU backend's pool runs kernels on (one per core, or
 /// `$RLX_NUM_THREADS`).
@@ -46,8 +51,9 @@ pub fn cpu_threads() -> usize {
 /// Everything needed to build, compile and run a graph.
 pub mod prelude {
     pub use crate::{
-        BufferHandle, CompileOptions, CompiledGraph, DType, Device, Error, Graph, NodeId, Result,
-        Session, Shape, TensorData, TensorRef,
+        Bindings, BucketedCompileCache, Buckets, BufferHandle, CompileOptions, CompiledGraph,
+        DType, Device, Dim, Error, Graph, NodeId, Result, Session, Shape, SymbolRange,
+        SymbolicGraph, SymbolicShape, TensorData, TensorRef,
     };
     pub use rlx_ir::{BinaryOp, PadMode, ReduceOp, RopeStyle, UnaryOp};
 }

@@ -10,7 +10,9 @@
 //! checkpoint's dtype and is cast to `f32` in the graph when it is not `f32`.
 
 use super::config::{Activation, BertConfig, Pooling, SentenceConfig};
-use rlx_ir::{DType, Graph, NodeId, Result, Shape};
+use rlx_ir::{DType, Dim, Graph, NodeId, Result, Shape, SymbolicShape};
+use rlx_runtime::{SymbolRange, SymbolicGraph};
+use std::collections::HashMap;
 
 /// A weight the encoder needs: its checkpoint name, the shape it has in the
 /// checkpoint, and whether the graph holds it transposed.
@@ -183,6 +185,45 @@ pub fn build_encoder(
     };
     g.set_outputs(vec![out]);
     Ok(g)
+}
+
+/// The encoder as a [`SymbolicGraph`] over `batch` (`1..=max_batch`) and `seq` (up to
+/// the longest text the model takes): inputs `i64 [batch, seq]`, output
+/// `f32 [batch, hidden]`. `dtypes` gives each weight's dtype (`f32` when absent).
+pub fn symbolic_encoder(
+    config: &BertConfig,
+    head: &SentenceConfig,
+    max_batch: usize,
+    dtypes: HashMap<String, DType>,
+) -> Result<SymbolicGraph> {
+    let ids = || SymbolicShape::new([Dim::sym("batch"), Dim::sym("seq")], DType::I64);
+    let max_seq = head.max_seq_length.min(config.max_position_embeddings);
+    let (config, head) = (config.clone(), *head);
+    SymbolicGraph::new(
+        "bert",
+        vec![
+            SymbolRange::new("batch", 1, max_batch.max(1)),
+            SymbolRange::new("seq", 1, max_seq.max(1)),
+        ],
+        vec![
+            ("input_ids".into(), ids()),
+            ("token_type_ids".into(), ids()),
+            ("attention_mask".into(), ids()),
+        ],
+        vec![SymbolicShape::new(
+            [Dim::sym("batch"), Dim::Fixed(config.hidden_size)],
+            DType::F32,
+        )],
+        move |b| {
+            build_encoder(
+                &config,
+                &head,
+                b.require("batch", "bert")?,
+                b.require("seq", "bert")?,
+                &|n| dtypes.get(n).copied().unwrap_or(DType::F32),
+            )
+        },
+    )
 }
 
 /// Pools `x [batch, seq, hidden]` into `[batch, hidden]` over the real tokens.

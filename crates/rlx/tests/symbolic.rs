@@ -1,0 +1,402 @@
+//! Symbolic graphs and the bucketed compile cache: specializing at a binding, the
+//! errors of bad bindings and bad signatures, padded runs against a plain reference,
+//! shared weights, and the cache's bound.
+
+use rlx::prelude::*;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn values(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| (self.next() % 20001) as f32 / 10000.0 - 1.0)
+            .collect()
+    }
+}
+
+const IN: usize = 5;
+const OUT: usize = 3;
+
+fn x_shape() -> SymbolicShape {
+    SymbolicShape::new(
+        [Dim::sym("batch"), Dim::sym("seq"), Dim::Fixed(IN)],
+        DType::F32,
+    )
+}
+
+fn y_shape() -> SymbolicShape {
+    SymbolicShape::new(
+        [Dim::sym("batch"), Dim::sym("seq"), Dim::Fixed(OUT)],
+        DType::F32,
+    )
+}
+
+/// `relu(x @ w + b)` over `x [batch, seq, IN]`.
+fn build_linear(b: &Bindings) -> Result<Graph> {
+    let (batch, seq) = (b.require("batch", "linear")?, b.require("seq", "linear")?);
+    let g = Graph::new(format!("linear[{batch}x{seq}]"));
+    let x = g.input("x", Shape::new(&[batch, seq, IN], DType::F32))?;
+    let w = g.param("w", Shape::new(&[IN, OUT], DType::F32))?;
+    let bias = g.param("b", Shape::new(&[OUT], DType::F32))?;
+    let y = g.relu(g.add(g.matmul(x, w)?, bias)?)?;
+    g.set_outputs(vec![y]);
+    Ok(g)
+}
+
+fn linear() -> SymbolicGraph {
+    SymbolicGraph::new(
+        "linear",
+        vec![
+            SymbolRange::new("batch", 1, 16),
+            SymbolRange::new("seq", 1, 64),
+        ],
+        vec![("x".into(), x_shape())],
+        vec![y_shape()],
+        build_linear,
+    )
+    .unwrap()
+}
+
+fn reference(x: &[f32], w: &[f32], b: &[f32]) -> Vec<f32> {
+    let rows = x.len() / IN;
+    let mut out = vec![0.0; rows * OUT];
+    for r in 0..rows {
+        for o in 0..OUT {
+            let mut acc = b[o] as f64;
+            for i in 0..IN {
+                acc += x[r * IN + i] as f64 * w[i * OUT + o] as f64;
+            }
+            out[r * OUT + o] = acc.max(0.0) as f32;
+        }
+    }
+    out
+}
+
+fn bind(batch: usize, seq: usize) -> Bindings {
+    Bindings::new()
+        .with("batch", batch)
+        .unwrap()
+        .with("seq", seq)
+        .unwrap()
+}
+
+fn new_cache() -> BucketedCompileCache {
+    BucketedCompileCache::new(linear(), Session::new(Device::Cpu), CompileOptions::new())
+        .unwrap()
+        .with_buckets("batch", Buckets::PowersOfTwo)
+        .unwrap()
+        .with_buckets("seq", Buckets::Multiple(16))
+        .unwrap()
+}
+
+fn f32s(data: &TensorData) -> &[f32] {
+    match data {
+        TensorData::F32(v) => v,
+        other => panic!("expected f32, got {}", other.dtype()),
+    }
+}
+
+#[test]
+fn specializing_binds_the_signature() {
+    let graph = linear();
+    assert_eq!(
+        graph.to_string(),
+        "linear(x: f32[batch, seq, 5]) -> (f32[batch, seq, 3]) batch=1..=16 seq=1..=64"
+    );
+    let g = graph.specialize(&bind(3, 7)).unwrap();
+    assert_eq!(g.inputs()[0].2.dims(), &[3, 7, IN]);
+    let x = Shape::new(&[2, 9, IN], DType::F32);
+    assert_eq!(graph.bindings_for(&[("x", &x)]).unwrap(), bind(2, 9));
+}
+
+#[test]
+fn bad_bindings_are_errors_that_leave_the_graph_usable() {
+    let graph = linear();
+    let cases = [
+        (
+            Bindings::new().with("batch", 2).unwrap(),
+            "'seq' is not bound",
+        ),
+        (bind(17, 1), "outside its range 1..=16"),
+        (
+            bind(1, 1).with("heads", 4).unwrap(),
+            "'heads', which is not one of its symbols",
+        ),
+    ];
+    for (b, want) in cases {
+        let err = graph.specialize(&b).unwrap_err().to_string();
+        assert!(err.contains(want), "{b}: {err}");
+    }
+    assert!(Bindings::new().with("seq", 0).is_err());
+    let err = Bindings::parse("batch=-1").unwrap_err().to_string();
+    assert!(err.contains("-1"), "{err}");
+    // Shapes that fit no binding.
+    let wrong = Shape::new(&[2, 9, IN + 1], DType::F32);
+    assert!(graph.bindings_for(&[("x", &wrong)]).is_err());
+    assert!(graph.bindings_for(&[]).is_err());
+    let x = Shape::new(&[2, 9, IN], DType::F32);
+    assert!(graph.bindings_for(&[("y", &x)]).is_err());
+    // Still usable.
+    assert!(graph.specialize(&bind(16, 64)).is_ok());
+}
+
+#[test]
+fn signatures_are_checked_once_when_made() {
+    let range = || {
+        vec![
+            SymbolRange::new("batch", 1, 16),
+            SymbolRange::new("seq", 1, 64),
+        ]
+    };
+    // The builder fixes seq at 1 although the signature says it varies: the second
+    // probe binding catches it.
+    let fixed_seq = |b: &Bindings| build_linear(&b.clone().with("seq", 1)?);
+    let err = SymbolicGraph::new(
+        "linear",
+        range(),
+        vec![("x".into(), x_shape())],
+        vec![y_shape()],
+        fixed_seq,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("input 'x' is f32[2, 1, 5]"), "{err}");
+    // A wrongly named input, an undeclared symbol, an empty range, a repeated symbol.
+    let err = SymbolicGraph::new(
+        "linear",
+        range(),
+        vec![("input".into(), x_shape())],
+        vec![y_shape()],
+        build_linear,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("no input 'input'"), "{err}");
+    let heads = SymbolicShape::new([Dim::sym("heads")], DType::F32);
+    let err = SymbolicGraph::new(
+        "linear",
+        range(),
+        vec![("x".into(), x_shape())],
+        vec![heads],
+        build_linear,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("does not declare"), "{err}");
+    for bad in [
+        vec![
+            SymbolRange::new("batch", 0, 4),
+            SymbolRange::new("seq", 1, 4),
+        ],
+        vec![
+            SymbolRange::new("batch", 5, 4),
+            SymbolRange::new("seq", 1, 4),
+        ],
+        vec![
+            SymbolRange::new("batch", 1, 4),
+            SymbolRange::new("batch", 1, 4),
+            SymbolRange::new("seq", 1, 4),
+        ],
+    ] {
+        assert!(
+            SymbolicGraph::new(
+                "linear",
+                bad.clone(),
+                vec![("x".into(), x_shape())],
+                vec![y_shape()],
+                build_linear
+            )
+            .is_err(),
+            "{bad:?}"
+        );
+    }
+}
+
+#[test]
+fn padded_runs_match_the_reference_at_every_size() {
+    let mut rng = Rng(7);
+    let mut cache = new_cache();
+    let (w, b) = (rng.values(IN * OUT), rng.values(OUT));
+    cache.set_param("w", &w).unwrap();
+    cache.set_param("b", &b).unwrap();
+    for (batch, seq) in [(1, 1), (3, 5), (4, 16), (5, 17), (16, 64), (2, 33), (3, 5)] {
+        let x = rng.values(batch * seq * IN);
+        let out = cache
+            .run_padded(&bind(batch, seq), &[("x", TensorRef::F32(&x))])
+            .unwrap();
+        let want = reference(&x, &w, &b);
+        let got = f32s(&out[0]);
+        assert_eq!(got.len(), want.len(), "[{batch}, {seq}]");
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "[{batch}, {seq}]");
+        }
+    }
+    // (3, 5) and (4, 16) share the bucket batch=4, seq=16.
+    assert_eq!(cache.bucket(&bind(3, 5)).unwrap(), bind(4, 16));
+    assert_eq!(cache.bucket(&bind(5, 17)).unwrap(), bind(8, 32));
+    assert_eq!(cache.bucket(&bind(16, 64)).unwrap(), bind(16, 64));
+    assert_eq!(cache.compiled_count(), 6, "{:?}", cache.compiled_bindings());
+}
+
+#[test]
+fn weights_are_shared_and_updates_reach_every_binding() {
+    let mut rng = Rng(11);
+    let mut cache = new_cache();
+    let (w, b) = (rng.values(IN * OUT), rng.values(OUT));
+    cache.set_param("w", &w).unwrap();
+    cache.set_param("b", &b).unwrap();
+    let x = rng.values(2 * 3 * IN);
+    cache
+        .run_padded(&bind(2, 3), &[("x", TensorRef::F32(&x))])
+        .unwrap();
+    // New weights after a binding was compiled reach it too.
+    let w2 = rng.values(IN * OUT);
+    cache.set_param("w", &w2).unwrap();
+    let out = cache
+        .run_padded(&bind(2, 3), &[("x", TensorRef::F32(&x))])
+        .unwrap();
+    let want = reference(&x, &w2, &b);
+    for (g, w) in f32s(&out[0]).iter().zip(&want) {
+        assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()));
+    }
+    // A graph compiled outside the cache shares the weights as well.
+    let mut fresh = cache.compile_uncached(&bind(1, 2)).unwrap();
+    let out = fresh.run(&[("x", &x[..2 * IN])]).unwrap();
+    let want = reference(&x[..2 * IN], &w2, &b);
+    for (g, w) in out[0].iter().zip(&want) {
+        assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()));
+    }
+}
+
+#[test]
+fn the_cache_keeps_at_most_its_capacity() {
+    let mut rng = Rng(3);
+    let mut cache = new_cache().with_capacity(2).unwrap();
+    cache.set_param("w", &rng.values(IN * OUT)).unwrap();
+    cache.set_param("b", &rng.values(OUT)).unwrap();
+    for batch in [2, 3, 5, 9, 2] {
+        let x = rng.values(batch * IN);
+        cache
+            .run_padded(&bind(batch, 1), &[("x", TensorRef::F32(&x))])
+            .unwrap();
+        assert!(cache.compiled_count() <= 3);
+    }
+    // The most recent two buckets stay: batch 16 (from 9) and batch 2.
+    assert_eq!(cache.compiled_bindings(), vec![bind(16, 16), bind(2, 16)]);
+    assert!(new_cache().with_capacity(0).is_err());
+    assert!(new_cache().with_buckets("heads", Buckets::Exact).is_err());
+    assert!(
+        new_cache()
+            .with_buckets("seq", Buckets::Multiple(0))
+            .is_err()
+    );
+}
+
+#[test]
+fn bad_padded_inputs_are_errors_and_the_cache_still_runs() {
+    let mut rng = Rng(5);
+    let mut cache = new_cache();
+    let (w, b) = (rng.values(IN * OUT), rng.values(OUT));
+    cache.set_param("w", &w).unwrap();
+    cache.set_param("b", &b).unwrap();
+    let x = rng.values(2 * 3 * IN);
+    let short = &x[1..];
+    let ids = vec![0i64; 2 * 3 * IN];
+    let bad: Vec<(Bindings, Vec<(&str, TensorRef)>, &str)> = vec![
+        (
+            bind(2, 3),
+            vec![("x", TensorRef::F32(short))],
+            "expected 30 elements",
+        ),
+        (
+            bind(2, 3),
+            vec![("x", TensorRef::I64(&ids))],
+            "expected dtype f32",
+        ),
+        (
+            bind(2, 3),
+            vec![("z", TensorRef::F32(&x))],
+            "unknown input 'z'",
+        ),
+        (
+            bind(2, 3),
+            vec![("x", TensorRef::F32(&x)), ("x", TensorRef::F32(&x))],
+            "given more than once",
+        ),
+        (bind(2, 3), vec![], "missing input 'x'"),
+        (
+            bind(2, 65),
+            vec![("x", TensorRef::F32(&x))],
+            "outside its range",
+        ),
+    ];
+    for (b, inputs, want) in bad {
+        let err = cache.run_padded(&b, &inputs).unwrap_err().to_string();
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    let out = cache
+        .run_padded(&bind(2, 3), &[("x", TensorRef::F32(&x))])
+        .unwrap();
+    assert_eq!(f32s(&out[0]).len(), 2 * 3 * OUT);
+}
+
+#[test]
+fn handles_are_lent_to_every_binding() {
+    // A running sum over calls, kept in a persistent handle of the owner, updated by
+    // graphs of different row counts.
+    let graph = SymbolicGraph::new(
+        "accumulate",
+        vec![SymbolRange::new("rows", 1, 8)],
+        vec![
+            (
+                "x".into(),
+                SymbolicShape::new([Dim::sym("rows"), Dim::Fixed(2)], DType::F32),
+            ),
+            (
+                "total".into(),
+                SymbolicShape::new([Dim::Fixed(1), Dim::Fixed(2)], DType::F32),
+            ),
+            ("at".into(), SymbolicShape::new([Dim::Fixed(1)], DType::I64)),
+        ],
+        vec![SymbolicShape::new(
+            [Dim::Fixed(1), Dim::Fixed(2)],
+            DType::F32,
+        )],
+        |b: &Bindings| {
+            let g = Graph::new("accumulate");
+            let rows = b.require("rows", "accumulate")?;
+            let x = g.input("x", Shape::new(&[rows, 2], DType::F32))?;
+            let total = g.input("total", Shape::new(&[1, 2], DType::F32))?;
+            let at = g.input("at", Shape::new(&[1], DType::I64))?;
+            let sum = g.add(g.sum(x, &[0], true)?, total)?;
+            let updated = g.write_at(total, sum, at, 0)?;
+            g.set_outputs(vec![updated]);
+            Ok(g)
+        },
+    )
+    .unwrap();
+    let handle = BufferHandle::new("total", &[1, 2], DType::F32);
+    let mut cache = BucketedCompileCache::new(
+        graph,
+        Session::new(Device::Cpu),
+        CompileOptions::new().bind_handle(&handle),
+    )
+    .unwrap();
+    let at = [0i64];
+    for (rows, x) in [(1, vec![1.0, 2.0]), (3, vec![1.0; 6]), (2, vec![0.5; 4])] {
+        let b = Bindings::new().with("rows", rows).unwrap();
+        cache
+            .run_with(&b, |g| {
+                g.run_typed(&[("x", TensorRef::F32(&x)), ("at", TensorRef::I64(&at))])
+            })
+            .unwrap();
+    }
+    assert_eq!(cache.owner().read_handle("total").unwrap(), vec![5.0, 6.0]);
+}
