@@ -189,6 +189,14 @@ impl BucketedCompileCache {
         entries.into_iter().map(|e| e.bindings.clone()).collect()
     }
 
+    /// Calls `f` with every compiled graph and its binding, the owner first.
+    pub fn for_each_compiled(&mut self, mut f: impl FnMut(&Bindings, &mut CompiledGraph)) {
+        f(&self.owner_bindings, &mut self.owner);
+        for e in &mut self.entries {
+            f(&e.bindings, &mut e.graph);
+        }
+    }
+
     /// The bucket `bindings` runs in: each symbol rounded up by its [`Buckets`],
     /// never past its range.
     pub fn bucket(&self, bindings: &Bindings) -> Result<Bindings> {

@@ -19,7 +19,9 @@
 use super::config::LlamaConfig;
 use super::weights::LlamaWeights;
 use rlx_driver::BufferHandle;
-use rlx_ir::{DType, Graph, NodeId, Result, Shape};
+use rlx_ir::{DType, Dim, Graph, NodeId, Result, Shape, SymbolicShape};
+use rlx_runtime::{SymbolRange, SymbolicGraph};
+use std::sync::Arc;
 
 /// Name of the key cache handle of layer `l`.
 pub fn k_cache_name(l: usize) -> String {
@@ -42,6 +44,53 @@ pub fn cache_handles(config: &LlamaConfig, max_seq: usize) -> Vec<BufferHandle> 
             ]
         })
         .collect()
+}
+
+/// The forward graph as a [`SymbolicGraph`] over `seq` (new tokens) and `rows`
+/// (positions that get logits), both `1..=max_seq`, with a cache of `max_seq` rows:
+/// inputs `tokens i64[seq]`, `pos i64[1]`, `logit_rows i64[rows]` and the cache
+/// handles; output `f32[rows, vocab]`.
+pub fn symbolic_graph(
+    config: &LlamaConfig,
+    weights: Arc<LlamaWeights>,
+    max_seq: usize,
+) -> Result<SymbolicGraph> {
+    let mut inputs = vec![
+        (
+            "tokens".to_string(),
+            SymbolicShape::new([Dim::sym("seq")], DType::I64),
+        ),
+        ("pos".into(), SymbolicShape::new([Dim::Fixed(1)], DType::I64)),
+        (
+            "logit_rows".into(),
+            SymbolicShape::new([Dim::sym("rows")], DType::I64),
+        ),
+    ];
+    for h in cache_handles(config, max_seq) {
+        inputs.push((h.name.clone(), SymbolicShape::from(&h.shape)));
+    }
+    let config = config.clone();
+    SymbolicGraph::new(
+        "llama",
+        vec![
+            SymbolRange::new("seq", 1, max_seq),
+            SymbolRange::new("rows", 1, max_seq),
+        ],
+        inputs,
+        vec![SymbolicShape::new(
+            [Dim::sym("rows"), Dim::Fixed(config.vocab_size)],
+            DType::F32,
+        )],
+        move |b| {
+            build_graph(
+                &config,
+                &weights,
+                b.require("seq", "llama")?,
+                max_seq,
+                b.require("rows", "llama")?,
+            )
+        },
+    )
 }
 
 /// The rotary tables for positions `0..max_seq`: `(cos, sin)`, each

@@ -1,23 +1,30 @@
-//! [`Llm`]: a Llama model compiled for generation. A decode graph (one token) and
-//! prefill graphs (chunks of the prompt, by size bucket) share one copy of the
-//! weights and one key/value cache; the cache lives in persistent handles that the
-//! graphs write in place and hand to each other without copying.
+//! [`Llm`]: a Llama model compiled for generation. The forward graph is one symbolic
+//! graph over the chunk length, kept in a [`BucketedCompileCache`]: the decode graph
+//! (one token) owns the weights and the key/value cache, and prefill graphs (chunks
+//! of the prompt, by size bucket) share the weights and borrow the cache, which lives
+//! in persistent handles that the graphs write in place and hand over without
+//! copying.
 
 use super::config::LlamaConfig;
-use super::graph::{build_graph, cache_handles, rope_tables};
+use super::graph::{cache_handles, rope_tables, symbolic_graph};
 use super::sample::{Sampler, SamplingOptions};
 use super::tokenizer::LlmTokenizer;
 use super::weights::LlamaWeights;
 use crate::ModelStore;
 use rlx_driver::Device;
 use rlx_gguf::GgufFile;
-use rlx_ir::{Error, Result, TensorData, TensorRef};
-use rlx_runtime::{CompileOptions, CompiledGraph, Session};
+use rlx_ir::{Bindings, Error, Result, TensorData, TensorRef};
+use rlx_runtime::{BucketedCompileCache, CompileOptions, CompiledGraph, Session};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Smallest prefill chunk compiled (shorter prompts are padded up to it).
 const MIN_CHUNK: usize = 16;
+
+/// Prefill graphs kept compiled (chunk sizes and logit row counts); the least
+/// recently used is dropped past this.
+const PREFILL_GRAPHS: usize = 8;
 
 /// How an [`Llm`] is loaded and compiled.
 #[derive(Clone, Debug)]
@@ -106,14 +113,12 @@ pub struct Llm {
     source: PathBuf,
     config: LlamaConfig,
     tokenizer: Option<LlmTokenizer>,
-    weights: LlamaWeights,
-    session: Session,
+    weights: Arc<LlamaWeights>,
     options: LlmOptions,
     max_seq: usize,
-    /// One token at a time; holds the cache between runs.
-    decode: CompiledGraph,
-    /// Prefill graphs by chunk size, compiled on first use.
-    prefill: Vec<(usize, CompiledGraph)>,
+    /// The forward graph at every compiled chunk size. Its owner is the decode graph
+    /// (one token), which holds the weights and the cache between runs.
+    graphs: BucketedCompileCache,
     /// Tokens in the cache, in order.
     history: Vec<u32>,
 }
@@ -209,26 +214,27 @@ impl Llm {
         options: LlmOptions,
     ) -> Result<Llm> {
         let max_seq = options.max_context.min(config.context_length).max(1);
-        let session = Session::new(options.device);
-        let graph = build_graph(&config, &weights, 1, max_seq, 1)?;
-        let mut decode =
-            session.compile_with(graph, &compile_options(&config, max_seq, &options))?;
+        let weights = Arc::new(weights);
+        let mut graphs = BucketedCompileCache::new(
+            symbolic_graph(&config, weights.clone(), max_seq)?,
+            Session::new(options.device),
+            compile_options(&config, max_seq, &options),
+        )?
+        .with_capacity(PREFILL_GRAPHS)?;
         for entry in weights.entries() {
-            decode.set_param_bytes(&entry.name, weights.bytes(entry)?)?;
+            graphs.set_param_bytes(&entry.name, weights.bytes(entry)?)?;
         }
         let (cos, sin) = rope_tables(&config, max_seq);
-        decode.set_param("rope.cos", &cos)?;
-        decode.set_param("rope.sin", &sin)?;
+        graphs.set_param("rope.cos", &cos)?;
+        graphs.set_param("rope.sin", &sin)?;
         Ok(Llm {
             source,
             config,
             tokenizer,
             weights,
-            session,
             options,
             max_seq,
-            decode,
-            prefill: Vec::new(),
+            graphs,
             history: Vec::new(),
         })
     }
@@ -270,32 +276,30 @@ impl Llm {
 
     /// The decode graph (for inspection).
     pub fn decode_graph(&mut self) -> &mut CompiledGraph {
-        &mut self.decode
+        self.graphs.owner()
     }
 
     /// Turns per-kernel timing on or off for the decode graph and every prefill graph
     /// (those compiled later start with it off).
     pub fn set_profiling(&mut self, on: bool) {
-        self.decode.set_profiling(on);
-        for (_, g) in &mut self.prefill {
-            g.set_profiling(on);
-        }
+        self.graphs.for_each_compiled(|_, g| g.set_profiling(on));
     }
 
     /// Per-kernel times of each graph with profiling on: `("decode", ...)` and
     /// `("prefill N", ...)` for chunks of N tokens.
-    pub fn profiles(&self) -> Vec<(String, rlx_driver::Profile)> {
-        let mut out: Vec<(String, rlx_driver::Profile)> = self
-            .decode
-            .profile()
-            .map(|p| ("decode".to_string(), p))
-            .into_iter()
-            .collect();
-        for (key, g) in &self.prefill {
-            if let Some(p) = g.profile() {
-                out.push((format!("prefill {}", key / 1_000_003), p));
-            }
-        }
+    pub fn profiles(&mut self) -> Vec<(String, rlx_driver::Profile)> {
+        let mut out = Vec::new();
+        self.graphs.for_each_compiled(|b, g| {
+            let Some(p) = g.profile() else { return };
+            let seq = b.get("seq").unwrap_or(0);
+            let rows = b.get("rows").unwrap_or(0);
+            let name = if seq == 1 && rows == 1 {
+                "decode".to_string()
+            } else {
+                format!("prefill {seq}")
+            };
+            out.push((name, p));
+        });
         out
     }
 
@@ -323,21 +327,6 @@ impl Llm {
         Ok(())
     }
 
-    /// Index of the prefill graph for `size`-token chunks with `rows` logit rows,
-    /// compiling it (sharing the weights) on first use.
-    fn prefill_graph(&mut self, size: usize, rows: usize) -> Result<usize> {
-        let key = size * 1_000_003 + rows;
-        if let Some(i) = self.prefill.iter().position(|(k, _)| *k == key) {
-            return Ok(i);
-        }
-        let graph = build_graph(&self.config, &self.weights, size, self.max_seq, rows)?;
-        let options = compile_options(&self.config, self.max_seq, &self.options);
-        let mut compiled = self.session.compile_with(graph, &options)?;
-        compiled.share_params_from(&self.decode)?;
-        self.prefill.push((key, compiled));
-        Ok(self.prefill.len() - 1)
-    }
-
     /// Runs `ids` (already checked to fit) through a graph of `size` positions,
     /// padded, returning the logits of positions `rows`.
     fn run_chunk(&mut self, ids: &[u32], size: usize, rows: &[usize]) -> Result<Vec<f32>> {
@@ -352,16 +341,12 @@ impl Llm {
             ("pos", TensorRef::I64(&[pos])),
             ("logit_rows", TensorRef::I64(&rows)),
         ];
-        let outputs = if size == 1 && rows.len() == 1 {
-            self.decode.run_typed(&inputs)?
-        } else {
-            let i = self.prefill_graph(size, rows.len())?;
-            let graph = &mut self.prefill[i].1;
-            graph.swap_handles(&mut self.decode)?;
-            let result = graph.run_typed(&inputs);
-            graph.swap_handles(&mut self.decode)?;
-            result?
-        };
+        let binding = Bindings::new()
+            .with("seq", size)?
+            .with("rows", rows.len())?;
+        let outputs = self
+            .graphs
+            .run_with(&binding, |g| g.run_typed(&inputs))?;
         self.history.extend_from_slice(ids);
         match outputs.into_iter().next() {
             Some(TensorData::F32(v)) => Ok(v),

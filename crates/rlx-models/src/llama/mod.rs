@@ -10,7 +10,9 @@ mod tokenizer;
 mod weights;
 
 pub use config::LlamaConfig;
-pub use graph::{build_graph, cache_handles, k_cache_name, rope_tables, v_cache_name};
+pub use graph::{
+    build_graph, cache_handles, k_cache_name, rope_tables, symbolic_graph, v_cache_name,
+};
 pub use llm::{GenerateOptions, Generation, Llm, LlmOptions, StopReason};
 pub use sample::{Sampler, SamplingOptions, argmax};
 pub use tokenizer::LlmTokenizer;
