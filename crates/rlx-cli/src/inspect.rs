@@ -28,8 +28,8 @@ pub struct InspectArgs {
     /// Compile the graph as built: no folding, CSE or fusion (for comparison).
     #[arg(long)]
     no_optimize: bool,
-    /// Print only the graph after this pipeline stage: `import` (as built or
-    /// imported) or one of the compiler's stages (decompose, fold, cse, dce, fuse.attention,
+    /// Print only the graph after this pipeline stage: `import` or `specialize` (as
+    /// built, or imported with its symbolic dims bound by `--shape`/`--input`) or one of the compiler's stages (decompose, fold, cse, dce, fuse.attention,
     /// fuse.attention_layout, fuse.activations, fuse.hoist, fuse.epilogue, fuse.regions, dce.fused).
     /// `RLX_DUMP_AFTER=STAGE` prints the same to stderr during any compile.
     #[arg(long, value_name = "STAGE")]
@@ -60,7 +60,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
         None => args.example.build().context("building the example graph")?,
     };
     if let Some(stage) = &args.after {
-        if stage == "import" {
+        if stage == "import" || stage == "specialize" {
             println!("{graph}");
             return Ok(());
         }

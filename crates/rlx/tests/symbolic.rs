@@ -299,6 +299,9 @@ fn the_cache_keeps_at_most_its_capacity() {
     );
 }
 
+/// A binding, inputs, and a piece of the error they must give.
+type BadRun<'a> = (Bindings, Vec<(&'a str, TensorRef<'a>)>, &'a str);
+
 #[test]
 fn bad_padded_inputs_are_errors_and_the_cache_still_runs() {
     let mut rng = Rng(5);
@@ -309,7 +312,7 @@ fn bad_padded_inputs_are_errors_and_the_cache_still_runs() {
     let x = rng.values(2 * 3 * IN);
     let short = &x[1..];
     let ids = vec![0i64; 2 * 3 * IN];
-    let bad: Vec<(Bindings, Vec<(&str, TensorRef)>, &str)> = vec![
+    let bad: Vec<BadRun> = vec![
         (
             bind(2, 3),
             vec![("x", TensorRef::F32(short))],

@@ -60,7 +60,10 @@ pub fn symbolic_graph(
             "tokens".to_string(),
             SymbolicShape::new([Dim::sym("seq")], DType::I64),
         ),
-        ("pos".into(), SymbolicShape::new([Dim::Fixed(1)], DType::I64)),
+        (
+            "pos".into(),
+            SymbolicShape::new([Dim::Fixed(1)], DType::I64),
+        ),
         (
             "logit_rows".into(),
             SymbolicShape::new([Dim::sym("rows")], DType::I64),

@@ -344,9 +344,7 @@ impl Llm {
         let binding = Bindings::new()
             .with("seq", size)?
             .with("rows", rows.len())?;
-        let outputs = self
-            .graphs
-            .run_with(&binding, |g| g.run_typed(&inputs))?;
+        let outputs = self.graphs.run_with(&binding, |g| g.run_typed(&inputs))?;
         self.history.extend_from_slice(ids);
         match outputs.into_iter().next() {
             Some(TensorData::F32(v)) => Ok(v),
