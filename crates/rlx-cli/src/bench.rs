@@ -262,7 +262,17 @@ pub(crate) fn print_profile(profile: &rlx::driver::Profile) {
             100.0 * ms / total.max(1e-9)
         );
     }
+    let mut launches: Vec<&rlx::driver::KernelTime> = profile.kernels.iter().collect();
+    launches.sort_by(|a, b| b.total.cmp(&a.total));
+    println!("slowest launches (node ids as `rlx inspect` prints them):");
+    for k in launches.iter().take(SLOWEST_LAUNCHES) {
+        let ms = k.total.as_secs_f64() / runs * 1e3;
+        println!("  {:<8} {:<44} {ms:>8.3} ms", k.node.to_string(), k.kernel);
+    }
 }
+
+/// How many single launches the profile lists after the per-kernel totals.
+const SLOWEST_LAUNCHES: usize = 40;
 
 fn print_minilm(report: &Report, median: f64, warmup: u32) {
     {

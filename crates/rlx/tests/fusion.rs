@@ -235,10 +235,19 @@ fn elementwise_regions_fuse_with_broadcasts_and_match() {
         let row_vec = g.input("v", Shape::new(&[cols], DType::F32)).unwrap();
         let col_vec = g.input("c", Shape::new(&[rows, 1], DType::F32)).unwrap();
         let scalar = g.input("s", Shape::new(&[1], DType::F32)).unwrap();
+        // Per-"channel" values repeated over runs of `cols`, as a [1, C, 1, 1] scale.
+        let channel = g.input("k", Shape::new(&[1, rows, 1], DType::F32)).unwrap();
         let mut pool = vec![x];
         let mut y = x;
         for _ in 0..2 + rng.below(8) {
-            let other = [row_vec, col_vec, scalar, x, pool[rng.below(pool.len())]][rng.below(5)];
+            let other = [
+                row_vec,
+                col_vec,
+                scalar,
+                channel,
+                x,
+                pool[rng.below(pool.len())],
+            ][rng.below(6)];
             y = match rng.below(10) {
                 0 => g.add(y, other),
                 1 => g.mul(other, y),

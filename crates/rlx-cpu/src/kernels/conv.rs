@@ -189,6 +189,83 @@ pub(crate) fn conv2d(win: &Window2d, groups: usize, x: Src, w: Src, bias: Option
     })
 }
 
+/// Pooling over f32 planes, threaded over planes. Matches [`pool`]: a window with a
+/// NaN gives NaN for max, and the average divides by the window size or by the taps
+/// inside the input.
+pub(crate) fn pool_f32(
+    win: &Window2d,
+    max: bool,
+    count_include_pad: bool,
+    x: Src,
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    let [n, c, h, w] = [
+        x.shape.dim(0),
+        x.shape.dim(1),
+        x.shape.dim(2),
+        x.shape.dim(3),
+    ];
+    let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
+    let planes = n * c;
+    let window_len = (win.kernel[0] * win.kernel[1]) as f32;
+    // SAFETY: f32 tensors of the shapes read above; the output never overlaps the
+    // input (the plan does not run pooling in place).
+    let xs = unsafe { std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len) };
+    let out_addr = out.ptr as usize;
+    // The taps of a window that fall inside the input along one axis, as a range of
+    // input positions with the dilation as step: `(first, count)`.
+    let inside = |axis: usize, o: usize, size: usize| -> (usize, usize) {
+        let (k, d) = (win.kernel[axis] as isize, win.dilation[axis] as isize);
+        let origin = (o * win.stride[axis]) as isize - win.padding[axis] as isize;
+        // Taps t with 0 <= origin + t * d < size.
+        let lo = if origin >= 0 {
+            0
+        } else {
+            (-origin + d - 1) / d
+        };
+        let hi = ((size as isize - 1 - origin).div_euclid(d)).min(k - 1);
+        if hi < lo {
+            (0, 0)
+        } else {
+            ((origin + lo * d) as usize, (hi - lo + 1) as usize)
+        }
+    };
+    let (dy, dx) = (win.dilation[0], win.dilation[1]);
+    let plane_task = |plane: usize, _thread: usize| {
+        let src = &xs[plane * h * w..(plane + 1) * h * w];
+        // SAFETY: plane `plane` of the output, written by this task alone.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut((out_addr as *mut f32).add(plane * oh * ow), oh * ow)
+        };
+        for y in 0..oh {
+            let (iy0, ny) = inside(0, y, h);
+            let row = &mut dst[y * ow..(y + 1) * ow];
+            for (xo, v) in row.iter_mut().enumerate() {
+                let (ix0, nx) = inside(1, xo, w);
+                let mut acc = if max { f32::NEG_INFINITY } else { 0.0 };
+                let mut nan = false;
+                for ty in 0..ny {
+                    let line = &src[(iy0 + ty * dy) * w..];
+                    for tx in 0..nx {
+                        let t = line[ix0 + tx * dx];
+                        nan |= t.is_nan();
+                        acc = if max { acc.max(t) } else { acc + t };
+                    }
+                }
+                *v = if max {
+                    if nan { f32::NAN } else { acc }
+                } else if count_include_pad {
+                    acc / window_len
+                } else {
+                    acc / (ny * nx).max(1) as f32
+                };
+            }
+        }
+    };
+    ctx.pool.run(planes, ctx.gemm.threads(), &plane_task)
+}
+
 pub(crate) fn pool(win: &Window2d, max: bool, count_include_pad: bool, x: Src, out: Dst) {
     let [n, c, h, w] = [
         x.shape.dim(0),

@@ -179,8 +179,11 @@ pub(crate) fn region_scratch_floats(registers: usize) -> usize {
 enum Access {
     /// Same shape as the output.
     Same,
-    /// Its `len` values repeat along the output (its dims are the output's last ones).
-    Suffix(usize),
+    /// Output position `p` reads value `(p / inner) % len`: the input's dims, less
+    /// leading and trailing 1s, equal a run of the output's dims, and `inner` is the
+    /// product of the output dims after that run (1 for a suffix such as a bias,
+    /// the pixels of a plane for a per-channel `[1, C, 1, 1]` scale).
+    Blocks { len: usize, inner: usize },
     /// Anything else: strides per output axis.
     Strided([isize; MAX_RANK]),
 }
@@ -206,14 +209,15 @@ pub(crate) fn elementwise(steps: &[EwStep], inputs: &[Src], out: Dst, ctx: &Ctx)
     let mut access = [Access::Same; MAX_REGION_INPUTS];
     let n_in = inputs.len();
     for (slot, x) in access.iter_mut().zip(inputs) {
-        let xd = x.shape.dims();
-        let core: &[usize] = &xd[xd.iter().take_while(|&&d| d == 1).count()..];
         *slot = if x.len == total {
             Access::Same
-        } else if core.len() <= dims.len() && core == &dims[dims.len() - core.len()..] {
-            Access::Suffix(x.len.max(1))
+        } else if let Some(inner) = block_inner(x.shape.dims(), dims) {
+            Access::Blocks {
+                len: x.len.max(1),
+                inner,
+            }
         } else {
-            Access::Strided(broadcast_strides(xd, dims))
+            Access::Strided(broadcast_strides(x.shape.dims(), dims))
         };
     }
     let chunks = total.div_ceil(CHUNK);
@@ -264,6 +268,26 @@ pub(crate) fn elementwise(steps: &[EwStep], inputs: &[Src], out: Dst, ctx: &Ctx)
     ctx.pool.run(chunks, threads, &task)
 }
 
+/// The `inner` of [`Access::Blocks`] for an input of dims `xd` broadcast to `dims`, if
+/// it has that form.
+fn block_inner(xd: &[usize], dims: &[usize]) -> Option<usize> {
+    if xd.len() > dims.len() {
+        return None;
+    }
+    // Align right, as broadcasting does; missing leading dims are 1.
+    let pad = dims.len() - xd.len();
+    let dim = |i: usize| if i < pad { 1 } else { xd[i - pad] };
+    let Some(first) = (0..dims.len()).find(|&i| dim(i) != 1) else {
+        // One value for every position.
+        return Some(dims.iter().product::<usize>().max(1));
+    };
+    let last = (0..dims.len()).rev().find(|&i| dim(i) != 1)?;
+    if (first..=last).any(|i| dim(i) != dims[i]) {
+        return None;
+    }
+    Some(dims[last + 1..].iter().product())
+}
+
 fn load(x: &Src, access: Access, dims: &[usize], start: usize, reg: &mut [f32]) {
     let base = x.ptr.cast::<f32>();
     match access {
@@ -271,9 +295,29 @@ fn load(x: &Src, access: Access, dims: &[usize], start: usize, reg: &mut [f32]) 
             // SAFETY: positions start.. of an input of the output's size.
             unsafe { std::ptr::copy_nonoverlapping(base.add(start), reg.as_mut_ptr(), reg.len()) };
         }
-        Access::Suffix(n) => {
-            for (i, v) in reg.iter_mut().enumerate() {
-                *v = x.get::<f32>((start + i) % n);
+        Access::Blocks { len, inner: 1 } => {
+            // Contiguous stretches of the input, wrapping at its end.
+            let mut at = start % len;
+            let mut done = 0;
+            while done < reg.len() {
+                let n = (len - at).min(reg.len() - done);
+                // SAFETY: positions at..at + n of an input of `len` values.
+                unsafe { std::ptr::copy_nonoverlapping(base.add(at), reg[done..].as_mut_ptr(), n) };
+                done += n;
+                at = 0;
+            }
+        }
+        Access::Blocks { len, inner } => {
+            // Runs of one repeated value.
+            let mut block = start / inner;
+            let mut offset = start % inner;
+            let mut done = 0;
+            while done < reg.len() {
+                let n = (inner - offset).min(reg.len() - done);
+                reg[done..done + n].fill(x.get::<f32>(block % len));
+                done += n;
+                block += 1;
+                offset = 0;
             }
         }
         Access::Strided(strides) => {
@@ -305,21 +349,11 @@ fn load(x: &Src, access: Access, dims: &[usize], start: usize, reg: &mut [f32]) 
     }
 }
 
-fn unary_chunk(op: UnaryOp, a: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if vmath::simd_level() >= 2 {
-            // SAFETY: AVX-512F is available.
-            return unsafe { unary_avx512(op, a, out) };
-        }
+vmath::multiversion! {
+    /// `out = op(a)` over one chunk, vectorized for the CPU's widest instruction set.
+    fn unary_chunk(op: UnaryOp, a: &[f32], out: &mut [f32]) {
+        unary_body(op, a, out)
     }
-    unary_body(op, a, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn unary_avx512(op: UnaryOp, a: &[f32], out: &mut [f32]) {
-    unary_body(op, a, out)
 }
 
 #[inline(always)]
@@ -349,7 +383,15 @@ fn unary_body(op: UnaryOp, a: &[f32], out: &mut [f32]) {
     }
 }
 
-fn binary_chunk(op: BinaryOp, a: &[f32], b: &[f32], out: &mut [f32]) {
+vmath::multiversion! {
+    /// `out = op(a, b)` over one chunk, vectorized for the CPU's widest instruction set.
+    fn binary_chunk(op: BinaryOp, a: &[f32], b: &[f32], out: &mut [f32]) {
+        binary_body(op, a, b, out)
+    }
+}
+
+#[inline(always)]
+fn binary_body(op: BinaryOp, a: &[f32], b: &[f32], out: &mut [f32]) {
     let f = |g: fn(f32, f32) -> f32, out: &mut [f32]| {
         out.iter_mut()
             .zip(a.iter().zip(b))

@@ -51,6 +51,9 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
             )
         }
         Op::CachedAttention { .. } => "cpu.flash.cached_attention.f32".into(),
+        Op::MaxPool2d { .. } | Op::AvgPool2d { .. } if dtype == DType::F32 => {
+            format!("cpu.planes.{}.f32", op.name())
+        }
         Op::QuantMatMul { format } => format!("cpu.quant.{format}.matmul"),
         Op::Dequantize { format } => format!("cpu.quant.{format}.dequantize"),
         Op::FusedMatMul { .. } if dtype == DType::F32 => {
@@ -227,6 +230,15 @@ pub(crate) fn run<'a>(
             r?
         }
         Op::Conv2d { window, groups } => conv::conv2d(window, *groups, src(0), src(1), opt(2), out),
+        Op::MaxPool2d { window } if src(0).shape.dtype() == DType::F32 => {
+            return conv::pool_f32(window, true, false, src(0), out, ctx);
+        }
+        Op::AvgPool2d {
+            window,
+            count_include_pad,
+        } if src(0).shape.dtype() == DType::F32 => {
+            return conv::pool_f32(window, false, *count_include_pad, src(0), out, ctx);
+        }
         Op::MaxPool2d { window } => conv::pool(window, true, false, src(0), out),
         Op::AvgPool2d {
             window,
