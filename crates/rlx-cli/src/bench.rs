@@ -263,7 +263,7 @@ pub(crate) fn print_profile(profile: &rlx::driver::Profile) {
         );
     }
     let mut launches: Vec<&rlx::driver::KernelTime> = profile.kernels.iter().collect();
-    launches.sort_by(|a, b| b.total.cmp(&a.total));
+    launches.sort_by_key(|k| std::cmp::Reverse(k.total));
     println!("slowest launches (node ids as `rlx inspect` prints them):");
     for k in launches.iter().take(SLOWEST_LAUNCHES) {
         let ms = k.total.as_secs_f64() / runs * 1e3;
