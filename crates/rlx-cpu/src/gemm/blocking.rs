@@ -75,7 +75,7 @@ pub(super) fn even(len: usize, limit: usize, unit: usize) -> usize {
 }
 
 /// Bytes of L2 cache per core (detected once; 512 KiB where it cannot be read).
-fn l2_bytes() -> usize {
+pub(super) fn l2_bytes() -> usize {
     static L2: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *L2.get_or_init(|| detect_l2().unwrap_or(512 << 10))
 }

@@ -244,6 +244,11 @@ pub(crate) unsafe fn sgemm(g: &Gemm, pool: &ThreadPool, scratch: &GemmScratch) -
     unsafe { sgemm_with(g, kernel, pool, scratch) }
 }
 
+/// Bytes of L2 cache per core, as the blocking uses it.
+pub(crate) fn l2_cache_bytes() -> usize {
+    blocking::l2_bytes()
+}
+
 /// The panel width [`pack_b_panels`] packs for a product `n` columns wide.
 pub(crate) fn packed_panel_width(n: usize) -> usize {
     kernels::for_width(n).nr

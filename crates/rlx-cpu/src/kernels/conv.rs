@@ -6,64 +6,126 @@
 
 use super::Ctx;
 use crate::elem::{Elem, with_dtype};
-use crate::gemm::{BFormat, Epilogue, Gemm, sgemm, sgemm_serial};
+use crate::gemm::{BFormat, Epilogue, Gemm, sgemm_serial};
 use crate::tensor::{Dst, Src};
 use rlx_ir::{Result, Shape, Window2d};
 
-/// Floats of patch columns an f32 convolution needs (0 when it reads its input in
-/// place), from its input and weight shapes.
+/// Output extent of a window along `axis` over an input of `size` (the builder
+/// checked that the window fits).
+fn extent(win: &Window2d, axis: usize, size: usize) -> usize {
+    let padded = size + win.padding[axis] + win.padding[axis + 2];
+    let span = win.dilation[axis] * (win.kernel[axis] - 1) + 1;
+    padded.saturating_sub(span) / win.stride[axis] + 1
+}
+
+/// Output pixels per block of patch columns: the block (`k` rows of it) takes about
+/// half of L2, so the GEMM reads it from there right after `im2col` wrote it.
+fn column_block(k: usize, pixels: usize) -> usize {
+    let nr = crate::gemm::packed_panel_width(pixels);
+    let fit = crate::gemm::l2_cache_bytes() / 2 / 4 / k.max(1);
+    (fit / nr * nr).max(nr).min(pixels.max(1))
+}
+
+/// Per-thread floats of patch columns an f32 convolution needs (0 when it reads its
+/// input in place), from its input and weight shapes.
 pub(crate) fn im2col_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     if reads_in_place(win) {
         return 0;
     }
-    // Output extent along an axis (the builder checked the window fits).
-    let extent = |axis: usize, size: usize| {
-        let padded = size + win.padding[axis] + win.padding[axis + 2];
-        let span = win.dilation[axis] * (win.kernel[axis] - 1) + 1;
-        padded.saturating_sub(span) / win.stride[axis] + 1
-    };
-    w.dim(1) * w.dim(2) * w.dim(3) * extent(0, x.dim(2)) * extent(1, x.dim(3))
+    let k = w.dim(1) * w.dim(2) * w.dim(3);
+    let pixels = extent(win, 0, x.dim(2)) * extent(win, 1, x.dim(3));
+    k * column_block(k, pixels)
 }
 
 fn reads_in_place(win: &Window2d) -> bool {
     win.kernel == [1, 1] && win.stride == [1, 1] && win.padding == [0; 4]
 }
 
-/// Writes the patches of one image's group (`c` channels of `h x w` at `x`) as a
-/// `[c * kh * kw, oh * ow]` matrix: row `(ic, ky, kx)` holds the input value each
-/// output pixel's tap reads (0 in the padding).
-fn im2col(win: &Window2d, x: &[f32], [c, h, w]: [usize; 3], [oh, ow]: [usize; 2], col: &mut [f32]) {
+/// The output positions `o` along `axis` whose tap `t` lands inside an input of
+/// `size`, as `lo..hi`.
+fn inside_outputs(
+    win: &Window2d,
+    axis: usize,
+    t: usize,
+    size: usize,
+    outputs: usize,
+) -> (usize, usize) {
+    let (s, pad) = (win.stride[axis] as isize, win.padding[axis] as isize);
+    let shift = (t * win.dilation[axis]) as isize - pad; // input = o * s + shift
+    let lo = if shift >= 0 { 0 } else { (-shift + s - 1) / s };
+    let hi = if size as isize - 1 - shift < 0 {
+        0
+    } else {
+        ((size as isize - 1 - shift) / s + 1).min(outputs as isize)
+    };
+    (lo as usize, (hi.max(lo)) as usize)
+}
+
+/// Writes patch columns `first..first + cols.len() / (c * kh * kw)` of one image's
+/// group (`c` channels of `h x w` at `x`) as a `[c * kh * kw, width]` matrix: row
+/// `(ic, ky, kx)` holds the input value each of those output pixels' tap reads (0 in
+/// the padding).
+fn im2col(
+    win: &Window2d,
+    x: &[f32],
+    [c, h, w]: [usize; 3],
+    ow: usize,
+    (first, width): (usize, usize),
+    col: &mut [f32],
+) {
     let [kh, kw] = win.kernel;
-    let p = oh * ow;
+    let (sx, dx, px) = (win.stride[1], win.dilation[1], win.padding[1]);
     for ic in 0..c {
         let plane = &x[ic * h * w..(ic + 1) * h * w];
         for ky in 0..kh {
             for kx in 0..kw {
-                let row = &mut col[((ic * kh + ky) * kw + kx) * p..][..p];
-                for y in 0..oh {
-                    let out = &mut row[y * ow..(y + 1) * ow];
-                    let Some(iy) = tap(win, 0, y, ky, h) else {
-                        out.fill(0.0);
-                        continue;
-                    };
-                    let src = &plane[iy * w..(iy + 1) * w];
-                    for (xo, v) in out.iter_mut().enumerate() {
-                        *v = tap(win, 1, xo, kx, w).map_or(0.0, |ix| src[ix]);
+                let row = &mut col[((ic * kh + ky) * kw + kx) * width..][..width];
+                let (xlo, xhi) = inside_outputs(win, 1, kx, w, ow);
+                let mut q = first;
+                let mut at = 0;
+                while at < width {
+                    let (y, x0) = (q / ow, q % ow);
+                    let len = (ow - x0).min(width - at);
+                    let out = &mut row[at..at + len];
+                    match tap(win, 0, y, ky, h) {
+                        None => out.fill(0.0),
+                        Some(iy) => {
+                            let src = &plane[iy * w..(iy + 1) * w];
+                            // Columns x0..x0 + len; inside the input for xlo..xhi.
+                            let (a, b) = (xlo.clamp(x0, x0 + len), xhi.clamp(x0, x0 + len));
+                            out[..a - x0].fill(0.0);
+                            out[b - x0..].fill(0.0);
+                            if b > a {
+                                let start = a * sx + kx * dx - px;
+                                let dst = &mut out[a - x0..b - x0];
+                                if sx == 1 {
+                                    dst.copy_from_slice(&src[start..start + (b - a)]);
+                                } else {
+                                    for (i, v) in dst.iter_mut().enumerate() {
+                                        *v = src[start + i * sx];
+                                    }
+                                }
+                            }
+                        }
                     }
+                    at += len;
+                    q += len;
                 }
             }
         }
     }
 }
 
-/// The f32 convolution as GEMMs; `col` holds [`im2col_floats`] floats.
+/// The f32 convolution as GEMMs over blocks of output pixels: each task takes one
+/// image, group and block of pixels, writes that block's patch columns into its
+/// thread's buffer (sized by [`im2col_floats`]) and multiplies them serially, so the
+/// columns are read from L2 and both threads stay busy even for one image.
 pub(crate) fn conv2d_f32(
     win: &Window2d,
     groups: usize,
     [x, w]: [Src; 2],
     bias: Option<Src>,
     out: Dst,
-    col: &mut [f32],
     ctx: &Ctx,
 ) -> Result<()> {
     let [n, c, h, wd] = [
@@ -76,7 +138,24 @@ pub(crate) fn conv2d_f32(
     let (cg, og) = (c / groups, o / groups);
     let k = cg * win.kernel[0] * win.kernel[1];
     let p = oh * ow;
+    if p == 0 || og == 0 || n == 0 {
+        return Ok(());
+    }
     let in_place = reads_in_place(win);
+    let threads = ctx.gemm.threads();
+    // Pixel blocks: sized for L2 when columns are written, else just enough blocks
+    // for every thread to have work (a 1x1 product reads its input where it is).
+    let block = if in_place {
+        let images = n * groups;
+        if images >= threads {
+            p
+        } else {
+            p.div_ceil(threads.div_ceil(images))
+        }
+    } else {
+        column_block(k, p)
+    };
+    let blocks = p.div_ceil(block);
     // SAFETY: the operands are f32 tensors of the shapes read above, and the plan
     // never places the output over an input.
     let (xs, ws) = unsafe {
@@ -85,66 +164,59 @@ pub(crate) fn conv2d_f32(
             std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len),
         )
     };
-    // The output as an address, so tasks on other threads can write their rows.
+    // The output as an address, so tasks on other threads can write their blocks.
     let out_addr = out.ptr as usize;
     let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), b.len) });
-    // One product per image and group.
-    let product = |b: usize, g: usize, col: &mut [f32]| -> Gemm {
-        let image = &xs[(b * c + g * cg) * h * wd..][..cg * h * wd];
-        let cols: *const f32 = if in_place {
-            image.as_ptr()
+    let task = |u: usize, thread: usize| {
+        let (image, rest) = (u / (groups * blocks), u % (groups * blocks));
+        let (g, j0) = (rest / blocks, (rest % blocks) * block);
+        let width = block.min(p - j0);
+        // SAFETY: one task per thread index at a time.
+        let (buf, col) = unsafe { ctx.gemm.parts(thread) };
+        let src = &xs[(image * c + g * cg) * h * wd..][..cg * h * wd];
+        let (cols, ldb) = if in_place {
+            (src[j0..].as_ptr(), p)
         } else {
-            im2col(win, image, [cg, h, wd], [oh, ow], &mut col[..k * p]);
-            col.as_ptr()
+            im2col(
+                win,
+                src,
+                [cg, h, wd],
+                ow,
+                (j0, width),
+                &mut col[..k * width],
+            );
+            (col.as_ptr(), width)
         };
-        // SAFETY: rows `g * og ..` of image `b`'s output, inside `out`; each (b, g)
-        // writes its own rows.
-        let dst = unsafe { (out_addr as *mut f32).add((b * o + g * og) * p) };
+        // SAFETY: rows `g * og ..` of image `image`'s output, columns j0..j0 + width:
+        // inside `out`, and each task writes its own.
+        let dst = unsafe { (out_addr as *mut f32).add((image * o + g * og) * p + j0) };
         if let Some(bias) = bias {
             for r in 0..og {
                 // SAFETY: as above.
-                unsafe { std::slice::from_raw_parts_mut(dst.add(r * p), p) }.fill(bias[g * og + r]);
+                unsafe { std::slice::from_raw_parts_mut(dst.add(r * p), width) }
+                    .fill(bias[g * og + r]);
             }
         }
-        Gemm {
+        let gemm = Gemm {
             m: og,
-            n: p,
+            n: width,
             k,
             a: ws[g * og * k..].as_ptr(),
             lda: k,
             b: cols,
-            ldb: p,
+            ldb,
             b_transposed: false,
             b_format: BFormat::F32,
             c: dst,
             ldc: p,
             accumulate: bias.is_some(),
             epilogue: Epilogue::NONE,
-        }
-    };
-    let units = n * groups;
-    let threads = ctx.gemm.threads();
-    if threads > 1 && units >= threads {
-        // Enough images for every thread: each runs whole products, serially, with
-        // its own patch buffer.
-        let task = |u: usize, thread: usize| {
-            // SAFETY: one task per thread index at a time.
-            let (buf, extra) = unsafe { ctx.gemm.parts(thread) };
-            let gemm = product(u / groups, u % groups, extra);
-            // SAFETY: the matrices of `product` lie inside their tensors.
-            unsafe { sgemm_serial(&gemm, buf) };
         };
-        return ctx.pool.run(units, threads, &task);
-    }
-    for b in 0..n {
-        for g in 0..groups {
-            let gemm = product(b, g, col);
-            // SAFETY: A, B and C above are `m x k`, `k x n` and `m x n` matrices
-            // inside their tensors.
-            unsafe { sgemm(&gemm, ctx.pool, ctx.gemm)? };
-        }
-    }
-    Ok(())
+        // SAFETY: A, B and C above are `m x k`, `k x width` and `m x width` matrices
+        // inside their tensors and buffers.
+        unsafe { sgemm_serial(&gemm, buf) };
+    };
+    ctx.pool.run(n * groups * blocks, threads, &task)
 }
 
 /// Input coordinate of window tap `k` at output position `o` on `axis`, if inside.

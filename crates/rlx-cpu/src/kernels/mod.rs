@@ -28,10 +28,6 @@ pub(crate) use reduce::ReduceGeometry;
 pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
     match op {
         Op::Attention { seq_major, .. } => inputs[1].dim(if *seq_major { 1 } else { 2 }),
-        // Patch columns, as f32 (two per f64).
-        Op::Conv2d { window, .. } if inputs[0].dtype() == DType::F32 => {
-            conv::im2col_floats(window, &inputs[0], &inputs[1]).div_ceil(2)
-        }
         _ => 0,
     }
 }
@@ -110,7 +106,7 @@ pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
         Op::Elementwise { steps } => fused::region_scratch_floats(inputs.len() + steps.len()),
         Op::Binary(b) if fast_binary(*b, &inputs[0], &inputs[0]) => fused::region_scratch_floats(3),
         Op::Unary(u) if fast_unary(*u, &inputs[0]) => fused::region_scratch_floats(2),
-        // Each thread's patch columns when threads take whole images.
+        // Each thread's block of patch columns.
         Op::Conv2d { window, .. } if inputs[0].dtype() == DType::F32 => {
             conv::im2col_floats(window, &inputs[0], &inputs[1])
         }
@@ -217,17 +213,7 @@ pub(crate) fn run<'a>(
         } => misc::topk(*k, *axis, *largest, *output, src(0), out),
         Op::OneHot { depth, .. } => misc::one_hot(*depth, src(0), out),
         Op::Conv2d { window, groups } if src(0).shape.dtype() == DType::F32 => {
-            let scratch = std::mem::take(&mut ctx.scratch);
-            // SAFETY: f64 storage viewed as twice as many f32 (alignment only shrinks).
-            let col = unsafe {
-                std::slice::from_raw_parts_mut(
-                    scratch.as_mut_ptr().cast::<f32>(),
-                    scratch.len() * 2,
-                )
-            };
-            let r = conv::conv2d_f32(window, *groups, [src(0), src(1)], opt(2), out, col, ctx);
-            ctx.scratch = scratch;
-            r?
+            conv::conv2d_f32(window, *groups, [src(0), src(1)], opt(2), out, ctx)?
         }
         Op::Conv2d { window, groups } => conv::conv2d(window, *groups, src(0), src(1), opt(2), out),
         Op::MaxPool2d { window } if src(0).shape.dtype() == DType::F32 => {
