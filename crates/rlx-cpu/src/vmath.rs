@@ -45,7 +45,8 @@ pub(crate) fn exp(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0;
     let big = x > 88.722_84;
     let x = x.clamp(-87.33, 88.722_84);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let shifted = x * LOG2E + ROUND;
+    let n = shifted - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     // e^r on |r| <= ln2/2: Taylor series to r^7.
     let p = 1.0
@@ -56,7 +57,10 @@ pub(crate) fn exp(x: f32) -> f32 {
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
     // 2^n as 2^h * 2^(n - h) with h = floor(n / 2): each half's biased exponent
     // (between 64 and 191 for n in -126..=128) goes straight into the exponent bits.
-    let ni = n as i32;
+    // `shifted` is 1.5 * 2^23 + n, so its bits are those of 1.5 * 2^23 plus n: an
+    // integer read that vectorizes (a float-to-int `as` cast saturates, and its NaN
+    // and range checks kept the compiler from vectorizing callers on AVX2).
+    let ni = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
     let h = ni >> 1;
     let s1 = f32::from_bits(((h + 127) as u32) << 23);
     let s2 = f32::from_bits(((ni - h + 127) as u32) << 23);

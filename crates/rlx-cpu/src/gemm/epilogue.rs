@@ -85,16 +85,24 @@ fn pass<const BIAS: bool, const RESIDUAL: bool>(
         } else {
             residual
         };
+        // A fixed-size block (zeros past a short tail) so the compiler emits straight
+        // vector code for the activation, whatever `len` is.
+        let mut block = [0.0f32; LANES];
         for l in 0..len {
-            let mut x = out[l] * alpha;
+            block[l] = out[l] * alpha;
             if BIAS {
-                x += bias[l];
+                block[l] += bias[l];
             }
-            x = act(x);
-            if RESIDUAL {
-                x += residual[l];
-            }
-            out[l] = x;
+        }
+        for v in block.iter_mut() {
+            *v = act(*v);
+        }
+        for l in 0..len {
+            out[l] = if RESIDUAL {
+                block[l] + residual[l]
+            } else {
+                block[l]
+            };
         }
         j += len;
     }

@@ -462,7 +462,6 @@ unsafe fn serial(
                             size: (mr_eff, nr_eff),
                             depth: (pc, kc),
                             accumulate,
-                            last_k,
                         };
                         // Panels packed ahead come from memory on the first row block;
                         // packed or in-place ones here are in cache.
@@ -470,6 +469,12 @@ unsafe fn serial(
                         // SAFETY: the tile is inside C and the panel holds kc rows.
                         unsafe { tile_step(g, kernel, run, &step, b_panel, a_edge, tile) };
                     }
+                }
+                if last_k && !g.epilogue.is_identity() {
+                    // The block is final and still in cache: one pass over rows `nc`
+                    // wide vectorizes the activation far better than one per tile.
+                    // SAFETY: rows ic..ic+mc, columns jc..jc+nc, lie inside C.
+                    unsafe { epilogue::apply(g, ic..ic + mc, jc..jc + nc) };
                 }
                 ic += mc;
             }
@@ -503,14 +508,12 @@ unsafe fn packed_few_rows(
         while pc < g.k {
             let kc = FEW_ROWS_KC.min(g.k - pc);
             let accumulate = pc > 0 || g.accumulate;
-            let last_k = pc + kc == g.k;
             for ci in rows.clone().step_by(mr) {
                 let step = TileStep {
                     at: (ci, jr),
                     size: (mr.min(rows.end - ci), nr_eff),
                     depth: (pc, kc),
                     accumulate,
-                    last_k,
                 };
                 // SAFETY: rows pc..pc+kc of the panel; the tile is inside C.
                 let b_panel = (unsafe { panel.add(pc * nr) }, nr);
@@ -519,6 +522,10 @@ unsafe fn packed_few_rows(
             }
             pc += kc;
         }
+    }
+    if !g.epilogue.is_identity() {
+        // SAFETY: the rectangle lies inside C (at most MC rows: in L2 still).
+        unsafe { epilogue::apply(g, rows, cols) };
     }
 }
 
@@ -531,8 +538,6 @@ struct TileStep {
     /// `(first, count)` of the `K` range it multiplies.
     depth: (usize, usize),
     accumulate: bool,
-    /// Whether this is the last `K` range (the epilogue follows).
-    last_k: bool,
 }
 
 /// Multiplies rows `step.at.0..` of `A` over the step's `K` range by `b_panel`
@@ -605,9 +610,6 @@ unsafe fn tile_step(
                 edge,
                 tile,
             );
-        }
-        if step.last_k && !g.epilogue.is_identity() {
-            epilogue::apply(g, ci..ci + mr_eff, cj..cj + nr_eff);
         }
     }
 }
