@@ -356,30 +356,34 @@ vmath::multiversion! {
     }
 }
 
+/// One loop per op with the math written in place: a function value passed down
+/// would be called per element, compiled without the caller's instruction set.
 #[inline(always)]
 fn unary_body(op: UnaryOp, a: &[f32], out: &mut [f32]) {
-    let f =
-        |g: fn(f32) -> f32, out: &mut [f32]| out.iter_mut().zip(a).for_each(|(o, &x)| *o = g(x));
+    macro_rules! each {
+        (|$x:ident| $e:expr) => {
+            for (o, &$x) in out.iter_mut().zip(a) {
+                *o = $e;
+            }
+        };
+    }
     match op {
-        UnaryOp::Neg => f(|x| -x, out),
-        UnaryOp::Abs => f(f32::abs, out),
-        UnaryOp::Exp => f(vmath::exp, out),
-        UnaryOp::Sqrt => f(f32::sqrt, out),
-        UnaryOp::Rsqrt => f(|x| 1.0 / x.sqrt(), out),
-        UnaryOp::Reciprocal => f(|x| 1.0 / x, out),
-        UnaryOp::Tanh => f(vmath::tanh, out),
-        UnaryOp::Sigmoid => f(|x| 1.0 / (1.0 + vmath::exp(-x)), out),
+        UnaryOp::Neg => each!(|x| -x),
+        UnaryOp::Abs => each!(|x| x.abs()),
+        UnaryOp::Exp => each!(|x| vmath::exp(x)),
+        UnaryOp::Sqrt => each!(|x| x.sqrt()),
+        UnaryOp::Rsqrt => each!(|x| 1.0 / x.sqrt()),
+        UnaryOp::Reciprocal => each!(|x| 1.0 / x),
+        UnaryOp::Tanh => each!(|x| vmath::tanh(x)),
+        UnaryOp::Sigmoid => each!(|x| 1.0 / (1.0 + vmath::exp(-x))),
         // NaN passes through, as the scalar definition has it.
-        UnaryOp::Relu => f(|x| if x < 0.0 { 0.0 } else { x }, out),
-        UnaryOp::Gelu => f(vmath::gelu, out),
-        UnaryOp::GeluTanh => f(vmath::gelu_tanh, out),
-        UnaryOp::Silu => f(vmath::silu, out),
-        UnaryOp::Erf => f(vmath::erf, out),
+        UnaryOp::Relu => each!(|x| if x < 0.0 { 0.0 } else { x }),
+        UnaryOp::Gelu => each!(|x| vmath::gelu(x)),
+        UnaryOp::GeluTanh => each!(|x| vmath::gelu_tanh(x)),
+        UnaryOp::Silu => each!(|x| vmath::silu(x)),
+        UnaryOp::Erf => each!(|x| vmath::erf(x)),
         // The rest are rare in hot regions: the exact scalar definitions.
-        other => out
-            .iter_mut()
-            .zip(a)
-            .for_each(|(o, &x)| *o = unary_f64(other, f64::from(x)) as f32),
+        other => each!(|x| unary_f64(other, f64::from(x)) as f32),
     }
 }
 
@@ -392,20 +396,19 @@ vmath::multiversion! {
 
 #[inline(always)]
 fn binary_body(op: BinaryOp, a: &[f32], b: &[f32], out: &mut [f32]) {
-    let f = |g: fn(f32, f32) -> f32, out: &mut [f32]| {
-        out.iter_mut()
-            .zip(a.iter().zip(b))
-            .for_each(|(o, (&x, &y))| *o = g(x, y))
-    };
+    macro_rules! each {
+        (|$x:ident, $y:ident| $e:expr) => {
+            for (o, (&$x, &$y)) in out.iter_mut().zip(a.iter().zip(b)) {
+                *o = $e;
+            }
+        };
+    }
     match op {
-        BinaryOp::Add => f(|x, y| x + y, out),
-        BinaryOp::Sub => f(|x, y| x - y, out),
-        BinaryOp::Mul => f(|x, y| x * y, out),
-        BinaryOp::Div => f(|x, y| x / y, out),
-        other => out
-            .iter_mut()
-            .zip(a.iter().zip(b))
-            .for_each(|(o, (&x, &y))| *o = binary_f64(other, f64::from(x), f64::from(y)) as f32),
+        BinaryOp::Add => each!(|x, y| x + y),
+        BinaryOp::Sub => each!(|x, y| x - y),
+        BinaryOp::Mul => each!(|x, y| x * y),
+        BinaryOp::Div => each!(|x, y| x / y),
+        other => each!(|x, y| binary_f64(other, f64::from(x), f64::from(y)) as f32),
     }
 }
 
