@@ -193,6 +193,55 @@ impl CpuProgram {
         })
     }
 
+    /// Runs later steps on `shapes` (one per node of the plan's graph) instead of the
+    /// planned ones: every value must still lie inside its planned place, as values
+    /// of fewer rows do (see `rlx_opt::extent`). Kernels read their shapes from the
+    /// steps, so nothing else changes; memory, packed weights and scratch stay.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `shapes` has the wrong length or a value or a
+    /// step's scratch would not fit; nothing changes then.
+    pub fn set_shapes(&mut self, shapes: &[Shape]) -> Result<()> {
+        let plan = self.plan.clone();
+        let nodes = plan.graph.nodes();
+        if shapes.len() != nodes.len() {
+            return Err(Error::invalid(
+                "set_shapes",
+                format!("{} shapes for {} nodes", shapes.len(), nodes.len()),
+            ));
+        }
+        for (i, shape) in shapes.iter().enumerate() {
+            plan.check_range(&format!("%{i}"), plan.locations[i], shape)?;
+        }
+        let mut steps = self.steps.clone();
+        for step in &mut steps {
+            let node = &nodes[step.node.index()];
+            let in_shapes: Vec<Shape> = node
+                .inputs
+                .iter()
+                .map(|x| shapes[x.index()].clone())
+                .collect();
+            if kernels::scratch_len(&node.op, &in_shapes) > self.scratch.len()
+                || kernels::thread_scratch_floats(&node.op, &in_shapes) > self.gemm.extra()
+            {
+                return Err(Error::invalid(
+                    "set_shapes",
+                    format!("%{} needs more scratch than was planned", step.node),
+                ));
+            }
+            for ((_, shape), new) in step.inputs.iter_mut().zip(in_shapes.iter()) {
+                *shape = new.clone();
+            }
+            step.output.1 = shapes[step.node.index()].clone();
+            if let Op::Reduce { axes, .. } = &node.op {
+                step.geometry = Some(ReduceGeometry::new(in_shapes[0].dims(), axes));
+            }
+        }
+        drop(nodes);
+        self.steps = steps;
+        Ok(())
+    }
+
     /// The plan this program runs.
     pub fn plan(&self) -> &Plan {
         &self.plan

@@ -8,6 +8,7 @@
 
 pub mod cse;
 pub mod dce;
+pub mod extent;
 pub mod fuse;
 pub mod hoist;
 pub mod lifetimes;

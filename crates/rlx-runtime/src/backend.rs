@@ -72,6 +72,15 @@ pub trait Executable: Send {
     /// An independent copy with its own arena and handles (params may be shared until
     /// written).
     fn clone_box(&self) -> Box<dyn Executable>;
+    /// Runs later steps on `shapes` (one per node, each inside its planned place; see
+    /// `rlx_opt::extent`). Backends that cannot say so.
+    fn set_value_shapes(&mut self, shapes: &[rlx_ir::Shape]) -> Result<()> {
+        let _ = shapes;
+        Err(rlx_ir::Error::Unsupported {
+            device: "this backend".into(),
+            what: "running on fewer rows than planned (set_active_extent)".into(),
+        })
+    }
 }
 
 /// A param's storage, exported by one executable for others of the same device.

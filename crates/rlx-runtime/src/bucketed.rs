@@ -87,6 +87,11 @@ pub struct BucketedCompileCache {
     entries: Vec<Entry>,
     capacity: usize,
     clock: u64,
+    /// The symbol every input with a symbolic dimension 0 has there, and those
+    /// inputs: runs short of the bucket along it use the active extent, not padding.
+    leading: Option<(String, Vec<String>)>,
+    /// Buckets whose graphs mix rows of the leading symbol (padded instead).
+    mixes_rows: Vec<Bindings>,
 }
 
 impl std::fmt::Debug for BucketedCompileCache {
@@ -112,6 +117,7 @@ impl BucketedCompileCache {
     ) -> Result<BucketedCompileCache> {
         let owner_bindings = graph.least_binding();
         let owner = session.compile_with(graph.specialize(&owner_bindings)?, &options)?;
+        let leading = leading_symbol(&graph);
         Ok(BucketedCompileCache {
             graph,
             session,
@@ -122,6 +128,8 @@ impl BucketedCompileCache {
             entries: Vec::new(),
             capacity: DEFAULT_CAPACITY,
             clock: 0,
+            leading,
+            mixes_rows: Vec::new(),
         })
     }
 
@@ -301,13 +309,17 @@ impl BucketedCompileCache {
     /// with zeros along its symbolic dims up to the bucket's sizes, and each output
     /// comes back cut to the sizes under `actual`. Inputs are named, each of its
     /// input's dtype and holding exactly the elements its shape under `actual` has.
+    ///
+    /// When every input with a symbolic first dim has the same symbol there (a
+    /// batch) and the bucket's graph keeps those rows apart, the graph runs on the
+    /// actual rows instead ([`CompiledGraph::set_active_extent`]): no padded rows are
+    /// computed. Other dims are padded either way.
     pub fn run_padded(
         &mut self,
         actual: &Bindings,
         inputs: &[(&str, TensorRef<'_>)],
     ) -> Result<Vec<TensorData>> {
         let bucket = self.bucket(actual)?;
-        let mut padded: Vec<(String, Vec<u8>)> = Vec::with_capacity(inputs.len());
         for (i, (name, value)) in inputs.iter().enumerate() {
             let (_, symbolic) = self.graph.input(name)?;
             if inputs[..i].iter().any(|(other, _)| other == name) {
@@ -330,18 +342,52 @@ impl BucketedCompileCache {
                     unit: "elements",
                 });
             }
-            let full = symbolic.bind(&bucket, &context)?;
-            padded.push((name.to_string(), pad(&value.to_le_bytes(), &real, &full)));
         }
-        let named: Vec<(&str, &[u8])> = padded
-            .iter()
-            .map(|(n, b)| (n.as_str(), b.as_slice()))
-            .collect();
-        let raw = self.run_with(&bucket, |g| g.run_raw(&named))?;
+        // The sizes the graph runs at: the bucket's, or the actual rows of the leading
+        // symbol where the active extent applies.
+        let extent = self.leading.clone().filter(|(symbol, _)| {
+            actual.get(symbol) < bucket.get(symbol) && !self.mixes_rows.contains(&bucket)
+        });
+        let signature_inputs = self.graph.inputs().to_vec();
+        let signature_outputs = self.graph.outputs().to_vec();
+        let (raw, run_at, mixes) = self.run_with(&bucket, |g| {
+            let mut run_at = bucket.clone();
+            let mut mixes = false;
+            match &extent {
+                Some((symbol, names)) => {
+                    let rows = actual.require(symbol, "run_padded")?;
+                    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                    if g.set_active_extent(&names, rows).is_ok() {
+                        run_at.set(symbol, rows)?;
+                    } else {
+                        mixes = true;
+                        g.clear_active_extent()?;
+                    }
+                }
+                None => g.clear_active_extent()?,
+            }
+            let mut padded: Vec<(String, Vec<u8>)> = Vec::with_capacity(inputs.len());
+            for (name, value) in inputs {
+                let Some((_, symbolic)) = signature_inputs.iter().find(|(n, _)| n == name) else {
+                    continue;
+                };
+                let real = symbolic.bind(actual, name)?;
+                let full = symbolic.bind(&run_at, name)?;
+                padded.push((name.to_string(), pad(&value.to_le_bytes(), &real, &full)));
+            }
+            let named: Vec<(&str, &[u8])> = padded
+                .iter()
+                .map(|(n, b)| (n.as_str(), b.as_slice()))
+                .collect();
+            Ok((g.run_raw(&named)?, run_at, mixes))
+        })?;
+        if mixes {
+            self.mixes_rows.push(bucket);
+        }
         let mut out = Vec::with_capacity(raw.len());
-        for (k, (bytes, symbolic)) in raw.iter().zip(self.graph.outputs()).enumerate() {
+        for (k, (bytes, symbolic)) in raw.iter().zip(&signature_outputs).enumerate() {
             let context = format!("output {k}");
-            let full = symbolic.bind(&bucket, &context)?;
+            let full = symbolic.bind(&run_at, &context)?;
             let real = symbolic.bind(actual, &context)?;
             out.push(TensorData::from_le_bytes(
                 real.dtype(),
@@ -350,6 +396,24 @@ impl BucketedCompileCache {
         }
         Ok(out)
     }
+}
+
+/// The symbol every input with a symbolic first dim has there, with those inputs;
+/// `None` when there are none or they disagree.
+fn leading_symbol(graph: &SymbolicGraph) -> Option<(String, Vec<String>)> {
+    let mut symbol: Option<&str> = None;
+    let mut names = Vec::new();
+    for (name, shape) in graph.inputs() {
+        let Some(s) = shape.dims().first().and_then(rlx_ir::Dim::symbol) else {
+            continue;
+        };
+        if symbol.is_some_and(|t| t != s) {
+            return None;
+        }
+        symbol = Some(s);
+        names.push(name.clone());
+    }
+    symbol.map(|s| (s.to_string(), names))
 }
 
 /// Visits every innermost row of a tensor with dims `dims`, calling `f(row_index)`

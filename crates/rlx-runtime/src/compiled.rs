@@ -16,6 +16,11 @@ pub struct CompiledGraph {
     param_set: Vec<bool>,
     pending: bool,
     has_run: bool,
+    /// Every node's shape as runs see it: the plan's, or fewer rows after
+    /// [`CompiledGraph::set_active_extent`].
+    shapes: Vec<Shape>,
+    /// The rows set by `set_active_extent`, if any.
+    active_rows: Option<usize>,
 }
 
 impl Clone for CompiledGraph {
@@ -27,6 +32,8 @@ impl Clone for CompiledGraph {
             param_set: self.param_set.clone(),
             pending: self.pending,
             has_run: self.has_run,
+            shapes: self.shapes.clone(),
+            active_rows: self.active_rows,
         }
     }
 }
@@ -85,7 +92,7 @@ impl<'a> SlotOutputs<'a> {
 
     /// Output `i` as raw little-endian bytes of its dtype.
     pub fn bytes(&self, i: usize) -> Result<&'a [u8]> {
-        self.graph.exe.value_bytes(self.graph.output_node(i)?)
+        self.graph.output_bytes(i)
     }
 
     /// Byte offset of output `i` from [`SlotOutputs::arena_ptr`], when it lives in the
@@ -105,6 +112,7 @@ impl<'a> SlotOutputs<'a> {
 /// Where each provided named input goes: checked before anything is written.
 fn match_named<T>(
     plan: &Plan,
+    shapes: &[Shape],
     inputs: &[(&str, T)],
     mut check: impl FnMut(&str, &Shape, &T) -> Result<()>,
 ) -> Result<()> {
@@ -128,7 +136,7 @@ fn match_named<T>(
                 name: name.to_string(),
             });
         }
-        check(name, &src.shape, value)?;
+        check(name, &shapes[src.node.index()], value)?;
     }
     if let Some(missing) = plan
         .inputs
@@ -137,7 +145,7 @@ fn match_named<T>(
     {
         return Err(Error::MissingInput {
             name: missing.name.clone(),
-            shape: missing.shape.clone(),
+            shape: shapes[missing.node.index()].clone(),
         });
     }
     Ok(())
@@ -165,6 +173,7 @@ fn check_count(
 impl CompiledGraph {
     pub(crate) fn new(device: Device, plan: Arc<Plan>, exe: Box<dyn Executable>) -> CompiledGraph {
         let params = plan.params.len();
+        let shapes = plan.shapes.clone();
         CompiledGraph {
             device,
             plan,
@@ -172,6 +181,8 @@ impl CompiledGraph {
             param_set: vec![false; params],
             pending: false,
             has_run: false,
+            shapes,
+            active_rows: None,
         }
     }
 
@@ -200,12 +211,13 @@ impl CompiledGraph {
         self.exe.kernels()
     }
 
-    /// Names and shapes of the run-time inputs, in the order `run_slots` takes them.
+    /// Names and shapes of the run-time inputs, in the order `run_slots` takes them
+    /// (with fewer rows after [`CompiledGraph::set_active_extent`]).
     pub fn inputs(&self) -> Vec<(String, Shape)> {
         self.plan
             .inputs
             .iter()
-            .map(|s| (s.name.clone(), s.shape.clone()))
+            .map(|s| (s.name.clone(), self.shapes[s.node.index()].clone()))
             .collect()
     }
 
@@ -218,13 +230,77 @@ impl CompiledGraph {
             .collect()
     }
 
-    /// Shapes of the outputs, in order.
+    /// Shapes of the outputs, in order (with fewer rows after
+    /// [`CompiledGraph::set_active_extent`]).
     pub fn output_shapes(&self) -> Vec<Shape> {
         self.plan
             .outputs
             .iter()
-            .map(|&o| self.plan.shape(o).clone())
+            .map(|&o| self.shapes[o.index()].clone())
             .collect()
+    }
+
+    /// Runs later calls on the first `rows` rows (dimension 0) of the inputs named,
+    /// instead of the rows they were compiled with: inputs then take, and outputs
+    /// computed from them give, that many rows, and kernels do that much work in the
+    /// same memory. It works when every value computed from those inputs keeps its
+    /// rows apart (a batch: no reduction, slice or concatenation along dimension 0, no
+    /// product by a matrix computed from them); `rows` equal to the compiled count
+    /// restores the compiled shapes.
+    ///
+    /// # Errors
+    /// An unknown input, inputs with different first dims, `rows` of 0 or above the
+    /// compiled count, or a node that mixes rows (named with its op); a backend that
+    /// cannot change shapes. Nothing changes then.
+    pub fn set_active_extent(&mut self, inputs: &[&str], rows: usize) -> Result<()> {
+        let mut ids = Vec::with_capacity(inputs.len());
+        for name in inputs {
+            let src = self
+                .plan
+                .inputs
+                .iter()
+                .find(|s| s.name == *name)
+                .ok_or_else(|| Error::UnknownName {
+                    kind: "input",
+                    name: name.to_string(),
+                    known: self.plan.inputs.iter().map(|s| s.name.clone()).collect(),
+                })?;
+            ids.push(src.node);
+        }
+        let shapes = rlx_opt::extent::active_shapes(&self.plan, &ids, rows)?;
+        self.exe.set_value_shapes(&shapes)?;
+        let planned = ids
+            .first()
+            .and_then(|id| self.plan.shape(*id).dims().first().copied());
+        self.active_rows = (planned != Some(rows)).then_some(rows);
+        self.shapes = shapes;
+        Ok(())
+    }
+
+    /// Back to the compiled shapes after [`CompiledGraph::set_active_extent`].
+    pub fn clear_active_extent(&mut self) -> Result<()> {
+        if self.active_rows.is_none() && self.shapes == self.plan.shapes {
+            return Ok(());
+        }
+        self.exe.set_value_shapes(&self.plan.shapes)?;
+        self.shapes = self.plan.shapes.clone();
+        self.active_rows = None;
+        Ok(())
+    }
+
+    /// The rows set by [`CompiledGraph::set_active_extent`], while fewer than compiled.
+    pub fn active_extent(&self) -> Option<usize> {
+        self.active_rows
+    }
+
+    /// Output `i`'s bytes as runs see its shape.
+    fn output_bytes(&self, i: usize) -> Result<&[u8]> {
+        let node = self.output_node(i)?;
+        let bytes = self.exe.value_bytes(node)?;
+        let len = self.shapes[node.index()].byte_size();
+        bytes.get(..len).ok_or_else(|| {
+            Error::runtime("output", format!("output {i} is shorter than its shape"))
+        })
     }
 
     fn output_node(&self, i: usize) -> Result<NodeId> {
@@ -242,7 +318,7 @@ impl CompiledGraph {
     }
 
     fn output_shape(&self, i: usize) -> Result<&Shape> {
-        Ok(self.plan.shape(self.output_node(i)?))
+        Ok(&self.shapes[self.output_node(i)?.index()])
     }
 
     fn param_index(&self, name: &str) -> Result<usize> {
@@ -410,7 +486,7 @@ impl CompiledGraph {
         write: impl Fn(&T, DType, &mut [u8]) -> Result<()>,
     ) -> Result<()> {
         self.check_params()?;
-        match_named(&self.plan, inputs, check)?;
+        match_named(&self.plan, &self.shapes, inputs, check)?;
         for (name, value) in inputs {
             let slot = self
                 .plan
@@ -421,9 +497,18 @@ impl CompiledGraph {
                     Error::invalid("stage", format!("input '{name}' vanished after validation"))
                 })?;
             let dtype = self.plan.inputs[slot].shape.dtype();
-            write(value, dtype, self.exe.input_staging(slot)?)?;
+            write(value, dtype, self.staging(slot)?)?;
         }
         Ok(())
+    }
+
+    /// The staging bytes of input `slot` that its current shape covers.
+    fn staging(&mut self, slot: usize) -> Result<&mut [u8]> {
+        let len = self.shapes[self.plan.inputs[slot].node.index()].byte_size();
+        self.exe
+            .input_staging(slot)?
+            .get_mut(..len)
+            .ok_or_else(|| Error::runtime("stage", "an input's staging area is too small"))
     }
 
     fn stage_f32(&mut self, inputs: &[(&str, &[f32])]) -> Result<()> {
@@ -463,7 +548,7 @@ impl CompiledGraph {
         (0..self.plan.outputs.len())
             .map(|i| {
                 let dtype = self.output_shape(i)?.dtype();
-                TensorData::from_le_bytes(dtype, self.exe.value_bytes(self.output_node(i)?)?)
+                TensorData::from_le_bytes(dtype, self.output_bytes(i)?)
             })
             .collect()
     }
@@ -480,7 +565,7 @@ impl CompiledGraph {
         )?;
         self.execute()?;
         (0..self.plan.outputs.len())
-            .map(|i| Ok(self.exe.value_bytes(self.output_node(i)?)?.to_vec()))
+            .map(|i| Ok(self.output_bytes(i)?.to_vec()))
             .collect()
     }
 
@@ -499,14 +584,14 @@ impl CompiledGraph {
             check_count(
                 "input",
                 &src.name,
-                src.shape.num_elements(),
+                self.shapes[src.node.index()].num_elements(),
                 values.len(),
                 "elements",
             )?;
         }
         for (k, values) in inputs.iter().enumerate() {
             let dtype = self.plan.inputs[k].shape.dtype();
-            f32_to_bytes(values, dtype, self.exe.input_staging(k)?)?;
+            f32_to_bytes(values, dtype, self.staging(k)?)?;
         }
         self.execute()?;
         Ok(SlotOutputs { graph: self })
@@ -542,7 +627,7 @@ impl CompiledGraph {
         self.execute()?;
         for (i, dst) in outputs.iter_mut().enumerate() {
             let dtype = self.plan.shape(self.plan.outputs[i]).dtype();
-            bytes_to_f32(self.exe.value_bytes(self.plan.outputs[i])?, dtype, dst)?;
+            bytes_to_f32(self.output_bytes(i)?, dtype, dst)?;
         }
         Ok(())
     }
@@ -553,12 +638,7 @@ impl CompiledGraph {
             return Err(Error::invalid("read_outputs", "the graph has not run yet"));
         }
         (0..self.plan.outputs.len())
-            .map(|i| {
-                bytes_to_f32_vec(
-                    self.exe.value_bytes(self.output_node(i)?)?,
-                    self.output_shape(i)?.dtype(),
-                )
-            })
+            .map(|i| bytes_to_f32_vec(self.output_bytes(i)?, self.output_shape(i)?.dtype()))
             .collect()
     }
 
@@ -587,7 +667,7 @@ impl CompiledGraph {
         let row_len = shape.num_elements().checked_div(rows).unwrap_or(0);
         check_count("destination", "row", row_len, dst.len(), "elements")?;
         let size = shape.dtype().size_in_bytes();
-        let bytes = self.exe.value_bytes(self.output_node(output)?)?;
+        let bytes = self.output_bytes(output)?;
         bytes_to_f32(
             &bytes[row * row_len * size..(row + 1) * row_len * size],
             shape.dtype(),

@@ -238,8 +238,10 @@ fn padded_runs_match_the_reference_at_every_size() {
             assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "[{batch}, {seq}]");
         }
     }
-    // (3, 5) and (4, 16) share the bucket batch=4, seq=16.
+    // (3, 5) and (4, 16) share the bucket batch=4, seq=16; the last run, at 3
+    // rows, ran on 3 rows of it (the active extent), not on 4 padded ones.
     assert_eq!(cache.bucket(&bind(3, 5)).unwrap(), bind(4, 16));
+    assert_eq!(cache.get(&bind(4, 16)).unwrap().active_extent(), Some(3));
     assert_eq!(cache.bucket(&bind(5, 17)).unwrap(), bind(8, 32));
     assert_eq!(cache.bucket(&bind(16, 64)).unwrap(), bind(16, 64));
     assert_eq!(cache.compiled_count(), 6, "{:?}", cache.compiled_bindings());
@@ -402,4 +404,169 @@ fn handles_are_lent_to_every_binding() {
             .unwrap();
     }
     assert_eq!(cache.owner().read_handle("total").unwrap(), vec![5.0, 6.0]);
+}
+
+const VOCAB: usize = 50;
+const HIDDEN: usize = 16;
+const HEADS: usize = 2;
+
+/// A small encoder over `ids [batch, seq]` and a 0/1 `mask [batch, seq]`: embedding,
+/// layer norm, masked self-attention, a GELU projection and a masked mean over the
+/// sequence, giving `[batch, HIDDEN]`.
+fn encoder(batch: usize, seq: usize) -> Graph {
+    let g = Graph::new(format!("encoder[{batch}x{seq}]"));
+    let build = || -> Result<()> {
+        let ids = g.input("ids", Shape::new(&[batch, seq], DType::I64))?;
+        let mask = g.input("mask", Shape::new(&[batch, seq], DType::F32))?;
+        let table = g.param("table", Shape::new(&[VOCAB, HIDDEN], DType::F32))?;
+        let gamma = g.param("gamma", Shape::new(&[HIDDEN], DType::F32))?;
+        let beta = g.param("beta", Shape::new(&[HIDDEN], DType::F32))?;
+        let x = g.layer_norm(g.gather(table, ids, 0)?, gamma, beta, 1e-5)?;
+        let hd = HIDDEN / HEADS;
+        let heads = |name: &str| -> Result<NodeId> {
+            let w = g.param(name, Shape::new(&[HIDDEN, HIDDEN], DType::F32))?;
+            g.permute(
+                g.reshape(g.matmul(x, w)?, &[batch, seq, HEADS, hd])?,
+                &[0, 2, 1, 3],
+            )
+        };
+        let (q, k, v) = (heads("wq")?, heads("wk")?, heads("wv")?);
+        // Additive mask: 0 where kept, -1e9 where padded, [batch, 1, 1, seq].
+        let additive = g.mul(
+            g.sub(
+                g.reshape(mask, &[batch, 1, 1, seq])?,
+                g.scalar(1.0, DType::F32),
+            )?,
+            g.scalar(1e9, DType::F32),
+        )?;
+        let ctx = g.attention(q, k, v, Some(additive), false, None)?;
+        let ctx = g.reshape(g.permute(ctx, &[0, 2, 1, 3])?, &[batch, seq, HIDDEN])?;
+        let wo = g.param("wo", Shape::new(&[HIDDEN, HIDDEN], DType::F32))?;
+        let y = g.gelu(g.add(g.matmul(ctx, wo)?, x)?)?;
+        let weights = g.reshape(mask, &[batch, seq, 1])?;
+        let pooled = g.div(
+            g.sum(g.mul(y, weights)?, &[1], false)?,
+            g.sum(weights, &[1], false)?,
+        )?;
+        g.set_outputs(vec![pooled]);
+        Ok(())
+    };
+    build().unwrap();
+    g
+}
+
+fn encoder_params(rng: &mut Rng) -> Vec<(&'static str, Vec<f32>)> {
+    let mut params = vec![
+        ("table", rng.values(VOCAB * HIDDEN)),
+        ("gamma", rng.values(HIDDEN)),
+        ("beta", rng.values(HIDDEN)),
+    ];
+    for w in ["wq", "wk", "wv", "wo"] {
+        params.push((w, rng.values(HIDDEN * HIDDEN)));
+    }
+    params
+}
+
+fn encoder_inputs(rng: &mut Rng, batch: usize, seq: usize) -> (Vec<f32>, Vec<f32>) {
+    let ids = (0..batch * seq)
+        .map(|_| (rng.next() % VOCAB as u64) as f32)
+        .collect();
+    // Row r keeps its first seq - r % seq tokens (at least one).
+    let mask = (0..batch * seq)
+        .map(|i| {
+            if i % seq < seq - (i / seq) % seq {
+                1.0
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    (ids, mask)
+}
+
+fn compiled(g: &Graph, params: &[(&str, Vec<f32>)]) -> CompiledGraph {
+    let mut c = Session::new(Device::Cpu).compile(g).unwrap();
+    for (name, values) in params {
+        c.set_param(name, values).unwrap();
+    }
+    c
+}
+
+#[test]
+fn an_active_extent_runs_fewer_rows_as_a_graph_compiled_for_them() {
+    let mut rng = Rng(17);
+    let params = encoder_params(&mut rng);
+    let (planned, seq) = (6, 7);
+    let mut big = compiled(&encoder(planned, seq), &params);
+    for rows in [4, 1, 6, 5] {
+        let mut exact = compiled(&encoder(rows, seq), &params);
+        let (ids, mask) = encoder_inputs(&mut rng, rows, seq);
+        let inputs = [("ids", ids.as_slice()), ("mask", mask.as_slice())];
+        let want = exact.run(&inputs).unwrap();
+        big.set_active_extent(&["ids", "mask"], rows).unwrap();
+        assert_eq!(big.active_extent(), (rows < planned).then_some(rows));
+        assert_eq!(big.output_shapes()[0].dims(), &[rows, HIDDEN]);
+        assert_eq!(big.inputs()[0].1.dims(), &[rows, seq]);
+        let got = big.run(&inputs).unwrap();
+        assert_eq!(got[0].len(), rows * HIDDEN);
+        for (g, w) in got[0].iter().zip(&want[0]) {
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{rows} rows: {g} vs {w}"
+            );
+        }
+        // The allocation-free path sees the same shapes.
+        let slots = big.run_slots(&[&ids, &mask]).unwrap();
+        assert_eq!(slots.get(0).unwrap(), got[0].as_slice());
+    }
+    // Back to the compiled rows.
+    big.set_active_extent(&["ids", "mask"], 3).unwrap();
+    big.clear_active_extent().unwrap();
+    assert_eq!(big.active_extent(), None);
+    let (ids, mask) = encoder_inputs(&mut rng, planned, seq);
+    assert_eq!(
+        big.run(&[("ids", &ids), ("mask", &mask)]).unwrap()[0].len(),
+        planned * HIDDEN
+    );
+}
+
+#[test]
+fn an_active_extent_is_refused_where_rows_mix_and_changes_nothing() {
+    let mut rng = Rng(23);
+    let params = encoder_params(&mut rng);
+    let mut c = compiled(&encoder(4, 5), &params);
+    let (ids, mask) = encoder_inputs(&mut rng, 4, 5);
+    let before = c.run(&[("ids", &ids), ("mask", &mask)]).unwrap();
+    let cases: [(&[&str], usize, &str); 4] = [
+        (&["ids", "mask"], 0, "0 rows"),
+        (&["ids", "mask"], 5, "planned for 1..=4"),
+        (&["ids", "nope"], 2, "unknown input 'nope'"),
+        // Rows of `ids` with a mask of all rows would mix in the attention.
+        (&["ids"], 2, "cannot run on fewer rows"),
+    ];
+    for (names, rows, want) in cases {
+        let err = c.set_active_extent(names, rows).unwrap_err().to_string();
+        assert!(err.contains(want), "{want}: {err}");
+        assert_eq!(c.active_extent(), None);
+        assert_eq!(c.run(&[("ids", &ids), ("mask", &mask)]).unwrap(), before);
+    }
+    // A sum over the batch mixes rows: refused, naming the op.
+    let g = Graph::new("total");
+    let x = g.input("x", Shape::new(&[4, 3], DType::F32)).unwrap();
+    let total = g.sum(g.relu(x).unwrap(), &[0], false).unwrap();
+    g.set_outputs(vec![total]);
+    let mut c = Session::new(Device::Cpu).compile(&g).unwrap();
+    let err = c.set_active_extent(&["x"], 2).unwrap_err().to_string();
+    assert!(err.contains("reduces over dimension 0"), "{err}");
+    // Inputs of the planned size are refused while the extent is set.
+    let g = Graph::new("double");
+    let x = g.input("x", Shape::new(&[4, 3], DType::F32)).unwrap();
+    g.set_outputs(vec![g.add(x, x).unwrap()]);
+    let mut c = Session::new(Device::Cpu).compile(&g).unwrap();
+    c.set_active_extent(&["x"], 2).unwrap();
+    assert!(matches!(
+        c.run(&[("x", &[1.0; 12])]),
+        Err(Error::LengthMismatch { expected: 6, .. })
+    ));
+    assert_eq!(c.run(&[("x", &[1.0; 6])]).unwrap(), vec![vec![2.0; 6]]);
 }

@@ -184,6 +184,11 @@ impl GemmScratch {
         Ok(GemmScratch { per_thread, extra })
     }
 
+    /// Floats each thread has beyond its GEMM buffer.
+    pub fn extra(&self) -> usize {
+        self.extra
+    }
+
     /// Threads it has buffers for.
     pub fn threads(&self) -> usize {
         self.per_thread.len()

@@ -70,6 +70,10 @@ impl Executable for CpuProgram {
         CpuProgram::value_bytes(self, node)
     }
 
+    fn set_value_shapes(&mut self, shapes: &[rlx_ir::Shape]) -> Result<()> {
+        CpuProgram::set_shapes(self, shapes)
+    }
+
     fn read_handle(&self, index: usize, dst: &mut [u8]) -> Result<()> {
         let src = self.handle_bytes(index)?;
         if src.len() != dst.len() {
