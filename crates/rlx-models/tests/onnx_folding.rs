@@ -217,3 +217,41 @@ fn per_channel_affine_and_batch_norm_fold_into_the_convolution() {
         assert!(arithmetic(&plain_ops) > 0, "{tail}: {plain_ops:?}");
     }
 }
+
+/// `model` with the batch of `x` and `y` symbolic.
+fn symbolic_batch(bytes: &[u8]) -> Vec<u8> {
+    let mut m = ModelProto::decode(bytes).unwrap();
+    let graph = m.graph.as_mut().unwrap();
+    for v in graph.input.iter_mut().chain(graph.output.iter_mut()) {
+        if let Some(type_proto::Value::TensorType(t)) =
+            v.r#type.as_mut().and_then(|t| t.value.as_mut())
+            && let Some(shape) = t.shape.as_mut()
+        {
+            shape.dim[0].value = Some(dimension::Value::DimParam("batch".into()));
+        }
+    }
+    m.encode_to_vec()
+}
+
+#[test]
+fn bindings_of_one_session_share_weights_and_match_fresh_sessions() {
+    let (bytes, _) = model("batchnorm", true);
+    let bytes = symbolic_batch(&bytes);
+    let load = || {
+        OnnxSession::new(
+            OnnxModel::from_bytes(&bytes, None, "fold.onnx").unwrap(),
+            CompileOptions::new(),
+        )
+    };
+    let mut shared = load();
+    for (batch, seed) in [(2, 11), (3, 12), (1, 13), (3, 14)] {
+        let x = Tensor {
+            dims: vec![batch, 3, 6, 7],
+            data: TensorData::F32(values(batch * 3 * 42, seed)),
+        };
+        let got = shared.run(&[("x", &x)], &BTreeMap::new()).unwrap();
+        let want = load().run(&[("x", &x)], &BTreeMap::new()).unwrap();
+        assert_eq!(got[0].1.dims, vec![batch, 5, 6, 7]);
+        assert_eq!(got[0].1.data, want[0].1.data, "batch {batch}");
+    }
+}

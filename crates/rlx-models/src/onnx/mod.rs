@@ -20,6 +20,18 @@ pub struct CompiledOnnx {
     pub outputs: Vec<String>,
     /// Inputs whose values the graph was specialized on, with those values.
     pub specialized: Vec<(String, Rc<Tensor>)>,
+    /// A fingerprint of every param's value, so that later bindings can tell which
+    /// params they can share with this one.
+    fingerprints: HashMap<String, u64>,
+}
+
+/// A 64-bit fingerprint of a param's dtype and bytes.
+fn fingerprint(data: &TensorData) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    data.dtype().hash(&mut h);
+    data.as_ref().to_le_bytes().hash(&mut h);
+    h.finish()
 }
 
 /// What a compiled binding is looked up by: symbol sizes and input dims.
@@ -78,7 +90,6 @@ impl OnnxSession {
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
         );
-        let entries = self.compiled.entry(key).or_default();
         let fits = |c: &CompiledOnnx| {
             c.specialized.iter().all(|(name, v)| {
                 options
@@ -87,32 +98,65 @@ impl OnnxSession {
                     .is_some_and(|given| given.data == v.data)
             })
         };
-        let index = match entries.iter().position(fits) {
+        let found = self
+            .compiled
+            .get(&key)
+            .and_then(|entries| entries.iter().position(fits));
+        let index = match found {
             Some(i) => i,
             None => {
-                let imported = self.model.import(options)?;
-                let mut graph = self.session.compile_with(&imported.graph, &self.options)?;
-                for (name, data) in &imported.params {
-                    graph.set_param_typed(name, data.as_ref())?;
-                }
-                let specialized = imported
-                    .specialized
-                    .iter()
-                    .filter_map(|n| options.input_values.get(n).map(|v| (n.clone(), v.clone())))
-                    .collect();
+                let compiled = self.import_and_compile(options)?;
+                let entries = self.compiled.entry(key.clone()).or_default();
                 if entries.len() >= MAX_SPECIALIZATIONS {
                     entries.remove(0);
                 }
-                entries.push(CompiledOnnx {
-                    graph,
-                    inputs: imported.inputs,
-                    outputs: imported.outputs,
-                    specialized,
-                });
+                entries.push(compiled);
                 entries.len() - 1
             }
         };
+        let entries = self
+            .compiled
+            .get_mut(&key)
+            .ok_or_else(|| Error::runtime("onnx", "a compiled binding vanished"))?;
         Ok(&mut entries[index])
+    }
+
+    /// Imports and compiles one binding, adopting the storage of every param another
+    /// compiled binding holds with the same value (one copy of the weights).
+    fn import_and_compile(&self, options: &ImportOptions) -> Result<CompiledOnnx> {
+        let imported = self.model.import(options)?;
+        let mut graph = self.session.compile_with(&imported.graph, &self.options)?;
+        let fingerprints: HashMap<String, u64> = imported
+            .params
+            .iter()
+            .map(|(name, data)| (name.clone(), fingerprint(data)))
+            .collect();
+        let source = self
+            .compiled
+            .values()
+            .flatten()
+            .find(|c| graph.share_params_from(&c.graph).is_ok());
+        for (name, data) in &imported.params {
+            let same = source.is_some_and(|c| {
+                c.fingerprints.contains_key(name)
+                    && c.fingerprints.get(name) == fingerprints.get(name)
+            });
+            if !same {
+                graph.set_param_typed(name, data.as_ref())?;
+            }
+        }
+        let specialized = imported
+            .specialized
+            .iter()
+            .filter_map(|n| options.input_values.get(n).map(|v| (n.clone(), v.clone())))
+            .collect();
+        Ok(CompiledOnnx {
+            graph,
+            inputs: imported.inputs,
+            outputs: imported.outputs,
+            specialized,
+            fingerprints,
+        })
     }
 
     /// Runs the model on named inputs (their dims bind the model's symbolic dims, and
