@@ -1,7 +1,8 @@
 //! [`Embedder`]: sentences in, unit vectors out, with a BERT sentence-embedding model.
 //!
 //! The encoder is one symbolic graph over `batch` and `seq`, kept in a
-//! [`BucketedCompileCache`]: each batch size and sequence bucket is compiled once and
+//! [`BucketedCompileCache`]: each bucket (batch up to a power of two, run on the real
+//! rows with the active extent; sequence up to a multiple of 16) is compiled once and
 //! reused, and every compiled shape shares one copy of the weights. Texts are sorted
 //! by length and batched so that little padding is computed, then returned in input
 //! order.
@@ -124,6 +125,7 @@ impl Embedder {
             CompileOptions::new().threads(options.threads),
         )?
         .with_buckets("seq", Buckets::Multiple(SEQ_BUCKET))?
+        .with_buckets("batch", Buckets::PowersOfTwo)?
         .with_capacity(options.max_cached_shapes)?;
         for (spec, _) in &specs {
             let view = weights_file.tensor(&format!("{prefix}{}", spec.name), &spec.dims)?;
