@@ -193,15 +193,24 @@ impl CpuProgram {
         })
     }
 
-    /// Runs later steps on `shapes` (one per node of the plan's graph) instead of the
-    /// planned ones: every value must still lie inside its planned place, as values
-    /// of fewer rows do (see `rlx_opt::extent`). Kernels read their shapes from the
-    /// steps, so nothing else changes; memory, packed weights and scratch stay.
+    /// Runs later steps on the first `rows` rows of the graph inputs `inputs` (their
+    /// dimension 0) instead of the planned rows, with every value's shape from
+    /// [`rlx_opt::extent::active_shapes`] (which refuses graphs that mix rows); `rows`
+    /// equal to the planned count restores the planned shapes. Kernels read their
+    /// shapes from the steps, so memory, packed weights and scratch stay.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `shapes` has the wrong length or a value or a
+    /// Those of `active_shapes`, and [`Error::InvalidArgument`] when a value or a
     /// step's scratch would not fit; nothing changes then.
-    pub fn set_shapes(&mut self, shapes: &[Shape]) -> Result<()> {
+    pub fn set_active_rows(&mut self, inputs: &[NodeId], rows: usize) -> Result<()> {
+        let shapes = rlx_opt::extent::active_shapes(&self.plan, inputs, rows)?;
+        self.set_shapes(&shapes)
+    }
+
+    /// Swaps every step's shapes for `shapes` (one per node), after checking each
+    /// value against its place and each step's scratch. The shapes must come from
+    /// `active_shapes`: kernels trust that a step's operand and output shapes agree.
+    fn set_shapes(&mut self, shapes: &[Shape]) -> Result<()> {
         let plan = self.plan.clone();
         let nodes = plan.graph.nodes();
         if shapes.len() != nodes.len() {

@@ -223,7 +223,8 @@ fn row_wise(op: &Op, ins: &[(bool, &Shape)], out: &Shape) -> std::result::Result
 fn elementwise_like(ins: &[(bool, &Shape)], out: &Shape) -> std::result::Result<(), &'static str> {
     ins.iter().try_for_each(|&(s, shape)| {
         if s {
-            (shape.dims().first() == out.dims().first())
+            // Masks broadcast right-aligned: only a full-rank one has the batch first.
+            (shape.rank() == out.rank() && shape.dims().first() == out.dims().first())
                 .then_some(())
                 .ok_or("mixes batches")
         } else {

@@ -72,10 +72,11 @@ pub trait Executable: Send {
     /// An independent copy with its own arena and handles (params may be shared until
     /// written).
     fn clone_box(&self) -> Box<dyn Executable>;
-    /// Runs later steps on `shapes` (one per node, each inside its planned place; see
-    /// `rlx_opt::extent`). Backends that cannot say so.
-    fn set_value_shapes(&mut self, shapes: &[rlx_ir::Shape]) -> Result<()> {
-        let _ = shapes;
+    /// Runs later steps on the first `rows` rows (dimension 0) of the graph inputs
+    /// `inputs`, with the shapes `rlx_opt::extent::active_shapes` gives every value;
+    /// the planned row count restores the planned shapes. Backends that cannot say so.
+    fn set_active_rows(&mut self, inputs: &[NodeId], rows: usize) -> Result<()> {
+        let _ = (inputs, rows);
         Err(rlx_ir::Error::Unsupported {
             device: "this backend".into(),
             what: "running on fewer rows than planned (set_active_extent)".into(),

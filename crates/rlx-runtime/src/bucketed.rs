@@ -205,6 +205,14 @@ impl BucketedCompileCache {
         }
     }
 
+    /// [`BucketedCompileCache::for_each_compiled`] for reading.
+    pub fn for_each_compiled_ref(&self, mut f: impl FnMut(&Bindings, &CompiledGraph)) {
+        f(&self.owner_bindings, &self.owner);
+        for e in &self.entries {
+            f(&e.bindings, &e.graph);
+        }
+    }
+
     /// The bucket `bindings` runs in: each symbol rounded up by its [`Buckets`],
     /// never past its range.
     pub fn bucket(&self, bindings: &Bindings) -> Result<Bindings> {
@@ -255,10 +263,13 @@ impl BucketedCompileCache {
 
     /// The graph compiled for exactly `bindings` (compiled on first use).
     pub fn get(&mut self, bindings: &Bindings) -> Result<&mut CompiledGraph> {
-        match self.entry(bindings)? {
-            None => Ok(&mut self.owner),
-            Some(i) => Ok(&mut self.entries[i].graph),
-        }
+        let graph = match self.entry(bindings)? {
+            None => &mut self.owner,
+            Some(i) => &mut self.entries[i].graph,
+        };
+        // At its compiled shapes, whatever `run_padded` left it at.
+        graph.clear_active_extent()?;
+        Ok(graph)
     }
 
     /// Index of the entry for `bindings` (`None` for the owner's binding), compiling
@@ -291,6 +302,18 @@ impl BucketedCompileCache {
     /// handles lent to it for the call (so state such as a key/value cache carries
     /// across bindings).
     pub fn run_with<T>(
+        &mut self,
+        bindings: &Bindings,
+        f: impl FnOnce(&mut CompiledGraph) -> Result<T>,
+    ) -> Result<T> {
+        self.lend(bindings, |g| {
+            g.clear_active_extent()?;
+            f(g)
+        })
+    }
+
+    /// [`BucketedCompileCache::run_with`] without restoring the compiled shapes.
+    fn lend<T>(
         &mut self,
         bindings: &Bindings,
         f: impl FnOnce(&mut CompiledGraph) -> Result<T>,
@@ -350,17 +373,21 @@ impl BucketedCompileCache {
         });
         let signature_inputs = self.graph.inputs().to_vec();
         let signature_outputs = self.graph.outputs().to_vec();
-        let (raw, run_at, mixes) = self.run_with(&bucket, |g| {
+        let (raw, run_at, mixes) = self.lend(&bucket, |g| {
             let mut run_at = bucket.clone();
             let mut mixes = false;
             match &extent {
                 Some((symbol, names)) => {
                     let rows = actual.require(symbol, "run_padded")?;
                     let names: Vec<&str> = names.iter().map(String::as_str).collect();
-                    if g.set_active_extent(&names, rows).is_ok() {
-                        run_at.set(symbol, rows)?;
-                    } else {
+                    run_at.set(symbol, rows)?;
+                    // The graph's shapes at the extent must be the signature's at
+                    // `run_at`; anything else pads instead.
+                    let fits = g.set_active_extent(&names, rows).is_ok()
+                        && signature_matches(g, &signature_inputs, &signature_outputs, &run_at);
+                    if !fits {
                         mixes = true;
+                        run_at = bucket.clone();
                         g.clear_active_extent()?;
                     }
                 }
@@ -373,7 +400,7 @@ impl BucketedCompileCache {
                 };
                 let real = symbolic.bind(actual, name)?;
                 let full = symbolic.bind(&run_at, name)?;
-                padded.push((name.to_string(), pad(&value.to_le_bytes(), &real, &full)));
+                padded.push((name.to_string(), pad(&value.to_le_bytes(), &real, &full)?));
             }
             let named: Vec<(&str, &[u8])> = padded
                 .iter()
@@ -391,7 +418,7 @@ impl BucketedCompileCache {
             let real = symbolic.bind(actual, &context)?;
             out.push(TensorData::from_le_bytes(
                 real.dtype(),
-                &crop(bytes, &full, &real),
+                &crop(bytes, &full, &real)?,
             )?);
         }
         Ok(out)
@@ -413,7 +440,44 @@ fn leading_symbol(graph: &SymbolicGraph) -> Option<(String, Vec<String>)> {
         symbol = Some(s);
         names.push(name.clone());
     }
-    symbol.map(|s| (s.to_string(), names))
+    let symbol = symbol?;
+    // Only dimension 0 may follow it: the active extent scales nothing else.
+    let shapes = graph.inputs().iter().map(|(_, s)| s).chain(graph.outputs());
+    for shape in shapes {
+        if shape
+            .dims()
+            .iter()
+            .skip(1)
+            .any(|d| d.symbol() == Some(symbol))
+        {
+            return None;
+        }
+    }
+    Some((symbol.to_string(), names))
+}
+
+/// Whether `g`'s input and output shapes are the signature's under `bindings`.
+fn signature_matches(
+    g: &CompiledGraph,
+    inputs: &[(String, rlx_ir::SymbolicShape)],
+    outputs: &[rlx_ir::SymbolicShape],
+    bindings: &Bindings,
+) -> bool {
+    let ins = g.inputs();
+    let inputs_match = inputs.iter().all(|(name, symbolic)| {
+        match ins.iter().find(|(n, _)| n == name) {
+            // Persistent handles are not run-time inputs.
+            None => true,
+            Some((_, shape)) => symbolic.bind(bindings, name).is_ok_and(|s| s == *shape),
+        }
+    });
+    let outs = g.output_shapes();
+    inputs_match
+        && outs.len() == outputs.len()
+        && outs
+            .iter()
+            .zip(outputs)
+            .all(|(shape, symbolic)| symbolic.bind(bindings, "output").is_ok_and(|s| s == *shape))
 }
 
 /// Visits every innermost row of a tensor with dims `dims`, calling `f(row_index)`
@@ -455,9 +519,10 @@ fn row_offset(index: &[usize], dims: &[usize], elem: usize) -> usize {
 
 /// `data` (dense, shaped `real`) placed at the origin of a zeroed tensor shaped `full`
 /// (every dim at least as large).
-fn pad(data: &[u8], real: &Shape, full: &Shape) -> Vec<u8> {
+fn pad(data: &[u8], real: &Shape, full: &Shape) -> Result<Vec<u8>> {
+    check_corner(data, real, real, full)?;
     if real == full {
-        return data.to_vec();
+        return Ok(data.to_vec());
     }
     let elem = real.dtype().size_in_bytes();
     let mut out = vec![0u8; full.byte_size()];
@@ -467,13 +532,14 @@ fn pad(data: &[u8], real: &Shape, full: &Shape) -> Vec<u8> {
         let dst = row_offset(index, full.dims(), elem);
         out[dst..dst + row].copy_from_slice(&data[src..src + row]);
     });
-    out
+    Ok(out)
 }
 
 /// The `real`-shaped corner at the origin of `data` (dense, shaped `full`).
-fn crop(data: &[u8], full: &Shape, real: &Shape) -> Vec<u8> {
+fn crop(data: &[u8], full: &Shape, real: &Shape) -> Result<Vec<u8>> {
+    check_corner(data, full, real, full)?;
     if real == full {
-        return data.to_vec();
+        return Ok(data.to_vec());
     }
     let elem = real.dtype().size_in_bytes();
     let mut out = vec![0u8; real.byte_size()];
@@ -483,7 +549,24 @@ fn crop(data: &[u8], full: &Shape, real: &Shape) -> Vec<u8> {
         let dst = row_offset(index, real.dims(), elem);
         out[dst..dst + row].copy_from_slice(&data[src..src + row]);
     });
-    out
+    Ok(out)
+}
+
+/// Checks that `data` holds a dense `shape` and that `real` fits inside `full`.
+fn check_corner(data: &[u8], shape: &Shape, real: &Shape, full: &Shape) -> Result<()> {
+    let fits = real.rank() == full.rank()
+        && real.dtype() == full.dtype()
+        && real.dims().iter().zip(full.dims()).all(|(r, f)| r <= f);
+    if data.len() != shape.byte_size() || !fits {
+        return Err(Error::runtime(
+            "run_padded",
+            format!(
+                "{} bytes for {shape}, padding {real} to {full}: the graph's shapes do not follow its signature",
+                data.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -509,7 +592,7 @@ mod tests {
         let full = Shape::new(&[3, 4, 5], DType::I32);
         let values: Vec<i32> = (1..=12).collect();
         let bytes = TensorRef::I32(&values).to_le_bytes();
-        let padded = pad(&bytes, &real, &full);
+        let padded = pad(&bytes, &real, &full).unwrap();
         let wide = TensorData::from_le_bytes(DType::I32, &padded).unwrap();
         let TensorData::I32(wide) = wide else {
             panic!("dtype")
@@ -517,8 +600,14 @@ mod tests {
         // Element [1, 2, 1] of the real tensor sits at [1, 2, 1] of the padded one.
         assert_eq!(wide[20 + 2 * 5 + 1], values[6 + 2 * 2 + 1]);
         assert_eq!(wide.iter().filter(|&&v| v != 0).count(), 12);
-        assert_eq!(crop(&padded, &full, &real), bytes);
+        assert_eq!(crop(&padded, &full, &real).unwrap(), bytes);
         let scalar = Shape::scalar(DType::I32);
-        assert_eq!(pad(&bytes[..4], &scalar, &scalar), bytes[..4].to_vec());
+        assert_eq!(
+            pad(&bytes[..4], &scalar, &scalar).unwrap(),
+            bytes[..4].to_vec()
+        );
+        // Data that is not the shape it claims, or a corner larger than the whole.
+        assert!(pad(&bytes[..8], &real, &full).is_err());
+        assert!(crop(&padded, &real, &full).is_err());
     }
 }

@@ -21,6 +21,8 @@ pub struct CompiledGraph {
     shapes: Vec<Shape>,
     /// The rows set by `set_active_extent`, if any.
     active_rows: Option<usize>,
+    /// The inputs they were set for.
+    active_inputs: Vec<NodeId>,
 }
 
 impl Clone for CompiledGraph {
@@ -34,6 +36,7 @@ impl Clone for CompiledGraph {
             has_run: self.has_run,
             shapes: self.shapes.clone(),
             active_rows: self.active_rows,
+            active_inputs: self.active_inputs.clone(),
         }
     }
 }
@@ -183,6 +186,7 @@ impl CompiledGraph {
             has_run: false,
             shapes,
             active_rows: None,
+            active_inputs: Vec::new(),
         }
     }
 
@@ -244,9 +248,10 @@ impl CompiledGraph {
     /// instead of the rows they were compiled with: inputs then take, and outputs
     /// computed from them give, that many rows, and kernels do that much work in the
     /// same memory. It works when every value computed from those inputs keeps its
-    /// rows apart (a batch: no reduction, slice or concatenation along dimension 0, no
-    /// product by a matrix computed from them); `rows` equal to the compiled count
-    /// restores the compiled shapes.
+    /// rows apart (a batch: no reduction, slice or concatenation along dimension 0;
+    /// products by weights, or batched products of two values of the same batch);
+    /// `rows` equal to the compiled count restores the compiled shapes. Outputs of
+    /// an earlier run are no longer readable afterwards (their shapes changed).
     ///
     /// # Errors
     /// An unknown input, inputs with different first dims, `rows` of 0 or above the
@@ -267,24 +272,46 @@ impl CompiledGraph {
                 })?;
             ids.push(src.node);
         }
+        if self.active_rows == Some(rows) && self.active_inputs == ids {
+            return Ok(());
+        }
         let shapes = rlx_opt::extent::active_shapes(&self.plan, &ids, rows)?;
-        self.exe.set_value_shapes(&shapes)?;
+        self.exe.set_active_rows(&ids, rows)?;
         let planned = ids
             .first()
             .and_then(|id| self.plan.shape(*id).dims().first().copied());
         self.active_rows = (planned != Some(rows)).then_some(rows);
+        self.active_inputs = if self.active_rows.is_some() {
+            ids
+        } else {
+            Vec::new()
+        };
         self.shapes = shapes;
+        // Outputs of an earlier run had other shapes.
+        self.has_run = false;
         Ok(())
     }
 
     /// Back to the compiled shapes after [`CompiledGraph::set_active_extent`].
+    ///
+    /// # Errors
+    /// A backend that cannot change shapes (only when an extent is set).
     pub fn clear_active_extent(&mut self) -> Result<()> {
-        if self.active_rows.is_none() && self.shapes == self.plan.shapes {
+        if self.active_rows.is_none() {
             return Ok(());
         }
-        self.exe.set_value_shapes(&self.plan.shapes)?;
+        let inputs = std::mem::take(&mut self.active_inputs);
+        let planned = inputs
+            .first()
+            .and_then(|id| self.plan.shape(*id).dims().first().copied())
+            .unwrap_or(0);
+        if let Err(e) = self.exe.set_active_rows(&inputs, planned) {
+            self.active_inputs = inputs;
+            return Err(e);
+        }
         self.shapes = self.plan.shapes.clone();
         self.active_rows = None;
+        self.has_run = false;
         Ok(())
     }
 

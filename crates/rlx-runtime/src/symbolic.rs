@@ -36,9 +36,10 @@ pub type GraphBuilder = dyn Fn(&Bindings) -> Result<Graph> + Send + Sync;
 /// its least size, then one more where the range allows) and each result must match
 /// the declared signature, so a dim that should have been symbolic, or a builder that
 /// names its inputs differently, is an error here and not at the first run.
-/// [`SymbolicGraph::specialize`] is the pipeline's first stage: it binds the symbols,
-/// folds everything that depends on them to constants (the builder sees plain sizes)
-/// and checks the result against the signature again.
+/// [`SymbolicGraph::specialize`] is the pipeline's first stage: it binds the symbols
+/// and runs the builder, which sees plain sizes (so shape arithmetic is ordinary
+/// integer arithmetic there, and the ONNX importer folds shape computations to
+/// constants as it builds), then checks the result against the signature again.
 #[derive(Clone)]
 pub struct SymbolicGraph {
     name: String,
@@ -148,7 +149,7 @@ impl SymbolicGraph {
         graph.specialize(&least)?;
         let mut next = Bindings::new();
         for s in &graph.symbols {
-            next.set(&s.name, (s.min + 1).min(s.max))?;
+            next.set(&s.name, s.min.saturating_add(1).min(s.max))?;
         }
         if next != least {
             graph.specialize(&next)?;

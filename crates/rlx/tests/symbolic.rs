@@ -241,7 +241,15 @@ fn padded_runs_match_the_reference_at_every_size() {
     // (3, 5) and (4, 16) share the bucket batch=4, seq=16; the last run, at 3
     // rows, ran on 3 rows of it (the active extent), not on 4 padded ones.
     assert_eq!(cache.bucket(&bind(3, 5)).unwrap(), bind(4, 16));
-    assert_eq!(cache.get(&bind(4, 16)).unwrap().active_extent(), Some(3));
+    let mut extent = None;
+    cache.for_each_compiled_ref(|b, g| {
+        if *b == bind(4, 16) {
+            extent = g.active_extent();
+        }
+    });
+    assert_eq!(extent, Some(3));
+    // `get` hands the graph out at its compiled shapes.
+    assert_eq!(cache.get(&bind(4, 16)).unwrap().active_extent(), None);
     assert_eq!(cache.bucket(&bind(5, 17)).unwrap(), bind(8, 32));
     assert_eq!(cache.bucket(&bind(16, 64)).unwrap(), bind(16, 64));
     assert_eq!(cache.compiled_count(), 6, "{:?}", cache.compiled_bindings());
@@ -569,4 +577,48 @@ fn an_active_extent_is_refused_where_rows_mix_and_changes_nothing() {
         Err(Error::LengthMismatch { expected: 6, .. })
     ));
     assert_eq!(c.run(&[("x", &[1.0; 6])]).unwrap(), vec![vec![2.0; 6]]);
+}
+
+#[test]
+fn a_symbol_beyond_the_first_dim_is_padded_not_cut_short() {
+    // y[i, j] = x[i] + x[j]: the batch is also a column count, so running on fewer
+    // rows would change the columns; run_padded pads instead.
+    let graph = SymbolicGraph::new(
+        "pairs",
+        vec![SymbolRange::new("batch", 1, 8)],
+        vec![(
+            "x".into(),
+            SymbolicShape::new([Dim::sym("batch"), Dim::Fixed(1)], DType::F32),
+        )],
+        vec![SymbolicShape::new(
+            [Dim::sym("batch"), Dim::sym("batch")],
+            DType::F32,
+        )],
+        |b: &Bindings| {
+            let n = b.require("batch", "pairs")?;
+            let g = Graph::new("pairs");
+            let x = g.input("x", Shape::new(&[n, 1], DType::F32))?;
+            let y = g.add(x, g.reshape(x, &[1, n])?)?;
+            g.set_outputs(vec![y]);
+            Ok(g)
+        },
+    )
+    .unwrap();
+    let mut cache =
+        BucketedCompileCache::new(graph, Session::new(Device::Cpu), CompileOptions::new())
+            .unwrap()
+            .with_buckets("batch", Buckets::PowersOfTwo)
+            .unwrap();
+    let x = [1.0f32, 10.0, 100.0];
+    let out = cache
+        .run_padded(
+            &Bindings::new().with("batch", 3).unwrap(),
+            &[("x", TensorRef::F32(&x))],
+        )
+        .unwrap();
+    let want: Vec<f32> = x
+        .iter()
+        .flat_map(|a| x.iter().map(move |b| a + b))
+        .collect();
+    assert_eq!(out[0], TensorData::F32(want));
 }

@@ -1,5 +1,6 @@
-//! The GEMM epilogue, `act(v * alpha + bias[j]) + residual[i, j]`, applied to a tile of
-//! `C` in one pass per row while the tile is still in L1.
+//! The GEMM epilogue, `act(v * alpha + bias[j]) + residual[i, j]`, applied to a block
+//! of `C` once its last `K` block is done, while the block is still in L2: per row,
+//! one plain loop per step.
 
 use super::{Activation, Gemm};
 use crate::vmath::{self, multiversion};

@@ -287,9 +287,9 @@ impl Llm {
 
     /// Per-kernel times of each graph with profiling on: `("decode", ...)` and
     /// `("prefill N", ...)` for chunks of N tokens.
-    pub fn profiles(&mut self) -> Vec<(String, rlx_driver::Profile)> {
+    pub fn profiles(&self) -> Vec<(String, rlx_driver::Profile)> {
         let mut out = Vec::new();
-        self.graphs.for_each_compiled(|b, g| {
+        self.graphs.for_each_compiled_ref(|b, g| {
             let Some(p) = g.profile() else { return };
             let seq = b.get("seq").unwrap_or(0);
             let rows = b.get("rows").unwrap_or(0);

@@ -22,16 +22,22 @@ pub struct CompiledOnnx {
     pub specialized: Vec<(String, Rc<Tensor>)>,
     /// A fingerprint of every param's value, so that later bindings can tell which
     /// params they can share with this one.
-    fingerprints: HashMap<String, u64>,
+    fingerprints: HashMap<String, u128>,
 }
 
-/// A 64-bit fingerprint of a param's dtype and bytes.
-fn fingerprint(data: &TensorData) -> u64 {
+/// A 128-bit fingerprint of a param's dtype, length and bytes (two independently
+/// seeded 64-bit hashes).
+fn fingerprint(data: &TensorData) -> u128 {
     use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    data.dtype().hash(&mut h);
-    data.as_ref().to_le_bytes().hash(&mut h);
-    h.finish()
+    let bytes = data.as_ref().to_le_bytes();
+    let half = |seed: u64| {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        seed.hash(&mut h);
+        data.dtype().hash(&mut h);
+        bytes.hash(&mut h);
+        h.finish()
+    };
+    (u128::from(half(0x9e37_79b9_7f4a_7c15)) << 64) | u128::from(half(0x2545_f491_4f6c_dd1d))
 }
 
 /// What a compiled binding is looked up by: symbol sizes and input dims.
@@ -121,12 +127,13 @@ impl OnnxSession {
         Ok(&mut entries[index])
     }
 
-    /// Imports and compiles one binding, adopting the storage of every param another
-    /// compiled binding holds with the same value (one copy of the weights).
+    /// Imports and compiles one binding, adopting the storage of the params of one
+    /// earlier binding (the first whose same-named params have the same shapes) that
+    /// hold the same values: one copy of the weights.
     fn import_and_compile(&self, options: &ImportOptions) -> Result<CompiledOnnx> {
         let imported = self.model.import(options)?;
         let mut graph = self.session.compile_with(&imported.graph, &self.options)?;
-        let fingerprints: HashMap<String, u64> = imported
+        let fingerprints: HashMap<String, u128> = imported
             .params
             .iter()
             .map(|(name, data)| (name.clone(), fingerprint(data)))

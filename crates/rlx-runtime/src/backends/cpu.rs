@@ -70,8 +70,8 @@ impl Executable for CpuProgram {
         CpuProgram::value_bytes(self, node)
     }
 
-    fn set_value_shapes(&mut self, shapes: &[rlx_ir::Shape]) -> Result<()> {
-        CpuProgram::set_shapes(self, shapes)
+    fn set_active_rows(&mut self, inputs: &[NodeId], rows: usize) -> Result<()> {
+        CpuProgram::set_active_rows(self, inputs, rows)
     }
 
     fn read_handle(&self, index: usize, dst: &mut [u8]) -> Result<()> {
