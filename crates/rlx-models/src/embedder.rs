@@ -100,6 +100,12 @@ impl Embedder {
                 "max_batch and max_cached_shapes must be at least 1",
             ));
         }
+        if options.max_batch > MAX_ENCODER_BATCH {
+            return Err(Error::invalid(
+                "embedder options",
+                format!("max_batch {} is above {MAX_ENCODER_BATCH}", options.max_batch),
+            ));
+        }
         let store = match &options.store {
             Some(store) => store.clone(),
             None => ModelStore::from_env()?,
