@@ -103,7 +103,10 @@ impl Embedder {
         if options.max_batch > MAX_ENCODER_BATCH {
             return Err(Error::invalid(
                 "embedder options",
-                format!("max_batch {} is above {MAX_ENCODER_BATCH}", options.max_batch),
+                format!(
+                    "max_batch {} is above {MAX_ENCODER_BATCH}",
+                    options.max_batch
+                ),
             ));
         }
         let store = match &options.store {

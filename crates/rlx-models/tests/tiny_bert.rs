@@ -456,6 +456,17 @@ fn long_texts_are_truncated_and_empty_texts_are_errors() {
     }
     // The embedder still works after the rejected calls.
     let again = embedder.embed(&["the cat sat on the mat"]).unwrap();
+    // Options out of range are errors at load.
+    for (max_batch, max_cached_shapes) in [(0, 2), (3, 0), (1 << 17, 2)] {
+        let options = EmbedderOptions {
+            store: Some(ModelStore::new(dir.join("cache")).quiet(true)),
+            max_batch,
+            max_cached_shapes,
+            ..EmbedderOptions::default()
+        };
+        let err = Embedder::load_with(&dir.to_string_lossy(), options).unwrap_err();
+        assert!(err.to_string().contains("embedder options"), "{err}");
+    }
     assert_eq!(again[0], cut[1]);
     // Nothing at all is fine: no texts, no vectors.
     assert!(embedder.embed(&[]).unwrap().is_empty());
