@@ -5,11 +5,70 @@ use crate::elem::{Elem, with_dtype};
 use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided, strides_of};
 use rlx_ir::{Error, MAX_RANK, PadMode, Result, SliceAxis};
 
-/// Copies the elements the output index walk selects: `out[i] = x[offset(i)]`.
+/// Copies the elements the output index walk selects: `out[i] = x[offset(i)]`, where
+/// `offset` is `base` plus the index dotted with `strides` (in elements). The bits are
+/// copied as they are, a row of the output at a time (one block copy when the row is
+/// contiguous in `x`).
 fn copy_strided(x: Src, out: Dst, strides: &[isize; MAX_RANK], base: isize) {
-    with_dtype!(x.shape.dtype(), T => {
-        for_each_strided(out.shape.dims(), [strides], [base], |i, [p]| out.set::<T>(i, x.get(p as usize)));
-    })
+    // SAFETY (all arms): the kernel's callers derive `strides` and `base` from shapes
+    // that the builder checked, so every offset lies inside `x`, and `out` holds its
+    // shape's elements.
+    match x.shape.dtype().size_in_bytes() {
+        1 => unsafe { copy_rows::<u8>(x, out, strides, base) },
+        2 => unsafe { copy_rows::<u16>(x, out, strides, base) },
+        4 => unsafe { copy_rows::<u32>(x, out, strides, base) },
+        8 => unsafe { copy_rows::<u64>(x, out, strides, base) },
+        _ => with_dtype!(x.shape.dtype(), T => {
+            for_each_strided(out.shape.dims(), [strides], [base], |i, [p]| out.set::<T>(i, x.get(p as usize)));
+        }),
+    }
+}
+
+/// [`copy_strided`] for elements of `T`'s size.
+///
+/// # Safety
+/// Every selected offset lies inside `x`; `out` holds its shape's elements and does
+/// not overlap `x`.
+unsafe fn copy_rows<T: Copy>(x: Src, out: Dst, strides: &[isize; MAX_RANK], base: isize) {
+    let dims = out.shape.dims();
+    let (src, dst) = (x.ptr.cast::<T>(), out.ptr.cast::<T>());
+    let Some((&inner, outer)) = dims.split_last() else {
+        // A scalar.
+        unsafe { *dst = *src.offset(base) };
+        return;
+    };
+    if dims.contains(&0) {
+        return;
+    }
+    let step = strides[dims.len() - 1];
+    let rows: usize = outer.iter().product();
+    let mut index = [0usize; MAX_RANK];
+    let mut offset = base;
+    for row in 0..rows {
+        // SAFETY: row `row` of the output, and the elements of `x` it selects.
+        unsafe {
+            let d = dst.add(row * inner);
+            if step == 1 {
+                std::ptr::copy_nonoverlapping(src.offset(offset), d, inner);
+            } else {
+                for j in 0..inner {
+                    *d.add(j) = *src.offset(offset + j as isize * step);
+                }
+            }
+        }
+        // The next row: an odometer over the outer axes.
+        let mut axis = outer.len();
+        while axis > 0 {
+            axis -= 1;
+            index[axis] += 1;
+            offset += strides[axis];
+            if index[axis] < outer[axis] {
+                break;
+            }
+            offset -= strides[axis] * outer[axis] as isize;
+            index[axis] = 0;
+        }
+    }
 }
 
 pub(crate) fn permute(perm: &[usize], x: Src, out: Dst) {
