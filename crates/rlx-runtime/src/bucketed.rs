@@ -43,9 +43,10 @@ struct Entry {
 ///
 /// The graph at the least binding (every symbol at its minimum) is compiled first and
 /// owns the params and persistent handles; every other binding is compiled on first
-/// use, shares the owner's params without copying, and borrows its handles for the
-/// length of a run. At most `capacity` other bindings are kept; the one used least
-/// recently is dropped first.
+/// use, shares the owner's params without copying, and holds no handle storage of its
+/// own: it borrows the owner's for the length of a run (so a graph with persistent
+/// handles runs through [`BucketedCompileCache::run_with`] or `run_padded`). At most
+/// `capacity` other bindings are kept; the one used least recently is dropped first.
 ///
 /// ```
 /// use rlx_ir::{Bindings, DType, Dim, Graph, Shape, SymbolicShape, TensorData, TensorRef};
@@ -261,7 +262,9 @@ impl BucketedCompileCache {
         Ok(graph)
     }
 
-    /// The graph compiled for exactly `bindings` (compiled on first use).
+    /// The graph compiled for exactly `bindings` (compiled on first use), at its
+    /// compiled shapes. A graph with persistent handles holds none outside
+    /// [`BucketedCompileCache::run_with`].
     pub fn get(&mut self, bindings: &Bindings) -> Result<&mut CompiledGraph> {
         let graph = match self.entry(bindings)? {
             None => &mut self.owner,
@@ -284,7 +287,9 @@ impl BucketedCompileCache {
             self.entries[i].last_used = self.clock;
             return Ok(Some(i));
         }
-        let graph = self.compile_uncached(bindings)?;
+        let mut graph = self.compile_uncached(bindings)?;
+        // It runs on the owner's handles (lent by `run_with`), so it keeps none.
+        graph.release_handles()?;
         if self.entries.len() >= self.capacity
             && let Some(oldest) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].last_used)
         {
@@ -322,9 +327,9 @@ impl BucketedCompileCache {
             return f(&mut self.owner);
         };
         let graph = &mut self.entries[i].graph;
-        graph.swap_handles(&mut self.owner)?;
+        graph.borrow_handles(&mut self.owner)?;
         let result = f(graph);
-        graph.swap_handles(&mut self.owner)?;
+        graph.return_handles(&mut self.owner)?;
         result
     }
 

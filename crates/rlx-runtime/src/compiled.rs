@@ -801,6 +801,63 @@ impl CompiledGraph {
         Ok(pairs.len())
     }
 
+    /// Frees the storage of every persistent handle. The graph then refuses to run
+    /// until handles are lent to it with [`CompiledGraph::borrow_handles`]: graphs
+    /// that only ever run on another graph's state (a key/value cache) need no copy
+    /// of their own.
+    pub fn release_handles(&mut self) -> Result<()> {
+        for i in 0..self.plan.handles.len() {
+            drop(self.exe.take_handle(i)?);
+        }
+        Ok(())
+    }
+
+    /// Moves the storage of every handle `owner` shares a name with into this graph
+    /// (no copy), after checking all their shapes; give it back with
+    /// [`CompiledGraph::return_handles`]. Returns how many were moved. Fails,
+    /// changing nothing, when a same-named handle differs in shape or dtype.
+    pub fn borrow_handles(&mut self, owner: &mut CompiledGraph) -> Result<usize> {
+        let pairs = self.handle_pairs(owner, "borrow_handles")?;
+        for &(i, j) in &pairs {
+            let storage = owner.exe.take_handle(j)?;
+            self.exe.put_handle(i, storage)?;
+        }
+        Ok(pairs.len())
+    }
+
+    /// Moves borrowed handles back to `owner` (see
+    /// [`CompiledGraph::borrow_handles`]); this graph is left without storage.
+    pub fn return_handles(&mut self, owner: &mut CompiledGraph) -> Result<usize> {
+        let pairs = self.handle_pairs(owner, "return_handles")?;
+        for &(i, j) in &pairs {
+            let storage = self.exe.take_handle(i)?;
+            owner.exe.put_handle(j, storage)?;
+        }
+        Ok(pairs.len())
+    }
+
+    /// `(mine, theirs)` indices of the handles this graph shares a name with in
+    /// `other`, all checked to have the same shape and dtype.
+    fn handle_pairs(&self, other: &CompiledGraph, op: &str) -> Result<Vec<(usize, usize)>> {
+        self.same_device(other, op)?;
+        let mut pairs = Vec::new();
+        for (i, mine) in self.plan.handles.iter().enumerate() {
+            let Some(j) = other.plan.handles.iter().position(|h| h.name == mine.name) else {
+                continue;
+            };
+            if other.plan.handles[j].shape != mine.shape {
+                return Err(Error::ShapeMismatch {
+                    op: format!("{op} (handle '{}')", mine.name),
+                    lhs: mine.shape.clone(),
+                    rhs: other.plan.handles[j].shape.clone(),
+                    reason: "lent handles must have the same shape and dtype".into(),
+                });
+            }
+            pairs.push((i, j));
+        }
+        Ok(pairs)
+    }
+
     /// A persistent handle's contents as `f32`.
     pub fn read_handle(&self, name: &str) -> Result<Vec<f32>> {
         let i = self.handle_index(name)?;

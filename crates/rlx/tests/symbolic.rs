@@ -412,6 +412,18 @@ fn handles_are_lent_to_every_binding() {
             .unwrap();
     }
     assert_eq!(cache.owner().read_handle("total").unwrap(), vec![5.0, 6.0]);
+    // The other bindings keep no storage of their own: run outside `run_with`, a
+    // graph refuses, and the owner's state is untouched.
+    let three = Bindings::new().with("rows", 3).unwrap();
+    let x = [0.0f32; 6];
+    let err = cache
+        .get(&three)
+        .unwrap()
+        .run_typed(&[("x", TensorRef::F32(&x)), ("at", TensorRef::I64(&at))])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("handle 'total'"), "{err}");
+    assert_eq!(cache.owner().read_handle("total").unwrap(), vec![5.0, 6.0]);
 }
 
 const VOCAB: usize = 50;
