@@ -170,15 +170,24 @@ pub fn broadcast_dims(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
 
 impl fmt::Display for Shape {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}[", self.dtype)?;
-        for (i, d) in self.dims.iter().enumerate() {
-            if i > 0 {
-                f.write_str(", ")?;
-            }
-            write!(f, "{d}")?;
-        }
-        f.write_str("]")
+        write_shape(f, self.dtype, &self.dims)
     }
+}
+
+/// Writes `dtype[d0, d1, ...]`, the form every shape prints in.
+pub(crate) fn write_shape<D: fmt::Display>(
+    f: &mut fmt::Formatter<'_>,
+    dtype: DType,
+    dims: &[D],
+) -> fmt::Result {
+    write!(f, "{dtype}[")?;
+    for (i, d) in dims.iter().enumerate() {
+        if i > 0 {
+            f.write_str(", ")?;
+        }
+        write!(f, "{d}")?;
+    }
+    f.write_str("]")
 }
 
 #[cfg(test)]

@@ -176,14 +176,7 @@ impl From<&Shape> for SymbolicShape {
 
 impl fmt::Display for SymbolicShape {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}[", self.dtype)?;
-        for (i, d) in self.dims.iter().enumerate() {
-            if i > 0 {
-                f.write_str(", ")?;
-            }
-            write!(f, "{d}")?;
-        }
-        f.write_str("]")
+        crate::shape::write_shape(f, self.dtype, &self.dims)
     }
 }
 

@@ -526,35 +526,30 @@ fn row_offset(index: &[usize], dims: &[usize], elem: usize) -> usize {
 /// (every dim at least as large).
 fn pad(data: &[u8], real: &Shape, full: &Shape) -> Result<Vec<u8>> {
     check_corner(data, real, real, full)?;
-    if real == full {
-        return Ok(data.to_vec());
-    }
-    let elem = real.dtype().size_in_bytes();
-    let mut out = vec![0u8; full.byte_size()];
-    let row = real.dims().last().copied().unwrap_or(1) * elem;
-    for_each_row(real.dims(), |index| {
-        let src = row_offset(index, real.dims(), elem);
-        let dst = row_offset(index, full.dims(), elem);
-        out[dst..dst + row].copy_from_slice(&data[src..src + row]);
-    });
-    Ok(out)
+    Ok(copy_corner(data, real, real, full))
 }
 
 /// The `real`-shaped corner at the origin of `data` (dense, shaped `full`).
 fn crop(data: &[u8], full: &Shape, real: &Shape) -> Result<Vec<u8>> {
     check_corner(data, full, real, full)?;
-    if real == full {
-        return Ok(data.to_vec());
+    Ok(copy_corner(data, full, real, real))
+}
+
+/// Copies the `real` corner at the origin of `data` (dense, shaped `from`) to the
+/// origin of a zeroed tensor shaped `to`; one of `from` and `to` is `real`.
+fn copy_corner(data: &[u8], from: &Shape, real: &Shape, to: &Shape) -> Vec<u8> {
+    if from == to {
+        return data.to_vec();
     }
     let elem = real.dtype().size_in_bytes();
-    let mut out = vec![0u8; real.byte_size()];
+    let mut out = vec![0u8; to.byte_size()];
     let row = real.dims().last().copied().unwrap_or(1) * elem;
     for_each_row(real.dims(), |index| {
-        let src = row_offset(index, full.dims(), elem);
-        let dst = row_offset(index, real.dims(), elem);
+        let src = row_offset(index, from.dims(), elem);
+        let dst = row_offset(index, to.dims(), elem);
         out[dst..dst + row].copy_from_slice(&data[src..src + row]);
     });
-    Ok(out)
+    out
 }
 
 /// Checks that `data` holds a dense `shape` and that `real` fits inside `full`.

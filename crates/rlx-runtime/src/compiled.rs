@@ -776,22 +776,7 @@ impl CompiledGraph {
     /// nothing, when a same-named handle differs in shape or dtype or the graphs are
     /// on different devices.
     pub fn swap_handles(&mut self, other: &mut CompiledGraph) -> Result<usize> {
-        self.same_device(other, "swap_handles")?;
-        let mut pairs = Vec::new();
-        for (i, mine) in self.plan.handles.iter().enumerate() {
-            let Some(j) = other.plan.handles.iter().position(|h| h.name == mine.name) else {
-                continue;
-            };
-            if other.plan.handles[j].shape != mine.shape {
-                return Err(Error::ShapeMismatch {
-                    op: format!("swap_handles (handle '{}')", mine.name),
-                    lhs: mine.shape.clone(),
-                    rhs: other.plan.handles[j].shape.clone(),
-                    reason: "exchanged handles must have the same shape and dtype".into(),
-                });
-            }
-            pairs.push((i, j));
-        }
+        let pairs = self.handle_pairs(other, "swap_handles")?;
         for &(i, j) in &pairs {
             let mine = self.exe.take_handle(i)?;
             let theirs = other.exe.take_handle(j)?;
@@ -850,7 +835,7 @@ impl CompiledGraph {
                     op: format!("{op} (handle '{}')", mine.name),
                     lhs: mine.shape.clone(),
                     rhs: other.plan.handles[j].shape.clone(),
-                    reason: "lent handles must have the same shape and dtype".into(),
+                    reason: "paired handles must have the same shape and dtype".into(),
                 });
             }
             pairs.push((i, j));

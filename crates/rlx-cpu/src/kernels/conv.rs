@@ -10,6 +10,11 @@ use crate::gemm::{BFormat, Epilogue, Gemm, sgemm_serial};
 use crate::tensor::{Dst, Src};
 use rlx_ir::{Result, Shape, Window2d};
 
+/// The dims of an NCHW tensor (the builder checked its rank).
+fn nchw(s: &Shape) -> [usize; 4] {
+    [s.dim(0), s.dim(1), s.dim(2), s.dim(3)]
+}
+
 /// Output extent of a window along `axis` over an input of `size` (the builder
 /// checked that the window fits).
 fn extent(win: &Window2d, axis: usize, size: usize) -> usize {
@@ -128,12 +133,7 @@ pub(crate) fn conv2d_f32(
     out: Dst,
     ctx: &Ctx,
 ) -> Result<()> {
-    let [n, c, h, wd] = [
-        x.shape.dim(0),
-        x.shape.dim(1),
-        x.shape.dim(2),
-        x.shape.dim(3),
-    ];
+    let [n, c, h, wd] = nchw(x.shape);
     let [o, oh, ow] = [out.shape.dim(1), out.shape.dim(2), out.shape.dim(3)];
     let (cg, og) = (c / groups, o / groups);
     let k = cg * win.kernel[0] * win.kernel[1];
@@ -227,12 +227,7 @@ fn tap(win: &Window2d, axis: usize, o: usize, k: usize, size: usize) -> Option<u
 }
 
 pub(crate) fn conv2d(win: &Window2d, groups: usize, x: Src, w: Src, bias: Option<Src>, out: Dst) {
-    let [n, c, h, wd] = [
-        x.shape.dim(0),
-        x.shape.dim(1),
-        x.shape.dim(2),
-        x.shape.dim(3),
-    ];
+    let [n, c, h, wd] = nchw(x.shape);
     let [o, oh, ow] = [out.shape.dim(1), out.shape.dim(2), out.shape.dim(3)];
     let (cg, og) = (c / groups, o / groups);
     let [kh, kw] = win.kernel;
@@ -272,12 +267,7 @@ pub(crate) fn pool_f32(
     out: Dst,
     ctx: &Ctx,
 ) -> Result<()> {
-    let [n, c, h, w] = [
-        x.shape.dim(0),
-        x.shape.dim(1),
-        x.shape.dim(2),
-        x.shape.dim(3),
-    ];
+    let [n, c, h, w] = nchw(x.shape);
     let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
     let planes = n * c;
     let window_len = (win.kernel[0] * win.kernel[1]) as f32;
@@ -339,12 +329,7 @@ pub(crate) fn pool_f32(
 }
 
 pub(crate) fn pool(win: &Window2d, max: bool, count_include_pad: bool, x: Src, out: Dst) {
-    let [n, c, h, w] = [
-        x.shape.dim(0),
-        x.shape.dim(1),
-        x.shape.dim(2),
-        x.shape.dim(3),
-    ];
+    let [n, c, h, w] = nchw(x.shape);
     let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
     let window_len = win.kernel[0] * win.kernel[1];
     with_dtype!(x.shape.dtype(), T => {
