@@ -20,6 +20,7 @@ pub fn is_composite(op: &Op) -> bool {
             | Op::Attention { .. }
             | Op::Rope { .. }
             | Op::FusedMatMul { .. }
+            | Op::FusedConv2d { .. }
             | Op::Elementwise { .. }
             | Op::Unary(UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu)
     )
@@ -78,6 +79,35 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
             }
             if *residual {
                 y = g.add(y, inputs[next])?;
+            }
+            y
+        }
+        Op::FusedConv2d {
+            window,
+            groups,
+            bias,
+            activation: act,
+            residual,
+        } => {
+            let mut conv_inputs = inputs[..2].to_vec();
+            if *bias {
+                conv_inputs.push(inputs[2]);
+            }
+            let mut y = g.push(
+                Op::Conv2d {
+                    window: *window,
+                    groups: *groups,
+                },
+                &conv_inputs,
+            )?;
+            if let Some(a) = act {
+                y = match a {
+                    UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu => activation(g, *a, y)?,
+                    other => g.unary(*other, y)?,
+                };
+            }
+            if *residual {
+                y = g.add(y, inputs[inputs.len() - 1])?;
             }
             y
         }

@@ -91,6 +91,29 @@ pub fn op_attributes(op: &Op) -> String {
             }
             parts.join(" ")
         }
+        Op::FusedConv2d {
+            window,
+            groups,
+            bias,
+            activation,
+            residual,
+        } => {
+            let mut text = format!(
+                "stride={:?} pad={:?} dilation={:?} groups={groups}",
+                window.stride, window.padding, window.dilation
+            );
+            if *bias {
+                text.push_str(" +bias");
+            }
+            if let Some(act) = activation {
+                text.push(' ');
+                text.push_str(act.name());
+            }
+            if *residual {
+                text.push_str(" +residual");
+            }
+            text
+        }
         Op::Elementwise { steps } => {
             let parts: Vec<String> = steps
                 .iter()

@@ -16,7 +16,7 @@ fn arity(op: &Op) -> (usize, usize) {
         Op::QuantMatMul { .. } => (2, 2),
         Op::CachedAttention { .. } => (4, 4),
         Op::Concat { .. } | Op::Elementwise { .. } => (1, usize::MAX),
-        Op::FusedMatMul { .. } => (2, 4),
+        Op::FusedMatMul { .. } | Op::FusedConv2d { .. } => (2, 4),
         _ => (1, 1),
     }
 }
@@ -86,6 +86,13 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
             activation,
             ..
         } => fused::infer_fused_matmul(*bias, *residual, *activation, inputs),
+        Op::FusedConv2d {
+            window,
+            groups,
+            bias,
+            activation,
+            residual,
+        } => fused::infer_fused_conv2d(window, *groups, *bias, *activation, *residual, inputs),
         Op::Elementwise { steps } => fused::infer_elementwise(steps, inputs),
         Op::Rope { .. } => attention::infer_rope(inputs[0], inputs[1], inputs[2]),
         Op::WriteAt { axis } => state::infer_write_at(*axis, inputs[0], inputs[1], inputs[2]),

@@ -578,6 +578,21 @@ pub enum Op {
         /// Whether a residual operand comes last.
         residual: bool,
     },
+    /// `act(conv2d(x, w) + bias) + residual`: a convolution with its epilogue, formed
+    /// by the optimizer. Operands: `x`, `w`, then `bias` (`[O]`) if `bias`, then the
+    /// residual (the output's shape) if `residual`.
+    FusedConv2d {
+        /// Window geometry (kernel size comes from the weight).
+        window: Window2d,
+        /// Channel groups.
+        groups: usize,
+        /// Whether a bias operand follows `w`.
+        bias: bool,
+        /// Applied after the bias.
+        activation: Option<UnaryOp>,
+        /// Whether a residual operand comes last.
+        residual: bool,
+    },
     /// A region of float elementwise ops computed in one pass (see [`EwStep`]),
     /// formed by the optimizer.
     Elementwise {
@@ -658,6 +673,7 @@ impl Op {
             Op::Rope { .. } => "rope".into(),
             Op::WriteAt { .. } => "write_at".into(),
             Op::FusedMatMul { .. } => "fused_matmul".into(),
+            Op::FusedConv2d { .. } => "fused_conv2d".into(),
             Op::Elementwise { .. } => "elementwise".into(),
             Op::QuantMatMul { .. } => "quant_matmul".into(),
             Op::Dequantize { .. } => "dequantize".into(),

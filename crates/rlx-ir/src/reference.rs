@@ -120,6 +120,13 @@ pub fn eval_node(
             activation,
             residual,
         } => fused::eval_fused_matmul(alpha.get(), *bias, *activation, *residual, inputs, out)?,
+        Op::FusedConv2d {
+            window,
+            groups,
+            bias,
+            activation,
+            residual,
+        } => fused::eval_fused_conv2d(window, *groups, *bias, *activation, *residual, inputs, out),
         Op::Elementwise { steps } => fused::eval_elementwise(steps, inputs, out),
         Op::QuantMatMul { format } => quant::eval_quant_matmul(*format, inputs[0], inputs[1], out)?,
         Op::Dequantize { format } => quant::eval_dequantize(*format, x(), out)?,

@@ -214,6 +214,11 @@ fn row_wise(op: &Op, ins: &[(bool, &Shape)], out: &Shape) -> std::result::Result
             && ins[1..].iter().all(|(s, _)| !*s))
         .then_some(())
         .ok_or("convolves with a computed filter"),
+        // The residual has the output's shape: row `i` of it joins output row `i`.
+        Op::FusedConv2d { bias, .. } => (ins[0].0
+            && ins[1..2 + usize::from(*bias)].iter().all(|(s, _)| !*s))
+        .then_some(())
+        .ok_or("convolves with a computed filter"),
         _ => Err("is not known to keep rows apart"),
     }
 }

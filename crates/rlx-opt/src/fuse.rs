@@ -5,6 +5,9 @@
 //!   intermediate value has no other reader, become one `FusedMatMul`; a cast of
 //!   `f16`/`bf16` weights to `f32` feeding the matmul is absorbed too (the kernel reads
 //!   the stored weights).
+//! - Convolution epilogues: `conv2d` followed by an activation and a residual add,
+//!   under the same rule, become one `FusedConv2d` (the convolution's own bias stays
+//!   its bias).
 //! - Elementwise regions: connected float elementwise ops of one output shape whose
 //!   intermediate values are read only inside the region become one `Elementwise`.
 
@@ -20,6 +23,8 @@ use std::collections::{BTreeSet, BinaryHeap};
 pub struct FusionOptions {
     /// Form `FusedMatMul` nodes.
     pub matmul_epilogue: bool,
+    /// Form `FusedConv2d` nodes.
+    pub conv_epilogue: bool,
     /// Form `Elementwise` region nodes.
     pub elementwise_regions: bool,
     /// Fold the head transposes around an attention into a sequence-major attention.
@@ -38,6 +43,7 @@ impl FusionOptions {
     /// Every fused form.
     pub const ALL: FusionOptions = FusionOptions {
         matmul_epilogue: true,
+        conv_epilogue: true,
         elementwise_regions: true,
         attention_layout: true,
         attention_pattern: true,
@@ -393,6 +399,7 @@ fn epilogue_activation(op: &Op) -> Option<UnaryOp> {
 }
 
 struct Epilogue {
+    /// The matmul or convolution the epilogue follows.
     matmul: usize,
     /// A cast of half-precision weights to `f32` feeding `b`, read natively instead.
     b_cast: Option<usize>,
@@ -403,8 +410,9 @@ struct Epilogue {
     absorbed: Vec<usize>,
 }
 
-/// Folds bias, activation and residual adds into the matmuls that feed them.
-pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
+/// Folds bias, activation and residual adds into the matmuls that feed them (if
+/// `matmuls`), and activations and residual adds into convolutions (if `convs`).
+pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
     let uses = use_counts(graph);
     let readers = consumers(graph);
     let nodes = graph.nodes();
@@ -415,10 +423,12 @@ pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
     // An add of two matmul chains is reachable from both; the first chain claims it.
     let mut claimed = vec![false; nodes.len()];
     for (i, node) in nodes.iter().enumerate() {
-        if node.op != Op::MatMul
-            || nodes[node.inputs[0].index()].shape.rank() < 2
-            || nodes[node.inputs[1].index()].shape.rank() < 2
-        {
+        let is_matmul = matmuls
+            && node.op == Op::MatMul
+            && nodes[node.inputs[0].index()].shape.rank() >= 2
+            && nodes[node.inputs[1].index()].shape.rank() >= 2;
+        let is_conv = convs && matches!(node.op, Op::Conv2d { .. });
+        if !is_matmul && !is_conv {
             continue;
         }
         let shape = &node.shape;
@@ -426,7 +436,8 @@ pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
         let b = node.inputs[1];
         let b_cast = match nodes[b.index()].op {
             Op::Cast(DType::F32)
-                if uses[b.index()] == 1
+                if is_matmul
+                    && uses[b.index()] == 1
                     && node.shape.dtype() == DType::F32
                     && matches!(
                         nodes[nodes[b.index()].inputs[0].index()].shape.dtype(),
@@ -456,6 +467,7 @@ pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
         };
         let only_reader = |i: usize| only_reader(i).filter(|&j| !claimed[j]);
         if let Some(j) = only_reader(e.last)
+            && is_matmul
             && nodes[j].op == Op::Binary(BinaryOp::Add)
             && nodes[j].shape == *shape
             && let Some(b) = other_operand(j, e.last)
@@ -508,15 +520,25 @@ pub fn fuse_matmul_epilogues(graph: &Graph) -> Fused {
                 }
                 inputs.extend(e.bias);
                 inputs.extend(e.residual);
+                let op = match mm.op {
+                    Op::Conv2d { window, groups } => Op::FusedConv2d {
+                        window,
+                        groups,
+                        bias: mm.inputs.len() > 2,
+                        activation: e.activation,
+                        residual: e.residual.is_some(),
+                    },
+                    _ => Op::FusedMatMul {
+                        alpha: F64Bits::new(1.0),
+                        bias: e.bias.is_some(),
+                        activation: e.activation,
+                        residual: e.residual.is_some(),
+                    },
+                };
                 w.place(
                     i,
                     Node {
-                        op: Op::FusedMatMul {
-                            alpha: F64Bits::new(1.0),
-                            bias: e.bias.is_some(),
-                            activation: e.activation,
-                            residual: e.residual.is_some(),
-                        },
+                        op,
                         inputs,
                         shape: node.shape.clone(),
                     },

@@ -253,9 +253,9 @@ fn run_stages(
             "fuse.hoist" if f.hoist_gathered_matmuls => {
                 Some(crate::hoist::hoist_gathered_matmuls(&graph))
             }
-            "fuse.epilogue" if f.matmul_epilogue => {
-                Some(crate::fuse::fuse_matmul_epilogues(&graph))
-            }
+            "fuse.epilogue" if f.matmul_epilogue || f.conv_epilogue => Some(
+                crate::fuse::fuse_epilogues(&graph, f.matmul_epilogue, f.conv_epilogue),
+            ),
             "fuse.regions" if f.elementwise_regions => {
                 Some(crate::fuse::fuse_elementwise_regions(&graph))
             }

@@ -183,6 +183,69 @@ fn matmul_epilogues_fuse_and_match() {
 }
 
 #[test]
+fn conv_epilogues_fuse_and_match() {
+    let mut rng = Rng(23);
+    type Activation = fn(&Graph, NodeId) -> rlx::Result<NodeId>;
+    let acts: [Option<Activation>; 4] = [
+        None,
+        Some(|g, x| g.relu(x)),
+        Some(|g, x| g.silu(x)),
+        Some(|g, x| g.gelu(x)),
+    ];
+    let mut fused_total = 0;
+    for case in 0..24 {
+        let groups = [1, 1, 2][rng.below(3)];
+        let (n, c, o) = (
+            1 + rng.below(3),
+            groups * (1 + rng.below(24)),
+            groups * (1 + rng.below(40)),
+        );
+        let (h, w) = (3 + rng.below(20), 3 + rng.below(30));
+        let (kh, kw) = ([1, 3, 5][rng.below(3)], [1, 3][rng.below(2)]);
+        let stride = [1 + rng.below(2), 1 + rng.below(2)];
+        let pad = [kh / 2, kw / 2, kh / 2, kw / 2];
+        let g = Graph::new("conv epilogue");
+        let x = g.input("x", Shape::new(&[n, c, h, w], DType::F32)).unwrap();
+        let wt = g
+            .param("w", Shape::new(&[o, c / groups, kh, kw], DType::F32))
+            .unwrap();
+        let bias = (rng.below(2) == 0).then(|| g.param("b", Shape::new(&[o], DType::F32)).unwrap());
+        let mut y = g.conv2d(x, wt, bias, stride, pad, [1, 1], groups).unwrap();
+        let act = acts[rng.below(acts.len())];
+        if let Some(f) = act {
+            y = f(&g, y).unwrap();
+        }
+        let with_residual = rng.below(3) > 0;
+        if with_residual {
+            let dims = g.shape(y).unwrap().dims().to_vec();
+            let r = g.input("r", Shape::new(&dims, DType::F32)).unwrap();
+            y = if rng.below(2) == 0 {
+                g.add(r, y)
+            } else {
+                g.add(y, r)
+            }
+            .unwrap();
+        }
+        g.set_outputs(vec![y]);
+        let fused = check(
+            &g,
+            &mut rng,
+            &format!(
+                "case {case} x[{n},{c},{h},{w}] w[{o},{},{kh},{kw}] s{stride:?} g{groups}",
+                c / groups
+            ),
+        );
+        assert_eq!(
+            fused,
+            usize::from(act.is_some() || with_residual),
+            "case {case}"
+        );
+        fused_total += fused;
+    }
+    assert!(fused_total >= 12, "only {fused_total} fusions formed");
+}
+
+#[test]
 fn an_intermediate_read_twice_is_not_absorbed() {
     let g = Graph::new("shared");
     let a = g.input("a", Shape::new(&[4, 8], DType::F32)).unwrap();
@@ -834,9 +897,18 @@ fn composites_decompose_into_primitives_that_match() {
         .unwrap();
     let y = g.add(h, r).unwrap();
     let z = g.mul(g.exp(y).unwrap(), g.scalar(0.5, DType::F32)).unwrap();
-    g.set_outputs(vec![g.sub(z, y).unwrap()]);
+    let xc = f32s(&g, "xc", &[2, 3, 6, 7]);
+    let wc = g.param("wc", Shape::new(&[4, 3, 3, 3], DType::F32)).unwrap();
+    let bc = g.param("bc", Shape::new(&[4], DType::F32)).unwrap();
+    let rc = f32s(&g, "rc", &[2, 4, 6, 7]);
+    let conv = g
+        .conv2d(xc, wc, Some(bc), [1, 1], [1, 1, 1, 1], [1, 1], 1)
+        .unwrap();
+    let conv = g.add(g.relu(conv).unwrap(), rc).unwrap();
+    g.set_outputs(vec![g.sub(z, y).unwrap(), conv]);
     let fused = plan_graph(&g, &all_passes()).unwrap().graph;
     assert!(fused.nodes().iter().any(|n| n.op.name() == "fused_matmul"));
+    assert!(fused.nodes().iter().any(|n| n.op.name() == "fused_conv2d"));
     assert!(fused.nodes().iter().any(|n| n.op.name() == "elementwise"));
     let back =
         rlx::ir::decompose::decompose_graph(&fused, &|op| !rlx::ir::decompose::is_composite(op))
@@ -852,8 +924,10 @@ fn composites_decompose_into_primitives_that_match() {
     let got = reference(&back, &feeds);
     // Both are f32 graphs; the fused matmul rounds to f32 once after its epilogue, the
     // decomposition after each step, so they differ by a few f32 roundings.
-    for (a, b) in want[0].data.iter().zip(&got[0].data) {
-        assert!((a - b).abs() <= 1e-6 * (1.0 + a.abs()), "{a} vs {b}");
+    for (want, got) in want.iter().zip(&got) {
+        for (a, b) in want.data.iter().zip(&got.data) {
+            assert!((a - b).abs() <= 1e-6 * (1.0 + a.abs()), "{a} vs {b}");
+        }
     }
 }
 

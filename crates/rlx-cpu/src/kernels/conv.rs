@@ -8,6 +8,8 @@ use super::Ctx;
 use crate::elem::{Elem, with_dtype};
 use crate::gemm::{BFormat, Epilogue, Gemm, sgemm_serial};
 use crate::tensor::{Dst, Src};
+use rlx_ir::UnaryOp;
+use rlx_ir::scalar::unary_f64;
 use rlx_ir::{Result, Shape, Window2d};
 
 /// The dims of an NCHW tensor (the builder checked its rank).
@@ -31,19 +33,13 @@ fn column_block(k: usize, pixels: usize) -> usize {
     (fit / nr * nr).max(nr).min(pixels.max(1))
 }
 
-/// Per-thread floats of patch columns an f32 convolution needs (0 when it reads its
-/// input in place), from its input and weight shapes.
+/// Per-thread floats an f32 convolution needs, from its input and weight shapes: one
+/// block of patch columns packed into panels, and one row of it before packing.
 pub(crate) fn im2col_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
-    if reads_in_place(win) {
-        return 0;
-    }
     let k = w.dim(1) * w.dim(2) * w.dim(3);
     let pixels = extent(win, 0, x.dim(2)) * extent(win, 1, x.dim(3));
-    k * column_block(k, pixels)
-}
-
-fn reads_in_place(win: &Window2d) -> bool {
-    win.kernel == [1, 1] && win.stride == [1, 1] && win.padding == [0; 4]
+    let block = column_block(k, pixels);
+    crate::gemm::packed_len(k, block) + block
 }
 
 /// The output positions `o` along `axis` whose tap `t` lands inside an input of
@@ -66,25 +62,31 @@ fn inside_outputs(
     (lo as usize, (hi.max(lo)) as usize)
 }
 
-/// Writes patch columns `first..first + cols.len() / (c * kh * kw)` of one image's
-/// group (`c` channels of `h x w` at `x`) as a `[c * kh * kw, width]` matrix: row
-/// `(ic, ky, kx)` holds the input value each of those output pixels' tap reads (0 in
-/// the padding).
+/// Writes patch columns `first..first + width` of one image's group (`c` channels of
+/// `h x w` at `x`) as the `[c * kh * kw, width]` matrix whose row `(ic, ky, kx)` holds
+/// the input value each of those output pixels' tap reads (0 in the padding), packed
+/// into `col` as the GEMM's `nr`-column panels (`BFormat::Packed`); `row` holds
+/// `width` floats.
+#[allow(clippy::too_many_arguments)] // geometry, source, block and two buffers
 fn im2col(
     win: &Window2d,
     x: &[f32],
     [c, h, w]: [usize; 3],
     ow: usize,
     (first, width): (usize, usize),
+    nr: usize,
     col: &mut [f32],
+    row: &mut [f32],
 ) {
     let [kh, kw] = win.kernel;
+    let k = c * kh * kw;
     let (sx, dx, px) = (win.stride[1], win.dilation[1], win.padding[1]);
+    let row = &mut row[..width];
     for ic in 0..c {
         let plane = &x[ic * h * w..(ic + 1) * h * w];
         for ky in 0..kh {
             for kx in 0..kw {
-                let row = &mut col[((ic * kh + ky) * kw + kx) * width..][..width];
+                let r = (ic * kh + ky) * kw + kx;
                 let (xlo, xhi) = inside_outputs(win, 1, kx, w, ow);
                 let mut q = first;
                 let mut at = 0;
@@ -93,18 +95,18 @@ fn im2col(
                     let len = (ow - x0).min(width - at);
                     let out = &mut row[at..at + len];
                     match tap(win, 0, y, ky, h) {
-                        None => out.fill(0.0),
+                        None => fill_short(out, 0.0),
                         Some(iy) => {
                             let src = &plane[iy * w..(iy + 1) * w];
                             // Columns x0..x0 + len; inside the input for xlo..xhi.
                             let (a, b) = (xlo.clamp(x0, x0 + len), xhi.clamp(x0, x0 + len));
-                            out[..a - x0].fill(0.0);
-                            out[b - x0..].fill(0.0);
+                            fill_short(&mut out[..a - x0], 0.0);
+                            fill_short(&mut out[b - x0..], 0.0);
                             if b > a {
                                 let start = a * sx + kx * dx - px;
                                 let dst = &mut out[a - x0..b - x0];
                                 if sx == 1 {
-                                    dst.copy_from_slice(&src[start..start + (b - a)]);
+                                    copy_short(dst, &src[start..start + (b - a)]);
                                 } else {
                                     for (i, v) in dst.iter_mut().enumerate() {
                                         *v = src[start + i * sx];
@@ -116,20 +118,83 @@ fn im2col(
                     at += len;
                     q += len;
                 }
+                scatter_to_panels(row, r, k, nr, col);
             }
+        }
+    }
+}
+
+/// Stores `row` as row `r` of a `k`-row matrix packed into `nr`-column panels, zero
+/// past its end.
+fn scatter_to_panels(row: &[f32], r: usize, k: usize, nr: usize, col: &mut [f32]) {
+    for (q, chunk) in row.chunks(nr).enumerate() {
+        let dst = &mut col[(q * k + r) * nr..][..nr];
+        copy_short(&mut dst[..chunk.len()], chunk);
+        fill_short(&mut dst[chunk.len()..], 0.0);
+    }
+}
+
+/// `dst.copy_from_slice(src)` for the short runs `im2col` moves, in fixed-size pieces
+/// the compiler keeps inline: a `memmove` call per run cost more than the copy.
+#[inline(always)]
+fn copy_short(dst: &mut [f32], src: &[f32]) {
+    let n = dst.len();
+    assert_eq!(n, src.len());
+    if n >= 8 {
+        let mut i = 0;
+        while i + 8 <= n {
+            let piece: [f32; 8] = src[i..i + 8].try_into().unwrap();
+            dst[i..i + 8].copy_from_slice(&piece);
+            i += 8;
+        }
+        if i < n {
+            // The last piece overlaps the one before: the same values again.
+            let piece: [f32; 8] = src[n - 8..].try_into().unwrap();
+            dst[n - 8..].copy_from_slice(&piece);
+        }
+    } else if n >= 4 {
+        let head: [f32; 4] = src[..4].try_into().unwrap();
+        let tail: [f32; 4] = src[n - 4..].try_into().unwrap();
+        dst[..4].copy_from_slice(&head);
+        dst[n - 4..].copy_from_slice(&tail);
+    } else {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = s;
+        }
+    }
+}
+
+/// `dst.fill(value)` for short runs, kept inline as [`copy_short`] is.
+#[inline(always)]
+fn fill_short(dst: &mut [f32], value: f32) {
+    let n = dst.len();
+    if n >= 8 {
+        let mut i = 0;
+        while i + 8 <= n {
+            dst[i..i + 8].copy_from_slice(&[value; 8]);
+            i += 8;
+        }
+        if i < n {
+            dst[n - 8..].copy_from_slice(&[value; 8]);
+        }
+    } else {
+        for d in dst {
+            *d = value;
         }
     }
 }
 
 /// The f32 convolution as GEMMs over blocks of output pixels: each task takes one
 /// image, group and block of pixels, writes that block's patch columns into its
-/// thread's buffer (sized by [`im2col_floats`]) and multiplies them serially, so the
-/// columns are read from L2 and both threads stay busy even for one image.
+/// thread's buffer (sized by [`im2col_floats`]) as packed panels and multiplies them
+/// serially, so the columns are read from L2 and both threads stay busy even for one
+/// image.
 pub(crate) fn conv2d_f32(
     win: &Window2d,
     groups: usize,
     [x, w]: [Src; 2],
     bias: Option<Src>,
+    epilogue: ConvEpilogue,
     out: Dst,
     ctx: &Ctx,
 ) -> Result<()> {
@@ -141,20 +206,8 @@ pub(crate) fn conv2d_f32(
     if p == 0 || og == 0 || n == 0 {
         return Ok(());
     }
-    let in_place = reads_in_place(win);
     let threads = ctx.gemm.threads();
-    // Pixel blocks: sized for L2 when columns are written, else just enough blocks
-    // for every thread to have work (a 1x1 product reads its input where it is).
-    let block = if in_place {
-        let images = n * groups;
-        if images >= threads {
-            p
-        } else {
-            p.div_ceil(threads.div_ceil(images))
-        }
-    } else {
-        column_block(k, p)
-    };
+    let block = column_block(k, p);
     let blocks = p.div_ceil(block);
     // SAFETY: the operands are f32 tensors of the shapes read above, and the plan
     // never places the output over an input.
@@ -167,26 +220,30 @@ pub(crate) fn conv2d_f32(
     // The output as an address, so tasks on other threads can write their blocks.
     let out_addr = out.ptr as usize;
     let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), b.len) });
+    let activation = epilogue
+        .activation
+        .map(|a| super::fused::gemm_activation(a).ok_or(a))
+        .transpose()
+        .map_err(|a| {
+            rlx_ir::Error::runtime(
+                "fused_conv2d",
+                format!("{} has no epilogue kernel", a.name()),
+            )
+        })?;
+    // The residual as an address, read by every task at its block's place.
+    let residual_addr = epilogue.residual.map(|r| r.ptr as usize);
     let task = |u: usize, thread: usize| {
         let (image, rest) = (u / (groups * blocks), u % (groups * blocks));
         let (g, j0) = (rest / blocks, (rest % blocks) * block);
         let width = block.min(p - j0);
         // SAFETY: one task per thread index at a time.
-        let (buf, col) = unsafe { ctx.gemm.parts(thread) };
+        let (buf, extra) = unsafe { ctx.gemm.parts(thread) };
         let src = &xs[(image * c + g * cg) * h * wd..][..cg * h * wd];
-        let (cols, ldb) = if in_place {
-            (src[j0..].as_ptr(), p)
-        } else {
-            im2col(
-                win,
-                src,
-                [cg, h, wd],
-                ow,
-                (j0, width),
-                &mut col[..k * width],
-            );
-            (col.as_ptr(), width)
-        };
+        // The panel width the GEMM picks for this block's width (a last, narrower
+        // block may get another kernel).
+        let nr = crate::gemm::packed_panel_width(width);
+        let (col, row) = extra.split_at_mut(crate::gemm::packed_len(k, block));
+        im2col(win, src, [cg, h, wd], ow, (j0, width), nr, col, row);
         // SAFETY: rows `g * og ..` of image `image`'s output, columns j0..j0 + width:
         // inside `out`, and each task writes its own.
         let dst = unsafe { (out_addr as *mut f32).add((image * o + g * og) * p + j0) };
@@ -203,20 +260,57 @@ pub(crate) fn conv2d_f32(
             k,
             a: ws[g * og * k..].as_ptr(),
             lda: k,
-            b: cols,
-            ldb,
+            b: col.as_ptr(),
+            ldb: width,
             b_transposed: false,
-            b_format: BFormat::F32,
+            b_format: BFormat::Packed { nr },
             c: dst,
             ldc: p,
             accumulate: bias.is_some(),
-            epilogue: Epilogue::NONE,
+            epilogue: Epilogue {
+                activation,
+                // SAFETY: the residual has the output's shape: the same offset and
+                // row stride address this block of it.
+                residual: residual_addr.map(|r| {
+                    (
+                        unsafe { (r as *const f32).add((image * o + g * og) * p + j0) },
+                        p,
+                    )
+                }),
+                ..Epilogue::NONE
+            },
         };
-        // SAFETY: A, B and C above are `m x k`, `k x width` and `m x width` matrices
-        // inside their tensors and buffers.
+        // SAFETY: A and C above are `m x k` and `m x width` matrices inside their
+        // tensors, B the packed panels of a `k x width` one.
         unsafe { sgemm_serial(&gemm, buf) };
     };
     ctx.pool.run(n * groups * blocks, threads, &task)
+}
+
+/// What a fused convolution does to each output value after the bias:
+/// `act(v) + residual`.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct ConvEpilogue<'a> {
+    pub activation: Option<UnaryOp>,
+    /// A tensor of the output's shape added last.
+    pub residual: Option<Src<'a>>,
+}
+
+/// Applies `epilogue` to every value of `out` in place (any dtype; the f32 path
+/// applies it inside [`conv2d_f32`]'s GEMMs).
+pub(crate) fn apply_epilogue(epilogue: ConvEpilogue, out: Dst) {
+    with_dtype!(out.shape.dtype(), T => {
+        for i in 0..out.len {
+            let mut v = out.get::<T>(i).to_f64();
+            if let Some(act) = epilogue.activation {
+                v = T::from_f64(unary_f64(act, v)).to_f64();
+            }
+            if let Some(r) = epilogue.residual {
+                v += r.f64::<T>(i);
+            }
+            out.set(i, T::from_f64(v));
+        }
+    })
 }
 
 /// Input coordinate of window tap `k` at output position `o` on `axis`, if inside.
@@ -258,7 +352,9 @@ pub(crate) fn conv2d(win: &Window2d, groups: usize, x: Src, w: Src, bias: Option
 
 /// Pooling over f32 planes, threaded over planes. Matches [`pool`]: a window with a
 /// NaN gives NaN for max, and the average divides by the window size or by the taps
-/// inside the input.
+/// inside the input. Separable: for each output row the window's input rows are first
+/// reduced into one row (a contiguous, vectorized pass), then each output reads its
+/// taps along that row.
 pub(crate) fn pool_f32(
     win: &Window2d,
     max: bool,
@@ -275,57 +371,81 @@ pub(crate) fn pool_f32(
     // input (the plan does not run pooling in place).
     let xs = unsafe { std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len) };
     let out_addr = out.ptr as usize;
-    // The taps of a window that fall inside the input along one axis, as a range of
-    // input positions with the dilation as step: `(first, count)`.
-    let inside = |axis: usize, o: usize, size: usize| -> (usize, usize) {
-        let (k, d) = (win.kernel[axis] as isize, win.dilation[axis] as isize);
-        let origin = (o * win.stride[axis]) as isize - win.padding[axis] as isize;
-        // Taps t with 0 <= origin + t * d < size.
-        let lo = if origin >= 0 {
-            0
-        } else {
-            (-origin + d - 1) / d
-        };
-        let hi = ((size as isize - 1 - origin).div_euclid(d)).min(k - 1);
-        if hi < lo {
-            (0, 0)
-        } else {
-            ((origin + lo * d) as usize, (hi - lo + 1) as usize)
-        }
-    };
     let (dy, dx) = (win.dilation[0], win.dilation[1]);
-    let plane_task = |plane: usize, _thread: usize| {
+    let plane_task = |plane: usize, thread: usize| {
         let src = &xs[plane * h * w..(plane + 1) * h * w];
         // SAFETY: plane `plane` of the output, written by this task alone.
         let dst = unsafe {
             std::slice::from_raw_parts_mut((out_addr as *mut f32).add(plane * oh * ow), oh * ow)
         };
+        // SAFETY: one task per thread index at a time; the step asked for `w` floats.
+        let line = &mut unsafe { ctx.gemm.parts(thread) }.1[..w];
         for y in 0..oh {
-            let (iy0, ny) = inside(0, y, h);
-            let row = &mut dst[y * ow..(y + 1) * ow];
-            for (xo, v) in row.iter_mut().enumerate() {
-                let (ix0, nx) = inside(1, xo, w);
-                let mut acc = if max { f32::NEG_INFINITY } else { 0.0 };
-                let mut nan = false;
-                for ty in 0..ny {
-                    let line = &src[(iy0 + ty * dy) * w..];
-                    for tx in 0..nx {
-                        let t = line[ix0 + tx * dx];
-                        nan |= t.is_nan();
-                        acc = if max { acc.max(t) } else { acc + t };
+            let (iy0, ny) = inside_taps(win, 0, y, h);
+            if ny == 0 {
+                line.fill(if max { f32::NEG_INFINITY } else { 0.0 });
+            } else {
+                line.copy_from_slice(&src[iy0 * w..(iy0 + 1) * w]);
+                for ty in 1..ny {
+                    let row = &src[(iy0 + ty * dy) * w..][..w];
+                    if max {
+                        for (acc, &t) in line.iter_mut().zip(row) {
+                            *acc = max_nan(*acc, t);
+                        }
+                    } else {
+                        for (acc, &t) in line.iter_mut().zip(row) {
+                            *acc += t;
+                        }
                     }
                 }
+            }
+            for (xo, v) in dst[y * ow..(y + 1) * ow].iter_mut().enumerate() {
+                let (ix0, nx) = inside_taps(win, 1, xo, w);
+                let taps = (0..nx).map(|tx| line[ix0 + tx * dx]);
                 *v = if max {
-                    if nan { f32::NAN } else { acc }
-                } else if count_include_pad {
-                    acc / window_len
+                    taps.fold(f32::NEG_INFINITY, max_nan)
                 } else {
-                    acc / (ny * nx).max(1) as f32
+                    let sum: f32 = taps.sum();
+                    if count_include_pad {
+                        sum / window_len
+                    } else {
+                        sum / (ny * nx).max(1) as f32
+                    }
                 };
             }
         }
     };
     ctx.pool.run(planes, ctx.gemm.threads(), &plane_task)
+}
+
+/// Per-thread floats [`pool_f32`] needs: one input row.
+pub(crate) fn pool_floats(x: &Shape) -> usize {
+    x.dim(3)
+}
+
+/// The larger of `acc` and `t`, NaN if either is (compiles to a compare and blend).
+#[inline(always)]
+fn max_nan(acc: f32, t: f32) -> f32 {
+    if t > acc || t.is_nan() { t } else { acc }
+}
+
+/// The taps of window `o` along `axis` that fall inside an input of `size`, as a
+/// range of input positions with the dilation as step: `(first, count)`.
+fn inside_taps(win: &Window2d, axis: usize, o: usize, size: usize) -> (usize, usize) {
+    let (k, d) = (win.kernel[axis] as isize, win.dilation[axis] as isize);
+    let origin = (o * win.stride[axis]) as isize - win.padding[axis] as isize;
+    // Taps t with 0 <= origin + t * d < size.
+    let lo = if origin >= 0 {
+        0
+    } else {
+        (-origin + d - 1) / d
+    };
+    let hi = ((size as isize - 1 - origin).div_euclid(d)).min(k - 1);
+    if hi < lo {
+        (0, 0)
+    } else {
+        ((origin + lo * d) as usize, (hi - lo + 1) as usize)
+    }
 }
 
 pub(crate) fn pool(win: &Window2d, max: bool, count_include_pad: bool, x: Src, out: Dst) {

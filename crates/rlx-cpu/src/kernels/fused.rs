@@ -13,7 +13,7 @@ use rlx_ir::{
 };
 
 /// The GEMM epilogue form of a unary op, if it has one.
-fn gemm_activation(op: UnaryOp) -> Option<Activation> {
+pub(crate) fn gemm_activation(op: UnaryOp) -> Option<Activation> {
     match op {
         UnaryOp::Gelu => Some(Activation::Gelu),
         UnaryOp::GeluTanh => Some(Activation::GeluTanh),

@@ -46,6 +46,12 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
                 crate::gemm::best_kernel().name
             )
         }
+        Op::FusedConv2d { .. } if dtype == DType::F32 => {
+            format!(
+                "cpu.gemm.{}.im2col.conv2d+epilogue.f32",
+                crate::gemm::best_kernel().name
+            )
+        }
         Op::CachedAttention { .. } => "cpu.flash.cached_attention.f32".into(),
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } if dtype == DType::F32 => {
             format!("cpu.planes.{}.f32", op.name())
@@ -107,8 +113,13 @@ pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
         Op::Binary(b) if fast_binary(*b, &inputs[0], &inputs[0]) => fused::region_scratch_floats(3),
         Op::Unary(u) if fast_unary(*u, &inputs[0]) => fused::region_scratch_floats(2),
         // Each thread's block of patch columns.
-        Op::Conv2d { window, .. } if inputs[0].dtype() == DType::F32 => {
+        Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }
+            if inputs[0].dtype() == DType::F32 =>
+        {
             conv::im2col_floats(window, &inputs[0], &inputs[1])
+        }
+        Op::MaxPool2d { .. } | Op::AvgPool2d { .. } if inputs[0].dtype() == DType::F32 => {
+            conv::pool_floats(&inputs[0])
         }
         _ => 0,
     }
@@ -213,7 +224,35 @@ pub(crate) fn run<'a>(
         } => misc::topk(*k, *axis, *largest, *output, src(0), out),
         Op::OneHot { depth, .. } => misc::one_hot(*depth, src(0), out),
         Op::Conv2d { window, groups } if src(0).shape.dtype() == DType::F32 => {
-            conv::conv2d_f32(window, *groups, [src(0), src(1)], opt(2), out, ctx)?
+            let epilogue = conv::ConvEpilogue::default();
+            conv::conv2d_f32(
+                window,
+                *groups,
+                [src(0), src(1)],
+                opt(2),
+                epilogue,
+                out,
+                ctx,
+            )?
+        }
+        Op::FusedConv2d {
+            window,
+            groups,
+            bias,
+            activation,
+            residual,
+        } => {
+            let epilogue = conv::ConvEpilogue {
+                activation: *activation,
+                residual: residual.then(|| src(n_inputs - 1)),
+            };
+            let bias = bias.then(|| src(2));
+            if src(0).shape.dtype() == DType::F32 {
+                conv::conv2d_f32(window, *groups, [src(0), src(1)], bias, epilogue, out, ctx)?
+            } else {
+                conv::conv2d(window, *groups, src(0), src(1), bias, out);
+                conv::apply_epilogue(epilogue, out);
+            }
         }
         Op::Conv2d { window, groups } => conv::conv2d(window, *groups, src(0), src(1), opt(2), out),
         Op::MaxPool2d { window } if src(0).shape.dtype() == DType::F32 => {

@@ -7,12 +7,13 @@
 //! Their reference semantics are exactly the unfused ops' (every step rounded to the
 //! dtype), so a fused graph computes what the original did.
 
+use super::conv::{eval_conv2d, infer_conv2d};
 use super::matmul::{eval_matmul, infer_matmul};
 use super::{broadcast_source, mismatch, require_float, same_dtype, unravel};
 use crate::reference::HostTensor;
 use crate::scalar::{binary_f64, unary_f64};
 use crate::shape::broadcast_dims;
-use crate::{BinaryOp, DType, Error, Result, Shape, UnaryOp};
+use crate::{BinaryOp, DType, Error, Result, Shape, UnaryOp, Window2d};
 
 /// One step of an [`Op::Elementwise`](crate::Op::Elementwise) region. Operands are
 /// registers: `0..n` are the region's `n` inputs (broadcast to the output shape),
@@ -130,6 +131,67 @@ pub(crate) fn eval_fused_matmul(
         }
     }
     Ok(t)
+}
+
+pub(crate) fn infer_fused_conv2d(
+    window: &Window2d,
+    groups: usize,
+    bias: bool,
+    activation: Option<UnaryOp>,
+    residual: bool,
+    inputs: &[&Shape],
+) -> Result<Shape> {
+    let expected = 2 + usize::from(bias) + usize::from(residual);
+    if inputs.len() != expected {
+        return Err(Error::invalid(
+            "fused_conv2d",
+            format!("takes {expected} operands, got {}", inputs.len()),
+        ));
+    }
+    let out = infer_conv2d(window, groups, &inputs[..2 + usize::from(bias)])?;
+    if let Some(act) = activation
+        && !fusable_unary(act)
+    {
+        return Err(Error::invalid(
+            "fused_conv2d",
+            format!("{} cannot be an epilogue", act.name()),
+        ));
+    }
+    if residual {
+        let r = inputs[expected - 1];
+        same_dtype("fused_conv2d", &out, r)?;
+        if r.dims() != out.dims() {
+            return Err(mismatch(
+                "fused_conv2d",
+                &out,
+                r,
+                "the residual must have the output's shape",
+            ));
+        }
+    }
+    Ok(out)
+}
+
+pub(crate) fn eval_fused_conv2d(
+    window: &Window2d,
+    groups: usize,
+    bias: bool,
+    activation: Option<UnaryOp>,
+    residual: bool,
+    inputs: &[&HostTensor],
+    out: &Shape,
+) -> HostTensor {
+    let mut t = eval_conv2d(window, groups, &inputs[..2 + usize::from(bias)], out);
+    let dtype = out.dtype();
+    for (i, v) in t.data.iter_mut().enumerate() {
+        if let Some(act) = activation {
+            *v = dtype.round_value(unary_f64(act, *v));
+        }
+        if residual {
+            *v = dtype.round_value(*v + inputs[inputs.len() - 1].data[i]);
+        }
+    }
+    t
 }
 
 pub(crate) fn infer_elementwise(steps: &[EwStep], inputs: &[&Shape]) -> Result<Shape> {
