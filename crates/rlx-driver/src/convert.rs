@@ -22,24 +22,30 @@ fn check_len(what: &str, dtype: DType, values: usize, bytes: usize) -> Result<()
 /// and map NaN to 0; `Bool` is `v != 0`.
 pub fn f32_to_bytes(src: &[f32], dtype: DType, dst: &mut [u8]) -> Result<()> {
     check_len("f32_to_bytes", dtype, src.len(), dst.len())?;
-    let size = dtype.size_in_bytes();
-    let chunks = dst.chunks_exact_mut(size).zip(src);
+    // Fixed-size element chunks: a runtime-sized chunk made every element a `memcpy`
+    // call (staging a 4 MB input cost more than the convolution reading it).
+    macro_rules! encode {
+        ($n:literal, |$v:ident| $bytes:expr) => {{
+            let (elements, _) = dst.as_chunks_mut::<$n>();
+            for (d, &$v) in elements.iter_mut().zip(src) {
+                *d = $bytes;
+            }
+        }};
+    }
     match dtype {
-        DType::F32 => chunks.for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
-        DType::F16 => chunks.for_each(|(d, v)| d.copy_from_slice(&f16::from_f32(*v).to_le_bytes())),
-        DType::BF16 => {
-            chunks.for_each(|(d, v)| d.copy_from_slice(&bf16::from_f32(*v).to_le_bytes()))
-        }
-        DType::F64 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as f64).to_le_bytes())),
-        DType::I8 => chunks.for_each(|(d, v)| d[0] = (*v as i8) as u8),
-        DType::I32 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as i32).to_le_bytes())),
-        DType::I64 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as i64).to_le_bytes())),
-        DType::U8 => chunks.for_each(|(d, v)| d[0] = *v as u8),
-        DType::I16 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as i16).to_le_bytes())),
-        DType::U16 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as u16).to_le_bytes())),
-        DType::U32 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as u32).to_le_bytes())),
-        DType::U64 => chunks.for_each(|(d, v)| d.copy_from_slice(&(*v as u64).to_le_bytes())),
-        DType::Bool => chunks.for_each(|(d, v)| d[0] = (*v != 0.0) as u8),
+        DType::F32 => encode!(4, |v| v.to_le_bytes()),
+        DType::F16 => encode!(2, |v| f16::from_f32(v).to_le_bytes()),
+        DType::BF16 => encode!(2, |v| bf16::from_f32(v).to_le_bytes()),
+        DType::F64 => encode!(8, |v| f64::from(v).to_le_bytes()),
+        DType::I8 => encode!(1, |v| [(v as i8) as u8]),
+        DType::I32 => encode!(4, |v| (v as i32).to_le_bytes()),
+        DType::I64 => encode!(8, |v| (v as i64).to_le_bytes()),
+        DType::U8 => encode!(1, |v| [v as u8]),
+        DType::I16 => encode!(2, |v| (v as i16).to_le_bytes()),
+        DType::U16 => encode!(2, |v| (v as u16).to_le_bytes()),
+        DType::U32 => encode!(4, |v| (v as u32).to_le_bytes()),
+        DType::U64 => encode!(8, |v| (v as u64).to_le_bytes()),
+        DType::Bool => encode!(1, |v| [u8::from(v != 0.0)]),
     }
     Ok(())
 }
@@ -49,33 +55,29 @@ pub fn f32_to_bytes(src: &[f32], dtype: DType, dst: &mut [u8]) -> Result<()> {
 /// large integers round.
 pub fn bytes_to_f32(src: &[u8], dtype: DType, dst: &mut [f32]) -> Result<()> {
     check_len("bytes_to_f32", dtype, dst.len(), src.len())?;
-    let size = dtype.size_in_bytes();
-    let pairs = src.chunks_exact(size).zip(dst.iter_mut());
+    macro_rules! decode {
+        ($n:literal, |$s:ident| $value:expr) => {{
+            let (elements, _) = src.as_chunks::<$n>();
+            for (&$s, d) in elements.iter().zip(dst.iter_mut()) {
+                *d = $value;
+            }
+        }};
+    }
     match dtype {
-        DType::F32 => pairs.for_each(|(s, d)| *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]])),
-        DType::F16 => pairs.for_each(|(s, d)| *d = f16::from_le_bytes([s[0], s[1]]).to_f32()),
-        DType::BF16 => pairs.for_each(|(s, d)| *d = bf16::from_le_bytes([s[0], s[1]]).to_f32()),
-        DType::F64 => pairs.for_each(|(s, d)| *d = f64::from_le_bytes(arr8(s)) as f32),
-        DType::I8 => pairs.for_each(|(s, d)| *d = s[0] as i8 as f32),
-        DType::I32 => {
-            pairs.for_each(|(s, d)| *d = i32::from_le_bytes([s[0], s[1], s[2], s[3]]) as f32)
-        }
-        DType::I64 => pairs.for_each(|(s, d)| *d = i64::from_le_bytes(arr8(s)) as f32),
-        DType::U8 | DType::Bool => pairs.for_each(|(s, d)| *d = s[0] as f32),
-        DType::I16 => pairs.for_each(|(s, d)| *d = i16::from_le_bytes([s[0], s[1]]) as f32),
-        DType::U16 => pairs.for_each(|(s, d)| *d = u16::from_le_bytes([s[0], s[1]]) as f32),
-        DType::U32 => {
-            pairs.for_each(|(s, d)| *d = u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as f32)
-        }
-        DType::U64 => pairs.for_each(|(s, d)| *d = u64::from_le_bytes(arr8(s)) as f32),
+        DType::F32 => decode!(4, |s| f32::from_le_bytes(s)),
+        DType::F16 => decode!(2, |s| f16::from_le_bytes(s).to_f32()),
+        DType::BF16 => decode!(2, |s| bf16::from_le_bytes(s).to_f32()),
+        DType::F64 => decode!(8, |s| f64::from_le_bytes(s) as f32),
+        DType::I8 => decode!(1, |s| f32::from(s[0] as i8)),
+        DType::I32 => decode!(4, |s| i32::from_le_bytes(s) as f32),
+        DType::I64 => decode!(8, |s| i64::from_le_bytes(s) as f32),
+        DType::U8 | DType::Bool => decode!(1, |s| f32::from(s[0])),
+        DType::I16 => decode!(2, |s| f32::from(i16::from_le_bytes(s))),
+        DType::U16 => decode!(2, |s| f32::from(u16::from_le_bytes(s))),
+        DType::U32 => decode!(4, |s| u32::from_le_bytes(s) as f32),
+        DType::U64 => decode!(8, |s| u64::from_le_bytes(s) as f32),
     }
     Ok(())
-}
-
-fn arr8(s: &[u8]) -> [u8; 8] {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&s[..8]);
-    a
 }
 
 /// `f32` values encoded as a fresh byte vector of `dtype`.

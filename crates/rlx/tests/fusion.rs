@@ -898,7 +898,9 @@ fn composites_decompose_into_primitives_that_match() {
     let y = g.add(h, r).unwrap();
     let z = g.mul(g.exp(y).unwrap(), g.scalar(0.5, DType::F32)).unwrap();
     let xc = f32s(&g, "xc", &[2, 3, 6, 7]);
-    let wc = g.param("wc", Shape::new(&[4, 3, 3, 3], DType::F32)).unwrap();
+    let wc = g
+        .param("wc", Shape::new(&[4, 3, 3, 3], DType::F32))
+        .unwrap();
     let bc = g.param("bc", Shape::new(&[4], DType::F32)).unwrap();
     let rc = f32s(&g, "rc", &[2, 4, 6, 7]);
     let conv = g

@@ -27,6 +27,16 @@ pub(super) unsafe fn apply(g: &Gemm, rows: std::ops::Range<usize>, cols: std::op
     }
 }
 
+/// `act(v) + residual` over `out` in place: the epilogue for values a kernel stored
+/// itself (a convolution compacting its output rows).
+pub(crate) fn activate_and_add(
+    out: &mut [f32],
+    activation: Option<Activation>,
+    residual: Option<&[f32]>,
+) {
+    row(out, 1.0, None, activation, residual);
+}
+
 multiversion! {
     /// One row of the epilogue, one plain loop per step over the row (still in L1):
     /// each vectorizes on its own. The activation loops call the math directly; a

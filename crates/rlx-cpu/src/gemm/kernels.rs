@@ -24,6 +24,9 @@ pub(crate) struct MicroKernel {
     /// exactly (the panel keeps its `nr`-wide layout): the product then wastes no
     /// multiply-adds on padding and writes `C` directly instead of through a temporary.
     pub partial: &'static [(usize, KernelFn)],
+    /// Kernels for a last row tile of `r < mr` rows (entry `r - 1`), full width, `A`
+    /// read in place: the edge then needs no packed copy of `A` and no temporary tile.
+    pub row_edges: &'static [KernelFn],
     pub mr: usize,
     pub nr: usize,
     pub name: &'static str,
@@ -46,9 +49,10 @@ fn detect() -> MicroKernel {
             }
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                 return MicroKernel {
-                    run: x86::kernel_avx2,
-                    stream: x86::kernel_avx2,
+                    run: x86::kernel_avx2::<{ x86::AVX2_MR }>,
+                    stream: x86::kernel_avx2::<{ x86::AVX2_MR }>,
                     partial: &[],
+                    row_edges: x86::AVX2_ROW_EDGES,
                     mr: x86::AVX2_MR,
                     nr: x86::AVX2_NR,
                     name: "avx2",
@@ -107,6 +111,7 @@ pub(crate) fn generic_kernel() -> MicroKernel {
         run: kernel_generic,
         stream: kernel_generic,
         partial: &[],
+        row_edges: &[],
         mr: GENERIC_MR,
         nr: GENERIC_NR,
         name: "generic",
@@ -121,9 +126,10 @@ pub(crate) fn available() -> Vec<MicroKernel> {
     {
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             all.push(MicroKernel {
-                run: x86::kernel_avx2,
-                stream: x86::kernel_avx2,
+                run: x86::kernel_avx2::<{ x86::AVX2_MR }>,
+                stream: x86::kernel_avx2::<{ x86::AVX2_MR }>,
                 partial: &[],
+                row_edges: x86::AVX2_ROW_EDGES,
                 mr: x86::AVX2_MR,
                 nr: x86::AVX2_NR,
                 name: "avx2",
@@ -195,6 +201,7 @@ mod x86 {
             (16, kernel_avx512::<AVX512_MR, 1, false>),
             (32, kernel_avx512::<AVX512_MR, 2, false>),
         ],
+        row_edges: &[],
         mr: AVX512_MR,
         nr: AVX512_NR,
         name: "avx512",
@@ -204,6 +211,7 @@ mod x86 {
         run: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, false>,
         stream: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, true>,
         partial: &[(16, kernel_avx512::<AVX512_NARROW_MR, 1, false>)],
+        row_edges: &[],
         mr: AVX512_NARROW_MR,
         nr: AVX512_NARROW_NR,
         name: "avx512",
@@ -211,6 +219,14 @@ mod x86 {
     /// How many B rows ahead the AVX-512 kernel prefetches.
     const PREFETCH_ROWS: usize = 24;
     pub const AVX2_NR: usize = 16;
+    /// The AVX2 kernel for 1 to 5 rows.
+    pub const AVX2_ROW_EDGES: &[super::KernelFn] = &[
+        kernel_avx2::<1>,
+        kernel_avx2::<2>,
+        kernel_avx2::<3>,
+        kernel_avx2::<4>,
+        kernel_avx2::<5>,
+    ];
 
     /// `MR x 16 NV` tile in `MR * NV` zmm accumulators; with `PREFETCH`, B rows
     /// further down the panel are prefetched.
@@ -275,13 +291,14 @@ mod x86 {
         }
     }
 
-    /// 6 x 16 tile in 12 ymm accumulators.
+    /// `MR x 16` tile in `2 MR` ymm accumulators (6 x 16 for whole tiles, fewer rows
+    /// for a last row tile).
     ///
     /// # Safety
     /// AVX2 and FMA must be available; pointers as in `KernelFn`.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)] // the micro-kernel ABI
-    pub unsafe fn kernel_avx2(
+    pub unsafe fn kernel_avx2<const MR: usize>(
         kc: usize,
         a: *const f32,
         lda: usize,
@@ -291,7 +308,6 @@ mod x86 {
         ldc: usize,
         accumulate: bool,
     ) {
-        const MR: usize = AVX2_MR;
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
         let (mut a, mut b) = (a, b);
         for _ in 0..kc {

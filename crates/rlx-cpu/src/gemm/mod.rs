@@ -11,6 +11,7 @@
 
 mod blocking;
 mod epilogue;
+pub(crate) use epilogue::activate_and_add;
 mod kernels;
 mod pack;
 
@@ -564,7 +565,11 @@ unsafe fn tile_step(
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
     let ((ci, cj), (mr_eff, nr_eff), (pc, kc)) = (step.at, step.size, step.depth);
-    let (a_panel, lda) = if mr_eff == mr {
+    // A full-width edge of fewer rows has a kernel of its own that reads A in place.
+    let row_edge = (mr_eff < mr && nr_eff == nr)
+        .then(|| kernel.row_edges.get(mr_eff - 1).copied())
+        .flatten();
+    let (a_panel, lda) = if mr_eff == mr || row_edge.is_some() {
         // SAFETY: rows ci..ci+MR, columns pc.., lie inside A.
         (unsafe { g.a.add(ci * g.lda + pc) }, g.lda)
     } else {
@@ -579,7 +584,7 @@ unsafe fn tile_step(
         // A whole tile, or all rows of a last panel one of the partial kernels covers,
         // goes straight to C; any other edge goes through the temporary tile.
         let direct = if mr_eff < mr {
-            None
+            row_edge
         } else if nr_eff == nr {
             Some(run)
         } else {

@@ -34,12 +34,84 @@ fn column_block(k: usize, pixels: usize) -> usize {
 }
 
 /// Per-thread floats an f32 convolution needs, from its input and weight shapes: one
-/// block of patch columns packed into panels, and one row of it before packing.
+/// block of patch columns packed into panels, and then either one row of it before
+/// packing or, for a [`wide`] convolution, its padded input rows and its product
+/// before the junk columns are dropped.
 pub(crate) fn im2col_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     let k = w.dim(1) * w.dim(2) * w.dim(3);
-    let pixels = extent(win, 0, x.dim(2)) * extent(win, 1, x.dim(3));
-    let block = column_block(k, pixels);
-    crate::gemm::packed_len(k, block) + block
+    let (oh, ow) = (extent(win, 0, x.dim(2)), extent(win, 1, x.dim(3)));
+    // The largest block `conv2d_f32` picks.
+    let block = if shifted(win) {
+        column_block(w.dim(1), oh * ow)
+    } else {
+        column_block(k, oh * ow)
+    };
+    if !wide(win) {
+        return crate::gemm::packed_len(k, block) + block;
+    }
+    let span = wide_span(win, block, ow);
+    let padded = if win.padding == [0; 4] {
+        0
+    } else {
+        w.dim(1) * span.rows * (x.dim(3) + win.padding[1] + win.padding[3])
+    };
+    let product = if win.kernel[1] > 1 {
+        w.dim(0) * span.wide
+    } else {
+        0
+    };
+    let columns = if shifted(win) {
+        0
+    } else {
+        crate::gemm::packed_len(k, span.wide)
+    };
+    columns + padded + product
+}
+
+/// Whether a [`wide`] convolution multiplies shifted views of its input instead of
+/// patch columns: with more than one tap, the patch matrix repeats each input value
+/// once per tap, and writing it cost as much as the product. In wide pixels, tap
+/// `(ky, kx)`'s rows are the padded planes read from offset `ky * w2 + kx` with the
+/// plane as row stride, so each tap is one GEMM over the input channels, with `B`
+/// read in place and all of them accumulating into one block.
+fn shifted(win: &Window2d) -> bool {
+    wide(win) && win.kernel[0] * win.kernel[1] > 1
+}
+
+/// `f64` scratch an f32 convolution needs: its weights regrouped by tap for
+/// [`shifted`] convolutions (`[group][tap][out channel][in channel]`).
+pub(crate) fn conv_scratch_f64(win: &Window2d, w: &Shape) -> usize {
+    if shifted(win) {
+        w.num_elements().div_ceil(2)
+    } else {
+        0
+    }
+}
+
+/// Whether a convolution runs in "wide" pixels (unit stride and dilation): output
+/// rows are computed over the padded input's whole width `w + pad_left + pad_right`,
+/// whose last `kw - 1` positions per row are junk the store drops. In those
+/// coordinates every row `(channel, ky, kx)` of the patch matrix is one contiguous
+/// run of the padded input, so `im2col` is one copy per row, with no bounds to test.
+fn wide(win: &Window2d) -> bool {
+    win.stride == [1, 1] && win.dilation == [1, 1]
+}
+
+/// The largest wide extent of a block of `block` output pixels.
+struct WideSpan {
+    /// Wide pixels, junk included.
+    wide: usize,
+    /// Padded input rows its windows read.
+    rows: usize,
+}
+
+fn wide_span(win: &Window2d, block: usize, ow: usize) -> WideSpan {
+    // A block starting anywhere in a row ends at most ceil(block / ow) rows further.
+    let extra_rows = block.div_ceil(ow.max(1));
+    WideSpan {
+        wide: block + (win.kernel[1] - 1) * extra_rows,
+        rows: extra_rows + win.kernel[0],
+    }
 }
 
 /// The output positions `o` along `axis` whose tap `t` lands inside an input of
@@ -82,8 +154,21 @@ fn im2col(
     let k = c * kh * kw;
     let (sx, dx, px) = (win.stride[1], win.dilation[1], win.padding[1]);
     let row = &mut row[..width];
+    // The input rows this block's windows read: the same span of every plane.
+    let (last_y, (sy, dy, py)) = (
+        (first + width - 1) / ow,
+        (win.stride[0], win.dilation[0], win.padding[0]),
+    );
+    let span_lo = ((first / ow) * sy).saturating_sub(py).min(h);
+    let span_hi = (last_y * sy + (kh - 1) * dy + 1).saturating_sub(py).min(h);
     for ic in 0..c {
         let plane = &x[ic * h * w..(ic + 1) * h * w];
+        // A plane's rows are a short run read once: the hardware prefetchers do not
+        // catch it in time, and each line would be a demand miss. Ask for the next
+        // plane's span while this one is copied.
+        if ic + 1 < c {
+            prefetch_span(&x[(ic + 1) * h * w + span_lo * w..(ic + 1) * h * w + span_hi * w]);
+        }
         for ky in 0..kh {
             for kx in 0..kw {
                 let r = (ic * kh + ky) * kw + kx;
@@ -122,6 +207,22 @@ fn im2col(
             }
         }
     }
+}
+
+/// Asks for every cache line of `values` to be brought into L1.
+#[inline(always)]
+fn prefetch_span(values: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in values.chunks(16) {
+        // SAFETY: a prefetch reads nothing architecturally and never faults.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = values;
 }
 
 /// Stores `row` as row `r` of a `k`-row matrix packed into `nr`-column panels, zero
@@ -196,7 +297,7 @@ pub(crate) fn conv2d_f32(
     bias: Option<Src>,
     epilogue: ConvEpilogue,
     out: Dst,
-    ctx: &Ctx,
+    ctx: &mut Ctx,
 ) -> Result<()> {
     let [n, c, h, wd] = nchw(x.shape);
     let [o, oh, ow] = [out.shape.dim(1), out.shape.dim(2), out.shape.dim(3)];
@@ -207,7 +308,19 @@ pub(crate) fn conv2d_f32(
         return Ok(());
     }
     let threads = ctx.gemm.threads();
-    let block = column_block(k, p);
+    let block = if shifted(win) {
+        // No patch matrix: the block is sized by the padded input rows it reads
+        // (`cg` values per pixel), and cut so that every thread has a block.
+        let fit = column_block(cg, p);
+        let images = n * groups;
+        if images >= threads {
+            fit
+        } else {
+            fit.min(p.div_ceil(threads.div_ceil(images)))
+        }
+    } else {
+        column_block(k, p)
+    };
     let blocks = p.div_ceil(block);
     // SAFETY: the operands are f32 tensors of the shapes read above, and the plan
     // never places the output over an input.
@@ -232,6 +345,23 @@ pub(crate) fn conv2d_f32(
         })?;
     // The residual as an address, read by every task at its block's place.
     let residual_addr = epilogue.residual.map(|r| r.ptr as usize);
+    let is_wide = wide(win);
+    let span = wide_span(win, block, ow);
+    let [kh, kw] = win.kernel;
+    let taps = kh * kw;
+    // Regroup the weights by tap (see `shifted`): tap `t`'s `og x cg` matrix of group
+    // `g` starts at `(g * taps + t) * og * cg`.
+    let by_tap: &[f32] = if shifted(win) {
+        // SAFETY: the step asked for `conv_scratch_f64` values: room for every weight
+        // as f32 (f64 storage is aligned for f32).
+        let regrouped = unsafe {
+            std::slice::from_raw_parts_mut(ctx.scratch.as_mut_ptr().cast::<f32>(), ws.len())
+        };
+        regroup_by_tap(ws, [groups, og, cg, taps], regrouped);
+        regrouped
+    } else {
+        &[]
+    };
     let task = |u: usize, thread: usize| {
         let (image, rest) = (u / (groups * blocks), u % (groups * blocks));
         let (g, j0) = (rest / blocks, (rest % blocks) * block);
@@ -239,6 +369,35 @@ pub(crate) fn conv2d_f32(
         // SAFETY: one task per thread index at a time.
         let (buf, extra) = unsafe { ctx.gemm.parts(thread) };
         let src = &xs[(image * c + g * cg) * h * wd..][..cg * h * wd];
+        if is_wide {
+            let block_out = BlockOut {
+                // SAFETY: rows `g * og ..` of image `image`'s output: inside `out`.
+                out: unsafe { (out_addr as *mut f32).add((image * o + g * og) * p) },
+                residual: residual_addr
+                    .map(|r| unsafe { (r as *const f32).add((image * o + g * og) * p) }),
+                bias: bias.map(|b| &b[g * og..(g + 1) * og]),
+                activation,
+                pixels: p,
+            };
+            let weights = if by_tap.is_empty() {
+                &ws[g * og * k..(g + 1) * og * k]
+            } else {
+                &by_tap[g * og * k..(g + 1) * og * k]
+            };
+            wide_block(
+                win,
+                src,
+                [cg, h, wd],
+                [og, ow],
+                (j0, width),
+                weights,
+                block_out,
+                span.wide,
+                buf,
+                extra,
+            );
+            return;
+        }
         // The panel width the GEMM picks for this block's width (a last, narrower
         // block may get another kernel).
         let nr = crate::gemm::packed_panel_width(width);
@@ -285,6 +444,198 @@ pub(crate) fn conv2d_f32(
         unsafe { sgemm_serial(&gemm, buf) };
     };
     ctx.pool.run(n * groups * blocks, threads, &task)
+}
+
+/// Copies OIHW weights (`groups * og` filters of `cg x taps`) into `out` as
+/// `[group][tap][og][cg]`.
+fn regroup_by_tap(ws: &[f32], [groups, og, cg, taps]: [usize; 4], out: &mut [f32]) {
+    for g in 0..groups {
+        let group_out = &mut out[g * taps * og * cg..][..taps * og * cg];
+        for co in 0..og {
+            let filter = &ws[(g * og + co) * cg * taps..][..cg * taps];
+            for (ci, tap_values) in filter.chunks_exact(taps).enumerate() {
+                for (t, &v) in tap_values.iter().enumerate() {
+                    group_out[(t * og + co) * cg + ci] = v;
+                }
+            }
+        }
+    }
+}
+
+/// Where one image and group's output goes and what is applied on the way.
+struct BlockOut<'a> {
+    /// The group's first output channel of the image (`og` rows of `pixels`).
+    out: *mut f32,
+    /// The residual at the same place, if any.
+    residual: Option<*const f32>,
+    /// The group's `og` bias values.
+    bias: Option<&'a [f32]>,
+    activation: Option<crate::gemm::Activation>,
+    /// Output pixels per channel.
+    pixels: usize,
+}
+
+/// One block of a [`wide`] convolution: pads the input rows it reads (unless the
+/// window has no padding), writes each patch row as one run into packed panels,
+/// multiplies, and stores the block's valid pixels with the bias, activation and
+/// residual. `wide_max` is the widest block the scratch was sized for.
+#[allow(clippy::too_many_arguments)] // geometry, operands, destination and buffers
+fn wide_block(
+    win: &Window2d,
+    src: &[f32],
+    [c, h, w]: [usize; 3],
+    [og, ow]: [usize; 2],
+    (first, width): (usize, usize),
+    weights: &[f32],
+    dst: BlockOut,
+    wide_max: usize,
+    gemm_buf: &mut [f32],
+    extra: &mut [f32],
+) {
+    let [kh, kw] = win.kernel;
+    let [pt, pl, _, pr] = win.padding;
+    let k = c * kh * kw;
+    let (y0, x0) = (first / ow, first % ow);
+    let (y1, x1) = ((first + width - 1) / ow, (first + width - 1) % ow);
+    let w2 = w + pl + pr;
+    let wide = (y1 - y0) * w2 + x1 + 1 - x0;
+    let rows = y1 - y0 + kh;
+    let nr = crate::gemm::packed_panel_width(wide);
+    let taps = kh * kw;
+    let columns = if taps > 1 {
+        0
+    } else {
+        crate::gemm::packed_len(k, wide_max)
+    };
+    let (col, rest) = extra.split_at_mut(columns);
+    // The source planes as `(floats, offset of padded row y0, plane stride)`.
+    let padded = win.padding != [0; 4];
+    let (rest, planes, first_row, plane_len): (&mut [f32], &[f32], usize, usize) = if padded {
+        let (xpad, rest) = rest.split_at_mut(c * rows * w2);
+        for (ci, plane) in xpad.chunks_exact_mut(rows * w2).enumerate() {
+            for (r, line) in plane.chunks_exact_mut(w2).enumerate() {
+                let iy = (y0 + r) as isize - pt as isize;
+                if (0..h as isize).contains(&iy) {
+                    let iy = iy as usize;
+                    line[..pl].fill(0.0);
+                    line[pl..pl + w].copy_from_slice(&src[(ci * h + iy) * w..][..w]);
+                    line[pl + w..].fill(0.0);
+                } else {
+                    line.fill(0.0);
+                }
+            }
+        }
+        (rest, &*xpad, 0, rows * w2)
+    } else {
+        (rest, src, y0 * w, h * w)
+    };
+    if taps == 1 {
+        for ci in 0..c {
+            let plane = &planes[ci * plane_len + first_row..];
+            if !padded && ci + 1 < c {
+                prefetch_span(&planes[(ci + 1) * plane_len + first_row..][..rows * w2]);
+            }
+            scatter_to_panels(&plane[x0..][..wide], ci, k, nr, col);
+        }
+    }
+    let direct = kw == 1;
+    let (c_ptr, ldc) = if direct {
+        // No junk columns: the product goes straight to the output.
+        // SAFETY: pixels first.. of every channel row lie inside this image's output.
+        (unsafe { dst.out.add(first) }, dst.pixels)
+    } else {
+        (rest[..og * wide].as_mut_ptr(), wide)
+    };
+    if let Some(bias) = dst.bias {
+        for (r, &b) in bias.iter().enumerate() {
+            // SAFETY: row r of the product, `wide` values, is inside C.
+            unsafe { std::slice::from_raw_parts_mut(c_ptr.add(r * ldc), wide) }.fill(b);
+        }
+    }
+    let epilogue = if direct {
+        Epilogue {
+            activation: dst.activation,
+            // SAFETY: the residual has the output's layout.
+            residual: dst.residual.map(|r| (unsafe { r.add(first) }, dst.pixels)),
+            ..Epilogue::NONE
+        }
+    } else {
+        Epilogue::NONE
+    };
+    if taps == 1 {
+        let gemm = Gemm {
+            m: og,
+            n: wide,
+            k,
+            a: weights.as_ptr(),
+            lda: k,
+            b: col.as_ptr(),
+            ldb: wide,
+            b_transposed: false,
+            b_format: BFormat::Packed { nr },
+            c: c_ptr,
+            ldc,
+            accumulate: dst.bias.is_some(),
+            epilogue,
+        };
+        // SAFETY: A is `og x k` in `weights`, B the packed panels of a `k x wide`
+        // matrix, C `og x wide` with row stride `ldc` (the output's rows or the
+        // scratch product).
+        unsafe { sgemm_serial(&gemm, gemm_buf) };
+    } else {
+        // One product per tap over the input channels; `weights` is grouped by tap.
+        for t in 0..taps {
+            let (ky, kx) = (t / kw, t % kw);
+            let gemm = Gemm {
+                m: og,
+                n: wide,
+                k: c,
+                a: weights[t * og * c..].as_ptr(),
+                lda: c,
+                b: planes[first_row + ky * w2 + kx + x0..].as_ptr(),
+                ldb: plane_len,
+                b_transposed: false,
+                b_format: BFormat::F32,
+                c: c_ptr,
+                ldc,
+                accumulate: t > 0 || dst.bias.is_some(),
+                epilogue: if t + 1 == taps {
+                    epilogue
+                } else {
+                    Epilogue::NONE
+                },
+            };
+            // SAFETY: A is `og x c` in `weights`; B's rows (one per channel, `plane_len`
+            // apart) hold `wide` values from the tap's offset inside each plane (the
+            // wide geometry keeps the last one inside); C as above.
+            unsafe { sgemm_serial(&gemm, gemm_buf) };
+        }
+    }
+    if direct {
+        return;
+    }
+    // Store each output row's valid run, dropping the junk columns.
+    let product = &rest[..og * wide];
+    for (co, prow) in product.chunks_exact(wide).enumerate() {
+        for y in y0..=y1 {
+            let xs = if y == y0 { x0 } else { 0 };
+            let xe = if y == y1 { x1 + 1 } else { ow };
+            let at = co * dst.pixels + y * ow + xs;
+            // SAFETY: pixels `y * ow + xs .. + (xe - xs)` of channel row `co` lie inside
+            // the output (and the residual); this task alone writes them.
+            let (out, residual) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(dst.out.add(at), xe - xs),
+                    dst.residual
+                        .map(|r| std::slice::from_raw_parts(r.add(at), xe - xs)),
+                )
+            };
+            out.copy_from_slice(&prow[(y - y0) * w2 + xs - x0..][..xe - xs]);
+            if dst.activation.is_some() || residual.is_some() {
+                crate::gemm::activate_and_add(out, dst.activation, residual);
+            }
+        }
+    }
 }
 
 /// What a fused convolution does to each output value after the bias:

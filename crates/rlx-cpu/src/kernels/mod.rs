@@ -28,6 +28,11 @@ pub(crate) use reduce::ReduceGeometry;
 pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
     match op {
         Op::Attention { seq_major, .. } => inputs[1].dim(if *seq_major { 1 } else { 2 }),
+        Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }
+            if inputs[0].dtype() == DType::F32 =>
+        {
+            conv::conv_scratch_f64(window, &inputs[1])
+        }
         _ => 0,
     }
 }
