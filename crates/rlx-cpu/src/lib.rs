@@ -53,8 +53,9 @@ pub struct CpuProgram {
     plan: Arc<Plan>,
     arena: HostArena,
     params: Vec<Arc<Buffer>>,
-    /// `(k, n)` of the params that matrix products read packed ahead as `B`.
-    packable: Vec<Option<(usize, usize)>>,
+    /// The form each param is packed ahead into (as products' `B`, or convolution
+    /// weights by tap), if any step reads it packed.
+    packable: Vec<Option<prepack::PackSpec>>,
     /// Their packed forms, made when their values are set (until then products read
     /// the params unpacked).
     packed: Vec<Option<PackedParam>>,
@@ -112,8 +113,10 @@ impl CpuProgram {
                 .map(|(x, s)| (plan.locations[x.index()], s.clone()))
                 .collect();
             let packed_b =
-                prepack::packed_operand(&node.op, &inputs, &param_shapes).map(|(index, k, n)| {
-                    packable[index] = Some((k, n));
+                prepack::packed_operand(&node.op, &inputs, &param_shapes).map(|(index, spec)| {
+                    // A param two kinds of step read is packed for the first; the
+                    // other finds the form does not fit and reads the param.
+                    packable[index].get_or_insert(spec);
                     index
                 });
             let geometry = match &node.op {
@@ -283,7 +286,7 @@ impl CpuProgram {
             });
         }
         let packing = match self.packable.get(index) {
-            Some(&Some((k, n))) => Some((k, n, PackedParam::panels(k, n, &what)?)),
+            Some(&Some(spec)) => Some((spec, PackedParam::panels(spec, &what)?)),
             _ => None,
         };
         let shared = Arc::strong_count(buf) > 1 || Arc::weak_count(buf) > 0;
@@ -298,8 +301,8 @@ impl CpuProgram {
         }
         // Unique now, so this never copies.
         Arc::make_mut(slot).write(bytes)?;
-        if let Some((k, n, panels)) = packing {
-            self.packed[index] = Some(PackedParam::pack_into(k, n, slot, panels));
+        if let Some((spec, panels)) = packing {
+            self.packed[index] = Some(PackedParam::pack_into(spec, slot, panels));
         }
         Ok(())
     }
@@ -348,9 +351,9 @@ impl CpuProgram {
             });
         }
         let packed = match self.packable.get(index) {
-            Some(&Some((k, n))) => Some(match &shared.packed {
-                Some(theirs) if theirs.fits(k, n) => theirs.clone(),
-                _ => PackedParam::pack(k, n, buffer, &format!("param #{index}"))?,
+            Some(&Some(spec)) => Some(match &shared.packed {
+                Some(theirs) if theirs.fits(spec) => theirs.clone(),
+                _ => PackedParam::pack(spec, buffer, &format!("param #{index}"))?,
             }),
             _ => None,
         };

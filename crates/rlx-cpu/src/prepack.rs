@@ -2,58 +2,114 @@
 //! is packed into the GEMM's panel layout whenever its value changes, so runs read
 //! each panel as one contiguous stream and never pack it again. With few rows on the
 //! left (short prompts, decoding) the product is bound by reading the weights, and a
-//! contiguous stream is read about twice as fast as rows far apart.
+//! contiguous stream is read about twice as fast as rows far apart. The weights of a
+//! convolution that multiplies per tap are regrouped by tap the same way.
 
 use crate::gemm::{pack_b_panels, packed_len, packed_panel_width};
+use crate::kernels::conv::{regroup_by_tap, shifted};
 use crate::tensor::Src;
 use rlx_driver::Buffer;
 use rlx_ir::{DType, Op, Result, Shape};
 use rlx_opt::{Location, Region};
 use std::sync::Arc;
 
-/// A `[k, n]` param packed for the GEMM kernel of width `n` (layout of
-/// `BFormat::Packed`). Cheap to clone: the panels are shared.
+/// The form a param is packed ahead into for the steps that read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PackSpec {
+    /// The `[k, n]` right operand of matrix products, in the GEMM's panels.
+    Panels { k: usize, n: usize },
+    /// Convolution weights (`groups * og` filters of `cg` channels by `taps` taps)
+    /// regrouped as `[group][tap][og][cg]` for a convolution that multiplies per tap.
+    ConvTaps {
+        groups: usize,
+        og: usize,
+        cg: usize,
+        taps: usize,
+    },
+}
+
+impl PackSpec {
+    /// Floats of the packed form (saturating, so an impossible size fails the
+    /// allocation's check).
+    fn len(&self) -> usize {
+        match *self {
+            PackSpec::Panels { k, n } => packed_len(k, n),
+            PackSpec::ConvTaps {
+                groups,
+                og,
+                cg,
+                taps,
+            } => groups
+                .saturating_mul(og)
+                .saturating_mul(cg)
+                .saturating_mul(taps),
+        }
+    }
+}
+
+/// A param packed ahead (a `[k, n]` matrix in the layout of `BFormat::Packed` for the
+/// GEMM kernel of width `n`, or convolution weights regrouped by tap). Cheap to
+/// clone: the packed values are shared.
 #[derive(Clone, Debug)]
 pub struct PackedParam {
-    k: usize,
-    n: usize,
+    spec: PackSpec,
+    /// Panel width (matrices only).
     nr: usize,
     panels: Arc<Buffer>,
 }
 
 impl PackedParam {
-    /// Packs `param`, a `[k, n]` `f32` matrix; `what` names it in the
-    /// [`rlx_ir::Error::OutOfMemory`] returned when the panels cannot be allocated.
-    pub(crate) fn pack(k: usize, n: usize, param: &Buffer, what: &str) -> Result<PackedParam> {
+    /// Packs `param` into the form `spec`; `what` names it in the
+    /// [`rlx_ir::Error::OutOfMemory`] returned when the storage cannot be allocated.
+    pub(crate) fn pack(spec: PackSpec, param: &Buffer, what: &str) -> Result<PackedParam> {
         Ok(PackedParam::pack_into(
-            k,
-            n,
+            spec,
             param,
-            PackedParam::panels(k, n, what)?,
+            PackedParam::panels(spec, what)?,
         ))
     }
 
-    /// Zeroed storage for the panels of a `[k, n]` matrix (the fallible part of
-    /// packing, done before anything is changed).
-    pub(crate) fn panels(k: usize, n: usize, what: &str) -> Result<Buffer> {
-        let what = format!("packed panels of {what}");
-        Buffer::try_zeroed(Shape::new(&[packed_len(k, n)], DType::F32), &what)
+    /// Zeroed storage for the form `spec` (the fallible part of packing, done before
+    /// anything is changed).
+    pub(crate) fn panels(spec: PackSpec, what: &str) -> Result<Buffer> {
+        let what = format!("packed form of {what}");
+        Buffer::try_zeroed(Shape::new(&[spec.len()], DType::F32), &what)
     }
 
-    /// Packs `param` into `panels` (from [`PackedParam::panels`] for the same `k, n`).
-    pub(crate) fn pack_into(k: usize, n: usize, param: &Buffer, mut panels: Buffer) -> PackedParam {
-        let nr = pack_b_panels(&as_f32(param)[..k * n], k, n, as_f32_mut(&mut panels));
+    /// Packs `param` into `panels` (from [`PackedParam::panels`] for the same spec).
+    pub(crate) fn pack_into(spec: PackSpec, param: &Buffer, mut panels: Buffer) -> PackedParam {
+        let (values, out) = (as_f32(param), as_f32_mut(&mut panels));
+        let nr = match spec {
+            PackSpec::Panels { k, n } => pack_b_panels(&values[..k * n], k, n, out),
+            PackSpec::ConvTaps {
+                groups,
+                og,
+                cg,
+                taps,
+            } => {
+                regroup_by_tap(values, [groups, og, cg, taps], out);
+                0
+            }
+        };
         PackedParam {
-            k,
-            n,
+            spec,
             nr,
             panels: Arc::new(panels),
         }
     }
 
-    /// Whether it is the packed form a `[k, n]` product on this CPU reads.
-    pub(crate) fn fits(&self, k: usize, n: usize) -> bool {
-        (self.k, self.n, self.nr) == (k, n, packed_panel_width(n))
+    /// Whether it is the packed form `spec` asks for on this CPU.
+    pub(crate) fn fits(&self, spec: PackSpec) -> bool {
+        self.spec == spec
+            && match spec {
+                PackSpec::Panels { n, .. } => self.nr == packed_panel_width(n),
+                PackSpec::ConvTaps { .. } => true,
+            }
+    }
+
+    /// The packed values.
+    pub(crate) fn values(&self) -> &[f32] {
+        as_f32(&self.panels)
     }
 
     /// `(first panel, panel width)` for the GEMM.
@@ -81,14 +137,15 @@ fn as_f32_mut(buffer: &mut Buffer) -> &mut [f32] {
     unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<f32>(), bytes.len() / 4) }
 }
 
-/// The param a step reads as a packed right operand, with its `(k, n)`: an `f32`
-/// matrix product (plain or with an epilogue) whose `B` is a whole 2-D param.
+/// The param a step reads packed ahead, with the form: the right operand of an `f32`
+/// matrix product (plain or with an epilogue) that is a whole 2-D param, or the
+/// weights of an `f32` convolution that multiplies per tap, when a whole param.
 pub(crate) fn packed_operand(
     op: &Op,
     inputs: &[(Location, Shape)],
     params: &[Shape],
-) -> Option<(usize, usize, usize)> {
-    if !matches!(op, Op::MatMul | Op::FusedMatMul { .. }) || inputs.len() < 2 {
+) -> Option<(usize, PackSpec)> {
+    if inputs.len() < 2 {
         return None;
     }
     let (a, (b_loc, b)) = (&inputs[0].1, &inputs[1]);
@@ -96,8 +153,27 @@ pub(crate) fn packed_operand(
         return None;
     };
     let whole = b_loc.offset == 0 && params.get(index) == Some(b);
-    (whole && a.dtype() == DType::F32 && b.dtype() == DType::F32 && b.rank() == 2)
-        .then(|| (index, b.dim(0), b.dim(1)))
+    if !whole || a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+        return None;
+    }
+    let spec = match op {
+        Op::MatMul | Op::FusedMatMul { .. } if b.rank() == 2 => PackSpec::Panels {
+            k: b.dim(0),
+            n: b.dim(1),
+        },
+        Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
+            if shifted(window) && b.rank() == 4 =>
+        {
+            PackSpec::ConvTaps {
+                groups: *groups,
+                og: b.dim(0) / groups,
+                cg: b.dim(1),
+                taps: b.dim(2) * b.dim(3),
+            }
+        }
+        _ => return None,
+    };
+    Some((index, spec))
 }
 
 /// The packed operand a kernel should read for `b`, when the step has one that
@@ -105,6 +181,11 @@ pub(crate) fn packed_operand(
 pub(crate) fn operand_for(packed: Option<&PackedParam>, b: &Src) -> Option<(*const f32, usize)> {
     let packed = packed?;
     let dims = b.shape.dims();
-    (dims.len() == 2 && b.shape.dtype() == DType::F32 && packed.fits(dims[0], dims[1]))
-        .then(|| packed.operand())
+    (dims.len() == 2
+        && b.shape.dtype() == DType::F32
+        && packed.fits(PackSpec::Panels {
+            k: dims[0],
+            n: dims[1],
+        }))
+    .then(|| packed.operand())
 }

@@ -74,7 +74,7 @@ pub(crate) fn im2col_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
 /// `(ky, kx)`'s rows are the padded planes read from offset `ky * w2 + kx` with the
 /// plane as row stride, so each tap is one GEMM over the input channels, with `B`
 /// read in place and all of them accumulating into one block.
-fn shifted(win: &Window2d) -> bool {
+pub(crate) fn shifted(win: &Window2d) -> bool {
     wide(win) && win.kernel[0] * win.kernel[1] > 1
 }
 
@@ -351,7 +351,18 @@ pub(crate) fn conv2d_f32(
     let taps = kh * kw;
     // Regroup the weights by tap (see `shifted`): tap `t`'s `og x cg` matrix of group
     // `g` starts at `(g * taps + t) * og * cg`.
-    let by_tap: &[f32] = if shifted(win) {
+    let spec = crate::prepack::PackSpec::ConvTaps {
+        groups,
+        og,
+        cg,
+        taps,
+    };
+    let by_tap: &[f32] = if !shifted(win) {
+        &[]
+    } else if let Some(packed) = ctx.packed_b.filter(|p| p.fits(spec)) {
+        // Regrouped when the param was set.
+        packed.values()
+    } else {
         // SAFETY: the step asked for `conv_scratch_f64` values: room for every weight
         // as f32 (f64 storage is aligned for f32).
         let regrouped = unsafe {
@@ -359,8 +370,6 @@ pub(crate) fn conv2d_f32(
         };
         regroup_by_tap(ws, [groups, og, cg, taps], regrouped);
         regrouped
-    } else {
-        &[]
     };
     let task = |u: usize, thread: usize| {
         let (image, rest) = (u / (groups * blocks), u % (groups * blocks));
@@ -448,7 +457,7 @@ pub(crate) fn conv2d_f32(
 
 /// Copies OIHW weights (`groups * og` filters of `cg x taps`) into `out` as
 /// `[group][tap][og][cg]`.
-fn regroup_by_tap(ws: &[f32], [groups, og, cg, taps]: [usize; 4], out: &mut [f32]) {
+pub(crate) fn regroup_by_tap(ws: &[f32], [groups, og, cg, taps]: [usize; 4], out: &mut [f32]) {
     for g in 0..groups {
         let group_out = &mut out[g * taps * og * cg..][..taps * og * cg];
         for co in 0..og {

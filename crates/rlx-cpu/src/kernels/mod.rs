@@ -3,7 +3,7 @@
 
 mod attention;
 pub(crate) mod attention_f32;
-mod conv;
+pub(crate) mod conv;
 mod elementwise;
 mod fused;
 mod layout;
