@@ -6,7 +6,7 @@
 //! convolution that multiplies per tap are regrouped by tap the same way.
 
 use crate::gemm::{pack_b_panels, packed_len, packed_panel_width};
-use crate::kernels::conv::{regroup_by_tap, shifted};
+use crate::kernels::conv_f32::{by_tap, regroup_by_tap};
 use crate::tensor::Src;
 use rlx_driver::Buffer;
 use rlx_ir::{DType, Op, Result, Shape};
@@ -162,7 +162,7 @@ pub(crate) fn packed_operand(
             n: b.dim(1),
         },
         Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
-            if shifted(window) && b.rank() == 4 =>
+            if b.rank() == 4 && by_tap(window, b.dim(1)) =>
         {
             PackSpec::ConvTaps {
                 groups: *groups,

@@ -3,7 +3,8 @@
 
 mod attention;
 pub(crate) mod attention_f32;
-pub(crate) mod conv;
+mod conv;
+pub(crate) mod conv_f32;
 mod elementwise;
 mod fused;
 mod layout;
@@ -31,7 +32,7 @@ pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
         Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }
             if inputs[0].dtype() == DType::F32 =>
         {
-            conv::conv_scratch_f64(window, &inputs[1])
+            conv_f32::scratch_f64(window, &inputs[1])
         }
         _ => 0,
     }
@@ -121,7 +122,7 @@ pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
         Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }
             if inputs[0].dtype() == DType::F32 =>
         {
-            conv::im2col_floats(window, &inputs[0], &inputs[1])
+            conv_f32::thread_floats(window, &inputs[0], &inputs[1])
         }
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } if inputs[0].dtype() == DType::F32 => {
             conv::pool_floats(&inputs[0])
@@ -230,7 +231,7 @@ pub(crate) fn run<'a>(
         Op::OneHot { depth, .. } => misc::one_hot(*depth, src(0), out),
         Op::Conv2d { window, groups } if src(0).shape.dtype() == DType::F32 => {
             let epilogue = conv::ConvEpilogue::default();
-            conv::conv2d_f32(
+            conv_f32::conv2d(
                 window,
                 *groups,
                 [src(0), src(1)],
@@ -253,7 +254,7 @@ pub(crate) fn run<'a>(
             };
             let bias = bias.then(|| src(2));
             if src(0).shape.dtype() == DType::F32 {
-                conv::conv2d_f32(window, *groups, [src(0), src(1)], bias, epilogue, out, ctx)?
+                conv_f32::conv2d(window, *groups, [src(0), src(1)], bias, epilogue, out, ctx)?
             } else {
                 conv::conv2d(window, *groups, src(0), src(1), bias, out);
                 conv::apply_epilogue(epilogue, out);

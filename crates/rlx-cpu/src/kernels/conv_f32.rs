@@ -1,0 +1,562 @@
+//! The `f32` convolution as GEMMs, with no patch matrix.
+//!
+//! Output pixels are computed in "wide" coordinates: every output row spans the whole
+//! width `wq = ceil((w + pad_left + pad_right) / stride_x)` of the input's phase
+//! planes, and the last `wq - ow` positions of each row are junk the store drops. The
+//! input is split into `stride_y x stride_x` phase planes (plane `(py, px)` holds the
+//! padded input's rows `py, py + sy, ..` and columns `px, px + sx, ..`). Tap `(ky, kx)`
+//! reads phase `((ky dy) % sy, (kx dx) % sx)` shifted by `((ky dy) / sy, (kx dx) /
+//! sx)`, and in wide coordinates that shift is one offset: the tap's operand is the
+//! phase planes read from that offset, one plane per input channel. So a convolution
+//! is one GEMM per tap over the input channels, all accumulating into one block, with
+//! `B` read in place. Writing a patch matrix instead (`im2col`) repeats each input
+//! value once per tap, and cost as much as the products.
+//!
+//! A unit-stride convolution with no padding reads its input as the phase plane; any
+//! other builds the planes a block reads (one strided copy of those input rows). Two
+//! kinds copy each `(channel, tap)` row of the phase planes (a contiguous run in wide
+//! coordinates) into packed GEMM panels and run one GEMM instead: a 1x1 unit-stride
+//! convolution (the GEMM reads packed panels faster than rows a plane apart), and
+//! one with few input channels per group (a product per tap over so few channels
+//! would be all overhead; the first layer of an image model has 3).
+//!
+//! Work is split into pool tasks by image, group and block of output pixels; a block
+//! is sized so the input rows it reads take about half of L2.
+
+use super::Ctx;
+use super::conv::{ConvEpilogue, extent, nchw};
+use crate::gemm::{Activation, BFormat, Epilogue, Gemm, sgemm_serial};
+use crate::tensor::{Dst, Src};
+use rlx_ir::{Result, Shape, Window2d};
+
+/// Below this many input channels per group, a convolution with several taps packs
+/// its `(channel, tap)` rows into panels instead of multiplying per tap.
+const PER_TAP_MIN_CHANNELS: usize = 32;
+
+/// Input values (per pixel of output) a block may read from L2: half of it.
+fn pixel_block(per_pixel: usize, pixels: usize) -> usize {
+    let nr = crate::gemm::packed_panel_width(pixels);
+    let fit = crate::gemm::l2_cache_bytes() / 2 / 4 / per_pixel.max(1);
+    (fit / nr * nr).max(nr).min(pixels.max(1))
+}
+
+/// The geometry of one convolution in wide coordinates.
+#[derive(Clone, Copy)]
+struct Geometry {
+    /// Input channels per group, taps per filter.
+    cg: usize,
+    taps: usize,
+    /// Input rows and columns.
+    h: usize,
+    w: usize,
+    /// Output columns.
+    ow: usize,
+    /// Width of a phase plane (output columns plus junk).
+    wq: usize,
+    /// Phase planes per channel (`sy * sx`).
+    phases: usize,
+    /// Whether the input itself is the one phase plane (unit stride, no padding).
+    in_place: bool,
+    /// Whether the taps run as one GEMM over `(channel, tap)` rows packed into
+    /// panels (see the module docs), with the weights as they are.
+    packed: bool,
+}
+
+impl Geometry {
+    fn new(win: &Window2d, cg: usize, [h, w]: [usize; 2], ow: usize) -> Geometry {
+        let [sy, sx] = win.stride;
+        let padded_width = w + win.padding[1] + win.padding[3];
+        let unit_stride = win.stride == [1, 1];
+        let taps = win.kernel[0] * win.kernel[1];
+        Geometry {
+            cg,
+            taps,
+            h,
+            w,
+            ow,
+            wq: padded_width.div_ceil(sx),
+            phases: sy * sx,
+            in_place: unit_stride && win.padding == [0; 4],
+            packed: !by_tap(win, cg) || (unit_stride && taps == 1),
+        }
+    }
+
+    /// Rows of the packed matrix (`cg * taps`), if packed.
+    fn packed_rows(&self) -> usize {
+        if self.packed { self.cg * self.taps } else { 0 }
+    }
+
+    /// Values per output pixel a block keeps in L2: its phase planes' and packed
+    /// panels'.
+    fn per_pixel(&self) -> usize {
+        self.cg * self.phases + self.packed_rows()
+    }
+
+    /// `(wide pixels, phase rows)` of a block of `width` output pixels from `first`.
+    fn span(&self, win: &Window2d, first: usize, width: usize) -> (usize, usize) {
+        let (y0, x0) = (first / self.ow, first % self.ow);
+        let (y1, x1) = ((first + width - 1) / self.ow, (first + width - 1) % self.ow);
+        let reach = (win.kernel[0] - 1) * win.dilation[0] / win.stride[0];
+        ((y1 - y0) * self.wq + x1 + 1 - x0, y1 - y0 + reach + 1)
+    }
+
+    /// The largest `(wide pixels, phase rows)` of a block of `block` pixels.
+    fn max_span(&self, win: &Window2d, block: usize) -> (usize, usize) {
+        // A block starting anywhere in a row ends at most ceil(block / ow) rows on.
+        let extra_rows = block.div_ceil(self.ow.max(1));
+        let reach = (win.kernel[0] - 1) * win.dilation[0] / win.stride[0];
+        (
+            block + (self.wq - self.ow) * extra_rows,
+            extra_rows + reach + 1,
+        )
+    }
+
+    /// Floats of the phase planes of a block reading `rows` phase rows.
+    fn planes_len(&self, rows: usize) -> usize {
+        if self.in_place {
+            0
+        } else {
+            self.phases * self.cg * rows * self.wq
+        }
+    }
+}
+
+/// Per-thread floats an f32 convolution needs, from its input and weight shapes: the
+/// phase planes of a block, its packed panels (1x1) and its product before the junk
+/// columns are dropped.
+pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
+    let (oh, ow) = (extent(win, 0, x.dim(2)), extent(win, 1, x.dim(3)));
+    let geo = Geometry::new(win, w.dim(1), [x.dim(2), x.dim(3)], ow);
+    let block = pixel_block(geo.per_pixel(), oh * ow);
+    let (wide, rows) = geo.max_span(win, block);
+    let panels = if geo.packed {
+        crate::gemm::packed_len(geo.packed_rows(), wide)
+    } else {
+        0
+    };
+    let product = if geo.wq > ow { w.dim(0) * wide } else { 0 };
+    panels + geo.planes_len(rows) + product
+}
+
+/// Whether a convolution with `cg` input channels per group multiplies per tap and
+/// so reads its weights regrouped by tap.
+pub(crate) fn by_tap(win: &Window2d, cg: usize) -> bool {
+    win.kernel[0] * win.kernel[1] > 1 && cg >= PER_TAP_MIN_CHANNELS
+}
+
+/// `f64` scratch an f32 convolution needs: its weights regrouped by tap, for when the
+/// step has no copy regrouped ahead.
+pub(crate) fn scratch_f64(win: &Window2d, w: &Shape) -> usize {
+    if by_tap(win, w.dim(1)) {
+        w.num_elements().div_ceil(2)
+    } else {
+        0
+    }
+}
+
+/// Copies OIHW weights (`groups * og` filters of `cg x taps`) into `out` as
+/// `[group][tap][og][cg]`: tap `t`'s `og x cg` matrix of group `g` starts at
+/// `(g * taps + t) * og * cg`.
+pub(crate) fn regroup_by_tap(ws: &[f32], [groups, og, cg, taps]: [usize; 4], out: &mut [f32]) {
+    for g in 0..groups {
+        let group_out = &mut out[g * taps * og * cg..][..taps * og * cg];
+        for co in 0..og {
+            let filter = &ws[(g * og + co) * cg * taps..][..cg * taps];
+            for (ci, tap_values) in filter.chunks_exact(taps).enumerate() {
+                for (t, &v) in tap_values.iter().enumerate() {
+                    group_out[(t * og + co) * cg + ci] = v;
+                }
+            }
+        }
+    }
+}
+
+/// The convolution: one pool task per image, group and block of output pixels.
+pub(crate) fn conv2d(
+    win: &Window2d,
+    groups: usize,
+    [x, w]: [Src; 2],
+    bias: Option<Src>,
+    epilogue: ConvEpilogue,
+    out: Dst,
+    ctx: &mut Ctx,
+) -> Result<()> {
+    let [n, c, h, wd] = nchw(x.shape);
+    let [o, oh, ow] = [out.shape.dim(1), out.shape.dim(2), out.shape.dim(3)];
+    let (cg, og) = (c / groups, o / groups);
+    let p = oh * ow;
+    if p == 0 || og == 0 || n == 0 {
+        return Ok(());
+    }
+    let geo = Geometry::new(win, cg, [h, wd], ow);
+    let threads = ctx.gemm.threads();
+    let images = n * groups;
+    let fit = pixel_block(geo.per_pixel(), p);
+    // Cut so that every thread has a block.
+    let block = if images >= threads {
+        fit
+    } else {
+        fit.min(p.div_ceil(threads.div_ceil(images)))
+    };
+    let blocks = p.div_ceil(block);
+    let (wide_max, _) = geo.max_span(win, block);
+    // SAFETY: the operands are f32 tensors of the shapes read above, and the plan
+    // never places the output over an input.
+    let (xs, ws) = unsafe {
+        (
+            std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len),
+            std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len),
+        )
+    };
+    let weights: &[f32] = if !by_tap(win, cg) {
+        ws
+    } else if let Some(packed) = ctx.packed_b.filter(|p| {
+        p.fits(crate::prepack::PackSpec::ConvTaps {
+            groups,
+            og,
+            cg,
+            taps: geo.taps,
+        })
+    }) {
+        // Regrouped when the param was set.
+        packed.values()
+    } else {
+        // SAFETY: the step asked for `scratch_f64` values: room for every weight as
+        // f32 (f64 storage is aligned for f32).
+        let regrouped = unsafe {
+            std::slice::from_raw_parts_mut(ctx.scratch.as_mut_ptr().cast::<f32>(), ws.len())
+        };
+        regroup_by_tap(ws, [groups, og, cg, geo.taps], regrouped);
+        regrouped
+    };
+    let activation = epilogue
+        .activation
+        .map(|a| super::fused::gemm_activation(a).ok_or(a))
+        .transpose()
+        .map_err(|a| {
+            rlx_ir::Error::runtime(
+                "fused_conv2d",
+                format!("{} has no epilogue kernel", a.name()),
+            )
+        })?;
+    // Addresses, so tasks on other threads can write their blocks.
+    let out_addr = out.ptr as usize;
+    let residual_addr = epilogue.residual.map(|r| r.ptr as usize);
+    // SAFETY: an f32 tensor of `o` values.
+    let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), b.len) });
+    let task = |u: usize, thread: usize| {
+        let (image, rest) = (u / (groups * blocks), u % (groups * blocks));
+        let (g, j0) = (rest / blocks, (rest % blocks) * block);
+        let width = block.min(p - j0);
+        let first_channel = (image * o + g * og) * p;
+        let dst = BlockOut {
+            // SAFETY: rows `g * og ..` of image `image`'s output: inside `out`.
+            out: unsafe { (out_addr as *mut f32).add(first_channel) },
+            // SAFETY: the residual has the output's shape.
+            residual: residual_addr.map(|r| unsafe { (r as *const f32).add(first_channel) }),
+            bias: bias.map(|b| &b[g * og..(g + 1) * og]),
+            activation,
+            pixels: p,
+        };
+        // SAFETY: one task per thread index at a time.
+        let (gemm_buf, extra) = unsafe { ctx.gemm.parts(thread) };
+        let block_task = BlockTask {
+            win,
+            geo: &geo,
+            src: &xs[(image * c + g * cg) * h * wd..][..cg * h * wd],
+            weights: &weights[g * og * cg * geo.taps..][..og * cg * geo.taps],
+            og,
+            first: j0,
+            width,
+            wide_max,
+        };
+        block_task.run(dst, gemm_buf, extra);
+    };
+    ctx.pool.run(n * groups * blocks, threads, &task)
+}
+
+/// Where one image and group's output goes and what is applied on the way.
+struct BlockOut<'a> {
+    /// The group's first output channel of the image (`og` rows of `pixels`).
+    out: *mut f32,
+    /// The residual at the same place, if any.
+    residual: Option<*const f32>,
+    /// The group's `og` bias values.
+    bias: Option<&'a [f32]>,
+    activation: Option<Activation>,
+    /// Output pixels per channel.
+    pixels: usize,
+}
+
+/// One block of output pixels of one image and group.
+struct BlockTask<'a> {
+    win: &'a Window2d,
+    geo: &'a Geometry,
+    /// The group's `cg` input planes of the image.
+    src: &'a [f32],
+    /// The group's weights: by tap if it has several, else `[og][cg]`.
+    weights: &'a [f32],
+    og: usize,
+    first: usize,
+    width: usize,
+    /// The widest block the scratch was sized for.
+    wide_max: usize,
+}
+
+impl BlockTask<'_> {
+    /// Builds the block's phase planes (unless the input is one), multiplies, and
+    /// stores the valid pixels with the bias, activation and residual.
+    fn run(&self, dst: BlockOut, gemm_buf: &mut [f32], extra: &mut [f32]) {
+        let (geo, win) = (self.geo, self.win);
+        let (cg, wq, ow) = (geo.cg, geo.wq, geo.ow);
+        let (y0, x0) = (self.first / ow, self.first % ow);
+        let (wide, rows) = geo.span(win, self.first, self.width);
+        let nr = crate::gemm::packed_panel_width(wide);
+        let panels_len = if geo.packed {
+            crate::gemm::packed_len(geo.packed_rows(), self.wide_max)
+        } else {
+            0
+        };
+        let (panels, rest) = extra.split_at_mut(panels_len);
+        // The planes as `(floats, offset of phase row 0, plane stride)`; phase
+        // `(py, px)` of channel `ci` starts at `((py * sx + px) * cg + ci) * stride`.
+        let (planes, first_row, plane_len, rest): (&[f32], usize, usize, &mut [f32]) =
+            if geo.in_place {
+                (self.src, y0 * geo.w, geo.h * geo.w, rest)
+            } else {
+                let (planes, rest) = rest.split_at_mut(geo.planes_len(rows));
+                fill_phase_planes(win, geo, self.src, y0, rows, planes);
+                (planes, 0, rows * wq, rest)
+            };
+        let direct = wq == ow;
+        let (c_ptr, ldc) = if direct {
+            // No junk columns: the product goes straight to the output.
+            // SAFETY: pixels first.. of every channel row lie inside the output.
+            (unsafe { dst.out.add(self.first) }, dst.pixels)
+        } else {
+            (rest[..self.og * wide].as_mut_ptr(), wide)
+        };
+        if let Some(bias) = dst.bias {
+            for (r, &b) in bias.iter().enumerate() {
+                // SAFETY: row r of the product, `wide` values, is inside C.
+                unsafe { std::slice::from_raw_parts_mut(c_ptr.add(r * ldc), wide) }.fill(b);
+            }
+        }
+        let epilogue = if direct {
+            Epilogue {
+                activation: dst.activation,
+                // SAFETY: the residual has the output's layout.
+                residual: dst
+                    .residual
+                    .map(|r| (unsafe { r.add(self.first) }, dst.pixels)),
+                ..Epilogue::NONE
+            }
+        } else {
+            Epilogue::NONE
+        };
+        let base = Gemm {
+            m: self.og,
+            n: wide,
+            k: cg,
+            a: self.weights.as_ptr(),
+            lda: cg,
+            b: planes.as_ptr(),
+            ldb: plane_len,
+            b_transposed: false,
+            b_format: BFormat::F32,
+            c: c_ptr,
+            ldc,
+            accumulate: dst.bias.is_some(),
+            epilogue,
+        };
+        let kw = win.kernel[1];
+        let ([sy, sx], [dy, dx]) = (win.stride, win.dilation);
+        // Where tap `t`'s operand starts in the planes (channel 0).
+        let tap_offset = |t: usize| {
+            let (ty, tx) = ((t / kw) * dy, (t % kw) * dx);
+            let phase = (ty % sy) * sx + tx % sx;
+            phase * cg * plane_len + first_row + (ty / sy) * wq + tx / sx + x0
+        };
+        if geo.packed {
+            let k = geo.packed_rows();
+            for ci in 0..cg {
+                if geo.in_place && ci + 1 < cg {
+                    prefetch_span(&planes[(ci + 1) * plane_len + first_row..][..rows * wq]);
+                }
+                for t in 0..geo.taps {
+                    let run = &planes[ci * plane_len + tap_offset(t)..][..wide];
+                    // Row `ci * taps + t`: the weights' own order.
+                    scatter_to_panels(run, ci * geo.taps + t, k, nr, panels);
+                }
+            }
+            let gemm = Gemm {
+                k,
+                lda: k,
+                b: panels.as_ptr(),
+                ldb: wide,
+                b_format: BFormat::Packed { nr },
+                ..base
+            };
+            // SAFETY: A is `og x k`, B the packed panels of a `k x wide` matrix, C
+            // `og x wide` with row stride `ldc` (the output's rows or the product).
+            unsafe { sgemm_serial(&gemm, gemm_buf) };
+        } else {
+            for t in 0..geo.taps {
+                let gemm = Gemm {
+                    a: self.weights[t * self.og * cg..].as_ptr(),
+                    b: planes[tap_offset(t)..].as_ptr(),
+                    accumulate: t > 0 || dst.bias.is_some(),
+                    epilogue: if t + 1 == geo.taps {
+                        epilogue
+                    } else {
+                        Epilogue::NONE
+                    },
+                    ..base
+                };
+                // SAFETY: A is tap t's `og x cg` matrix; B's rows (one per channel,
+                // `plane_len` apart) hold `wide` values from the tap's offset inside
+                // each plane (the span keeps the last one inside); C as above.
+                unsafe { sgemm_serial(&gemm, gemm_buf) };
+            }
+        }
+        if !direct {
+            store_valid(&rest[..self.og * wide], wide, wq, (y0, x0), self, &dst);
+        }
+    }
+}
+
+/// Fills `planes` with the phase planes of `rows` phase rows from `y0` (see the
+/// module docs), zero where they fall in the padding.
+fn fill_phase_planes(
+    win: &Window2d,
+    geo: &Geometry,
+    src: &[f32],
+    y0: usize,
+    rows: usize,
+    planes: &mut [f32],
+) {
+    let ([sy, sx], [pt, pl]) = (win.stride, [win.padding[0], win.padding[1]]);
+    let (h, w, wq) = (geo.h, geo.w, geo.wq);
+    let per_channel = rows * wq;
+    for (index, plane) in planes.chunks_exact_mut(per_channel).enumerate() {
+        let (phase, ci) = (index / geo.cg, index % geo.cg);
+        let (py, px) = (phase / sx, phase % sx);
+        // Columns j of the phase read input column j * sx + px - pl: inside for
+        // j_lo..j_hi.
+        let j_lo = pl.saturating_sub(px).div_ceil(sx).min(wq);
+        let j_hi = if w + pl > px {
+            ((w + pl - px - 1) / sx + 1).clamp(j_lo, wq)
+        } else {
+            j_lo
+        };
+        for (r, line) in plane.chunks_exact_mut(wq).enumerate() {
+            let iy = ((y0 + r) * sy + py) as isize - pt as isize;
+            if !(0..h as isize).contains(&iy) {
+                line.fill(0.0);
+                continue;
+            }
+            let row = &src[(ci * h + iy as usize) * w..][..w];
+            line[..j_lo].fill(0.0);
+            line[j_hi..].fill(0.0);
+            let start = j_lo * sx + px - pl;
+            if sx == 1 {
+                line[j_lo..j_hi].copy_from_slice(&row[start..start + (j_hi - j_lo)]);
+            } else {
+                for (v, &x) in line[j_lo..j_hi]
+                    .iter_mut()
+                    .zip(row[start..].iter().step_by(sx))
+                {
+                    *v = x;
+                }
+            }
+        }
+    }
+}
+
+/// Stores each output row's valid run of the block's `product` (`og` rows of `wide`
+/// wide pixels from `(y0, x0)`), dropping the junk columns, with the activation and
+/// residual.
+fn store_valid(
+    product: &[f32],
+    wide: usize,
+    wq: usize,
+    (y0, x0): (usize, usize),
+    block: &BlockTask,
+    dst: &BlockOut,
+) {
+    let ow = block.geo.ow;
+    let last = block.first + block.width - 1;
+    let (y1, x1) = (last / ow, last % ow);
+    for (co, prow) in product.chunks_exact(wide).enumerate() {
+        for y in y0..=y1 {
+            let xs = if y == y0 { x0 } else { 0 };
+            let xe = if y == y1 { x1 + 1 } else { ow };
+            let at = co * dst.pixels + y * ow + xs;
+            // SAFETY: pixels `y * ow + xs .. + (xe - xs)` of channel row `co` lie inside
+            // the output (and the residual); this task alone writes them.
+            let (out, residual) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(dst.out.add(at), xe - xs),
+                    dst.residual
+                        .map(|r| std::slice::from_raw_parts(r.add(at), xe - xs)),
+                )
+            };
+            out.copy_from_slice(&prow[(y - y0) * wq + xs - x0..][..xe - xs]);
+            if dst.activation.is_some() || residual.is_some() {
+                crate::gemm::activate_and_add(out, dst.activation, residual);
+            }
+        }
+    }
+}
+
+/// Asks for every cache line of `values` to be brought into L1: a plane's rows are
+/// a short run read once, which the hardware prefetchers do not catch in time.
+#[inline(always)]
+fn prefetch_span(values: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in values.chunks(16) {
+        // SAFETY: a prefetch reads nothing architecturally and never faults.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = values;
+}
+
+/// Stores `row` as row `r` of a `k`-row matrix packed into `nr`-column panels, zero
+/// past its end.
+fn scatter_to_panels(row: &[f32], r: usize, k: usize, nr: usize, col: &mut [f32]) {
+    for (q, chunk) in row.chunks(nr).enumerate() {
+        let dst = &mut col[(q * k + r) * nr..][..nr];
+        copy_short(&mut dst[..chunk.len()], chunk);
+        dst[chunk.len()..].fill(0.0);
+    }
+}
+
+/// `dst.copy_from_slice(src)` for short runs, in fixed-size pieces the compiler keeps
+/// inline: a `memmove` call per run cost more than the copy.
+#[inline(always)]
+fn copy_short(dst: &mut [f32], src: &[f32]) {
+    let n = dst.len();
+    assert_eq!(n, src.len());
+    if n >= 8 {
+        let mut i = 0;
+        while i + 8 <= n {
+            let piece: [f32; 8] = src[i..i + 8].try_into().unwrap();
+            dst[i..i + 8].copy_from_slice(&piece);
+            i += 8;
+        }
+        if i < n {
+            // The last piece overlaps the one before: the same values again.
+            let piece: [f32; 8] = src[n - 8..].try_into().unwrap();
+            dst[n - 8..].copy_from_slice(&piece);
+        }
+    } else {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = s;
+        }
+    }
+}
