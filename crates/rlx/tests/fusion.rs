@@ -195,9 +195,12 @@ fn conv_epilogues_fuse_and_match() {
     let mut fused_total = 0;
     for case in 0..24 {
         let groups = [1, 1, 2][rng.below(3)];
+        // Few channels per group (patch rows packed) or many (a product per tap, with
+        // the weights regrouped by tap when the param is set).
+        let per_group = [1 + rng.below(24), 32 + rng.below(16)][rng.below(2)];
         let (n, c, o) = (
             1 + rng.below(3),
-            groups * (1 + rng.below(24)),
+            groups * per_group,
             groups * (1 + rng.below(40)),
         );
         let (h, w) = (3 + rng.below(20), 3 + rng.below(30));

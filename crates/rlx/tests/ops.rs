@@ -1877,8 +1877,35 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 10] = [
-        // Large enough for several GEMM blocks (f32 runs as im2col + GEMM).
+    let cases: [ConvCase; 14] = [
+        // f32 runs as GEMMs over phase planes: one per tap from 32 channels per group
+        // (strided, dilated, grouped, padded), else one over packed (channel, tap) rows.
+        (
+            [1, 40, 9, 11],
+            [12, 40, 3, 3],
+            [2, 2],
+            [1, 1, 1, 1],
+            [1, 1],
+            1,
+        ),
+        (
+            [1, 64, 8, 9],
+            [8, 32, 3, 3],
+            [1, 2],
+            [2, 1, 0, 2],
+            [2, 1],
+            2,
+        ),
+        ([2, 8, 9, 10], [6, 8, 1, 1], [2, 2], [0, 0, 0, 0], [1, 1], 1),
+        (
+            [1, 33, 10, 7],
+            [5, 33, 2, 3],
+            [3, 1],
+            [0, 2, 1, 0],
+            [1, 1],
+            1,
+        ),
+        // Large enough for several GEMM blocks.
         (
             [2, 16, 20, 24],
             [40, 16, 3, 3],

@@ -53,8 +53,11 @@ struct Geometry {
     ow: usize,
     /// Width of a phase plane (output columns plus junk).
     wq: usize,
-    /// Phase planes per channel (`sy * sx`).
+    /// Phase planes per channel that some tap reads (a 1x1 stride-2 window reads one
+    /// of its four).
     phases: usize,
+    /// Bit `p` set when phase `p` is read (every phase when there are more than 64).
+    phase_mask: u64,
     /// Whether the input itself is the one phase plane (unit stride, no padding).
     in_place: bool,
     /// Whether the taps run as one GEMM over `(channel, tap)` rows packed into
@@ -75,7 +78,12 @@ impl Geometry {
             w,
             ow,
             wq: padded_width.div_ceil(sx),
-            phases: sy * sx,
+            phases: if sy * sx > 64 {
+                sy * sx
+            } else {
+                phase_mask(win).count_ones() as usize
+            },
+            phase_mask: phase_mask(win),
             in_place: unit_stride && win.padding == [0; 4],
             packed: !by_tap(win, cg) || (unit_stride && taps == 1),
         }
@@ -90,6 +98,15 @@ impl Geometry {
     /// panels'.
     fn per_pixel(&self) -> usize {
         self.cg * self.phases + self.packed_rows()
+    }
+
+    /// Where phase `phase` lies among the phases kept (in planes of one channel).
+    fn slot(&self, phase: usize) -> usize {
+        if self.phase_mask == u64::MAX {
+            phase
+        } else {
+            (self.phase_mask & ((1u64 << phase) - 1)).count_ones() as usize
+        }
     }
 
     /// `(wide pixels, phase rows)` of a block of `width` output pixels from `first`.
@@ -119,6 +136,22 @@ impl Geometry {
             self.phases * self.cg * rows * self.wq
         }
     }
+}
+
+/// The phases (`(ty % sy) * sx + tx % sx`) the taps of `win` read, as a bit mask; all
+/// of them when there are more than 64.
+fn phase_mask(win: &Window2d) -> u64 {
+    let ([sy, sx], [kh, kw], [dy, dx]) = (win.stride, win.kernel, win.dilation);
+    if sy * sx > 64 {
+        return u64::MAX;
+    }
+    let mut mask = 0u64;
+    for ky in 0..kh {
+        for kx in 0..kw {
+            mask |= 1 << ((ky * dy % sy) * sx + kx * dx % sx);
+        }
+    }
+    mask
 }
 
 /// Per-thread floats an f32 convolution needs, from its input and weight shapes: the
@@ -375,7 +408,7 @@ impl BlockTask<'_> {
         let tap_offset = |t: usize| {
             let (ty, tx) = ((t / kw) * dy, (t % kw) * dx);
             let phase = (ty % sy) * sx + tx % sx;
-            phase * cg * plane_len + first_row + (ty / sy) * wq + tx / sx + x0
+            geo.slot(phase) * cg * plane_len + first_row + (ty / sy) * wq + tx / sx + x0
         };
         if geo.packed {
             let k = geo.packed_rows();
@@ -438,8 +471,9 @@ fn fill_phase_planes(
     let ([sy, sx], [pt, pl]) = (win.stride, [win.padding[0], win.padding[1]]);
     let (h, w, wq) = (geo.h, geo.w, geo.wq);
     let per_channel = rows * wq;
-    for (index, plane) in planes.chunks_exact_mut(per_channel).enumerate() {
-        let (phase, ci) = (index / geo.cg, index % geo.cg);
+    let used = (0..sy * sx).filter(|&p| p >= 64 || geo.phase_mask & (1 << p) != 0);
+    let plane_of = used.flat_map(|phase| (0..geo.cg).map(move |ci| (phase, ci)));
+    for ((phase, ci), plane) in plane_of.zip(planes.chunks_exact_mut(per_channel)) {
         let (py, px) = (phase / sx, phase % sx);
         // Columns j of the phase read input column j * sx + px - pl: inside for
         // j_lo..j_hi.
