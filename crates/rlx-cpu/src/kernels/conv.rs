@@ -88,8 +88,9 @@ pub(crate) fn conv2d(win: &Window2d, groups: usize, x: Src, w: Src, bias: Option
 /// Pooling over f32 planes, threaded over planes. Matches [`pool`]: a window with a
 /// NaN gives NaN for max, and the average divides by the window size or by the taps
 /// inside the input. Separable: for each output row the window's input rows are first
-/// reduced into one row (a contiguous, vectorized pass), then each output reads its
-/// taps along that row.
+/// reduced into one row, then that row's windows along it (both contiguous,
+/// vectorized passes), and each output inside the input reads its value; one at the
+/// edge reduces its taps that are inside.
 pub(crate) fn pool_f32(
     win: &Window2d,
     max: bool,
@@ -113,8 +114,8 @@ pub(crate) fn pool_f32(
         let dst = unsafe {
             std::slice::from_raw_parts_mut((out_addr as *mut f32).add(plane * oh * ow), oh * ow)
         };
-        // SAFETY: one task per thread index at a time; the step asked for `w` floats.
-        let line = &mut unsafe { ctx.gemm.parts(thread) }.1[..w];
+        // SAFETY: one task per thread index at a time; the step asked for `2 w` floats.
+        let (line, across) = unsafe { ctx.gemm.parts(thread) }.1[..2 * w].split_at_mut(w);
         for y in 0..oh {
             let (iy0, ny) = inside_taps(win, 0, y, h);
             if ny == 0 {
@@ -134,7 +135,39 @@ pub(crate) fn pool_f32(
                     }
                 }
             }
+            // The same along the row: `across[i]` reduces the window's taps from input
+            // column `i`, for every window that lies inside the row.
+            let kw = win.kernel[1];
+            let reach = (kw - 1) * dx;
+            let starts = w.saturating_sub(reach);
+            let across = &mut across[..starts];
+            across.copy_from_slice(&line[..starts]);
+            for tx in 1..kw {
+                let shifted = &line[tx * dx..tx * dx + starts];
+                if max {
+                    for (acc, &t) in across.iter_mut().zip(shifted) {
+                        *acc = max_nan(*acc, t);
+                    }
+                } else {
+                    for (acc, &t) in across.iter_mut().zip(shifted) {
+                        *acc += t;
+                    }
+                }
+            }
+            let pl = win.padding[1];
             for (xo, v) in dst[y * ow..(y + 1) * ow].iter_mut().enumerate() {
+                let origin = xo * win.stride[1];
+                if origin >= pl && origin - pl < starts {
+                    let value = across[origin - pl];
+                    *v = if max {
+                        value
+                    } else if count_include_pad {
+                        value / window_len
+                    } else {
+                        value / (ny * kw).max(1) as f32
+                    };
+                    continue;
+                }
                 let (ix0, nx) = inside_taps(win, 1, xo, w);
                 let taps = (0..nx).map(|tx| line[ix0 + tx * dx]);
                 *v = if max {
@@ -153,9 +186,9 @@ pub(crate) fn pool_f32(
     ctx.pool.run(planes, ctx.gemm.threads(), &plane_task)
 }
 
-/// Per-thread floats [`pool_f32`] needs: one input row.
+/// Per-thread floats [`pool_f32`] needs: two input rows.
 pub(crate) fn pool_floats(x: &Shape) -> usize {
-    x.dim(3)
+    2 * x.dim(3)
 }
 
 /// The larger of `acc` and `t`, NaN if either is (compiles to a compare and blend).
