@@ -1337,6 +1337,21 @@ fn permute_and_transpose() {
             );
         }
     }
+    // Large enough for the tiled transpose to split over threads, with edges that are
+    // not whole tiles: a rotation of the axes and a batched swap of the last two.
+    for dt in [DType::F32, DType::F16, DType::U8, DType::I64] {
+        for (dims, perm) in [
+            (&[3usize, 70, 20, 33][..], &[3usize, 0, 1, 2][..]),
+            (&[2, 5, 70, 99][..], &[0, 1, 3, 2][..]),
+        ] {
+            s.check(
+                &format!("tiled transpose {dt} {dims:?} {perm:?}"),
+                &[inp("x", dims, dt)],
+                EW,
+                |g, x| one(g.permute(x[0], perm)?),
+            );
+        }
+    }
     s.check(
         "transpose",
         &[inp("x", &[3, 1, 6], DType::F32)],

@@ -15,6 +15,7 @@ mod norm_f32;
 mod quant;
 mod reduce;
 mod state;
+mod transpose;
 
 use crate::gemm::GemmScratch;
 use crate::pool::ThreadPool;
@@ -59,6 +60,11 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
             )
         }
         Op::CachedAttention { .. } => "cpu.flash.cached_attention.f32".into(),
+        Op::Permute { perm }
+            if transpose::as_batched_transpose(inputs[0].dims(), perm).is_some() =>
+        {
+            format!("cpu.tiles.transpose.{dtype}")
+        }
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } if dtype == DType::F32 => {
             format!("cpu.planes.{}.f32", op.name())
         }
@@ -202,7 +208,10 @@ pub(crate) fn run<'a>(
         Op::RmsNorm { eps } => norm::norm(src(0), src(1), None, eps.get(), out),
         // The planner makes every reshape a view; run as a copy if one ever is not.
         Op::Reshape { .. } => layout::copy_flat(src(0), out),
-        Op::Permute { perm } => layout::permute(perm, src(0), out),
+        Op::Permute { perm } => match transpose::as_batched_transpose(src(0).shape.dims(), perm) {
+            Some(geometry) => transpose::batched_transpose(geometry, src(0), out, ctx)?,
+            None => layout::permute(perm, src(0), out),
+        },
         Op::Slice { axes } => layout::slice(axes, src(0), out),
         Op::Concat { axis } => {
             let mut start = 0;

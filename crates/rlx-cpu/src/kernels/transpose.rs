@@ -1,0 +1,139 @@
+//! Permutes that are batches of 2-D transposes once the axes that stay adjacent are
+//! merged (an NCHW to WNCH reorder, a last-two-axes swap): copied in square tiles, so
+//! both the reads and the writes touch whole cache lines, and split over the pool. A
+//! walk in output order reads the input one element per cache line instead.
+
+use super::Ctx;
+use crate::tensor::{Dst, Src, strides_of};
+use rlx_ir::{MAX_RANK, Result};
+
+/// Side of the tiles copied at once.
+const TILE: usize = 16;
+/// Fewer elements than this are copied on the calling thread.
+const THREADED_ELEMENTS: usize = 1 << 16;
+
+/// `(batch, rows, cols)` when permuting `dims` by `perm` reads the input as `batch`
+/// row-major `rows x cols` matrices and writes each one transposed, one after another.
+pub(crate) fn as_batched_transpose(
+    dims: &[usize],
+    perm: &[usize],
+) -> Option<(usize, usize, usize)> {
+    let strides = strides_of(dims);
+    // The output's axes with their strides in the input, size-1 axes dropped and an
+    // axis merged into the one outside it when the two stay adjacent in the input.
+    let mut merged = [(0usize, 0isize); MAX_RANK];
+    let mut n = 0;
+    for &p in perm {
+        let (size, stride) = (dims[p], strides[p]);
+        if size == 1 {
+            continue;
+        }
+        if n > 0 && merged[n - 1].1 == stride * size as isize {
+            merged[n - 1] = (merged[n - 1].0 * size, stride);
+        } else {
+            merged[n] = (size, stride);
+            n += 1;
+        }
+    }
+    match merged[..n] {
+        [(cols, 1), (rows, s)] if s == cols as isize => Some((1, rows, cols)),
+        [(batch, b), (cols, 1), (rows, s)] if s == cols as isize && b == (rows * cols) as isize => {
+            Some((batch, rows, cols))
+        }
+        _ => None,
+    }
+}
+
+/// Copies `x` into `out` transposed as [`as_batched_transpose`] found, `(batch, rows,
+/// cols)`.
+pub(crate) fn batched_transpose(
+    (batch, rows, cols): (usize, usize, usize),
+    x: Src,
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    // SAFETY (all arms): `x` and `out` hold `batch * rows * cols` elements of this size
+    // and do not overlap (layout outputs never alias their operands).
+    match x.shape.dtype().size_in_bytes() {
+        1 => unsafe { transpose::<u8>((batch, rows, cols), x, out, ctx) },
+        2 => unsafe { transpose::<u16>((batch, rows, cols), x, out, ctx) },
+        4 => unsafe { transpose::<u32>((batch, rows, cols), x, out, ctx) },
+        _ => unsafe { transpose::<u64>((batch, rows, cols), x, out, ctx) },
+    }
+}
+
+/// # Safety
+/// As [`batched_transpose`], with `T` the elements' size.
+unsafe fn transpose<T: Copy>(
+    (batch, rows, cols): (usize, usize, usize),
+    x: Src,
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    let (src, dst) = (x.ptr as usize, out.ptr as usize);
+    let total = batch * rows * cols;
+    if total == 0 {
+        return Ok(());
+    }
+    let tasks_per_matrix = if total < THREADED_ELEMENTS {
+        1
+    } else {
+        (4 * ctx.gemm.threads())
+            .div_ceil(batch)
+            .min(rows.div_ceil(TILE))
+    };
+    let chunk = rows.div_ceil(tasks_per_matrix).next_multiple_of(TILE);
+    let chunks = rows.div_ceil(chunk);
+    let task = |u: usize, _thread: usize| {
+        let (b, first) = (u / chunks, (u % chunks) * chunk);
+        let last = (first + chunk).min(rows);
+        let (src, dst) = (src as *const T, dst as *mut T);
+        let offset = b * rows * cols;
+        for r0 in (first..last).step_by(TILE) {
+            for c0 in (0..cols).step_by(TILE) {
+                for r in r0..(r0 + TILE).min(last) {
+                    for c in c0..(c0 + TILE).min(cols) {
+                        // SAFETY: (r, c) of matrix b, and (c, r) of its transpose, lie
+                        // inside the tensors; tasks write disjoint row ranges.
+                        unsafe {
+                            *dst.add(offset + c * rows + r) = *src.add(offset + r * cols + c)
+                        };
+                    }
+                }
+            }
+        }
+    };
+    ctx.pool.run(batch * chunks, ctx.gemm.threads(), &task)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transposes_are_recognized_after_merging_axes() {
+        // NCHW -> WNCH: the CRNN's reorder before its LSTM.
+        assert_eq!(
+            as_batched_transpose(&[32, 512, 8, 20], &[3, 0, 1, 2]),
+            Some((1, 32 * 512 * 8, 20))
+        );
+        // A swap of the last two axes under a batch.
+        assert_eq!(
+            as_batched_transpose(&[2, 3, 4, 5], &[0, 1, 3, 2]),
+            Some((6, 4, 5))
+        );
+        // Size-1 axes do not matter.
+        assert_eq!(
+            as_batched_transpose(&[1, 7, 1, 9], &[3, 2, 0, 1]),
+            Some((1, 7, 9))
+        );
+        // Not transposes: the identity, and a permute of three separated axes.
+        assert_eq!(as_batched_transpose(&[2, 3, 4], &[0, 1, 2]), None);
+        assert_eq!(
+            as_batched_transpose(&[2, 3, 4], &[2, 0, 1]),
+            Some((1, 6, 4))
+        );
+        assert_eq!(as_batched_transpose(&[2, 3, 4], &[1, 0, 2]), None);
+        assert_eq!(as_batched_transpose(&[2, 3, 4, 5], &[3, 1, 2, 0]), None);
+    }
+}
