@@ -48,14 +48,11 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
         }
         Op::Attention { .. } if dtype == DType::F32 => "cpu.flash.attention.f32".into(),
         Op::Conv2d { .. } if dtype == DType::F32 => {
-            format!(
-                "cpu.gemm.{}.im2col.conv2d.f32",
-                crate::gemm::best_kernel().name
-            )
+            format!("cpu.gemm.{}.conv2d.f32", crate::gemm::best_kernel().name)
         }
         Op::FusedConv2d { .. } if dtype == DType::F32 => {
             format!(
-                "cpu.gemm.{}.im2col.conv2d+epilogue.f32",
+                "cpu.gemm.{}.conv2d+epilogue.f32",
                 crate::gemm::best_kernel().name
             )
         }
