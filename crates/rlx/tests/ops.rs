@@ -1960,6 +1960,24 @@ fn conv2d_variants() {
             }
         }
     }
+    // Fused forms in every float dtype: f32 through the GEMM epilogue, the others
+    // through the direct loop and the generic epilogue.
+    for dt in FLOATS {
+        s.check(
+            &format!("conv2d + relu + residual {dt}"),
+            &[
+                inp("x", &[2, 5, 7, 6], dt),
+                inp("w", &[4, 5, 3, 3], dt),
+                inp("b", &[4], dt),
+                inp("r", &[2, 4, 7, 6], dt),
+            ],
+            acc(46),
+            |g, x| {
+                let y = g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [1, 1, 1, 1], [1, 1], 1)?;
+                one(g.add(g.relu(y)?, x[3])?)
+            },
+        );
+    }
     s.check(
         "conv2d empty batch",
         &[
