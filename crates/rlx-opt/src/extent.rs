@@ -214,11 +214,19 @@ fn row_wise(op: &Op, ins: &[(bool, &Shape)], out: &Shape) -> std::result::Result
             && ins[1..].iter().all(|(s, _)| !*s))
         .then_some(())
         .ok_or("convolves with a computed filter"),
-        // The residual has the output's shape: row `i` of it joins output row `i`.
-        Op::FusedConv2d { bias, .. } => (ins[0].0
-            && ins[1..2 + usize::from(*bias)].iter().all(|(s, _)| !*s))
-        .then_some(())
-        .ok_or("convolves with a computed filter"),
+        Op::FusedConv2d { bias, residual, .. } => {
+            if !(ins[0].0 && ins[1..2 + usize::from(*bias)].iter().all(|(s, _)| !*s)) {
+                return Err("convolves with a computed filter");
+            }
+            // The residual has the output's shape: computed from the rows, row `i` of
+            // it joins output row `i`; otherwise it must not vary by row.
+            match ins.last() {
+                Some(&(false, r)) if *residual && !same_for_every_row(r, rank) => {
+                    Err("reads an operand that differs from row to row")
+                }
+                _ => Ok(()),
+            }
+        }
         _ => Err("is not known to keep rows apart"),
     }
 }

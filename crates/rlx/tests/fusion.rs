@@ -249,6 +249,39 @@ fn conv_epilogues_fuse_and_match() {
 }
 
 #[test]
+fn a_fused_convolution_built_by_hand_runs_any_activation() {
+    // The optimizer forms only activations the GEMM epilogue has; a graph may carry
+    // others (tanh here), which run after the convolution.
+    let mut rng = Rng(29);
+    for groups in [1, 2] {
+        let g = Graph::new("fused conv by hand");
+        let x = g
+            .input("x", Shape::new(&[2, 64, 6, 7], DType::F32))
+            .unwrap();
+        let w = g
+            .param("w", Shape::new(&[8, 64 / groups, 3, 3], DType::F32))
+            .unwrap();
+        let r = g.input("r", Shape::new(&[2, 8, 6, 7], DType::F32)).unwrap();
+        let window = rlx::ir::Window2d {
+            kernel: [3, 3],
+            stride: [1, 1],
+            padding: [1, 1, 1, 1],
+            dilation: [1, 1],
+        };
+        let op = rlx::ir::Op::FusedConv2d {
+            window,
+            groups,
+            bias: false,
+            activation: Some(UnaryOp::Tanh),
+            residual: true,
+        };
+        let y = g.push(op, &[x, w, r]).unwrap();
+        g.set_outputs(vec![y]);
+        check(&g, &mut rng, &format!("fused conv tanh groups {groups}"));
+    }
+}
+
+#[test]
 fn an_intermediate_read_twice_is_not_absorbed() {
     let g = Graph::new("shared");
     let a = g.input("a", Shape::new(&[4, 8], DType::F32)).unwrap();

@@ -65,8 +65,9 @@ multiversion! {
         match activation {
             None => {}
             Some(Activation::Relu) => {
+                // NaN passes through, as the scalar definition has it.
                 for x in out.iter_mut() {
-                    *x = x.max(0.0);
+                    *x = if *x < 0.0 { 0.0 } else { *x };
                 }
             }
             Some(Activation::Gelu) => {

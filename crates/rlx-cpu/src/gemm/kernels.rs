@@ -88,6 +88,18 @@ pub(crate) fn for_width(n: usize) -> MicroKernel {
     best
 }
 
+/// The widest panel (`nr`) of the kernels `for_width` can return.
+pub(crate) fn widest_nr() -> usize {
+    let best = best();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if best.name == "avx512" {
+            return best.nr.max(x86::AVX512_NARROW.nr);
+        }
+    }
+    best.nr
+}
+
 /// The largest `(mr, mr * nr)` of the kernels `for_width` can return, for sizing
 /// scratch buffers.
 pub(crate) fn largest_tiles() -> (usize, usize) {

@@ -267,6 +267,13 @@ pub(crate) fn packed_len(k: usize, n: usize) -> usize {
     n.div_ceil(nr).saturating_mul(nr).saturating_mul(k)
 }
 
+/// Floats that hold `B [k, w]` packed by [`pack_b_panels`] for every width `w <= n`:
+/// the panel width depends on the width (a narrower product may get wider panels).
+pub(crate) fn packed_len_up_to(k: usize, n: usize) -> usize {
+    // ceil(w / nr) * nr <= n + nr - 1 for every panel width nr.
+    k.saturating_mul(n.saturating_add(kernels::widest_nr()))
+}
+
 /// Packs a row-major `B [k, n]` into `out` ([`packed_len`] floats) in the layout of
 /// [`BFormat::Packed`], for the kernel [`sgemm`] picks for width `n`; returns `nr`.
 pub(crate) fn pack_b_panels(b: &[f32], k: usize, n: usize, out: &mut [f32]) -> usize {
@@ -570,7 +577,7 @@ unsafe fn tile_step(
         .then(|| kernel.row_edges.get(mr_eff - 1).copied())
         .flatten();
     let (a_panel, lda) = if mr_eff == mr || row_edge.is_some() {
-        // SAFETY: rows ci..ci+MR, columns pc.., lie inside A.
+        // SAFETY: rows ci..ci+mr_eff (all the kernel reads), columns pc.., lie inside A.
         (unsafe { g.a.add(ci * g.lda + pc) }, g.lda)
     } else {
         // SAFETY: rows ci..ci+mr_eff lie inside A.
@@ -696,6 +703,15 @@ mod tests {
             }
         }
         c
+    }
+
+    #[test]
+    fn the_bound_for_any_width_holds_every_narrower_packing() {
+        for n in 1..300 {
+            for w in 1..=n {
+                assert!(packed_len(7, w) <= packed_len_up_to(7, n), "{w} <= {n}");
+            }
+        }
     }
 
     #[test]

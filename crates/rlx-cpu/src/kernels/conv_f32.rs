@@ -15,10 +15,10 @@
 //! A unit-stride convolution with no padding reads its input as the phase plane; any
 //! other builds the planes a block reads (one strided copy of those input rows). Two
 //! kinds copy each `(channel, tap)` row of the phase planes (a contiguous run in wide
-//! coordinates) into packed GEMM panels and run one GEMM instead: a 1x1 unit-stride
-//! convolution (the GEMM reads packed panels faster than rows a plane apart), and
-//! one with few input channels per group (a product per tap over so few channels
-//! would be all overhead; the first layer of an image model has 3).
+//! coordinates) into packed GEMM panels and run one GEMM instead: a 1x1 convolution
+//! (the GEMM reads packed panels faster than rows a plane apart), and one with few
+//! input channels per group (a product per tap over so few channels would be all
+//! overhead; the first layer of an image model has 3).
 //!
 //! Work is split into pool tasks by image, group and block of output pixels; a block
 //! is sized so the input rows it reads take about half of L2.
@@ -85,7 +85,7 @@ impl Geometry {
             },
             phase_mask: phase_mask(win),
             in_place: unit_stride && win.padding == [0; 4],
-            packed: !by_tap(win, cg) || (unit_stride && taps == 1),
+            packed: !by_tap(win, cg),
         }
     }
 
@@ -155,7 +155,7 @@ fn phase_mask(win: &Window2d) -> u64 {
 }
 
 /// Per-thread floats an f32 convolution needs, from its input and weight shapes: the
-/// phase planes of a block, its packed panels (1x1) and its product before the junk
+/// phase planes of a block, its packed panels (when it packs) and its product before the junk
 /// columns are dropped.
 pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     let (oh, ow) = (extent(win, 0, x.dim(2)), extent(win, 1, x.dim(3)));
@@ -163,11 +163,13 @@ pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     let block = pixel_block(geo.per_pixel(), oh * ow);
     let (wide, rows) = geo.max_span(win, block);
     let panels = if geo.packed {
-        crate::gemm::packed_len(geo.packed_rows(), wide)
+        crate::gemm::packed_len_up_to(geo.packed_rows(), wide)
     } else {
         0
     };
-    let product = if geo.wq > ow { w.dim(0) * wide } else { 0 };
+    // Output channels per group (`x`'s channels over `w`'s per group is the groups).
+    let og = w.dim(0) / (x.dim(1) / geo.cg.max(1)).max(1);
+    let product = if geo.wq > ow { og * wide } else { 0 };
     panels + geo.planes_len(rows) + product
 }
 
@@ -262,16 +264,17 @@ pub(crate) fn conv2d(
         regroup_by_tap(ws, [groups, og, cg, geo.taps], regrouped);
         regrouped
     };
-    let activation = epilogue
-        .activation
-        .map(|a| super::fused::gemm_activation(a).ok_or(a))
-        .transpose()
-        .map_err(|a| {
-            rlx_ir::Error::runtime(
-                "fused_conv2d",
-                format!("{} has no epilogue kernel", a.name()),
-            )
-        })?;
+    let activation = match epilogue.activation.map(super::fused::gemm_activation) {
+        // An activation the GEMM epilogue lacks: the convolution, then the epilogue
+        // over the output.
+        Some(None) => {
+            let plain = ConvEpilogue::default();
+            conv2d(win, groups, [x, w], bias, plain, out, ctx)?;
+            super::conv::apply_epilogue(epilogue, out);
+            return Ok(());
+        }
+        other => other.flatten(),
+    };
     // Addresses, so tasks on other threads can write their blocks.
     let out_addr = out.ptr as usize;
     let residual_addr = epilogue.residual.map(|r| r.ptr as usize);
@@ -327,7 +330,8 @@ struct BlockTask<'a> {
     geo: &'a Geometry,
     /// The group's `cg` input planes of the image.
     src: &'a [f32],
-    /// The group's weights: by tap if it has several, else `[og][cg]`.
+    /// The group's weights: by tap when it multiplies per tap, else as stored
+    /// (`[og][cg * taps]`).
     weights: &'a [f32],
     og: usize,
     first: usize,
@@ -346,7 +350,7 @@ impl BlockTask<'_> {
         let (wide, rows) = geo.span(win, self.first, self.width);
         let nr = crate::gemm::packed_panel_width(wide);
         let panels_len = if geo.packed {
-            crate::gemm::packed_len(geo.packed_rows(), self.wide_max)
+            crate::gemm::packed_len_up_to(geo.packed_rows(), self.wide_max)
         } else {
             0
         };

@@ -121,7 +121,7 @@ pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
         Op::Elementwise { steps } => fused::region_scratch_floats(inputs.len() + steps.len()),
         Op::Binary(b) if fast_binary(*b, &inputs[0], &inputs[0]) => fused::region_scratch_floats(3),
         Op::Unary(u) if fast_unary(*u, &inputs[0]) => fused::region_scratch_floats(2),
-        // Each thread's block of patch columns.
+        // Each thread's phase planes, packed panels and block product.
         Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }
             if inputs[0].dtype() == DType::F32 =>
         {
