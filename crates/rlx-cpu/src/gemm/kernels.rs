@@ -20,6 +20,10 @@ pub(crate) struct MicroKernel {
     /// rows ahead of the ones it multiplies. On a cached panel the prefetches only
     /// take load slots from the multiply-adds.
     pub stream: KernelFn,
+    /// For a `B` read in place with rows far apart (a convolution's input planes, a
+    /// row-major `B` with few rows of `A`): prefetches the rows ahead, which the
+    /// hardware does not for a short run per row.
+    pub strided: KernelFn,
     /// `(width, kernel)` for a last panel narrower than `nr` that this width covers
     /// exactly (the panel keeps its `nr`-wide layout): the product then wastes no
     /// multiply-adds on padding and writes `C` directly instead of through a temporary.
@@ -49,8 +53,9 @@ fn detect() -> MicroKernel {
             }
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                 return MicroKernel {
-                    run: x86::kernel_avx2::<{ x86::AVX2_MR }>,
-                    stream: x86::kernel_avx2::<{ x86::AVX2_MR }>,
+                    run: x86::kernel_avx2::<{ x86::AVX2_MR }, false>,
+                    stream: x86::kernel_avx2::<{ x86::AVX2_MR }, false>,
+                    strided: x86::kernel_avx2::<{ x86::AVX2_MR }, true>,
                     partial: &[],
                     row_edges: x86::AVX2_ROW_EDGES,
                     mr: x86::AVX2_MR,
@@ -122,6 +127,7 @@ pub(crate) fn generic_kernel() -> MicroKernel {
     MicroKernel {
         run: kernel_generic,
         stream: kernel_generic,
+        strided: kernel_generic,
         partial: &[],
         row_edges: &[],
         mr: GENERIC_MR,
@@ -138,8 +144,9 @@ pub(crate) fn available() -> Vec<MicroKernel> {
     {
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             all.push(MicroKernel {
-                run: x86::kernel_avx2::<{ x86::AVX2_MR }>,
-                stream: x86::kernel_avx2::<{ x86::AVX2_MR }>,
+                run: x86::kernel_avx2::<{ x86::AVX2_MR }, false>,
+                stream: x86::kernel_avx2::<{ x86::AVX2_MR }, false>,
+                strided: x86::kernel_avx2::<{ x86::AVX2_MR }, true>,
                 partial: &[],
                 row_edges: x86::AVX2_ROW_EDGES,
                 mr: x86::AVX2_MR,
@@ -209,6 +216,7 @@ mod x86 {
     pub const AVX512_WIDE: super::MicroKernel = super::MicroKernel {
         run: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, false>,
         stream: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, true>,
+        strided: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, false>,
         partial: &[
             (16, kernel_avx512::<AVX512_MR, 1, false>),
             (32, kernel_avx512::<AVX512_MR, 2, false>),
@@ -222,6 +230,7 @@ mod x86 {
     pub const AVX512_NARROW: super::MicroKernel = super::MicroKernel {
         run: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, false>,
         stream: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, true>,
+        strided: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, false>,
         partial: &[(16, kernel_avx512::<AVX512_NARROW_MR, 1, false>)],
         row_edges: &[],
         mr: AVX512_NARROW_MR,
@@ -231,13 +240,15 @@ mod x86 {
     /// How many B rows ahead the AVX-512 kernel prefetches.
     const PREFETCH_ROWS: usize = 24;
     pub const AVX2_NR: usize = 16;
+    /// How many B rows ahead the streaming AVX2 kernel prefetches.
+    const AVX2_PREFETCH_ROWS: usize = 8;
     /// The AVX2 kernel for 1 to 5 rows.
     pub const AVX2_ROW_EDGES: &[super::KernelFn] = &[
-        kernel_avx2::<1>,
-        kernel_avx2::<2>,
-        kernel_avx2::<3>,
-        kernel_avx2::<4>,
-        kernel_avx2::<5>,
+        kernel_avx2::<1, false>,
+        kernel_avx2::<2, false>,
+        kernel_avx2::<3, false>,
+        kernel_avx2::<4, false>,
+        kernel_avx2::<5, false>,
     ];
 
     /// `MR x 16 NV` tile in `MR * NV` zmm accumulators; with `PREFETCH`, B rows
@@ -310,7 +321,7 @@ mod x86 {
     /// AVX2 and FMA must be available; pointers as in `KernelFn`.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)] // the micro-kernel ABI
-    pub unsafe fn kernel_avx2<const MR: usize>(
+    pub unsafe fn kernel_avx2<const MR: usize, const PREFETCH: bool>(
         kc: usize,
         a: *const f32,
         lda: usize,
@@ -328,6 +339,13 @@ mod x86 {
             unsafe {
                 let b0 = _mm256_loadu_ps(b);
                 let b1 = _mm256_loadu_ps(b.add(8));
+                if PREFETCH {
+                    // A prefetch never faults, so running past the panel is harmless;
+                    // the second covers a row that straddles two lines.
+                    let ahead = b.wrapping_add(AVX2_PREFETCH_ROWS * ldb);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast::<i8>());
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(15).cast::<i8>());
+                }
                 for (i, row) in acc.iter_mut().enumerate() {
                     let x = _mm256_set1_ps(*a.add(i * lda));
                     row[0] = _mm256_fmadd_ps(x, b0, row[0]);

@@ -477,8 +477,15 @@ unsafe fn serial(
                             accumulate,
                         };
                         // Panels packed ahead come from memory on the first row block;
-                        // packed or in-place ones here are in cache.
-                        let run = if prepacked { kernel.stream } else { kernel.run };
+                        // ones packed here are in cache; rows of a B read in place lie
+                        // far apart, and are prefetched ahead.
+                        let run = if prepacked {
+                            kernel.stream
+                        } else if in_place && nr_eff == nr {
+                            kernel.strided
+                        } else {
+                            kernel.run
+                        };
                         // SAFETY: the tile is inside C and the panel holds kc rows.
                         unsafe { tile_step(g, kernel, run, &step, b_panel, a_edge, tile) };
                     }
