@@ -97,24 +97,31 @@ fn same_for_every_row(shape: &Shape, out_rank: usize) -> bool {
     shape.rank() < out_rank || shape.dims().first() == Some(&1)
 }
 
+/// Operands read elementwise against `out`: computed ones share its rows, the others
+/// do not vary by row.
+fn elementwise_operands(
+    ins: &[(bool, &Shape)],
+    out: &Shape,
+) -> std::result::Result<(), &'static str> {
+    let rank = out.rank();
+    ins.iter().try_for_each(|&(s, shape)| {
+        if s {
+            (shape.rank() == rank && shape.dims().first() == out.dims().first())
+                .then_some(())
+                .ok_or("broadcasts a computed operand along the rows")
+        } else {
+            same_for_every_row(shape, rank)
+                .then_some(())
+                .ok_or("reads an operand that differs from row to row")
+        }
+    })
+}
+
 /// Checks that `op` keeps rows apart for operands `(scaled, shape)` and output `out`;
 /// the reason when it does not.
 fn row_wise(op: &Op, ins: &[(bool, &Shape)], out: &Shape) -> std::result::Result<(), &'static str> {
     let rank = out.rank();
-    // Scaled operands share the output's rows; the others do not vary by row.
-    let elementwise = || {
-        ins.iter().try_for_each(|&(s, shape)| {
-            if s {
-                (shape.rank() == rank && shape.dims().first() == out.dims().first())
-                    .then_some(())
-                    .ok_or("broadcasts a computed operand along the rows")
-            } else {
-                same_for_every_row(shape, rank)
-                    .then_some(())
-                    .ok_or("reads an operand that differs from row to row")
-            }
-        })
-    };
+    let elementwise = || elementwise_operands(ins, out);
     let not_axis0 = |axis: usize| {
         (axis != 0 && rank > 1)
             .then_some(())
@@ -159,17 +166,7 @@ fn row_wise(op: &Op, ins: &[(bool, &Shape)], out: &Shape) -> std::result::Result
                 return Err("multiplies by a weight that differs from batch to batch");
             }
             // Bias and residual, as elementwise operands.
-            ins[2..].iter().try_for_each(|&(s, shape)| {
-                if s {
-                    (shape.rank() == rank && shape.dims().first() == out.dims().first())
-                        .then_some(())
-                        .ok_or("adds a computed operand broadcast along the rows")
-                } else {
-                    same_for_every_row(shape, rank)
-                        .then_some(())
-                        .ok_or("adds an operand that differs from row to row")
-                }
-            })
+            elementwise_operands(&ins[2..], out)
         }
         Op::Attention { .. } => {
             if !(ins[0].0 && ins[1].0 && ins[2].0) {
@@ -214,18 +211,13 @@ fn row_wise(op: &Op, ins: &[(bool, &Shape)], out: &Shape) -> std::result::Result
             && ins[1..].iter().all(|(s, _)| !*s))
         .then_some(())
         .ok_or("convolves with a computed filter"),
-        Op::FusedConv2d { bias, residual, .. } => {
-            if !(ins[0].0 && ins[1..2 + usize::from(*bias)].iter().all(|(s, _)| !*s)) {
+        Op::FusedConv2d { bias, .. } => {
+            let filter = 2 + usize::from(*bias);
+            if !(ins[0].0 && ins[1..filter].iter().all(|(s, _)| !*s)) {
                 return Err("convolves with a computed filter");
             }
-            // The residual has the output's shape: computed from the rows, row `i` of
-            // it joins output row `i`; otherwise it must not vary by row.
-            match ins.last() {
-                Some(&(false, r)) if *residual && !same_for_every_row(r, rank) => {
-                    Err("reads an operand that differs from row to row")
-                }
-                _ => Ok(()),
-            }
+            // The residual, as an elementwise operand.
+            elementwise_operands(&ins[filter..], out)
         }
         _ => Err("is not known to keep rows apart"),
     }

@@ -277,10 +277,7 @@ impl CompiledGraph {
         }
         let shapes = rlx_opt::extent::active_shapes(&self.plan, &ids, rows)?;
         self.exe.set_active_rows(&ids, rows)?;
-        let planned = ids
-            .first()
-            .and_then(|id| self.plan.shape(*id).dims().first().copied());
-        self.active_rows = (planned != Some(rows)).then_some(rows);
+        self.active_rows = (self.planned_rows(&ids) != Some(rows)).then_some(rows);
         self.active_inputs = if self.active_rows.is_some() {
             ids
         } else {
@@ -301,10 +298,7 @@ impl CompiledGraph {
             return Ok(());
         }
         let inputs = std::mem::take(&mut self.active_inputs);
-        let planned = inputs
-            .first()
-            .and_then(|id| self.plan.shape(*id).dims().first().copied())
-            .unwrap_or(0);
+        let planned = self.planned_rows(&inputs).unwrap_or(0);
         if let Err(e) = self.exe.set_active_rows(&inputs, planned) {
             self.active_inputs = inputs;
             return Err(e);
@@ -313,6 +307,13 @@ impl CompiledGraph {
         self.active_rows = None;
         self.has_run = false;
         Ok(())
+    }
+
+    /// The rows `inputs` were compiled with (dimension 0 of the first).
+    fn planned_rows(&self, inputs: &[NodeId]) -> Option<usize> {
+        inputs
+            .first()
+            .and_then(|id| self.plan.shape(*id).dims().first().copied())
     }
 
     /// The rows set by [`CompiledGraph::set_active_extent`], while fewer than compiled.

@@ -58,6 +58,8 @@ struct Geometry {
     phases: usize,
     /// Bit `p` set when phase `p` is read (every phase when there are more than 64).
     phase_mask: u64,
+    /// Phase rows a window reaches below its first (`(kh - 1) dy / sy`).
+    reach: usize,
     /// Whether the input itself is the one phase plane (unit stride, no padding).
     in_place: bool,
     /// Whether the taps run as one GEMM over `(channel, tap)` rows packed into
@@ -71,6 +73,7 @@ impl Geometry {
         let padded_width = w + win.padding[1] + win.padding[3];
         let unit_stride = win.stride == [1, 1];
         let taps = win.kernel[0] * win.kernel[1];
+        let mask = phase_mask(win);
         Geometry {
             cg,
             taps,
@@ -81,9 +84,10 @@ impl Geometry {
             phases: if sy * sx > 64 {
                 sy * sx
             } else {
-                phase_mask(win).count_ones() as usize
+                mask.count_ones() as usize
             },
-            phase_mask: phase_mask(win),
+            phase_mask: mask,
+            reach: (win.kernel[0] - 1) * win.dilation[0] / sy,
             in_place: unit_stride && win.padding == [0; 4],
             packed: !by_tap(win, cg),
         }
@@ -110,21 +114,19 @@ impl Geometry {
     }
 
     /// `(wide pixels, phase rows)` of a block of `width` output pixels from `first`.
-    fn span(&self, win: &Window2d, first: usize, width: usize) -> (usize, usize) {
+    fn span(&self, first: usize, width: usize) -> (usize, usize) {
         let (y0, x0) = (first / self.ow, first % self.ow);
         let (y1, x1) = ((first + width - 1) / self.ow, (first + width - 1) % self.ow);
-        let reach = (win.kernel[0] - 1) * win.dilation[0] / win.stride[0];
-        ((y1 - y0) * self.wq + x1 + 1 - x0, y1 - y0 + reach + 1)
+        ((y1 - y0) * self.wq + x1 + 1 - x0, y1 - y0 + self.reach + 1)
     }
 
     /// The largest `(wide pixels, phase rows)` of a block of `block` pixels.
-    fn max_span(&self, win: &Window2d, block: usize) -> (usize, usize) {
+    fn max_span(&self, block: usize) -> (usize, usize) {
         // A block starting anywhere in a row ends at most ceil(block / ow) rows on.
         let extra_rows = block.div_ceil(self.ow.max(1));
-        let reach = (win.kernel[0] - 1) * win.dilation[0] / win.stride[0];
         (
             block + (self.wq - self.ow) * extra_rows,
-            extra_rows + reach + 1,
+            extra_rows + self.reach + 1,
         )
     }
 
@@ -161,7 +163,7 @@ pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     let (oh, ow) = (extent(win, 0, x.dim(2)), extent(win, 1, x.dim(3)));
     let geo = Geometry::new(win, w.dim(1), [x.dim(2), x.dim(3)], ow);
     let block = pixel_block(geo.per_pixel(), oh * ow);
-    let (wide, rows) = geo.max_span(win, block);
+    let (wide, rows) = geo.max_span(block);
     let panels = if geo.packed {
         crate::gemm::packed_len_up_to(geo.packed_rows(), wide)
     } else {
@@ -234,7 +236,7 @@ pub(crate) fn conv2d(
         fit.min(p.div_ceil(threads.div_ceil(images)))
     };
     let blocks = p.div_ceil(block);
-    let (wide_max, _) = geo.max_span(win, block);
+    let (wide_max, _) = geo.max_span(block);
     // SAFETY: the operands are f32 tensors of the shapes read above, and the plan
     // never places the output over an input.
     let (xs, ws) = unsafe {
@@ -347,7 +349,7 @@ impl BlockTask<'_> {
         let (geo, win) = (self.geo, self.win);
         let (cg, wq, ow) = (geo.cg, geo.wq, geo.ow);
         let (y0, x0) = (self.first / ow, self.first % ow);
-        let (wide, rows) = geo.span(win, self.first, self.width);
+        let (wide, rows) = geo.span(self.first, self.width);
         let nr = crate::gemm::packed_panel_width(wide);
         let panels_len = if geo.packed {
             crate::gemm::packed_len_up_to(geo.packed_rows(), self.wide_max)

@@ -41,10 +41,8 @@ unsafe fn copy_rows<T: Copy>(x: Src, out: Dst, strides: &[isize; MAX_RANK], base
         return;
     }
     let step = strides[dims.len() - 1];
-    let rows: usize = outer.iter().product();
-    let mut index = [0usize; MAX_RANK];
-    let mut offset = base;
-    for row in 0..rows {
+    // One walk over the outer axes, a row of the output per index.
+    for_each_strided(outer, [strides], [base], |row, [offset]| {
         // SAFETY: row `row` of the output, and the elements of `x` it selects.
         unsafe {
             let d = dst.add(row * inner);
@@ -56,19 +54,7 @@ unsafe fn copy_rows<T: Copy>(x: Src, out: Dst, strides: &[isize; MAX_RANK], base
                 }
             }
         }
-        // The next row: an odometer over the outer axes.
-        let mut axis = outer.len();
-        while axis > 0 {
-            axis -= 1;
-            index[axis] += 1;
-            offset += strides[axis];
-            if index[axis] < outer[axis] {
-                break;
-            }
-            offset -= strides[axis] * outer[axis] as isize;
-            index[axis] = 0;
-        }
-    }
+    });
 }
 
 pub(crate) fn permute(perm: &[usize], x: Src, out: Dst) {

@@ -48,13 +48,7 @@ pub(crate) fn infer_fused_matmul(
     activation: Option<UnaryOp>,
     inputs: &[&Shape],
 ) -> Result<Shape> {
-    let expected = 2 + usize::from(bias) + usize::from(residual);
-    if inputs.len() != expected {
-        return Err(Error::invalid(
-            "fused_matmul",
-            format!("takes {expected} operands, got {}", inputs.len()),
-        ));
-    }
+    let expected = operand_count("fused_matmul", bias, residual, inputs)?;
     // A half-precision `b` with an `f32` `a` is read as `f32` (the weights stay stored
     // as they are; the kernel converts while it packs).
     let (a, b) = (inputs[0], inputs[1]);
@@ -69,14 +63,8 @@ pub(crate) fn infer_fused_matmul(
         b
     };
     let out = infer_matmul(a, b)?;
-    if let Some(act) = activation
-        && !fusable_unary(act)
-    {
-        return Err(Error::invalid(
-            "fused_matmul",
-            format!("{} cannot be an epilogue", act.name()),
-        ));
-    }
+    let residual_shape = residual.then(|| inputs[expected - 1]);
+    check_epilogue("fused_matmul", &out, activation, residual_shape)?;
     let n = out.dims().last().copied().unwrap_or(1);
     if bias {
         let b = inputs[2];
@@ -90,19 +78,49 @@ pub(crate) fn infer_fused_matmul(
             ));
         }
     }
-    if residual {
-        let r = inputs[expected - 1];
-        same_dtype("fused_matmul", &out, r)?;
+    Ok(out)
+}
+
+/// Checks that a fused op has its `2 + bias + residual` operands; returns the count.
+fn operand_count(op: &str, bias: bool, residual: bool, inputs: &[&Shape]) -> Result<usize> {
+    let expected = 2 + usize::from(bias) + usize::from(residual);
+    if inputs.len() != expected {
+        return Err(Error::invalid(
+            op,
+            format!("takes {expected} operands, got {}", inputs.len()),
+        ));
+    }
+    Ok(expected)
+}
+
+/// Checks a fused op's epilogue against its output `out`: the activation is one a
+/// region can hold, and the residual has the output's shape and dtype.
+fn check_epilogue(
+    op: &str,
+    out: &Shape,
+    activation: Option<UnaryOp>,
+    residual: Option<&Shape>,
+) -> Result<()> {
+    if let Some(act) = activation
+        && !fusable_unary(act)
+    {
+        return Err(Error::invalid(
+            op,
+            format!("{} cannot be an epilogue", act.name()),
+        ));
+    }
+    if let Some(r) = residual {
+        same_dtype(op, out, r)?;
         if r.dims() != out.dims() {
             return Err(mismatch(
-                "fused_matmul",
-                &out,
+                op,
+                out,
                 r,
                 "the residual must have the output's shape",
             ));
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 pub(crate) fn eval_fused_matmul(
@@ -141,34 +159,10 @@ pub(crate) fn infer_fused_conv2d(
     residual: bool,
     inputs: &[&Shape],
 ) -> Result<Shape> {
-    let expected = 2 + usize::from(bias) + usize::from(residual);
-    if inputs.len() != expected {
-        return Err(Error::invalid(
-            "fused_conv2d",
-            format!("takes {expected} operands, got {}", inputs.len()),
-        ));
-    }
+    let expected = operand_count("fused_conv2d", bias, residual, inputs)?;
     let out = infer_conv2d(window, groups, &inputs[..2 + usize::from(bias)])?;
-    if let Some(act) = activation
-        && !fusable_unary(act)
-    {
-        return Err(Error::invalid(
-            "fused_conv2d",
-            format!("{} cannot be an epilogue", act.name()),
-        ));
-    }
-    if residual {
-        let r = inputs[expected - 1];
-        same_dtype("fused_conv2d", &out, r)?;
-        if r.dims() != out.dims() {
-            return Err(mismatch(
-                "fused_conv2d",
-                &out,
-                r,
-                "the residual must have the output's shape",
-            ));
-        }
-    }
+    let residual_shape = residual.then(|| inputs[expected - 1]);
+    check_epilogue("fused_conv2d", &out, activation, residual_shape)?;
     Ok(out)
 }
 
