@@ -43,6 +43,10 @@ pub struct GemmArgs {
     /// shared machine, a round can lose a core to another tenant).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
     rounds: u32,
+    /// Pack `B` ahead into the kernel's panel layout and time only the products, as a
+    /// compiled graph runs a product whose `B` is a weight.
+    #[arg(long)]
+    packed: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -64,6 +68,8 @@ struct GemmRow {
 #[derive(Serialize)]
 struct GemmReport {
     kernel: &'static str,
+    /// Whether `B` was packed ahead (`--packed`).
+    packed: bool,
     threads: usize,
     runs: usize,
     rounds: usize,
@@ -375,11 +381,20 @@ fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
         peak = peak.max(measure_peak(threads));
         for (s, (&(m, n, k), (a, b))) in shapes.iter().zip(&operands).enumerate() {
             let mut c = vec![0.0f32; m * n];
-            rlx::cpu::matmul_f32(a, b, &mut c, (m, n, k), threads)?;
+            let packed = if args.packed {
+                Some(rlx::cpu::PackedMatrix::new(b, k, n)?)
+            } else {
+                None
+            };
+            let product = |c: &mut [f32]| match &packed {
+                Some(packed) => rlx::cpu::matmul_f32_packed(a, packed, c, m, threads),
+                None => rlx::cpu::matmul_f32(a, b, c, (m, n, k), threads),
+            };
+            product(&mut c)?;
             let mut times = Vec::with_capacity(args.runs as usize);
             for _ in 0..args.runs {
                 let started = Instant::now();
-                rlx::cpu::matmul_f32(a, b, &mut c, (m, n, k), threads)?;
+                product(&mut c)?;
                 times.push(ms(started));
             }
             std::hint::black_box(&c);
@@ -407,6 +422,7 @@ fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
         .collect();
     let report = GemmReport {
         kernel: rlx::cpu::gemm_kernel_name(),
+        packed: args.packed,
         threads,
         runs: args.runs as usize,
         rounds: args.rounds as usize,
@@ -419,8 +435,15 @@ fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "f32 GEMM, {} kernel, {threads} thread(s); measured FMA peak {:.1} GFLOP/s ({:.1} on one thread)",
-        report.kernel, peak, peak_one
+        "f32 GEMM, {} kernel, {}{threads} thread(s); measured FMA peak {:.1} GFLOP/s ({:.1} on one thread)",
+        report.kernel,
+        if report.packed {
+            "B packed ahead, "
+        } else {
+            ""
+        },
+        peak,
+        peak_one
     );
     println!(
         "median of {} runs, best of {} rounds",

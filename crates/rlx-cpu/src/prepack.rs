@@ -3,10 +3,12 @@
 //! each panel as one contiguous stream and never pack it again. With few rows on the
 //! left (short prompts, decoding) the product is bound by reading the weights, and a
 //! contiguous stream is read about twice as fast as rows far apart. The weights of a
-//! convolution that multiplies per tap are regrouped by tap the same way.
+//! convolution that multiplies per tap are regrouped by tap the same way, and those
+//! of a 3x3 convolution that runs by Winograd's method are transformed.
 
 use crate::gemm::{pack_b_panels, packed_len, packed_panel_width};
 use crate::kernels::conv_f32::{by_tap, regroup_by_tap};
+use crate::kernels::winograd_f32;
 use crate::tensor::Src;
 use rlx_driver::Buffer;
 use rlx_ir::{DType, Op, Result, Shape};
@@ -26,6 +28,9 @@ pub(crate) enum PackSpec {
         cg: usize,
         taps: usize,
     },
+    /// 3x3 convolution weights (`og` filters of `cg` channels) transformed for
+    /// Winograd's F(4x4, 3x3): one packed `cg x og` GEMM operand per point.
+    Winograd { cg: usize, og: usize },
 }
 
 impl PackSpec {
@@ -43,6 +48,7 @@ impl PackSpec {
                 .saturating_mul(og)
                 .saturating_mul(cg)
                 .saturating_mul(taps),
+            PackSpec::Winograd { cg, og } => winograd_f32::weights_len(cg, og),
         }
     }
 }
@@ -90,6 +96,10 @@ impl PackedParam {
                 regroup_by_tap(values, [groups, og, cg, taps], out);
                 0
             }
+            PackSpec::Winograd { cg, og } => {
+                winograd_f32::transform_weights(values, cg, og, out);
+                packed_panel_width(og)
+            }
         };
         PackedParam {
             spec,
@@ -104,6 +114,7 @@ impl PackedParam {
             && match spec {
                 PackSpec::Panels { n, .. } => self.nr == packed_panel_width(n),
                 PackSpec::ConvTaps { .. } => true,
+                PackSpec::Winograd { og, .. } => self.nr == packed_panel_width(og),
             }
     }
 
@@ -161,6 +172,15 @@ pub(crate) fn packed_operand(
             k: b.dim(0),
             n: b.dim(1),
         },
+        Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
+            if b.rank() == 4
+                && winograd_f32::applies(window, *groups, b.dim(1), b.dim(0) / groups) =>
+        {
+            PackSpec::Winograd {
+                cg: b.dim(1),
+                og: b.dim(0),
+            }
+        }
         Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
             if b.rank() == 4 && by_tap(window, b.dim(1)) =>
         {

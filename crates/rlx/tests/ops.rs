@@ -1892,7 +1892,34 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 14] = [
+    let cases: [ConvCase; 17] = [
+        // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
+        // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
+        // of several images in one task.
+        (
+            [2, 32, 13, 18],
+            [40, 32, 3, 3],
+            [1, 1],
+            [1, 1, 1, 1],
+            [1, 1],
+            1,
+        ),
+        (
+            [1, 48, 9, 7],
+            [32, 48, 3, 3],
+            [1, 1],
+            [0, 2, 1, 0],
+            [1, 1],
+            1,
+        ),
+        (
+            [3, 64, 8, 20],
+            [64, 64, 3, 3],
+            [1, 1],
+            [1, 1, 1, 1],
+            [1, 1],
+            1,
+        ),
         // f32 runs as GEMMs over phase planes: one per tap from 32 channels per group
         // (strided, dilated, grouped, padded), else one over packed (channel, tap) rows.
         (

@@ -23,8 +23,8 @@
 //! Work is split into pool tasks by image, group and block of output pixels; a block
 //! is sized so the input rows it reads take about half of L2.
 
-use super::Ctx;
 use super::conv::{ConvEpilogue, extent, nchw};
+use super::{Ctx, winograd_f32};
 use crate::gemm::{Activation, BFormat, Epilogue, Gemm, sgemm_serial};
 use crate::tensor::{Dst, Src};
 use rlx_ir::{Result, Shape, Window2d};
@@ -161,6 +161,9 @@ fn phase_mask(win: &Window2d) -> u64 {
 /// columns are dropped.
 pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     let (oh, ow) = (extent(win, 0, x.dim(2)), extent(win, 1, x.dim(3)));
+    if winograd_f32::applies(win, groups_of(x, w), w.dim(1), w.dim(0) / groups_of(x, w)) {
+        return winograd_f32::thread_floats(x, w, [oh, ow]);
+    }
     let geo = Geometry::new(win, w.dim(1), [x.dim(2), x.dim(3)], ow);
     let block = pixel_block(geo.per_pixel(), oh * ow);
     let (wide, rows) = geo.max_span(block);
@@ -170,9 +173,14 @@ pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
         0
     };
     // Output channels per group (`x`'s channels over `w`'s per group is the groups).
-    let og = w.dim(0) / (x.dim(1) / geo.cg.max(1)).max(1);
+    let og = w.dim(0) / groups_of(x, w);
     let product = if geo.wq > ow { og * wide } else { 0 };
     panels + geo.planes_len(rows) + product
+}
+
+/// Groups of a convolution: `x`'s channels over `w`'s per group.
+pub(crate) fn groups_of(x: &Shape, w: &Shape) -> usize {
+    (x.dim(1) / w.dim(1).max(1)).max(1)
 }
 
 /// Whether a convolution with `cg` input channels per group multiplies per tap and
@@ -183,8 +191,11 @@ pub(crate) fn by_tap(win: &Window2d, cg: usize) -> bool {
 
 /// `f64` scratch an f32 convolution needs: its weights regrouped by tap, for when the
 /// step has no copy regrouped ahead.
-pub(crate) fn scratch_f64(win: &Window2d, w: &Shape) -> usize {
-    if by_tap(win, w.dim(1)) {
+pub(crate) fn scratch_f64(win: &Window2d, x: &Shape, w: &Shape) -> usize {
+    let groups = groups_of(x, w);
+    if winograd_f32::applies(win, groups, w.dim(1), w.dim(0) / groups) {
+        winograd_f32::weights_len(w.dim(1), w.dim(0)).div_ceil(2)
+    } else if by_tap(win, w.dim(1)) {
         w.num_elements().div_ceil(2)
     } else {
         0
@@ -224,6 +235,20 @@ pub(crate) fn conv2d(
     let p = oh * ow;
     if p == 0 || og == 0 || n == 0 {
         return Ok(());
+    }
+    let activation = match epilogue.activation.map(super::fused::gemm_activation) {
+        // An activation the GEMM epilogue lacks: the convolution, then the epilogue
+        // over the output.
+        Some(None) => {
+            let plain = ConvEpilogue::default();
+            conv2d(win, groups, [x, w], bias, plain, out, ctx)?;
+            super::conv::apply_epilogue(epilogue, out);
+            return Ok(());
+        }
+        other => other.flatten(),
+    };
+    if winograd_f32::applies(win, groups, cg, og) {
+        return winograd(win, [x, w], bias, (activation, epilogue.residual), out, ctx);
     }
     let geo = Geometry::new(win, cg, [h, wd], ow);
     let threads = ctx.gemm.threads();
@@ -266,17 +291,6 @@ pub(crate) fn conv2d(
         regroup_by_tap(ws, [groups, og, cg, geo.taps], regrouped);
         regrouped
     };
-    let activation = match epilogue.activation.map(super::fused::gemm_activation) {
-        // An activation the GEMM epilogue lacks: the convolution, then the epilogue
-        // over the output.
-        Some(None) => {
-            let plain = ConvEpilogue::default();
-            conv2d(win, groups, [x, w], bias, plain, out, ctx)?;
-            super::conv::apply_epilogue(epilogue, out);
-            return Ok(());
-        }
-        other => other.flatten(),
-    };
     // Addresses, so tasks on other threads can write their blocks.
     let out_addr = out.ptr as usize;
     let residual_addr = epilogue.residual.map(|r| r.ptr as usize);
@@ -311,6 +325,44 @@ pub(crate) fn conv2d(
         block_task.run(dst, gemm_buf, extra);
     };
     ctx.pool.run(n * groups * blocks, threads, &task)
+}
+
+/// The convolution by [`winograd_f32`], with the weights transformed ahead (a param)
+/// or into the step's scratch.
+fn winograd(
+    win: &Window2d,
+    [x, w]: [Src; 2],
+    bias: Option<Src>,
+    (activation, residual): (Option<Activation>, Option<Src>),
+    out: Dst,
+    ctx: &mut Ctx,
+) -> Result<()> {
+    let (cg, og) = (w.shape.dim(1), w.shape.dim(0));
+    let spec = crate::prepack::PackSpec::Winograd { cg, og };
+    let transformed: &[f32] = if let Some(packed) = ctx.packed_b.filter(|p| p.fits(spec)) {
+        packed.values()
+    } else {
+        // SAFETY: an f32 tensor of `w.len` values.
+        let ws = unsafe { std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len) };
+        let len = winograd_f32::weights_len(cg, og);
+        // SAFETY: the step asked for `scratch_f64` values: room for `len` f32 values
+        // (f64 storage is aligned for f32).
+        let values =
+            unsafe { std::slice::from_raw_parts_mut(ctx.scratch.as_mut_ptr().cast::<f32>(), len) };
+        winograd_f32::transform_weights(ws, cg, og, values);
+        values
+    };
+    // The scratch is read-only from here on: a shared view the tasks can hold.
+    // SAFETY: the values stay in place for the call and nothing writes them.
+    let transformed =
+        unsafe { std::slice::from_raw_parts(transformed.as_ptr(), transformed.len()) };
+    let finish = winograd_f32::Finish {
+        // SAFETY: an f32 tensor of `og` values.
+        bias: bias.map(|b| unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), b.len) }),
+        activation,
+        residual,
+    };
+    winograd_f32::conv2d(win, x, transformed, finish, out, ctx)
 }
 
 /// Where one image and group's output goes and what is applied on the way.

@@ -16,6 +16,7 @@ mod quant;
 mod reduce;
 mod state;
 mod transpose;
+pub(crate) mod winograd_f32;
 
 use crate::gemm::GemmScratch;
 use crate::pool::ThreadPool;
@@ -33,7 +34,7 @@ pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
         Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }
             if inputs[0].dtype() == DType::F32 =>
         {
-            conv_f32::scratch_f64(window, &inputs[1])
+            conv_f32::scratch_f64(window, &inputs[0], &inputs[1])
         }
         _ => 0,
     }
@@ -47,12 +48,22 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
             format!("cpu.gemm.{}.matmul.f32", crate::gemm::best_kernel().name)
         }
         Op::Attention { .. } if dtype == DType::F32 => "cpu.flash.attention.f32".into(),
-        Op::Conv2d { .. } if dtype == DType::F32 => {
-            format!("cpu.gemm.{}.conv2d.f32", crate::gemm::best_kernel().name)
-        }
-        Op::FusedConv2d { .. } if dtype == DType::F32 => {
+        Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
+            if dtype == DType::F32 =>
+        {
+            let w = &inputs[1];
+            let method = if winograd_f32::applies(window, *groups, w.dim(1), w.dim(0) / groups) {
+                "winograd"
+            } else {
+                "gemm"
+            };
+            let fused = if matches!(op, Op::FusedConv2d { .. }) {
+                "+epilogue"
+            } else {
+                ""
+            };
             format!(
-                "cpu.gemm.{}.conv2d+epilogue.f32",
+                "cpu.{method}.{}.conv2d{fused}.f32",
                 crate::gemm::best_kernel().name
             )
         }

@@ -1,0 +1,469 @@
+//! 3x3 stride-1 `f32` convolutions by Winograd's minimal filtering F(4x4, 3x3)
+//! (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", 2015), with
+//! the interpolation points 0, 1, -1, 1/2, -2 and infinity: in `f32` these round
+//! about half as much as the more common 0, ±1, ±2 (measured on random data; the
+//! filters are transformed in `f64` and rounded once).
+//!
+//! The output is cut into 4x4 tiles; tile `t` reads a 6x6 patch of the padded input.
+//! With the transforms `V = Bᵀ d B` of each patch (per input channel) and `U = G g Gᵀ`
+//! of each filter, the tile's 6x6 products are, for each of the 36 points `p`,
+//! `M[p][t][co] = Σ_ci V[p][t][ci] U[p][ci][co]`: 36 GEMMs of `tiles x cg` by
+//! `cg x og`, whose right operands are the transformed weights (packed ahead when they
+//! are a param). The output tile is `Aᵀ M A`. That is 36 multiply-adds per 16 output
+//! pixels and channel pair instead of 144, at the cost of the transforms (a few adds
+//! per value) and a small change in rounding (see the tests for the size).
+//!
+//! Work is split into pool tasks of whole tile rows (a tile row is 4 output rows of
+//! one image); a task stages the 6 input rows a tile row reads with the channels
+//! innermost (so 8 channels of one pixel are one vector), transforms every patch of
+//! the row, runs the 36 GEMMs over all its tiles, and writes the output rows with the
+//! bias, then the activation and residual over the finished rows.
+
+use super::Ctx;
+use crate::gemm::{Activation, BFormat, Epilogue, Gemm, packed_len, packed_panel_width};
+use crate::tensor::{Dst, Src};
+use crate::vmath::multiversion;
+use rlx_ir::{Result, Shape, Window2d};
+
+/// Output tile side.
+const TILE: usize = 4;
+/// Input patch side (`TILE + 2`).
+const PATCH: usize = 6;
+/// Transform points (`PATCH * PATCH`): one GEMM each.
+const POINTS: usize = PATCH * PATCH;
+/// Channels transformed together (one AVX2 vector).
+const LANES: usize = 8;
+/// Below this many input or output channels the transforms cost more than the
+/// multiply-adds they save.
+const MIN_CHANNELS: usize = 32;
+/// Tiles per task (whole tile rows, at least one): the GEMMs' rows, enough that the
+/// weights of each point are read for many tiles at once.
+const BLOCK_TILES: usize = 64;
+
+/// Whether a convolution runs here: a 3x3 window, unit stride and dilation, one
+/// group, and channel counts that are multiples of 8 and at least [`MIN_CHANNELS`].
+/// `RLX_WINOGRAD=0` in the environment turns it off (the per-tap GEMMs then run,
+/// which round like a plain sum).
+pub(crate) fn applies(win: &Window2d, groups: usize, cg: usize, og: usize) -> bool {
+    win.kernel == [3, 3]
+        && win.stride == [1, 1]
+        && win.dilation == [1, 1]
+        && groups == 1
+        && cg.is_multiple_of(LANES)
+        && og.is_multiple_of(LANES)
+        && cg >= MIN_CHANNELS
+        && og >= MIN_CHANNELS
+        && enabled()
+}
+
+fn enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("RLX_WINOGRAD").as_deref() != Ok("0"))
+}
+
+/// Floats of the transformed weights: one packed `cg x og` GEMM operand per point.
+pub(crate) fn weights_len(cg: usize, og: usize) -> usize {
+    packed_len(cg, og).saturating_mul(POINTS)
+}
+
+/// Transforms OIHW 3x3 weights (`og` filters of `cg` channels) into `out`
+/// ([`weights_len`] floats): point `p`'s `cg x og` matrix `U[p]`, packed in the
+/// GEMM's panels for width `og`, starts at `p * packed_len(cg, og)`.
+pub(crate) fn transform_weights(ws: &[f32], cg: usize, og: usize, out: &mut [f32]) {
+    let (nr, per_point) = (packed_panel_width(og), packed_len(cg, og));
+    out.fill(0.0);
+    for co in 0..og {
+        for ci in 0..cg {
+            let g = &ws[(co * cg + ci) * 9..][..9];
+            // U = G g Gᵀ in f64: rows, then columns.
+            let mut rows = [[0.0f64; 3]; PATCH];
+            for c in 0..3 {
+                let col = filter_points([g[c] as f64, g[3 + c] as f64, g[6 + c] as f64]);
+                for (r, &v) in col.iter().enumerate() {
+                    rows[r][c] = v;
+                }
+            }
+            let at = (co / nr) * nr * cg + ci * nr + co % nr;
+            for (i, row) in rows.iter().enumerate() {
+                for (j, &u) in filter_points(*row).iter().enumerate() {
+                    out[(i * PATCH + j) * per_point + at] = u as f32;
+                }
+            }
+        }
+    }
+}
+
+/// `G g` for one 3-tap filter: its values at the points 0, 1, -1, 1/2, -2 (each
+/// over the product of its distances to the others) and at infinity.
+fn filter_points([g0, g1, g2]: [f64; 3]) -> [f64; PATCH] {
+    [
+        g0,
+        (g0 + g1 + g2) / 3.0,
+        (-g0 + g1 - g2) / 3.0,
+        -(16.0 * g0 + 8.0 * g1 + 4.0 * g2) / 15.0,
+        (g0 - 2.0 * g1 + 4.0 * g2) / 15.0,
+        g2,
+    ]
+}
+
+/// Tiles of the output and the staged row width, from the output's rows and columns.
+#[derive(Clone, Copy)]
+struct Tiling {
+    /// Tile rows and tiles per row of one image.
+    th: usize,
+    tw: usize,
+    /// Tile rows per task (all but the last task).
+    rows_per_task: usize,
+    /// Staged columns: `tw * TILE + 2`.
+    wp: usize,
+}
+
+impl Tiling {
+    fn new(oh: usize, ow: usize) -> Tiling {
+        let (th, tw) = (oh.div_ceil(TILE), ow.div_ceil(TILE));
+        Tiling {
+            th,
+            tw,
+            rows_per_task: (BLOCK_TILES / tw.max(1)).max(1),
+            wp: tw * TILE + 2,
+        }
+    }
+
+    /// The most tiles one task holds.
+    fn max_tiles(&self) -> usize {
+        self.rows_per_task * self.tw
+    }
+
+    /// Per-thread floats: the staged input rows, the transformed patches and the
+    /// products.
+    fn thread_floats(&self, cg: usize, og: usize) -> usize {
+        PATCH * self.wp * cg + POINTS * self.max_tiles() * (cg + og)
+    }
+}
+
+/// Per-thread floats a Winograd convolution needs, from its input and weight shapes
+/// and output rows and columns.
+pub(crate) fn thread_floats(x: &Shape, w: &Shape, [oh, ow]: [usize; 2]) -> usize {
+    Tiling::new(oh, ow).thread_floats(x.dim(1), w.dim(0))
+}
+
+/// What a Winograd convolution writes besides the product: bias, then activation,
+/// then residual.
+pub(crate) struct Finish<'a> {
+    pub bias: Option<&'a [f32]>,
+    pub activation: Option<Activation>,
+    pub residual: Option<Src<'a>>,
+}
+
+/// The convolution, with `weights` from [`transform_weights`].
+pub(crate) fn conv2d(
+    win: &Window2d,
+    x: Src,
+    weights: &[f32],
+    finish: Finish,
+    out: Dst,
+    ctx: &mut Ctx,
+) -> Result<()> {
+    let [n, cg, h, w] = [
+        x.shape.dim(0),
+        x.shape.dim(1),
+        x.shape.dim(2),
+        x.shape.dim(3),
+    ];
+    let [og, oh, ow] = [out.shape.dim(1), out.shape.dim(2), out.shape.dim(3)];
+    if n == 0 || oh == 0 || ow == 0 || og == 0 {
+        return Ok(());
+    }
+    let tiling = Tiling::new(oh, ow);
+    let threads = ctx.gemm.threads();
+    let tile_rows = n * tiling.th;
+    // Fewer rows per task when that is what gives every thread one.
+    let per_task = tiling.rows_per_task.min(tile_rows.div_ceil(threads)).max(1);
+    let tasks = tile_rows.div_ceil(per_task);
+    let (pixels, per_point) = (oh * ow, packed_len(cg, og));
+    let nr = packed_panel_width(og);
+    // SAFETY: an f32 tensor of `x.len` values.
+    let xs = unsafe { std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len) };
+    // Addresses, so tasks on other threads can write their rows.
+    let out_addr = out.ptr as usize;
+    let residual_addr = finish.residual.map(|r| r.ptr as usize);
+    let task = |u: usize, thread: usize| {
+        let first = u * per_task;
+        let rows = per_task.min(tile_rows - first);
+        let tiles = rows * tiling.tw;
+        let cap = tiling.max_tiles();
+        // SAFETY: one task per thread index at a time.
+        let (gemm_buf, extra) = unsafe { ctx.gemm.parts(thread) };
+        let (staged, rest) = extra.split_at_mut(PATCH * tiling.wp * cg);
+        let (patches, rest) = rest.split_at_mut(POINTS * cap * cg);
+        let products = &mut rest[..POINTS * cap * og];
+        for r in 0..rows {
+            let (image, ty) = ((first + r) / tiling.th, (first + r) % tiling.th);
+            let src = &xs[image * cg * h * w..][..cg * h * w];
+            let iy0 = (ty * TILE) as isize - win.padding[0] as isize;
+            stage_rows(src, [h, w, cg], iy0, win.padding[1], tiling.wp, staged);
+            let at = Patches {
+                values: patches.as_mut_ptr(),
+                point_stride: cap * cg,
+                first_tile: r * tiling.tw,
+            };
+            // SAFETY: the row's tiles lie inside the task's `cap` tiles.
+            unsafe { transform_inputs(staged, tiling.wp, cg, tiling.tw, at) };
+        }
+        for p in 0..POINTS {
+            let gemm = Gemm {
+                m: tiles,
+                n: og,
+                k: cg,
+                a: patches[p * cap * cg..].as_ptr(),
+                lda: cg,
+                b: weights[p * per_point..].as_ptr(),
+                ldb: og,
+                b_transposed: false,
+                b_format: BFormat::Packed { nr },
+                c: products[p * cap * og..].as_mut_ptr(),
+                ldc: og,
+                accumulate: false,
+                epilogue: Epilogue::NONE,
+            };
+            // SAFETY: A is `tiles x cg` inside the patches, B point p's packed panels,
+            // C `tiles x og` inside the products.
+            unsafe { crate::gemm::sgemm_serial(&gemm, gemm_buf) };
+        }
+        for r in 0..rows {
+            let (image, ty) = ((first + r) / tiling.th, (first + r) % tiling.th);
+            let (y0, y1) = (ty * TILE, (ty * TILE + TILE).min(oh));
+            let image_at = image * og * pixels;
+            let dst = OutRows {
+                // SAFETY: image `image`'s output channels lie inside the output.
+                out: unsafe { (out_addr as *mut f32).add(image_at) },
+                pixels,
+                ow,
+                y0,
+                rows: y1 - y0,
+            };
+            let products_at = (products[r * tiling.tw * og..].as_ptr(), cap * og);
+            // SAFETY: the row's tiles' products are inside the task's; the rows are
+            // inside the output and only this task writes them.
+            unsafe { transform_outputs(products_at, og, tiling.tw, finish.bias, &dst) };
+            if finish.activation.is_some() || residual_addr.is_some() {
+                for co in 0..og {
+                    let at = image_at + co * pixels + y0 * ow;
+                    let len = (y1 - y0) * ow;
+                    // SAFETY: rows y0..y1 of channel co: inside the output (and the
+                    // residual, of the same shape); only this task writes them.
+                    let (values, residual) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), len),
+                            residual_addr.map(|a| {
+                                std::slice::from_raw_parts((a as *const f32).add(at), len)
+                            }),
+                        )
+                    };
+                    crate::gemm::activate_and_add(values, finish.activation, residual);
+                }
+            }
+        }
+    };
+    ctx.pool.run(tasks, threads, &task)
+}
+
+/// Copies the `PATCH` input rows from `iy0` (some may lie in the padding) into
+/// `staged` as `[row][column][channel]`, `wp` columns from input column `-pad_left`,
+/// zero outside the input.
+fn stage_rows(
+    src: &[f32],
+    [h, w, cg]: [usize; 3],
+    iy0: isize,
+    pad_left: usize,
+    wp: usize,
+    staged: &mut [f32],
+) {
+    for (r, line) in staged.chunks_exact_mut(wp * cg).enumerate() {
+        let iy = iy0 + r as isize;
+        if !(0..h as isize).contains(&iy) {
+            line.fill(0.0);
+            continue;
+        }
+        let iy = iy as usize;
+        let valid = w.min(wp.saturating_sub(pad_left));
+        line[..pad_left.min(wp) * cg].fill(0.0);
+        line[(pad_left + valid).min(wp) * cg..].fill(0.0);
+        transpose_into(src, [h, w], iy, valid, &mut line[pad_left.min(wp) * cg..]);
+    }
+}
+
+multiversion! {
+    /// Row `iy` of every channel (`valid` columns) into `dst` with the channels
+    /// innermost: column `x`'s `cg` values start at `x * cg`.
+    fn transpose_into(src: &[f32], hw: [usize; 2], iy: usize, valid: usize, dst: &mut [f32]) {
+        let [h, w] = hw;
+        let cg = src.len() / (h * w);
+        for c0 in (0..cg).step_by(LANES) {
+            let rows: [&[f32]; LANES] =
+                std::array::from_fn(|l| &src[((c0 + l) * h + iy) * w..][..valid]);
+            for (x, pixel) in dst.chunks_exact_mut(cg).take(valid).enumerate() {
+                let lanes = &mut pixel[c0..c0 + LANES];
+                for (l, v) in lanes.iter_mut().enumerate() {
+                    *v = rows[l][x];
+                }
+            }
+        }
+    }
+}
+
+/// Where a tile row's transformed patches go: point `p` of tile `first_tile + tx`
+/// starts at `values + p * point_stride + (first_tile + tx) * cg`.
+struct Patches {
+    values: *mut f32,
+    point_stride: usize,
+    first_tile: usize,
+}
+
+type Lanes = [f32; LANES];
+
+#[inline(always)]
+fn lanes(f: impl Fn(usize) -> f32) -> Lanes {
+    std::array::from_fn(f)
+}
+
+/// Rows as columns.
+#[inline(always)]
+fn transpose<const R: usize, const C: usize>(m: &[[Lanes; C]; R]) -> [[Lanes; R]; C] {
+    std::array::from_fn(|c| std::array::from_fn(|r| m[r][c]))
+}
+
+/// `Bᵀ d` for one column of 6 patch values (8 channels each). Every coefficient is
+/// a small dyadic fraction, exact in binary.
+#[inline(always)]
+fn input_points(d: &[Lanes; PATCH]) -> [Lanes; PATCH] {
+    let [d0, d1, d2, d3, d4, d5] = d;
+    [
+        lanes(|l| (d0[l] + d4[l]) - 1.5 * (d1[l] - d3[l]) - 2.0 * d2[l]),
+        lanes(|l| (d4[l] - d1[l]) + 0.5 * d2[l] + 2.5 * d3[l]),
+        lanes(|l| (d4[l] + d1[l]) - 2.5 * d2[l] + 0.5 * d3[l]),
+        lanes(|l| (d4[l] - d2[l]) + 2.0 * (d3[l] - d1[l])),
+        lanes(|l| (d4[l] - d2[l]) + 0.5 * (d1[l] - d3[l])),
+        lanes(|l| (d1[l] + d5[l]) - 1.5 * (d2[l] - d4[l]) - 2.0 * d3[l]),
+    ]
+}
+
+/// `Aᵀ m` for one column of 6 products (8 channels each).
+#[inline(always)]
+fn output_points(m: &[Lanes; PATCH]) -> [Lanes; TILE] {
+    let [m0, m1, m2, m3, m4, m5] = m;
+    [
+        lanes(|l| m0[l] + (m1[l] + m2[l]) + (m3[l] + m4[l])),
+        lanes(|l| (m1[l] - m2[l]) + 0.5 * m3[l] - 2.0 * m4[l]),
+        lanes(|l| (m1[l] + m2[l]) + 0.25 * m3[l] + 4.0 * m4[l]),
+        lanes(|l| (m1[l] - m2[l]) + 0.125 * m3[l] - 8.0 * m4[l] + m5[l]),
+    ]
+}
+
+multiversion! {
+    /// Transforms the `tw` patches of one staged tile row into `at`.
+    fn transform_inputs_body(staged: &[f32], wp: usize, cg: usize, tw: usize, at: &Patches) {
+        for tx in 0..tw {
+            for c0 in (0..cg).step_by(LANES) {
+                let value = |r: usize, c: usize| -> Lanes {
+                    let start = (r * wp + tx * TILE + c) * cg + c0;
+                    std::array::from_fn(|l| staged[start + l])
+                };
+                // Bᵀ d column by column, then each row of that times B.
+                let cols: [[Lanes; PATCH]; PATCH] =
+                    std::array::from_fn(|c| input_points(&std::array::from_fn(|r| value(r, c))));
+                for (i, row) in transpose(&cols).iter().enumerate() {
+                    for (j, v) in input_points(row).into_iter().enumerate() {
+                        let offset =
+                            (i * PATCH + j) * at.point_stride + (at.first_tile + tx) * cg + c0;
+                        // SAFETY: the caller guarantees the tile lies inside the
+                        // patches buffer.
+                        unsafe { at.values.add(offset).cast::<Lanes>().write_unaligned(v) };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`transform_inputs_body`].
+///
+/// # Safety
+/// Points `0..36` of tiles `at.first_tile .. + tw` (`cg` values each) lie inside the
+/// buffer `at` addresses.
+unsafe fn transform_inputs(staged: &[f32], wp: usize, cg: usize, tw: usize, at: Patches) {
+    transform_inputs_body(staged, wp, cg, tw, &at);
+}
+
+/// Output rows one tile row writes.
+struct OutRows {
+    /// The image's first output channel.
+    out: *mut f32,
+    /// Pixels per channel and output columns.
+    pixels: usize,
+    ow: usize,
+    /// First row and how many (at most 4) lie inside the output.
+    y0: usize,
+    rows: usize,
+}
+
+multiversion! {
+    /// `Aᵀ M A` plus the bias for the `tw` tiles of one tile row, stored to the valid
+    /// pixels of `dst`.
+    fn transform_outputs_body(
+        products: (*const f32, usize),
+        og: usize,
+        tw: usize,
+        bias: Option<&[f32]>,
+        dst: &OutRows
+    ) {
+        let (first, point_stride) = products;
+        for tx in 0..tw {
+            let x0 = tx * TILE;
+            let valid = TILE.min(dst.ow - x0);
+            for c0 in (0..og).step_by(LANES) {
+                let value = |i: usize, j: usize| -> Lanes {
+                    let offset = (i * PATCH + j) * point_stride + tx * og + c0;
+                    // SAFETY: the caller guarantees every point of the row's tiles lies
+                    // inside the products.
+                    unsafe { first.add(offset).cast::<Lanes>().read_unaligned() }
+                };
+                let cols: [[Lanes; TILE]; PATCH] =
+                    std::array::from_fn(|j| output_points(&std::array::from_fn(|i| value(i, j))));
+                let b: Lanes = match bias {
+                    Some(bias) => std::array::from_fn(|l| bias[c0 + l]),
+                    None => [0.0; LANES],
+                };
+                for (i, row) in transpose(&cols).iter().enumerate().take(dst.rows) {
+                    let pixels = output_points(row);
+                    let at = (dst.y0 + i) * dst.ow + x0;
+                    for (j, px) in pixels.iter().enumerate().take(valid) {
+                        for l in 0..LANES {
+                            // SAFETY: channel c0 + l, pixel (y0 + i, x0 + j) lies inside
+                            // the image's output (caller's guarantee).
+                            unsafe {
+                                *dst.out.add((c0 + l) * dst.pixels + at + j) = px[l] + b[l];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`transform_outputs_body`].
+///
+/// # Safety
+/// Points `0..36` of the `tw` tiles from `products.0` (point stride `products.1`,
+/// `og` values per tile) are readable; `dst` addresses the image's `og x pixels`
+/// output, of which rows `y0..y0 + rows` are this caller's alone.
+unsafe fn transform_outputs(
+    products: (*const f32, usize),
+    og: usize,
+    tw: usize,
+    bias: Option<&[f32]>,
+    dst: &OutRows,
+) {
+    transform_outputs_body(products, og, tw, bias, dst);
+}
