@@ -299,13 +299,25 @@ multiversion! {
     fn transpose_into(src: &[f32], hw: [usize; 2], iy: usize, valid: usize, dst: &mut [f32]) {
         let [h, w] = hw;
         let cg = src.len() / (h * w);
+        let row = |c: usize| (c * h + iy) * w;
         for c0 in (0..cg).step_by(LANES) {
-            let rows: [&[f32]; LANES] =
-                std::array::from_fn(|l| &src[((c0 + l) * h + iy) * w..][..valid]);
-            for (x, pixel) in dst.chunks_exact_mut(cg).take(valid).enumerate() {
-                let lanes = &mut pixel[c0..c0 + LANES];
-                for (l, v) in lanes.iter_mut().enumerate() {
-                    *v = rows[l][x];
+            // 8 x 8 blocks: 8 columns of 8 channel rows in, 8 pixels of 8 channels out.
+            let whole = valid / LANES * LANES;
+            for x0 in (0..whole).step_by(LANES) {
+                let mut pixels = [[0.0; LANES]; LANES];
+                for l in 0..LANES {
+                    let values = load(&src[row(c0 + l) + x0..]);
+                    for (pixel, &v) in pixels.iter_mut().zip(&values) {
+                        pixel[l] = v;
+                    }
+                }
+                for (x, pixel) in pixels.iter().enumerate() {
+                    dst[(x0 + x) * cg + c0..][..LANES].copy_from_slice(pixel);
+                }
+            }
+            for x in whole..valid {
+                for l in 0..LANES {
+                    dst[x * cg + c0 + l] = src[row(c0 + l) + x];
                 }
             }
         }
@@ -322,15 +334,35 @@ struct Patches {
 
 type Lanes = [f32; LANES];
 
+/// A vector from its lanes. (`std::array::from_fn` is not inlined into the
+/// per-instruction-set copies, which left these loops scalar.)
 #[inline(always)]
 fn lanes(f: impl Fn(usize) -> f32) -> Lanes {
-    std::array::from_fn(f)
+    let mut out = [0.0; LANES];
+    for (l, v) in out.iter_mut().enumerate() {
+        *v = f(l);
+    }
+    out
+}
+
+/// `LANES` values from the start of `values`.
+#[inline(always)]
+fn load(values: &[f32]) -> Lanes {
+    let mut out = [0.0; LANES];
+    out.copy_from_slice(&values[..LANES]);
+    out
 }
 
 /// Rows as columns.
 #[inline(always)]
 fn transpose<const R: usize, const C: usize>(m: &[[Lanes; C]; R]) -> [[Lanes; R]; C] {
-    std::array::from_fn(|c| std::array::from_fn(|r| m[r][c]))
+    let mut out = [[[0.0; LANES]; R]; C];
+    for (r, row) in m.iter().enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            out[c][r] = v;
+        }
+    }
+    out
 }
 
 /// `Bᵀ d` for one column of 6 patch values (8 channels each). Every coefficient is
@@ -365,13 +397,15 @@ multiversion! {
     fn transform_inputs_body(staged: &[f32], wp: usize, cg: usize, tw: usize, at: &Patches) {
         for tx in 0..tw {
             for c0 in (0..cg).step_by(LANES) {
-                let value = |r: usize, c: usize| -> Lanes {
-                    let start = (r * wp + tx * TILE + c) * cg + c0;
-                    std::array::from_fn(|l| staged[start + l])
-                };
                 // Bᵀ d column by column, then each row of that times B.
-                let cols: [[Lanes; PATCH]; PATCH] =
-                    std::array::from_fn(|c| input_points(&std::array::from_fn(|r| value(r, c))));
+                let mut cols = [[[0.0; LANES]; PATCH]; PATCH];
+                for (c, col) in cols.iter_mut().enumerate() {
+                    let mut d = [[0.0; LANES]; PATCH];
+                    for (r, v) in d.iter_mut().enumerate() {
+                        *v = load(&staged[(r * wp + tx * TILE + c) * cg + c0..]);
+                    }
+                    *col = input_points(&d);
+                }
                 for (i, row) in transpose(&cols).iter().enumerate() {
                     for (j, v) in input_points(row).into_iter().enumerate() {
                         let offset =
@@ -428,10 +462,16 @@ multiversion! {
                     // inside the products.
                     unsafe { first.add(offset).cast::<Lanes>().read_unaligned() }
                 };
-                let cols: [[Lanes; TILE]; PATCH] =
-                    std::array::from_fn(|j| output_points(&std::array::from_fn(|i| value(i, j))));
+                let mut cols = [[[0.0; LANES]; TILE]; PATCH];
+                for (j, col) in cols.iter_mut().enumerate() {
+                    let mut m = [[0.0; LANES]; PATCH];
+                    for (i, v) in m.iter_mut().enumerate() {
+                        *v = value(i, j);
+                    }
+                    *col = output_points(&m);
+                }
                 let b: Lanes = match bias {
-                    Some(bias) => std::array::from_fn(|l| bias[c0 + l]),
+                    Some(bias) => load(&bias[c0..]),
                     None => [0.0; LANES],
                 };
                 for (i, row) in transpose(&cols).iter().enumerate().take(dst.rows) {
