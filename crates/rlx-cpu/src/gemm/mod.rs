@@ -49,11 +49,14 @@ pub(crate) enum Activation {
 }
 
 /// What happens to each output value `v = (A·B)[i, j]` before it is stored:
-/// `act(v * alpha + bias[j]) + residual[i, j]`.
+/// `act(v * alpha + bias[j] + row_bias[i]) + residual[i, j]`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Epilogue {
     pub alpha: f32,
     pub bias: Option<*const f32>,
+    /// One value per row of `C` (a convolution's bias: its rows are output
+    /// channels).
+    pub row_bias: Option<*const f32>,
     pub activation: Option<Activation>,
     /// `(pointer, row stride)` of an `m x n` matrix added last.
     pub residual: Option<(*const f32, usize)>,
@@ -64,6 +67,7 @@ impl Epilogue {
     pub const NONE: Epilogue = Epilogue {
         alpha: 1.0,
         bias: None,
+        row_bias: None,
         activation: None,
         residual: None,
     };
@@ -71,6 +75,7 @@ impl Epilogue {
     fn is_identity(&self) -> bool {
         self.alpha == 1.0
             && self.bias.is_none()
+            && self.row_bias.is_none()
             && self.activation.is_none()
             && self.residual.is_none()
     }
@@ -829,6 +834,7 @@ mod tests {
                             epilogue: Epilogue {
                                 alpha: if with_bias { 0.5 } else { 1.0 },
                                 bias: with_bias.then_some(bias.as_ptr()),
+                                row_bias: None,
                                 activation: None,
                                 residual: None,
                             },
@@ -974,6 +980,7 @@ mod tests {
         let b: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed)).collect();
         let bias: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
         let res: Vec<f32> = (0..m * n).map(|_| lcg(&mut seed)).collect();
+        let row_bias: Vec<f32> = (0..m).map(|_| lcg(&mut seed)).collect();
         let base = reference(m, n, k, &a, &b, false);
         for kernel in available_kernels() {
             for act in [None, Some(Activation::Relu), Some(Activation::Gelu)] {
@@ -994,6 +1001,7 @@ mod tests {
                     epilogue: Epilogue {
                         alpha: 0.5,
                         bias: Some(bias.as_ptr()),
+                        row_bias: Some(row_bias.as_ptr()),
                         activation: act,
                         residual: Some((res.as_ptr(), n)),
                     },
@@ -1003,7 +1011,8 @@ mod tests {
                 unsafe { sgemm_with(&g, kernel, &pool, &scratch) }.unwrap();
                 for i in 0..m {
                     for j in 0..n {
-                        let mut v = base[i * n + j] * 0.5 + f64::from(bias[j]);
+                        let mut v =
+                            base[i * n + j] * 0.5 + f64::from(bias[j]) + f64::from(row_bias[i]);
                         v = match act {
                             None => v,
                             Some(Activation::Relu) => v.max(0.0),

@@ -412,11 +412,10 @@ fn scale_and_mask_row(p: &Problem, bi: usize, h: usize, i: usize, j0: usize, row
         }
     }
     if p.causal {
-        for (j, s) in row.iter_mut().enumerate() {
-            if j0 + j + sq > i + sk {
-                *s = f32::NEG_INFINITY;
-            }
-        }
+        // Keys `j0 + j` with `j0 + j + sq > i + sk` are masked: a suffix of the row
+        // (one fill, where a per-key test compiled to masked stores).
+        let first_masked = (i + sk + 1).saturating_sub(sq + j0).min(row.len());
+        row[first_masked..].fill(f32::NEG_INFINITY);
     }
 }
 

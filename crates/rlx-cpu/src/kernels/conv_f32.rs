@@ -427,14 +427,11 @@ impl BlockTask<'_> {
         } else {
             (rest[..self.og * wide].as_mut_ptr(), wide)
         };
-        if let Some(bias) = dst.bias {
-            for (r, &b) in bias.iter().enumerate() {
-                // SAFETY: row r of the product, `wide` values, is inside C.
-                unsafe { std::slice::from_raw_parts_mut(c_ptr.add(r * ldc), wide) }.fill(b);
-            }
-        }
+        // The bias goes in with the last product's epilogue (or as the valid pixels
+        // are stored): filling `C` with it first was one more pass over the block.
         let epilogue = if direct {
             Epilogue {
+                row_bias: dst.bias.map(|b| b.as_ptr()),
                 activation: dst.activation,
                 // SAFETY: the residual has the output's layout.
                 residual: dst
@@ -457,7 +454,7 @@ impl BlockTask<'_> {
             b_format: BFormat::F32,
             c: c_ptr,
             ldc,
-            accumulate: dst.bias.is_some(),
+            accumulate: false,
             epilogue,
         };
         let kw = win.kernel[1];
@@ -496,7 +493,7 @@ impl BlockTask<'_> {
                 let gemm = Gemm {
                     a: self.weights[t * self.og * cg..].as_ptr(),
                     b: planes[tap_offset(t)..].as_ptr(),
-                    accumulate: t > 0 || dst.bias.is_some(),
+                    accumulate: t > 0,
                     epilogue: if t + 1 == geo.taps {
                         epilogue
                     } else {
@@ -566,7 +563,7 @@ fn fill_phase_planes(
 }
 
 /// Stores each output row's valid run of the block's `product` (`og` rows of `wide`
-/// wide pixels from `(y0, x0)`), dropping the junk columns, with the activation and
+/// wide pixels from `(y0, x0)`), dropping the junk columns, with the bias, activation and
 /// residual.
 fn store_valid(
     product: &[f32],
@@ -594,8 +591,9 @@ fn store_valid(
                 )
             };
             out.copy_from_slice(&prow[(y - y0) * wq + xs - x0..][..xe - xs]);
-            if dst.activation.is_some() || residual.is_some() {
-                crate::gemm::activate_and_add(out, dst.activation, residual);
+            let shift = dst.bias.map_or(0.0, |b| b[co]);
+            if shift != 0.0 || dst.activation.is_some() || residual.is_some() {
+                crate::gemm::activate_and_add(out, shift, dst.activation, residual);
             }
         }
     }

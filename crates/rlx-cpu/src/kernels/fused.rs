@@ -95,6 +95,7 @@ pub(crate) fn fused_matmul(
                 epilogue: Epilogue {
                     alpha: alpha as f32,
                     bias: bias.map(|s| s.ptr.cast::<f32>()),
+                    row_bias: None,
                     activation: in_gemm,
                     residual: if activation.is_some() && in_gemm.is_none() {
                         None

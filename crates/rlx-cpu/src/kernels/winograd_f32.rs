@@ -260,7 +260,7 @@ pub(crate) fn conv2d(
                             }),
                         )
                     };
-                    crate::gemm::activate_and_add(values, finish.activation, residual);
+                    crate::gemm::activate_and_add(values, 0.0, finish.activation, residual);
                 }
             }
         }
