@@ -33,11 +33,16 @@ use rlx_ir::{Result, Shape, Window2d};
 /// its `(channel, tap)` rows into panels instead of multiplying per tap.
 const PER_TAP_MIN_CHANNELS: usize = 32;
 
-/// Input values (per pixel of output) a block may read from L2: half of it.
+/// Output pixels per block: as many as let the input values the block reads (per
+/// pixel of output) fill half of L2, then evened out over the blocks the image
+/// needs (600 pixels at 512 per block make two of 304 and 296, not 512 and a
+/// thin 88 that rereads all the weights for little work).
 fn pixel_block(per_pixel: usize, pixels: usize) -> usize {
     let nr = crate::gemm::packed_panel_width(pixels);
     let fit = crate::gemm::l2_cache_bytes() / 2 / 4 / per_pixel.max(1);
-    (fit / nr * nr).max(nr).min(pixels.max(1))
+    let fit = (fit / nr * nr).max(nr);
+    let blocks = pixels.div_ceil(fit).max(1);
+    (pixels.div_ceil(blocks).div_ceil(nr) * nr).min(pixels.max(1))
 }
 
 /// The geometry of one convolution in wide coordinates.
@@ -550,6 +555,12 @@ fn fill_phase_planes(
             let start = j_lo * sx + px - pl;
             if sx == 1 {
                 line[j_lo..j_hi].copy_from_slice(&row[start..start + (j_hi - j_lo)]);
+            } else if sx == 2 {
+                // Pairs with a fixed stride vectorize (as shuffles of whole vectors);
+                // a runtime step does not.
+                for (v, pair) in line[j_lo..j_hi].iter_mut().zip(row[start..].chunks(2)) {
+                    *v = pair[0];
+                }
             } else {
                 for (v, &x) in line[j_lo..j_hi]
                     .iter_mut()
