@@ -88,6 +88,8 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
             bias,
             activation: act,
             residual,
+            channel_affine,
+            post_activation,
         } => {
             let mut conv_inputs = inputs[..2].to_vec();
             if *bias {
@@ -106,8 +108,20 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
                     other => g.unary(*other, y)?,
                 };
             }
+            let residual_at = 2 + usize::from(*bias);
             if *residual {
-                y = g.add(y, inputs[inputs.len() - 1])?;
+                y = g.add(y, inputs[residual_at])?;
+            }
+            if *channel_affine {
+                let scale_at = residual_at + usize::from(*residual);
+                y = g.mul(y, inputs[scale_at])?;
+                y = g.add(y, inputs[scale_at + 1])?;
+            }
+            if let Some(a) = post_activation {
+                y = match a {
+                    UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu => activation(g, *a, y)?,
+                    other => g.unary(*other, y)?,
+                };
             }
             y
         }

@@ -97,6 +97,8 @@ pub fn op_attributes(op: &Op) -> String {
             bias,
             activation,
             residual,
+            channel_affine,
+            post_activation,
         } => {
             let mut text = format!(
                 "stride={:?} pad={:?} dilation={:?} groups={groups}",
@@ -111,6 +113,13 @@ pub fn op_attributes(op: &Op) -> String {
             }
             if *residual {
                 text.push_str(" +residual");
+            }
+            if *channel_affine {
+                text.push_str(" *scale+shift");
+            }
+            if let Some(act) = post_activation {
+                text.push(' ');
+                text.push_str(act.name());
             }
             text
         }

@@ -16,7 +16,8 @@ fn arity(op: &Op) -> (usize, usize) {
         Op::QuantMatMul { .. } => (2, 2),
         Op::CachedAttention { .. } => (4, 4),
         Op::Concat { .. } | Op::Elementwise { .. } => (1, usize::MAX),
-        Op::FusedMatMul { .. } | Op::FusedConv2d { .. } => (2, 4),
+        Op::FusedMatMul { .. } => (2, 4),
+        Op::FusedConv2d { .. } => (2, 6),
         _ => (1, 1),
     }
 }
@@ -92,7 +93,20 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
             bias,
             activation,
             residual,
-        } => fused::infer_fused_conv2d(window, *groups, *bias, *activation, *residual, inputs),
+            channel_affine,
+            post_activation,
+        } => fused::infer_fused_conv2d(
+            window,
+            *groups,
+            fused::ConvEpilogue {
+                bias: *bias,
+                activation: *activation,
+                residual: *residual,
+                channel_affine: *channel_affine,
+                post_activation: *post_activation,
+            },
+            inputs,
+        ),
         Op::Elementwise { steps } => fused::infer_elementwise(steps, inputs),
         Op::Rope { .. } => attention::infer_rope(inputs[0], inputs[1], inputs[2]),
         Op::WriteAt { axis } => state::infer_write_at(*axis, inputs[0], inputs[1], inputs[2]),

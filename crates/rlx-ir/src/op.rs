@@ -578,9 +578,11 @@ pub enum Op {
         /// Whether a residual operand comes last.
         residual: bool,
     },
-    /// `act(conv2d(x, w) + bias) + residual`: a convolution with its epilogue, formed
-    /// by the optimizer. Operands: `x`, `w`, then `bias` (`[O]`) if `bias`, then the
-    /// residual (the output's shape) if `residual`.
+    /// `post(((act(conv2d(x, w) + bias) + residual) * scale + shift)`: a convolution
+    /// with its epilogue, formed by the optimizer (the per-channel affine and `post` are
+    /// a batch norm and activation that follow a residual add). Operands: `x`, `w`,
+    /// then `bias` (`[O]`) if `bias`, then the residual (the output's shape) if
+    /// `residual`, then `scale` and `shift` (`[1, O, 1, 1]`) if `channel_affine`.
     FusedConv2d {
         /// Window geometry (kernel size comes from the weight).
         window: Window2d,
@@ -590,8 +592,12 @@ pub enum Op {
         bias: bool,
         /// Applied after the bias.
         activation: Option<UnaryOp>,
-        /// Whether a residual operand comes last.
+        /// Whether a residual operand follows.
         residual: bool,
+        /// Whether per-channel `scale` and `shift` operands come last.
+        channel_affine: bool,
+        /// Applied after the channel affine (or the residual).
+        post_activation: Option<UnaryOp>,
     },
     /// A region of float elementwise ops computed in one pass (see [`EwStep`]),
     /// formed by the optimizer.

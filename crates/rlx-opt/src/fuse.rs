@@ -5,9 +5,10 @@
 //!   intermediate value has no other reader, become one `FusedMatMul`; a cast of
 //!   `f16`/`bf16` weights to `f32` feeding the matmul is absorbed too (the kernel reads
 //!   the stored weights).
-//! - Convolution epilogues: `conv2d` followed by an activation and a residual add,
-//!   under the same rule, become one `FusedConv2d` (the convolution's own bias stays
-//!   its bias).
+//! - Convolution epilogues: `conv2d` followed by an activation, a residual add, a
+//!   per-channel multiply and add (`[1, C, 1, 1]`: a batch norm after the residual
+//!   add) and another activation, under the same rule, become one `FusedConv2d` (the
+//!   convolution's own bias stays its bias).
 //! - Elementwise regions: connected float elementwise ops of one output shape whose
 //!   intermediate values are read only inside the region become one `Elementwise`.
 
@@ -407,6 +408,9 @@ struct Epilogue {
     bias: Option<NodeId>,
     activation: Option<UnaryOp>,
     residual: Option<NodeId>,
+    /// A per-channel scale and shift after the residual (convolutions only).
+    channel_affine: Option<(NodeId, NodeId)>,
+    post_activation: Option<UnaryOp>,
     absorbed: Vec<usize>,
 }
 
@@ -455,6 +459,8 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
             bias: None,
             activation: None,
             residual: None,
+            channel_affine: None,
+            post_activation: None,
             absorbed: vec![i],
         };
         let other_operand = |j: usize, cur: usize| -> Option<NodeId> {
@@ -494,6 +500,33 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
             e.absorbed.push(j);
             e.last = j;
         }
+        // A batch norm after the residual add: `* scale + shift`, per channel.
+        let per_channel = |x: NodeId| {
+            nodes[x.index()].shape.dims() == [1, shape.dims().get(1).copied().unwrap_or(0), 1, 1]
+        };
+        if is_conv
+            && let Some(j) = only_reader(e.last)
+            && nodes[j].op == Op::Binary(BinaryOp::Mul)
+            && nodes[j].shape == *shape
+            && let Some(scale) = other_operand(j, e.last)
+            && per_channel(scale)
+            && let Some(k) = only_reader(j)
+            && nodes[k].op == Op::Binary(BinaryOp::Add)
+            && nodes[k].shape == *shape
+            && let Some(shift) = other_operand(k, j)
+            && per_channel(shift)
+        {
+            e.channel_affine = Some((scale, shift));
+            e.absorbed.extend([j, k]);
+            e.last = k;
+            if let Some(a) = only_reader(k)
+                && let Some(act) = epilogue_activation(&nodes[a].op)
+            {
+                e.post_activation = Some(act);
+                e.absorbed.push(a);
+                e.last = a;
+            }
+        }
         if e.absorbed.len() > 1 || e.b_cast.is_some() {
             for &a in &e.absorbed {
                 claimed[a] = true;
@@ -520,6 +553,9 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
                 }
                 inputs.extend(e.bias);
                 inputs.extend(e.residual);
+                if let Some((scale, shift)) = e.channel_affine {
+                    inputs.extend([scale, shift]);
+                }
                 let op = match mm.op {
                     Op::Conv2d { window, groups } => Op::FusedConv2d {
                         window,
@@ -527,6 +563,8 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
                         bias: mm.inputs.len() > 2,
                         activation: e.activation,
                         residual: e.residual.is_some(),
+                        channel_affine: e.channel_affine.is_some(),
+                        post_activation: e.post_activation,
                     },
                     _ => Op::FusedMatMul {
                         alpha: F64Bits::new(1.0),

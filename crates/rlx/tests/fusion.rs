@@ -296,11 +296,75 @@ fn winograd_convolutions_with_weights_transformed_ahead_match() {
 }
 
 #[test]
+fn a_batch_norm_after_the_residual_add_folds_into_the_convolution() {
+    // ResNet blocks that normalize after the skip add: conv -> + residual -> * scale
+    // + shift (per channel) -> relu is one FusedConv2d, on every f32 path: 1x1 packed
+    // panels, per-tap products, Winograd, and a strided window with junk columns.
+    let mut rng = Rng(37);
+    let cases = [
+        (2, 48, 64, 9, 10, 1, 1),
+        (1, 40, 24, 8, 11, 3, 1),
+        (2, 32, 32, 12, 9, 3, 1),
+        (1, 16, 24, 11, 13, 3, 2),
+    ];
+    for (case, (n, c, o, h, w, k, stride)) in cases.into_iter().enumerate() {
+        let g = Graph::new("bn after add");
+        let x = g.input("x", Shape::new(&[n, c, h, w], DType::F32)).unwrap();
+        let wt = g.param("w", Shape::new(&[o, c, k, k], DType::F32)).unwrap();
+        let b = g.param("b", Shape::new(&[o], DType::F32)).unwrap();
+        let pad = [k / 2; 4];
+        let y = g
+            .conv2d(x, wt, Some(b), [stride; 2], pad, [1, 1], 1)
+            .unwrap();
+        let dims = g.shape(y).unwrap().dims().to_vec();
+        let r = g.input("r", Shape::new(&dims, DType::F32)).unwrap();
+        let scale = g
+            .param("scale", Shape::new(&[1, o, 1, 1], DType::F32))
+            .unwrap();
+        let shift = g
+            .param("shift", Shape::new(&[1, o, 1, 1], DType::F32))
+            .unwrap();
+        let sum = g.add(y, r).unwrap();
+        let normalized = g.add(g.mul(sum, scale).unwrap(), shift).unwrap();
+        g.set_outputs(vec![g.relu(normalized).unwrap()]);
+        let what = format!("bn after add, case {case}");
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let fused: Vec<_> = plan
+            .graph
+            .nodes()
+            .iter()
+            .filter(|node| node.op.name() == "fused_conv2d")
+            .map(|node| node.op.clone())
+            .collect();
+        assert!(
+            matches!(
+                fused[..],
+                [rlx::ir::Op::FusedConv2d {
+                    residual: true,
+                    channel_affine: true,
+                    post_activation: Some(UnaryOp::Relu),
+                    ..
+                }]
+            ),
+            "{what}: {fused:?}\n{}",
+            plan.graph
+        );
+        // Winograd (case 2) rounds more; the bound its own test states.
+        let tol = if case == 2 {
+            5e-6 * ((9 * c) as f64).sqrt()
+        } else {
+            2e-5
+        };
+        check_within(&g, &mut rng, &what, tol);
+    }
+}
+
+#[test]
 fn a_fused_convolution_built_by_hand_runs_any_activation() {
     // The optimizer forms only activations the GEMM epilogue has; a graph may carry
-    // others (tanh here), which run after the convolution.
+    // others (tanh, sigmoid after a channel affine), which run after the convolution.
     let mut rng = Rng(29);
-    for groups in [1, 2] {
+    for (groups, affine) in [(1, false), (2, false), (1, true), (2, true)] {
         let g = Graph::new("fused conv by hand");
         let x = g
             .input("x", Shape::new(&[2, 64, 6, 7], DType::F32))
@@ -321,10 +385,25 @@ fn a_fused_convolution_built_by_hand_runs_any_activation() {
             bias: false,
             activation: Some(UnaryOp::Tanh),
             residual: true,
+            channel_affine: affine,
+            post_activation: affine.then_some(UnaryOp::Sigmoid),
         };
-        let y = g.push(op, &[x, w, r]).unwrap();
+        let mut operands = vec![x, w, r];
+        if affine {
+            for name in ["scale", "shift"] {
+                operands.push(
+                    g.param(name, Shape::new(&[1, 8, 1, 1], DType::F32))
+                        .unwrap(),
+                );
+            }
+        }
+        let y = g.push(op, &operands).unwrap();
         g.set_outputs(vec![y]);
-        check(&g, &mut rng, &format!("fused conv tanh groups {groups}"));
+        check(
+            &g,
+            &mut rng,
+            &format!("fused conv tanh groups {groups} affine {affine}"),
+        );
     }
 }
 
@@ -990,10 +1069,26 @@ fn composites_decompose_into_primitives_that_match() {
         .conv2d(xc, wc, Some(bc), [1, 1], [1, 1, 1, 1], [1, 1], 1)
         .unwrap();
     let conv = g.add(g.relu(conv).unwrap(), rc).unwrap();
+    // A batch norm and relu after the residual add fold in too.
+    let scale = g
+        .param("sc", Shape::new(&[1, 4, 1, 1], DType::F32))
+        .unwrap();
+    let shift = g
+        .param("sh", Shape::new(&[1, 4, 1, 1], DType::F32))
+        .unwrap();
+    let conv = g.add(g.mul(conv, scale).unwrap(), shift).unwrap();
+    let conv = g.relu(conv).unwrap();
     g.set_outputs(vec![g.sub(z, y).unwrap(), conv]);
     let fused = plan_graph(&g, &all_passes()).unwrap().graph;
     assert!(fused.nodes().iter().any(|n| n.op.name() == "fused_matmul"));
-    assert!(fused.nodes().iter().any(|n| n.op.name() == "fused_conv2d"));
+    assert!(fused.nodes().iter().any(|n| matches!(
+        n.op,
+        rlx::ir::Op::FusedConv2d {
+            channel_affine: true,
+            post_activation: Some(UnaryOp::Relu),
+            ..
+        }
+    )));
     assert!(fused.nodes().iter().any(|n| n.op.name() == "elementwise"));
     let back =
         rlx::ir::decompose::decompose_graph(&fused, &|op| !rlx::ir::decompose::is_composite(op))

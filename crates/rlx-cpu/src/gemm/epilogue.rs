@@ -1,4 +1,5 @@
-//! The GEMM epilogue, `act(v * alpha + bias[j] + row_bias[i]) + residual[i, j]`, applied to a block
+//! The GEMM epilogue, `post((act(v * alpha + bias[j] + row_bias[i]) + residual[i, j]) *
+//! scale[i] + shift[i])`, applied to a block
 //! of `C` once its last `K` block is done, while the block is still in L2: per row,
 //! one plain loop per step.
 
@@ -25,20 +26,38 @@ pub(super) unsafe fn apply(g: &Gemm, rows: std::ops::Range<usize>, cols: std::op
         });
         // SAFETY: the row bias has `m` values.
         let shift = e.row_bias.map_or(0.0, |b| unsafe { *b.add(i) });
-        row(out, e.alpha, bias, shift, e.activation, residual);
+        // SAFETY: the scales and shifts have `m` values.
+        let affine = e.row_affine.map(|(scale, shift, activation)| unsafe {
+            RowAffine {
+                scale: *scale.add(i),
+                shift: *shift.add(i),
+                activation,
+            }
+        });
+        row(out, e.alpha, bias, shift, e.activation, residual, affine);
     }
 }
 
-/// `act(v + shift) + residual` over `out` in place: the epilogue for values a kernel
-/// stored itself (a convolution compacting its output rows, `shift` its channel's
-/// bias).
+/// `act(v + shift) + residual`, then `affine`, over `out` in place: the epilogue for
+/// values a kernel stored itself (a convolution compacting its output rows, `shift`
+/// its channel's bias).
 pub(crate) fn activate_and_add(
     out: &mut [f32],
     shift: f32,
     activation: Option<Activation>,
     residual: Option<&[f32]>,
+    affine: Option<RowAffine>,
 ) {
-    row(out, 1.0, None, shift, activation, residual);
+    row(out, 1.0, None, shift, activation, residual, affine);
+}
+
+/// What follows the residual in a row: `post(v * scale + shift)` (a batch norm and
+/// activation after a residual add, one scale and shift per row of `C`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RowAffine {
+    pub scale: f32,
+    pub shift: f32,
+    pub activation: Option<Activation>,
 }
 
 multiversion! {
@@ -52,7 +71,8 @@ multiversion! {
         bias: Option<&[f32]>,
         shift: f32,
         activation: Option<Activation>,
-        residual: Option<&[f32]>
+        residual: Option<&[f32]>,
+        affine: Option<RowAffine>
     ) {
         match bias {
             Some(bias) => {
@@ -67,38 +87,50 @@ multiversion! {
             }
             None => {}
         }
-        match activation {
-            None => {}
-            Some(Activation::Relu) => {
-                // NaN passes through, as the scalar definition has it. The `+ 0.0`
-                // (which only turns -0 into +0) keeps the compiler from storing just
-                // the zeroed lanes of a value it reloaded: it did that with masked
-                // stores, microcoded on AMD Zen, and the epilogue then took 40% as
-                // long as the products.
-                for x in out.iter_mut() {
-                    let v = *x + 0.0;
-                    *x = if v < 0.0 { 0.0 } else { v };
-                }
-            }
-            Some(Activation::Gelu) => {
-                for x in out.iter_mut() {
-                    *x = vmath::gelu(*x);
-                }
-            }
-            Some(Activation::GeluTanh) => {
-                for x in out.iter_mut() {
-                    *x = vmath::gelu_tanh(*x);
-                }
-            }
-            Some(Activation::Silu) => {
-                for x in out.iter_mut() {
-                    *x = vmath::silu(*x);
-                }
-            }
-        }
+        activate(out, activation);
         if let Some(residual) = residual {
             for (x, &r) in out.iter_mut().zip(residual) {
                 *x += r;
+            }
+        }
+        if let Some(a) = affine {
+            for x in out.iter_mut() {
+                *x = *x * a.scale + a.shift;
+            }
+            activate(out, a.activation);
+        }
+    }
+}
+
+/// `act` over `out` in place (inlined into each version of [`row`]).
+#[inline(always)]
+fn activate(out: &mut [f32], activation: Option<Activation>) {
+    match activation {
+        None => {}
+        Some(Activation::Relu) => {
+            // NaN passes through, as the scalar definition has it. The `+ 0.0`
+            // (which only turns -0 into +0) keeps the compiler from storing just the
+            // zeroed lanes of a value it reloaded: it did that with masked stores,
+            // microcoded on AMD Zen, and the epilogue then took 40% as long as the
+            // products.
+            for x in out.iter_mut() {
+                let v = *x + 0.0;
+                *x = if v < 0.0 { 0.0 } else { v };
+            }
+        }
+        Some(Activation::Gelu) => {
+            for x in out.iter_mut() {
+                *x = vmath::gelu(*x);
+            }
+        }
+        Some(Activation::GeluTanh) => {
+            for x in out.iter_mut() {
+                *x = vmath::gelu_tanh(*x);
+            }
+        }
+        Some(Activation::Silu) => {
+            for x in out.iter_mut() {
+                *x = vmath::silu(*x);
             }
         }
     }
@@ -135,7 +167,7 @@ mod tests {
                             with_bias.then_some(&bias[..]),
                             with_residual.then_some(&residual[..]),
                         );
-                        row(&mut out, 0.75, b, shift, act, r);
+                        row(&mut out, 0.75, b, shift, act, r, None);
                         for j in 0..n {
                             let mut want =
                                 start[j] * 0.75 + if with_bias { bias[j] } else { 0.0 } + shift;

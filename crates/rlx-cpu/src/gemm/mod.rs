@@ -11,7 +11,7 @@
 
 mod blocking;
 mod epilogue;
-pub(crate) use epilogue::activate_and_add;
+pub(crate) use epilogue::{RowAffine, activate_and_add};
 mod kernels;
 mod pack;
 
@@ -57,6 +57,9 @@ pub(crate) struct Epilogue {
     /// One value per row of `C` (a convolution's bias: its rows are output
     /// channels).
     pub row_bias: Option<*const f32>,
+    /// `(scale, shift, post)`: after the residual, `post(v * scale[i] + shift[i])`
+    /// (a batch norm and activation after a convolution's residual add).
+    pub row_affine: Option<(*const f32, *const f32, Option<Activation>)>,
     pub activation: Option<Activation>,
     /// `(pointer, row stride)` of an `m x n` matrix added last.
     pub residual: Option<(*const f32, usize)>,
@@ -68,6 +71,7 @@ impl Epilogue {
         alpha: 1.0,
         bias: None,
         row_bias: None,
+        row_affine: None,
         activation: None,
         residual: None,
     };
@@ -76,6 +80,7 @@ impl Epilogue {
         self.alpha == 1.0
             && self.bias.is_none()
             && self.row_bias.is_none()
+            && self.row_affine.is_none()
             && self.activation.is_none()
             && self.residual.is_none()
     }
@@ -835,6 +840,7 @@ mod tests {
                                 alpha: if with_bias { 0.5 } else { 1.0 },
                                 bias: with_bias.then_some(bias.as_ptr()),
                                 row_bias: None,
+                                row_affine: None,
                                 activation: None,
                                 residual: None,
                             },
@@ -1002,6 +1008,7 @@ mod tests {
                         alpha: 0.5,
                         bias: Some(bias.as_ptr()),
                         row_bias: Some(row_bias.as_ptr()),
+                        row_affine: None,
                         activation: act,
                         residual: Some((res.as_ptr(), n)),
                     },

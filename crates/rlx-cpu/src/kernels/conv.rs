@@ -23,17 +23,25 @@ pub(super) fn extent(win: &Window2d, axis: usize, size: usize) -> usize {
 }
 
 /// What a fused convolution does to each output value after the bias:
-/// `act(v) + residual`.
+/// `post((act(v) + residual) * scale[c] + shift[c])`.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct ConvEpilogue<'a> {
     pub activation: Option<UnaryOp>,
-    /// A tensor of the output's shape added last.
+    /// A tensor of the output's shape added next.
     pub residual: Option<Src<'a>>,
+    /// `(scale, shift)`, one value per output channel each.
+    pub channel_affine: Option<(Src<'a>, Src<'a>)>,
+    /// Applied last.
+    pub post_activation: Option<UnaryOp>,
 }
 
 /// Applies `epilogue` to every value of `out` in place (any dtype; the f32 path
 /// applies it inside its GEMMs).
 pub(crate) fn apply_epilogue(epilogue: ConvEpilogue, out: Dst) {
+    let (channels, pixels) = (
+        out.shape.dim(1).max(1),
+        (out.shape.dim(2) * out.shape.dim(3)).max(1),
+    );
     with_dtype!(out.shape.dtype(), T => {
         for i in 0..out.len {
             let mut v = out.get::<T>(i).to_f64();
@@ -41,7 +49,15 @@ pub(crate) fn apply_epilogue(epilogue: ConvEpilogue, out: Dst) {
                 v = T::from_f64(unary_f64(act, v)).to_f64();
             }
             if let Some(r) = epilogue.residual {
-                v += r.f64::<T>(i);
+                v = T::from_f64(v + r.f64::<T>(i)).to_f64();
+            }
+            if let Some((scale, shift)) = epilogue.channel_affine {
+                let c = i / pixels % channels;
+                v = T::from_f64(v * scale.f64::<T>(c)).to_f64();
+                v = T::from_f64(v + shift.f64::<T>(c)).to_f64();
+            }
+            if let Some(act) = epilogue.post_activation {
+                v = T::from_f64(unary_f64(act, v)).to_f64();
             }
             out.set(i, T::from_f64(v));
         }

@@ -241,19 +241,31 @@ pub(crate) fn conv2d(
     if p == 0 || og == 0 || n == 0 {
         return Ok(());
     }
-    let activation = match epilogue.activation.map(super::fused::gemm_activation) {
-        // An activation the GEMM epilogue lacks: the convolution, then the epilogue
-        // over the output.
-        Some(None) => {
-            let plain = ConvEpilogue::default();
-            conv2d(win, groups, [x, w], bias, plain, out, ctx)?;
-            super::conv::apply_epilogue(epilogue, out);
-            return Ok(());
-        }
-        other => other.flatten(),
-    };
+    let activation = epilogue.activation.map(super::fused::gemm_activation);
+    let post = epilogue.post_activation.map(super::fused::gemm_activation);
+    if matches!(activation, Some(None))
+        || matches!(post, Some(None))
+        || (post.is_some() && epilogue.channel_affine.is_none())
+    {
+        // An activation the GEMM epilogue lacks (or one with no channel affine
+        // before it): the convolution, then the epilogue over the output.
+        let plain = ConvEpilogue::default();
+        conv2d(win, groups, [x, w], bias, plain, out, ctx)?;
+        super::conv::apply_epilogue(epilogue, out);
+        return Ok(());
+    }
+    let activation = activation.flatten();
+    // SAFETY: f32 tensors of `o` values each.
+    let affine = epilogue.channel_affine.map(|(scale, shift)| unsafe {
+        (
+            std::slice::from_raw_parts(scale.ptr.cast::<f32>(), scale.len),
+            std::slice::from_raw_parts(shift.ptr.cast::<f32>(), shift.len),
+            post.flatten(),
+        )
+    });
     if winograd_f32::applies(win, groups, cg, og) {
-        return winograd(win, [x, w], bias, (activation, epilogue.residual), out, ctx);
+        let finish = (activation, epilogue.residual, affine);
+        return winograd(win, [x, w], bias, finish, out, ctx);
     }
     let geo = Geometry::new(win, cg, [h, wd], ow);
     let threads = ctx.gemm.threads();
@@ -313,6 +325,7 @@ pub(crate) fn conv2d(
             residual: residual_addr.map(|r| unsafe { (r as *const f32).add(first_channel) }),
             bias: bias.map(|b| &b[g * og..(g + 1) * og]),
             activation,
+            affine: affine.map(|(s, t, a)| (&s[g * og..(g + 1) * og], &t[g * og..(g + 1) * og], a)),
             pixels: p,
         };
         // SAFETY: one task per thread index at a time.
@@ -338,7 +351,7 @@ fn winograd(
     win: &Window2d,
     [x, w]: [Src; 2],
     bias: Option<Src>,
-    (activation, residual): (Option<Activation>, Option<Src>),
+    (activation, residual, affine): (Option<Activation>, Option<Src>, Option<ChannelAffine>),
     out: Dst,
     ctx: &mut Ctx,
 ) -> Result<()> {
@@ -366,9 +379,14 @@ fn winograd(
         bias: bias.map(|b| unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), b.len) }),
         activation,
         residual,
+        affine,
     };
     winograd_f32::conv2d(win, x, transformed, finish, out, ctx)
 }
+
+/// `(scale, shift, post)`: a batch norm and activation after the residual, one scale
+/// and shift per output channel.
+pub(crate) type ChannelAffine<'a> = (&'a [f32], &'a [f32], Option<Activation>);
 
 /// Where one image and group's output goes and what is applied on the way.
 struct BlockOut<'a> {
@@ -379,6 +397,8 @@ struct BlockOut<'a> {
     /// The group's `og` bias values.
     bias: Option<&'a [f32]>,
     activation: Option<Activation>,
+    /// The group's channels' affine and activation after the residual, if any.
+    affine: Option<ChannelAffine<'a>>,
     /// Output pixels per channel.
     pixels: usize,
 }
@@ -437,6 +457,7 @@ impl BlockTask<'_> {
         let epilogue = if direct {
             Epilogue {
                 row_bias: dst.bias.map(|b| b.as_ptr()),
+                row_affine: dst.affine.map(|(s, t, a)| (s.as_ptr(), t.as_ptr(), a)),
                 activation: dst.activation,
                 // SAFETY: the residual has the output's layout.
                 residual: dst
@@ -603,8 +624,13 @@ fn store_valid(
             };
             out.copy_from_slice(&prow[(y - y0) * wq + xs - x0..][..xe - xs]);
             let shift = dst.bias.map_or(0.0, |b| b[co]);
-            if shift != 0.0 || dst.activation.is_some() || residual.is_some() {
-                crate::gemm::activate_and_add(out, shift, dst.activation, residual);
+            let affine = dst.affine.map(|(s, t, activation)| crate::gemm::RowAffine {
+                scale: s[co],
+                shift: t[co],
+                activation,
+            });
+            if shift != 0.0 || dst.activation.is_some() || residual.is_some() || affine.is_some() {
+                crate::gemm::activate_and_add(out, shift, dst.activation, residual, affine);
             }
         }
     }

@@ -96,6 +96,7 @@ pub(crate) fn fused_matmul(
                     alpha: alpha as f32,
                     bias: bias.map(|s| s.ptr.cast::<f32>()),
                     row_bias: None,
+                    row_affine: None,
                     activation: in_gemm,
                     residual: if activation.is_some() && in_gemm.is_none() {
                         None

@@ -264,10 +264,16 @@ pub(crate) fn run<'a>(
             bias,
             activation,
             residual,
+            channel_affine,
+            post_activation,
         } => {
+            let residual_at = 2 + usize::from(*bias);
+            let scale_at = residual_at + usize::from(*residual);
             let epilogue = conv::ConvEpilogue {
                 activation: *activation,
-                residual: residual.then(|| src(n_inputs - 1)),
+                residual: residual.then(|| src(residual_at)),
+                channel_affine: channel_affine.then(|| (src(scale_at), src(scale_at + 1))),
+                post_activation: *post_activation,
             };
             let bias = bias.then(|| src(2));
             if src(0).shape.dtype() == DType::F32 {

@@ -148,11 +148,12 @@ pub(crate) fn thread_floats(x: &Shape, w: &Shape, [oh, ow]: [usize; 2]) -> usize
 }
 
 /// What a Winograd convolution writes besides the product: bias, then activation,
-/// then residual.
+/// then residual, then the channel affine and its activation.
 pub(crate) struct Finish<'a> {
     pub bias: Option<&'a [f32]>,
     pub activation: Option<Activation>,
     pub residual: Option<Src<'a>>,
+    pub affine: Option<super::conv_f32::ChannelAffine<'a>>,
 }
 
 /// The convolution, with `weights` from [`transform_weights`].
@@ -246,7 +247,7 @@ pub(crate) fn conv2d(
             // SAFETY: the row's tiles' products are inside the task's; the rows are
             // inside the output and only this task writes them.
             unsafe { transform_outputs(products_at, og, tiling.tw, finish.bias, &dst) };
-            if finish.activation.is_some() || residual_addr.is_some() {
+            if finish.activation.is_some() || residual_addr.is_some() || finish.affine.is_some() {
                 for co in 0..og {
                     let at = image_at + co * pixels + y0 * ow;
                     let len = (y1 - y0) * ow;
@@ -260,7 +261,14 @@ pub(crate) fn conv2d(
                             }),
                         )
                     };
-                    crate::gemm::activate_and_add(values, 0.0, finish.activation, residual);
+                    let affine = finish
+                        .affine
+                        .map(|(s, t, activation)| crate::gemm::RowAffine {
+                            scale: s[co],
+                            shift: t[co],
+                            activation,
+                        });
+                    crate::gemm::activate_and_add(values, 0.0, finish.activation, residual, affine);
                 }
             }
         }

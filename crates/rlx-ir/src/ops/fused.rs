@@ -151,38 +151,85 @@ pub(crate) fn eval_fused_matmul(
     Ok(t)
 }
 
+/// The epilogue flags of an [`Op::FusedConv2d`](crate::Op::FusedConv2d).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConvEpilogue {
+    pub bias: bool,
+    pub activation: Option<UnaryOp>,
+    pub residual: bool,
+    pub channel_affine: bool,
+    pub post_activation: Option<UnaryOp>,
+}
+
+impl ConvEpilogue {
+    /// Index of the residual operand (if any) and of the scale (if any).
+    fn operand_at(&self) -> (usize, usize) {
+        let residual = 2 + usize::from(self.bias);
+        (residual, residual + usize::from(self.residual))
+    }
+}
+
 pub(crate) fn infer_fused_conv2d(
     window: &Window2d,
     groups: usize,
-    bias: bool,
-    activation: Option<UnaryOp>,
-    residual: bool,
+    e: ConvEpilogue,
     inputs: &[&Shape],
 ) -> Result<Shape> {
-    let expected = operand_count("fused_conv2d", bias, residual, inputs)?;
-    let out = infer_conv2d(window, groups, &inputs[..2 + usize::from(bias)])?;
-    let residual_shape = residual.then(|| inputs[expected - 1]);
-    check_epilogue("fused_conv2d", &out, activation, residual_shape)?;
+    let op = "fused_conv2d";
+    let (residual_at, scale_at) = e.operand_at();
+    let expected = scale_at + 2 * usize::from(e.channel_affine);
+    if inputs.len() != expected {
+        return Err(Error::invalid(
+            op,
+            format!("takes {expected} operands, got {}", inputs.len()),
+        ));
+    }
+    let out = infer_conv2d(window, groups, &inputs[..residual_at])?;
+    let residual_shape = e.residual.then(|| inputs[residual_at]);
+    check_epilogue(op, &out, e.activation, residual_shape)?;
+    check_epilogue(op, &out, e.post_activation, None)?;
+    if e.channel_affine {
+        let channels = out.dim(1);
+        for s in &inputs[scale_at..] {
+            same_dtype(op, &out, s)?;
+            if s.dims() != [1, channels, 1, 1] {
+                return Err(mismatch(
+                    op,
+                    &out,
+                    s,
+                    format!("a channel scale or shift must be [1, {channels}, 1, 1]"),
+                ));
+            }
+        }
+    }
     Ok(out)
 }
 
 pub(crate) fn eval_fused_conv2d(
     window: &Window2d,
     groups: usize,
-    bias: bool,
-    activation: Option<UnaryOp>,
-    residual: bool,
+    e: ConvEpilogue,
     inputs: &[&HostTensor],
     out: &Shape,
 ) -> HostTensor {
-    let mut t = eval_conv2d(window, groups, &inputs[..2 + usize::from(bias)], out);
+    let (residual_at, scale_at) = e.operand_at();
+    let mut t = eval_conv2d(window, groups, &inputs[..residual_at], out);
     let dtype = out.dtype();
+    let (channels, pixels) = (out.dim(1), out.dim(2) * out.dim(3));
     for (i, v) in t.data.iter_mut().enumerate() {
-        if let Some(act) = activation {
+        if let Some(act) = e.activation {
             *v = dtype.round_value(unary_f64(act, *v));
         }
-        if residual {
-            *v = dtype.round_value(*v + inputs[inputs.len() - 1].data[i]);
+        if e.residual {
+            *v = dtype.round_value(*v + inputs[residual_at].data[i]);
+        }
+        if e.channel_affine {
+            let c = i / pixels.max(1) % channels.max(1);
+            *v = dtype.round_value(*v * inputs[scale_at].data[c]);
+            *v = dtype.round_value(*v + inputs[scale_at + 1].data[c]);
+        }
+        if let Some(act) = e.post_activation {
+            *v = dtype.round_value(unary_f64(act, *v));
         }
     }
     t
