@@ -90,10 +90,27 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
             residual,
             channel_affine,
             post_activation,
+            input_affine,
+            input_activation,
         } => {
             let mut conv_inputs = inputs[..2].to_vec();
             if *bias {
                 conv_inputs.push(inputs[2]);
+            }
+            if *input_affine {
+                let at = 2
+                    + usize::from(*bias)
+                    + usize::from(*residual)
+                    + 2 * usize::from(*channel_affine);
+                conv_inputs[0] = g.add(g.mul(conv_inputs[0], inputs[at])?, inputs[at + 1])?;
+            }
+            if let Some(a) = input_activation {
+                conv_inputs[0] = match a {
+                    UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu => {
+                        activation(g, *a, conv_inputs[0])?
+                    }
+                    other => g.unary(*other, conv_inputs[0])?,
+                };
             }
             let mut y = g.push(
                 Op::Conv2d {

@@ -99,11 +99,20 @@ pub fn op_attributes(op: &Op) -> String {
             residual,
             channel_affine,
             post_activation,
+            input_affine,
+            input_activation,
         } => {
             let mut text = format!(
                 "stride={:?} pad={:?} dilation={:?} groups={groups}",
                 window.stride, window.padding, window.dilation
             );
+            if *input_affine {
+                text.push_str(" input*scale+shift");
+            }
+            if let Some(act) = input_activation {
+                text.push_str(" input ");
+                text.push_str(act.name());
+            }
             if *bias {
                 text.push_str(" +bias");
             }

@@ -17,7 +17,7 @@ fn arity(op: &Op) -> (usize, usize) {
         Op::CachedAttention { .. } => (4, 4),
         Op::Concat { .. } | Op::Elementwise { .. } => (1, usize::MAX),
         Op::FusedMatMul { .. } => (2, 4),
-        Op::FusedConv2d { .. } => (2, 6),
+        Op::FusedConv2d { .. } => (2, 8),
         _ => (1, 1),
     }
 }
@@ -95,6 +95,8 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
             residual,
             channel_affine,
             post_activation,
+            input_affine,
+            input_activation,
         } => fused::infer_fused_conv2d(
             window,
             *groups,
@@ -104,6 +106,8 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
                 residual: *residual,
                 channel_affine: *channel_affine,
                 post_activation: *post_activation,
+                input_affine: *input_affine,
+                input_activation: *input_activation,
             },
             inputs,
         ),

@@ -578,11 +578,13 @@ pub enum Op {
         /// Whether a residual operand comes last.
         residual: bool,
     },
-    /// `post(((act(conv2d(x, w) + bias) + residual) * scale + shift)`: a convolution
-    /// with its epilogue, formed by the optimizer (the per-channel affine and `post` are
-    /// a batch norm and activation that follow a residual add). Operands: `x`, `w`,
-    /// then `bias` (`[O]`) if `bias`, then the residual (the output's shape) if
-    /// `residual`, then `scale` and `shift` (`[1, O, 1, 1]`) if `channel_affine`.
+    /// `post(((act(conv2d(pre(x * in_scale + in_shift), w) + bias) + residual) * scale
+    /// + shift)`: a convolution with its prologue and epilogue, formed by the optimizer
+    /// (the per-channel affines and their activations are batch norms around it).
+    /// Operands: `x`, `w`, then `bias` (`[O]`) if `bias`, then the residual (the
+    /// output's shape) if `residual`, then `scale` and `shift` (`[1, O, 1, 1]`) if
+    /// `channel_affine`, then `in_scale` and `in_shift` (`[1, C, 1, 1]`) if
+    /// `input_affine`. Padding is zero after the prologue.
     FusedConv2d {
         /// Window geometry (kernel size comes from the weight).
         window: Window2d,
@@ -598,6 +600,10 @@ pub enum Op {
         channel_affine: bool,
         /// Applied after the channel affine (or the residual).
         post_activation: Option<UnaryOp>,
+        /// Whether per-input-channel `in_scale` and `in_shift` operands come last.
+        input_affine: bool,
+        /// Applied to the input after its affine.
+        input_activation: Option<UnaryOp>,
     },
     /// A region of float elementwise ops computed in one pass (see [`EwStep`]),
     /// formed by the optimizer.

@@ -128,6 +128,8 @@ pub fn eval_node(
             residual,
             channel_affine,
             post_activation,
+            input_affine,
+            input_activation,
         } => fused::eval_fused_conv2d(
             window,
             *groups,
@@ -137,6 +139,8 @@ pub fn eval_node(
                 residual: *residual,
                 channel_affine: *channel_affine,
                 post_activation: *post_activation,
+                input_affine: *input_affine,
+                input_activation: *input_activation,
             },
             inputs,
             out,

@@ -8,7 +8,9 @@
 //! - Convolution epilogues: `conv2d` followed by an activation, a residual add, a
 //!   per-channel multiply and add (`[1, C, 1, 1]`: a batch norm after the residual
 //!   add) and another activation, under the same rule, become one `FusedConv2d` (the
-//!   convolution's own bias stays its bias).
+//!   convolution's own bias stays its bias). A 1x1 unit-stride convolution (which
+//!   reads each input value once) also takes in the per-channel multiply, add and
+//!   activation that make its input, when nothing else reads them.
 //! - Elementwise regions: connected float elementwise ops of one output shape whose
 //!   intermediate values are read only inside the region become one `Elementwise`.
 
@@ -411,7 +413,72 @@ struct Epilogue {
     /// A per-channel scale and shift after the residual (convolutions only).
     channel_affine: Option<(NodeId, NodeId)>,
     post_activation: Option<UnaryOp>,
+    /// The ops that make the input, absorbed.
+    prologue: Option<InputPrologue>,
     absorbed: Vec<usize>,
+}
+
+/// A convolution's input written as `activation(source * scale + shift)`.
+#[derive(Clone, Copy)]
+struct InputPrologue {
+    source: NodeId,
+    scale: NodeId,
+    shift: NodeId,
+    activation: Option<UnaryOp>,
+}
+
+/// The per-channel affine and activation that make a 1x1 unit-stride convolution's
+/// input, when only the convolution reads them, with the nodes they replace.
+fn input_prologue(
+    nodes: &[Node],
+    conv: usize,
+    (uses, readers): (&[usize], &[Vec<usize>]),
+    claimed: &[bool],
+) -> Option<(InputPrologue, Vec<usize>)> {
+    let Op::Conv2d { window, .. } = &nodes[conv].op else {
+        return None;
+    };
+    let pointwise = window.kernel == [1, 1] && window.stride == [1, 1] && window.padding == [0; 4];
+    let x = nodes[conv].inputs[0].index();
+    let shape = &nodes[x].shape;
+    if !pointwise || shape.rank() != 4 {
+        return None;
+    }
+    let only_for = |k: usize, reader: usize| uses[k] == 1 && readers[k] == [reader] && !claimed[k];
+    let per_channel = |n: NodeId| nodes[n.index()].shape.dims() == [1, shape.dim(1), 1, 1];
+    let mut absorbed = Vec::new();
+    let (activation, add) = match epilogue_activation(&nodes[x].op) {
+        Some(act) if only_for(x, conv) => {
+            absorbed.push(x);
+            (Some(act), nodes[x].inputs[0].index())
+        }
+        _ => (None, x),
+    };
+    let add_reader = absorbed.last().copied().unwrap_or(conv);
+    if nodes[add].op != Op::Binary(BinaryOp::Add) || !only_for(add, add_reader) {
+        return None;
+    }
+    // The add's operands: the multiply and the shift, in either order.
+    let ins = &nodes[add].inputs;
+    let (mul, shift) = [(ins[0], ins[1]), (ins[1], ins[0])]
+        .into_iter()
+        .find(|&(m, s)| nodes[m.index()].op == Op::Binary(BinaryOp::Mul) && per_channel(s))?;
+    let mul = mul.index();
+    if !only_for(mul, add) || nodes[mul].shape != *shape || nodes[add].shape != *shape {
+        return None;
+    }
+    let ins = &nodes[mul].inputs;
+    let (source, scale) = [(ins[0], ins[1]), (ins[1], ins[0])]
+        .into_iter()
+        .find(|&(src, s)| per_channel(s) && nodes[src.index()].shape == *shape)?;
+    absorbed.extend([add, mul]);
+    let prologue = InputPrologue {
+        source,
+        scale,
+        shift,
+        activation,
+    };
+    Some((prologue, absorbed))
 }
 
 /// Folds bias, activation and residual adds into the matmuls that feed them (if
@@ -461,8 +528,16 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
             residual: None,
             channel_affine: None,
             post_activation: None,
+            prologue: None,
             absorbed: vec![i],
         };
+        if is_conv
+            && let Some((prologue, nodes_in)) =
+                input_prologue(&nodes, i, (&uses, &readers), &claimed)
+        {
+            e.prologue = Some(prologue);
+            e.absorbed.extend(nodes_in);
+        }
         let other_operand = |j: usize, cur: usize| -> Option<NodeId> {
             let ins = &nodes[j].inputs;
             match (ins[0].index() == cur, ins[1].index() == cur) {
@@ -548,6 +623,9 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
                 let e = &found[k];
                 let mm = &nodes[e.matmul];
                 let mut inputs = mm.inputs.clone();
+                if let Some(p) = e.prologue {
+                    inputs[0] = p.source;
+                }
                 if let Some(c) = e.b_cast {
                     inputs[1] = nodes[c].inputs[0];
                 }
@@ -555,6 +633,9 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
                 inputs.extend(e.residual);
                 if let Some((scale, shift)) = e.channel_affine {
                     inputs.extend([scale, shift]);
+                }
+                if let Some(p) = e.prologue {
+                    inputs.extend([p.scale, p.shift]);
                 }
                 let op = match mm.op {
                     Op::Conv2d { window, groups } => Op::FusedConv2d {
@@ -565,6 +646,8 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
                         residual: e.residual.is_some(),
                         channel_affine: e.channel_affine.is_some(),
                         post_activation: e.post_activation,
+                        input_affine: e.prologue.is_some(),
+                        input_activation: e.prologue.and_then(|p| p.activation),
                     },
                     _ => Op::FusedMatMul {
                         alpha: F64Bits::new(1.0),

@@ -360,11 +360,64 @@ fn a_batch_norm_after_the_residual_add_folds_into_the_convolution() {
 }
 
 #[test]
+fn a_batch_norm_before_a_pointwise_convolution_folds_into_it() {
+    // The normalized sum feeds the next block's 1x1 convolution while the residual
+    // chain carries the sum itself: the multiply, add and relu become the 1x1
+    // convolution's input prologue, applied as its input is packed.
+    let mut rng = Rng(41);
+    for (case, (n, c, o, h, w, groups)) in [(2, 48, 40, 9, 10, 1), (1, 64, 32, 7, 13, 2)]
+        .into_iter()
+        .enumerate()
+    {
+        let g = Graph::new("bn before 1x1");
+        let sum = g
+            .input("sum", Shape::new(&[n, c, h, w], DType::F32))
+            .unwrap();
+        let scale = g
+            .param("scale", Shape::new(&[1, c, 1, 1], DType::F32))
+            .unwrap();
+        let shift = g
+            .param("shift", Shape::new(&[1, c, 1, 1], DType::F32))
+            .unwrap();
+        let normalized = g.add(g.mul(sum, scale).unwrap(), shift).unwrap();
+        let x = g.relu(normalized).unwrap();
+        let wt = g
+            .param("w", Shape::new(&[o, c / groups, 1, 1], DType::F32))
+            .unwrap();
+        let b = g.param("b", Shape::new(&[o], DType::F32)).unwrap();
+        let y = g
+            .conv2d(x, wt, Some(b), [1, 1], [0; 4], [1, 1], groups)
+            .unwrap();
+        // The sum is read again downstream (the residual chain).
+        let skip = g.sum(sum, &[1], true).unwrap();
+        g.set_outputs(vec![g.relu(y).unwrap(), skip]);
+        let what = format!("bn before 1x1, case {case}");
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        assert!(
+            plan.graph.nodes().iter().any(|node| matches!(
+                node.op,
+                rlx::ir::Op::FusedConv2d {
+                    input_affine: true,
+                    input_activation: Some(UnaryOp::Relu),
+                    activation: Some(UnaryOp::Relu),
+                    ..
+                }
+            )),
+            "{what}:\n{}",
+            plan.graph
+        );
+        check(&g, &mut rng, &what);
+    }
+}
+
+#[test]
 fn a_fused_convolution_built_by_hand_runs_any_activation() {
     // The optimizer forms only activations the GEMM epilogue has; a graph may carry
     // others (tanh, sigmoid after a channel affine), which run after the convolution.
     let mut rng = Rng(29);
     for (groups, affine) in [(1, false), (2, false), (1, true), (2, true)] {
+        // With the affine, an input prologue too: on a padded 3x3 window it is applied
+        // to a copy of the input (padding stays zero after it).
         let g = Graph::new("fused conv by hand");
         let x = g
             .input("x", Shape::new(&[2, 64, 6, 7], DType::F32))
@@ -387,12 +440,20 @@ fn a_fused_convolution_built_by_hand_runs_any_activation() {
             residual: true,
             channel_affine: affine,
             post_activation: affine.then_some(UnaryOp::Sigmoid),
+            input_affine: affine,
+            input_activation: affine.then_some(UnaryOp::Tanh),
         };
         let mut operands = vec![x, w, r];
         if affine {
             for name in ["scale", "shift"] {
                 operands.push(
                     g.param(name, Shape::new(&[1, 8, 1, 1], DType::F32))
+                        .unwrap(),
+                );
+            }
+            for name in ["in_scale", "in_shift"] {
+                operands.push(
+                    g.param(name, Shape::new(&[1, 64, 1, 1], DType::F32))
                         .unwrap(),
                 );
             }
@@ -1078,7 +1139,21 @@ fn composites_decompose_into_primitives_that_match() {
         .unwrap();
     let conv = g.add(g.mul(conv, scale).unwrap(), shift).unwrap();
     let conv = g.relu(conv).unwrap();
-    g.set_outputs(vec![g.sub(z, y).unwrap(), conv]);
+    // And one before a 1x1 convolution, as its input prologue.
+    let sc2 = g
+        .param("sc2", Shape::new(&[1, 4, 1, 1], DType::F32))
+        .unwrap();
+    let sh2 = g
+        .param("sh2", Shape::new(&[1, 4, 1, 1], DType::F32))
+        .unwrap();
+    let w1 = g
+        .param("w1", Shape::new(&[5, 4, 1, 1], DType::F32))
+        .unwrap();
+    let pre = g
+        .relu(g.add(g.mul(rc, sc2).unwrap(), sh2).unwrap())
+        .unwrap();
+    let pointwise = g.conv2d(pre, w1, None, [1, 1], [0; 4], [1, 1], 1).unwrap();
+    g.set_outputs(vec![g.sub(z, y).unwrap(), conv, pointwise]);
     let fused = plan_graph(&g, &all_passes()).unwrap().graph;
     assert!(fused.nodes().iter().any(|n| n.op.name() == "fused_matmul"));
     assert!(fused.nodes().iter().any(|n| matches!(
@@ -1086,6 +1161,14 @@ fn composites_decompose_into_primitives_that_match() {
         rlx::ir::Op::FusedConv2d {
             channel_affine: true,
             post_activation: Some(UnaryOp::Relu),
+            ..
+        }
+    )));
+    assert!(fused.nodes().iter().any(|n| matches!(
+        n.op,
+        rlx::ir::Op::FusedConv2d {
+            input_affine: true,
+            input_activation: Some(UnaryOp::Relu),
             ..
         }
     )));

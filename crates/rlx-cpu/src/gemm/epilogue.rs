@@ -102,6 +102,32 @@ multiversion! {
     }
 }
 
+/// `post(v * scale + shift)` of `affine` over row `r` (`wide` values) of a `k`-row
+/// matrix packed into `nr`-column panels, in place (a convolution's input prologue,
+/// applied as its input is packed).
+pub(crate) fn affine_panel_row(
+    panels: &mut [f32],
+    layout: (usize, usize, usize),
+    wide: usize,
+    affine: RowAffine,
+) {
+    panel_row(panels, layout, wide, affine);
+}
+
+multiversion! {
+    /// [`affine_panel_row`], one version per instruction set.
+    fn panel_row(panels: &mut [f32], layout: (usize, usize, usize), width: usize, affine: RowAffine) {
+        let (r, k, nr) = layout;
+        for q in 0..width.div_ceil(nr) {
+            let piece = &mut panels[(q * k + r) * nr..][..nr.min(width - q * nr)];
+            for x in piece.iter_mut() {
+                *x = *x * affine.scale + affine.shift;
+            }
+            activate(piece, affine.activation);
+        }
+    }
+}
+
 /// `act` over `out` in place (inlined into each version of [`row`]).
 #[inline(always)]
 fn activate(out: &mut [f32], activation: Option<Activation>) {

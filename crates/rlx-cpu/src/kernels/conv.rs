@@ -22,8 +22,9 @@ pub(super) fn extent(win: &Window2d, axis: usize, size: usize) -> usize {
     padded.saturating_sub(span) / win.stride[axis] + 1
 }
 
-/// What a fused convolution does to each output value after the bias:
-/// `post((act(v) + residual) * scale[c] + shift[c])`.
+/// What a fused convolution does around the product: to each output value after the
+/// bias, `post((act(v) + residual) * scale[c] + shift[c])`; to each input value
+/// before it (the prologue), `pre(x * in_scale[c] + in_shift[c])`.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct ConvEpilogue<'a> {
     pub activation: Option<UnaryOp>,
@@ -33,6 +34,43 @@ pub(crate) struct ConvEpilogue<'a> {
     pub channel_affine: Option<(Src<'a>, Src<'a>)>,
     /// Applied last.
     pub post_activation: Option<UnaryOp>,
+    /// `(in_scale, in_shift)`, one value per input channel each.
+    pub input_affine: Option<(Src<'a>, Src<'a>)>,
+    /// Applied to the input after its affine.
+    pub input_activation: Option<UnaryOp>,
+}
+
+impl ConvEpilogue<'_> {
+    /// Whether it changes the input first.
+    pub fn has_prologue(&self) -> bool {
+        self.input_affine.is_some() || self.input_activation.is_some()
+    }
+}
+
+/// Writes `pre(x * in_scale + in_shift)` of `epilogue` into `dst` (`x`'s dtype and
+/// length, in bytes), rounding each step to the dtype.
+pub(crate) fn apply_prologue(epilogue: &ConvEpilogue, x: Src, dst: &mut [u8]) {
+    let (channels, pixels) = (
+        x.shape.dim(1).max(1),
+        (x.shape.dim(2) * x.shape.dim(3)).max(1),
+    );
+    with_dtype!(x.shape.dtype(), T => {
+        // SAFETY: `dst` holds `x.len` values of `T` (the step's scratch is 8-byte
+        // aligned).
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<T>(), x.len) };
+        for (i, o) in out.iter_mut().enumerate() {
+            let mut v = x.f64::<T>(i);
+            if let Some((scale, shift)) = epilogue.input_affine {
+                let c = i / pixels % channels;
+                v = T::from_f64(v * scale.f64::<T>(c)).to_f64();
+                v = T::from_f64(v + shift.f64::<T>(c)).to_f64();
+            }
+            if let Some(act) = epilogue.input_activation {
+                v = T::from_f64(unary_f64(act, v)).to_f64();
+            }
+            *o = T::from_f64(v);
+        }
+    })
 }
 
 /// Applies `epilogue` to every value of `out` in place (any dtype; the f32 path

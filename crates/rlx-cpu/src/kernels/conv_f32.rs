@@ -183,6 +183,22 @@ pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     panels + geo.planes_len(rows) + product
 }
 
+/// Whether a fused convolution's input prologue (`pre(x * in_scale + in_shift)`) is
+/// applied while its input is packed into panels: an `f32` 1x1 unit-stride, unpadded
+/// convolution (it reads each input value once) whose activation the GEMM epilogue
+/// has. Other convolutions get a copy of the input with the prologue applied.
+pub(crate) fn prologue_while_packing(
+    win: &Window2d,
+    x: &Shape,
+    activation: Option<rlx_ir::UnaryOp>,
+) -> bool {
+    x.dtype() == rlx_ir::DType::F32
+        && win.kernel == [1, 1]
+        && win.stride == [1, 1]
+        && win.padding == [0; 4]
+        && activation.is_none_or(|a| super::fused::gemm_activation(a).is_some())
+}
+
 /// Groups of a convolution: `x`'s channels over `w`'s per group.
 pub(crate) fn groups_of(x: &Shape, w: &Shape) -> usize {
     (x.dim(1) / w.dim(1).max(1)).max(1)
@@ -248,8 +264,13 @@ pub(crate) fn conv2d(
         || (post.is_some() && epilogue.channel_affine.is_none())
     {
         // An activation the GEMM epilogue lacks (or one with no channel affine
-        // before it): the convolution, then the epilogue over the output.
-        let plain = ConvEpilogue::default();
+        // before it): the convolution (with its prologue), then the epilogue over the
+        // output.
+        let plain = ConvEpilogue {
+            input_affine: epilogue.input_affine,
+            input_activation: epilogue.input_activation,
+            ..ConvEpilogue::default()
+        };
         conv2d(win, groups, [x, w], bias, plain, out, ctx)?;
         super::conv::apply_epilogue(epilogue, out);
         return Ok(());
@@ -263,6 +284,17 @@ pub(crate) fn conv2d(
             post.flatten(),
         )
     });
+    // SAFETY: f32 tensors of `c` values each.
+    let input_affine = epilogue.input_affine.map(|(scale, shift)| unsafe {
+        (
+            std::slice::from_raw_parts(scale.ptr.cast::<f32>(), scale.len),
+            std::slice::from_raw_parts(shift.ptr.cast::<f32>(), shift.len),
+        )
+    });
+    let input_activation = epilogue
+        .input_activation
+        .and_then(super::fused::gemm_activation);
+    let has_prologue = epilogue.has_prologue();
     if winograd_f32::applies(win, groups, cg, og) {
         let finish = (activation, epilogue.residual, affine);
         return winograd(win, [x, w], bias, finish, out, ctx);
@@ -339,6 +371,11 @@ pub(crate) fn conv2d(
             first: j0,
             width,
             wide_max,
+            prologue: has_prologue.then(|| Prologue {
+                affine: input_affine
+                    .map(|(s, t)| (&s[g * cg..(g + 1) * cg], &t[g * cg..(g + 1) * cg])),
+                activation: input_activation,
+            }),
         };
         block_task.run(dst, gemm_buf, extra);
     };
@@ -417,6 +454,17 @@ struct BlockTask<'a> {
     width: usize,
     /// The widest block the scratch was sized for.
     wide_max: usize,
+    /// What the group's input channels go through as they are packed (only for an
+    /// unpadded convolution that packs: see [`prologue_while_packing`]).
+    prologue: Option<Prologue<'a>>,
+}
+
+/// A fused convolution's input prologue for one group: `act(x * scale[c] +
+/// shift[c])`.
+#[derive(Clone, Copy)]
+struct Prologue<'a> {
+    affine: Option<(&'a [f32], &'a [f32])>,
+    activation: Option<Activation>,
 }
 
 impl BlockTask<'_> {
@@ -501,6 +549,16 @@ impl BlockTask<'_> {
                     let run = &planes[ci * plane_len + tap_offset(t)..][..wide];
                     // Row `ci * taps + t`: the weights' own order.
                     scatter_to_panels(run, ci * geo.taps + t, k, nr, panels);
+                    if let Some(p) = self.prologue {
+                        debug_assert!(win.padding == [0; 4], "a prologue would change padding");
+                        let affine = crate::gemm::RowAffine {
+                            scale: p.affine.map_or(1.0, |(s, _)| s[ci]),
+                            shift: p.affine.map_or(0.0, |(_, t)| t[ci]),
+                            activation: p.activation,
+                        };
+                        let row = ci * geo.taps + t;
+                        crate::gemm::affine_panel_row(panels, (row, k, nr), wide, affine);
+                    }
                 }
             }
             let gemm = Gemm {

@@ -34,7 +34,26 @@ pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
         Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }
             if inputs[0].dtype() == DType::F32 =>
         {
-            conv_f32::scratch_f64(window, &inputs[0], &inputs[1])
+            conv_f32::scratch_f64(window, &inputs[0], &inputs[1]) + prologue_scratch(op, &inputs[0])
+        }
+        Op::FusedConv2d { .. } => prologue_scratch(op, &inputs[0]),
+        _ => 0,
+    }
+}
+
+/// `f64` scratch a fused convolution needs for a copy of its input with the prologue
+/// applied (none when it has no prologue, or applies it while packing).
+fn prologue_scratch(op: &Op, x: &Shape) -> usize {
+    match op {
+        Op::FusedConv2d {
+            window,
+            input_affine,
+            input_activation,
+            ..
+        } if (*input_affine || input_activation.is_some())
+            && !conv_f32::prologue_while_packing(window, x, *input_activation) =>
+        {
+            (x.num_elements() * x.dtype().size_in_bytes()).div_ceil(8)
         }
         _ => 0,
     }
@@ -266,20 +285,65 @@ pub(crate) fn run<'a>(
             residual,
             channel_affine,
             post_activation,
+            input_affine,
+            input_activation,
         } => {
             let residual_at = 2 + usize::from(*bias);
             let scale_at = residual_at + usize::from(*residual);
-            let epilogue = conv::ConvEpilogue {
+            let in_scale_at = scale_at + 2 * usize::from(*channel_affine);
+            let mut epilogue = conv::ConvEpilogue {
                 activation: *activation,
                 residual: residual.then(|| src(residual_at)),
                 channel_affine: channel_affine.then(|| (src(scale_at), src(scale_at + 1))),
                 post_activation: *post_activation,
+                input_affine: input_affine.then(|| (src(in_scale_at), src(in_scale_at + 1))),
+                input_activation: *input_activation,
             };
             let bias = bias.then(|| src(2));
-            if src(0).shape.dtype() == DType::F32 {
-                conv_f32::conv2d(window, *groups, [src(0), src(1)], bias, epilogue, out, ctx)?
+            let mut x = src(0);
+            // The convolution's own scratch first, then room for the changed input.
+            let own_scratch = if x.shape.dtype() == DType::F32 {
+                conv_f32::scratch_f64(window, x.shape, src(1).shape)
             } else {
-                conv::conv2d(window, *groups, src(0), src(1), bias, out);
+                0
+            };
+            let (scratch, copy) = ctx.scratch.split_at_mut(own_scratch);
+            let mut inner = Ctx {
+                scratch,
+                gemm: ctx.gemm,
+                pool: ctx.pool,
+                packed_b: ctx.packed_b,
+            };
+            if epilogue.has_prologue()
+                && !conv_f32::prologue_while_packing(window, x.shape, *input_activation)
+            {
+                // Anything but the f32 1x1 convolution (which applies it while packing
+                // its input): the changed input into scratch first.
+                // SAFETY: `prologue_scratch` asked for room for all of `x`.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts_mut(copy.as_mut_ptr().cast::<u8>(), copy.len() * 8)
+                };
+                conv::apply_prologue(&epilogue, x, bytes);
+                x = Src {
+                    ptr: bytes.as_ptr(),
+                    shape: x.shape,
+                    len: x.len,
+                };
+                epilogue.input_affine = None;
+                epilogue.input_activation = None;
+            }
+            if x.shape.dtype() == DType::F32 {
+                conv_f32::conv2d(
+                    window,
+                    *groups,
+                    [x, src(1)],
+                    bias,
+                    epilogue,
+                    out,
+                    &mut inner,
+                )?
+            } else {
+                conv::conv2d(window, *groups, x, src(1), bias, out);
                 conv::apply_epilogue(epilogue, out);
             }
         }

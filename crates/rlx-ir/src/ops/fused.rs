@@ -159,6 +159,8 @@ pub(crate) struct ConvEpilogue {
     pub residual: bool,
     pub channel_affine: bool,
     pub post_activation: Option<UnaryOp>,
+    pub input_affine: bool,
+    pub input_activation: Option<UnaryOp>,
 }
 
 impl ConvEpilogue {
@@ -167,6 +169,32 @@ impl ConvEpilogue {
         let residual = 2 + usize::from(self.bias);
         (residual, residual + usize::from(self.residual))
     }
+
+    /// Index of the input scale (if any).
+    fn input_affine_at(&self) -> usize {
+        self.operand_at().1 + 2 * usize::from(self.channel_affine)
+    }
+}
+
+/// Checks per-channel operands: `[1, channels, 1, 1]` of `like`'s dtype.
+fn check_channel_operands(
+    op: &str,
+    like: &Shape,
+    channels: usize,
+    operands: &[&Shape],
+) -> Result<()> {
+    for s in operands {
+        same_dtype(op, like, s)?;
+        if s.dims() != [1, channels, 1, 1] {
+            return Err(mismatch(
+                op,
+                like,
+                s,
+                format!("a channel scale or shift must be [1, {channels}, 1, 1]"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 pub(crate) fn infer_fused_conv2d(
@@ -177,7 +205,8 @@ pub(crate) fn infer_fused_conv2d(
 ) -> Result<Shape> {
     let op = "fused_conv2d";
     let (residual_at, scale_at) = e.operand_at();
-    let expected = scale_at + 2 * usize::from(e.channel_affine);
+    let in_scale_at = e.input_affine_at();
+    let expected = in_scale_at + 2 * usize::from(e.input_affine);
     if inputs.len() != expected {
         return Err(Error::invalid(
             op,
@@ -188,19 +217,13 @@ pub(crate) fn infer_fused_conv2d(
     let residual_shape = e.residual.then(|| inputs[residual_at]);
     check_epilogue(op, &out, e.activation, residual_shape)?;
     check_epilogue(op, &out, e.post_activation, None)?;
+    check_epilogue(op, &out, e.input_activation, None)?;
     if e.channel_affine {
-        let channels = out.dim(1);
-        for s in &inputs[scale_at..] {
-            same_dtype(op, &out, s)?;
-            if s.dims() != [1, channels, 1, 1] {
-                return Err(mismatch(
-                    op,
-                    &out,
-                    s,
-                    format!("a channel scale or shift must be [1, {channels}, 1, 1]"),
-                ));
-            }
-        }
+        check_channel_operands(op, &out, out.dim(1), &inputs[scale_at..scale_at + 2])?;
+    }
+    if e.input_affine {
+        let x = inputs[0];
+        check_channel_operands(op, x, x.dim(1), &inputs[in_scale_at..])?;
     }
     Ok(out)
 }
@@ -213,7 +236,13 @@ pub(crate) fn eval_fused_conv2d(
     out: &Shape,
 ) -> HostTensor {
     let (residual_at, scale_at) = e.operand_at();
-    let mut t = eval_conv2d(window, groups, &inputs[..residual_at], out);
+    let prologue;
+    let mut conv_inputs = inputs[..residual_at].to_vec();
+    if e.input_affine || e.input_activation.is_some() {
+        prologue = eval_input_prologue(&e, inputs);
+        conv_inputs[0] = &prologue;
+    }
+    let mut t = eval_conv2d(window, groups, &conv_inputs, out);
     let dtype = out.dtype();
     let (channels, pixels) = (out.dim(1), out.dim(2) * out.dim(3));
     for (i, v) in t.data.iter_mut().enumerate() {
@@ -229,6 +258,29 @@ pub(crate) fn eval_fused_conv2d(
             *v = dtype.round_value(*v + inputs[scale_at + 1].data[c]);
         }
         if let Some(act) = e.post_activation {
+            *v = dtype.round_value(unary_f64(act, *v));
+        }
+    }
+    t
+}
+
+/// `pre(x * in_scale + in_shift)`, each step rounded to the dtype.
+fn eval_input_prologue(e: &ConvEpilogue, inputs: &[&HostTensor]) -> HostTensor {
+    let x = inputs[0];
+    let mut t = x.clone();
+    let dtype = x.shape.dtype();
+    let (channels, pixels) = (
+        x.shape.dim(1).max(1),
+        (x.shape.dim(2) * x.shape.dim(3)).max(1),
+    );
+    let at = e.input_affine_at();
+    for (i, v) in t.data.iter_mut().enumerate() {
+        if e.input_affine {
+            let c = i / pixels % channels;
+            *v = dtype.round_value(*v * inputs[at].data[c]);
+            *v = dtype.round_value(*v + inputs[at + 1].data[c]);
+        }
+        if let Some(act) = e.input_activation {
             *v = dtype.round_value(unary_f64(act, *v));
         }
     }
