@@ -1264,3 +1264,56 @@ fn gelu_spelled_with_erf_becomes_one_activation() {
     assert!(!plan.graph.nodes().iter().any(|n| n.op.name() == "gelu"));
     check(&g, &mut rng, "not gelu");
 }
+
+#[test]
+fn a_fused_convolution_with_misshapen_operands_is_an_error() {
+    let g = Graph::new("bad fused conv");
+    let x = g.input("x", Shape::new(&[1, 8, 5, 5], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[4, 8, 1, 1], DType::F32)).unwrap();
+    let per_channel = |name: &str, c: usize| {
+        g.param(name, Shape::new(&[1, c, 1, 1], DType::F32))
+            .unwrap()
+    };
+    let (s4, t4, s8, t8, s3) = (
+        per_channel("s4", 4),
+        per_channel("t4", 4),
+        per_channel("s8", 8),
+        per_channel("t8", 8),
+        per_channel("s3", 3),
+    );
+    let op = |channel_affine: bool, input_affine: bool| rlx::ir::Op::FusedConv2d {
+        window: rlx::ir::Window2d {
+            kernel: [1, 1],
+            stride: [1, 1],
+            padding: [0; 4],
+            dilation: [1, 1],
+        },
+        groups: 1,
+        bias: false,
+        activation: None,
+        residual: false,
+        channel_affine,
+        post_activation: None,
+        input_affine,
+        input_activation: None,
+    };
+    // An output-channel scale of the wrong size, an input scale sized for the output,
+    // and a missing operand are errors that name the op and the shape it wants.
+    for (affine, input, operands, want) in [
+        (true, false, vec![x, w, s3, t4], "[1, 4, 1, 1]"),
+        (false, true, vec![x, w, s4, t4], "[1, 8, 1, 1]"),
+        (true, true, vec![x, w, s4, t4, s8], "takes 6 operands"),
+    ] {
+        let e = g.push(op(affine, input), &operands).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("fused_conv2d") && text.contains(want),
+            "{text}"
+        );
+    }
+    // The graph takes the well-formed op afterwards and runs it.
+    let y = g.push(op(true, true), &[x, w, s4, t4, s8, t8]).unwrap();
+    g.set_outputs(vec![y]);
+    let mut rng = Rng(43);
+    check(&g, &mut rng, "fused conv after rejected ones");
+}
