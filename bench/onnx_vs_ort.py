@@ -14,6 +14,11 @@ Usage:
     python3 bench/onnx_vs_ort.py MODEL.onnx [--shape SYM=N ...] [--threads 2]
                                  [--rounds 9] [--runs 20] [--warmup 3] [--json FILE]
     python3 bench/onnx_vs_ort.py --real      # the issue's two packaged models and shapes
+    python3 bench/onnx_vs_ort.py MODEL.onnx --shape SYM=N --ort-profile [--runs 8]
+
+`--ort-profile` times nothing side by side: it runs ONNX Runtime with its profiler on
+and prints its kernel time per op type and its slowest nodes (with output shapes), to
+set against `rlx bench onnx MODEL --profile` layer by layer.
 
 Inputs are made once per shape and written as .npy files that both sides read:
 floats standard normal, integer inputs named like a mask all 1, like token types all
@@ -160,6 +165,47 @@ def ort_worker(argv):
     print(json.dumps(times))
 
 
+def ort_profile(model, bindings, runs, threads, top=30):
+    """Prints ONNX Runtime's per-node kernel times (its profiler), per run."""
+    import collections
+
+    import numpy as np
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        feeds = {k: np.load(p) for k, p in make_inputs(model, bindings, tmp).items()}
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(Path(tmp) / "ort")
+        session = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
+        session.run(None, feeds)
+        for _ in range(runs):
+            session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    per_node, op_of = collections.defaultdict(float), {}
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            node = e["name"][: -len("_kernel_time")]
+            per_node[node] += e["dur"] / 1e3
+            op_of[node] = (e["args"].get("op_name", "?"), e["args"].get("output_type_shape"))
+    # The first run (not timed above) is in the profile too.
+    scale = 1.0 / (runs + 1)
+    per_op = collections.defaultdict(float)
+    for node, ms in per_node.items():
+        per_op[op_of[node][0]] += ms
+    print(f"ONNX Runtime {ort.__version__}, {threads} threads: {sum(per_node.values()) * scale:.2f} ms per run in kernels")
+    for op, ms in sorted(per_op.items(), key=lambda kv: -kv[1]):
+        print(f"  {op:<20} {ms * scale:9.3f} ms")
+    print("slowest nodes:")
+    for node, ms in sorted(per_node.items(), key=lambda kv: -kv[1])[:top]:
+        op, shape = op_of[node]
+        print(f"  {ms * scale:9.3f} ms  {op:<14} {node[:48]:<48} {shape}")
+
+
 def time_ort(model, files, runs, warmup, threads):
     files_json = json.dumps({k: str(p) for k, p in files.items()})
     out = subprocess.check_output(
@@ -236,6 +282,8 @@ def main():
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--ort-profile", action="store_true",
+                        help="print ONNX Runtime's per-node kernel times instead of comparing")
     args = parser.parse_args()
     if not in_venv():
         ensure_venv()
@@ -252,6 +300,11 @@ def main():
         cases.append((Path(args.model), bindings))
     else:
         parser.error("give MODEL.onnx or --real")
+    if args.ort_profile:
+        for model, bindings in cases:
+            print(f"{model.name} {bindings}")
+            ort_profile(model, bindings, args.runs, args.threads)
+        return
     rlx = rlx_binary()
     results = []
     for model, bindings in cases:
