@@ -596,7 +596,7 @@ pub enum Op {
         activation: Option<UnaryOp>,
         /// Whether a residual operand follows.
         residual: bool,
-        /// Whether per-channel `scale` and `shift` operands come last.
+        /// Whether per-output-channel `scale` and `shift` operands follow.
         channel_affine: bool,
         /// Applied after the channel affine (or the residual).
         post_activation: Option<UnaryOp>,

@@ -216,7 +216,8 @@ fn row_wise(op: &Op, ins: &[(bool, &Shape)], out: &Shape) -> std::result::Result
             if !(ins[0].0 && ins[1..filter].iter().all(|(s, _)| !*s)) {
                 return Err("convolves with a computed filter");
             }
-            // The residual, as an elementwise operand.
+            // The residual and the per-channel scales and shifts, as elementwise
+            // operands (the per-channel ones are the same for every row).
             elementwise_operands(&ins[filter..], out)
         }
         _ => Err("is not known to keep rows apart"),

@@ -8,9 +8,10 @@
 //! - Convolution epilogues: `conv2d` followed by an activation, a residual add, a
 //!   per-channel multiply and add (`[1, C, 1, 1]`: a batch norm after the residual
 //!   add) and another activation, under the same rule, become one `FusedConv2d` (the
-//!   convolution's own bias stays its bias). A 1x1 unit-stride convolution (which
-//!   reads each input value once) also takes in the per-channel multiply, add and
-//!   activation that make its input, when nothing else reads them.
+//!   convolution's own bias stays its bias; the affine is taken with or without a
+//!   residual before it). A 1x1 unit-stride, unpadded convolution (which reads each
+//!   input value once) also takes in the per-channel multiply, add and activation that
+//!   make its input, when nothing else reads them.
 //! - Elementwise regions: connected float elementwise ops of one output shape whose
 //!   intermediate values are read only inside the region become one `Elementwise`.
 
@@ -482,7 +483,9 @@ fn input_prologue(
 }
 
 /// Folds bias, activation and residual adds into the matmuls that feed them (if
-/// `matmuls`), and activations and residual adds into convolutions (if `convs`).
+/// `matmuls`), and activations, residual adds and per-channel affines (with their
+/// activation) into convolutions, with the per-channel affine and activation that
+/// make a 1x1 convolution's input (if `convs`).
 pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
     let uses = use_counts(graph);
     let readers = consumers(graph);

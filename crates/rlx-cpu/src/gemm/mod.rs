@@ -49,7 +49,8 @@ pub(crate) enum Activation {
 }
 
 /// What happens to each output value `v = (A·B)[i, j]` before it is stored:
-/// `act(v * alpha + bias[j] + row_bias[i]) + residual[i, j]`.
+/// `post((act(v * alpha + bias[j] + row_bias[i]) + residual[i, j]) * scale[i] +
+/// shift[i])`, the last step with `row_affine`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Epilogue {
     pub alpha: f32,

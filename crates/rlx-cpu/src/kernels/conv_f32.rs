@@ -163,7 +163,8 @@ fn phase_mask(win: &Window2d) -> u64 {
 
 /// Per-thread floats an f32 convolution needs, from its input and weight shapes: the
 /// phase planes of a block, its packed panels (when it packs) and its product before the junk
-/// columns are dropped.
+/// columns are dropped; for a Winograd convolution, its staged rows, transformed
+/// patches and products.
 pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     let (oh, ow) = (extent(win, 0, x.dim(2)), extent(win, 1, x.dim(3)));
     if winograd_f32::applies(win, groups_of(x, w), w.dim(1), w.dim(0) / groups_of(x, w)) {
@@ -210,8 +211,8 @@ pub(crate) fn by_tap(win: &Window2d, cg: usize) -> bool {
     win.kernel[0] * win.kernel[1] > 1 && cg >= PER_TAP_MIN_CHANNELS
 }
 
-/// `f64` scratch an f32 convolution needs: its weights regrouped by tap, for when the
-/// step has no copy regrouped ahead.
+/// `f64` scratch an f32 convolution needs: its weights regrouped by tap (or
+/// transformed for Winograd), for when the step has no copy made ahead.
 pub(crate) fn scratch_f64(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     let groups = groups_of(x, w);
     if winograd_f32::applies(win, groups, w.dim(1), w.dim(0) / groups) {
@@ -296,6 +297,7 @@ pub(crate) fn conv2d(
         .and_then(super::fused::gemm_activation);
     let has_prologue = epilogue.has_prologue();
     if winograd_f32::applies(win, groups, cg, og) {
+        debug_assert!(!has_prologue, "only a packing convolution takes a prologue");
         let finish = (activation, epilogue.residual, affine);
         return winograd(win, [x, w], bias, finish, out, ctx);
     }
@@ -418,7 +420,7 @@ fn winograd(
         residual,
         affine,
     };
-    winograd_f32::conv2d(win, x, transformed, finish, out, ctx)
+    winograd_f32::conv2d(win, x, transformed, finish, out, (ctx.gemm, ctx.pool))
 }
 
 /// `(scale, shift, post)`: a batch norm and activation after the residual, one scale
@@ -573,6 +575,7 @@ impl BlockTask<'_> {
             // `og x wide` with row stride `ldc` (the output's rows or the product).
             unsafe { sgemm_serial(&gemm, gemm_buf) };
         } else {
+            debug_assert!(self.prologue.is_none(), "B is read in place: no prologue");
             for t in 0..geo.taps {
                 let gemm = Gemm {
                     a: self.weights[t * self.og * cg..].as_ptr(),
@@ -653,8 +656,8 @@ fn fill_phase_planes(
 }
 
 /// Stores each output row's valid run of the block's `product` (`og` rows of `wide`
-/// wide pixels from `(y0, x0)`), dropping the junk columns, with the bias, activation and
-/// residual.
+/// wide pixels from `(y0, x0)`), dropping the junk columns, with the bias, activation,
+/// residual and channel affine.
 fn store_valid(
     product: &[f32],
     wide: usize,

@@ -17,10 +17,11 @@
 //! one image); a task stages the 6 input rows a tile row reads with the channels
 //! innermost (so 8 channels of one pixel are one vector), transforms every patch of
 //! the row, runs the 36 GEMMs over all its tiles, and writes the output rows with the
-//! bias, then the activation and residual over the finished rows.
+//! bias, then the activation, residual and channel affine over the finished rows.
 
-use super::Ctx;
+use crate::gemm::GemmScratch;
 use crate::gemm::{Activation, BFormat, Epilogue, Gemm, packed_len, packed_panel_width};
+use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
 use crate::vmath::multiversion;
 use rlx_ir::{Result, Shape, Window2d};
@@ -156,14 +157,15 @@ pub(crate) struct Finish<'a> {
     pub affine: Option<super::conv_f32::ChannelAffine<'a>>,
 }
 
-/// The convolution, with `weights` from [`transform_weights`].
+/// The convolution, with `weights` from [`transform_weights`] (which may live in the
+/// step's scratch: this takes only the GEMM buffers and the pool).
 pub(crate) fn conv2d(
     win: &Window2d,
     x: Src,
     weights: &[f32],
     finish: Finish,
     out: Dst,
-    ctx: &mut Ctx,
+    (gemm, pool): (&GemmScratch, &ThreadPool),
 ) -> Result<()> {
     let [n, cg, h, w] = [
         x.shape.dim(0),
@@ -176,7 +178,7 @@ pub(crate) fn conv2d(
         return Ok(());
     }
     let tiling = Tiling::new(oh, ow);
-    let threads = ctx.gemm.threads();
+    let threads = gemm.threads();
     let tile_rows = n * tiling.th;
     // Fewer rows per task when that is what gives every thread one.
     let per_task = tiling.rows_per_task.min(tile_rows.div_ceil(threads)).max(1);
@@ -194,7 +196,7 @@ pub(crate) fn conv2d(
         let tiles = rows * tiling.tw;
         let cap = tiling.max_tiles();
         // SAFETY: one task per thread index at a time.
-        let (gemm_buf, extra) = unsafe { ctx.gemm.parts(thread) };
+        let (gemm_buf, extra) = unsafe { gemm.parts(thread) };
         let (staged, rest) = extra.split_at_mut(PATCH * tiling.wp * cg);
         let (patches, rest) = rest.split_at_mut(POINTS * cap * cg);
         let products = &mut rest[..POINTS * cap * og];
@@ -273,7 +275,7 @@ pub(crate) fn conv2d(
             }
         }
     };
-    ctx.pool.run(tasks, threads, &task)
+    pool.run(tasks, threads, &task)
 }
 
 /// Copies the `PATCH` input rows from `iy0` (some may lie in the padding) into
