@@ -268,6 +268,9 @@ fn winograd_convolutions_with_weights_transformed_ahead_match() {
         (3, 64, 40, 8, 20, [1, 1, 1, 1]),
         (1, 48, 32, 7, 9, [0, 0, 0, 0]),
         (2, 40, 56, 11, 13, [2, 0, 1, 1]),
+        // Wider than 64 tiles: rows cut into pieces (68 tiles: two of 34).
+        (1, 32, 40, 5, 270, [1, 2, 0, 1]),
+        (2, 32, 32, 6, 300, [1, 1, 1, 1]),
     ];
     for (case, (n, c, o, h, w, pad)) in cases.into_iter().enumerate() {
         let g = Graph::new("winograd");

@@ -14,7 +14,8 @@
 //! per value) and a small change in rounding (see the tests for the size).
 //!
 //! Work is split into pool tasks of whole tile rows (a tile row is 4 output rows of
-//! one image); a task stages the 6 input rows a tile row reads with the channels
+//! one image), or of pieces of at most 64 tiles of a wider row, so the per-thread
+//! scratch stays bounded; a task stages the 6 input rows a piece reads with the channels
 //! innermost (so 8 channels of one pixel are one vector), transforms every patch of
 //! the row, runs the 36 GEMMs over all its tiles, and writes the output rows with the
 //! bias, then the activation, residual and channel affine over the finished rows.
@@ -107,32 +108,59 @@ fn filter_points([g0, g1, g2]: [f64; 3]) -> [f64; PATCH] {
     ]
 }
 
-/// Tiles of the output and the staged row width, from the output's rows and columns.
+/// How the output's tiles are cut into work: a tile row is one piece, or (wider than
+/// [`BLOCK_TILES`] tiles) several of at most that many, so a task's scratch stays
+/// bounded however wide the image.
 #[derive(Clone, Copy)]
 struct Tiling {
     /// Tile rows and tiles per row of one image.
     th: usize,
     tw: usize,
-    /// Tile rows per task (all but the last task).
-    rows_per_task: usize,
-    /// Staged columns: `tw * TILE + 2`.
+    /// Tiles per piece of a tile row (the last piece may have fewer) and pieces per
+    /// tile row.
+    chunk: usize,
+    pieces: usize,
+    /// Pieces per task (all but the last task): whole tile rows up to
+    /// [`BLOCK_TILES`] tiles, or one piece of a wide row.
+    pieces_per_task: usize,
+    /// Staged columns of a piece: `chunk * TILE + 2`.
     wp: usize,
 }
 
 impl Tiling {
     fn new(oh: usize, ow: usize) -> Tiling {
-        let (th, tw) = (oh.div_ceil(TILE), ow.div_ceil(TILE));
+        let (th, tw) = (oh.div_ceil(TILE), ow.div_ceil(TILE).max(1));
+        let chunk = tw.div_ceil(tw.div_ceil(BLOCK_TILES));
+        let pieces = tw.div_ceil(chunk);
         Tiling {
             th,
             tw,
-            rows_per_task: (BLOCK_TILES / tw.max(1)).max(1),
-            wp: tw * TILE + 2,
+            chunk,
+            pieces,
+            pieces_per_task: if pieces == 1 {
+                (BLOCK_TILES / tw).max(1)
+            } else {
+                1
+            },
+            wp: chunk * TILE + 2,
         }
     }
 
     /// The most tiles one task holds.
     fn max_tiles(&self) -> usize {
-        self.rows_per_task * self.tw
+        self.pieces_per_task * self.chunk
+    }
+
+    /// `(image, tile row, first tile, tiles)` of piece `v`.
+    fn piece(&self, v: usize) -> (usize, usize, usize, usize) {
+        let (row, piece) = (v / self.pieces, v % self.pieces);
+        let tx0 = piece * self.chunk;
+        (
+            row / self.th,
+            row % self.th,
+            tx0,
+            self.chunk.min(self.tw - tx0),
+        )
     }
 
     /// Per-thread floats: the staged input rows, the transformed patches and the
@@ -179,10 +207,10 @@ pub(crate) fn conv2d(
     }
     let tiling = Tiling::new(oh, ow);
     let threads = gemm.threads();
-    let tile_rows = n * tiling.th;
-    // Fewer rows per task when that is what gives every thread one.
-    let per_task = tiling.rows_per_task.min(tile_rows.div_ceil(threads)).max(1);
-    let tasks = tile_rows.div_ceil(per_task);
+    let units = n * tiling.th * tiling.pieces;
+    // Fewer pieces per task when that is what gives every thread one.
+    let per_task = tiling.pieces_per_task.min(units.div_ceil(threads)).max(1);
+    let tasks = units.div_ceil(per_task);
     let (pixels, per_point) = (oh * ow, packed_len(cg, og));
     let nr = packed_panel_width(og);
     // SAFETY: an f32 tensor of `x.len` values.
@@ -192,26 +220,28 @@ pub(crate) fn conv2d(
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
     let task = |u: usize, thread: usize| {
         let first = u * per_task;
-        let rows = per_task.min(tile_rows - first);
-        let tiles = rows * tiling.tw;
+        let count = per_task.min(units - first);
         let cap = tiling.max_tiles();
         // SAFETY: one task per thread index at a time.
         let (gemm_buf, extra) = unsafe { gemm.parts(thread) };
         let (staged, rest) = extra.split_at_mut(PATCH * tiling.wp * cg);
         let (patches, rest) = rest.split_at_mut(POINTS * cap * cg);
         let products = &mut rest[..POINTS * cap * og];
-        for r in 0..rows {
-            let (image, ty) = ((first + r) / tiling.th, (first + r) % tiling.th);
+        let mut tiles = 0;
+        for v in first..first + count {
+            let (image, ty, tx0, piece_tiles) = tiling.piece(v);
             let src = &xs[image * cg * h * w..][..cg * h * w];
             let iy0 = (ty * TILE) as isize - win.padding[0] as isize;
-            stage_rows(src, [h, w, cg], iy0, win.padding[1], tiling.wp, staged);
+            let ix0 = (tx0 * TILE) as isize - win.padding[1] as isize;
+            stage_rows(src, [h, w, cg], [iy0, ix0], tiling.wp, staged);
             let at = Patches {
                 values: patches.as_mut_ptr(),
                 point_stride: cap * cg,
-                first_tile: r * tiling.tw,
+                first_tile: tiles,
             };
-            // SAFETY: the row's tiles lie inside the task's `cap` tiles.
-            unsafe { transform_inputs(staged, tiling.wp, cg, tiling.tw, at) };
+            // SAFETY: the piece's tiles lie inside the task's `cap` tiles.
+            unsafe { transform_inputs(staged, tiling.wp, cg, piece_tiles, at) };
+            tiles += piece_tiles;
         }
         for p in 0..POINTS {
             let gemm = Gemm {
@@ -233,9 +263,11 @@ pub(crate) fn conv2d(
             // C `tiles x og` inside the products.
             unsafe { crate::gemm::sgemm_serial(&gemm, gemm_buf) };
         }
-        for r in 0..rows {
-            let (image, ty) = ((first + r) / tiling.th, (first + r) % tiling.th);
+        let mut done = 0;
+        for v in first..first + count {
+            let (image, ty, tx0, piece_tiles) = tiling.piece(v);
             let (y0, y1) = (ty * TILE, (ty * TILE + TILE).min(oh));
+            let (x0, x1) = (tx0 * TILE, ((tx0 + piece_tiles) * TILE).min(ow));
             let image_at = image * og * pixels;
             let dst = OutRows {
                 // SAFETY: image `image`'s output channels lie inside the output.
@@ -244,17 +276,32 @@ pub(crate) fn conv2d(
                 ow,
                 y0,
                 rows: y1 - y0,
+                x0,
             };
-            let products_at = (products[r * tiling.tw * og..].as_ptr(), cap * og);
-            // SAFETY: the row's tiles' products are inside the task's; the rows are
-            // inside the output and only this task writes them.
-            unsafe { transform_outputs(products_at, og, tiling.tw, finish.bias, &dst) };
-            if finish.activation.is_some() || residual_addr.is_some() || finish.affine.is_some() {
+            let products_at = (products[done * og..].as_ptr(), cap * og);
+            done += piece_tiles;
+            // SAFETY: the piece's tiles' products are inside the task's; its pixels
+            // are inside the output and only this task writes them.
+            unsafe { transform_outputs(products_at, og, piece_tiles, finish.bias, &dst) };
+            if finish.activation.is_none() && residual_addr.is_none() && finish.affine.is_none() {
+                continue;
+            }
+            // The piece's rows in one run per channel when it spans the width.
+            let spans: &[(usize, usize)] = if x0 == 0 && x1 == ow {
+                &[(y0 * ow, (y1 - y0) * ow)]
+            } else {
+                &[]
+            };
+            let row_spans = (y0..y1).map(|y| (y * ow + x0, x1 - x0));
+            for (start, len) in spans
+                .iter()
+                .copied()
+                .chain(row_spans.filter(|_| spans.is_empty()))
+            {
                 for co in 0..og {
-                    let at = image_at + co * pixels + y0 * ow;
-                    let len = (y1 - y0) * ow;
-                    // SAFETY: rows y0..y1 of channel co: inside the output (and the
-                    // residual, of the same shape); only this task writes them.
+                    let at = image_at + co * pixels + start;
+                    // SAFETY: pixels start..start+len of channel co: inside the output
+                    // (and the residual, of the same shape); only this task writes them.
                     let (values, residual) = unsafe {
                         (
                             std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), len),
@@ -274,42 +321,45 @@ pub(crate) fn conv2d(
                 }
             }
         }
+        debug_assert_eq!(done, tiles);
     };
     pool.run(tasks, threads, &task)
 }
 
 /// Copies the `PATCH` input rows from `iy0` (some may lie in the padding) into
-/// `staged` as `[row][column][channel]`, `wp` columns from input column `-pad_left`,
-/// zero outside the input.
+/// `staged` as `[row][column][channel]`, `wp` columns from input column `ix0`, zero
+/// outside the input.
 fn stage_rows(
     src: &[f32],
     [h, w, cg]: [usize; 3],
-    iy0: isize,
-    pad_left: usize,
+    [iy0, ix0]: [isize; 2],
     wp: usize,
     staged: &mut [f32],
 ) {
+    // Input columns lo..hi are inside; they land from staged column lo - ix0.
+    let lo = ix0.clamp(0, w as isize) as usize;
+    let hi = (ix0 + wp as isize).clamp(lo as isize, w as isize) as usize;
+    let at = (lo as isize - ix0) as usize;
     for (r, line) in staged.chunks_exact_mut(wp * cg).enumerate() {
         let iy = iy0 + r as isize;
-        if !(0..h as isize).contains(&iy) {
+        if !(0..h as isize).contains(&iy) || lo == hi {
             line.fill(0.0);
             continue;
         }
-        let iy = iy as usize;
-        let valid = w.min(wp.saturating_sub(pad_left));
-        line[..pad_left.min(wp) * cg].fill(0.0);
-        line[(pad_left + valid).min(wp) * cg..].fill(0.0);
-        transpose_into(src, [h, w], iy, valid, &mut line[pad_left.min(wp) * cg..]);
+        line[..at * cg].fill(0.0);
+        line[(at + hi - lo) * cg..].fill(0.0);
+        transpose_into(src, [h, w], iy as usize, [lo, hi], &mut line[at * cg..]);
     }
 }
 
 multiversion! {
-    /// Row `iy` of every channel (`valid` columns) into `dst` with the channels
-    /// innermost: column `x`'s `cg` values start at `x * cg`.
-    fn transpose_into(src: &[f32], hw: [usize; 2], iy: usize, valid: usize, dst: &mut [f32]) {
+    /// Columns `cols` of row `iy` of every channel into `dst` with the channels
+    /// innermost: column `cols[0] + x`'s `cg` values start at `x * cg`.
+    fn transpose_into(src: &[f32], hw: [usize; 2], iy: usize, cols: [usize; 2], dst: &mut [f32]) {
         let [h, w] = hw;
         let cg = src.len() / (h * w);
-        let row = |c: usize| (c * h + iy) * w;
+        let valid = cols[1] - cols[0];
+        let row = |c: usize| (c * h + iy) * w + cols[0];
         for c0 in (0..cg).step_by(LANES) {
             // 8 x 8 blocks: 8 columns of 8 channel rows in, 8 pixels of 8 channels out.
             let whole = valid / LANES * LANES;
@@ -449,6 +499,8 @@ struct OutRows {
     /// First row and how many (at most 4) lie inside the output.
     y0: usize,
     rows: usize,
+    /// The first tile's first column.
+    x0: usize,
 }
 
 multiversion! {
@@ -463,7 +515,7 @@ multiversion! {
     ) {
         let (first, point_stride) = products;
         for tx in 0..tw {
-            let x0 = tx * TILE;
+            let x0 = dst.x0 + tx * TILE;
             let valid = TILE.min(dst.ow - x0);
             for c0 in (0..og).step_by(LANES) {
                 let value = |i: usize, j: usize| -> Lanes {
