@@ -383,7 +383,12 @@ fn a_batch_norm_before_a_pointwise_convolution_folds_into_it() {
             .param("shift", Shape::new(&[1, c, 1, 1], DType::F32))
             .unwrap();
         let normalized = g.add(g.mul(sum, scale).unwrap(), shift).unwrap();
-        let x = g.relu(normalized).unwrap();
+        // A relu as batch-norm blocks have, and a silu (the packing's other branch).
+        let (x, input_act) = if case == 0 {
+            (g.relu(normalized).unwrap(), UnaryOp::Relu)
+        } else {
+            (g.silu(normalized).unwrap(), UnaryOp::Silu)
+        };
         let wt = g
             .param("w", Shape::new(&[o, c / groups, 1, 1], DType::F32))
             .unwrap();
@@ -401,10 +406,10 @@ fn a_batch_norm_before_a_pointwise_convolution_folds_into_it() {
                 node.op,
                 rlx::ir::Op::FusedConv2d {
                     input_affine: true,
-                    input_activation: Some(UnaryOp::Relu),
+                    input_activation: Some(a),
                     activation: Some(UnaryOp::Relu),
                     ..
-                }
+                } if a == input_act
             )),
             "{what}:\n{}",
             plan.graph

@@ -102,28 +102,39 @@ multiversion! {
     }
 }
 
-/// `post(v * scale + shift)` of `affine` over row `r` (`wide` values) of a `k`-row
-/// matrix packed into `nr`-column panels, in place (a convolution's input prologue,
-/// applied as its input is packed).
-pub(crate) fn affine_panel_row(
-    panels: &mut [f32],
+/// Stores `post(v * scale + shift)` of `affine` for each value of `row` as row `r`
+/// of a `k`-row matrix packed into `nr`-column panels, zero past its end: a
+/// convolution's input prologue, applied as the input is packed (one pass).
+pub(crate) fn affine_scatter_row(
+    row: &[f32],
     layout: (usize, usize, usize),
-    wide: usize,
+    panels: &mut [f32],
     affine: RowAffine,
 ) {
-    panel_row(panels, layout, wide, affine);
+    scatter_row(row, layout, panels, affine);
 }
 
 multiversion! {
-    /// [`affine_panel_row`], one version per instruction set.
-    fn panel_row(panels: &mut [f32], layout: (usize, usize, usize), width: usize, affine: RowAffine) {
+    /// [`affine_scatter_row`], one version per instruction set.
+    fn scatter_row(row: &[f32], layout: (usize, usize, usize), panels: &mut [f32], affine: RowAffine) {
         let (r, k, nr) = layout;
-        for q in 0..width.div_ceil(nr) {
-            let piece = &mut panels[(q * k + r) * nr..][..nr.min(width - q * nr)];
-            for x in piece.iter_mut() {
-                *x = *x * affine.scale + affine.shift;
+        let (scale, shift) = (affine.scale, affine.shift);
+        for (q, values) in row.chunks(nr).enumerate() {
+            let dst = &mut panels[(q * k + r) * nr..][..nr];
+            let (piece, rest) = dst.split_at_mut(values.len());
+            if affine.activation == Some(Activation::Relu) {
+                // NaN passes through, as the scalar definition has it.
+                for (d, &x) in piece.iter_mut().zip(values) {
+                    let v = x * scale + shift;
+                    *d = if v < 0.0 { 0.0 } else { v };
+                }
+            } else {
+                for (d, &x) in piece.iter_mut().zip(values) {
+                    *d = x * scale + shift;
+                }
+                activate(piece, affine.activation);
             }
-            activate(piece, affine.activation);
+            rest.fill(0.0);
         }
     }
 }

@@ -11,7 +11,7 @@
 
 mod blocking;
 mod epilogue;
-pub(crate) use epilogue::{RowAffine, activate_and_add, affine_panel_row};
+pub(crate) use epilogue::{RowAffine, activate_and_add, affine_scatter_row};
 mod kernels;
 mod pack;
 

@@ -550,7 +550,7 @@ impl BlockTask<'_> {
                 for t in 0..geo.taps {
                     let run = &planes[ci * plane_len + tap_offset(t)..][..wide];
                     // Row `ci * taps + t`: the weights' own order.
-                    scatter_to_panels(run, ci * geo.taps + t, k, nr, panels);
+                    let row = ci * geo.taps + t;
                     if let Some(p) = self.prologue {
                         debug_assert!(win.padding == [0; 4], "a prologue would change padding");
                         let affine = crate::gemm::RowAffine {
@@ -558,8 +558,9 @@ impl BlockTask<'_> {
                             shift: p.affine.map_or(0.0, |(_, t)| t[ci]),
                             activation: p.activation,
                         };
-                        let row = ci * geo.taps + t;
-                        crate::gemm::affine_panel_row(panels, (row, k, nr), wide, affine);
+                        crate::gemm::affine_scatter_row(run, (row, k, nr), panels, affine);
+                    } else {
+                        scatter_to_panels(run, row, k, nr, panels);
                     }
                 }
             }
