@@ -72,10 +72,7 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
                 next += 1;
             }
             if let Some(a) = act {
-                y = match a {
-                    UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu => activation(g, *a, y)?,
-                    other => g.unary(*other, y)?,
-                };
+                y = activation(g, *a, y)?;
             }
             if *residual {
                 y = g.add(y, inputs[next])?;
@@ -85,60 +82,33 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
         Op::FusedConv2d {
             window,
             groups,
-            bias,
-            activation: act,
-            residual,
-            channel_affine,
-            post_activation,
-            input_affine,
-            input_activation,
+            fusion: f,
         } => {
-            let mut conv_inputs = inputs[..2].to_vec();
-            if *bias {
-                conv_inputs.push(inputs[2]);
-            }
-            if *input_affine {
-                let at = 2
-                    + usize::from(*bias)
-                    + usize::from(*residual)
-                    + 2 * usize::from(*channel_affine);
+            let mut conv_inputs = inputs[..f.residual_at()].to_vec();
+            if f.input_affine {
+                let at = f.input_scale_at();
                 conv_inputs[0] = g.add(g.mul(conv_inputs[0], inputs[at])?, inputs[at + 1])?;
             }
-            if let Some(a) = input_activation {
-                conv_inputs[0] = match a {
-                    UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu => {
-                        activation(g, *a, conv_inputs[0])?
-                    }
-                    other => g.unary(*other, conv_inputs[0])?,
-                };
+            if let Some(a) = f.input_activation {
+                conv_inputs[0] = activation(g, a, conv_inputs[0])?;
             }
-            let mut y = g.push(
-                Op::Conv2d {
-                    window: *window,
-                    groups: *groups,
-                },
-                &conv_inputs,
-            )?;
-            if let Some(a) = act {
-                y = match a {
-                    UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu => activation(g, *a, y)?,
-                    other => g.unary(*other, y)?,
-                };
+            let conv = Op::Conv2d {
+                window: *window,
+                groups: *groups,
+            };
+            let mut y = g.push(conv, &conv_inputs)?;
+            if let Some(a) = f.activation {
+                y = activation(g, a, y)?;
             }
-            let residual_at = 2 + usize::from(*bias);
-            if *residual {
-                y = g.add(y, inputs[residual_at])?;
+            if f.residual {
+                y = g.add(y, inputs[f.residual_at()])?;
             }
-            if *channel_affine {
-                let scale_at = residual_at + usize::from(*residual);
-                y = g.mul(y, inputs[scale_at])?;
-                y = g.add(y, inputs[scale_at + 1])?;
+            if f.channel_affine {
+                y = g.mul(y, inputs[f.scale_at()])?;
+                y = g.add(y, inputs[f.scale_at() + 1])?;
             }
-            if let Some(a) = post_activation {
-                y = match a {
-                    UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu => activation(g, *a, y)?,
-                    other => g.unary(*other, y)?,
-                };
+            if let Some(a) = f.post_activation {
+                y = activation(g, a, y)?;
             }
             y
         }
@@ -173,6 +143,7 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
     }))
 }
 
+/// `u(x)`, the activations with a definition in primitives written out.
 fn activation(g: &Graph, u: UnaryOp, x: NodeId) -> Result<NodeId> {
     let dtype = g.shape(x)?.dtype();
     let c = |v: f64| g.scalar(v, dtype);

@@ -94,39 +94,33 @@ pub fn op_attributes(op: &Op) -> String {
         Op::FusedConv2d {
             window,
             groups,
-            bias,
-            activation,
-            residual,
-            channel_affine,
-            post_activation,
-            input_affine,
-            input_activation,
+            fusion: f,
         } => {
             let mut text = format!(
                 "stride={:?} pad={:?} dilation={:?} groups={groups}",
                 window.stride, window.padding, window.dilation
             );
-            if *input_affine {
+            if f.input_affine {
                 text.push_str(" input*scale+shift");
             }
-            if let Some(act) = input_activation {
+            if let Some(act) = f.input_activation {
                 text.push_str(" input ");
                 text.push_str(act.name());
             }
-            if *bias {
+            if f.bias {
                 text.push_str(" +bias");
             }
-            if let Some(act) = activation {
+            if let Some(act) = f.activation {
                 text.push(' ');
                 text.push_str(act.name());
             }
-            if *residual {
+            if f.residual {
                 text.push_str(" +residual");
             }
-            if *channel_affine {
+            if f.channel_affine {
                 text.push_str(" *scale+shift");
             }
-            if let Some(act) = post_activation {
+            if let Some(act) = f.post_activation {
                 text.push(' ');
                 text.push_str(act.name());
             }

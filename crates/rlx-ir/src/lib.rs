@@ -40,8 +40,8 @@ pub use error::{Error, Result};
 pub use graph::{ConstantsRef, Graph, Node, NodeId, NodesRef};
 pub use infer::infer_shape;
 pub use op::{
-    ArgReduceOp, BinaryOp, F64Bits, Op, PadMode, ReduceOp, RopeStyle, SliceAxis, TopKOutput,
-    UnaryOp, Window2d,
+    ArgReduceOp, BinaryOp, ConvFusion, F64Bits, Op, PadMode, ReduceOp, RopeStyle, SliceAxis,
+    TopKOutput, UnaryOp, Window2d,
 };
 pub use ops::fused::{
     EwStep, MAX_REGION_INPUTS, MAX_REGION_REGISTERS, fusable_binary, fusable_unary,

@@ -370,6 +370,53 @@ pub struct Window2d {
     pub dilation: [usize; 2],
 }
 
+/// What an [`Op::FusedConv2d`] applies around its convolution; each flag adds the
+/// operands its doc names, in field order after `x` and `w`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ConvFusion {
+    /// Whether a bias operand (`[O]`) follows `w`.
+    pub bias: bool,
+    /// Applied after the bias.
+    pub activation: Option<UnaryOp>,
+    /// Whether a residual operand (the output's shape) follows.
+    pub residual: bool,
+    /// Whether per-output-channel `scale` and `shift` operands follow.
+    pub channel_affine: bool,
+    /// Applied after the channel affine (or the residual).
+    pub post_activation: Option<UnaryOp>,
+    /// Whether per-input-channel `in_scale` and `in_shift` operands come last.
+    pub input_affine: bool,
+    /// Applied to the input after its affine.
+    pub input_activation: Option<UnaryOp>,
+}
+
+impl ConvFusion {
+    /// Where the residual operand is (when there is one).
+    pub fn residual_at(&self) -> usize {
+        2 + usize::from(self.bias)
+    }
+
+    /// Where the output-channel scale is (its shift follows).
+    pub fn scale_at(&self) -> usize {
+        self.residual_at() + usize::from(self.residual)
+    }
+
+    /// Where the input-channel scale is (its shift follows).
+    pub fn input_scale_at(&self) -> usize {
+        self.scale_at() + 2 * usize::from(self.channel_affine)
+    }
+
+    /// How many operands the op takes.
+    pub fn operand_count(&self) -> usize {
+        self.input_scale_at() + 2 * usize::from(self.input_affine)
+    }
+
+    /// Whether the input is changed before the convolution.
+    pub fn has_prologue(&self) -> bool {
+        self.input_affine || self.input_activation.is_some()
+    }
+}
+
 /// One IR operation. The node's inputs are listed in the graph; the op holds only
 /// attributes. Axes are stored normalized (non-negative).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -590,20 +637,8 @@ pub enum Op {
         window: Window2d,
         /// Channel groups.
         groups: usize,
-        /// Whether a bias operand follows `w`.
-        bias: bool,
-        /// Applied after the bias.
-        activation: Option<UnaryOp>,
-        /// Whether a residual operand follows.
-        residual: bool,
-        /// Whether per-output-channel `scale` and `shift` operands follow.
-        channel_affine: bool,
-        /// Applied after the channel affine (or the residual).
-        post_activation: Option<UnaryOp>,
-        /// Whether per-input-channel `in_scale` and `in_shift` operands come last.
-        input_affine: bool,
-        /// Applied to the input after its affine.
-        input_activation: Option<UnaryOp>,
+        /// What is applied around the convolution, and so which operands follow `w`.
+        fusion: ConvFusion,
     },
     /// A region of float elementwise ops computed in one pass (see [`EwStep`]),
     /// formed by the optimizer.

@@ -211,8 +211,8 @@ fn row_wise(op: &Op, ins: &[(bool, &Shape)], out: &Shape) -> std::result::Result
             && ins[1..].iter().all(|(s, _)| !*s))
         .then_some(())
         .ok_or("convolves with a computed filter"),
-        Op::FusedConv2d { bias, .. } => {
-            let filter = 2 + usize::from(*bias);
+        Op::FusedConv2d { fusion, .. } => {
+            let filter = fusion.residual_at();
             if !(ins[0].0 && ins[1..filter].iter().all(|(s, _)| !*s)) {
                 return Err("convolves with a computed filter");
             }

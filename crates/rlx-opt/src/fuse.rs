@@ -17,8 +17,8 @@
 
 use crate::rewrite::{Rewriter, consumers, use_counts};
 use rlx_ir::{
-    BinaryOp, DType, EwStep, F64Bits, Graph, MAX_REGION_INPUTS, MAX_REGION_REGISTERS, Node, NodeId,
-    Op, UnaryOp, fusable_binary, fusable_unary,
+    BinaryOp, ConvFusion, DType, EwStep, F64Bits, Graph, MAX_REGION_INPUTS, MAX_REGION_REGISTERS,
+    Node, NodeId, Op, UnaryOp, fusable_binary, fusable_unary,
 };
 use std::collections::{BTreeSet, BinaryHeap};
 
@@ -644,13 +644,15 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
                     Op::Conv2d { window, groups } => Op::FusedConv2d {
                         window,
                         groups,
-                        bias: mm.inputs.len() > 2,
-                        activation: e.activation,
-                        residual: e.residual.is_some(),
-                        channel_affine: e.channel_affine.is_some(),
-                        post_activation: e.post_activation,
-                        input_affine: e.prologue.is_some(),
-                        input_activation: e.prologue.and_then(|p| p.activation),
+                        fusion: ConvFusion {
+                            bias: mm.inputs.len() > 2,
+                            activation: e.activation,
+                            residual: e.residual.is_some(),
+                            channel_affine: e.channel_affine.is_some(),
+                            post_activation: e.post_activation,
+                            input_affine: e.prologue.is_some(),
+                            input_activation: e.prologue.and_then(|p| p.activation),
+                        },
                     },
                     _ => Op::FusedMatMul {
                         alpha: F64Bits::new(1.0),

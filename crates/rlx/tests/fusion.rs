@@ -343,9 +343,12 @@ fn a_batch_norm_after_the_residual_add_folds_into_the_convolution() {
             matches!(
                 fused[..],
                 [rlx::ir::Op::FusedConv2d {
-                    residual: true,
-                    channel_affine: true,
-                    post_activation: Some(UnaryOp::Relu),
+                    fusion: rlx::ir::ConvFusion {
+                        residual: true,
+                        channel_affine: true,
+                        post_activation: Some(UnaryOp::Relu),
+                        ..
+                    },
                     ..
                 }]
             ),
@@ -405,9 +408,12 @@ fn a_batch_norm_before_a_pointwise_convolution_folds_into_it() {
             plan.graph.nodes().iter().any(|node| matches!(
                 node.op,
                 rlx::ir::Op::FusedConv2d {
-                    input_affine: true,
-                    input_activation: Some(a),
-                    activation: Some(UnaryOp::Relu),
+                    fusion: rlx::ir::ConvFusion {
+                        input_affine: true,
+                        input_activation: Some(a),
+                        activation: Some(UnaryOp::Relu),
+                        ..
+                    },
                     ..
                 } if a == input_act
             )),
@@ -443,13 +449,15 @@ fn a_fused_convolution_built_by_hand_runs_any_activation() {
         let op = rlx::ir::Op::FusedConv2d {
             window,
             groups,
-            bias: false,
-            activation: Some(UnaryOp::Tanh),
-            residual: true,
-            channel_affine: affine,
-            post_activation: affine.then_some(UnaryOp::Sigmoid),
-            input_affine: affine,
-            input_activation: affine.then_some(UnaryOp::Tanh),
+            fusion: rlx::ir::ConvFusion {
+                bias: false,
+                activation: Some(UnaryOp::Tanh),
+                residual: true,
+                channel_affine: affine,
+                post_activation: affine.then_some(UnaryOp::Sigmoid),
+                input_affine: affine,
+                input_activation: affine.then_some(UnaryOp::Tanh),
+            },
         };
         let mut operands = vec![x, w, r];
         if affine {
@@ -1167,16 +1175,22 @@ fn composites_decompose_into_primitives_that_match() {
     assert!(fused.nodes().iter().any(|n| matches!(
         n.op,
         rlx::ir::Op::FusedConv2d {
-            channel_affine: true,
-            post_activation: Some(UnaryOp::Relu),
+            fusion: rlx::ir::ConvFusion {
+                channel_affine: true,
+                post_activation: Some(UnaryOp::Relu),
+                ..
+            },
             ..
         }
     )));
     assert!(fused.nodes().iter().any(|n| matches!(
         n.op,
         rlx::ir::Op::FusedConv2d {
-            input_affine: true,
-            input_activation: Some(UnaryOp::Relu),
+            fusion: rlx::ir::ConvFusion {
+                input_affine: true,
+                input_activation: Some(UnaryOp::Relu),
+                ..
+            },
             ..
         }
     )));
@@ -1297,13 +1311,15 @@ fn a_fused_convolution_with_misshapen_operands_is_an_error() {
             dilation: [1, 1],
         },
         groups: 1,
-        bias: false,
-        activation: None,
-        residual: false,
-        channel_affine,
-        post_activation: None,
-        input_affine,
-        input_activation: None,
+        fusion: rlx::ir::ConvFusion {
+            bias: false,
+            activation: None,
+            residual: false,
+            channel_affine,
+            post_activation: None,
+            input_affine,
+            input_activation: None,
+        },
     };
     // An output-channel scale of the wrong size, an input scale sized for the output,
     // and a missing operand are errors that name the op and the shape it wants.

@@ -45,13 +45,9 @@ pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
 /// applied (none when it has no prologue, or applies it while packing).
 fn prologue_scratch(op: &Op, x: &Shape) -> usize {
     match op {
-        Op::FusedConv2d {
-            window,
-            input_affine,
-            input_activation,
-            ..
-        } if (*input_affine || input_activation.is_some())
-            && !conv_f32::prologue_while_packing(window, x, *input_activation) =>
+        Op::FusedConv2d { window, fusion, .. }
+            if fusion.has_prologue()
+                && !conv_f32::prologue_while_packing(window, x, fusion.input_activation) =>
         {
             (x.num_elements() * x.dtype().size_in_bytes()).div_ceil(8)
         }
@@ -280,26 +276,18 @@ pub(crate) fn run<'a>(
         Op::FusedConv2d {
             window,
             groups,
-            bias,
-            activation,
-            residual,
-            channel_affine,
-            post_activation,
-            input_affine,
-            input_activation,
+            fusion: f,
         } => {
-            let residual_at = 2 + usize::from(*bias);
-            let scale_at = residual_at + usize::from(*residual);
-            let in_scale_at = scale_at + 2 * usize::from(*channel_affine);
+            let pair = |at: usize| (src(at), src(at + 1));
             let mut epilogue = conv::ConvEpilogue {
-                activation: *activation,
-                residual: residual.then(|| src(residual_at)),
-                channel_affine: channel_affine.then(|| (src(scale_at), src(scale_at + 1))),
-                post_activation: *post_activation,
-                input_affine: input_affine.then(|| (src(in_scale_at), src(in_scale_at + 1))),
-                input_activation: *input_activation,
+                activation: f.activation,
+                residual: f.residual.then(|| src(f.residual_at())),
+                channel_affine: f.channel_affine.then(|| pair(f.scale_at())),
+                post_activation: f.post_activation,
+                input_affine: f.input_affine.then(|| pair(f.input_scale_at())),
+                input_activation: f.input_activation,
             };
-            let bias = bias.then(|| src(2));
+            let bias = f.bias.then(|| src(2));
             let mut x = src(0);
             // The convolution's own scratch first, then room for the changed input.
             let own_scratch = if x.shape.dtype() == DType::F32 {
@@ -314,8 +302,8 @@ pub(crate) fn run<'a>(
                 pool: ctx.pool,
                 packed_b: ctx.packed_b,
             };
-            if epilogue.has_prologue()
-                && !conv_f32::prologue_while_packing(window, x.shape, *input_activation)
+            if f.has_prologue()
+                && !conv_f32::prologue_while_packing(window, x.shape, f.input_activation)
             {
                 // Anything but the f32 1x1 convolution (which applies it while packing
                 // its input): the changed input into scratch first.

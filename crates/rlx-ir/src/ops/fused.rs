@@ -13,7 +13,7 @@ use super::{broadcast_source, mismatch, require_float, same_dtype, unravel};
 use crate::reference::HostTensor;
 use crate::scalar::{binary_f64, unary_f64};
 use crate::shape::broadcast_dims;
-use crate::{BinaryOp, DType, Error, Result, Shape, UnaryOp, Window2d};
+use crate::{BinaryOp, ConvFusion, DType, Error, Result, Shape, UnaryOp, Window2d};
 
 /// One step of an [`Op::Elementwise`](crate::Op::Elementwise) region. Operands are
 /// registers: `0..n` are the region's `n` inputs (broadcast to the output shape),
@@ -151,31 +151,6 @@ pub(crate) fn eval_fused_matmul(
     Ok(t)
 }
 
-/// The epilogue flags of an [`Op::FusedConv2d`](crate::Op::FusedConv2d).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ConvEpilogue {
-    pub bias: bool,
-    pub activation: Option<UnaryOp>,
-    pub residual: bool,
-    pub channel_affine: bool,
-    pub post_activation: Option<UnaryOp>,
-    pub input_affine: bool,
-    pub input_activation: Option<UnaryOp>,
-}
-
-impl ConvEpilogue {
-    /// Index of the residual operand (if any) and of the scale (if any).
-    fn operand_at(&self) -> (usize, usize) {
-        let residual = 2 + usize::from(self.bias);
-        (residual, residual + usize::from(self.residual))
-    }
-
-    /// Index of the input scale (if any).
-    fn input_affine_at(&self) -> usize {
-        self.operand_at().1 + 2 * usize::from(self.channel_affine)
-    }
-}
-
 /// Checks per-channel operands: `[1, channels, 1, 1]` of `like`'s dtype.
 fn check_channel_operands(
     op: &str,
@@ -200,13 +175,12 @@ fn check_channel_operands(
 pub(crate) fn infer_fused_conv2d(
     window: &Window2d,
     groups: usize,
-    e: ConvEpilogue,
+    e: ConvFusion,
     inputs: &[&Shape],
 ) -> Result<Shape> {
     let op = "fused_conv2d";
-    let (residual_at, scale_at) = e.operand_at();
-    let in_scale_at = e.input_affine_at();
-    let expected = in_scale_at + 2 * usize::from(e.input_affine);
+    let (residual_at, scale_at, in_scale_at) = (e.residual_at(), e.scale_at(), e.input_scale_at());
+    let expected = e.operand_count();
     if inputs.len() != expected {
         return Err(Error::invalid(
             op,
@@ -231,14 +205,14 @@ pub(crate) fn infer_fused_conv2d(
 pub(crate) fn eval_fused_conv2d(
     window: &Window2d,
     groups: usize,
-    e: ConvEpilogue,
+    e: ConvFusion,
     inputs: &[&HostTensor],
     out: &Shape,
 ) -> HostTensor {
-    let (residual_at, scale_at) = e.operand_at();
+    let (residual_at, scale_at) = (e.residual_at(), e.scale_at());
     let prologue;
     let mut conv_inputs = inputs[..residual_at].to_vec();
-    if e.input_affine || e.input_activation.is_some() {
+    if e.has_prologue() {
         prologue = eval_input_prologue(&e, inputs);
         conv_inputs[0] = &prologue;
     }
@@ -265,7 +239,7 @@ pub(crate) fn eval_fused_conv2d(
 }
 
 /// `pre(x * in_scale + in_shift)`, each step rounded to the dtype.
-fn eval_input_prologue(e: &ConvEpilogue, inputs: &[&HostTensor]) -> HostTensor {
+fn eval_input_prologue(e: &ConvFusion, inputs: &[&HostTensor]) -> HostTensor {
     let x = inputs[0];
     let mut t = x.clone();
     let dtype = x.shape.dtype();
@@ -273,7 +247,7 @@ fn eval_input_prologue(e: &ConvEpilogue, inputs: &[&HostTensor]) -> HostTensor {
         x.shape.dim(1).max(1),
         (x.shape.dim(2) * x.shape.dim(3)).max(1),
     );
-    let at = e.input_affine_at();
+    let at = e.input_scale_at();
     for (i, v) in t.data.iter_mut().enumerate() {
         if e.input_affine {
             let c = i / pixels % channels;
