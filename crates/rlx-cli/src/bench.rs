@@ -47,6 +47,11 @@ pub struct GemmArgs {
     /// compiled graph runs a product whose `B` is a weight.
     #[arg(long)]
     packed: bool,
+    /// Cycle through copies of `B` that together exceed the last-level cache (64 MB), so
+    /// every product reads `B` from memory, as a model whose weights do not fit in cache
+    /// does.
+    #[arg(long)]
+    cold: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -70,6 +75,8 @@ struct GemmReport {
     kernel: &'static str,
     /// Whether `B` was packed ahead (`--packed`).
     packed: bool,
+    /// Whether each product read a `B` not in cache (`--cold`).
+    cold: bool,
     threads: usize,
     runs: usize,
     rounds: usize,
@@ -325,6 +332,10 @@ fn parse_shape(text: &str) -> anyhow::Result<(usize, usize, usize)> {
     Ok((dims[0], dims[1], dims[2]))
 }
 
+/// Bytes of `B` copies `bench gemm --cold` cycles through: more than any last-level
+/// cache of the machines it runs on.
+const COLD_BYTES: usize = 64 << 20;
+
 fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
     let available = rlx::cpu_threads();
     if args.threads > available {
@@ -381,20 +392,38 @@ fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
         peak = peak.max(measure_peak(threads));
         for (s, (&(m, n, k), (a, b))) in shapes.iter().zip(&operands).enumerate() {
             let mut c = vec![0.0f32; m * n];
-            let packed = if args.packed {
-                Some(rlx::cpu::PackedMatrix::new(b, k, n)?)
+            // Enough copies of B that the ones a product does not use push it out of
+            // cache before its next turn.
+            let copies = if args.cold {
+                (COLD_BYTES / (4 * k * n)).max(2)
             } else {
-                None
+                1
             };
-            let product = |c: &mut [f32]| match &packed {
-                Some(packed) => rlx::cpu::matmul_f32_packed(a, packed, c, m, threads),
-                None => rlx::cpu::matmul_f32(a, b, c, (m, n, k), threads),
+            let packed = if args.packed {
+                (0..copies)
+                    .map(|_| rlx::cpu::PackedMatrix::new(b, k, n))
+                    .collect::<Result<Vec<_>, _>>()?
+            } else {
+                Vec::new()
             };
-            product(&mut c)?;
+            let plain: Vec<Vec<f32>> = if args.packed {
+                Vec::new()
+            } else {
+                (0..copies).map(|_| b.clone()).collect()
+            };
+            let product = |c: &mut [f32], copy: usize| {
+                if args.packed {
+                    rlx::cpu::matmul_f32_packed(a, &packed[copy], c, m, threads)
+                } else {
+                    rlx::cpu::matmul_f32(a, &plain[copy], c, (m, n, k), threads)
+                }
+            };
+            product(&mut c, 0)?;
             let mut times = Vec::with_capacity(args.runs as usize);
-            for _ in 0..args.runs {
+            for run in 0..args.runs as usize {
+                let copy = (run + 1) % copies;
                 let started = Instant::now();
-                product(&mut c)?;
+                product(&mut c, copy)?;
                 times.push(ms(started));
             }
             std::hint::black_box(&c);
@@ -423,6 +452,7 @@ fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
     let report = GemmReport {
         kernel: rlx::cpu::gemm_kernel_name(),
         packed: args.packed,
+        cold: args.cold,
         threads,
         runs: args.runs as usize,
         rounds: args.rounds as usize,
@@ -437,10 +467,11 @@ fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
     println!(
         "f32 GEMM, {} kernel, {}{threads} thread(s); measured FMA peak {:.1} GFLOP/s ({:.1} on one thread)",
         report.kernel,
-        if report.packed {
-            "B packed ahead, "
-        } else {
-            ""
+        match (report.packed, report.cold) {
+            (true, true) => "B packed ahead and read from memory, ",
+            (true, false) => "B packed ahead, ",
+            (false, true) => "B read from memory, ",
+            (false, false) => "",
         },
         peak,
         peak_one
