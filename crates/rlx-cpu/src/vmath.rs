@@ -131,7 +131,7 @@ pub(crate) fn gelu(x: f32) -> f32 {
 #[inline(always)]
 fn erf_rational(x: f32) -> f32 {
     const P: [f32; 6] = [
-        1.128_379,
+        std::f32::consts::FRAC_2_SQRT_PI,
         1.927_553_9e-1,
         5.305_882e-2,
         3.867_79e-3,
