@@ -28,10 +28,6 @@ use std::cell::UnsafeCell;
 /// Depth of the `K` slices [`packed_few_rows`] walks a panel in: a slice stays in L1
 /// while every row tile reads it.
 const FEW_ROWS_KC: usize = 192;
-/// Tasks per thread a multi-threaded product is cut into, when the operand every task
-/// re-reads is at most `SMALL_SHARED_OPERAND` bytes.
-const TASKS_PER_THREAD: usize = 4;
-const SMALL_SHARED_OPERAND: usize = 512 << 10;
 /// Up to this many rows of `A` per thread, a row-major `B` is read without packing.
 const IN_PLACE_B_MAX_ROWS: usize = 256;
 
@@ -332,30 +328,18 @@ pub(crate) unsafe fn sgemm_with(
         (false, kernel.mr, g.m)
     };
     let units = extent.div_ceil(unit);
-    // A few tasks per thread, claimed dynamically: a core slowed by another process
-    // then takes fewer tasks instead of holding up the whole product.
-    // Every task reads all of the operand it does not split (A when splitting
-    // columns, B when splitting rows): more tasks only while that stays cheap.
-    let shared_bytes = 4 * g.k * if split_cols { g.m } else { g.n };
-    let per_thread = if shared_bytes <= SMALL_SHARED_OPERAND {
-        TASKS_PER_THREAD
+    // Tasks claimed dynamically, shrinking as the work runs out: a core slowed by
+    // another process then takes fewer of them, and the last ones claimed are small,
+    // so the threads finish close together. Below ~64k multiply-adds a second thread
+    // is not worth waking.
+    let schedule = if threads > 1 && g.m * g.n * g.k.max(1) >= 1 << 16 {
+        Trapezoid::new(units, threads)
     } else {
-        1
+        Trapezoid::single(units)
     };
-    let parts = if threads > 1 {
-        (threads * per_thread).min(units).max(1)
-    } else {
-        1
-    };
-    // Work per thread, too small to be worth a second thread below ~64k multiply-adds.
-    let parts = if g.m * g.n * g.k.max(1) < 1 << 16 {
-        1
-    } else {
-        parts
-    };
+    let parts = schedule.tasks;
     let task = |t: usize, thread: usize| {
-        let first = units * t / parts;
-        let last = units * (t + 1) / parts;
+        let (first, last) = schedule.range(t);
         let (lo, hi) = (first * unit, (last * unit).min(extent));
         if lo >= hi {
             return;
@@ -374,6 +358,65 @@ pub(crate) unsafe fn sgemm_with(
         return Ok(());
     }
     pool.run(parts, threads, &task)
+}
+
+/// Trapezoid self-scheduling of `units` over threads: task sizes fall linearly from
+/// half of each thread's share to a sixteenth of it, about `4 x threads` tasks in
+/// all. Each thread re-reads the operand it does not split once per task (at most a
+/// few MB, from the shared cache), which the even finish more than repays (MiniLM 8 x
+/// 128 on 2 threads: 4-5% against 2 equal tasks).
+#[derive(Clone, Copy, Debug)]
+struct Trapezoid {
+    units: usize,
+    tasks: usize,
+    /// Size of the first task.
+    first: f64,
+    /// How much each task is smaller than the one before.
+    step: f64,
+}
+
+impl Trapezoid {
+    fn new(units: usize, threads: usize) -> Trapezoid {
+        let first = (units as f64 / (2 * threads) as f64).max(1.0);
+        let last = (units as f64 / (16 * threads) as f64).clamp(1.0, first);
+        let tasks = ((2 * units) as f64 / (first + last)).ceil().max(1.0) as usize;
+        let step = if tasks > 1 {
+            (first - last) / (tasks - 1) as f64
+        } else {
+            0.0
+        };
+        Trapezoid {
+            units,
+            tasks,
+            first,
+            step,
+        }
+    }
+
+    /// One task over everything.
+    fn single(units: usize) -> Trapezoid {
+        Trapezoid {
+            units,
+            tasks: 1,
+            first: units as f64,
+            step: 0.0,
+        }
+    }
+
+    /// Where task `t`'s units start.
+    fn start(&self, t: usize) -> usize {
+        if t >= self.tasks {
+            return self.units;
+        }
+        let t = t as f64;
+        let start = t * self.first - self.step * t * (t - 1.0) / 2.0;
+        (start as usize).min(self.units)
+    }
+
+    /// Task `t`'s units (empty once the sizes have covered everything).
+    fn range(&self, t: usize) -> (usize, usize) {
+        (self.start(t), self.start(t + 1))
+    }
 }
 
 /// `g` on the calling thread only (for kernels that already run inside pool tasks),
@@ -721,6 +764,32 @@ mod tests {
             }
         }
         c
+    }
+
+    #[test]
+    fn trapezoid_tasks_cover_every_unit_once_and_shrink() {
+        for threads in [2, 3, 4, 8, 16, 64] {
+            for units in [1, 2, 5, 7, 24, 96, 171, 1000, 4096] {
+                let s = Trapezoid::new(units, threads);
+                assert!(s.tasks >= 1 && s.tasks <= 4 * threads + 1, "{s:?}");
+                let mut next = 0;
+                let mut sizes = Vec::new();
+                for t in 0..s.tasks {
+                    let (lo, hi) = s.range(t);
+                    assert_eq!(lo, next, "{s:?} task {t}");
+                    assert!(hi >= lo);
+                    sizes.push(hi - lo);
+                    next = hi;
+                }
+                assert_eq!(next, units, "{s:?}");
+                // Sizes never grow by more than the rounding of one unit, and the
+                // first is about half a thread's share.
+                assert!(sizes.windows(2).all(|w| w[1] <= w[0] + 1), "{sizes:?}");
+                assert!(sizes[0] <= units.div_ceil(2 * threads).max(1), "{sizes:?}");
+            }
+        }
+        let one = Trapezoid::single(10);
+        assert_eq!((one.tasks, one.range(0)), (1, (0, 10)));
     }
 
     #[test]
