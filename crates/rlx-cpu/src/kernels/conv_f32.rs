@@ -27,6 +27,7 @@ use super::conv::{ConvEpilogue, extent, nchw};
 use super::{Ctx, winograd_f32};
 use crate::gemm::{Activation, BFormat, Epilogue, Gemm, sgemm_serial};
 use crate::tensor::{Dst, Src};
+use crate::vmath::multiversion;
 use rlx_ir::{Result, Shape, Window2d};
 
 /// Below this many input channels per group, a convolution with several taps packs
@@ -601,16 +602,18 @@ impl BlockTask<'_> {
     }
 }
 
-/// Fills `planes` with the phase planes of `rows` phase rows from `y0` (see the
-/// module docs), zero where they fall in the padding.
-fn fill_phase_planes(
-    win: &Window2d,
-    geo: &Geometry,
-    src: &[f32],
-    y0: usize,
-    rows: usize,
-    planes: &mut [f32],
-) {
+multiversion! {
+    /// Fills `planes` with the phase planes of `rows` phase rows from `y0` (see the
+    /// module docs), zero where they fall in the padding; compiled per instruction
+    /// set (these copies ran as baseline SSE code inside the task closure).
+    fn fill_phase_planes(
+        win: &Window2d,
+        geo: &Geometry,
+        src: &[f32],
+        y0: usize,
+        rows: usize,
+        planes: &mut [f32]
+    ) {
     let ([sy, sx], [pt, pl]) = (win.stride, [win.padding[0], win.padding[1]]);
     let (h, w, wq) = (geo.h, geo.w, geo.wq);
     let per_channel = rows * wq;
@@ -639,10 +642,17 @@ fn fill_phase_planes(
             if sx == 1 {
                 line[j_lo..j_hi].copy_from_slice(&row[start..start + (j_hi - j_lo)]);
             } else if sx == 2 {
-                // Pairs with a fixed stride vectorize (as shuffles of whole vectors);
-                // a runtime step does not.
-                for (v, pair) in line[j_lo..j_hi].iter_mut().zip(row[start..].chunks(2)) {
+                // Whole pairs with a fixed stride vectorize (as shuffles of whole
+                // vectors); a runtime step, or a last pair that may be cut short,
+                // does not.
+                let n = j_hi - j_lo;
+                let whole = ((w - start) / 2).min(n);
+                let pairs = row[start..start + 2 * whole].chunks_exact(2);
+                for (v, pair) in line[j_lo..j_lo + whole].iter_mut().zip(pairs) {
                     *v = pair[0];
+                }
+                if whole < n {
+                    line[j_lo + whole] = row[start + 2 * whole];
                 }
             } else {
                 for (v, &x) in line[j_lo..j_hi]
@@ -654,6 +664,7 @@ fn fill_phase_planes(
             }
         }
     }
+}
 }
 
 /// Stores each output row's valid run of the block's `product` (`og` rows of `wide`
