@@ -19,6 +19,7 @@ use kernels::KernelFn;
 #[cfg(test)]
 use kernels::available as available_kernels;
 pub(crate) use kernels::{MicroKernel, best as best_kernel};
+pub(crate) use pack::transpose_8x8_f32;
 
 use crate::pool::ThreadPool;
 use blocking::{Blocking, KC_MAX};

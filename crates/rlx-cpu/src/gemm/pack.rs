@@ -121,6 +121,24 @@ unsafe fn transposed_f32_panel(
     }
 }
 
+/// Writes the transpose of the 8 x 8 block at the start of `src` (row stride `lds`)
+/// to `dst` (row stride `ldd`) with vector shuffles, and returns true; returns false,
+/// writing nothing, where the CPU lacks AVX (the caller then copies value by value).
+///
+/// # Panics
+/// If either slice is shorter than its 8 rows.
+pub(crate) fn transpose_8x8_f32(src: &[f32], lds: usize, dst: &mut [f32], ldd: usize) -> bool {
+    assert!(src.len() >= 7 * lds + 8 && dst.len() >= 7 * ldd + 8);
+    #[cfg(target_arch = "x86_64")]
+    if crate::vmath::simd_level() >= 1 {
+        // SAFETY: AVX is available (level 1 has AVX2); both blocks lie inside their
+        // slices (checked above).
+        unsafe { x86::transpose_8x8(src.as_ptr(), lds, dst.as_mut_ptr(), ldd) };
+        return true;
+    }
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -209,6 +227,30 @@ unsafe fn read_b_run(g: &Gemm, offset: usize, dst: &mut [f32]) {
             let src = unsafe { std::slice::from_raw_parts(g.b.cast::<u16>().add(offset), len) };
             for (d, &bits) in dst.iter_mut().zip(src) {
                 *d = f32::from_bits(u32::from(bits) << 16);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_8x8_block_transposes_between_strided_rows() {
+        let (lds, ldd) = (13, 11);
+        let src: Vec<f32> = (0..7 * lds + 8).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let mut dst = vec![f32::NAN; 7 * ldd + 8];
+        if !transpose_8x8_f32(&src, lds, &mut dst, ldd) {
+            return; // No AVX: the callers copy value by value.
+        }
+        for i in 0..8 {
+            for j in 0..8 {
+                assert_eq!(dst[i * ldd + j], src[j * lds + i], "({i}, {j})");
+            }
+            // Nothing between the rows is written.
+            if i < 7 {
+                assert!(dst[i * ldd + 8..(i + 1) * ldd].iter().all(|v| v.is_nan()));
             }
         }
     }

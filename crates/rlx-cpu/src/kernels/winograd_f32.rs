@@ -364,6 +364,12 @@ multiversion! {
             // 8 x 8 blocks: 8 columns of 8 channel rows in, 8 pixels of 8 channels out.
             let whole = valid / LANES * LANES;
             for x0 in (0..whole).step_by(LANES) {
+                let (from, to) = (row(c0) + x0, x0 * cg + c0);
+                // Vector shuffles where the CPU has AVX; the lane-by-lane copy
+                // below compiled to scalar moves.
+                if crate::gemm::transpose_8x8_f32(&src[from..], h * w, &mut dst[to..], cg) {
+                    continue;
+                }
                 let mut pixels = [[0.0; LANES]; LANES];
                 for l in 0..LANES {
                     let values = load(&src[row(c0 + l) + x0..]);
