@@ -38,6 +38,77 @@ pub(super) unsafe fn apply(g: &Gemm, rows: std::ops::Range<usize>, cols: std::op
     }
 }
 
+/// Whether `g`'s epilogue can run on each 16-wide tile right after the AVX2
+/// micro-kernel stored it ([`tile_avx2`]): no scale and no activation but ReLU (the
+/// others need the vectorized math of the block pass).
+pub(super) fn per_tile_avx2(g: &Gemm, nr: usize) -> bool {
+    let e = &g.epilogue;
+    let simple = |a: Option<Activation>| matches!(a, None | Some(Activation::Relu));
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = nr == 16 && crate::vmath::simd_level() >= 1;
+    #[cfg(not(target_arch = "x86_64"))]
+    let avx2 = false;
+    avx2 && e.alpha == 1.0
+        && simple(e.activation)
+        && e.row_affine.is_none_or(|(_, _, post)| simple(post))
+}
+
+/// Applies `g`'s epilogue (one [`per_tile_avx2`] accepts) to the `rows x 16` tile of
+/// `C` at `(i0, j0)`, in registers: the same steps in the same order as [`row`], so
+/// the values are the same.
+///
+/// # Safety
+/// AVX2 must be available; the tile (and its bias, residual and per-row values) must
+/// lie inside their operands.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn tile_avx2(g: &Gemm, (i0, j0): (usize, usize), rows: usize) {
+    use std::arch::x86_64::*;
+    let e = &g.epilogue;
+    let zero = _mm256_setzero_ps();
+    // `max(0, v)` gives `v` when it is NaN, as the scalar ReLU does.
+    let relu = |v: __m256| _mm256_max_ps(zero, v);
+    // SAFETY: per the contract, every pointer below stays inside its operand.
+    unsafe {
+        let bias = e
+            .bias
+            .map(|b| (_mm256_loadu_ps(b.add(j0)), _mm256_loadu_ps(b.add(j0 + 8))));
+        for i in i0..i0 + rows {
+            let c = g.c.add(i * g.ldc + j0);
+            let (mut v0, mut v1) = (_mm256_loadu_ps(c), _mm256_loadu_ps(c.add(8)));
+            if let Some((b0, b1)) = bias {
+                v0 = _mm256_add_ps(v0, b0);
+                v1 = _mm256_add_ps(v1, b1);
+            }
+            if let Some(rb) = e.row_bias {
+                let s = _mm256_set1_ps(*rb.add(i));
+                v0 = _mm256_add_ps(v0, s);
+                v1 = _mm256_add_ps(v1, s);
+            }
+            if e.activation.is_some() {
+                v0 = relu(v0);
+                v1 = relu(v1);
+            }
+            if let Some((r, ld)) = e.residual {
+                let r = r.add(i * ld + j0);
+                v0 = _mm256_add_ps(v0, _mm256_loadu_ps(r));
+                v1 = _mm256_add_ps(v1, _mm256_loadu_ps(r.add(8)));
+            }
+            if let Some((scale, shift, post)) = e.row_affine {
+                let (a, b) = (_mm256_set1_ps(*scale.add(i)), _mm256_set1_ps(*shift.add(i)));
+                v0 = _mm256_add_ps(_mm256_mul_ps(v0, a), b);
+                v1 = _mm256_add_ps(_mm256_mul_ps(v1, a), b);
+                if post.is_some() {
+                    v0 = relu(v0);
+                    v1 = relu(v1);
+                }
+            }
+            _mm256_storeu_ps(c, v0);
+            _mm256_storeu_ps(c.add(8), v1);
+        }
+    }
+}
+
 /// `act(v + shift) + residual`, then `affine`, over `out` in place: the epilogue for
 /// values a kernel stored itself (a convolution compacting its output rows, `shift`
 /// its channel's bias).

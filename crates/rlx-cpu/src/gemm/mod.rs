@@ -469,6 +469,7 @@ unsafe fn serial(
         unsafe { packed_few_rows(g, kernel, rows, cols, a_edge, tile) };
         return;
     }
+    let per_tile = !g.epilogue.is_identity() && epilogue::per_tile_avx2(g, nr);
     let mut jc = cols.start;
     while jc < cols.end {
         let nc = nc_max.min(cols.end - jc);
@@ -530,6 +531,7 @@ unsafe fn serial(
                             size: (mr_eff, nr_eff),
                             depth: (pc, kc),
                             accumulate,
+                            finish: last_k && per_tile,
                         };
                         // Panels packed ahead come from memory on the first row block;
                         // ones packed here are in cache; rows of a B read in place lie
@@ -545,7 +547,7 @@ unsafe fn serial(
                         unsafe { tile_step(g, kernel, run, &step, b_panel, a_edge, tile) };
                     }
                 }
-                if last_k && !g.epilogue.is_identity() {
+                if last_k && !per_tile && !g.epilogue.is_identity() {
                     // The block is final and still in cache: one pass over rows `nc`
                     // wide vectorizes the activation far better than one per tile.
                     // SAFETY: rows ic..ic+mc, columns jc..jc+nc, lie inside C.
@@ -575,6 +577,7 @@ unsafe fn packed_few_rows(
     tile: &mut [f32],
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
+    let per_tile = !g.epilogue.is_identity() && epilogue::per_tile_avx2(g, nr);
     for jr in cols.clone().step_by(nr) {
         let nr_eff = nr.min(cols.end - jr);
         // SAFETY: panel jr / nr lies inside the packed B.
@@ -589,6 +592,7 @@ unsafe fn packed_few_rows(
                     size: (mr.min(rows.end - ci), nr_eff),
                     depth: (pc, kc),
                     accumulate,
+                    finish: per_tile && pc + kc == g.k,
                 };
                 // SAFETY: rows pc..pc+kc of the panel; the tile is inside C.
                 let b_panel = (unsafe { panel.add(pc * nr) }, nr);
@@ -598,7 +602,7 @@ unsafe fn packed_few_rows(
             pc += kc;
         }
     }
-    if !g.epilogue.is_identity() {
+    if !per_tile && !g.epilogue.is_identity() {
         // SAFETY: the rectangle lies inside C (at most MC rows: in L2 still).
         unsafe { epilogue::apply(g, rows, cols) };
     }
@@ -613,6 +617,9 @@ struct TileStep {
     /// `(first, count)` of the `K` range it multiplies.
     depth: (usize, usize),
     accumulate: bool,
+    /// Whether the epilogue runs on this tile once it is stored (its last `K` range,
+    /// in a product whose epilogue runs per tile).
+    finish: bool,
 }
 
 /// Multiplies rows `step.at.0..` of `A` over the step's `K` range by `b_panel`
@@ -689,6 +696,16 @@ unsafe fn tile_step(
                 edge,
                 tile,
             );
+        }
+        if step.finish {
+            #[cfg(target_arch = "x86_64")]
+            if nr_eff == 16 {
+                // The tile was just stored and is in L1; `per_tile` checked AVX2.
+                epilogue::tile_avx2(g, (ci, cj), mr_eff);
+                return;
+            }
+            // A last panel narrower than the kernel's.
+            epilogue::apply(g, ci..ci + mr_eff, cj..cj + nr_eff);
         }
     }
 }
@@ -891,7 +908,16 @@ mod tests {
                 let mut packed = vec![f32::NAN; n.div_ceil(kernel.nr) * kernel.nr * k];
                 pack_b_panels_for(kernel.nr, &b, k, n, &mut packed);
                 let product = reference(m, n, k, &a, &b, false);
-                for (accumulate, with_bias) in [(false, false), (true, false), (false, true)] {
+                // The last case (scale 1, bias and ReLU) takes the per-tile epilogue on
+                // AVX2.
+                let cases = [
+                    (false, false, false),
+                    (true, false, false),
+                    (false, true, false),
+                    (true, true, true),
+                ];
+                for (accumulate, with_bias, relu) in cases {
+                    let alpha = if with_bias && !relu { 0.5 } else { 1.0 };
                     for threads in [1, 3] {
                         let mut c = start.clone();
                         let g = Gemm {
@@ -908,11 +934,11 @@ mod tests {
                             ldc: n,
                             accumulate,
                             epilogue: Epilogue {
-                                alpha: if with_bias { 0.5 } else { 1.0 },
+                                alpha,
                                 bias: with_bias.then_some(bias.as_ptr()),
                                 row_bias: None,
                                 row_affine: None,
-                                activation: None,
+                                activation: relu.then_some(Activation::Relu),
                                 residual: None,
                             },
                         };
@@ -925,7 +951,10 @@ mod tests {
                                 want += f64::from(start[idx]);
                             }
                             if with_bias {
-                                want = want * 0.5 + f64::from(bias[idx % n]);
+                                want = want * f64::from(alpha) + f64::from(bias[idx % n]);
+                            }
+                            if relu {
+                                want = want.max(0.0);
                             }
                             let tol = 1e-5 * (k as f64).sqrt().max(1.0) * 4.0;
                             assert!(
@@ -1058,9 +1087,21 @@ mod tests {
         let bias: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
         let res: Vec<f32> = (0..m * n).map(|_| lcg(&mut seed)).collect();
         let row_bias: Vec<f32> = (0..m).map(|_| lcg(&mut seed)).collect();
+        let (scale, shift): (Vec<f32>, Vec<f32>) =
+            (0..m).map(|_| (lcg(&mut seed), lcg(&mut seed))).unzip();
         let base = reference(m, n, k, &a, &b, false);
+        // A scale of 1 with ReLU or nothing takes the per-tile path on AVX2; 0.5 (or
+        // GELU) the pass over blocks. Both with and without a batch norm after the
+        // residual.
+        let cases = [0.5f32, 1.0]
+            .into_iter()
+            .flat_map(|alpha| {
+                [None, Some(Activation::Relu), Some(Activation::Gelu)].map(|act| (alpha, act))
+            })
+            .flat_map(|(alpha, act)| [None, Some(Activation::Relu)].map(|post| (alpha, act, post)))
+            .flat_map(|case| [false, true].map(|affine| (case, affine)));
         for kernel in available_kernels() {
-            for act in [None, Some(Activation::Relu), Some(Activation::Gelu)] {
+            for ((alpha, act, post), affine) in cases.clone() {
                 let mut c = vec![0.0f32; m * n];
                 let g = Gemm {
                     m,
@@ -1076,10 +1117,10 @@ mod tests {
                     ldc: n,
                     accumulate: false,
                     epilogue: Epilogue {
-                        alpha: 0.5,
+                        alpha,
                         bias: Some(bias.as_ptr()),
                         row_bias: Some(row_bias.as_ptr()),
-                        row_affine: None,
+                        row_affine: affine.then_some((scale.as_ptr(), shift.as_ptr(), post)),
                         activation: act,
                         residual: Some((res.as_ptr(), n)),
                     },
@@ -1089,18 +1130,25 @@ mod tests {
                 unsafe { sgemm_with(&g, kernel, &pool, &scratch) }.unwrap();
                 for i in 0..m {
                     for j in 0..n {
-                        let mut v =
-                            base[i * n + j] * 0.5 + f64::from(bias[j]) + f64::from(row_bias[i]);
+                        let mut v = base[i * n + j] * f64::from(alpha)
+                            + f64::from(bias[j])
+                            + f64::from(row_bias[i]);
                         v = match act {
                             None => v,
                             Some(Activation::Relu) => v.max(0.0),
                             Some(_) => 0.5 * v * (1.0 + libm::erf(v / std::f64::consts::SQRT_2)),
                         };
                         v += f64::from(res[i * n + j]);
+                        if affine {
+                            v = v * f64::from(scale[i]) + f64::from(shift[i]);
+                            if post.is_some() {
+                                v = v.max(0.0);
+                            }
+                        }
                         let got = f64::from(c[i * n + j]);
                         assert!(
                             (got - v).abs() < 1e-4,
-                            "{} {act:?} ({i},{j}): {got} vs {v}",
+                            "{} alpha {alpha} {act:?} affine {affine} {post:?} ({i},{j}): {got} vs {v}",
                             kernel.name
                         );
                     }
