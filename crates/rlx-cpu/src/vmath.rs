@@ -130,27 +130,59 @@ pub(crate) fn gelu(x: f32) -> f32 {
 /// iterations with Lawson reweighting) on 12000 points.
 #[inline(always)]
 fn erf_rational(x: f32) -> f32 {
-    const P: [f32; 6] = [
-        std::f32::consts::FRAC_2_SQRT_PI,
-        1.927_553_9e-1,
-        5.305_882e-2,
-        3.867_79e-3,
-        2.874_392e-4,
-        2.034_452_3e-6,
-    ];
-    const Q: [f32; 6] = [
-        1.0,
-        5.041_567e-1,
-        1.150_805_6e-1,
-        1.517_127_7e-2,
-        1.187_930_2e-3,
-        3.806_556_6e-5,
-    ];
-    let x = x.clamp(-3.92, 3.92);
+    let (p, q) = (ERF_P, ERF_Q);
+    let x = x.clamp(-ERF_EDGE, ERF_EDGE);
     let z = x * x;
-    let p = ((((P[5] * z + P[4]) * z + P[3]) * z + P[2]) * z + P[1]) * z + P[0];
-    let q = ((((Q[5] * z + Q[4]) * z + Q[3]) * z + Q[2]) * z + Q[1]) * z + Q[0];
+    let p = ((((p[5] * z + p[4]) * z + p[3]) * z + p[2]) * z + p[1]) * z + p[0];
+    let q = ((((q[5] * z + q[4]) * z + q[3]) * z + q[2]) * z + q[1]) * z + q[0];
     x * p / q
+}
+
+/// Numerator coefficients of [`erf_rational`], lowest power first.
+const ERF_P: [f32; 6] = [
+    std::f32::consts::FRAC_2_SQRT_PI,
+    1.927_553_9e-1,
+    5.305_882e-2,
+    3.867_79e-3,
+    2.874_392e-4,
+    2.034_452_3e-6,
+];
+/// Denominator coefficients of [`erf_rational`], lowest power first.
+const ERF_Q: [f32; 6] = [
+    1.0,
+    5.041_567e-1,
+    1.150_805_6e-1,
+    1.517_127_7e-2,
+    1.187_930_2e-3,
+    3.806_556_6e-5,
+];
+/// Where [`erf_rational`] clamps its argument (erf is 1 in `f32` beyond).
+const ERF_EDGE: f32 = 3.92;
+
+/// [`gelu`] on 8 lanes, with the same operations in the same order (so the same
+/// values), for epilogues that run in registers.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn gelu_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let c = _mm256_set1_ps;
+    let poly = |k: [f32; 6], z: __m256| {
+        let mut acc = c(k[5]);
+        for &coefficient in k[..5].iter().rev() {
+            acc = _mm256_add_ps(_mm256_mul_ps(acc, z), c(coefficient));
+        }
+        acc
+    };
+    let t = _mm256_mul_ps(x, c(std::f32::consts::FRAC_1_SQRT_2));
+    // `max(lo, t)` then `min(hi, .)` keep a NaN (the second operand wins), as
+    // `clamp` does.
+    let t = _mm256_min_ps(c(ERF_EDGE), _mm256_max_ps(c(-ERF_EDGE), t));
+    let z = _mm256_mul_ps(t, t);
+    let erf = _mm256_div_ps(_mm256_mul_ps(t, poly(ERF_P, z)), poly(ERF_Q, z));
+    _mm256_mul_ps(_mm256_mul_ps(c(0.5), x), _mm256_add_ps(c(1.0), erf))
 }
 
 /// Tanh-approximated GELU.
@@ -316,6 +348,41 @@ mod tests {
                 let want = f64::from(x).tanh();
                 let rel = ((f64::from(tanh(x)) - want) / want).abs();
                 assert!(rel < 5e-7, "tanh({x}) relative error {rel}");
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vector_gelu_gives_the_scalar_values() {
+        if simd_level() == 0 {
+            return;
+        }
+        let special = [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+            5.6,
+            -5.6,
+        ];
+        let values: Vec<f32> = samples().step_by(7).chain(special).collect();
+        for chunk in values.chunks(8) {
+            let mut lanes = [0.0f32; 8];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            let mut got = [0.0f32; 8];
+            // SAFETY: AVX2 and FMA are available (level 1 or more).
+            unsafe {
+                use std::arch::x86_64::*;
+                _mm256_storeu_ps(got.as_mut_ptr(), gelu_avx2(_mm256_loadu_ps(lanes.as_ptr())));
+            }
+            for (x, g) in lanes.iter().zip(got) {
+                let want = gelu(*x);
+                assert!(
+                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                    "gelu({x}): {g} vs {want}"
+                );
             }
         }
     }

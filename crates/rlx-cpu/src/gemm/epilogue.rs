@@ -39,8 +39,8 @@ pub(super) unsafe fn apply(g: &Gemm, rows: std::ops::Range<usize>, cols: std::op
 }
 
 /// Whether `g`'s epilogue can run on each 16-wide tile right after the AVX2
-/// micro-kernel stored it ([`tile_avx2`]): no scale and no activation but ReLU (the
-/// others need the vectorized math of the block pass).
+/// micro-kernel stored it ([`tile_avx2`]): no scale, ReLU or the exact GELU first and
+/// ReLU at most after the affine (the other activations stay with the block pass).
 pub(super) fn per_tile_avx2(g: &Gemm, nr: usize) -> bool {
     let e = &g.epilogue;
     let simple = |a: Option<Activation>| matches!(a, None | Some(Activation::Relu));
@@ -48,8 +48,9 @@ pub(super) fn per_tile_avx2(g: &Gemm, nr: usize) -> bool {
     let avx2 = nr == 16 && crate::vmath::simd_level() >= 1;
     #[cfg(not(target_arch = "x86_64"))]
     let avx2 = false;
+    let first = |a: Option<Activation>| simple(a) || a == Some(Activation::Gelu);
     avx2 && e.alpha == 1.0
-        && simple(e.activation)
+        && first(e.activation)
         && e.row_affine.is_none_or(|(_, _, post)| simple(post))
 }
 
@@ -85,9 +86,16 @@ pub(super) unsafe fn tile_avx2(g: &Gemm, (i0, j0): (usize, usize), rows: usize) 
                 v0 = _mm256_add_ps(v0, s);
                 v1 = _mm256_add_ps(v1, s);
             }
-            if e.activation.is_some() {
-                v0 = relu(v0);
-                v1 = relu(v1);
+            match e.activation {
+                None => {}
+                Some(Activation::Gelu) => {
+                    v0 = crate::vmath::gelu_avx2(v0);
+                    v1 = crate::vmath::gelu_avx2(v1);
+                }
+                Some(_) => {
+                    v0 = relu(v0);
+                    v1 = relu(v1);
+                }
             }
             if let Some((r, ld)) = e.residual {
                 let r = r.add(i * ld + j0);
