@@ -520,42 +520,71 @@ multiversion! {
         dst: &OutRows
     ) {
         let (first, point_stride) = products;
-        for tx in 0..tw {
+        let mut tx = 0;
+        while tx < tw {
             let x0 = dst.x0 + tx * TILE;
+            // Two whole tiles side by side give each output row 8 pixels of 8
+            // channels: one 8 x 8 transpose stores them as 8 channel runs.
+            let pair = tx + 1 < tw && x0 + 2 * TILE <= dst.ow;
+            let tiles = if pair { 2 } else { 1 };
             let valid = TILE.min(dst.ow - x0);
             for c0 in (0..og).step_by(LANES) {
-                let value = |i: usize, j: usize| -> Lanes {
-                    let offset = (i * PATCH + j) * point_stride + tx * og + c0;
-                    // SAFETY: the caller guarantees every point of the row's tiles lies
-                    // inside the products.
-                    unsafe { first.add(offset).cast::<Lanes>().read_unaligned() }
-                };
-                let mut cols = [[[0.0; LANES]; TILE]; PATCH];
-                for (j, col) in cols.iter_mut().enumerate() {
-                    let mut m = [[0.0; LANES]; PATCH];
-                    for (i, v) in m.iter_mut().enumerate() {
-                        *v = value(i, j);
-                    }
-                    *col = output_points(&m);
-                }
                 let b: Lanes = match bias {
                     Some(bias) => load(&bias[c0..]),
                     None => [0.0; LANES],
                 };
-                for (i, row) in transpose(&cols).iter().enumerate().take(dst.rows) {
-                    let pixels = output_points(row);
-                    let at = (dst.y0 + i) * dst.ow + x0;
-                    for (j, px) in pixels.iter().enumerate().take(valid) {
-                        for l in 0..LANES {
+                // Row `i`, pixel `j` of the tiles (channels in lanes), bias added.
+                let mut block = [[[0.0; LANES]; 2 * TILE]; TILE];
+                for t in 0..tiles {
+                    let value = |i: usize, j: usize| -> Lanes {
+                        let offset = (i * PATCH + j) * point_stride + (tx + t) * og + c0;
+                        // SAFETY: the caller guarantees every point of the row's tiles
+                        // lies inside the products.
+                        unsafe { first.add(offset).cast::<Lanes>().read_unaligned() }
+                    };
+                    let mut cols = [[[0.0; LANES]; TILE]; PATCH];
+                    for (j, col) in cols.iter_mut().enumerate() {
+                        let mut m = [[0.0; LANES]; PATCH];
+                        for (i, v) in m.iter_mut().enumerate() {
+                            *v = value(i, j);
+                        }
+                        *col = output_points(&m);
+                    }
+                    for (i, row) in transpose(&cols).iter().enumerate() {
+                        for (j, px) in output_points(row).iter().enumerate() {
+                            block[i][t * TILE + j] = lanes(|l| px[l] + b[l]);
+                        }
+                    }
+                }
+                for (i, pixels) in block.iter().enumerate().take(dst.rows) {
+                    let at = c0 * dst.pixels + (dst.y0 + i) * dst.ow + x0;
+                    if pair {
+                        // SAFETY: channels c0..c0 + 8, pixels (y0 + i, x0 .. x0 + 8), lie
+                        // inside the image's output (caller's guarantee); the slice
+                        // spans them.
+                        let out = unsafe {
+                            std::slice::from_raw_parts_mut(dst.out.add(at), 7 * dst.pixels + 8)
+                        };
+                        if crate::gemm::transpose_8x8_f32(
+                            pixels.as_flattened(),
+                            LANES,
+                            out,
+                            dst.pixels,
+                        ) {
+                            continue;
+                        }
+                    }
+                    let count = if pair { 2 * TILE } else { valid };
+                    for (j, px) in pixels.iter().enumerate().take(count) {
+                        for (l, &v) in px.iter().enumerate() {
                             // SAFETY: channel c0 + l, pixel (y0 + i, x0 + j) lies inside
                             // the image's output (caller's guarantee).
-                            unsafe {
-                                *dst.out.add((c0 + l) * dst.pixels + at + j) = px[l] + b[l];
-                            }
+                            unsafe { *dst.out.add(at + l * dst.pixels + j) = v };
                         }
                     }
                 }
             }
+            tx += tiles;
         }
     }
 }
