@@ -38,11 +38,14 @@ pub(super) unsafe fn apply(g: &Gemm, rows: std::ops::Range<usize>, cols: std::op
     }
 }
 
-/// Whether `g`'s epilogue can run on each 16-wide tile right after the AVX2
-/// micro-kernel stored it ([`tile_avx2`]): no scale, ReLU or the exact GELU first and
+/// Whether `g` has an epilogue that can run on each 16-wide tile right after the
+/// AVX2 micro-kernel stored it ([`tile_avx2`]): no scale, ReLU or the exact GELU first and
 /// ReLU at most after the affine (the other activations stay with the block pass).
 pub(super) fn per_tile_avx2(g: &Gemm, nr: usize) -> bool {
     let e = &g.epilogue;
+    if e.is_identity() {
+        return false;
+    }
     let simple = |a: Option<Activation>| matches!(a, None | Some(Activation::Relu));
     #[cfg(target_arch = "x86_64")]
     let avx2 = nr == 16 && crate::vmath::simd_level() >= 1;

@@ -469,7 +469,7 @@ unsafe fn serial(
         unsafe { packed_few_rows(g, kernel, rows, cols, a_edge, tile) };
         return;
     }
-    let per_tile = !g.epilogue.is_identity() && epilogue::per_tile_avx2(g, nr);
+    let per_tile = epilogue::per_tile_avx2(g, nr);
     let mut jc = cols.start;
     while jc < cols.end {
         let nc = nc_max.min(cols.end - jc);
@@ -577,7 +577,7 @@ unsafe fn packed_few_rows(
     tile: &mut [f32],
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
-    let per_tile = !g.epilogue.is_identity() && epilogue::per_tile_avx2(g, nr);
+    let per_tile = epilogue::per_tile_avx2(g, nr);
     for jr in cols.clone().step_by(nr) {
         let nr_eff = nr.min(cols.end - jr);
         // SAFETY: panel jr / nr lies inside the packed B.

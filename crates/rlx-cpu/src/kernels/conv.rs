@@ -60,18 +60,30 @@ pub(crate) fn apply_prologue(epilogue: &ConvEpilogue, x: Src, dst: &mut [u8]) {
         // aligned).
         let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<T>(), x.len) };
         for (i, o) in out.iter_mut().enumerate() {
-            let mut v = x.f64::<T>(i);
-            if let Some((scale, shift)) = epilogue.input_affine {
-                let c = i / pixels % channels;
-                v = T::from_f64(v * scale.f64::<T>(c)).to_f64();
-                v = T::from_f64(v + shift.f64::<T>(c)).to_f64();
-            }
-            if let Some(act) = epilogue.input_activation {
-                v = T::from_f64(unary_f64(act, v)).to_f64();
-            }
+            let c = i / pixels % channels;
+            let v = affine_then::<T>(x.f64::<T>(i), epilogue.input_affine, epilogue.input_activation, c);
             *o = T::from_f64(v);
         }
     })
+}
+
+/// `act(v * scale[c] + shift[c])`, each step rounded to `T` as the graph's own
+/// multiply, add and activation round: a fused convolution's channel affine (before
+/// or after the product) and the activation that follows it.
+fn affine_then<T: Elem>(
+    mut v: f64,
+    affine: Option<(Src, Src)>,
+    activation: Option<UnaryOp>,
+    c: usize,
+) -> f64 {
+    if let Some((scale, shift)) = affine {
+        v = T::from_f64(v * scale.f64::<T>(c)).to_f64();
+        v = T::from_f64(v + shift.f64::<T>(c)).to_f64();
+    }
+    if let Some(act) = activation {
+        v = T::from_f64(unary_f64(act, v)).to_f64();
+    }
+    v
 }
 
 /// Applies `epilogue` to every value of `out` in place (any dtype; the f32 path
@@ -90,14 +102,8 @@ pub(crate) fn apply_epilogue(epilogue: ConvEpilogue, out: Dst) {
             if let Some(r) = epilogue.residual {
                 v = T::from_f64(v + r.f64::<T>(i)).to_f64();
             }
-            if let Some((scale, shift)) = epilogue.channel_affine {
-                let c = i / pixels % channels;
-                v = T::from_f64(v * scale.f64::<T>(c)).to_f64();
-                v = T::from_f64(v + shift.f64::<T>(c)).to_f64();
-            }
-            if let Some(act) = epilogue.post_activation {
-                v = T::from_f64(unary_f64(act, v)).to_f64();
-            }
+            let c = i / pixels % channels;
+            let v = affine_then::<T>(v, epilogue.channel_affine, epilogue.post_activation, c);
             out.set(i, T::from_f64(v));
         }
     })
