@@ -214,10 +214,90 @@ pub(crate) fn exp_shifted_sum(v: &mut [f32], shift: f32) -> f32 {
     exp_shifted_sum_body(v, shift)
 }
 
-/// [`exp_shifted_sum`] inlined into the caller, for callers already compiled for the
-/// CPU's vector width (inside `multiversion!`): no dispatch per call.
+/// [`exp`] on eight lanes with fused multiply-adds: the same range reduction,
+/// polynomial and special cases (`-inf` and anything below the normal range gives
+/// 0, above it `+inf`, NaN stays NaN), rounded once per step instead of twice.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn exp_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let c = _mm256_set1_ps;
+    const ROUND: f32 = 12_582_912.0;
+    let big = _mm256_cmp_ps::<_CMP_GT_OQ>(x, c(88.722_84));
+    let small = _mm256_cmp_ps::<_CMP_LE_OQ>(x, c(-87.33));
+    // `max(lo, x)` then `min(hi, .)` keep a NaN, as `clamp` does.
+    let x = _mm256_min_ps(c(88.722_84), _mm256_max_ps(c(-87.33), x));
+    let shifted = _mm256_fmadd_ps(x, c(std::f32::consts::LOG2_E), c(ROUND));
+    let n = _mm256_sub_ps(shifted, c(ROUND));
+    let r = _mm256_fnmadd_ps(n, c(0.693_145_75), x);
+    let r = _mm256_fnmadd_ps(n, c(1.428_606_8e-6), r);
+    let mut p = c(1.0 / 5040.0);
+    for k in [720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
+        p = _mm256_fmadd_ps(p, r, c(1.0 / k));
+    }
+    let ni = _mm256_sub_epi32(
+        _mm256_castps_si256(shifted),
+        _mm256_set1_epi32(ROUND.to_bits() as i32),
+    );
+    let h = _mm256_srai_epi32::<1>(ni);
+    let bias = _mm256_set1_epi32(127);
+    let s1 = _mm256_slli_epi32::<23>(_mm256_add_epi32(h, bias));
+    let s2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_sub_epi32(ni, h), bias));
+    let value = _mm256_mul_ps(
+        _mm256_mul_ps(p, _mm256_castsi256_ps(s1)),
+        _mm256_castsi256_ps(s2),
+    );
+    let value = _mm256_andnot_ps(small, value);
+    _mm256_blendv_ps(value, c(f32::INFINITY), big)
+}
+
+/// [`exp_shifted_sum`] through [`exp_avx2`], two vectors a step: a quarter faster
+/// than the compiler's vectorization of the scalar [`exp`], which keeps every
+/// multiply and add apart.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_shifted_sum_avx2(v: &mut [f32], shift: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm256_set1_ps(shift);
+    let (mut sum0, mut sum1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut pairs = v.chunks_exact_mut(16);
+    for chunk in &mut pairs {
+        // SAFETY: the chunk holds 16 values.
+        unsafe {
+            let p = chunk.as_mut_ptr();
+            let e0 = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p), s));
+            let e1 = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(8)), s));
+            _mm256_storeu_ps(p, e0);
+            _mm256_storeu_ps(p.add(8), e1);
+            sum0 = _mm256_add_ps(sum0, e0);
+            sum1 = _mm256_add_ps(sum1, e1);
+        }
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: eight floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(sum0, sum1)) };
+    let mut total: f32 = pairs
+        .into_remainder()
+        .iter_mut()
+        .map(|x| {
+            *x = exp(*x - shift);
+            *x
+        })
+        .sum();
+    total += lanes.iter().sum::<f32>();
+    total
+}
+
+/// [`exp_shifted_sum`] as plain code, inlined into the baseline and AVX-512 versions
+/// (the compiler vectorizes it for each).
 #[inline(always)]
-pub(crate) fn exp_shifted_sum_body(v: &mut [f32], shift: f32) -> f32 {
+fn exp_shifted_sum_body(v: &mut [f32], shift: f32) -> f32 {
     // Sixteen partial sums so the additions vectorize.
     let mut sums = [0.0f32; 16];
     let mut chunks = v.chunks_exact_mut(16);
@@ -242,12 +322,6 @@ pub(crate) fn exp_shifted_sum_body(v: &mut [f32], shift: f32) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn exp_shifted_sum_avx512(v: &mut [f32], shift: f32) -> f32 {
-    exp_shifted_sum_body(v, shift)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn exp_shifted_sum_avx2(v: &mut [f32], shift: f32) -> f32 {
     exp_shifted_sum_body(v, shift)
 }
 
@@ -385,6 +459,56 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vector_exp_matches_the_scalar_one() {
+        if simd_level() == 0 {
+            return;
+        }
+        let special = [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+            88.72,
+            88.73,
+            -87.32,
+            -87.34,
+            -103.0,
+        ];
+        let values: Vec<f32> = samples().chain(special).collect();
+        for chunk in values.chunks(8) {
+            let mut lanes = [0.0f32; 8];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            let mut got = [0.0f32; 8];
+            // SAFETY: AVX2 and FMA are available (level 1 or more).
+            unsafe {
+                use std::arch::x86_64::*;
+                _mm256_storeu_ps(got.as_mut_ptr(), exp_avx2(_mm256_loadu_ps(lanes.as_ptr())));
+            }
+            for (x, g) in lanes.iter().zip(got) {
+                let want = exp(*x);
+                let close = (g - want).abs() <= 2.5e-7 * want;
+                assert!(
+                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()) || close,
+                    "exp({x}): {g} vs {want}"
+                );
+            }
+        }
+        // The shifted sum over a row (with a tail the vectors do not cover).
+        let mut row: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin() * 6.0).collect();
+        row[5] = f32::NEG_INFINITY;
+        let want: Vec<f32> = row.iter().map(|&x| exp(x - 6.0)).collect();
+        let total = exp_shifted_sum(&mut row, 6.0);
+        for (g, w) in row.iter().zip(&want) {
+            assert!((g - w).abs() <= 2.5e-7 * w, "{g} vs {w}");
+        }
+        assert_eq!(row[5], 0.0);
+        let want_total: f32 = want.iter().sum();
+        assert!((total - want_total).abs() <= 1e-6 * want_total);
     }
 
     #[test]

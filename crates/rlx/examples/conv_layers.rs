@@ -3,7 +3,7 @@
 //! the profile, so input staging is not counted), best of the runs.
 //!
 //! ```sh
-//! cargo run --release -p rlx --example conv_layers -- [THREADS] [RUNS]
+//! cargo run --release -p rlx --example conv_layers -- [THREADS] [RUNS] [LAYER]
 //! ```
 
 use rlx::prelude::*;
@@ -26,8 +26,13 @@ fn main() -> rlx::Result<()> {
     let mut args = std::env::args().skip(1);
     let threads: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2);
     let runs: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(20);
+    // One layer alone (its index in `LAYERS`), for a profiler.
+    let only: Option<usize> = args.next().and_then(|a| a.parse().ok());
     println!("conv layers at batch {BATCH}, {threads} thread(s), best of {runs} runs");
-    for (c, o, h, w, k, s) in LAYERS {
+    for (index, &(c, o, h, w, k, s)) in LAYERS.iter().enumerate() {
+        if only.is_some_and(|i| i != index) {
+            continue;
+        }
         let g = Graph::new("conv");
         let x = g.input("x", Shape::new(&[BATCH, c, h, w], DType::F32))?;
         let wt = g.param("w", Shape::new(&[o, c, k, k], DType::F32))?;

@@ -367,7 +367,9 @@ multiversion! {
             } else {
                 vmath::exp(row_max[r] - new_max)
             };
-            let block_sum = vmath::exp_shifted_sum_body(row, new_max);
+            // The dispatching form: its AVX2 version is written with fused
+            // multiply-adds, faster than this function's own vectorization.
+            let block_sum = vmath::exp_shifted_sum(row, new_max);
             row_sum[r] = row_sum[r] * correction + block_sum;
             if correction != 1.0 {
                 for x in acc[r * dv..(r + 1) * dv].iter_mut() {
