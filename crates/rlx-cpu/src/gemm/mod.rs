@@ -657,6 +657,11 @@ unsafe fn tile_step(
     // temporary tile for edges).
     unsafe {
         let c_tile = g.c.add(ci * g.ldc + cj);
+        if step.finish {
+            // The next row tile's residual, while this one multiplies: the rows of a
+            // tile are too many streams for the hardware prefetcher.
+            epilogue::prefetch_residual(g, (ci + mr, cj), mr);
+        }
         // A whole tile, or all rows of a last panel one of the partial kernels covers,
         // goes straight to C; any other edge goes through the temporary tile.
         let direct = if mr_eff < mr {
