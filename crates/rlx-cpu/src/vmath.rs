@@ -33,18 +33,23 @@ macro_rules! multiversion {
 
 pub(crate) use multiversion;
 
+/// ln 2 split in a part exact in `f32` and the rest, for an exact range reduction in
+/// [`exp`] and [`exp_avx2`].
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+/// Adding and subtracting 1.5 * 2^23 rounds an `f32` to the nearest integer.
+const ROUND: f32 = 12_582_912.0;
+/// [`exp`] gives 0 at or below `EXP_MIN` and `+inf` above `EXP_MAX`.
+const EXP_MIN: f32 = -87.33;
+const EXP_MAX: f32 = 88.722_84;
+
 /// `e^x` for `f32`, relative error below 2e-7; 0 below -87.33 and infinity past
 /// `ln(f32::MAX)`.
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 split in a part exact in f32 and the rest, for an exact range reduction.
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
-    const ROUND: f32 = 12_582_912.0;
-    let big = x > 88.722_84;
-    let x = x.clamp(-87.33, 88.722_84);
+    let big = x > EXP_MAX;
+    let x = x.clamp(EXP_MIN, EXP_MAX);
     let shifted = x * LOG2E + ROUND;
     let n = shifted - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
@@ -65,7 +70,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     let s1 = f32::from_bits(((h + 127) as u32) << 23);
     let s2 = f32::from_bits(((ni - h + 127) as u32) << 23);
     let value = p * s1 * s2;
-    if x <= -87.33 {
+    if x <= EXP_MIN {
         0.0
     } else if big {
         f32::INFINITY
@@ -225,15 +230,14 @@ pub(crate) fn exp_shifted_sum(v: &mut [f32], shift: f32) -> f32 {
 pub(crate) unsafe fn exp_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
     let c = _mm256_set1_ps;
-    const ROUND: f32 = 12_582_912.0;
-    let big = _mm256_cmp_ps::<_CMP_GT_OQ>(x, c(88.722_84));
-    let small = _mm256_cmp_ps::<_CMP_LE_OQ>(x, c(-87.33));
+    let big = _mm256_cmp_ps::<_CMP_GT_OQ>(x, c(EXP_MAX));
+    let small = _mm256_cmp_ps::<_CMP_LE_OQ>(x, c(EXP_MIN));
     // `max(lo, x)` then `min(hi, .)` keep a NaN, as `clamp` does.
-    let x = _mm256_min_ps(c(88.722_84), _mm256_max_ps(c(-87.33), x));
+    let x = _mm256_min_ps(c(EXP_MAX), _mm256_max_ps(c(EXP_MIN), x));
     let shifted = _mm256_fmadd_ps(x, c(std::f32::consts::LOG2_E), c(ROUND));
     let n = _mm256_sub_ps(shifted, c(ROUND));
-    let r = _mm256_fnmadd_ps(n, c(0.693_145_75), x);
-    let r = _mm256_fnmadd_ps(n, c(1.428_606_8e-6), r);
+    let r = _mm256_fnmadd_ps(n, c(LN2_HI), x);
+    let r = _mm256_fnmadd_ps(n, c(LN2_LO), r);
     let mut p = c(1.0 / 5040.0);
     for k in [720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
         p = _mm256_fmadd_ps(p, r, c(1.0 / k));
@@ -442,23 +446,32 @@ mod tests {
             -5.6,
         ];
         let values: Vec<f32> = samples().step_by(7).chain(special).collect();
+        for (x, g) in on_eight_lanes(&values, gelu_avx2) {
+            let want = gelu(x);
+            assert!(
+                g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                "gelu({x}): {g} vs {want}"
+            );
+        }
+    }
+
+    /// `(x, f(x))` for every value, `f` run on vectors of eight.
+    #[cfg(target_arch = "x86_64")]
+    fn on_eight_lanes(
+        values: &[f32],
+        f: unsafe fn(std::arch::x86_64::__m256) -> std::arch::x86_64::__m256,
+    ) -> Vec<(f32, f32)> {
+        use std::arch::x86_64::*;
+        let mut out = Vec::with_capacity(values.len());
         for chunk in values.chunks(8) {
             let mut lanes = [0.0f32; 8];
             lanes[..chunk.len()].copy_from_slice(chunk);
             let mut got = [0.0f32; 8];
-            // SAFETY: AVX2 and FMA are available (level 1 or more).
-            unsafe {
-                use std::arch::x86_64::*;
-                _mm256_storeu_ps(got.as_mut_ptr(), gelu_avx2(_mm256_loadu_ps(lanes.as_ptr())));
-            }
-            for (x, g) in lanes.iter().zip(got) {
-                let want = gelu(*x);
-                assert!(
-                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
-                    "gelu({x}): {g} vs {want}"
-                );
-            }
+            // SAFETY: the callers checked AVX2 and FMA (level 1 or more).
+            unsafe { _mm256_storeu_ps(got.as_mut_ptr(), f(_mm256_loadu_ps(lanes.as_ptr()))) };
+            out.extend(chunk.iter().copied().zip(got));
         }
+        out
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -480,23 +493,13 @@ mod tests {
             -103.0,
         ];
         let values: Vec<f32> = samples().chain(special).collect();
-        for chunk in values.chunks(8) {
-            let mut lanes = [0.0f32; 8];
-            lanes[..chunk.len()].copy_from_slice(chunk);
-            let mut got = [0.0f32; 8];
-            // SAFETY: AVX2 and FMA are available (level 1 or more).
-            unsafe {
-                use std::arch::x86_64::*;
-                _mm256_storeu_ps(got.as_mut_ptr(), exp_avx2(_mm256_loadu_ps(lanes.as_ptr())));
-            }
-            for (x, g) in lanes.iter().zip(got) {
-                let want = exp(*x);
-                let close = (g - want).abs() <= 2.5e-7 * want;
-                assert!(
-                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()) || close,
-                    "exp({x}): {g} vs {want}"
-                );
-            }
+        for (x, g) in on_eight_lanes(&values, exp_avx2) {
+            let want = exp(x);
+            let close = (g - want).abs() <= 2.5e-7 * want;
+            assert!(
+                g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()) || close,
+                "exp({x}): {g} vs {want}"
+            );
         }
         // The shifted sum over a row (with a tail the vectors do not cover).
         let mut row: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin() * 6.0).collect();
