@@ -251,11 +251,14 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
     let row_sum = &mut rest[..QB];
     row_max.fill(f32::NEG_INFINITY);
     row_sum.fill(0.0);
-    acc[..rows * dv].fill(0.0);
     let q_ptr = p.q.ptr.cast::<f32>();
     let k_ptr = p.k.ptr.cast::<f32>();
     let v_ptr = p.v.ptr.cast::<f32>();
     let mut j0 = 0;
+    if sk == 0 || (p.causal && sq > q0 + rows - 1 + sk) {
+        // No key block runs (no keys, or all masked): the output rows are zeros.
+        acc[..rows * dv].fill(0.0);
+    }
     while j0 < sk {
         let kb = KB.min(sk - j0);
         // With a causal mask, query i sees key j when j + sq <= i + sk.
@@ -307,7 +310,8 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
             b_format: BFormat::F32,
             c: acc.as_mut_ptr(),
             ldc: dv,
-            accumulate: true,
+            // The first block writes the accumulator, later ones add to it.
+            accumulate: j0 > 0,
             epilogue: Epilogue::NONE,
         };
         // SAFETY: the operands lie inside the scratch and V.
@@ -316,15 +320,20 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
     }
     let out = p.out.ptr.cast::<f32>();
     for r in 0..rows {
-        let inv = if row_sum[r] > 0.0 {
-            1.0 / row_sum[r]
-        } else {
-            0.0
-        };
         let o_row = p.row(bi, h, q0 + r, hq, sq, dv).0;
-        for e in 0..dv {
-            // SAFETY: this task's rows of the output.
-            unsafe { *out.add(o_row + e) = acc[r * dv + e] * inv };
+        // SAFETY: this task's rows of the output, which no other task writes.
+        let o_row = unsafe { std::slice::from_raw_parts_mut(out.add(o_row), dv) };
+        normalize_row(&acc[r * dv..(r + 1) * dv], row_sum[r], o_row);
+    }
+}
+
+multiversion! {
+    /// Writes one accumulated output row divided by its softmax sum (zeros for a row
+    /// whose keys were all masked).
+    fn normalize_row(acc: &[f32], sum: f32, out: &mut [f32]) {
+        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        for (o, &a) in out.iter_mut().zip(acc) {
+            *o = a * inv;
         }
     }
 }
@@ -371,7 +380,8 @@ multiversion! {
             // multiply-adds, faster than this function's own vectorization.
             let block_sum = vmath::exp_shifted_sum(row, new_max);
             row_sum[r] = row_sum[r] * correction + block_sum;
-            if correction != 1.0 {
+            // The first block's products overwrite the accumulator: nothing to rescale.
+            if correction != 1.0 && b.j0 > 0 {
                 for x in acc[r * dv..(r + 1) * dv].iter_mut() {
                     *x *= correction;
                 }
