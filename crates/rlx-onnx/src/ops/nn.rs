@@ -19,6 +19,7 @@ pub(super) const NAMES: &[&str] = &[
     "InstanceNormalization",
     "LayerNormalization",
     "LogSoftmax",
+    "LRN",
     "LpNormalization",
     "LpPool",
     "GlobalLpPool",
@@ -56,6 +57,7 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         "RMSNormalization" => rms_norm,
         "GroupNormalization" => group_norm,
         "LpNormalization" => lp_norm,
+        "LRN" => lrn,
         "MeanVarianceNormalization" => mvn,
         "Dropout" => dropout,
         _ => return None,
@@ -480,12 +482,16 @@ enum PoolKind {
     Lp(i64),
 }
 
+/// `MaxPool`, `AveragePool` and `LpPool` over 1, 2 or 3 spatial axes. Three axes run
+/// as two 2-D pools, over `(H, W)` and then over `D`: a maximum, a sum and a count of
+/// the cells inside the input are each a product of one factor per axis, so the
+/// window of the whole is the windows of its axes in turn.
 fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
     if cx.wants_output(1) {
         return Err(unsupported("MaxPool's Indices output"));
     }
     let xd = cx.dims(0)?;
-    if !(3..=4).contains(&xd.len()) {
+    if !(3..=5).contains(&xd.len()) {
         return Err(unsupported(format!(
             "pooling over {} spatial axes",
             xd.len().saturating_sub(2)
@@ -499,6 +505,7 @@ fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
     let strides = attr_sizes(cx, "strides", n, 1)?;
     let dilations = attr_sizes(cx, "dilations", n, 1)?;
     let mut pads = spatial_pads(cx, &xd[2..], &kernel, &strides, &dilations)?;
+    let declared = pads.clone();
     if cx.attr_i("ceil_mode", 0) != 0 {
         // Extra end padding so the last, partial window is counted; a window that
         // would start in the end padding is not added.
@@ -525,27 +532,80 @@ fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
     if let PoolKind::Lp(p) = kind {
         x = lp_power(cx, x, p, dt)?;
     }
-    let window = if n == 1 {
-        x = lift_1d(cx, x)?;
-        Window2d {
-            kernel: [1, kernel[0]],
-            stride: [1, strides[0]],
-            padding: [0, pads[0].0, 0, pads[0].1],
-            dilation: [1, dilations[0]],
+    let mut count_include_pad = cx.attr_i("count_include_pad", 0) != 0;
+    if matches!(kind, PoolKind::Avg) && count_include_pad && pads != declared {
+        // The declared padding counts in a window's size, the extra end padding of
+        // `ceil_mode` does not: the declared padding becomes zeros in the input, and
+        // only the cells inside that count.
+        let mut all = vec![(0, 0); 2];
+        all.extend(declared.iter().copied());
+        x = cx.g.pad(
+            x,
+            &all,
+            rlx_ir::PadMode::Constant(rlx_ir::F64Bits::new(0.0)),
+        )?;
+        for (p, d) in pads.iter_mut().zip(&declared) {
+            *p = (0, p.1 - d.1);
         }
+        count_include_pad = false;
+    }
+    // One axis of the window: (kernel, stride, (pad begin, pad end), dilation).
+    let axis = |i: usize| (kernel[i], strides[i], pads[i], dilations[i]);
+    let unit = (1, 1, (0, 0), 1);
+    let y = match n {
+        1 => {
+            let y = pool_2d(
+                cx,
+                kind,
+                count_include_pad,
+                lift_1d(cx, x)?,
+                [unit, axis(0)],
+            )?;
+            cx.g.squeeze(y, &[2])?
+        }
+        2 => pool_2d(cx, kind, count_include_pad, x, [axis(0), axis(1)])?,
+        _ => {
+            let [b, c, d, h, w] = [xd[0], xd[1], xd[2], xd[3], xd[4]];
+            let planes = cx.g.reshape(x, &[b, c * d, h, w])?;
+            let y = pool_2d(cx, kind, count_include_pad, planes, [axis(1), axis(2)])?;
+            let yd = cx.g.shape(y)?.dims().to_vec();
+            let (oh, ow) = (yd[2], yd[3]);
+            let columns = cx.g.reshape(y, &[b, c, d, oh * ow])?;
+            let y = pool_2d(cx, kind, count_include_pad, columns, [axis(0), unit])?;
+            let od = cx.g.shape(y)?.dims()[2];
+            cx.g.reshape(y, &[b, c, od, oh, ow])?
+        }
+    };
+    let y = if let PoolKind::Lp(p) = kind {
+        let count: usize = kernel.iter().product();
+        let y = cx.g.mul(y, scalar(cx, count as f64, dt))?;
+        lp_root(cx, y, p, dt)?
     } else {
-        Window2d {
-            kernel: [kernel[0], kernel[1]],
-            stride: [strides[0], strides[1]],
-            padding: [pads[0].0, pads[1].0, pads[0].1, pads[1].1],
-            dilation: [dilations[0], dilations[1]],
-        }
+        y
+    };
+    Ok(vec![y])
+}
+
+/// One 2-D pool of `x [N, C, H, W]` with per-axis `(kernel, stride, pads, dilation)`;
+/// an `Lp` pool takes the mean over the whole window (its sum divided by the size).
+fn pool_2d(
+    cx: &Cx,
+    kind: PoolKind,
+    count_include_pad: bool,
+    x: NodeId,
+    [h, w]: [(usize, usize, (usize, usize), usize); 2],
+) -> Result<NodeId> {
+    let window = Window2d {
+        kernel: [h.0, w.0],
+        stride: [h.1, w.1],
+        padding: [h.2.0, w.2.0, h.2.1, w.2.1],
+        dilation: [h.3, w.3],
     };
     let op = match kind {
         PoolKind::Max => Op::MaxPool2d { window },
         PoolKind::Avg => Op::AvgPool2d {
             window,
-            count_include_pad: cx.attr_i("count_include_pad", 0) != 0,
+            count_include_pad,
         },
         // The window sum is the mean over the whole window, padding included, times
         // its size (padding adds zero).
@@ -554,14 +614,7 @@ fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
             count_include_pad: true,
         },
     };
-    let mut y = cx.g.push(op, &[x])?;
-    if let PoolKind::Lp(p) = kind {
-        let count: usize = kernel.iter().product();
-        y = cx.g.mul(y, scalar(cx, count as f64, dt))?;
-        y = lp_root(cx, y, p, dt)?;
-    }
-    let y = if n == 1 { cx.g.squeeze(y, &[2])? } else { y };
-    Ok(vec![y])
+    cx.g.push(op, &[x])
 }
 
 fn lp_order(cx: &Cx) -> Result<i64> {
@@ -592,6 +645,56 @@ fn lp_root(cx: &Cx, s: NodeId, p: i64, dt: DType) -> Result<NodeId> {
             cx.g.binary(rlx_ir::BinaryOp::Pow, s, scalar(cx, 1.0 / p as f64, dt))
         }
     }
+}
+
+/// `LRN`: `x / (bias + alpha / size * s)^beta`, where `s` sums the squares of `x` over
+/// a window of `size` channels around each one (`(size - 1) / 2` before, the rest
+/// after), as a mean pool over the channel axis of `x^2` times the window size.
+fn lrn(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let xd = cx.dims(0)?;
+    let dt = cx.dtype(0)?;
+    let window = size(cx.attr_i("size", 0), "size")?;
+    if window == 0 {
+        return Err(Error::invalid(
+            "size",
+            "LRN needs a window of at least 1 channel",
+        ));
+    }
+    if xd.len() < 2 {
+        return Err(Error::invalid(
+            "LRN",
+            format!("input of rank {} has no channel axis", xd.len()),
+        ));
+    }
+    let (alpha, beta, bias) = (
+        f64::from(cx.attr_f("alpha", 1e-4)),
+        f64::from(cx.attr_f("beta", 0.75)),
+        f64::from(cx.attr_f("bias", 1.0)),
+    );
+    let x = cx.input(0)?;
+    let rest: usize = xd[2..].iter().product();
+    let squares = cx.g.mul(x, x)?;
+    let columns = cx.g.reshape(squares, &[xd[0], 1, xd[1], rest])?;
+    let before = (window - 1) / 2;
+    let mean = cx.g.push(
+        Op::AvgPool2d {
+            window: Window2d {
+                kernel: [window, 1],
+                stride: [1, 1],
+                padding: [before, 0, window - 1 - before, 0],
+                dilation: [1, 1],
+            },
+            count_include_pad: true,
+        },
+        &[columns],
+    )?;
+    let mean = cx.g.reshape(mean, &xd)?;
+    // alpha / size * (mean * size) = alpha * mean.
+    let scaled = cx.g.mul(mean, scalar(cx, alpha, dt))?;
+    let base = cx.g.add(scaled, scalar(cx, bias, dt))?;
+    let denominator =
+        cx.g.binary(rlx_ir::BinaryOp::Pow, base, scalar(cx, beta, dt))?;
+    Ok(vec![cx.g.div(x, denominator)?])
 }
 
 fn global_lp_pool(cx: &mut Cx) -> Result<Vec<NodeId>> {
