@@ -7,6 +7,7 @@ mod elementwise;
 mod losses;
 mod nn;
 mod quant;
+mod recurrent_state;
 mod reduce;
 mod resize;
 mod rnn;
@@ -31,6 +32,7 @@ pub(crate) fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| resize::converter(op_type))
         .or_else(|| quant::converter(op_type))
         .or_else(|| scatter::converter(op_type))
+        .or_else(|| recurrent_state::converter(op_type))
 }
 
 /// Every operator type the importer converts, for listings.
@@ -46,6 +48,7 @@ pub fn supported_ops() -> Vec<&'static str> {
         resize::NAMES,
         quant::NAMES,
         scatter::NAMES,
+        recurrent_state::NAMES,
         &["If", "Loop", "Scan"],
     ]
     .concat();
