@@ -3,6 +3,7 @@
 //! RLX has no primitive for are written as compositions of primitives.
 
 mod attention;
+mod einsum;
 mod elementwise;
 mod losses;
 mod nn;
@@ -33,6 +34,7 @@ pub(crate) fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| quant::converter(op_type))
         .or_else(|| scatter::converter(op_type))
         .or_else(|| recurrent_state::converter(op_type))
+        .or_else(|| einsum::converter(op_type))
 }
 
 /// Every operator type the importer converts, for listings.
@@ -49,6 +51,7 @@ pub fn supported_ops() -> Vec<&'static str> {
         quant::NAMES,
         scatter::NAMES,
         recurrent_state::NAMES,
+        einsum::NAMES,
         &["If", "Loop", "Scan"],
     ]
     .concat();
