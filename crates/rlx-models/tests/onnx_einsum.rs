@@ -16,6 +16,9 @@ use std::collections::BTreeMap;
 
 const FLOAT: i32 = 1;
 
+/// An input's dims and values.
+type Input = (Vec<usize>, Vec<f32>);
+
 fn value(name: &str, dims: Option<&[usize]>) -> ValueInfoProto {
     ValueInfoProto {
         name: Some(name.into()),
@@ -90,7 +93,7 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 
 /// `equation` (explicit, letters only) evaluated by summing over every assignment
 /// of its letters; a dim of size 1 broadcasts. Returns the output dims and values.
-fn reference(equation: &str, inputs: &[(Vec<usize>, Vec<f32>)]) -> (Vec<usize>, Vec<f64>) {
+fn reference(equation: &str, inputs: &[Input]) -> (Vec<usize>, Vec<f64>) {
     let (lhs, rhs) = equation.split_once("->").unwrap();
     let terms: Vec<Vec<char>> = lhs.split(',').map(|t| t.chars().collect()).collect();
     let out: Vec<char> = rhs.chars().collect();
@@ -129,10 +132,7 @@ fn reference(equation: &str, inputs: &[(Vec<usize>, Vec<f32>)]) -> (Vec<usize>, 
     (out_dims, result)
 }
 
-fn run(
-    equation: &str,
-    inputs: &[(Vec<usize>, Vec<f32>)],
-) -> rlx_ir::Result<(Vec<usize>, Vec<f32>)> {
+fn run(equation: &str, inputs: &[Input]) -> rlx_ir::Result<(Vec<usize>, Vec<f32>)> {
     let dims: Vec<&[usize]> = inputs.iter().map(|(d, _)| d.as_slice()).collect();
     let bytes = model(equation, &dims);
     let model = OnnxModel::from_bytes(&bytes, None, "einsum.onnx")?;
@@ -187,7 +187,7 @@ fn einsum_matches_the_reference_sum() {
         ("ij,ij->ij", "ij,ij->ij", &[&[3, 4], &[3, 4]]),
     ];
     for (k, &(equation, written, dims)) in cases.iter().enumerate() {
-        let inputs: Vec<(Vec<usize>, Vec<f32>)> = dims
+        let inputs: Vec<Input> = dims
             .iter()
             .enumerate()
             .map(|(i, d)| {
@@ -213,7 +213,7 @@ fn einsum_matches_the_reference_sum() {
 fn malformed_equations_are_errors() {
     let a = (vec![3, 4], values(12, 1));
     let b = (vec![4, 5], values(20, 2));
-    let cases: &[(&str, Vec<(Vec<usize>, Vec<f32>)>)] = &[
+    let cases: &[(&str, Vec<Input>)] = &[
         ("ij,jk->ik", vec![a.clone()]),
         ("ijk->i", vec![a.clone()]),
         ("ij->k", vec![a.clone()]),

@@ -255,3 +255,87 @@ fn bindings_of_one_session_share_weights_and_match_fresh_sessions() {
         assert_eq!(got[0].1.data, want[0].1.data, "batch {batch}");
     }
 }
+
+/// `Expand(x [2, 1], Concat([2], n))`: the target shape is computed from the graph
+/// input `n`, so each value of `n` is a specialization of its own.
+fn expand_by_input() -> Vec<u8> {
+    let int_value = |name: &str, dims: &[i64]| {
+        let mut v = value(name, dims);
+        if let Some(type_proto::Value::TensorType(t)) =
+            v.r#type.as_mut().and_then(|t| t.value.as_mut())
+        {
+            t.elem_type = Some(7);
+        }
+        v
+    };
+    let two = TensorProto {
+        name: Some("two".into()),
+        dims: vec![1],
+        data_type: Some(7),
+        int64_data: vec![2],
+        ..Default::default()
+    };
+    ModelProto {
+        ir_version: Some(8),
+        opset_import: vec![OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(17),
+        }],
+        graph: Some(GraphProto {
+            name: Some("g".into()),
+            node: vec![
+                NodeProto {
+                    attribute: vec![AttributeProto {
+                        name: Some("axis".into()),
+                        i: Some(0),
+                        r#type: Some(2),
+                        ..Default::default()
+                    }],
+                    ..node("Concat", &["two", "n"], "shape", vec![])
+                },
+                node("Expand", &["x", "shape"], "y", vec![]),
+            ],
+            initializer: vec![two],
+            input: vec![value("x", &[2, 1]), int_value("n", &[1])],
+            output: vec![value("y", &[2, -1])],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+#[test]
+fn a_shape_computed_from_a_given_input_specializes_on_its_value() {
+    let bytes = expand_by_input();
+    let mut session = OnnxSession::new(
+        OnnxModel::from_bytes(&bytes, None, "expand.onnx").unwrap(),
+        CompileOptions::new(),
+    );
+    let x = Tensor {
+        dims: vec![2, 1],
+        data: TensorData::F32(vec![1.5, -2.0]),
+    };
+    for n in [3i64, 5, 3] {
+        let count = Tensor {
+            dims: vec![1],
+            data: TensorData::I64(vec![n]),
+        };
+        let out = session
+            .run(&[("x", &x), ("n", &count)], &BTreeMap::new())
+            .unwrap();
+        let n = n as usize;
+        assert_eq!(out[0].1.dims, vec![2, n]);
+        let mut want = vec![1.5f32; n];
+        want.extend(vec![-2.0f32; n]);
+        assert_eq!(out[0].1.data, TensorData::F32(want), "n = {n}");
+    }
+    // Without a value for `n`, the shape cannot be known: an error, not a panic.
+    let mut blind = OnnxSession::new(
+        OnnxModel::from_bytes(&bytes, None, "expand.onnx").unwrap(),
+        CompileOptions::new(),
+    );
+    let mut options = rlx_onnx::ImportOptions::new();
+    options = options.input_dims("n", &[1]);
+    assert!(blind.prepare(&options).is_err());
+}

@@ -73,6 +73,17 @@ fn import_if(imp: &mut Importer, node: &NodeProto) -> Result<Vec<Slot>> {
             "the branches have different output counts",
         ));
     }
+    if then_out
+        .iter()
+        .zip(&else_out)
+        .any(|(t, e)| t.shape != e.shape)
+        && let Some(k) = imp.derived_value(&cond)
+    {
+        // Branches of different shapes cannot both be computed and one selected: a
+        // condition computed from given input values picks one at import instead.
+        let taken = k.to_i64_vec().first().copied().unwrap_or(0) != 0;
+        return Ok(if taken { then_out } else { else_out });
+    }
     let c = imp.node_of("cond", &cond)?;
     let mut out = Vec::new();
     for (k, (t, e)) in then_out.iter().zip(&else_out).enumerate() {

@@ -86,6 +86,71 @@ const PARAM_THRESHOLD: usize = 64;
 /// elements than this are not folded at import.
 pub(crate) const FOLD_LIMIT: usize = 1 << 26;
 
+/// Most nodes, and most elements in any one of them, that [`derived_hint`] evaluates.
+const DERIVED_NODES: usize = 512;
+const DERIVED_ELEMENTS: usize = 1 << 16;
+
+/// The value of node `id` computed from the values given for the graph inputs it
+/// reads, with those inputs' names: when it reads nothing but such inputs and
+/// constants, through a few small nodes (shape arithmetic on a given size, say).
+fn derived_hint(
+    g: &Graph,
+    hints: &HashMap<NodeId, Rc<Tensor>>,
+    id: NodeId,
+) -> Option<(Rc<Tensor>, Vec<String>)> {
+    let nodes = g.nodes();
+    let mut needed = BTreeMap::new();
+    let mut stack = vec![id];
+    while let Some(n) = stack.pop() {
+        if needed.insert(n.index(), n).is_some() {
+            continue;
+        }
+        let node = nodes.get(n.index())?;
+        if needed.len() > DERIVED_NODES || node.shape.num_elements() > DERIVED_ELEMENTS {
+            return None;
+        }
+        match &node.op {
+            rlx_ir::Op::Input { .. } if hints.contains_key(&n) => {}
+            rlx_ir::Op::Input { .. } | rlx_ir::Op::Param { .. } | rlx_ir::Op::WriteAt { .. } => {
+                return None;
+            }
+            _ => stack.extend(node.inputs.iter().copied()),
+        }
+    }
+    let constants = g.constants();
+    let mut values: HashMap<NodeId, rlx_ir::reference::HostTensor> = HashMap::new();
+    let mut inputs = Vec::new();
+    // Node ids follow creation order, in which operands come first.
+    for &n in needed.values() {
+        let node = nodes.get(n.index())?;
+        let value = match &node.op {
+            rlx_ir::Op::Input { name } => {
+                inputs.push(name.clone());
+                let given = hints.get(&n)?;
+                rlx_ir::reference::HostTensor::from_data(&given.dims, &given.data).ok()?
+            }
+            op => {
+                let args: Vec<&rlx_ir::reference::HostTensor> = node
+                    .inputs
+                    .iter()
+                    .map(|a| values.get(a))
+                    .collect::<Option<_>>()?;
+                rlx_ir::reference::eval_node(op, &args, &node.shape, &constants).ok()?
+            }
+        };
+        values.insert(n, value);
+    }
+    let value = values.remove(&id)?;
+    let dims = value.shape.dims().to_vec();
+    Some((
+        Rc::new(Tensor {
+            dims,
+            data: value.to_data(),
+        }),
+        inputs,
+    ))
+}
+
 /// One named value during import.
 #[derive(Clone, Debug)]
 pub(crate) struct Slot {
@@ -104,6 +169,9 @@ pub(crate) struct Sink<'a> {
     derived: &'a mut HashMap<(usize, &'static str), NodeId>,
     /// Scratch graphs for folding take every known value as a constant.
     folding: bool,
+    /// The values given for graph inputs, by node (none while folding), from which
+    /// [`Cx::konst`] computes a value it must know.
+    hints: Option<&'a HashMap<NodeId, Rc<Tensor>>>,
 }
 
 /// An operand of the node being converted.
@@ -185,12 +253,20 @@ impl<'a> Cx<'a> {
         self.operands.get(i)?.as_ref()?.slot.known.clone()
     }
 
-    /// Operand `i`'s value, which must be known at import.
+    /// Operand `i`'s value, which must be known at import. A value computed at run
+    /// time from graph inputs whose values were given is computed here from them,
+    /// specializing the import on those inputs.
     pub fn konst(&mut self, i: usize) -> Result<Rc<Tensor>> {
         if let Some(k) = self.known(i) {
             return Ok(k);
         }
         let op = self.operand(i)?;
+        if let (Some(hints), Some(id)) = (self.sink.hints, op.slot.node)
+            && let Some((value, inputs)) = derived_hint(self.g, hints, id)
+        {
+            self.sink.specialized.extend(inputs);
+            return Ok(value);
+        }
         op.slot.known.clone().ok_or_else(|| {
             unsupported(format!(
                 "input {i} ('{}') must be known when importing (it is computed at run time)",
@@ -740,6 +816,7 @@ impl<'m> Importer<'m> {
                 specialized: &mut self.specialized,
                 derived: &mut self.derived,
                 folding: false,
+                hints: Some(&self.hints),
             },
         };
         let ids = conv(&mut cx)?;
@@ -806,6 +883,7 @@ impl<'m> Importer<'m> {
                 specialized: &mut self.specialized,
                 derived: &mut derived,
                 folding: true,
+                hints: None,
             },
         };
         let ids = conv(&mut cx)?;
@@ -861,6 +939,14 @@ impl<'m> Importer<'m> {
         Some(hint)
     }
 
+    /// A slot's value computed from the values given for the graph inputs it reads
+    /// (see [`derived_hint`]), specializing the import on those inputs.
+    pub(crate) fn derived_value(&mut self, slot: &Slot) -> Option<Rc<Tensor>> {
+        let (value, inputs) = derived_hint(&self.graph, &self.hints, slot.node?)?;
+        self.specialized.extend(inputs);
+        Some(value)
+    }
+
     /// Materializes a slot as a node of the graph.
     pub(crate) fn node_of(&mut self, name: &str, slot: &Slot) -> Result<NodeId> {
         if let Some(id) = slot.node {
@@ -876,6 +962,7 @@ impl<'m> Importer<'m> {
             specialized: &mut self.specialized,
             derived: &mut self.derived,
             folding: false,
+            hints: None,
         };
         materialize(&self.graph, &mut sink, name, &known)
     }

@@ -233,9 +233,12 @@ fn linear_attention(cx: &mut Cx) -> Result<Vec<NodeId>> {
         }
         None => None,
     };
-    let scale = match cx.attr_f("scale", 0.0) {
-        s if s == 0.0 => 1.0 / (dk as f64).sqrt(),
-        s => f64::from(s),
+    // A scale of 0 (the default) means 1 / sqrt(dk).
+    let given = cx.attr_f("scale", 0.0);
+    let scale = if given == 0.0 {
+        1.0 / (dk as f64).sqrt()
+    } else {
+        f64::from(given)
     };
     let scale = cx.g.scalar(scale, DType::F32);
     let step = |x: NodeId, i: usize, dims: &[usize]| -> Result<NodeId> {
