@@ -5,6 +5,7 @@
 mod attention;
 mod einsum;
 mod elementwise;
+mod grid;
 mod losses;
 mod nn;
 mod quant;
@@ -35,6 +36,7 @@ pub(crate) fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| scatter::converter(op_type))
         .or_else(|| recurrent_state::converter(op_type))
         .or_else(|| einsum::converter(op_type))
+        .or_else(|| grid::converter(op_type))
 }
 
 /// Every operator type the importer converts, for listings.
@@ -52,6 +54,7 @@ pub fn supported_ops() -> Vec<&'static str> {
         scatter::NAMES,
         recurrent_state::NAMES,
         einsum::NAMES,
+        grid::NAMES,
         &["If", "Loop", "Scan"],
     ]
     .concat();
