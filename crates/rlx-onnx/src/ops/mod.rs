@@ -15,6 +15,7 @@ mod resize;
 mod rnn;
 mod scatter;
 mod shape;
+mod spectral;
 
 use crate::import::Cx;
 use rlx_ir::{DType, Error, NodeId, Result};
@@ -37,6 +38,7 @@ pub(crate) fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| recurrent_state::converter(op_type))
         .or_else(|| einsum::converter(op_type))
         .or_else(|| grid::converter(op_type))
+        .or_else(|| spectral::converter(op_type))
 }
 
 /// Every operator type the importer converts, for listings.
@@ -55,6 +57,7 @@ pub fn supported_ops() -> Vec<&'static str> {
         recurrent_state::NAMES,
         einsum::NAMES,
         grid::NAMES,
+        spectral::NAMES,
         &["If", "Loop", "Scan"],
     ]
     .concat();
