@@ -9,6 +9,7 @@ mod grid;
 mod losses;
 mod nn;
 mod quant;
+mod rearrange;
 mod recurrent_state;
 mod reduce;
 mod resize;
@@ -39,6 +40,7 @@ pub(crate) fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| einsum::converter(op_type))
         .or_else(|| grid::converter(op_type))
         .or_else(|| spectral::converter(op_type))
+        .or_else(|| rearrange::converter(op_type))
 }
 
 /// Every operator type the importer converts, for listings.
@@ -58,6 +60,7 @@ pub fn supported_ops() -> Vec<&'static str> {
         einsum::NAMES,
         grid::NAMES,
         spectral::NAMES,
+        rearrange::NAMES,
         &["If", "Loop", "Scan"],
     ]
     .concat();

@@ -742,8 +742,13 @@ fn per_channel(cx: &Cx, v: NodeId, rank: usize) -> Result<NodeId> {
 }
 
 fn batch_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
-    if cx.attr_i("training_mode", 0) != 0 || cx.num_outputs() > 1 && cx.wants_output(1) {
-        return Err(unsupported("BatchNormalization in training mode"));
+    if cx.attr_i("training_mode", 0) != 0 {
+        return batch_norm_training(cx);
+    }
+    if cx.num_outputs() > 1 && cx.wants_output(1) {
+        return Err(unsupported(
+            "BatchNormalization's running statistics outside training mode",
+        ));
     }
     let rank = cx.shape(0)?.rank();
     let dt = cx.dtype(0)?;
@@ -762,6 +767,49 @@ fn batch_norm(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let shift = per_channel(cx, shift, rank)?;
     let _ = dt;
     Ok(vec![cx.g.add(cx.g.mul(x, inv)?, shift)?])
+}
+
+/// `BatchNormalization` in training mode: normalized by the batch's own mean and
+/// (population) variance per channel, with the running statistics moved toward
+/// them by `1 - momentum` as the second and third outputs.
+fn batch_norm_training(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let rank = cx.shape(0)?.rank();
+    if rank < 2 {
+        return Err(Error::invalid(
+            "BatchNormalization",
+            format!("input of rank {rank} has no channel axis"),
+        ));
+    }
+    let dt = cx.dtype(0)?;
+    let eps = f64::from(cx.attr_f("epsilon", 1e-5));
+    let momentum = f64::from(cx.attr_f("momentum", 0.9));
+    let x = cx.input(0)?;
+    let (scale, bias, mean, var) = (cx.input(1)?, cx.input(2)?, cx.input(3)?, cx.input(4)?);
+    let axes: Vec<isize> = (0..rank as isize).filter(|&a| a != 1).collect();
+    let batch_mean = cx.g.mean(x, &axes, true)?;
+    let centred = cx.g.sub(x, batch_mean)?;
+    let batch_var = cx.g.mean(cx.g.mul(centred, centred)?, &axes, true)?;
+    let inv = cx.g.unary(
+        rlx_ir::UnaryOp::Rsqrt,
+        cx.g.add(batch_var, scalar(cx, eps, dt))?,
+    )?;
+    let y = cx.g.mul(centred, inv)?;
+    let y = cx.g.add(
+        cx.g.mul(y, per_channel(cx, scale, rank)?)?,
+        per_channel(cx, bias, rank)?,
+    )?;
+    let mut out = vec![y];
+    let channels = [cx.dims(0)?[1]];
+    for (running, batch) in [(mean, batch_mean), (var, batch_var)] {
+        if out.len() >= cx.num_outputs() {
+            break;
+        }
+        let batch = cx.g.reshape(batch, &channels)?;
+        let kept = cx.g.mul(running, scalar(cx, momentum, dt))?;
+        let moved = cx.g.mul(batch, scalar(cx, 1.0 - momentum, dt))?;
+        out.push(cx.g.add(kept, moved)?);
+    }
+    Ok(out)
 }
 
 /// A new convolution computing `conv(x) * scale + shift` per output channel, with
@@ -1081,12 +1129,17 @@ fn mvn(cx: &mut Cx) -> Result<Vec<NodeId>> {
 }
 
 fn dropout(cx: &mut Cx) -> Result<Vec<NodeId>> {
-    if cx.attr_i("training_mode", 0) != 0 {
-        return Err(unsupported("Dropout in training mode"));
-    }
-    if let Some(t) = cx.known(2)
-        && t.to_i64_vec().first().copied().unwrap_or(0) != 0
-    {
+    // Training mode drops nothing at a ratio of 0; at any other ratio its mask is
+    // random, which RLX does not generate.
+    let ratio_zero = |cx: &mut Cx| {
+        cx.known(1)
+            .is_some_and(|r| r.to_f64_vec().first().copied() == Some(0.0))
+    };
+    let training = cx.attr_i("training_mode", 0) != 0
+        || cx
+            .known(2)
+            .is_some_and(|t| t.to_i64_vec().first().copied().unwrap_or(0) != 0);
+    if training && !ratio_zero(cx) {
         return Err(unsupported("Dropout in training mode"));
     }
     if cx.has(2) && cx.known(2).is_none() {
