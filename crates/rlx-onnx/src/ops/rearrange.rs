@@ -265,7 +265,7 @@ fn permutations(n: usize) -> Vec<(Vec<usize>, i32)> {
         for i in 0..n {
             let mut q = p.clone();
             q.insert(i, n - 1);
-            let sign = if (n - 1 - i) % 2 == 0 { s } else { -s };
+            let sign = if (n - 1 - i).is_multiple_of(2) { s } else { -s };
             out.push((q, sign));
         }
     }
@@ -286,7 +286,11 @@ mod tests {
                     .flat_map(|i| (i + 1..n).map(move |j| (i, j)))
                     .filter(|&(i, j)| p[i] > p[j])
                     .count();
-                assert_eq!(*s, if inversions % 2 == 0 { 1 } else { -1 }, "{p:?}");
+                assert_eq!(
+                    *s,
+                    if inversions.is_multiple_of(2) { 1 } else { -1 },
+                    "{p:?}"
+                );
             }
         }
     }
