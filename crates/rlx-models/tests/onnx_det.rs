@@ -115,6 +115,6 @@ fn determinants_match_elimination() {
             );
         }
     }
-    let err = det_of(&vec![0.0; 25], &[5, 5]).unwrap_err();
+    let err = det_of(&[0.0; 25], &[5, 5]).unwrap_err();
     assert!(err.to_string().contains("Det"), "{err}");
 }
