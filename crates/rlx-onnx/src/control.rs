@@ -2,6 +2,8 @@
 //! place. Shapes are concrete during import, so a loop whose trip count is known is
 //! unrolled, a scan is unrolled over its sequence, and an `If` on a known condition
 //! takes its branch (on a run-time condition both branches run and `where` picks).
+//! `FlexAttention` (domain `ai.onnx.preview`) runs its score and probability
+//! modifiers the same way, in place on the attention's intermediate tensors.
 
 use crate::import::{Importer, Slot};
 use crate::ops::unsupported;
@@ -17,6 +19,7 @@ pub(crate) fn import(imp: &mut Importer, node: &NodeProto) -> Result<Vec<Slot>> 
         Some("If") => import_if(imp, node),
         Some("Loop") => import_loop(imp, node),
         Some("Scan") => import_scan(imp, node),
+        Some("FlexAttention") => import_flex_attention(imp, node),
         other => Err(unsupported(format!("control flow {other:?}"))),
     }
 }
@@ -319,4 +322,131 @@ fn import_scan(imp: &mut Importer, node: &NodeProto) -> Result<Vec<Slot>> {
         out.push(stack(imp, &items, a)?);
     }
     Ok(out)
+}
+
+/// The subgraph attribute `name`, if the node has it.
+fn optional_subgraph<'n>(node: &'n NodeProto, name: &str) -> Option<&'n GraphProto> {
+    node.attribute
+        .iter()
+        .find(|a| a.name.as_deref() == Some(name))
+        .and_then(|a| a.g.as_ref())
+}
+
+/// Runs a one-input, one-output modifier subgraph on `x`; its output must keep the
+/// shape.
+fn modify(imp: &mut Importer, gp: &GraphProto, x: NodeId, what: &str) -> Result<NodeId> {
+    let names = input_names(gp);
+    let [name] = names.as_slice() else {
+        return Err(Error::invalid(
+            what,
+            format!("a modifier takes 1 input, this one {}", names.len()),
+        ));
+    };
+    let slot = slot_of(imp, x)?;
+    let outs = imp.with_scope(vec![(name.clone(), slot.clone())], |imp| {
+        imp.import_subgraph(gp)
+    })?;
+    let [out] = outs.as_slice() else {
+        return Err(Error::invalid(
+            what,
+            format!("a modifier gives 1 output, this one {}", outs.len()),
+        ));
+    };
+    if out.shape != slot.shape {
+        return Err(Error::invalid(
+            what,
+            format!("changes the shape {} to {}", slot.shape, out.shape),
+        ));
+    }
+    imp.node_of(name, out)
+}
+
+/// `FlexAttention`: `softmax(q k^T * scale)` with the optional `score_mod` applied
+/// to the scores and `prob_mod` to the probabilities (in the softmax precision:
+/// `f64` for `f64` inputs, else `f32`), times `v`; each key/value head serves
+/// `Hq / Hkv` consecutive query heads.
+fn import_flex_attention(imp: &mut Importer, node: &NodeProto) -> Result<Vec<Slot>> {
+    let mut qkv = Vec::with_capacity(3);
+    for (i, name) in ["Q", "K", "V"].iter().enumerate() {
+        let slot = operand(imp, node, i)?
+            .ok_or_else(|| Error::invalid("FlexAttention", format!("{name} is required")))?;
+        let id = imp.node_of(name, &slot)?;
+        qkv.push((id, slot.shape));
+    }
+    let [(q, qs), (k, ks), (v, vs)] = [qkv[0].clone(), qkv[1].clone(), qkv[2].clone()];
+    let (qd, kd, vd) = (qs.dims(), ks.dims(), vs.dims());
+    if qd.len() != 4
+        || kd.len() != 4
+        || vd.len() != 4
+        || kd[0] != qd[0]
+        || vd[0] != qd[0]
+        || kd[3] != qd[3]
+        || vd[1] != kd[1]
+        || vd[2] != kd[2]
+        || kd[1] == 0
+        || !qd[1].is_multiple_of(kd[1])
+    {
+        return Err(Error::invalid(
+            "FlexAttention",
+            format!("Q {qd:?}, K {kd:?} and V {vd:?} do not fit together"),
+        ));
+    }
+    let dt = qs.dtype();
+    let precision = match node
+        .attribute
+        .iter()
+        .find(|a| a.name.as_deref() == Some("softmax_precision"))
+        .and_then(|a| a.i)
+    {
+        Some(code) => crate::tensor::dtype_from_onnx(code as i32, "softmax_precision")?,
+        None if dt == DType::F64 => DType::F64,
+        None => DType::F32,
+    };
+    let scale = node
+        .attribute
+        .iter()
+        .find(|a| a.name.as_deref() == Some("scale"))
+        .and_then(|a| a.f)
+        .map_or(1.0 / (qd[3] as f64).sqrt(), f64::from);
+    let g = imp.graph();
+    let group = qd[1] / kd[1];
+    // Key and value heads repeated for their groups of query heads.
+    let widen = |x: NodeId, d: &[usize]| -> Result<NodeId> {
+        if group == 1 {
+            return Ok(x);
+        }
+        let x = g.reshape(x, &[d[0], d[1], 1, d[2], d[3]])?;
+        let x = g.expand(x, &[d[0], d[1], group, d[2], d[3]])?;
+        g.reshape(x, &[d[0], d[1] * group, d[2], d[3]])
+    };
+    let (k, v) = (widen(k, kd)?, widen(v, vd)?);
+    let to = |x: NodeId| -> Result<NodeId> {
+        if g.shape(x)?.dtype() == precision {
+            Ok(x)
+        } else {
+            g.cast(x, precision)
+        }
+    };
+    let kt = g.permute(k, &[0, 1, 3, 2])?;
+    let scores = g.matmul(to(q)?, to(kt)?)?;
+    let mut scores = g.mul(scores, g.scalar(scale, precision))?;
+    if let Some(gp) = optional_subgraph(node, "score_mod") {
+        scores = modify(imp, gp, scores, "score_mod")?;
+    }
+    let g = imp.graph();
+    let mut probs = g.softmax(scores, -1)?;
+    if let Some(gp) = optional_subgraph(node, "prob_mod") {
+        probs = modify(imp, gp, probs, "prob_mod")?;
+    }
+    let g = imp.graph();
+    let v = if g.shape(v)?.dtype() == precision {
+        v
+    } else {
+        g.cast(v, precision)?
+    };
+    let mut y = g.matmul(probs, v)?;
+    if precision != dt {
+        y = g.cast(y, dt)?;
+    }
+    Ok(vec![slot_of(imp, y)?])
 }

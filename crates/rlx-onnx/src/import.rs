@@ -724,7 +724,9 @@ impl<'m> Importer<'m> {
 
     fn import_node(&mut self, node: &NodeProto) -> Result<()> {
         let domain = node.domain.as_deref().unwrap_or("");
-        if !(domain.is_empty() || domain == "ai.onnx") {
+        let op_type = node.op_type.as_deref().unwrap_or("");
+        let preview = domain == "ai.onnx.preview" && op_type == "FlexAttention";
+        if !(domain.is_empty() || domain == "ai.onnx" || preview) {
             return Err(unsupported(format!("domain '{domain}'")));
         }
         if self.opset == 0 {
@@ -733,9 +735,8 @@ impl<'m> Importer<'m> {
                 message: "the model imports no version of the default (ai.onnx) opset".into(),
             });
         }
-        let op_type = node.op_type.as_deref().unwrap_or("");
         let outputs = match op_type {
-            "If" | "Loop" | "Scan" => crate::control::import(self, node)?,
+            "If" | "Loop" | "Scan" | "FlexAttention" => crate::control::import(self, node)?,
             _ => {
                 let conv = ops::converter(op_type)
                     .ok_or_else(|| unsupported(format!("operator {op_type}")))?;
