@@ -148,6 +148,12 @@ fn grid_sample(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let align = cx.attr_i("align_corners", 0) != 0;
     let (n, c) = (xd[0], xd[1]);
     let spatial = &xd[2..];
+    if spatial.contains(&0) {
+        return Err(Error::invalid(
+            "GridSample",
+            format!("input {xd:?} has no positions to sample"),
+        ));
+    }
     let s: usize = spatial.iter().product();
     let p: usize = gd[1..=r].iter().product();
     let x = cx.input(0)?;

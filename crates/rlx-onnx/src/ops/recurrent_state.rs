@@ -106,6 +106,9 @@ fn causal_conv_with_state(cx: &mut Cx) -> Result<Vec<NodeId>> {
     Ok(vec![y, state])
 }
 
+/// The most time steps `LinearAttention` unrolls to.
+const MAX_STEPS: usize = 4096;
+
 /// Which recurrence a `LinearAttention` node runs.
 #[derive(Clone, Copy)]
 struct Rule {
@@ -160,6 +163,11 @@ fn linear_attention(cx: &mut Cx) -> Result<Vec<NodeId>> {
         ));
     }
     let (b, t) = (qd[0], qd[1]);
+    if t > MAX_STEPS {
+        return Err(unsupported(format!(
+            "LinearAttention over {t} steps (it unrolls over time, at most {MAX_STEPS})"
+        )));
+    }
     if !qd[2].is_multiple_of(hq) || !vd[2].is_multiple_of(hkv) {
         return Err(Error::invalid(
             "LinearAttention",

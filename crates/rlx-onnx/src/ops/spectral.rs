@@ -16,9 +16,17 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
     })
 }
 
+/// The largest twiddle matrix built, in elements (a transform of about 4096 points).
+const MAX_TWIDDLES: usize = 1 << 24;
+
 /// `[rows, cols]` matrices of `cos` and `sin` of `2 pi r c / n`, reduced mod `n`
 /// before the angle is formed.
 fn twiddles(cx: &Cx, rows: usize, cols: usize, n: usize) -> Result<(NodeId, NodeId)> {
+    if rows.checked_mul(cols).is_none_or(|c| c > MAX_TWIDDLES) {
+        return Err(unsupported(format!(
+            "a {n}-point transform from {rows} positions (the twiddle matrices would exceed {MAX_TWIDDLES} elements)"
+        )));
+    }
     let mut cos = Vec::with_capacity(rows * cols);
     let mut sin = Vec::with_capacity(rows * cols);
     for r in 0..rows {
