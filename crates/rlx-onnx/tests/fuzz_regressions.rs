@@ -99,6 +99,16 @@ fn pool_ceil_mode_window_in_padding() {
     let _ = import(include_bytes!("data/fuzz/pool_ceil_mode_underflow.onnx"));
 }
 
+/// `ConvTranspose` whose padding crops more than the whole output subtracted with
+/// overflow.
+#[test]
+fn conv_transpose_cropping_past_the_output() {
+    assert_error(
+        include_bytes!("data/fuzz/convtranspose_crop_past_output.onnx"),
+        "ConvTranspose",
+    );
+}
+
 mod control_flow_bodies {
     //! Bodies with fewer outputs than the node carries indexed past their outputs
     //! (the same unchecked count as the scalar scan above).

@@ -325,11 +325,29 @@ fn conv_transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
         }
         None => vec![0; n],
     };
-    let span: Vec<usize> = (0..n).map(|i| (kernel[i] - 1) * dilations[i] + 1).collect();
+    if kernel.contains(&0) || strides.contains(&0) || dilations.contains(&0) || xd[2..].contains(&0)
+    {
+        return Err(Error::invalid(
+            "ConvTranspose",
+            format!(
+                "input {xd:?}, kernel {kernel:?}, strides {strides:?} and dilations {dilations:?} must all be positive"
+            ),
+        ));
+    }
+    let overflow = || Error::invalid("ConvTranspose", "the output extent overflows");
+    let span: Vec<usize> = (0..n)
+        .map(|i| window_span(kernel[i], dilations[i]))
+        .collect::<Result<_>>()?;
     // The full output extent before padding is taken off.
     let full: Vec<usize> = (0..n)
-        .map(|i| strides[i] * (xd[2 + i] - 1) + extra[i] + span[i])
-        .collect();
+        .map(|i| {
+            strides[i]
+                .checked_mul(xd[2 + i] - 1)
+                .and_then(|v| v.checked_add(extra[i]))
+                .and_then(|v| v.checked_add(span[i]))
+                .ok_or_else(overflow)
+        })
+        .collect::<Result<_>>()?;
     let auto = cx.attr_s("auto_pad", "NOTSET");
     let pads: Vec<(usize, usize)> = if let Some(shape) = cx.attr_ints("output_shape") {
         let out: Vec<usize> = shape[shape.len().saturating_sub(n)..]
@@ -464,6 +482,12 @@ fn conv_transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
     for (a, &(b, e)) in crop.iter().enumerate() {
         if b + e > 0 {
             let len = cx.g.shape(y)?.dim(2 + a);
+            if b.saturating_add(e) >= len {
+                return Err(Error::invalid(
+                    "pads",
+                    format!("padding {b} + {e} leaves nothing of an output of {len}"),
+                ));
+            }
             y =
                 cx.g.slice(y, (2 + a) as isize, b as isize, (len - e) as isize, 1)?;
         }
