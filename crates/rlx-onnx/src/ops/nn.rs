@@ -601,8 +601,8 @@ fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
         }
     };
     let y = if let PoolKind::Lp(p) = kind {
-        let count: usize = kernel.iter().product();
-        let y = cx.g.mul(y, scalar(cx, count as f64, dt))?;
+        let count: f64 = kernel.iter().map(|&k| k as f64).product();
+        let y = cx.g.mul(y, scalar(cx, count, dt))?;
         lp_root(cx, y, p, dt)?
     } else {
         y

@@ -152,10 +152,17 @@ fn col2im(cx: &mut Cx) -> Result<Vec<NodeId>> {
             "strides and dilations must be positive",
         ));
     }
+    let too_big = || Error::invalid("Col2Im", "the block or image extent overflows");
     let mut counts = Vec::with_capacity(r);
     for i in 0..r {
-        let span = (block[i] - 1) * dilations[i] + 1;
-        let padded = image[i] + pads[i] + pads[i + r];
+        let span = (block[i] - 1)
+            .checked_mul(dilations[i])
+            .and_then(|s| s.checked_add(1))
+            .ok_or_else(too_big)?;
+        let padded = image[i]
+            .checked_add(pads[i])
+            .and_then(|p| p.checked_add(pads[i + r]))
+            .ok_or_else(too_big)?;
         if padded < span {
             return Err(Error::invalid(
                 "Col2Im",
@@ -164,10 +171,11 @@ fn col2im(cx: &mut Cx) -> Result<Vec<NodeId>> {
         }
         counts.push((padded - span) / strides[i] + 1);
     }
-    let k: usize = block.iter().product();
-    let l: usize = counts.iter().product();
-    let pixels: usize = image.iter().product();
-    if xd[1] % k != 0 || xd[2] != l {
+    let product = |v: &[usize]| v.iter().try_fold(1usize, |a, &b| a.checked_mul(b));
+    let k = product(&block).ok_or_else(too_big)?;
+    let l = product(&counts).ok_or_else(too_big)?;
+    let pixels = product(&image).ok_or_else(too_big)?;
+    if k == 0 || xd[1] % k != 0 || xd[2] != l || k.checked_mul(l).is_none() {
         return Err(Error::invalid(
             "Col2Im",
             format!("input {xd:?} is not [N, C * {k}, {l}]"),
@@ -194,8 +202,10 @@ fn col2im(cx: &mut Cx) -> Result<Vec<NodeId>> {
                 if pos < 0 || pos >= image[i] as i64 {
                     inside = false;
                 }
-                let stride: usize = image[i + 1..].iter().product();
-                flat += pos.max(0) as usize * stride;
+                if inside {
+                    let stride: usize = image[i + 1..].iter().product();
+                    flat += pos as usize * stride;
+                }
             }
             if inside {
                 placement[(kk * l + ll) * pixels + flat] = 1.0;

@@ -175,6 +175,8 @@ fn linear_attention(cx: &mut Cx) -> Result<Vec<NodeId>> {
         ));
     }
     let (dk, dv, group) = (qd[2] / hq, vd[2] / hkv, hq / hkv);
+    hq.checked_mul(dv)
+        .ok_or_else(|| Error::invalid("LinearAttention", "the output width overflows"))?;
     if kd != [b, t, hkv * dk] || vd[..2] != [b, t] {
         return Err(Error::invalid(
             "LinearAttention",
