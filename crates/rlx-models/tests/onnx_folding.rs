@@ -14,6 +14,9 @@ use rlx_onnx::{OnnxModel, Tensor};
 use rlx_runtime::CompileOptions;
 use std::collections::BTreeMap;
 
+mod common;
+use common::values;
+
 const FLOAT: i32 = 1;
 
 fn value(name: &str, dims: &[i64]) -> ValueInfoProto {
@@ -66,19 +69,6 @@ fn ints(name: &str, v: &[i64]) -> AttributeProto {
         r#type: Some(7),
         ..Default::default()
     }
-}
-
-/// Deterministic values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
 }
 
 /// Conv (3 -> 5 channels, 3x3, pad 1) with bias, then `tail`, then Relu. The

@@ -13,6 +13,9 @@ use rlx_onnx::{OnnxModel, Tensor};
 use rlx_runtime::CompileOptions;
 use std::collections::BTreeMap;
 
+mod common;
+use common::values;
+
 fn value(name: &str, dims: &[usize]) -> ValueInfoProto {
     ValueInfoProto {
         name: Some(name.into()),
@@ -78,19 +81,6 @@ fn model(x: &[usize], grid: &[usize], mode: &str, padding: &str, align: bool) ->
         ..Default::default()
     }
     .encode_to_vec()
-}
-
-/// Deterministic values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
 }
 
 /// Folds `x` back into `[lo, hi]` by reflecting at the ends.
