@@ -14,6 +14,8 @@ use rlx_runtime::CompileOptions;
 use std::collections::BTreeMap;
 use std::f64::consts::PI;
 
+mod common;
+
 fn value(name: &str, dims: Option<&[usize]>) -> ValueInfoProto {
     ValueInfoProto {
         name: Some(name.into()),
@@ -161,5 +163,35 @@ fn a_one_sided_inverse_rebuilds_the_real_signal() {
         for (g, w) in got.iter().zip(&x) {
             assert!((g - w).abs() < 1e-9, "len {len}: {g} against {w}");
         }
+    }
+}
+
+#[test]
+fn stft_without_window_or_frame_length_takes_the_whole_signal_as_one_frame() {
+    use common::onnx::{FLOAT, int64s, model, node, value};
+    let bytes = model(
+        17,
+        vec![node("STFT", &["x", "step"], &["y"], vec![])],
+        vec![int64s("step", &[], &[1])],
+        vec![value("x", FLOAT, Some(&[1, 4, 1]))],
+        vec![value("y", FLOAT, None)],
+    );
+    let mut session = OnnxSession::new(
+        OnnxModel::from_bytes(&bytes, None, "stft.onnx").unwrap(),
+        CompileOptions::new(),
+    );
+    let x = Tensor {
+        dims: vec![1, 4, 1],
+        data: TensorData::F32(vec![1.0, 2.0, 3.0, 4.0]),
+    };
+    let out = session.run(&[("x", &x)], &BTreeMap::new()).unwrap();
+    // One frame of 4, one-sided: bins 0..=2 of the DFT of [1, 2, 3, 4].
+    assert_eq!(out[0].1.dims, vec![1, 1, 3, 2]);
+    let TensorData::F32(y) = &out[0].1.data else {
+        panic!("f32 output expected")
+    };
+    let want = [10.0, 0.0, -2.0, 2.0, -2.0, 0.0];
+    for (g, w) in y.iter().zip(want) {
+        assert!((g - w).abs() < 1e-5, "{y:?}");
     }
 }

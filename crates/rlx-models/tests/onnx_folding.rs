@@ -329,3 +329,77 @@ fn a_shape_computed_from_a_given_input_specializes_on_its_value() {
     options = options.input_dims("n", &[1]);
     assert!(blind.prepare(&options).is_err());
 }
+
+/// `If (n > 2)` over `x: [4]`: the then-branch reshapes to `[2, 2]`, the else-branch
+/// to `[3, -1]`, which no 4 elements fit. The condition is computed from the given
+/// `n`, so only the taken branch has to import.
+fn if_with_a_branch_that_cannot_import() -> Vec<u8> {
+    use common::onnx::{INT64, int64s, model, node as onnx_node, value as onnx_value};
+    let branch = |name: &str, shape: &[i64]| GraphProto {
+        name: Some(name.into()),
+        node: vec![onnx_node("Reshape", &["x", "shape"], &["out"], vec![])],
+        initializer: vec![int64s("shape", &[2], shape)],
+        output: vec![onnx_value("out", FLOAT, None)],
+        ..Default::default()
+    };
+    let subgraph = |name: &str, g: GraphProto| AttributeProto {
+        name: Some(name.into()),
+        g: Some(g),
+        r#type: Some(5),
+        ..Default::default()
+    };
+    model(
+        17,
+        vec![
+            onnx_node("Greater", &["n", "two"], &["cond"], vec![]),
+            onnx_node(
+                "If",
+                &["cond"],
+                &["y"],
+                vec![
+                    subgraph("then_branch", branch("then", &[2, 2])),
+                    subgraph("else_branch", branch("else", &[3, -1])),
+                ],
+            ),
+        ],
+        vec![int64s("two", &[1], &[2])],
+        vec![
+            onnx_value("x", FLOAT, Some(&[4])),
+            onnx_value("n", INT64, Some(&[1])),
+        ],
+        vec![onnx_value("y", FLOAT, None)],
+    )
+}
+
+#[test]
+fn a_branch_left_untaken_by_a_given_input_need_not_import() {
+    let bytes = if_with_a_branch_that_cannot_import();
+    let mut session = OnnxSession::new(
+        OnnxModel::from_bytes(&bytes, None, "if.onnx").unwrap(),
+        CompileOptions::new(),
+    );
+    let x = Tensor {
+        dims: vec![4],
+        data: TensorData::F32(vec![1.0, 2.0, 3.0, 4.0]),
+    };
+    let n = |v: i64| Tensor {
+        dims: vec![1],
+        data: TensorData::I64(vec![v]),
+    };
+    let out = session
+        .run(&[("x", &x), ("n", &n(5))], &BTreeMap::new())
+        .expect("the then-branch is taken");
+    assert_eq!(out[0].1.dims, vec![2, 2]);
+    assert_eq!(out[0].1.data, x.data);
+    // Taking the branch that cannot import is the branch's error.
+    let e = session
+        .run(&[("x", &x), ("n", &n(1))], &BTreeMap::new())
+        .expect_err("the else-branch cannot reshape 4 elements to [3, -1]");
+    assert!(e.to_string().contains("Reshape"), "{e}");
+    // And the session still runs the good case.
+    assert!(
+        session
+            .run(&[("x", &x), ("n", &n(3))], &BTreeMap::new())
+            .is_ok()
+    );
+}

@@ -68,8 +68,22 @@ fn import_if(imp: &mut Importer, node: &NodeProto) -> Result<Vec<Slot>> {
         let branch = if taken { then_g } else { else_g };
         return imp.with_scope(vec![], |imp| imp.import_subgraph(branch));
     }
-    let then_out = imp.with_scope(vec![], |imp| imp.import_subgraph(then_g))?;
-    let else_out = imp.with_scope(vec![], |imp| imp.import_subgraph(else_g))?;
+    let then_out = imp.with_scope(vec![], |imp| imp.import_subgraph(then_g));
+    let else_out = imp.with_scope(vec![], |imp| imp.import_subgraph(else_g));
+    let (then_out, else_out) = match (then_out, else_out) {
+        (Ok(t), Ok(e)) => (t, e),
+        (t, e) => {
+            // A branch that cannot be imported (its shapes hold only when it is
+            // taken, say) is fine if a condition computed from given input values
+            // leaves it untaken.
+            if let Some(k) = imp.derived_value(&cond) {
+                let taken = k.to_i64_vec().first().copied().unwrap_or(0) != 0;
+                return if taken { t } else { e };
+            }
+            // Not both `Ok`: this is the first branch's error.
+            return t.and(e);
+        }
+    };
     if then_out.len() != else_out.len() {
         return Err(Error::invalid(
             "If",
@@ -402,6 +416,12 @@ fn import_flex_attention(imp: &mut Importer, node: &NodeProto) -> Result<Vec<Slo
         None if dt == DType::F64 => DType::F64,
         None => DType::F32,
     };
+    if !precision.is_float() {
+        return Err(Error::invalid(
+            "softmax_precision",
+            format!("{precision:?} is not a floating-point type"),
+        ));
+    }
     let scale = node
         .attribute
         .iter()

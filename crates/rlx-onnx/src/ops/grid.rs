@@ -5,7 +5,7 @@
 
 use super::{Converter, unsupported};
 use crate::import::Cx;
-use rlx_ir::{DType, Error, NodeId, Result, TensorData};
+use rlx_ir::{DType, Error, NodeId, Result};
 
 pub(super) const NAMES: &[&str] = &["AffineGrid", "GridSample"];
 
@@ -17,23 +17,19 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
     })
 }
 
-/// The normalized coordinate of each of `len` positions along an axis: the centres
-/// of `len` equal cells of `[-1, 1]`, or with `align_corners` the two ends and
-/// evenly between.
-fn normalized_positions(len: usize, align_corners: bool) -> Vec<f64> {
-    (0..len)
-        .map(|i| {
-            if align_corners {
-                if len == 1 {
-                    -1.0
-                } else {
-                    -1.0 + 2.0 * i as f64 / (len - 1) as f64
-                }
-            } else {
-                -1.0 + (2 * i + 1) as f64 / len as f64
-            }
-        })
-        .collect()
+/// The normalized coordinate of each of `len` positions along an axis, in f64:
+/// the centres of `len` equal cells of `[-1, 1]`, or with `align_corners` the two
+/// ends and evenly between. Built in the graph, so a declared size costs nothing
+/// at import.
+fn normalized_positions(cx: &Cx, len: usize, align_corners: bool) -> Result<NodeId> {
+    let (first, step) = match (align_corners, len) {
+        (true, 1) => (-1.0, 0.0),
+        (true, _) => (-1.0, 2.0 / (len - 1) as f64),
+        (false, _) => (-1.0 + 1.0 / len as f64, 2.0 / len as f64),
+    };
+    let i = cx.g.iota(len, DType::F64)?;
+    let scaled = cx.g.mul(i, cx.g.scalar(step, DType::F64))?;
+    cx.g.add(scaled, cx.g.scalar(first, DType::F64))
 }
 
 /// `AffineGrid`: the homogeneous coordinates `(x, y[, z], 1)` of every output
@@ -62,26 +58,22 @@ fn affine_grid(cx: &mut Cx) -> Result<Vec<NodeId>> {
         ));
     }
     let align = cx.attr_i("align_corners", 0) != 0;
-    let axes: Vec<Vec<f64>> = spatial
+    let points = spatial
         .iter()
-        .map(|&len| normalized_positions(len, align))
-        .collect();
-    let points: usize = spatial.iter().product();
-    let mut base = Vec::with_capacity(points * (r + 1));
-    for p in 0..points {
-        // The position's index along each axis, the last axis fastest.
-        let mut at = vec![0; r];
-        let mut rest = p;
-        for a in (0..r).rev() {
-            at[a] = rest % spatial[a];
-            rest /= spatial[a];
-        }
-        // (x, y, z) run from the last spatial axis to the first.
-        base.extend((0..r).rev().map(|a| axes[a][at[a]]));
-        base.push(1.0);
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| Error::invalid("size", format!("{size:?} overflows")))?;
+    // One column per coordinate, (x, y[, z]) from the last spatial axis to the
+    // first, then the homogeneous 1.
+    let mut columns = Vec::with_capacity(r + 1);
+    for a in (0..r).rev() {
+        let mut along = vec![1; r];
+        along[a] = spatial[a];
+        let c = normalized_positions(cx, spatial[a], align)?;
+        let c = cx.g.expand(cx.g.reshape(c, &along)?, spatial)?;
+        columns.push(cx.g.reshape(c, &[points, 1])?);
     }
-    let base =
-        cx.g.constant(TensorData::from_f64(dt, &base), &[points, r + 1])?;
+    columns.push(cx.g.expand(cx.g.scalar(1.0, DType::F64), &[points, 1])?);
+    let base = cx.g.cast(cx.g.concat(&columns, 1)?, dt)?;
     let theta = cx.input(0)?;
     let theta_t = cx.g.permute(theta, &[0, 2, 1])?;
     let grid = cx.g.matmul(base, theta_t)?;
@@ -105,7 +97,7 @@ enum Padding {
     Reflection,
 }
 
-/// One tap along one axis: the input index (as a float, in range) and its weight.
+/// One tap along one axis: the input index (i64, in range) and its weight.
 struct Tap {
     index: NodeId,
     weight: NodeId,
@@ -157,12 +149,18 @@ fn grid_sample(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let s: usize = spatial.iter().product();
     let p: usize = gd[1..=r].iter().product();
     let x = cx.input(0)?;
+    // Coordinates and weights in at least f32: a half-precision position is exact
+    // only up to 2048.
+    let cd = match dt {
+        DType::F16 | DType::BF16 => DType::F32,
+        other => other,
+    };
     let mut grid = cx.input(1)?;
-    if cx.dtype(1)? != dt {
-        grid = cx.g.cast(grid, dt)?;
+    if cx.dtype(1)? != cd {
+        grid = cx.g.cast(grid, cd)?;
     }
     let grid = cx.g.reshape(grid, &[n, p, r])?;
-    let k = |v: f64| cx.g.scalar(v, dt);
+    let k = |v: f64| cx.g.scalar(v, cd);
     // Per axis, the taps of every output position.
     let mut per_axis: Vec<Vec<Tap>> = Vec::with_capacity(r);
     for (a, &len) in spatial.iter().enumerate() {
@@ -190,15 +188,17 @@ fn grid_sample(cx: &mut Cx) -> Result<Vec<NodeId>> {
         if mode == Mode::Nearest {
             pos = cx.g.round(pos)?;
         }
-        pos = fix_coordinate(cx, pos, &axis, padding, dt)?;
-        per_axis.push(taps(cx, pos, &axis, mode, padding, dt)?);
+        pos = fix_coordinate(cx, pos, &axis, padding, cd)?;
+        per_axis.push(taps(cx, pos, &axis, mode, padding, cd)?);
     }
     // The input as rows of channels, and each batch's first row.
     let rows = cx.g.reshape(x, &[n, c, s])?;
     let rows = cx.g.permute(rows, &[0, 2, 1])?;
     let rows = cx.g.reshape(rows, &[n * s, c])?;
-    let offsets: Vec<f64> = (0..n).map(|b| (b * s) as f64).collect();
-    let offsets = cx.g.constant(TensorData::from_f64(dt, &offsets), &[n, 1])?;
+    // Flat row indices are summed in i64, exact at any size.
+    let index_k = |v: usize| cx.g.scalar(v as f64, DType::I64);
+    let offsets = cx.g.mul(cx.g.iota(n, DType::I64)?, index_k(s))?;
+    let offsets = cx.g.reshape(offsets, &[n, 1])?;
     let strides: Vec<usize> = (0..r).map(|a| spatial[a + 1..].iter().product()).collect();
     let per = per_axis[0].len();
     let combos = per.pow(r as u32);
@@ -210,17 +210,19 @@ fn grid_sample(cx: &mut Cx) -> Result<Vec<NodeId>> {
         for a in 0..r {
             let tap = &per_axis[a][rest % per];
             rest /= per;
-            let step = cx.g.mul(tap.index, k(strides[a] as f64))?;
+            let step = cx.g.mul(tap.index, index_k(strides[a]))?;
             flat = cx.g.add(flat, step)?;
             weight = Some(match weight {
                 None => tap.weight,
                 Some(w) => cx.g.mul(w, tap.weight)?,
             });
         }
-        let index = cx.g.cast(flat, DType::I64)?;
-        let picked = cx.g.gather(rows, index, 0)?;
+        let picked = cx.g.gather(rows, flat, 0)?;
         let weight = weight.ok_or_else(|| Error::invalid("GridSample", "no spatial axis"))?;
-        let weight = cx.g.reshape(weight, &[n, p, 1])?;
+        let mut weight = cx.g.reshape(weight, &[n, p, 1])?;
+        if cd != dt {
+            weight = cx.g.cast(weight, dt)?;
+        }
         let term = cx.g.mul(picked, weight)?;
         total = Some(match total {
             None => term,
@@ -337,7 +339,10 @@ fn taps(
                 clamp(cx, toward_zero, 0.0, last, dt)?
             }
         };
-        out.push(Tap { index, weight });
+        out.push(Tap {
+            index: cx.g.cast(index, DType::I64)?,
+            weight,
+        });
     }
     Ok(out)
 }

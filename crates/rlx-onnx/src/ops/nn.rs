@@ -547,8 +547,10 @@ fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
             if (ceil_out - 1) * strides[i] >= xd[2 + i] + pads[i].0 {
                 ceil_out -= 1;
             }
-            // No extra padding when the last window would start in the begin padding.
-            pads[i].1 += ceil_out.saturating_sub(floor_out) * strides[i];
+            if ceil_out > floor_out {
+                // Just enough end padding for the last window to fit.
+                pads[i].1 += ((ceil_out - 1) * strides[i] + span) - padded;
+            }
         }
     }
     let mut x = cx.input(0)?;
@@ -589,7 +591,9 @@ fn pool(cx: &mut Cx, kind: PoolKind) -> Result<Vec<NodeId>> {
         }
         2 => pool_2d(cx, kind, count_include_pad, x, [axis(0), axis(1)])?,
         _ => {
-            let [b, c, d, h, w] = [xd[0], xd[1], xd[2], xd[3], xd[4]];
+            // The dims of `x` as it is now: declared padding may have been applied.
+            let xs = cx.g.shape(x)?.dims().to_vec();
+            let [b, c, d, h, w] = [xs[0], xs[1], xs[2], xs[3], xs[4]];
             let planes = cx.g.reshape(x, &[b, c * d, h, w])?;
             let y = pool_2d(cx, kind, count_include_pad, planes, [axis(1), axis(2)])?;
             let yd = cx.g.shape(y)?.dims().to_vec();
@@ -1173,8 +1177,8 @@ fn dropout(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let mut out = vec![x];
     if cx.wants_output(1) {
         let dims = cx.dims(0)?;
-        let n: usize = dims.iter().product();
-        out.push(cx.g.constant(rlx_ir::TensorData::Bool(vec![true; n]), &dims)?);
+        let keep = cx.g.scalar(1.0, DType::Bool);
+        out.push(cx.g.expand(keep, &dims)?);
     }
     Ok(out)
 }

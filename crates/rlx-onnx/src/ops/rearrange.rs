@@ -52,14 +52,12 @@ fn reverse_sequence(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let rows = cx.g.reshape(x, &[t * b, rest])?;
     let lens = cx.g.cast(cx.input(1)?, DType::I64)?;
     let lens = cx.g.reshape(lens, &[1, b])?;
-    let steps: Vec<i64> = (0..t as i64).collect();
-    let steps = cx.g.constant(TensorData::I64(steps), &[t, 1])?;
+    let steps = cx.g.reshape(cx.g.iota(t, DType::I64)?, &[t, 1])?;
     let within = cx.g.lt(steps, lens)?;
     let one = cx.g.scalar(1.0, DType::I64);
     let mirrored = cx.g.sub(cx.g.sub(lens, one)?, steps)?;
     let source = cx.g.select(within, mirrored, steps)?;
-    let column: Vec<i64> = (0..b as i64).collect();
-    let column = cx.g.constant(TensorData::I64(column), &[1, b])?;
+    let column = cx.g.reshape(cx.g.iota(b, DType::I64)?, &[1, b])?;
     let width = cx.g.scalar(b as f64, DType::I64);
     let flat = cx.g.add(cx.g.mul(source, width)?, column)?;
     let picked = cx.g.gather(rows, flat, 0)?;

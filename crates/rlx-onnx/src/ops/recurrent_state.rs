@@ -4,7 +4,7 @@
 
 use super::{Converter, size, unsupported};
 use crate::import::Cx;
-use rlx_ir::{DType, Error, NodeId, Result, TensorData};
+use rlx_ir::{DType, Error, NodeId, Result};
 
 pub(super) const NAMES: &[&str] = &["CausalConvWithState", "LinearAttention"];
 
@@ -16,11 +16,10 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
     })
 }
 
-/// A tensor of zeros.
+/// A tensor of zeros: a broadcast scalar, so no declared size is materialized at
+/// import.
 fn zeros(cx: &Cx, dims: &[usize], dt: DType) -> Result<NodeId> {
-    let n = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
-    let n = n.ok_or_else(|| Error::invalid("zeros", format!("{dims:?} overflows")))?;
-    cx.g.constant(TensorData::from_f64(dt, &vec![0.0; n]), dims)
+    cx.g.expand(cx.g.scalar(0.0, dt), dims)
 }
 
 /// Checks that input `i` (named `what`) has dims `want`.

@@ -244,12 +244,8 @@ fn stft(cx: &mut Cx) -> Result<Vec<NodeId>> {
             "frame_length",
         )?,
         (None, Some(w)) => w,
-        (None, None) => {
-            return Err(Error::invalid(
-                "STFT",
-                "neither a window nor a frame length gives the frame size",
-            ));
-        }
+        // Neither: one frame spans the whole signal.
+        (None, None) => len,
     };
     if window_len.is_some_and(|w| w != frame) {
         return Err(Error::invalid(
@@ -269,10 +265,13 @@ fn stft(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let x = cx.input(0)?;
     let (re, im) = parts(cx, x, &sd)?;
     // Frame f holds positions f * step + t.
-    let index: Vec<i64> = (0..frames)
-        .flat_map(|f| (0..frame).map(move |t| (f * step + t) as i64))
-        .collect();
-    let index = cx.g.constant(TensorData::I64(index), &[frames, frame])?;
+    let starts = cx.g.mul(
+        cx.g.iota(frames, DType::I64)?,
+        cx.g.scalar(step as f64, DType::I64),
+    )?;
+    let starts = cx.g.reshape(starts, &[frames, 1])?;
+    let offsets = cx.g.reshape(cx.g.iota(frame, DType::I64)?, &[1, frame])?;
+    let index = cx.g.add(starts, offsets)?;
     let mut re = cx.g.gather(re, index, 1)?;
     let mut im = im.map(|i| cx.g.gather(i, index, 1)).transpose()?;
     if let Some(w) = window {
