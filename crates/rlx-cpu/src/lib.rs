@@ -2,6 +2,7 @@
 //! weights, the constants and the persistent handles, and runs the plan's steps with
 //! the reference kernels. Running allocates nothing.
 
+mod backend;
 mod blas;
 mod elem;
 mod gemm;
@@ -12,6 +13,7 @@ mod quant;
 mod tensor;
 mod vmath;
 
+pub use backend::CpuBackend;
 pub use blas::{PackedMatrix, gemm_kernel_name, matmul_f32, matmul_f32_packed, peak_fma_gflops};
 use gemm::GemmScratch;
 use kernels::ReduceGeometry;

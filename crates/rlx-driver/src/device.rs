@@ -7,8 +7,8 @@ use std::fmt;
 pub enum Device {
     /// The host CPU.
     Cpu,
-    /// An NVIDIA GPU through CUDA.
-    Cuda,
+    /// An NVIDIA GPU through CUDA, by ordinal (0 is the first).
+    Cuda(usize),
     /// A GPU through wgpu (Vulkan, Metal or DX12).
     Gpu,
     /// An Apple GPU through Metal.
@@ -25,7 +25,7 @@ impl Device {
     /// Every device kind.
     pub const ALL: [Device; 7] = [
         Device::Cpu,
-        Device::Cuda,
+        Device::Cuda(0),
         Device::Gpu,
         Device::Metal,
         Device::Mlx,
@@ -33,17 +33,12 @@ impl Device {
         Device::Tpu,
     ];
 
-    /// True when this build has a backend for the device and the device is present.
-    /// Only the CPU backend exists so far.
-    pub fn is_available(self) -> bool {
-        matches!(self, Device::Cpu)
-    }
-
-    /// Lowercase name, as accepted on the command line.
+    /// Lowercase name of the kind, as accepted on the command line (without the
+    /// ordinal).
     pub fn name(self) -> &'static str {
         match self {
             Device::Cpu => "cpu",
-            Device::Cuda => "cuda",
+            Device::Cuda(_) => "cuda",
             Device::Gpu => "gpu",
             Device::Metal => "metal",
             Device::Mlx => "mlx",
@@ -55,7 +50,10 @@ impl Device {
 
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        match self {
+            Device::Cuda(n) if *n > 0 => write!(f, "cuda:{n}"),
+            _ => f.write_str(self.name()),
+        }
     }
 }
 
@@ -63,17 +61,22 @@ impl std::str::FromStr for Device {
     type Err = rlx_ir::Error;
 
     fn from_str(s: &str) -> Result<Device, Self::Err> {
+        let lower = s.to_ascii_lowercase();
+        let unknown = || {
+            rlx_ir::Error::invalid(
+                "device",
+                format!(
+                    "unknown device '{s}' (expected cpu, cuda, cuda:N, gpu, metal, mlx, rocm or tpu)"
+                ),
+            )
+        };
+        if let Some(n) = lower.strip_prefix("cuda:") {
+            return n.parse().map(Device::Cuda).map_err(|_| unknown());
+        }
         Device::ALL
             .into_iter()
-            .find(|d| d.name() == s.to_ascii_lowercase())
-            .ok_or_else(|| {
-                rlx_ir::Error::invalid(
-                    "device",
-                    format!(
-                        "unknown device '{s}' (expected cpu, cuda, gpu, metal, mlx, rocm or tpu)"
-                    ),
-                )
-            })
+            .find(|d| d.name() == lower)
+            .ok_or_else(unknown)
     }
 }
 
@@ -82,11 +85,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_parse_and_cpu_is_available() {
+    fn names_parse() {
         for d in Device::ALL {
             assert_eq!(d.to_string().parse::<Device>().unwrap(), d);
         }
-        assert!(Device::Cpu.is_available());
+        assert_eq!("cuda:2".parse::<Device>().unwrap(), Device::Cuda(2));
+        assert_eq!(Device::Cuda(2).to_string(), "cuda:2");
         assert!("vulkan".parse::<Device>().is_err());
+        assert!("cuda:x".parse::<Device>().is_err());
     }
 }

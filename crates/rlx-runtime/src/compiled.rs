@@ -1,6 +1,6 @@
 //! [`CompiledGraph`]: a graph compiled for one device, run many times.
 
-use crate::backend::Executable;
+use rlx_backend::Executable;
 use rlx_driver::convert::{bytes_to_f32, bytes_to_f32_vec, f32_to_bytes, f32_to_vec};
 use rlx_driver::{BufferHandle, Device, Profile};
 use rlx_ir::{DType, Error, Graph, NodeId, Result, Shape, TensorData, TensorRef};

@@ -13,16 +13,16 @@
 //! # Ok::<(), rlx_ir::Error>(())
 //! ```
 
-mod backend;
-pub mod backends;
 mod bucketed;
 mod compiled;
+mod registry;
 mod session;
 mod symbolic;
 
-pub use backend::{Backend, BackendOptions, Executable, HandleStorage, SharedParam, backend_for};
 pub use bucketed::{BucketedCompileCache, Buckets};
 pub use compiled::{CompiledGraph, SlotOutputs};
+pub use registry::{backend_for, device_available};
+pub use rlx_backend::{Backend, BackendOptions, Executable, HandleStorage, SharedParam};
 pub use rlx_driver::{BufferHandle, Device};
 pub use rlx_ir::{Error, Graph, Result};
 pub use rlx_opt::MemoryStats;

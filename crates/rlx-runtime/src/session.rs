@@ -1,7 +1,8 @@
 //! Sessions and compile options.
 
 use crate::CompiledGraph;
-use crate::backend::{BackendOptions, backend_for};
+use crate::registry::backend_for;
+use rlx_backend::BackendOptions;
 use rlx_driver::{BufferHandle, Device};
 use rlx_ir::{Graph, Result};
 use rlx_opt::{FusionOptions, PlanOptions, plan_graph};
@@ -23,6 +24,7 @@ pub struct CompileOptions {
     optimize: bool,
     threads: usize,
     primitives_only: bool,
+    allow_tf32: bool,
 }
 
 impl Default for CompileOptions {
@@ -34,6 +36,7 @@ impl Default for CompileOptions {
             optimize: true,
             threads: 0,
             primitives_only: false,
+            allow_tf32: false,
         }
     }
 }
@@ -86,6 +89,13 @@ impl CompileOptions {
     /// runtime's pool, which has one per core or `$RLX_NUM_THREADS`).
     pub fn threads(mut self, threads: usize) -> CompileOptions {
         self.threads = threads;
+        self
+    }
+
+    /// Lets f32 matrix products on a GPU round their operands to TF32 on tensor cores
+    /// (faster, near 3e-4 relative error; off by default, so f32 stays f32).
+    pub fn allow_tf32(mut self, on: bool) -> CompileOptions {
+        self.allow_tf32 = on;
         self
     }
 
@@ -152,6 +162,8 @@ impl Session {
         let plan = Arc::new(plan_graph(graph.borrow(), &plan_options)?);
         let backend_options = BackendOptions {
             threads: options.threads,
+            allow_tf32: options.allow_tf32,
+            ..BackendOptions::default()
         };
         let exe = backend.compile(plan.clone(), &backend_options)?;
         Ok(CompiledGraph::new(self.device, plan, exe))

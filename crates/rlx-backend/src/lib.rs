@@ -1,6 +1,8 @@
 //! The seam between the runtime and a device: a [`Backend`] compiles a [`Plan`] into
-//! an [`Executable`]. Nothing here assumes the arena is host memory: inputs go through
-//! a host staging area, outputs are made host-visible by [`Executable::sync_outputs`].
+//! an [`Executable`]. Each device crate (`rlx-cpu`, `rlx-cuda`) implements these
+//! traits itself; `rlx-runtime` only picks the backend for a device. Nothing here
+//! assumes the arena is host memory: inputs go through a host staging area, outputs
+//! are made host-visible by [`Executable::sync_outputs`].
 
 use rlx_driver::{Device, Profile};
 use rlx_ir::{NodeId, Result};
@@ -28,6 +30,11 @@ pub trait Backend: Send + Sync {
 pub struct BackendOptions {
     /// Most CPU threads a run may use; 0 means all the runtime's threads.
     pub threads: usize,
+    /// Which GPU of its kind a device backend runs on (0 is the first).
+    pub ordinal: usize,
+    /// Whether f32 products may round their operands to TF32 on tensor cores
+    /// (faster, about 3e-4 relative error); off by default.
+    pub allow_tf32: bool,
 }
 
 /// One compiled plan on one device, with its memory.
@@ -151,16 +158,5 @@ impl HandleStorage {
 impl std::fmt::Debug for HandleStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "HandleStorage(on {})", self.device)
-    }
-}
-
-/// The backend for `device`, if this build has one.
-pub fn backend_for(device: Device) -> Result<Box<dyn Backend>> {
-    match device {
-        Device::Cpu => Ok(Box::new(crate::backends::cpu::CpuBackend)),
-        other => Err(rlx_ir::Error::DeviceUnavailable {
-            device: other.to_string(),
-            reason: "this build of RLX has no backend for it yet".into(),
-        }),
     }
 }

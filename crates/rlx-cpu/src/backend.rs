@@ -1,7 +1,7 @@
-//! The CPU backend adapter over [`rlx_cpu::CpuProgram`].
+//! The CPU's implementation of the backend seam over [`CpuProgram`].
 
-use crate::backend::{Backend, BackendOptions, Executable, HandleStorage, SharedParam};
-use rlx_cpu::{CpuProgram, SharedCpuParam};
+use crate::{CpuProgram, SharedCpuParam};
+use rlx_backend::{Backend, BackendOptions, Executable, HandleStorage, SharedParam};
 use rlx_driver::{Buffer, Device, Profile};
 use rlx_ir::{Error, NodeId, Result};
 use rlx_opt::{FusionOptions, Plan};

@@ -1,0 +1,510 @@
+//! CUDA C for the steps of a plan that are not matrix products: elementwise ops with
+//! broadcasting, casts, reductions and data movement (permute, expand, slice,
+//! concat). Shapes are written into each kernel as constants, so a kernel does only
+//! its own index arithmetic; every kernel of a program goes into one source, compiled
+//! once by NVRTC (and cached on disk by the source's hash).
+//!
+//! Each kernel takes its output pointer first, then one pointer per operand, and
+//! walks its output elements with a grid-stride loop over 64-bit indices.
+
+use rlx_ir::{BinaryOp, DType, Error, Op, ReduceOp, Result, Shape, UnaryOp};
+use std::fmt::Write;
+
+/// Helpers every program's source starts with: half and bfloat16 conversions written
+/// as PTX, so the source needs no CUDA headers.
+pub(crate) const PRELUDE: &str = r#"
+__device__ __forceinline__ float h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ unsigned short f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+__device__ __forceinline__ unsigned short f2bf(float f) { unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ long long ipow(long long b, long long e) {
+  if (e < 0) return b == 1 ? 1 : (b == -1 ? ((e & 1) ? -1 : 1) : 0);
+  unsigned long long r = 1, x = (unsigned long long)b;
+  while (e > 0) { if (e & 1) r *= x; x *= x; e >>= 1; }
+  return (long long)r;
+}
+#define RLX_LOOP(n) for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
+"#;
+
+/// How a dtype is stored and computed in generated code.
+struct CType {
+    storage: &'static str,
+    compute: &'static str,
+}
+
+fn ctype(dt: DType) -> CType {
+    let (storage, compute) = match dt {
+        DType::F32 => ("float", "float"),
+        DType::F64 => ("double", "double"),
+        DType::F16 | DType::BF16 => ("unsigned short", "float"),
+        DType::I8 => ("signed char", "long long"),
+        DType::I16 => ("short", "long long"),
+        DType::I32 => ("int", "long long"),
+        DType::I64 => ("long long", "long long"),
+        DType::U8 | DType::Bool => ("unsigned char", "long long"),
+        DType::U16 => ("unsigned short", "long long"),
+        DType::U32 => ("unsigned int", "long long"),
+        DType::U64 => ("unsigned long long", "long long"),
+    };
+    CType { storage, compute }
+}
+
+/// The expression reading element `idx` of pointer `p` of `dt` in its compute type.
+fn load(dt: DType, p: &str, idx: &str) -> String {
+    match dt {
+        DType::F16 => format!("h2f({p}[{idx}])"),
+        DType::BF16 => format!("bf2f({p}[{idx}])"),
+        DType::F32 | DType::F64 => format!("{p}[{idx}]"),
+        _ => format!("((long long){p}[{idx}])"),
+    }
+}
+
+/// The expression turning compute value `v` into `dt`'s storage.
+fn store(dt: DType, v: &str) -> String {
+    match dt {
+        DType::F16 => format!("f2h({v})"),
+        DType::BF16 => format!("f2bf({v})"),
+        DType::Bool => format!("(unsigned char)(({v}) != 0)"),
+        _ => format!("({})({v})", ctype(dt).storage),
+    }
+}
+
+fn is_float(dt: DType) -> bool {
+    dt.is_float()
+}
+
+/// A math function's name for the compute type (`expf` for float, `exp` for double).
+fn f(name: &str, dt: DType) -> String {
+    if dt == DType::F64 {
+        name.to_string()
+    } else {
+        format!("{name}f")
+    }
+}
+
+fn unsupported(what: String) -> Error {
+    Error::Unsupported {
+        device: "cuda".into(),
+        what,
+    }
+}
+
+fn unary_expr(op: UnaryOp, dt: DType, x: &str) -> Result<String> {
+    if is_float(dt) {
+        let c = ctype(dt).compute;
+        Ok(match op {
+            UnaryOp::Neg => format!("(-{x})"),
+            UnaryOp::Abs => format!("{}({x})", f("fabs", dt)),
+            UnaryOp::Exp => format!("{}({x})", f("exp", dt)),
+            UnaryOp::Log => format!("{}({x})", f("log", dt)),
+            UnaryOp::Sqrt => format!("{}({x})", f("sqrt", dt)),
+            UnaryOp::Rsqrt => format!("{}({x})", f("rsqrt", dt)),
+            UnaryOp::Reciprocal => format!("(({c})1 / {x})"),
+            UnaryOp::Tanh => format!("{}({x})", f("tanh", dt)),
+            UnaryOp::Sigmoid => format!("(({c})1 / (({c})1 + {}(-{x})))", f("exp", dt)),
+            UnaryOp::Relu => format!("(({x}) > 0 || ({x}) != ({x}) ? ({x}) : ({c})0)"),
+            UnaryOp::Gelu => format!(
+                "(({c})0.5 * {x} * (({c})1 + {}({x} * ({c})0.70710678118654752440)))",
+                f("erf", dt)
+            ),
+            UnaryOp::GeluTanh => format!(
+                "(({c})0.5 * {x} * (({c})1 + {}(({c})0.79788456080286535588 * ({x} + ({c})0.044715 * {x} * {x} * {x}))))",
+                f("tanh", dt)
+            ),
+            UnaryOp::Silu => format!("({x} / (({c})1 + {}(-{x})))", f("exp", dt)),
+            UnaryOp::Erf => format!("{}({x})", f("erf", dt)),
+            UnaryOp::Sin => format!("{}({x})", f("sin", dt)),
+            UnaryOp::Cos => format!("{}({x})", f("cos", dt)),
+            UnaryOp::Floor => format!("{}({x})", f("floor", dt)),
+            UnaryOp::Ceil => format!("{}({x})", f("ceil", dt)),
+            UnaryOp::Round => format!("{}({x})", f("rint", dt)),
+            UnaryOp::Atan => format!("{}({x})", f("atan", dt)),
+            UnaryOp::Sign => {
+                format!("(({x}) > 0 ? ({c})1 : (({x}) < 0 ? ({c})-1 : ({x})))")
+            }
+            UnaryOp::Not => format!("(({c})(({x}) == 0))"),
+            UnaryOp::BitNot => return Err(unsupported(format!("bitwise not of {dt:?}"))),
+        })
+    } else {
+        Ok(match op {
+            UnaryOp::Neg => format!("((long long)(0ULL - (unsigned long long){x}))"),
+            UnaryOp::Abs => {
+                format!("(({x}) < 0 ? (long long)(0ULL - (unsigned long long){x}) : ({x}))")
+            }
+            UnaryOp::Relu => format!("(({x}) > 0 ? ({x}) : 0LL)"),
+            UnaryOp::Sign => format!("(({x}) > 0 ? 1LL : (({x}) < 0 ? -1LL : 0LL))"),
+            UnaryOp::Not => format!("((long long)(({x}) == 0))"),
+            UnaryOp::BitNot => format!("(~({x}))"),
+            other => {
+                return Err(unsupported(format!(
+                    "{} of an integer tensor",
+                    other.name()
+                )));
+            }
+        })
+    }
+}
+
+fn binary_expr(op: BinaryOp, dt: DType, a: &str, b: &str) -> Result<String> {
+    let c = ctype(dt).compute;
+    let cmp = |o: &str| format!("(({c})(({a}) {o} ({b})))");
+    let logic = |o: &str| format!("(({c})((({a}) != 0) {o} (({b}) != 0)))");
+    if is_float(dt) {
+        Ok(match op {
+            BinaryOp::Add => format!("({a} + {b})"),
+            BinaryOp::Sub => format!("({a} - {b})"),
+            BinaryOp::Mul => format!("({a} * {b})"),
+            BinaryOp::Div => format!("({a} / {b})"),
+            BinaryOp::Pow => format!("{}({a}, {b})", f("pow", dt)),
+            BinaryOp::Max => format!(
+                "(({a}) != ({a}) || ({b}) != ({b}) ? ({a}) + ({b}) : {}({a}, {b}))",
+                f("fmax", dt)
+            ),
+            BinaryOp::Min => format!(
+                "(({a}) != ({a}) || ({b}) != ({b}) ? ({a}) + ({b}) : {}({a}, {b}))",
+                f("fmin", dt)
+            ),
+            BinaryOp::Mod => {
+                let r = format!("{}({a}, {b})", f("fmod", dt));
+                format!("({r} != 0 && (({r} < 0) != (({b}) < 0)) ? {r} + ({b}) : {r})")
+            }
+            BinaryOp::Eq => cmp("=="),
+            BinaryOp::Ne => cmp("!="),
+            BinaryOp::Lt => cmp("<"),
+            BinaryOp::Le => cmp("<="),
+            BinaryOp::Gt => cmp(">"),
+            BinaryOp::Ge => cmp(">="),
+            BinaryOp::And => logic("&&"),
+            BinaryOp::Or => logic("||"),
+            BinaryOp::Xor => logic("!="),
+            other => return Err(unsupported(format!("{} of {dt:?}", other.name()))),
+        })
+    } else {
+        let u = |o: &str| {
+            format!("((long long)((unsigned long long)({a}) {o} (unsigned long long)({b})))")
+        };
+        Ok(match op {
+            BinaryOp::Add => u("+"),
+            BinaryOp::Sub => u("-"),
+            BinaryOp::Mul => u("*"),
+            BinaryOp::Div => format!(
+                "(({b}) == 0 ? 0LL : ((({b}) == -1) ? (long long)(0ULL - (unsigned long long)({a})) : ({a}) / ({b})))"
+            ),
+            BinaryOp::Pow => format!("ipow({a}, {b})"),
+            BinaryOp::Max => format!("(({a}) > ({b}) ? ({a}) : ({b}))"),
+            BinaryOp::Min => format!("(({a}) < ({b}) ? ({a}) : ({b}))"),
+            BinaryOp::Mod => format!(
+                "(({b}) == 0 || ({b}) == -1 ? 0LL : ((({a}) % ({b})) != 0 && (((({a}) % ({b})) < 0) != (({b}) < 0)) ? (({a}) % ({b})) + ({b}) : (({a}) % ({b}))))"
+            ),
+            BinaryOp::Eq => cmp("=="),
+            BinaryOp::Ne => cmp("!="),
+            BinaryOp::Lt => cmp("<"),
+            BinaryOp::Le => cmp("<="),
+            BinaryOp::Gt => cmp(">"),
+            BinaryOp::Ge => cmp(">="),
+            BinaryOp::And => logic("&&"),
+            BinaryOp::Or => logic("||"),
+            BinaryOp::Xor => logic("!="),
+            BinaryOp::BitAnd => format!("(({a}) & ({b}))"),
+            BinaryOp::BitOr => format!("(({a}) | ({b}))"),
+            BinaryOp::BitXor => format!("(({a}) ^ ({b}))"),
+            BinaryOp::ShiftLeft => format!(
+                "(({b}) < 0 || ({b}) >= 64 ? 0LL : (long long)((unsigned long long)({a}) << ({b})))"
+            ),
+            BinaryOp::ShiftRight => format!(
+                "(({b}) < 0 || ({b}) >= 64 ? 0LL : (long long)((unsigned long long)({a}) >> ({b})))"
+            ),
+        })
+    }
+}
+
+/// Row-major strides of `dims`.
+fn strides(dims: &[usize]) -> Vec<i64> {
+    let mut s = vec![0i64; dims.len()];
+    let mut acc = 1i64;
+    for k in (0..dims.len()).rev() {
+        s[k] = acc;
+        acc *= dims[k] as i64;
+    }
+    s
+}
+
+/// Strides of an operand of dims `src` broadcast against output dims `out`
+/// (right-aligned; a dim of 1 reads the same element).
+fn broadcast_strides(src: &[usize], out: &[usize]) -> Vec<i64> {
+    let own = strides(src);
+    let lead = out.len() - src.len();
+    (0..out.len())
+        .map(|k| {
+            if k < lead || src[k - lead] == 1 {
+                0
+            } else {
+                own[k - lead]
+            }
+        })
+        .collect()
+}
+
+/// Code that sets `long long {name}` to the offset of output element `i` in an
+/// operand read with `strides` over output `dims` (just `i` when contiguous).
+fn offset_code(out: &mut String, name: &str, dims: &[usize], strides_: &[i64]) {
+    if strides_ == strides(dims).as_slice() {
+        let _ = writeln!(out, "    long long {name} = i;");
+        return;
+    }
+    let _ = writeln!(out, "    long long {name} = 0; {{ long long r = i;");
+    for k in (0..dims.len()).rev() {
+        if dims[k] == 1 {
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "      {{ long long c = r % {d}; r /= {d}; {name} += c * ({s}LL); }}",
+            d = dims[k],
+            s = strides_[k]
+        );
+    }
+    let _ = writeln!(out, "    }}");
+}
+
+/// One step's kernel: the source of `extern "C" __global__ void {name}(...)` and the
+/// number of elements it covers (the launch size).
+pub(crate) struct Kernel {
+    pub source: String,
+    pub elements: usize,
+}
+
+fn header(name: &str, out_dt: DType, inputs: &[DType]) -> String {
+    let mut s = format!(
+        "extern \"C\" __global__ void {name}({}* __restrict__ out",
+        ctype(out_dt).storage
+    );
+    for (k, dt) in inputs.iter().enumerate() {
+        let _ = write!(s, ", const {}* __restrict__ in{k}", ctype(*dt).storage);
+    }
+    s.push_str(") {\n");
+    s
+}
+
+/// The kernel for `op` with operand shapes `inputs` and output `output`, or `None`
+/// when the op is not one this generator writes.
+pub(crate) fn kernel(
+    name: &str,
+    op: &Op,
+    inputs: &[Shape],
+    output: &Shape,
+) -> Result<Option<Kernel>> {
+    let out_dims = output.dims();
+    let n = output.num_elements();
+    let odt = output.dtype();
+    let in_dts: Vec<DType> = inputs.iter().map(|s| s.dtype()).collect();
+    let mut s = header(name, odt, &in_dts);
+    let _ = writeln!(s, "  RLX_LOOP({n}LL) {{");
+    match op {
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) => {
+            let mut vals = Vec::new();
+            for (k, shape) in inputs.iter().enumerate() {
+                let st = broadcast_strides(shape.dims(), out_dims);
+                offset_code(&mut s, &format!("o{k}"), out_dims, &st);
+                vals.push(load(shape.dtype(), &format!("in{k}"), &format!("o{k}")));
+            }
+            let value = match op {
+                Op::Unary(u) => unary_expr(*u, in_dts[0], &vals[0])?,
+                Op::Binary(b) => binary_expr(*b, in_dts[0], &vals[0], &vals[1])?,
+                Op::Where => format!("(({}) != 0 ? {} : {})", vals[0], vals[1], vals[2]),
+                Op::Cast(_) => cast_expr(in_dts[0], odt, &vals[0]),
+                _ => unreachable!("matched above"),
+            };
+            // Comparisons compute in the operands' type and store as bool.
+            let _ = writeln!(s, "    out[i] = {};", store(odt, &value));
+        }
+        Op::Reduce { op: rop, axes, .. } => {
+            let src = inputs[0].dims();
+            let src_strides = strides(src);
+            let kept: Vec<usize> = (0..src.len()).filter(|a| !axes.contains(a)).collect();
+            // Output element i -> base offset over the kept axes.
+            let _ = writeln!(s, "    long long base = 0; {{ long long r = i;");
+            for &a in kept.iter().rev() {
+                let _ = writeln!(
+                    s,
+                    "      {{ long long c = r % {d}; r /= {d}; base += c * {st}LL; }}",
+                    d = src[a],
+                    st = src_strides[a]
+                );
+            }
+            let _ = writeln!(s, "    }}");
+            let count: usize = axes.iter().map(|&a| src[a]).product();
+            let idt = in_dts[0];
+            let acc_t = if idt == DType::F64 {
+                "double"
+            } else if is_float(idt) {
+                "float"
+            } else {
+                "long long"
+            };
+            let init = match rop {
+                ReduceOp::Sum | ReduceOp::Mean => "0".to_string(),
+                ReduceOp::Prod => "1".to_string(),
+                ReduceOp::Max | ReduceOp::Min => {
+                    let _ = writeln!(s, "    long long first = base;");
+                    load(idt, "in0", "first")
+                }
+            };
+            let _ = writeln!(s, "    {acc_t} acc = {init};");
+            let _ = writeln!(s, "    for (long long j = 0; j < {count}LL; ++j) {{");
+            let _ = writeln!(s, "      long long off = base; {{ long long r = j;");
+            for &a in axes.iter().rev() {
+                let _ = writeln!(
+                    s,
+                    "        {{ long long c = r % {d}; r /= {d}; off += c * {st}LL; }}",
+                    d = src[a],
+                    st = src_strides[a]
+                );
+            }
+            let _ = writeln!(s, "      }}");
+            let v = load(idt, "in0", "off");
+            let step = match rop {
+                ReduceOp::Sum | ReduceOp::Mean => format!("acc += {v};"),
+                ReduceOp::Prod => format!("acc *= {v};"),
+                ReduceOp::Max => format!(
+                    "{{ {acc_t} v = {v}; acc = (v != v || acc != acc) ? (acc + v) : (v > acc ? v : acc); }}"
+                ),
+                ReduceOp::Min => format!(
+                    "{{ {acc_t} v = {v}; acc = (v != v || acc != acc) ? (acc + v) : (v < acc ? v : acc); }}"
+                ),
+            };
+            let _ = writeln!(s, "      {step}");
+            let _ = writeln!(s, "    }}");
+            if *rop == ReduceOp::Mean {
+                let _ = writeln!(s, "    acc = acc / ({acc_t}){count};");
+            }
+            let _ = writeln!(s, "    out[i] = {};", store(odt, "acc"));
+        }
+        Op::Permute { perm } => {
+            let own = strides(inputs[0].dims());
+            let st: Vec<i64> = perm.iter().map(|&p| own[p]).collect();
+            gather_copy(&mut s, out_dims, &st, 0, in_dts[0], odt);
+        }
+        Op::Expand { .. } => {
+            let st = broadcast_strides(inputs[0].dims(), out_dims);
+            gather_copy(&mut s, out_dims, &st, 0, in_dts[0], odt);
+        }
+        Op::Reshape { .. } => {
+            gather_copy(&mut s, out_dims, &strides(out_dims), 0, in_dts[0], odt);
+        }
+        Op::Slice { axes } => {
+            let own = strides(inputs[0].dims());
+            let start: i64 = axes
+                .iter()
+                .zip(&own)
+                .map(|(a, st)| a.start as i64 * st)
+                .sum();
+            let st: Vec<i64> = axes
+                .iter()
+                .zip(&own)
+                .map(|(a, st)| a.step as i64 * st)
+                .collect();
+            gather_copy(&mut s, out_dims, &st, start, in_dts[0], odt);
+        }
+        Op::Concat { axis } => {
+            // Output element -> its coordinate along the axis picks the operand.
+            let inner: usize = out_dims[axis + 1..].iter().product();
+            let along = out_dims[*axis];
+            let _ = writeln!(
+                s,
+                "    long long inner = i % {inner}LL; long long c = (i / {inner}LL) % {along}LL; long long outer = i / ({inner}LL * {along}LL);"
+            );
+            let mut start = 0usize;
+            for (k, shape) in inputs.iter().enumerate() {
+                let len = shape.dims()[*axis];
+                let _ = writeln!(
+                    s,
+                    "    if (c >= {start}LL && c < {end}LL) {{ out[i] = {}; }}",
+                    store(
+                        odt,
+                        &load(
+                            shape.dtype(),
+                            &format!("in{k}"),
+                            &format!("(outer * {len}LL + (c - {start}LL)) * {inner}LL + inner")
+                        )
+                    ),
+                    end = start + len
+                );
+                start += len;
+            }
+        }
+        _ => return Ok(None),
+    }
+    s.push_str("  }\n}\n");
+    Ok(Some(Kernel {
+        source: s,
+        elements: n,
+    }))
+}
+
+/// `out[i] = in0[start + sum(coord_k * strides_k)]`.
+fn gather_copy(s: &mut String, dims: &[usize], st: &[i64], start: i64, idt: DType, odt: DType) {
+    offset_code(s, "o0", dims, st);
+    let _ = writeln!(
+        s,
+        "    out[i] = {};",
+        store(odt, &load(idt, "in0", &format!("({start}LL + o0)")))
+    );
+}
+
+/// Converts compute value `v` of `from` to the compute type of `to` (floats to
+/// integers truncate toward zero; to bool tests for non-zero).
+fn cast_expr(from: DType, to: DType, v: &str) -> String {
+    let c = ctype(to).compute;
+    if to == DType::Bool {
+        return format!("(({v}) != 0)");
+    }
+    if is_float(from) && !is_float(to) {
+        // NaN and out-of-range values have no integer; they give 0 rather than
+        // whatever the conversion instruction saturates to.
+        return format!("(({v}) != ({v}) ? 0LL : ({c})({v}))");
+    }
+    format!("(({c})({v}))")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcast_strides_zero_the_repeated_axes() {
+        assert_eq!(broadcast_strides(&[3, 1], &[2, 3, 4]), vec![0, 1, 0]);
+        assert_eq!(broadcast_strides(&[2, 3, 4], &[2, 3, 4]), vec![12, 4, 1]);
+    }
+
+    #[test]
+    fn a_broadcast_add_reads_each_operand_at_its_own_offset() {
+        let a = Shape::new(&[2, 3], DType::F32);
+        let b = Shape::new(&[3], DType::F32);
+        let k = kernel("k0", &Op::Binary(BinaryOp::Add), &[a.clone(), b], &a)
+            .unwrap()
+            .unwrap();
+        assert_eq!(k.elements, 6);
+        assert!(k.source.contains("long long o0 = i;"), "{}", k.source);
+        assert!(k.source.contains("o1 += c * (1LL)"), "{}", k.source);
+    }
+
+    #[test]
+    fn half_values_convert_through_float() {
+        let h = Shape::new(&[4], DType::F16);
+        let k = kernel("k1", &Op::Unary(UnaryOp::Exp), std::slice::from_ref(&h), &h)
+            .unwrap()
+            .unwrap();
+        assert!(k.source.contains("f2h(expf(h2f(in0[o0])))"), "{}", k.source);
+    }
+
+    #[test]
+    fn ops_without_a_generator_are_left_to_the_caller() {
+        let a = Shape::new(&[2, 2], DType::F32);
+        assert!(
+            kernel("k", &Op::MatMul, &[a.clone(), a.clone()], &a)
+                .unwrap()
+                .is_none()
+        );
+    }
+}

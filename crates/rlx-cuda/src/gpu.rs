@@ -1,0 +1,177 @@
+//! One GPU as a program uses it: its context, one stream, a cuBLAS handle, and
+//! device allocations that free themselves.
+
+use cudarc::cublas::result as cublas;
+use cudarc::cublas::sys::cublasHandle_t;
+use cudarc::driver::{CudaContext, CudaStream, result as driver, sys};
+use rlx_ir::{Error, Result};
+use std::sync::Arc;
+
+/// A driver, NVRTC or cuBLAS failure as an `rlx::Error` naming what was being done.
+pub(crate) fn cuda_error(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Runtime {
+        context: "cuda".into(),
+        message: format!("{what}: {e:?}"),
+    }
+}
+
+/// The context, stream and cuBLAS handle of one GPU.
+pub(crate) struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: Blas,
+}
+
+/// A cuBLAS handle bound to the program's stream.
+pub(crate) struct Blas(pub cublasHandle_t);
+
+// The handle is used only by the program that owns it, from one thread at a time.
+unsafe impl Send for Blas {}
+unsafe impl Sync for Blas {}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created by `Gpu::new` and is destroyed once.
+        unsafe {
+            let _ = cublas::destroy_handle(self.0);
+        }
+    }
+}
+
+impl Gpu {
+    /// The primary context of GPU `ordinal`, a new stream on it and a cuBLAS handle.
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_error("creating a context", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_error("creating a stream", e))?;
+        let handle = cublas::create_handle().map_err(|e| cuda_error("creating cuBLAS", e))?;
+        let blas = Blas(handle);
+        // SAFETY: both handles are live; the stream outlives the cuBLAS handle's use.
+        unsafe { cublas::set_stream(blas.0, stream.cu_stream() as _) }
+            .map_err(|e| cuda_error("binding cuBLAS to the stream", e))?;
+        Ok(Gpu { ctx, stream, blas })
+    }
+
+    /// Makes the context current on the calling thread (every driver call needs it).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_error("binding the context", e))
+    }
+
+    /// The raw stream.
+    pub fn cu_stream(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// Waits for everything queued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_error("waiting for the stream", e))
+    }
+}
+
+/// One device allocation, freed on drop.
+pub(crate) struct DeviceBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl DeviceBuffer {
+    /// `bytes` of device memory (at least one byte is allocated, so every buffer has
+    /// an address); `what` names it in the error when the device is out of memory.
+    pub fn new(gpu: &Gpu, bytes: usize, what: &str) -> Result<DeviceBuffer> {
+        gpu.bind()?;
+        // SAFETY: the context is current; the size is non-zero.
+        let ptr = unsafe { driver::malloc_sync(bytes.max(1)) }.map_err(|e| {
+            if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+                Error::OutOfMemory {
+                    tensor: format!("{what} (device memory)"),
+                    bytes,
+                }
+            } else {
+                cuda_error(&format!("allocating {bytes} bytes for {what}"), e)
+            }
+        })?;
+        Ok(DeviceBuffer {
+            ctx: gpu.ctx.clone(),
+            ptr,
+            bytes,
+        })
+    }
+
+    /// A buffer holding `data`.
+    pub fn from_bytes(gpu: &Gpu, data: &[u8], what: &str) -> Result<DeviceBuffer> {
+        let buffer = DeviceBuffer::new(gpu, data.len(), what)?;
+        buffer.upload(gpu, 0, data)?;
+        Ok(buffer)
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Copies `data` to `offset` (synchronously: the host slice may be reused at once).
+    pub fn upload(&self, gpu: &Gpu, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        gpu.bind()?;
+        // SAFETY: the range was checked against the allocation; the stream is drained
+        // first so the copy cannot race queued kernels reading this memory.
+        unsafe {
+            driver::stream::synchronize(gpu.cu_stream())
+                .and_then(|_| driver::memcpy_htod_sync(self.ptr + offset as u64, data))
+        }
+        .map_err(|e| cuda_error("copying to the device", e))
+    }
+
+    /// Copies bytes from `offset` into `dst` (after the queued work finishes).
+    pub fn download(&self, gpu: &Gpu, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        gpu.bind()?;
+        // SAFETY: the range was checked; the stream is drained first.
+        unsafe {
+            driver::stream::synchronize(gpu.cu_stream())
+                .and_then(|_| driver::memcpy_dtoh_sync(dst, self.ptr + offset as u64))
+        }
+        .map_err(|e| cuda_error("copying from the device", e))
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.bytes => Ok(()),
+            _ => Err(Error::invalid(
+                "device copy",
+                format!(
+                    "{len} bytes at {offset} pass the end of a {}-byte buffer",
+                    self.bytes
+                ),
+            )),
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: the pointer came from `malloc_sync` and is freed once.
+            unsafe {
+                let _ = driver::free_sync(self.ptr);
+            }
+        }
+    }
+}

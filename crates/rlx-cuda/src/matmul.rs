@@ -1,0 +1,172 @@
+//! `MatMul` as one strided-batched cuBLAS product. Row-major `C = A B` is the
+//! column-major product `C^T = B^T A^T`, so cuBLAS is called with the operands
+//! swapped and nothing transposed.
+
+use crate::gpu::Gpu;
+use cudarc::cublas::result as cublas;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::sys::CUdeviceptr;
+use rlx_ir::{DType, Shape};
+use rlx_opt::Location;
+use std::ffi::c_void;
+
+/// One planned product.
+pub(crate) struct Gemm {
+    pub a: Location,
+    pub b: Location,
+    pub c: Location,
+    m: i32,
+    n: i32,
+    k: i32,
+    batch: i32,
+    stride_a: i64,
+    stride_b: i64,
+    stride_c: i64,
+    data: cudaDataType,
+    compute: cublasComputeType_t,
+}
+
+/// `dims` as `(batch dims, rows, cols)`, a 1-D operand promoted as numpy does (a row
+/// vector on the left, a column on the right).
+fn matrix(dims: &[usize], left: bool) -> (Vec<usize>, usize, usize) {
+    match dims.len() {
+        0 => (vec![], 1, 1),
+        1 if left => (vec![], 1, dims[0]),
+        1 => (vec![], dims[0], 1),
+        r => (dims[..r - 2].to_vec(), dims[r - 2], dims[r - 1]),
+    }
+}
+
+fn to_i32(v: usize, what: &str) -> Result<i32, String> {
+    i32::try_from(v).map_err(|_| format!("{what} {v} is past cuBLAS's 32-bit sizes"))
+}
+
+impl Gemm {
+    /// Plans `out = a b` for operand shapes `inputs`; an error says why cuBLAS
+    /// cannot run it in one call.
+    pub fn new(
+        inputs: &[Shape],
+        out: &Shape,
+        a: Location,
+        b: Location,
+        c: Location,
+        allow_tf32: bool,
+    ) -> Result<Gemm, String> {
+        let dt = out.dtype();
+        let (data, compute) = match dt {
+            DType::F32 if allow_tf32 => (
+                cudaDataType::CUDA_R_32F,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            ),
+            DType::F32 => (
+                cudaDataType::CUDA_R_32F,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            DType::F16 => (
+                cudaDataType::CUDA_R_16F,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            DType::BF16 => (
+                cudaDataType::CUDA_R_16BF,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            DType::F64 => (
+                cudaDataType::CUDA_R_64F,
+                cublasComputeType_t::CUBLAS_COMPUTE_64F,
+            ),
+            other => return Err(format!("matrix products of {other:?}")),
+        };
+        let (ba, m, k) = matrix(inputs[0].dims(), true);
+        let (bb, k2, n) = matrix(inputs[1].dims(), false);
+        if k != k2 {
+            return Err(format!("inner dims {k} and {k2} differ"));
+        }
+        let batch: usize = out.num_elements() / (m * n).max(1);
+        let batch = if m * n == 0 { 0 } else { batch };
+        // Each operand's batch is either the whole output batch or a single matrix.
+        let stride = |dims: &[usize], size: usize, what: &str| -> Result<i64, String> {
+            let count: usize = dims.iter().product();
+            if count == batch {
+                Ok(size as i64)
+            } else if count == 1 {
+                Ok(0)
+            } else {
+                Err(format!(
+                    "{what} batch dims {dims:?} broadcast partly against the output's; one call cannot express it"
+                ))
+            }
+        };
+        Ok(Gemm {
+            a,
+            b,
+            c,
+            m: to_i32(m, "rows")?,
+            n: to_i32(n, "columns")?,
+            k: to_i32(k, "inner dim")?,
+            batch: to_i32(batch, "batch")?,
+            stride_a: stride(&ba, m * k, "left")?,
+            stride_b: stride(&bb, k * n, "right")?,
+            stride_c: (m * n) as i64,
+            data,
+            compute,
+        })
+    }
+
+    /// Queues the product on the GPU's stream.
+    pub fn run(
+        &self,
+        gpu: &Gpu,
+        a: CUdeviceptr,
+        b: CUdeviceptr,
+        c: CUdeviceptr,
+    ) -> Result<(), cudarc::cublas::result::CublasError> {
+        if self.batch == 0 || self.m == 0 || self.n == 0 {
+            return Ok(());
+        }
+        let (one32, zero32) = (1.0f32, 0.0f32);
+        let (one64, zero64) = (1.0f64, 0.0f64);
+        let (alpha, beta): (*const c_void, *const c_void) =
+            if self.compute == cublasComputeType_t::CUBLAS_COMPUTE_64F {
+                (
+                    (&one64 as *const f64).cast(),
+                    (&zero64 as *const f64).cast(),
+                )
+            } else {
+                (
+                    (&one32 as *const f32).cast(),
+                    (&zero32 as *const f32).cast(),
+                )
+            };
+        // An empty inner dim still writes zeros (beta 0, alpha times nothing).
+        let k = self.k.max(1);
+        // SAFETY: pointers address ranges the plan checked; the scalars live across
+        // the call (cuBLAS reads host scalars before returning).
+        unsafe {
+            cublas::gemm_strided_batched_ex(
+                gpu.blas.0,
+                cublasOperation_t::CUBLAS_OP_N,
+                cublasOperation_t::CUBLAS_OP_N,
+                self.n,
+                self.m,
+                if self.k == 0 { 0 } else { k },
+                alpha,
+                b as *const c_void,
+                self.data,
+                self.n,
+                self.stride_b,
+                a as *const c_void,
+                self.data,
+                k,
+                self.stride_a,
+                beta,
+                c as *mut c_void,
+                self.data,
+                self.n,
+                self.stride_c,
+                self.batch,
+                self.compute,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+    }
+}

@@ -1,0 +1,527 @@
+//! A plan compiled for one GPU: the arena as one device allocation, params and
+//! handles in their own allocations, the generated kernels in one module, and the
+//! matrix products as cuBLAS calls. Running queues every step on one stream; inputs
+//! are copied up from host staging before, outputs down after.
+
+use crate::codegen;
+use crate::gpu::{DeviceBuffer, Gpu, cuda_error};
+use crate::matmul::Gemm;
+use crate::nvrtc::Module;
+use cudarc::driver::{result as driver, sys};
+use rlx_backend::{Executable, HandleStorage, SharedParam};
+use rlx_driver::{Device, Profile};
+use rlx_ir::{Error, NodeId, Op, Result};
+use rlx_opt::{Location, Plan, Region};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// Threads per block of the generated elementwise kernels.
+const BLOCK: usize = 256;
+
+/// One queued step.
+enum Launch {
+    /// A generated kernel over `elements` outputs.
+    Kernel {
+        function: sys::CUfunction,
+        elements: usize,
+        out: Location,
+        inputs: Vec<Location>,
+    },
+    /// A cuBLAS product.
+    Gemm(Gemm),
+}
+
+/// A compiled plan on one GPU.
+pub struct CudaProgram {
+    ordinal: usize,
+    gpu: Arc<Gpu>,
+    plan: Arc<Plan>,
+    module: Arc<Module>,
+    launches: Arc<Vec<(NodeId, String, Launch)>>,
+    arena: DeviceBuffer,
+    params: Vec<Arc<DeviceBuffer>>,
+    constants: Arc<Vec<DeviceBuffer>>,
+    handles: Vec<Option<DeviceBuffer>>,
+    staging: Vec<Vec<u8>>,
+    outputs: HashMap<NodeId, Vec<u8>>,
+}
+
+// Raw CUDA handles inside are used by one thread at a time (the program is `Send`,
+// not `Sync`, as `Executable` asks).
+unsafe impl Send for Launch {}
+unsafe impl Sync for Launch {}
+
+fn location_error(plan: &Plan, what: String) -> Error {
+    Error::InvalidGraph {
+        graph: plan.graph.name().into(),
+        node: what,
+        message: "the plan has no location for this value".into(),
+    }
+}
+
+impl CudaProgram {
+    /// Generates and compiles the plan's kernels and allocates its memory on `gpu`.
+    pub(crate) fn new(
+        gpu: Arc<Gpu>,
+        ordinal: usize,
+        plan: Arc<Plan>,
+        allow_tf32: bool,
+    ) -> Result<CudaProgram> {
+        let graph = &plan.graph;
+        let nodes = graph.nodes();
+        for (i, node) in nodes.iter().enumerate() {
+            let location = *plan
+                .locations
+                .get(i)
+                .ok_or_else(|| location_error(&plan, format!("%{i}")))?;
+            plan.check_range(&format!("%{i} ({})", node.op.name()), location, &node.shape)?;
+        }
+        let mut source = String::from(codegen::PRELUDE);
+        // (node, kernel name or gemm) in schedule order.
+        enum Pending {
+            Kernel(String, usize),
+            Gemm(Gemm),
+        }
+        let mut pending = Vec::with_capacity(plan.schedule.len());
+        for &id in &plan.schedule {
+            let node = &nodes[id.index()];
+            let in_shapes: Vec<_> = node
+                .inputs
+                .iter()
+                .map(|x| nodes[x.index()].shape.clone())
+                .collect();
+            let inputs: Vec<Location> = node
+                .inputs
+                .iter()
+                .map(|x| plan.locations[x.index()])
+                .collect();
+            let out = plan.locations[id.index()];
+            let what = || format!("%{} ({})", id.index(), node.op.name());
+            if node.op == Op::MatMul {
+                let gemm = Gemm::new(
+                    &in_shapes,
+                    &node.shape,
+                    inputs[0],
+                    inputs[1],
+                    out,
+                    allow_tf32,
+                )
+                .map_err(|e| Error::Unsupported {
+                    device: "cuda".into(),
+                    what: format!("{}: {e}", what()),
+                })?;
+                pending.push((
+                    id,
+                    format!("cuda.cublas.matmul.{:?}", node.shape.dtype()).to_lowercase(),
+                    Pending::Gemm(gemm),
+                    inputs,
+                    out,
+                ));
+                continue;
+            }
+            let name = format!("k{}", id.index());
+            match codegen::kernel(&name, &node.op, &in_shapes, &node.shape)? {
+                Some(k) => {
+                    source.push_str(&k.source);
+                    pending.push((
+                        id,
+                        format!("cuda.nvrtc.{}.{:?}", node.op.name(), node.shape.dtype())
+                            .to_lowercase(),
+                        Pending::Kernel(name, k.elements),
+                        inputs,
+                        out,
+                    ));
+                }
+                None => {
+                    return Err(Error::Unsupported {
+                        device: "cuda".into(),
+                        what: format!("{}: no CUDA kernel for this op yet", what()),
+                    });
+                }
+            }
+        }
+        let module = Module::compile(&gpu, &source)?;
+        let mut launches = Vec::with_capacity(pending.len());
+        for (id, kernel, p, inputs, out) in pending {
+            let launch = match p {
+                Pending::Kernel(name, elements) => Launch::Kernel {
+                    function: module.function(&name)?,
+                    elements,
+                    out,
+                    inputs,
+                },
+                Pending::Gemm(g) => Launch::Gemm(g),
+            };
+            launches.push((id, kernel, launch));
+        }
+        let constants = graph
+            .constants()
+            .iter()
+            .enumerate()
+            .map(|(i, data)| {
+                DeviceBuffer::from_bytes(
+                    &gpu,
+                    &data.as_ref().to_le_bytes(),
+                    &format!("constant #{i}"),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let params = plan
+            .params
+            .iter()
+            .map(|p| {
+                DeviceBuffer::new(&gpu, p.shape.byte_size(), &format!("param '{}'", p.name))
+                    .map(Arc::new)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let handles = plan
+            .handles
+            .iter()
+            .map(|h| {
+                let buffer =
+                    DeviceBuffer::new(&gpu, h.shape.byte_size(), &format!("handle '{}'", h.name))?;
+                // Handles start as zeros, as on the CPU.
+                buffer.upload(&gpu, 0, &vec![0u8; h.shape.byte_size()])?;
+                Ok(Some(buffer))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        drop(nodes);
+        let arena = DeviceBuffer::new(&gpu, plan.stats.arena_bytes, "the arena")?;
+        let staging = plan
+            .inputs
+            .iter()
+            .map(|i| vec![0u8; i.shape.byte_size()])
+            .collect();
+        let outputs = plan
+            .outputs
+            .iter()
+            .map(|&o| (o, vec![0u8; plan.shape(o).byte_size()]))
+            .collect();
+        Ok(CudaProgram {
+            ordinal,
+            gpu,
+            plan,
+            module: Arc::new(module),
+            launches: Arc::new(launches),
+            arena,
+            params,
+            constants: Arc::new(constants),
+            handles,
+            staging,
+            outputs,
+        })
+    }
+
+    fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    /// The device address of a location.
+    fn address(&self, at: Location) -> Result<sys::CUdeviceptr> {
+        let base = match at.region {
+            Region::Arena => self.arena.ptr(),
+            Region::Param(i) => self.params[i].ptr(),
+            Region::Constant(i) => self.constants[i].ptr(),
+            Region::Handle(i) => self.handles[i]
+                .as_ref()
+                .ok_or_else(|| {
+                    Error::invalid("handle", format!("#{i} was taken and not put back"))
+                })?
+                .ptr(),
+        };
+        Ok(base + at.offset as u64)
+    }
+
+    fn launch_all(&self) -> Result<()> {
+        self.gpu.bind()?;
+        let stream = self.gpu.cu_stream();
+        for (id, _, launch) in self.launches.iter() {
+            match launch {
+                Launch::Kernel {
+                    function,
+                    elements,
+                    out,
+                    inputs,
+                } => {
+                    if *elements == 0 {
+                        continue;
+                    }
+                    let mut args: Vec<u64> = Vec::with_capacity(inputs.len() + 1);
+                    args.push(self.address(*out)?);
+                    for &i in inputs {
+                        args.push(self.address(i)?);
+                    }
+                    let mut params: Vec<*mut c_void> =
+                        args.iter_mut().map(|a| (a as *mut u64).cast()).collect();
+                    let blocks = elements.div_ceil(BLOCK).min(1 << 20) as u32;
+                    // SAFETY: the kernel's parameters are device pointers, one per
+                    // operand, as the generator wrote them; every range was checked
+                    // against its region when the program was built.
+                    unsafe {
+                        driver::launch_kernel(
+                            *function,
+                            (blocks, 1, 1),
+                            (BLOCK as u32, 1, 1),
+                            0,
+                            stream,
+                            &mut params,
+                        )
+                    }
+                    .map_err(|e| cuda_error(&format!("launching %{}", id.index()), e))?;
+                }
+                Launch::Gemm(g) => {
+                    let a = self.address(g.a)?;
+                    let b = self.address(g.b)?;
+                    let c = self.address(g.c)?;
+                    g.run(&self.gpu, a, b, c)
+                        .map_err(|e| cuda_error(&format!("cuBLAS product %{}", id.index()), e))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn handle_buffer(&self, index: usize) -> Result<&DeviceBuffer> {
+        self.handles
+            .get(index)
+            .ok_or_else(|| Error::invalid("handle", format!("no handle #{index}")))?
+            .as_ref()
+            .ok_or_else(|| Error::invalid("handle", format!("#{index} was taken and not put back")))
+    }
+}
+
+impl Executable for CudaProgram {
+    fn kernels(&self) -> Vec<(NodeId, String)> {
+        self.launches
+            .iter()
+            .map(|(id, name, _)| (*id, name.clone()))
+            .collect()
+    }
+
+    fn set_param(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
+        let source = self
+            .plan
+            .params
+            .get(index)
+            .ok_or_else(|| Error::invalid("param", format!("no param #{index}")))?;
+        if bytes.len() != source.shape.byte_size() {
+            return Err(Error::LengthMismatch {
+                kind: "param",
+                name: source.name.clone(),
+                expected: source.shape.byte_size(),
+                got: bytes.len(),
+                unit: "bytes",
+            });
+        }
+        // Storage shared with another program gets its own copy first.
+        if Arc::strong_count(&self.params[index]) > 1 {
+            self.params[index] = Arc::new(DeviceBuffer::new(
+                &self.gpu,
+                bytes.len(),
+                &format!("param '{}'", source.name),
+            )?);
+        }
+        self.params[index].upload(&self.gpu, 0, bytes)
+    }
+
+    fn export_param(&self, index: usize) -> Result<SharedParam> {
+        let p = self
+            .params
+            .get(index)
+            .ok_or_else(|| Error::invalid("param", format!("no param #{index}")))?;
+        Ok(SharedParam::new(self.device(), p.clone()))
+    }
+
+    fn import_param(&mut self, index: usize, param: &SharedParam) -> Result<()> {
+        let buffer = param
+            .storage::<Arc<DeviceBuffer>>()
+            .filter(|_| param.device() == self.device())
+            .ok_or_else(|| {
+                Error::invalid(
+                    "share param",
+                    format!(
+                        "storage from {} cannot be used on {}",
+                        param.device(),
+                        self.device()
+                    ),
+                )
+            })?;
+        let want = self
+            .plan
+            .params
+            .get(index)
+            .ok_or_else(|| Error::invalid("param", format!("no param #{index}")))?
+            .shape
+            .byte_size();
+        if buffer.len() != want {
+            return Err(Error::invalid(
+                "share param",
+                format!(
+                    "#{index} holds {want} bytes, the shared storage {}",
+                    buffer.len()
+                ),
+            ));
+        }
+        self.params[index] = buffer.clone();
+        Ok(())
+    }
+
+    fn input_staging(&mut self, index: usize) -> Result<&mut [u8]> {
+        self.staging
+            .get_mut(index)
+            .map(|v| v.as_mut_slice())
+            .ok_or_else(|| Error::invalid("input", format!("no input #{index}")))
+    }
+
+    fn submit(&mut self) -> Result<()> {
+        for (source, bytes) in self.plan.inputs.iter().zip(&self.staging) {
+            let at = self.plan.locations[source.node.index()];
+            debug_assert_eq!(at.region, Region::Arena);
+            self.arena.upload(&self.gpu, at.offset, bytes)?;
+        }
+        self.launch_all()
+    }
+
+    fn wait(&mut self) -> Result<()> {
+        self.gpu.synchronize()
+    }
+
+    fn sync_outputs(&mut self) -> Result<()> {
+        let mut outputs = std::mem::take(&mut self.outputs);
+        let result = outputs.iter_mut().try_for_each(|(node, host)| {
+            let at = self.plan.locations[node.index()];
+            match at.region {
+                Region::Arena => self.arena.download(&self.gpu, at.offset, host),
+                Region::Param(i) => self.params[i].download(&self.gpu, at.offset, host),
+                Region::Constant(i) => self.constants[i].download(&self.gpu, at.offset, host),
+                Region::Handle(i) => self.handle_buffer(i)?.download(&self.gpu, at.offset, host),
+            }
+        });
+        self.outputs = outputs;
+        result
+    }
+
+    fn value_bytes(&self, node: NodeId) -> Result<&[u8]> {
+        self.outputs
+            .get(&node)
+            .map(|v| v.as_slice())
+            .ok_or_else(|| {
+                Error::invalid(
+                    "value",
+                    format!(
+                        "%{} is not an output; on CUDA only outputs are copied to the host",
+                        node.index()
+                    ),
+                )
+            })
+    }
+
+    fn read_handle(&self, index: usize, dst: &mut [u8]) -> Result<()> {
+        let buffer = self.handle_buffer(index)?;
+        if buffer.len() != dst.len() {
+            return Err(Error::LengthMismatch {
+                kind: "handle",
+                name: format!("#{index}"),
+                expected: buffer.len(),
+                got: dst.len(),
+                unit: "bytes",
+            });
+        }
+        buffer.download(&self.gpu, 0, dst)
+    }
+
+    fn write_handle(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
+        let buffer = self.handle_buffer(index)?;
+        if buffer.len() != bytes.len() {
+            return Err(Error::LengthMismatch {
+                kind: "handle",
+                name: format!("#{index}"),
+                expected: buffer.len(),
+                got: bytes.len(),
+                unit: "bytes",
+            });
+        }
+        buffer.upload(&self.gpu, 0, bytes)
+    }
+
+    fn take_handle(&mut self, index: usize) -> Result<HandleStorage> {
+        self.handle_buffer(index)?;
+        let buffer = self.handles[index].take().expect("checked above");
+        Ok(HandleStorage::new(self.device(), buffer))
+    }
+
+    fn put_handle(&mut self, index: usize, storage: HandleStorage) -> Result<()> {
+        let want = self
+            .plan
+            .handles
+            .get(index)
+            .ok_or_else(|| Error::invalid("handle", format!("no handle #{index}")))?
+            .shape
+            .byte_size();
+        let device = self.device();
+        let buffer = storage.into_inner::<DeviceBuffer>().map_err(|s| {
+            Error::invalid(
+                "put_handle",
+                format!("storage from {} is not a buffer of {device}", s.device()),
+            )
+        })?;
+        if buffer.len() != want {
+            return Err(Error::invalid(
+                "put_handle",
+                format!(
+                    "handle #{index} holds {want} bytes, the storage {}",
+                    buffer.len()
+                ),
+            ));
+        }
+        self.handles[index] = Some(buffer);
+        Ok(())
+    }
+
+    fn arena_ptr(&self) -> Option<*const u8> {
+        None
+    }
+
+    fn set_profiling(&mut self, _on: bool) {}
+
+    fn profile(&self) -> Option<Profile> {
+        None
+    }
+
+    fn clone_box(&self) -> Box<dyn Executable> {
+        // A copy with its own arena and handles; params and kernels shared.
+        let copy = (|| -> Result<CudaProgram> {
+            let arena = DeviceBuffer::new(&self.gpu, self.plan.stats.arena_bytes, "the arena")?;
+            let handles = self
+                .handles
+                .iter()
+                .enumerate()
+                .map(|(i, h)| {
+                    let bytes = self.plan.handles[i].shape.byte_size();
+                    let copy = DeviceBuffer::new(&self.gpu, bytes, "a handle")?;
+                    if let Some(h) = h {
+                        let mut host = vec![0u8; bytes];
+                        h.download(&self.gpu, 0, &mut host)?;
+                        copy.upload(&self.gpu, 0, &host)?;
+                    }
+                    Ok(Some(copy))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(CudaProgram {
+                ordinal: self.ordinal,
+                gpu: self.gpu.clone(),
+                plan: self.plan.clone(),
+                module: self.module.clone(),
+                launches: self.launches.clone(),
+                arena,
+                params: self.params.clone(),
+                constants: self.constants.clone(),
+                handles,
+                staging: self.staging.clone(),
+                outputs: self.outputs.clone(),
+            })
+        })();
+        Box::new(copy.expect("device memory for a clone of a compiled graph"))
+    }
+}

@@ -1,3 +1,0 @@
-//! Adapters from device crates to the [`crate::Backend`] trait.
-
-pub mod cpu;
