@@ -39,7 +39,7 @@ pub use rlx_opt as opt;
 pub use rlx_runtime as runtime;
 pub use rlx_runtime::{
     BucketedCompileCache, Buckets, CompileOptions, CompiledGraph, MemoryStats, Session,
-    SlotOutputs, SymbolRange, SymbolicGraph,
+    SlotOutputs, SymbolRange, SymbolicGraph, device_available,
 };
 
 /// How many threads the CPU backend's pool runs kernels on (one per core, or

@@ -1,5 +1,10 @@
-//! Every IR op, compiled for the CPU and run with `run_typed`, against the reference
-//! evaluator (`rlx::ir::reference::evaluate`) on fresh random data.
+//! Every IR op, compiled for every device available here (the CPU, and CUDA GPU 0
+//! where CUDA is present) and run with `run_typed`, against the reference evaluator
+//! (`rlx::ir::reference::evaluate`) on fresh random data.
+//!
+//! Where a device has no kernel yet for an op (`Error::Unsupported` at compile), the
+//! case is reported as skipped on that device, with the reason, and counted;
+//! `RLX_TEST_STRICT_DEVICES=1` turns those skips into failures.
 //!
 //! Each case builds a small graph, compiles it twice (default options, and with memory
 //! reuse and in-place execution off), runs both on two rounds of random inputs and
@@ -273,42 +278,77 @@ fn check(
         build(&g, &ids).unwrap_or_else(|e| panic!("{label}: building the graph failed: {e}"));
     assert!(!outs.is_empty(), "{label}: no outputs");
     g.set_outputs(outs);
-    let session = Session::new(Device::Cpu);
-    let mut fast = session
-        .compile(&g)
-        .unwrap_or_else(|e| panic!("{label}: compile failed: {e}"));
-    let mut plain = session
-        .compile_with(&g, &unreused())
-        .unwrap_or_else(|e| panic!("{label}: compile (no reuse) failed: {e}"));
-    for round in 0..2u64 {
-        let mut rng = Rng::new(seed ^ mix(round + 1));
-        let mut values = HashMap::new();
-        let mut data = Vec::with_capacity(inputs.len());
-        for i in inputs {
-            let t = random_tensor(&mut rng, &i.shape, i.dist);
-            data.push((i.name.as_str(), t.to_data()));
-            values.insert(i.name.clone(), t);
+    let mut stats = None;
+    for device in test_devices() {
+        let session = Session::new(device);
+        let compiled = session.compile(&g).and_then(|fast| {
+            let plain = session.compile_with(&g, &unreused())?;
+            Ok((fast, plain))
+        });
+        let (mut fast, mut plain) = match compiled {
+            Ok(pair) => pair,
+            Err(Error::Unsupported { what, .. })
+                if device != Device::Cpu
+                    && std::env::var_os("RLX_TEST_STRICT_DEVICES").is_none() =>
+            {
+                eprintln!("SKIP {label} on {device}: {what}");
+                continue;
+            }
+            Err(e) => panic!("{label}: compile for {device} failed: {e}"),
+        };
+        let label = &format!("{label} on {device}");
+        for round in 0..2u64 {
+            let mut rng = Rng::new(seed ^ mix(round + 1));
+            let mut values = HashMap::new();
+            let mut data = Vec::with_capacity(inputs.len());
+            for i in inputs {
+                let t = random_tensor(&mut rng, &i.shape, i.dist);
+                data.push((i.name.as_str(), t.to_data()));
+                values.insert(i.name.clone(), t);
+            }
+            let want = evaluate(&g, &mut values)
+                .unwrap_or_else(|e| panic!("{label}: reference failed: {e}"));
+            let feed: Vec<(&str, TensorRef<'_>)> =
+                data.iter().map(|(n, d)| (*n, d.as_ref())).collect();
+            let got = fast
+                .run_typed(&feed)
+                .unwrap_or_else(|e| panic!("{label}: run failed: {e}"));
+            let got_plain = plain
+                .run_typed(&feed)
+                .unwrap_or_else(|e| panic!("{label}: run (no reuse) failed: {e}"));
+            assert_eq!(got.len(), want.len(), "{label}: output count");
+            for (k, (a, w)) in got.iter().zip(&want).enumerate() {
+                compare(label, &format!("round {round}, output {k}"), a, w, tol);
+            }
+            assert_eq!(
+                bytes_of(&got),
+                bytes_of(&got_plain),
+                "{label}: round {round}: results differ with memory reuse and in-place off"
+            );
         }
-        let want =
-            evaluate(&g, &mut values).unwrap_or_else(|e| panic!("{label}: reference failed: {e}"));
-        let feed: Vec<(&str, TensorRef<'_>)> = data.iter().map(|(n, d)| (*n, d.as_ref())).collect();
-        let got = fast
-            .run_typed(&feed)
-            .unwrap_or_else(|e| panic!("{label}: run failed: {e}"));
-        let got_plain = plain
-            .run_typed(&feed)
-            .unwrap_or_else(|e| panic!("{label}: run (no reuse) failed: {e}"));
-        assert_eq!(got.len(), want.len(), "{label}: output count");
-        for (k, (a, w)) in got.iter().zip(&want).enumerate() {
-            compare(label, &format!("round {round}, output {k}"), a, w, tol);
+        if device == Device::Cpu {
+            stats = Some((fast.memory_stats(), plain.memory_stats()));
         }
-        assert_eq!(
-            bytes_of(&got),
-            bytes_of(&got_plain),
-            "{label}: round {round}: results differ with memory reuse and in-place off"
-        );
     }
-    (fast.memory_stats(), plain.memory_stats())
+    stats.expect("the CPU is always tested")
+}
+
+/// The devices the op suite runs on: the CPU, and CUDA GPU 0 when it is available
+/// (said once on stderr when it is not).
+fn test_devices() -> Vec<Device> {
+    static CUDA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let cuda = *CUDA.get_or_init(|| match rlx::device_available(Device::Cuda(0)) {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("CUDA cases skipped: {e}");
+            false
+        }
+    });
+    let mut devices = vec![Device::Cpu];
+    if cuda {
+        devices.push(Device::Cuda(0));
+    }
+    devices
 }
 
 /// A test's sequence of cases: each case gets its own seed from the test's constant
