@@ -56,7 +56,8 @@ run)
         libs="$libs:$(dirname "$f")"
     done
     export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    export RLX_CACHE="$out/cache"
+    # The PTX cache stays off $OUT (thousands of files do not travel back).
+    export RLX_CACHE=/tmp/rlx-gpu-check-cache
     {
         echo "== card"
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
@@ -66,7 +67,7 @@ run)
     for t in "$bin"/*; do
         name=$(basename "$t")
         echo "== $name" | tee -a "$out/gpu-check.log"
-        "$t" --test-threads=1 >"$out/$name.log" 2>&1
+        "$t" --test-threads=1 --nocapture >"$out/$name.log" 2>&1
         rc=$?
         result=$(grep -E '^test result' "$out/$name.log" | tail -1)
         skips=$(grep -c '^SKIP .* on cuda' "$out/$name.log")
@@ -76,16 +77,16 @@ run)
     # A second run of the op suite must compile nothing (the PTX cache is warm).
     if [ -x "$bin/ops" ]; then
         before=$(ls "$RLX_CACHE/cuda" 2>/dev/null | wc -l)
-        "$bin/ops" --test-threads=1 >"$out/ops-second.log" 2>&1
+        "$bin/ops" --test-threads=1 --nocapture >"$out/ops-second.log" 2>&1
         after=$(ls "$RLX_CACHE/cuda" 2>/dev/null | wc -l)
         summary="$summary\nops, second start: PTX files in the cache $before -> $after"
     fi
-    grep -h '^SKIP .* on cuda' "$out"/*.log | sed 's/.*: //' | sort | uniq -c | sort -rn >"$out/skipped-ops.txt"
+    grep -h '^SKIP .* on cuda' "$out/ops.log" | sed 's/.*: //' | sort | uniq -c | sort -rn >"$out/skipped-ops.txt"
     echo "== summary" | tee -a "$out/gpu-check.log"
     printf "$summary\n" | tee -a "$out/gpu-check.log"
     echo "skipped, by reason (top 15):" | tee -a "$out/gpu-check.log"
     head -15 "$out/skipped-ops.txt" | tee -a "$out/gpu-check.log"
-    grep -h -A12 'panicked' "$out"/ops.log 2>/dev/null | head -60 | tee -a "$out/gpu-check.log"
+    grep -h -A3 'panicked' "$out"/ops.log 2>/dev/null | cut -c1-600 | head -80 | tee -a "$out/gpu-check.log"
     ;;
 *)
     echo "usage: $0 build|run" >&2

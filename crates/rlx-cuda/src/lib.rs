@@ -131,6 +131,9 @@ fn native_ops() -> NativeOps {
         .chain(binary.iter().map(|b| b.name().to_string()))
         .collect();
     for op in [
+        "gelu",
+        "gelu_tanh",
+        "silu",
         "where",
         "cast",
         "matmul",

@@ -29,7 +29,36 @@ pub fn is_composite(op: &Op) -> bool {
 /// Builds `op` applied to `inputs` out of primitives in `g`, or `None` when `op` is a
 /// primitive. The result has the shape and dtype the composite would have.
 pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>> {
-    let dtype = g.shape(inputs[0])?.dtype();
+    let Some(&first) = inputs.first() else {
+        // Every composite has operands; an op without any is a primitive.
+        return Ok(None);
+    };
+    let dtype = g.shape(first)?.dtype();
+    let half = |d: crate::DType| matches!(d, crate::DType::F16 | crate::DType::BF16);
+    if half(dtype)
+        && is_composite(op)
+        && !matches!(
+            op,
+            Op::Elementwise { .. } | Op::FusedMatMul { .. } | Op::FusedConv2d { .. }
+        )
+    {
+        // A half-precision composite is computed in f32 and rounded once, as its own
+        // kernel would: rounding after every primitive step loses several bits.
+        let wide = inputs
+            .iter()
+            .map(|&x| {
+                if half(g.shape(x)?.dtype()) {
+                    g.cast(x, crate::DType::F32)
+                } else {
+                    Ok(x)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        return match decompose(g, op, &wide)? {
+            Some(y) => Ok(Some(g.cast(y, dtype)?)),
+            None => Ok(None),
+        };
+    }
     let c = |v: f64| g.scalar(v, dtype);
     Ok(Some(match op {
         Op::Softmax { axis } => softmax(g, inputs[0], *axis, false)?,
