@@ -19,6 +19,9 @@ use std::sync::Arc;
 /// Threads per block of the generated elementwise kernels.
 const BLOCK: usize = 256;
 
+/// Most pointer arguments of a generated kernel (its output and operands).
+const MAX_ARGS: usize = 64;
+
 /// One queued step.
 enum Launch {
     /// A generated kernel over `elements` outputs.
@@ -119,6 +122,12 @@ impl CudaProgram {
                     out,
                 ));
                 continue;
+            }
+            if inputs.len() + 1 > MAX_ARGS {
+                return Err(Error::Unsupported {
+                    device: "cuda".into(),
+                    what: format!("{}: more than {} operands", what(), MAX_ARGS - 1),
+                });
             }
             let name = format!("k{}", id.index());
             match codegen::kernel(&name, &node.op, &in_shapes, &node.shape)? {
@@ -247,13 +256,18 @@ impl CudaProgram {
                     if *elements == 0 {
                         continue;
                     }
-                    let mut args: Vec<u64> = Vec::with_capacity(inputs.len() + 1);
-                    args.push(self.address(*out)?);
-                    for &i in inputs {
-                        args.push(self.address(i)?);
+                    // Kernel arguments on the stack: no allocation per launch.
+                    let count = inputs.len() + 1;
+                    let mut args = [0u64; MAX_ARGS];
+                    args[0] = self.address(*out)?;
+                    for (slot, &i) in args[1..count].iter_mut().zip(inputs) {
+                        *slot = self.address(i)?;
                     }
-                    let mut params: Vec<*mut c_void> =
-                        args.iter_mut().map(|a| (a as *mut u64).cast()).collect();
+                    let mut pointers = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+                    for (p, a) in pointers.iter_mut().zip(args.iter_mut()) {
+                        *p = (a as *mut u64).cast();
+                    }
+                    let params = &mut pointers[..count];
                     let blocks = elements.div_ceil(BLOCK).min(1 << 20) as u32;
                     // SAFETY: the kernel's parameters are device pointers, one per
                     // operand, as the generator wrote them; every range was checked
@@ -265,7 +279,7 @@ impl CudaProgram {
                             (BLOCK as u32, 1, 1),
                             0,
                             stream,
-                            &mut params,
+                            params,
                         )
                     }
                     .map_err(|e| cuda_error(&format!("launching %{}", id.index()), e))?;
@@ -280,6 +294,21 @@ impl CudaProgram {
             }
         }
         Ok(())
+    }
+
+    /// Handle `index`'s buffer, checked to hold `len` bytes.
+    fn handle_of_len(&self, index: usize, len: usize) -> Result<&DeviceBuffer> {
+        let buffer = self.handle_buffer(index)?;
+        if buffer.len() != len {
+            return Err(Error::LengthMismatch {
+                kind: "handle",
+                name: format!("#{index}"),
+                expected: buffer.len(),
+                got: len,
+                unit: "bytes",
+            });
+        }
+        Ok(buffer)
     }
 
     fn handle_buffer(&self, index: usize) -> Result<&DeviceBuffer> {
@@ -418,31 +447,13 @@ impl Executable for CudaProgram {
     }
 
     fn read_handle(&self, index: usize, dst: &mut [u8]) -> Result<()> {
-        let buffer = self.handle_buffer(index)?;
-        if buffer.len() != dst.len() {
-            return Err(Error::LengthMismatch {
-                kind: "handle",
-                name: format!("#{index}"),
-                expected: buffer.len(),
-                got: dst.len(),
-                unit: "bytes",
-            });
-        }
-        buffer.download(&self.gpu, 0, dst)
+        self.handle_of_len(index, dst.len())?
+            .download(&self.gpu, 0, dst)
     }
 
     fn write_handle(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
-        let buffer = self.handle_buffer(index)?;
-        if buffer.len() != bytes.len() {
-            return Err(Error::LengthMismatch {
-                kind: "handle",
-                name: format!("#{index}"),
-                expected: buffer.len(),
-                got: bytes.len(),
-                unit: "bytes",
-            });
-        }
-        buffer.upload(&self.gpu, 0, bytes)
+        self.handle_of_len(index, bytes.len())?
+            .upload(&self.gpu, 0, bytes)
     }
 
     fn take_handle(&mut self, index: usize) -> Result<HandleStorage> {
