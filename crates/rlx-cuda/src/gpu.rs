@@ -127,11 +127,17 @@ impl DeviceBuffer {
             return Ok(());
         }
         gpu.bind()?;
-        // SAFETY: the range was checked against the allocation; the stream is drained
-        // first so the copy cannot race queued kernels reading this memory.
+        // The copy is queued on the program's stream, ordered after the kernels that
+        // read this memory and before the ones that follow, then waited for. A plain
+        // synchronous copy is not enough: it goes through the legacy default stream,
+        // which a non-blocking stream does not wait for, and from pageable memory it
+        // returns before the transfer lands, so a kernel queued next could read the
+        // old bytes.
+        // SAFETY: the range was checked against the allocation; `data` outlives the
+        // copy because the stream is drained before returning.
         unsafe {
-            driver::stream::synchronize(gpu.cu_stream())
-                .and_then(|_| driver::memcpy_htod_sync(self.ptr + offset as u64, data))
+            driver::memcpy_htod_async(self.ptr + offset as u64, data, gpu.cu_stream())
+                .and_then(|_| driver::stream::synchronize(gpu.cu_stream()))
         }
         .map_err(|e| cuda_error("copying to the device", e))
     }
@@ -143,10 +149,12 @@ impl DeviceBuffer {
             return Ok(());
         }
         gpu.bind()?;
-        // SAFETY: the range was checked; the stream is drained first.
+        // Queued after the kernels that write this memory (see `upload`).
+        // SAFETY: the range was checked; `dst` outlives the copy because the stream is
+        // drained before returning.
         unsafe {
-            driver::stream::synchronize(gpu.cu_stream())
-                .and_then(|_| driver::memcpy_dtoh_sync(dst, self.ptr + offset as u64))
+            driver::memcpy_dtoh_async(dst, self.ptr + offset as u64, gpu.cu_stream())
+                .and_then(|_| driver::stream::synchronize(gpu.cu_stream()))
         }
         .map_err(|e| cuda_error("copying from the device", e))
     }

@@ -147,6 +147,23 @@ fn native_ops() -> NativeOps {
         "reduce_max",
         "reduce_min",
         "reduce_prod",
+        "argmax",
+        "argmin",
+        "gather",
+        "pad",
+        "tile",
+        "range",
+        "cumsum",
+        "topk_values",
+        "topk_indices",
+        "one_hot",
+        "conv2d",
+        "max_pool2d",
+        "avg_pool2d",
+        "write_at",
+        "cached_attention",
+        "dequantize",
+        "quant_matmul",
     ] {
         names.insert(op.to_string());
     }

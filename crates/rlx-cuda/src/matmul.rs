@@ -1,6 +1,8 @@
 //! `MatMul` as one strided-batched cuBLAS product. Row-major `C = A B` is the
 //! column-major product `C^T = B^T A^T`, so cuBLAS is called with the operands
-//! swapped and nothing transposed.
+//! swapped and nothing transposed. Batch dims that broadcast only partly (`[2, 1]`
+//! against `[1, 3]`) cannot be one strided call; those run as one call per output
+//! matrix, each with its operands' offsets worked out when the program is built.
 
 use crate::gpu::Gpu;
 use cudarc::cublas::result as cublas;
@@ -24,6 +26,11 @@ pub(crate) struct Gemm {
     stride_c: i64,
     data: cudaDataType,
     compute: cublasComputeType_t,
+    /// Bytes of the output, zeroed when the inner dim is empty.
+    c_bytes: usize,
+    /// Per output matrix, byte offsets into `a`, `b` and `c`, when the batch dims
+    /// broadcast partly (else empty: one strided call).
+    pieces: Vec<(u64, u64, u64)>,
 }
 
 /// `dims` as `(batch dims, rows, cols)`, a 1-D operand promoted as numpy does (a row
@@ -83,19 +90,56 @@ impl Gemm {
         }
         let batch: usize = out.num_elements() / (m * n).max(1);
         let batch = if m * n == 0 { 0 } else { batch };
-        // Each operand's batch is either the whole output batch or a single matrix.
-        let stride = |dims: &[usize], size: usize, what: &str| -> Result<i64, String> {
+        // Each operand's batch is either the whole output batch or a single matrix;
+        // anything else runs matrix by matrix.
+        let whole = |dims: &[usize]| {
             let count: usize = dims.iter().product();
-            if count == batch {
-                Ok(size as i64)
-            } else if count == 1 {
-                Ok(0)
+            count == batch || count == 1
+        };
+        let stride = |dims: &[usize], size: usize| -> i64 {
+            if dims.iter().product::<usize>() == 1 {
+                0
             } else {
-                Err(format!(
-                    "{what} batch dims {dims:?} broadcast partly against the output's; one call cannot express it"
-                ))
+                size as i64
             }
         };
+        let elem = dt.size_in_bytes() as u64;
+        let mut pieces = Vec::new();
+        if !(whole(&ba) && whole(&bb)) {
+            let rank = ba.len().max(bb.len());
+            let mut out_batch = vec![1usize; rank];
+            for (ax, d) in out_batch.iter_mut().enumerate() {
+                let pick = |v: &[usize]| {
+                    let lead = rank - v.len();
+                    if ax < lead { 1 } else { v[ax - lead] }
+                };
+                *d = pick(&ba).max(pick(&bb));
+            }
+            let sa = rlx_ir::contiguous_strides(&ba);
+            let sb = rlx_ir::contiguous_strides(&bb);
+            for t in 0..batch {
+                let (mut r, mut ia, mut ib) = (t, 0usize, 0usize);
+                for ax in (0..rank).rev() {
+                    let c = r % out_batch[ax];
+                    r /= out_batch[ax];
+                    let index = |v: &[usize], s: &[usize]| {
+                        let lead = rank - v.len();
+                        if ax < lead || v[ax - lead] == 1 {
+                            0
+                        } else {
+                            c * s[ax - lead]
+                        }
+                    };
+                    ia += index(&ba, &sa);
+                    ib += index(&bb, &sb);
+                }
+                pieces.push((
+                    (ia * m * k) as u64 * elem,
+                    (ib * k * n) as u64 * elem,
+                    (t * m * n) as u64 * elem,
+                ));
+            }
+        }
         Ok(Gemm {
             a,
             b,
@@ -104,11 +148,13 @@ impl Gemm {
             n: to_i32(n, "columns")?,
             k: to_i32(k, "inner dim")?,
             batch: to_i32(batch, "batch")?,
-            stride_a: stride(&ba, m * k, "left")?,
-            stride_b: stride(&bb, k * n, "right")?,
+            stride_a: stride(&ba, m * k),
+            stride_b: stride(&bb, k * n),
             stride_c: (m * n) as i64,
             data,
             compute,
+            c_bytes: out.byte_size(),
+            pieces,
         })
     }
 
@@ -119,10 +165,36 @@ impl Gemm {
         a: CUdeviceptr,
         b: CUdeviceptr,
         c: CUdeviceptr,
-    ) -> Result<(), cudarc::cublas::result::CublasError> {
+    ) -> rlx_ir::Result<()> {
         if self.batch == 0 || self.m == 0 || self.n == 0 {
             return Ok(());
         }
+        if self.k == 0 {
+            // A sum of nothing: zeros.
+            // SAFETY: the output range was checked against its region.
+            return unsafe {
+                cudarc::driver::result::memset_d8_async(c, 0, self.c_bytes, gpu.cu_stream())
+            }
+            .map_err(|e| crate::gpu::cuda_error("zeroing an empty product", e));
+        }
+        if self.pieces.is_empty() {
+            return self.call(gpu, a, b, c, self.batch);
+        }
+        for &(da, db, dc) in &self.pieces {
+            self.call(gpu, a + da, b + db, c + dc, 1)?;
+        }
+        Ok(())
+    }
+
+    /// One strided-batched call over `batch` matrices starting at `a`, `b`, `c`.
+    fn call(
+        &self,
+        gpu: &Gpu,
+        a: CUdeviceptr,
+        b: CUdeviceptr,
+        c: CUdeviceptr,
+        batch: i32,
+    ) -> rlx_ir::Result<()> {
         let (one32, zero32) = (1.0f32, 0.0f32);
         let (one64, zero64) = (1.0f64, 0.0f64);
         let (alpha, beta): (*const c_void, *const c_void) =
@@ -137,8 +209,7 @@ impl Gemm {
                     (&zero32 as *const f32).cast(),
                 )
             };
-        // An empty inner dim still writes zeros (beta 0, alpha times nothing).
-        let k = self.k.max(1);
+        let k = self.k;
         // SAFETY: pointers address ranges the plan checked; the scalars live across
         // the call (cuBLAS reads host scalars before returning).
         unsafe {
@@ -148,7 +219,7 @@ impl Gemm {
                 cublasOperation_t::CUBLAS_OP_N,
                 self.n,
                 self.m,
-                if self.k == 0 { 0 } else { k },
+                k,
                 alpha,
                 b as *const c_void,
                 self.data,
@@ -163,10 +234,11 @@ impl Gemm {
                 self.data,
                 self.n,
                 self.stride_c,
-                self.batch,
+                batch,
                 self.compute,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
+        .map_err(|e| crate::gpu::cuda_error("cuBLAS product", e))
     }
 }

@@ -3,7 +3,7 @@
 //! matrix products as cuBLAS calls. Running queues every step on one stream; inputs
 //! are copied up from host staging before, outputs down after.
 
-use crate::codegen;
+use crate::codegen::{self, Grid};
 use crate::gpu::{DeviceBuffer, Gpu, cuda_error};
 use crate::matmul::Gemm;
 use crate::nvrtc::Module;
@@ -24,12 +24,14 @@ const MAX_ARGS: usize = 64;
 
 /// One queued step.
 enum Launch {
-    /// A generated kernel over `elements` outputs.
+    /// A generated kernel.
     Kernel {
         function: sys::CUfunction,
-        elements: usize,
+        grid: Grid,
         out: Location,
         inputs: Vec<Location>,
+        /// Whether it takes the error word as its last argument.
+        checked: bool,
     },
     /// A cuBLAS product.
     Gemm(Gemm),
@@ -48,6 +50,11 @@ pub struct CudaProgram {
     handles: Vec<Option<DeviceBuffer>>,
     staging: Vec<Vec<u8>>,
     outputs: HashMap<NodeId, Vec<u8>>,
+    /// The words a kernel's failed run-time check sets (its node index + 1, and the
+    /// value that failed), and what each code means; read after every run that has
+    /// checked kernels.
+    errors: DeviceBuffer,
+    checks: Arc<HashMap<i32, String>>,
 }
 
 // Raw CUDA handles inside are used by one thread at a time (the program is `Send`,
@@ -83,9 +90,10 @@ impl CudaProgram {
         let mut source = String::from(codegen::PRELUDE);
         // (node, kernel name or gemm) in schedule order.
         enum Pending {
-            Kernel(String, usize),
+            Kernel(String, Grid, bool),
             Gemm(Gemm),
         }
+        let mut checks = HashMap::new();
         let mut pending = Vec::with_capacity(plan.schedule.len());
         for &id in &plan.schedule {
             let node = &nodes[id.index()];
@@ -123,21 +131,33 @@ impl CudaProgram {
                 ));
                 continue;
             }
-            if inputs.len() + 1 > MAX_ARGS {
+            if inputs.len() + 2 > MAX_ARGS {
                 return Err(Error::Unsupported {
                     device: "cuda".into(),
-                    what: format!("{}: more than {} operands", what(), MAX_ARGS - 1),
+                    what: format!("{}: more than {} operands", what(), MAX_ARGS - 2),
                 });
             }
             let name = format!("k{}", id.index());
-            match codegen::kernel(&name, &node.op, &in_shapes, &node.shape)? {
+            let code = i32::try_from(id.index() + 1).unwrap_or(i32::MAX);
+            if let Op::WriteAt { .. } = node.op {
+                // The kernel writes only the update's rows: the result must be the
+                // target itself, as the planner places it.
+                if out != inputs[0] {
+                    return Err(location_error(&plan, what()));
+                }
+            }
+            match codegen::kernel(&name, &node.op, &in_shapes, &node.shape, code)? {
                 Some(k) => {
                     source.push_str(&k.source);
+                    let checked = k.check.is_some();
+                    if let Some(message) = k.check {
+                        checks.insert(code, format!("{}: {message}", what()));
+                    }
                     pending.push((
                         id,
                         format!("cuda.nvrtc.{}.{:?}", node.op.name(), node.shape.dtype())
                             .to_lowercase(),
-                        Pending::Kernel(name, k.elements),
+                        Pending::Kernel(name, k.grid, checked),
                         inputs,
                         out,
                     ));
@@ -154,11 +174,12 @@ impl CudaProgram {
         let mut launches = Vec::with_capacity(pending.len());
         for (id, kernel, p, inputs, out) in pending {
             let launch = match p {
-                Pending::Kernel(name, elements) => Launch::Kernel {
+                Pending::Kernel(name, grid, checked) => Launch::Kernel {
                     function: module.function(&name)?,
-                    elements,
+                    grid,
                     out,
                     inputs,
+                    checked,
                 },
                 Pending::Gemm(g) => Launch::Gemm(g),
             };
@@ -197,6 +218,7 @@ impl CudaProgram {
             .collect::<Result<Vec<_>>>()?;
         drop(nodes);
         let arena = DeviceBuffer::new(&gpu, plan.stats.arena_bytes, "the arena")?;
+        let errors = DeviceBuffer::from_bytes(&gpu, &[0u8; 16], "the error words")?;
         let staging = plan
             .inputs
             .iter()
@@ -219,6 +241,8 @@ impl CudaProgram {
             handles,
             staging,
             outputs,
+            errors,
+            checks: Arc::new(checks),
         })
     }
 
@@ -249,34 +273,42 @@ impl CudaProgram {
             match launch {
                 Launch::Kernel {
                     function,
-                    elements,
+                    grid,
                     out,
                     inputs,
+                    checked,
                 } => {
-                    if *elements == 0 {
+                    if grid.is_empty() {
                         continue;
                     }
                     // Kernel arguments on the stack: no allocation per launch.
-                    let count = inputs.len() + 1;
+                    let count = inputs.len() + 1 + usize::from(*checked);
                     let mut args = [0u64; MAX_ARGS];
                     args[0] = self.address(*out)?;
-                    for (slot, &i) in args[1..count].iter_mut().zip(inputs) {
+                    for (slot, &i) in args[1..].iter_mut().zip(inputs) {
                         *slot = self.address(i)?;
+                    }
+                    if *checked {
+                        args[count - 1] = self.errors.ptr();
                     }
                     let mut pointers = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
                     for (p, a) in pointers.iter_mut().zip(args.iter_mut()) {
                         *p = (a as *mut u64).cast();
                     }
                     let params = &mut pointers[..count];
-                    let blocks = elements.div_ceil(BLOCK).min(1 << 20) as u32;
+                    let (blocks, threads) = match *grid {
+                        Grid::Elements(n) => (n.div_ceil(BLOCK).min(1 << 20), BLOCK as u32),
+                        Grid::Warps(n) => (n.div_ceil(BLOCK / 32).min(1 << 20), BLOCK as u32),
+                        Grid::Blocks { count, threads } => (count, threads),
+                    };
                     // SAFETY: the kernel's parameters are device pointers, one per
                     // operand, as the generator wrote them; every range was checked
                     // against its region when the program was built.
                     unsafe {
                         driver::launch_kernel(
                             *function,
-                            (blocks, 1, 1),
-                            (BLOCK as u32, 1, 1),
+                            (blocks as u32, 1, 1),
+                            (threads, 1, 1),
                             0,
                             stream,
                             params,
@@ -288,8 +320,9 @@ impl CudaProgram {
                     let a = self.address(g.a)?;
                     let b = self.address(g.b)?;
                     let c = self.address(g.c)?;
-                    g.run(&self.gpu, a, b, c)
-                        .map_err(|e| cuda_error(&format!("cuBLAS product %{}", id.index()), e))?;
+                    g.run(&self.gpu, a, b, c).map_err(|e| {
+                        cuda_error(&format!("the matrix product %{}", id.index()), e)
+                    })?;
                 }
             }
         }
@@ -413,7 +446,29 @@ impl Executable for CudaProgram {
     }
 
     fn wait(&mut self) -> Result<()> {
-        self.gpu.synchronize()
+        self.gpu.synchronize()?;
+        if self.checks.is_empty() {
+            return Ok(());
+        }
+        let mut words = [0u8; 16];
+        self.errors.download(&self.gpu, 0, &mut words)?;
+        let word = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&words[at..at + 8]);
+            i64::from_le_bytes(b)
+        };
+        let (code, value) = (word(0), word(8));
+        if code == 0 {
+            return Ok(());
+        }
+        // Cleared, so the next run starts clean.
+        self.errors.upload(&self.gpu, 0, &[0u8; 16])?;
+        let message = i32::try_from(code)
+            .ok()
+            .and_then(|c| self.checks.get(&c))
+            .map(|m| m.replace("{value}", &value.to_string()))
+            .unwrap_or_else(|| format!("a kernel failed its check (code {code})"));
+        Err(Error::runtime("cuda", message))
     }
 
     fn sync_outputs(&mut self) -> Result<()> {
@@ -531,6 +586,8 @@ impl Executable for CudaProgram {
                 handles,
                 staging: self.staging.clone(),
                 outputs: self.outputs.clone(),
+                errors: DeviceBuffer::from_bytes(&self.gpu, &[0u8; 16], "the error words")?,
+                checks: self.checks.clone(),
             })
         })();
         Box::new(copy.expect("device memory for a clone of a compiled graph"))

@@ -195,7 +195,13 @@ fn activation(g: &Graph, u: UnaryOp, x: NodeId) -> Result<NodeId> {
 /// Softmax (or log-softmax) along `axis`, shifted by the maximum. A slice that is all
 /// `-inf` gives zeros (log-softmax: `-inf`) instead of NaN.
 fn softmax(g: &Graph, x: NodeId, axis: usize, log: bool) -> Result<NodeId> {
-    let dtype = g.shape(x)?.dtype();
+    let shape = g.shape(x)?;
+    let dtype = shape.dtype();
+    if shape.num_elements() == 0 {
+        // Nothing to compute, and no maximum to shift by over an empty axis: the
+        // result is as empty as `x`.
+        return g.reshape(x, shape.dims());
+    }
     let a = axis as isize;
     let m = g.reduce_max(x, &[a], true)?;
     let none = g.binary(BinaryOp::Eq, m, g.scalar(f64::NEG_INFINITY, dtype))?;

@@ -20,6 +20,9 @@ use rlx::{
 };
 use std::collections::HashMap;
 
+mod common;
+use common::test_devices;
+
 // ---------------------------------------------------------------------------------------
 // Deterministic random data
 // ---------------------------------------------------------------------------------------
@@ -331,24 +334,6 @@ fn check(
         }
     }
     stats.expect("the CPU is always tested")
-}
-
-/// The devices the op suite runs on: the CPU, and CUDA GPU 0 when it is available
-/// (said once on stderr when it is not).
-fn test_devices() -> Vec<Device> {
-    static CUDA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let cuda = *CUDA.get_or_init(|| match rlx::device_available(Device::Cuda(0)) {
-        Ok(()) => true,
-        Err(e) => {
-            eprintln!("CUDA cases skipped: {e}");
-            false
-        }
-    });
-    let mut devices = vec![Device::Cpu];
-    if cuda {
-        devices.push(Device::Cuda(0));
-    }
-    devices
 }
 
 /// A test's sequence of cases: each case gets its own seed from the test's constant
@@ -2474,8 +2459,11 @@ fn params_and_constants() {
     g.set_outputs(vec![y, r, g.slice(c, 0, 1, 2, 1).unwrap()]);
     let mut rng = Rng::new(0x1C);
     let wt = random_tensor(&mut rng, &Shape::new(&[4, 2], DType::F32), Dist::Default);
-    for opts in [CompileOptions::new(), unreused()] {
-        let mut compiled = Session::new(Device::Cpu).compile_with(&g, &opts).unwrap();
+    for (device, opts) in test_devices()
+        .into_iter()
+        .flat_map(|d| [(d, CompileOptions::new()), (d, unreused())])
+    {
+        let mut compiled = Session::new(device).compile_with(&g, &opts).unwrap();
         compiled
             .set_param_typed("w", wt.to_data().as_ref())
             .unwrap();
@@ -2542,13 +2530,15 @@ fn check_write_at(label: &str, seed: u64, g: &Graph, positions: &[i64]) {
     let mut rng = Rng::new(seed);
     let init = random_tensor(&mut rng, &cache, Dist::Default);
     let init_f32: Vec<f32> = init.data.iter().map(|&v| v as f32).collect();
-    let mut runs: Vec<(&str, CompiledGraph)> = Vec::new();
-    for (name, opts) in [("default", CompileOptions::new()), ("no reuse", unreused())] {
-        let mut compiled = Session::new(Device::Cpu)
-            .compile_with(g, &opts.bind_handle(&handle))
-            .unwrap_or_else(|e| panic!("{label}: compile failed: {e}"));
-        compiled.write_handle("cache", &init_f32).unwrap();
-        runs.push((name, compiled));
+    let mut runs: Vec<(String, CompiledGraph)> = Vec::new();
+    for device in test_devices() {
+        for (name, opts) in [("default", CompileOptions::new()), ("no reuse", unreused())] {
+            let mut compiled = Session::new(device)
+                .compile_with(g, &opts.bind_handle(&handle))
+                .unwrap_or_else(|e| panic!("{label}: compile for {device} failed: {e}"));
+            compiled.write_handle("cache", &init_f32).unwrap();
+            runs.push((format!("{name} on {device}"), compiled));
+        }
     }
     let mut values = HashMap::from([("cache".to_string(), init)]);
     for &p in positions {
@@ -2676,8 +2666,11 @@ fn gather_out_of_range_is_an_error() {
     let z = g.add(y, g.scalar(1.0, DType::F32)).unwrap();
     g.set_outputs(vec![z]);
     let mut rng = Rng::new(0x1E);
-    for opts in [CompileOptions::new(), unreused()] {
-        let mut compiled = Session::new(Device::Cpu).compile_with(&g, &opts).unwrap();
+    for (device, opts) in test_devices()
+        .into_iter()
+        .flat_map(|d| [(d, CompileOptions::new()), (d, unreused())])
+    {
+        let mut compiled = Session::new(device).compile_with(&g, &opts).unwrap();
         for round in 0..3 {
             let dt = random_tensor(&mut rng, &Shape::new(&[5, 3], DType::F32), Dist::Default);
             let d = dt.to_data();
@@ -2717,12 +2710,24 @@ fn gather_out_of_range_is_an_error() {
     let data = g.input("data", Shape::new(&[5, 0], DType::F32)).unwrap();
     let idx = g.input("idx", Shape::new(&[2], DType::I64)).unwrap();
     g.set_outputs(vec![g.gather(data, idx, 0).unwrap()]);
-    let mut compiled = Session::new(Device::Cpu).compile(&g).unwrap();
-    let err = compiled.run_typed(&[
-        ("data", TensorRef::F32(&[])),
-        ("idx", TensorRef::I64(&[1, 5])),
-    ]);
-    assert!(matches!(err, Err(Error::Runtime { .. })), "{err:?}");
+    for device in test_devices() {
+        let mut compiled = Session::new(device).compile(&g).unwrap();
+        let err = compiled.run_typed(&[
+            ("data", TensorRef::F32(&[])),
+            ("idx", TensorRef::I64(&[1, 5])),
+        ]);
+        assert!(
+            matches!(err, Err(Error::Runtime { .. })),
+            "{device}: {err:?}"
+        );
+        let ok = compiled
+            .run_typed(&[
+                ("data", TensorRef::F32(&[])),
+                ("idx", TensorRef::I64(&[1, -5])),
+            ])
+            .unwrap();
+        assert_eq!(ok, vec![TensorData::F32(vec![])], "{device}");
+    }
     let mut values = HashMap::from([
         (
             "data".to_string(),
@@ -2737,13 +2742,6 @@ fn gather_out_of_range_is_an_error() {
         evaluate(&g, &mut values),
         Err(Error::Runtime { .. })
     ));
-    let ok = compiled
-        .run_typed(&[
-            ("data", TensorRef::F32(&[])),
-            ("idx", TensorRef::I64(&[1, -5])),
-        ])
-        .unwrap();
-    assert_eq!(ok, vec![TensorData::F32(vec![])]);
     // The reference rejects the same index.
     let mut values = HashMap::from([
         (

@@ -1,11 +1,15 @@
 //! The ops over quantized weights (`quant_matmul`, `dequantize`) for every block
-//! format, and `cached_attention`, on the CPU against the reference evaluator, on
-//! fresh random data (both the GEMV path for a few rows and the packed GEMM path).
+//! format, and `cached_attention`, on every available device against the reference
+//! evaluator, on fresh random data (both the GEMV path for a few rows and the packed
+//! GEMM path).
 
 use rlx::ir::QuantFormat;
 use rlx::ir::reference::{HostTensor, evaluate};
 use rlx::prelude::*;
 use std::collections::HashMap;
+
+mod common;
+use common::test_devices;
 
 struct Rng(u64);
 
@@ -57,31 +61,33 @@ fn host(dims: &[usize], dtype: DType, data: Vec<f64>) -> HostTensor {
     HostTensor::new(Shape::new(dims, dtype), data)
 }
 
-/// Runs `g` on the CPU and with the reference evaluator on the same inputs; checks
-/// every output element within `1e-5 * sqrt(k) * (1 + |ref|)`.
+/// Runs `g` on every available device and with the reference evaluator on the same
+/// inputs; checks every output element within `1e-5 * sqrt(k) * (1 + |ref|)`.
 fn check(label: &str, g: &Graph, inputs: Vec<(&str, HostTensor)>, k: usize) {
-    let mut compiled = Session::new(Device::Cpu)
-        .compile(g)
-        .unwrap_or_else(|e| panic!("{label}: {e}"));
     let data: Vec<(&str, TensorData)> = inputs.iter().map(|(n, t)| (*n, t.to_data())).collect();
     let feed: Vec<(&str, TensorRef<'_>)> = data.iter().map(|(n, d)| (*n, d.as_ref())).collect();
-    let got = compiled
-        .run_typed(&feed)
-        .unwrap_or_else(|e| panic!("{label}: {e}"));
     let mut values: HashMap<String, HostTensor> = inputs
         .into_iter()
         .map(|(n, t)| (n.to_string(), t))
         .collect();
     let want = evaluate(g, &mut values).unwrap_or_else(|e| panic!("{label}: reference: {e}"));
     let tol = 1e-5 * (k.max(1) as f64).sqrt();
-    for (a, w) in got.iter().zip(&want) {
-        let a = a.as_ref().to_f64_vec();
-        assert_eq!(a.len(), w.data.len(), "{label}");
-        for (i, (x, y)) in a.iter().zip(&w.data).enumerate() {
-            assert!(
-                (x - y).abs() <= tol * (1.0 + y.abs()),
-                "{label}: element {i}: {x} vs {y}"
-            );
+    for device in test_devices() {
+        let mut compiled = Session::new(device)
+            .compile(g)
+            .unwrap_or_else(|e| panic!("{label} on {device}: {e}"));
+        let got = compiled
+            .run_typed(&feed)
+            .unwrap_or_else(|e| panic!("{label} on {device}: {e}"));
+        for (a, w) in got.iter().zip(&want) {
+            let a = a.as_ref().to_f64_vec();
+            assert_eq!(a.len(), w.data.len(), "{label} on {device}");
+            for (i, (x, y)) in a.iter().zip(&w.data).enumerate() {
+                assert!(
+                    (x - y).abs() <= tol * (1.0 + y.abs()),
+                    "{label} on {device}: element {i}: {x} vs {y}"
+                );
+            }
         }
     }
 }
@@ -242,7 +248,6 @@ fn cached_attention_over_a_prefix_of_the_cache() {
     let p = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
     let y = g.cached_attention(q, k, k, p, None).unwrap();
     g.set_outputs(vec![y]);
-    let mut c = Session::new(Device::Cpu).compile(&g).unwrap();
     let (qd, kd) = (vec![0.5f32; 32], vec![0.25f32; 40]);
     let run = |c: &mut CompiledGraph, pos: i64| {
         c.run_typed(&[
@@ -251,15 +256,19 @@ fn cached_attention_over_a_prefix_of_the_cache() {
             ("pos", TensorRef::I64(&[pos])),
         ])
     };
-    let e = run(&mut c, 7).unwrap_err().to_string();
-    assert!(e.contains("position 7"), "{e}");
-    assert!(run(&mut c, -1).is_err());
-    let ok = run(&mut c, 6).unwrap();
-    assert!(
-        ok[0]
-            .as_ref()
-            .to_f64_vec()
-            .iter()
-            .all(|x| (x - 0.25).abs() < 1e-6)
-    );
+    for device in test_devices() {
+        let mut c = Session::new(device).compile(&g).unwrap();
+        let e = run(&mut c, 7).unwrap_err().to_string();
+        assert!(e.contains("position 7"), "{device}: {e}");
+        assert!(run(&mut c, -1).is_err(), "{device}");
+        let ok = run(&mut c, 6).unwrap();
+        assert!(
+            ok[0]
+                .as_ref()
+                .to_f64_vec()
+                .iter()
+                .all(|x| (x - 0.25).abs() < 1e-6),
+            "{device}"
+        );
+    }
 }

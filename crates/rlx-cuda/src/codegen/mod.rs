@@ -1,11 +1,26 @@
-//! CUDA C for the steps of a plan that are not matrix products: elementwise ops with
-//! broadcasting, casts, reductions and data movement (permute, expand, slice,
-//! concat). Shapes are written into each kernel as constants, so a kernel does only
-//! its own index arithmetic; every kernel of a program goes into one source, compiled
-//! once by NVRTC (and cached on disk by the source's hash).
+//! CUDA C for the steps of a plan that are not matrix products. Shapes are written
+//! into each kernel as constants, so a kernel does only its own index arithmetic;
+//! every kernel of a program goes into one source, compiled once by NVRTC (and cached
+//! on disk by the source's hash).
 //!
-//! Each kernel takes its output pointer first, then one pointer per operand, and
-//! walks its output elements with a grid-stride loop over 64-bit indices.
+//! This module writes elementwise ops with broadcasting, casts, reductions and data
+//! movement (permute, expand, slice, concat); [`index`] the ops that pick, scan or
+//! rank elements; [`window`] convolutions and pooling; [`attention`] attention over a
+//! KV cache; [`quant`] the GGUF block formats.
+//!
+//! Each kernel takes its output pointer first, then one pointer per operand, and,
+//! when it checks its operands at run time (an index in range, a cache position), a
+//! last pointer to two error words where the first failing thread leaves its code
+//! and the value that failed. Most walk their
+//! output elements with a grid-stride loop over 64-bit indices ([`Grid::Elements`]).
+
+mod attention;
+mod index;
+mod quant;
+mod window;
+
+#[cfg(test)]
+mod syntax_check;
 
 use rlx_ir::{BinaryOp, DType, Error, Op, ReduceOp, Result, Shape, UnaryOp};
 use std::fmt::Write;
@@ -24,6 +39,31 @@ __device__ __forceinline__ long long ipow(long long b, long long e) {
   return (long long)r;
 }
 #define RLX_LOOP(n) for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
+#define RLX_INF __int_as_float(0x7f800000)
+#define RLX_WARP_LOOP(n) for (long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < (n); w += ((long long)gridDim.x * blockDim.x) >> 5)
+// The first failing check leaves its code in err[0] and the offending value in err[1].
+__device__ __forceinline__ void rlx_fail(long long* err, int code, long long value) {
+  if (atomicCAS((unsigned long long*)err, 0ULL, (unsigned long long)code) == 0ULL) err[1] = value;
+}
+__device__ __forceinline__ float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o); return v; }
+__device__ __forceinline__ double warp_sum(double v) { for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o); return v; }
+__device__ __forceinline__ float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o)); return v; }
+__device__ __forceinline__ double warp_max(double v) { for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o)); return v; }
+// Block-wide sum and maximum through `red` (32 slots of shared memory); every
+// thread of the block calls them and gets the result.
+template <typename T> __device__ T block_sum(T v, T* red) {
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v); if (lane == 0) red[warp] = v; __syncthreads();
+  if (warp == 0) { v = lane < warps ? red[lane] : (T)0; v = warp_sum(v); if (lane == 0) red[0] = v; }
+  __syncthreads(); T r = red[0]; __syncthreads(); return r;
+}
+template <typename T> __device__ T block_max(T v, T* red) {
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = warp_max(v); if (lane == 0) red[warp] = v; __syncthreads();
+  if (warp == 0) { v = lane < warps ? red[lane] : (T)-RLX_INF; v = warp_max(v); if (lane == 0) red[0] = v; }
+  __syncthreads(); T r = red[0]; __syncthreads(); return r;
+}
+__device__ __forceinline__ float half_at(const unsigned char* b, int at) { return h2f((unsigned short)(b[at] | (b[at + 1] << 8))); }
 "#;
 
 /// How a dtype is stored and computed in generated code.
@@ -267,14 +307,40 @@ fn offset_code(out: &mut String, name: &str, dims: &[usize], strides_: &[i64]) {
     let _ = writeln!(out, "    }}");
 }
 
-/// One step's kernel: the source of `extern "C" __global__ void {name}(...)` and the
-/// number of elements it covers (the launch size).
-pub(crate) struct Kernel {
-    pub source: String,
-    pub elements: usize,
+/// How a kernel is launched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Grid {
+    /// A grid-stride loop over this many items (`RLX_LOOP`), 256 threads a block.
+    Elements(usize),
+    /// A warp-stride loop over this many items (`RLX_WARP_LOOP`), 256 threads a block.
+    Warps(usize),
+    /// Exactly `count` blocks of `threads` threads.
+    Blocks { count: usize, threads: u32 },
 }
 
-fn header(name: &str, out_dt: DType, inputs: &[DType]) -> String {
+impl Grid {
+    /// Whether the launch has no work (the step is skipped).
+    pub fn is_empty(self) -> bool {
+        match self {
+            Grid::Elements(n) | Grid::Warps(n) => n == 0,
+            Grid::Blocks { count, .. } => count == 0,
+        }
+    }
+}
+
+/// One step's kernel: the source of `extern "C" __global__ void {name}(...)`, how to
+/// launch it, and, when it checks its operands at run time, what a failure means.
+pub(crate) struct Kernel {
+    pub source: String,
+    pub grid: Grid,
+    /// The error reported when the kernel sets the error words, `{value}` standing
+    /// for the value that failed (`None`: it takes no error words).
+    pub check: Option<String>,
+}
+
+/// The opening of a kernel: output pointer, one `const` pointer per operand, and the
+/// error word when `checked`.
+fn header_with(name: &str, out_dt: DType, inputs: &[DType], checked: bool) -> String {
     let mut s = format!(
         "extern \"C\" __global__ void {name}({}* __restrict__ out",
         ctype(out_dt).storage
@@ -282,18 +348,66 @@ fn header(name: &str, out_dt: DType, inputs: &[DType]) -> String {
     for (k, dt) in inputs.iter().enumerate() {
         let _ = write!(s, ", const {}* __restrict__ in{k}", ctype(*dt).storage);
     }
+    if checked {
+        s.push_str(", long long* __restrict__ err");
+    }
     s.push_str(") {\n");
     s
 }
 
+fn header(name: &str, out_dt: DType, inputs: &[DType]) -> String {
+    header_with(name, out_dt, inputs, false)
+}
+
+/// Declares `long long {p}{k}` for every axis `k`: the coordinates of linear index
+/// `var` over `dims` (an empty tensor runs no thread, so a zero dim is written as 1).
+fn unravel_code(s: &mut String, var: &str, dims: &[usize], p: &str) {
+    let _ = writeln!(s, "    long long {p}_r = {var};");
+    for (k, d) in dims.iter().enumerate().rev() {
+        let d = (*d).max(1);
+        let _ = writeln!(s, "    long long {p}{k} = {p}_r % {d}LL; {p}_r /= {d}LL;");
+    }
+}
+
+/// A literal of value `v` in `dt`'s compute type (bit-exact for floats, NaN and
+/// infinities included; integers rounded as the reference rounds them).
+fn literal(v: f64, dt: DType) -> String {
+    if dt.is_float() {
+        let d = format!("__longlong_as_double({}LL)", v.to_bits() as i64);
+        if dt == DType::F64 {
+            d
+        } else {
+            format!("((float){d})")
+        }
+    } else {
+        format!("{}LL", dt.round_value(v) as i64)
+    }
+}
+
 /// The kernel for `op` with operand shapes `inputs` and output `output`, or `None`
 /// when the op is not one this generator writes.
+///
+/// A kernel that checks its operands at run time leaves `fail_code` in the error
+/// word when a check fails.
 pub(crate) fn kernel(
     name: &str,
     op: &Op,
     inputs: &[Shape],
     output: &Shape,
+    fail_code: i32,
 ) -> Result<Option<Kernel>> {
+    if let Some(k) = index::kernel(name, op, inputs, output, fail_code)? {
+        return Ok(Some(k));
+    }
+    if let Some(k) = window::kernel(name, op, inputs, output) {
+        return Ok(Some(k));
+    }
+    if let Some(k) = attention::kernel(name, op, inputs, output, fail_code)? {
+        return Ok(Some(k));
+    }
+    if let Some(k) = quant::kernel(name, op, inputs, output) {
+        return Ok(Some(k));
+    }
     let out_dims = output.dims();
     let n = output.num_elements();
     let odt = output.dtype();
@@ -438,7 +552,8 @@ pub(crate) fn kernel(
     s.push_str("  }\n}\n");
     Ok(Some(Kernel {
         source: s,
-        elements: n,
+        grid: Grid::Elements(n),
+        check: None,
     }))
 }
 
@@ -481,10 +596,10 @@ mod tests {
     fn a_broadcast_add_reads_each_operand_at_its_own_offset() {
         let a = Shape::new(&[2, 3], DType::F32);
         let b = Shape::new(&[3], DType::F32);
-        let k = kernel("k0", &Op::Binary(BinaryOp::Add), &[a.clone(), b], &a)
+        let k = kernel("k0", &Op::Binary(BinaryOp::Add), &[a.clone(), b], &a, 1)
             .unwrap()
             .unwrap();
-        assert_eq!(k.elements, 6);
+        assert_eq!(k.grid, Grid::Elements(6));
         assert!(k.source.contains("long long o0 = i;"), "{}", k.source);
         assert!(k.source.contains("o1 += c * (1LL)"), "{}", k.source);
     }
@@ -492,9 +607,15 @@ mod tests {
     #[test]
     fn half_values_convert_through_float() {
         let h = Shape::new(&[4], DType::F16);
-        let k = kernel("k1", &Op::Unary(UnaryOp::Exp), std::slice::from_ref(&h), &h)
-            .unwrap()
-            .unwrap();
+        let k = kernel(
+            "k1",
+            &Op::Unary(UnaryOp::Exp),
+            std::slice::from_ref(&h),
+            &h,
+            1,
+        )
+        .unwrap()
+        .unwrap();
         assert!(k.source.contains("f2h(expf(h2f(in0[o0])))"), "{}", k.source);
     }
 
@@ -502,7 +623,7 @@ mod tests {
     fn ops_without_a_generator_are_left_to_the_caller() {
         let a = Shape::new(&[2, 2], DType::F32);
         assert!(
-            kernel("k", &Op::MatMul, &[a.clone(), a.clone()], &a)
+            kernel("k", &Op::MatMul, &[a.clone(), a.clone()], &a, 1)
                 .unwrap()
                 .is_none()
         );

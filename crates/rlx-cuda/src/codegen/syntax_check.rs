@@ -1,0 +1,277 @@
+//! Checks that the generated CUDA C parses, on machines without CUDA: every kind of
+//! kernel the generator writes is put in one source, as a program would be, and
+//! given to the host C++ compiler (syntax only) behind a shim that declares the CUDA
+//! built-ins. NVRTC on the GPU machine remains the real compiler; this catches the
+//! typos before a GPU run.
+
+use super::{PRELUDE, kernel};
+use rlx_ir::{
+    ArgReduceOp, BinaryOp, DType, F64Bits, Op, PadMode, QuantFormat, ReduceOp, Shape, SliceAxis,
+    TopKOutput, UnaryOp, Window2d,
+};
+use std::process::Command;
+
+/// Declarations standing in for what NVRTC provides.
+const SHIM: &str = r#"
+#include <cmath>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+#define asm(...) (void)0
+struct Dim3 { unsigned x, y, z; };
+static Dim3 blockIdx, threadIdx, blockDim, gridDim;
+unsigned long long atomicCAS(unsigned long long*, unsigned long long, unsigned long long);
+float __shfl_xor_sync(unsigned, float, int);
+double __shfl_xor_sync(unsigned, double, int);
+float __int_as_float(int);
+float __uint_as_float(unsigned);
+double __longlong_as_double(long long);
+float rsqrtf(float);
+double rsqrt(double);
+void __syncthreads();
+using std::fmaxf; using std::fminf; using std::fmax; using std::fmin;
+"#;
+
+fn f32s(dims: &[usize]) -> Shape {
+    Shape::new(dims, DType::F32)
+}
+
+/// One step of each kind, over shapes with broadcasting, odd sizes and halves.
+fn samples() -> Vec<(Op, Vec<Shape>, Shape)> {
+    let x = f32s(&[2, 3, 5, 7]);
+    let h = Shape::new(&[2, 3, 5, 7], DType::F16);
+    let i64s = |d: &[usize]| Shape::new(d, DType::I64);
+    let win = Window2d {
+        kernel: [3, 3],
+        stride: [2, 1],
+        padding: [1, 1, 1, 0],
+        dilation: [1, 2],
+    };
+    let mut v = vec![
+        (Op::Unary(UnaryOp::Gelu), vec![h.clone()], h.clone()),
+        (
+            Op::Binary(BinaryOp::Pow),
+            vec![i64s(&[3, 1]), i64s(&[4])],
+            i64s(&[3, 4]),
+        ),
+        (
+            Op::Where,
+            vec![Shape::new(&[7], DType::Bool), x.clone(), x.clone()],
+            x.clone(),
+        ),
+        (
+            Op::Cast(DType::I32),
+            vec![x.clone()],
+            Shape::new(x.dims(), DType::I32),
+        ),
+        (
+            Op::Reduce {
+                op: ReduceOp::Max,
+                axes: vec![1, 3],
+                keepdims: false,
+            },
+            vec![x.clone()],
+            f32s(&[2, 5]),
+        ),
+        (
+            Op::Permute {
+                perm: vec![3, 0, 2, 1],
+            },
+            vec![x.clone()],
+            f32s(&[7, 2, 5, 3]),
+        ),
+        (
+            Op::Slice {
+                axes: vec![
+                    SliceAxis {
+                        start: 1,
+                        step: 1,
+                        len: 1,
+                    },
+                    SliceAxis {
+                        start: 2,
+                        step: -1,
+                        len: 2,
+                    },
+                    SliceAxis {
+                        start: 0,
+                        step: 2,
+                        len: 3,
+                    },
+                    SliceAxis {
+                        start: 0,
+                        step: 1,
+                        len: 7,
+                    },
+                ],
+            },
+            vec![x.clone()],
+            f32s(&[1, 2, 3, 7]),
+        ),
+        (
+            Op::Concat { axis: 1 },
+            vec![x.clone(), x.clone()],
+            f32s(&[2, 6, 5, 7]),
+        ),
+        (
+            Op::Gather { axis: 1 },
+            vec![x.clone(), i64s(&[4, 2])],
+            f32s(&[2, 4, 2, 5, 7]),
+        ),
+        (
+            Op::Pad {
+                pads: vec![(0, 0), (1, 2), (0, 1), (3, 0)],
+                mode: PadMode::Constant(F64Bits::new(f64::NEG_INFINITY)),
+            },
+            vec![x.clone()],
+            f32s(&[2, 6, 6, 10]),
+        ),
+        (
+            Op::Pad {
+                pads: vec![(0, 0), (1, 1), (0, 0), (2, 2)],
+                mode: PadMode::Reflect,
+            },
+            vec![h.clone()],
+            Shape::new(&[2, 5, 5, 11], DType::F16),
+        ),
+        (
+            Op::Tile {
+                reps: vec![1, 2, 1, 3],
+            },
+            vec![x.clone()],
+            f32s(&[2, 6, 5, 21]),
+        ),
+        (
+            Op::Range {
+                start: F64Bits::new(2.0),
+                step: F64Bits::new(-0.5),
+                len: 9,
+                dtype: DType::BF16,
+            },
+            vec![],
+            Shape::new(&[9], DType::BF16),
+        ),
+        (
+            Op::OneHot {
+                depth: 5,
+                dtype: DType::F32,
+            },
+            vec![Shape::new(&[3], DType::I32)],
+            f32s(&[3, 5]),
+        ),
+        (
+            Op::Cumsum {
+                axis: 2,
+                exclusive: true,
+                reverse: true,
+            },
+            vec![i64s(&[2, 3, 5])],
+            i64s(&[2, 3, 5]),
+        ),
+        (
+            Op::TopK {
+                k: 3,
+                axis: 2,
+                largest: false,
+                output: TopKOutput::Indices,
+            },
+            vec![x.clone()],
+            i64s(&[2, 3, 3, 7]),
+        ),
+        (
+            Op::ArgReduce {
+                op: ArgReduceOp::ArgMax,
+                axis: 3,
+                keepdims: true,
+            },
+            vec![h.clone()],
+            i64s(&[2, 3, 5, 1]),
+        ),
+        (
+            Op::Conv2d {
+                window: win,
+                groups: 1,
+            },
+            vec![x.clone(), f32s(&[4, 3, 3, 3]), f32s(&[4])],
+            f32s(&[2, 4, 3, 3]),
+        ),
+        (
+            Op::MaxPool2d { window: win },
+            vec![x.clone()],
+            f32s(&[2, 3, 3, 3]),
+        ),
+        (
+            Op::AvgPool2d {
+                window: win,
+                count_include_pad: false,
+            },
+            vec![h.clone()],
+            Shape::new(&[2, 3, 3, 3], DType::F16),
+        ),
+        (
+            Op::WriteAt { axis: 1 },
+            vec![f32s(&[1, 16, 2, 8]), f32s(&[1, 3, 2, 8]), i64s(&[1])],
+            f32s(&[1, 16, 2, 8]),
+        ),
+        (
+            Op::CachedAttention {
+                scale: F64Bits::new(0.125),
+            },
+            vec![
+                Shape::new(&[1, 3, 4, 64], DType::BF16),
+                Shape::new(&[1, 40, 2, 64], DType::BF16),
+                Shape::new(&[1, 40, 2, 64], DType::BF16),
+                Shape::new(&[1], DType::I32),
+            ],
+            Shape::new(&[1, 3, 4, 64], DType::BF16),
+        ),
+    ];
+    for format in QuantFormat::ALL {
+        let row = format.row_bytes(512).expect("whole blocks");
+        let packed = Shape::new(&[6, row], DType::U8);
+        v.push((
+            Op::Dequantize { format },
+            vec![packed.clone()],
+            f32s(&[6, 512]),
+        ));
+        v.push((
+            Op::QuantMatMul { format },
+            vec![f32s(&[2, 512]), packed],
+            f32s(&[2, 6]),
+        ));
+    }
+    v
+}
+
+#[test]
+fn generated_kernels_parse_as_cxx() {
+    let mut source = String::from(SHIM);
+    source.push_str(PRELUDE);
+    for (i, (op, inputs, out)) in samples().iter().enumerate() {
+        let k = kernel(&format!("k{i}"), op, inputs, out, i as i32 + 1)
+            .unwrap_or_else(|e| panic!("{}: {e}", op.name()))
+            .unwrap_or_else(|| panic!("{}: no kernel", op.name()));
+        source.push_str(&k.source);
+    }
+    let dir = std::env::temp_dir().join(format!("rlx-cuda-syntax-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let file = dir.join("program.cpp");
+    std::fs::write(&file, &source).expect("writing the source");
+    let run = Command::new("g++")
+        .args(["-fsyntax-only", "-std=c++17", "-Wno-unused", "-x", "c++"])
+        .arg(&file)
+        .output();
+    let Ok(result) = run else {
+        eprintln!("SKIP generated_kernels_parse_as_cxx: no g++ on this machine");
+        return;
+    };
+    let errors = String::from_utf8_lossy(&result.stderr);
+    assert!(
+        result.status.success(),
+        "the generated source does not parse ({}):\n{errors}",
+        file.display()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
