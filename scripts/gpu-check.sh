@@ -1,21 +1,51 @@
-#!/usr/bin/env bash
-# The GPU check, in two halves:
+# The GPU check, in parts:
 #
 #   scripts/gpu-check.sh build   on the CPU machine: builds the test binaries that
-#                                run on CUDA and copies them, stripped, to .device/bin
-#                                (ignored by git; carry `.device` to the GPU machine)
-#   scripts/gpu-check.sh run     on the GPU machine: runs them (nothing is built
-#                                there) and writes logs under $OUT (or ./gpu-out)
+#                                run on CUDA and the rlx tool, and packs the ONNX node
+#                                suite, all under .device (ignored by git; carry
+#                                `.device` to the GPU machine)
+#   scripts/gpu-check.sh run     on the GPU machine: the CUDA test suites (nothing is
+#                                built there); logs under $OUT (or ./gpu-out)
+#   scripts/gpu-check.sh models  on the GPU machine: PyTorch checkpoints made there
+#                                compared with RLX (scripts/gpu_models.py), and the
+#                                ONNX node suite on CUDA against the CPU's pass list
 #
 # `run` finds the CUDA libraries (driver, NVRTC, cuBLAS) where the GPU machine keeps
-# them, prints the card, runs the op suite on every available device with the CUDA
+# them, prints the card, runs the op suites on every available device with the CUDA
 # cases compared against the reference evaluator, then the rlx-cuda unit tests, and
 # ends with a summary table (passed/failed test counts, CUDA cases skipped for want
-# of a kernel).
+# of a kernel). Each part fits one 10-minute call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
 bin=.device/bin
+
+# Puts the CUDA libraries on LD_LIBRARY_PATH: the toolkit's, then those of the
+# Python CUDA wheels.
+cuda_libraries() {
+    local libs="" d f
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/nvidia/lib64; do
+        [ -d "$d" ] && libs="$libs:$d"
+    done
+    for f in $(find / -xdev \( -name 'libnvrtc.so*' -o -name 'libcublas.so*' \) 2>/dev/null | head -20); do
+        libs="$libs:$(dirname "$f")"
+    done
+    export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # The PTX cache stays off $OUT (thousands of files do not travel back).
+    export RLX_CACHE=/tmp/rlx-gpu-check-cache
+}
+
+# A Python with PyTorch: the first of these that imports it.
+torch_python() {
+    local p
+    for p in python3 /opt/torch/.venv/bin/python python; do
+        if "$p" -c 'import torch' 2>/dev/null; then
+            echo "$p"
+            return
+        fi
+    done
+    echo python3
+}
 case "$mode" in
 build)
     set -e
@@ -42,42 +72,48 @@ for line in sys.stdin:
         print("unit-rlx_cuda")
 ' "$bin"
     strip "$bin"/* 2>/dev/null || true
-    du -sh "$bin"
+    mkdir -p .device/tools
+    cargo build --release -p rlx-cli
+    cp target/release/rlx .device/tools/rlx
+    strip .device/tools/rlx
+    # The node suite, fetched by its test the way CI fetches it.
+    suite=${RLX_CACHE:-$HOME/.cache/rlx}/models/onnx-node-tests-1.22.0
+    [ -d "$suite" ] || cargo test -p rlx-models --test onnx_node_suite >/dev/null
+    tar czf .device/node-tests.tgz -C "$suite" .
+    du -sh .device/*
     ;;
 run)
     out=${OUT:-gpu-out}
     mkdir -p "$out"
-    # CUDA libraries: the toolkit's, then those of the Python CUDA wheels.
-    libs=""
-    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/nvidia/lib64; do
-        [ -d "$d" ] && libs="$libs:$d"
-    done
-    for f in $(find / -xdev \( -name 'libnvrtc.so*' -o -name 'libcublas.so*' \) 2>/dev/null | head -20); do
-        libs="$libs:$(dirname "$f")"
-    done
-    export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    # The PTX cache stays off $OUT (thousands of files do not travel back).
-    export RLX_CACHE=/tmp/rlx-gpu-check-cache
+    cuda_libraries
     {
         echo "== card"
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
         echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
     } 2>&1 | tee "$out/gpu-check.log"
     summary=""
+    # Tests run 4 at a time (several programs on one GPU from several threads is
+    # also how an application uses it); a test that fails is run again alone, so a
+    # failure that only shows under concurrency is told apart.
     for t in "$bin"/*; do
         name=$(basename "$t")
         echo "== $name" | tee -a "$out/gpu-check.log"
-        "$t" --test-threads=1 --nocapture >"$out/$name.log" 2>&1
+        "$t" --test-threads=4 --nocapture >"$out/$name.log" 2>&1
         rc=$?
         result=$(grep -E '^test result' "$out/$name.log" | tail -1)
         skips=$(grep -c '^SKIP .* on cuda' "$out/$name.log")
         tail -5 "$out/$name.log" | tee -a "$out/gpu-check.log"
         summary="$summary\n$name: exit $rc; $result; CUDA cases skipped: $skips"
+        failed=$(grep -E '^test .* \.\.\. FAILED$' "$out/$name.log" | awk '{print $2}')
+        for f in $failed; do
+            "$t" --test-threads=1 --exact "$f" >"$out/$name-$f-alone.log" 2>&1
+            summary="$summary\n  $f alone: exit $?"
+        done
     done
-    # A second run of the op suite must compile nothing (the PTX cache is warm).
+    # A second start must compile nothing (the PTX cache is warm): a few tests again.
     if [ -x "$bin/ops" ]; then
         before=$(ls "$RLX_CACHE/cuda" 2>/dev/null | wc -l)
-        "$bin/ops" --test-threads=1 --nocapture >"$out/ops-second.log" 2>&1
+        "$bin/ops" --test-threads=4 elementwise reductions permute >"$out/ops-second.log" 2>&1
         after=$(ls "$RLX_CACHE/cuda" 2>/dev/null | wc -l)
         summary="$summary\nops, second start: PTX files in the cache $before -> $after"
     fi
@@ -86,10 +122,39 @@ run)
     printf "$summary\n" | tee -a "$out/gpu-check.log"
     echo "skipped, by reason (top 15):" | tee -a "$out/gpu-check.log"
     head -15 "$out/skipped-ops.txt" | tee -a "$out/gpu-check.log"
-    grep -h -A3 'panicked' "$out"/ops.log 2>/dev/null | cut -c1-600 | head -80 | tee -a "$out/gpu-check.log"
+    grep -h -A3 'panicked' "$out"/*.log 2>/dev/null | cut -c1-600 | head -80 | tee -a "$out/gpu-check.log"
+    ;;
+models)
+    out=${OUT:-gpu-out}
+    mkdir -p "$out"
+    cuda_libraries
+    py=$(torch_python)
+    rlx=.device/tools/rlx
+    echo "== models (PyTorch checkpoints made here, RLX on the same weights)" | tee "$out/models.log"
+    "$py" scripts/gpu_models.py "$rlx" /tmp/rlx-gpu-models 2>&1 | tee -a "$out/models.log"
+    # The node suite on CUDA, in 8 shards at once (NVRTC compiles on the CPU cores).
+    suite=/tmp/rlx-node-tests
+    mkdir -p "$suite"
+    tar xzf .device/node-tests.tgz -C "$suite"
+    ls -d "$suite"/test_* | xargs -P 8 -n 120 "$rlx" onnx-test --device cuda >"$out/nodes-cuda.log" 2>&1
+    grep -E '^(PASS|FAIL|UNSUPPORTED) ' "$out/nodes-cuda.log" | sort >"$out/nodes-cuda-lines.txt"
+    expected=crates/rlx-models/tests/data/onnx_node_expected_pass.txt
+    passed=$(grep -c '^PASS ' "$out/nodes-cuda-lines.txt")
+    grep '^PASS ' "$out/nodes-cuda-lines.txt" | awk '{print $2}' | sort >"$out/nodes-cuda-pass.txt"
+    grep -v '^#' "$expected" | sed '/^$/d' | sort >"$out/nodes-cpu-pass.txt"
+    both=$(comm -12 "$out/nodes-cpu-pass.txt" "$out/nodes-cuda-pass.txt" | wc -l)
+    cpu=$(wc -l <"$out/nodes-cpu-pass.txt")
+    comm -23 "$out/nodes-cpu-pass.txt" "$out/nodes-cuda-pass.txt" >"$out/nodes-cpu-only.txt"
+    {
+        echo "== node suite on CUDA: $passed passed; $both of the CPU's $cpu passing tests pass on CUDA"
+        echo "CPU passes that fail on CUDA (first 40, reasons):"
+        while read -r t; do
+            grep -E "^(FAIL|UNSUPPORTED) $t[: ]" "$out/nodes-cuda-lines.txt" | cut -c1-300
+        done <"$out/nodes-cpu-only.txt" | head -40
+    } | tee -a "$out/models.log"
     ;;
 *)
-    echo "usage: $0 build|run" >&2
+    echo "usage: $0 build|run|models" >&2
     exit 2
     ;;
 esac

@@ -97,6 +97,9 @@ pub struct MinilmArgs {
     /// CPU threads (default: one per core, or $RLX_NUM_THREADS).
     #[arg(long, default_value_t = 0, hide_default_value = true)]
     threads: usize,
+    /// Where the model runs: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: rlx::Device,
     /// Timed runs (the median is reported).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     runs: u32,
@@ -171,6 +174,7 @@ fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
     let options = EmbedderOptions {
         store: Some(ModelStore::from_env()?.quiet(args.json)),
         threads,
+        device: args.device,
         ..EmbedderOptions::default()
     };
     let embedder = Embedder::load_with(&args.model, options)

@@ -27,6 +27,9 @@ pub struct LlmArgs {
     /// CPU threads (default: one per core, or $RLX_NUM_THREADS).
     #[arg(long, default_value_t = 0, hide_default_value = true)]
     threads: usize,
+    /// Where the model runs: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: rlx::Device,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -110,6 +113,7 @@ pub fn run(args: &LlmArgs) -> anyhow::Result<()> {
             .max(1),
         max_chunk: args.prompt.next_power_of_two().max(16),
         threads,
+        device: args.device,
         ..LlmOptions::default()
     };
     let mut llm = Llm::load_with(&args.model, options)

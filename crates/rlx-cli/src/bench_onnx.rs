@@ -25,6 +25,9 @@ pub struct OnnxBenchArgs {
     /// CPU threads (default: all of the runtime's).
     #[arg(long, default_value_t = 0, hide_default_value = true)]
     threads: usize,
+    /// Where the model runs: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: rlx::Device,
     /// Timed runs (the median is reported).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     runs: u32,
@@ -80,7 +83,8 @@ pub fn run(args: &OnnxBenchArgs) -> Result<()> {
     for (name, t) in &given {
         options = options.input_value(name.clone(), t.clone());
     }
-    let mut session = OnnxSession::new(model, CompileOptions::new().threads(threads));
+    let mut session =
+        OnnxSession::on_device(model, args.device, CompileOptions::new().threads(threads));
     let compiled = session.prepare(&options)?;
     let prepare_ms = started.elapsed().as_secs_f64() * 1e3;
     let data: Vec<(String, TensorData)> = compiled

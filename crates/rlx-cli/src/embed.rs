@@ -19,6 +19,9 @@ pub struct EmbedArgs {
     /// The most texts encoded at once.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
     batch_size: u32,
+    /// Where the model runs: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: rlx::Device,
     /// Do not report fetching progress or truncation on stderr.
     #[arg(long, short)]
     quiet: bool,
@@ -44,6 +47,7 @@ pub fn run(args: &EmbedArgs) -> anyhow::Result<()> {
     let options = EmbedderOptions {
         store: Some(store),
         max_batch: args.batch_size as usize,
+        device: args.device,
         ..EmbedderOptions::default()
     };
     let started = std::time::Instant::now();

@@ -43,6 +43,9 @@ pub struct GenerateArgs {
     /// CPU threads (default: one per core, or $RLX_NUM_THREADS).
     #[arg(long)]
     threads: Option<usize>,
+    /// Where the model runs: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: rlx::Device,
     /// Print exactly one JSON object instead of streaming text:
     /// {"prompt_ids", "generated_ids", "text", "prefill_tokens_per_s",
     /// "decode_tokens_per_s"}.
@@ -99,6 +102,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         store: Some(ModelStore::from_env()?.quiet(args.quiet)),
         max_context: args.ctx,
         threads: args.threads.unwrap_or(0),
+        device: args.device,
         ..LlmOptions::default()
     };
     let mut llm = Llm::load_with(&args.model, options)

@@ -5,6 +5,7 @@ mod bench_llm;
 mod bench_onnx;
 mod embed;
 mod examples;
+mod forward;
 mod generate;
 mod inspect;
 mod onnx_test;
@@ -35,6 +36,10 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Run an ONNX model on .npy inputs, or list its inputs and outputs.
     Run(run_onnx::RunArgs),
+    /// One forward pass of a BERT or Llama checkpoint on token ids from a .npy file:
+    /// the last hidden state or the logits, written as .npy (to compare with another
+    /// implementation on the same weights).
+    Forward(forward::ForwardArgs),
     /// Run ONNX backend test directories (model.onnx + test_data_set_*) and report
     /// PASS, FAIL or UNSUPPORTED for each.
     OnnxTest(onnx_test::OnnxTestArgs),
@@ -49,6 +54,7 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(args) => inspect::run(&args),
         Command::OnnxTest(args) => onnx_test::run(&args),
         Command::Run(args) => run_onnx::run(&args),
+        Command::Forward(args) => forward::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -2,7 +2,8 @@
 
 use anyhow::Result;
 use clap::Args;
-use rlx::models::onnx::conformance::{CaseResult, Outcome, discover, run_case};
+use rlx::Device;
+use rlx::models::onnx::conformance::{CaseResult, Outcome, discover, run_case_on};
 use std::path::PathBuf;
 
 /// Arguments of `rlx onnx-test`.
@@ -14,6 +15,9 @@ pub struct OnnxTestArgs {
     /// Only tests whose directory name contains this text.
     #[arg(long)]
     filter: Option<String>,
+    /// Where the tests run: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: Device,
     /// Test directories (each with model.onnx and test_data_set_*), or directories
     /// that hold such directories at any depth.
     #[arg(required = true)]
@@ -21,8 +25,8 @@ pub struct OnnxTestArgs {
 }
 
 /// Runs one case, turning a panic into a failure so one bad test cannot end the run.
-fn run_guarded(dir: &std::path::Path) -> CaseResult {
-    match std::panic::catch_unwind(|| run_case(dir)) {
+fn run_guarded(dir: &std::path::Path, device: Device) -> CaseResult {
+    match std::panic::catch_unwind(|| run_case_on(dir, device)) {
         Ok(r) => r,
         Err(p) => {
             let msg = p
@@ -43,6 +47,7 @@ fn run_guarded(dir: &std::path::Path) -> CaseResult {
 
 /// Runs the command. Fails (exit status 1) when any test did not pass.
 pub fn run(args: &OnnxTestArgs) -> Result<()> {
+    rlx::device_available(args.device)?;
     let mut dirs = discover(&args.dirs)?;
     if let Some(f) = &args.filter {
         dirs.retain(|d| {
@@ -56,7 +61,7 @@ pub fn run(args: &OnnxTestArgs) -> Result<()> {
     }
     let mut results = Vec::with_capacity(dirs.len());
     for dir in &dirs {
-        let r = run_guarded(dir);
+        let r = run_guarded(dir, args.device);
         if !args.json {
             println!("{}", r.line());
         }

@@ -27,6 +27,9 @@ pub struct RunArgs {
     /// CPU threads (default: all of the runtime's).
     #[arg(long, default_value_t = 0, hide_default_value = true)]
     threads: usize,
+    /// Where the model runs: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: rlx::Device,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -155,7 +158,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if args.threads > 0 {
         options = options.threads(args.threads);
     }
-    let mut session = OnnxSession::new(model, options);
+    let mut session = OnnxSession::on_device(model, args.device, options);
     let named: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let start = std::time::Instant::now();
     let outputs = session.run(&named, &symbols)?;

@@ -7,7 +7,9 @@
 //! by length and batched so that little padding is computed, then returned in input
 //! order.
 
-use crate::bert::{BertConfig, SentenceConfig, WeightSpec, symbolic_encoder, weight_specs};
+use crate::bert::{
+    BertConfig, SentenceConfig, WeightSpec, build_hidden_states, symbolic_encoder, weight_specs,
+};
 use crate::fetch::ModelStore;
 use crate::tokenize::{TextTokenizer, TokenizedText};
 use crate::weights::SafeTensorsFile;
@@ -325,6 +327,45 @@ impl Embedder {
     pub fn compile_cache(&mut self) -> &mut BucketedCompileCache {
         &mut self.cache
     }
+}
+
+/// The encoder of the BERT checkpoint in `dir` (`config.json` and
+/// `model.safetensors`; no tokenizer or sentence head needed) compiled for `batch`
+/// texts of `seq` tokens on `device`, its params set. Inputs `input_ids`,
+/// `token_type_ids`, `attention_mask` (`i64 [batch, seq]`); output the last hidden
+/// state, `f32 [batch, seq, hidden]`, as a Hugging Face `BertModel` returns it.
+pub fn compile_hidden_states(
+    dir: &Path,
+    batch: usize,
+    seq: usize,
+    device: Device,
+    options: &CompileOptions,
+) -> Result<(BertConfig, CompiledGraph)> {
+    let config = BertConfig::from_file(&dir.join("config.json"))?;
+    let file = SafeTensorsFile::open(&dir.join("model.safetensors"))?;
+    let (specs, prefix) = checked_weights(&file, &config)?;
+    let dtypes: HashMap<String, DType> = specs
+        .iter()
+        .map(|(s, dtype)| (s.name.clone(), *dtype))
+        .collect();
+    let dtype_of = |name: &str| dtypes.get(name).copied().unwrap_or(DType::F32);
+    let graph = build_hidden_states(&config, batch, seq, &dtype_of)?;
+    let mut compiled = Session::new(device).compile_with(&graph, options)?;
+    for (spec, _) in &specs {
+        let view = file.tensor(&format!("{prefix}{}", spec.name), &spec.dims)?;
+        if spec.transposed {
+            let bytes = transpose_2d(
+                view.bytes,
+                spec.dims[0],
+                spec.dims[1],
+                view.dtype.size_in_bytes(),
+            );
+            compiled.set_param_bytes(&spec.name, &bytes)?;
+        } else {
+            compiled.set_param_bytes(&spec.name, view.bytes)?;
+        }
+    }
+    Ok((config, compiled))
 }
 
 /// The binding of the encoder's symbols for `batch` texts of `seq` tokens.

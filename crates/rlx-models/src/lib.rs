@@ -19,7 +19,7 @@ pub mod onnx;
 mod tokenize;
 mod weights;
 
-pub use embedder::{Embedder, EmbedderOptions};
+pub use embedder::{Embedder, EmbedderOptions, compile_hidden_states};
 pub use fetch::{ModelStore, PACKAGED_MODELS, PackagedModel, packaged_model};
 pub use tokenize::{TextTokenizer, TokenizedText};
 pub use weights::{SafeTensorsFile, TensorView};

@@ -18,9 +18,11 @@ pub(super) fn kernel(name: &str, op: &Op, inputs: &[Shape], out: &Shape) -> Opti
     })
 }
 
-/// The float type windows accumulate in.
+/// The float type windows accumulate in: `f32` results in `float`; `f64` and the
+/// half types in `double`, so a half result is rounded once, as the reference does
+/// (a `float` sum of a few hundred taps that cancel is off by more than a half ulp).
 fn acc_type(dt: DType) -> &'static str {
-    if dt == DType::F64 { "double" } else { "float" }
+    if dt == DType::F32 { "float" } else { "double" }
 }
 
 /// Declares `b`, `oc` (channel), `y`, `xo` of output element `i` over `[N, C, OH, OW]`.

@@ -98,6 +98,40 @@ pub fn build_encoder(
     seq: usize,
     dtype_of: &dyn Fn(&str) -> DType,
 ) -> Result<Graph> {
+    let (g, x, mask, keep) = encoder_layers(config, batch, seq, dtype_of)?;
+    let pooled = pool(&g, x, mask, keep, head.pooling, batch, seq)?;
+    let out = if head.normalize {
+        // x / max(||x||, 1e-12), as torch.nn.functional.normalize.
+        let norm = g.sqrt(g.sum(g.mul(pooled, pooled)?, &[-1], true)?)?;
+        g.div(pooled, g.maximum(norm, g.scalar(1e-12, DType::F32))?)?
+    } else {
+        pooled
+    };
+    g.set_outputs(vec![out]);
+    Ok(g)
+}
+
+/// The encoder without the sentence head: the last hidden state, `f32 [batch, seq,
+/// hidden]`, of `batch` texts of `seq` tokens (inputs as [`build_encoder`]'s).
+pub fn build_hidden_states(
+    config: &BertConfig,
+    batch: usize,
+    seq: usize,
+    dtype_of: &dyn Fn(&str) -> DType,
+) -> Result<Graph> {
+    let (g, x, _, _) = encoder_layers(config, batch, seq, dtype_of)?;
+    g.set_outputs(vec![x]);
+    Ok(g)
+}
+
+/// The embeddings and every layer: the graph, the last hidden state, the mask input
+/// and the mask as bool.
+fn encoder_layers(
+    config: &BertConfig,
+    batch: usize,
+    seq: usize,
+    dtype_of: &dyn Fn(&str) -> DType,
+) -> Result<(Graph, NodeId, NodeId, NodeId)> {
     if seq == 0 || seq > config.max_position_embeddings || batch == 0 {
         return Err(rlx_ir::Error::invalid(
             "bert encoder",
@@ -175,16 +209,7 @@ pub fn build_encoder(
         x = b.layer_norm(g.add(down, x)?, &format!("{p}.output.LayerNorm"))?;
     }
 
-    let pooled = pool(&g, x, mask, keep, head.pooling, batch, seq)?;
-    let out = if head.normalize {
-        // x / max(||x||, 1e-12), as torch.nn.functional.normalize.
-        let norm = g.sqrt(g.sum(g.mul(pooled, pooled)?, &[-1], true)?)?;
-        g.div(pooled, g.maximum(norm, g.scalar(1e-12, DType::F32))?)?
-    } else {
-        pooled
-    };
-    g.set_outputs(vec![out]);
-    Ok(g)
+    Ok((g, x, mask, keep))
 }
 
 /// The encoder as a [`SymbolicGraph`] over `batch` (`1..=max_batch`) and `seq` (up to

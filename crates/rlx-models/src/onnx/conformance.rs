@@ -129,13 +129,18 @@ fn numbered(dir: &Path, prefix: &str) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Runs one test directory.
+/// Runs one test directory on the CPU.
 pub fn run_case(dir: &Path) -> CaseResult {
+    run_case_on(dir, rlx_driver::Device::Cpu)
+}
+
+/// Runs one test directory on `device`.
+pub fn run_case_on(dir: &Path, device: rlx_driver::Device) -> CaseResult {
     let name = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| dir.display().to_string());
-    let outcome = match try_case(dir) {
+    let outcome = match try_case(dir, device) {
         Ok(None) => Outcome::Pass,
         Ok(Some(reason)) => Outcome::Fail(reason),
         Err(Error::Unsupported { what, .. }) => Outcome::Unsupported(what),
@@ -145,7 +150,7 @@ pub fn run_case(dir: &Path) -> CaseResult {
 }
 
 /// `Ok(None)` when every data set matched, `Ok(Some(why))` on a mismatch.
-fn try_case(dir: &Path) -> Result<Option<String>> {
+fn try_case(dir: &Path, device: rlx_driver::Device) -> Result<Option<String>> {
     let model = OnnxModel::load(dir.join("model.onnx"))?;
     let declared = model.inputs();
     if let Some(v) = declared.iter().find(|v| v.dtype.is_none()) {
@@ -177,7 +182,7 @@ fn try_case(dir: &Path) -> Result<Option<String>> {
             "no test_data_set_* directory",
         ));
     }
-    let mut session = OnnxSession::new(model, rlx_runtime::CompileOptions::new());
+    let mut session = OnnxSession::on_device(model, device, rlx_runtime::CompileOptions::new());
     for set in sets {
         let inputs: Vec<Tensor> = numbered(&set, "input")
             .iter()

@@ -65,11 +65,21 @@ impl OnnxSession {
         ))
     }
 
-    /// A session over a parsed model, compiled with `options`.
+    /// A session over a parsed model, compiled with `options` for the CPU.
     pub fn new(model: OnnxModel, options: CompileOptions) -> OnnxSession {
+        OnnxSession::on_device(model, rlx_driver::Device::Cpu, options)
+    }
+
+    /// A session over a parsed model, compiled with `options` for `device` (an
+    /// unavailable device is reported when the first binding is compiled).
+    pub fn on_device(
+        model: OnnxModel,
+        device: rlx_driver::Device,
+        options: CompileOptions,
+    ) -> OnnxSession {
         OnnxSession {
             model,
-            session: Session::new(rlx_driver::Device::Cpu),
+            session: Session::new(device),
             options,
             compiled: HashMap::new(),
         }

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Model checks for the GPU machine, run by `scripts/gpu-check.sh run`.
+
+Builds checkpoints there in PyTorch (random weights, fixed seed, saved as safetensors
+with transformers' own `save_pretrained`): BERT in the MiniLM shape and Llama in the
+SmolLM2-135M shape. Runs PyTorch on token ids and RLX (`rlx forward`, on CUDA and on
+the CPU) on the same ids and weights, and compares:
+
+  * BERT last hidden state and Llama logits, f32 with TF32 off: within 1e-3, measured
+    as max |rlx - torch| / max |torch| over the tensor;
+  * greedy decoding of 32 tokens: CUDA identical to the CPU backend.
+
+Prints one line per check and a summary; exits non-zero when a check fails.
+Usage: gpu_models.py RLX_BINARY WORK_DIR
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RLX = sys.argv[1]
+WORK = Path(sys.argv[2])
+TOLERANCE = 1e-3
+
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+failures = []
+
+
+def report(name, ok, detail):
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    if not ok:
+        failures.append(name)
+
+
+def relative_error(got, want):
+    scale = float(np.max(np.abs(want))) or 1.0
+    return float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))) / scale
+
+
+def rlx(*args):
+    started = time.time()
+    result = subprocess.run([RLX, *map(str, args)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"rlx {' '.join(map(str, args))} failed:\n{result.stderr}")
+    return result.stdout, time.time() - started
+
+
+def bert():
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        intermediate_size=1536,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+        hidden_act="gelu",
+        layer_norm_eps=1e-12,
+        attn_implementation="eager",
+    )
+    model = BertModel(config).eval()
+    directory = WORK / "bert-minilm"
+    model.save_pretrained(directory, safe_serialization=True)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, config.vocab_size, size=(4, 128), dtype=np.int64)
+    np.save(WORK / "bert-ids.npy", ids)
+    model = model.cuda()
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids).cuda()).last_hidden_state.float().cpu().numpy()
+    for device in ["cuda", "cpu"]:
+        out = WORK / f"bert-{device}.npy"
+        _, seconds = rlx("forward", directory, "--ids", WORK / "bert-ids.npy", "--output", out, "--device", device)
+        err = relative_error(np.load(out), want)
+        report(f"bert f32 last hidden state, {device} vs torch", err <= TOLERANCE, f"relative error {err:.2e} ({seconds:.1f} s)")
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(config).eval()
+    directory = WORK / "llama-smollm2"
+    model.save_pretrained(directory, safe_serialization=True)
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, config.vocab_size, size=(24,), dtype=np.int64)
+    np.save(WORK / "llama-ids.npy", ids)
+    model = model.cuda()
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids)[None].cuda()).logits[0].float().cpu().numpy()
+    decoded = {}
+    for device in ["cuda", "cpu"]:
+        out = WORK / f"llama-{device}.npy"
+        stdout, seconds = rlx(
+            "forward", directory, "--ids", WORK / "llama-ids.npy", "--output", out,
+            "--generate", 32, "--device", device,
+        )
+        decoded[device] = json.loads(stdout.strip().splitlines()[-1])
+        err = relative_error(np.load(out), want)
+        report(f"llama smollm2 f32 logits, {device} vs torch", err <= TOLERANCE, f"relative error {err:.2e} ({seconds:.1f} s)")
+    same = decoded["cuda"] == decoded["cpu"]
+    report(
+        "llama smollm2 greedy 32 tokens, cuda vs cpu",
+        same and len(decoded["cuda"]) == 32,
+        f"cuda {decoded['cuda'][:8]}..., cpu {decoded['cpu'][:8]}...",
+    )
+
+
+def main():
+    WORK.mkdir(parents=True, exist_ok=True)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
+    for check in [bert, llama]:
+        try:
+            check()
+        except Exception as e:  # one model's failure does not hide the other's result
+            report(check.__name__, False, f"{type(e).__name__}: {e}")
+    print(f"models: {len(failures)} failed" + (f" ({', '.join(failures)})" if failures else ""))
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
