@@ -9,6 +9,8 @@
 #   scripts/gpu-check.sh models  on the GPU machine: PyTorch checkpoints made there
 #                                compared with RLX (scripts/gpu_models.py), and the
 #                                ONNX node suite on CUDA against the CPU's pass list
+#   scripts/gpu-check.sh timing  on the GPU machine: the timing table (PyTorch eager,
+#                                torch.compile, RLX; scripts/gpu_models.py --timing)
 #
 # `run` finds the CUDA libraries (driver, NVRTC, cuBLAS) where the GPU machine keeps
 # them, prints the card, runs the op suites on every available device with the CUDA
@@ -153,8 +155,16 @@ models)
         done <"$out/nodes-cpu-only.txt" | head -40
     } | tee -a "$out/models.log"
     ;;
+timing)
+    out=${OUT:-gpu-out}
+    mkdir -p "$out"
+    cuda_libraries
+    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/timing.log"
+    "$(torch_python)" scripts/gpu_models.py .device/tools/rlx /tmp/rlx-gpu-models --timing 2>&1 |
+        grep -v 'Writing model shards' | tee -a "$out/timing.log"
+    ;;
 *)
-    echo "usage: $0 build|run|models" >&2
+    echo "usage: $0 build|run|models|timing" >&2
     exit 2
     ;;
 esac

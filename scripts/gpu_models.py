@@ -10,8 +10,14 @@ the CPU) on the same ids and weights, and compares:
     as max |rlx - torch| / max |torch| over the tensor;
   * greedy decoding of 32 tokens: CUDA identical to the CPU backend.
 
+Then a timing table (median of many runs, warm-up excluded, CUDA synchronized):
+BERT in the MiniLM shape with fp16 weights at batch 32 x 128 and 1 x 128 for PyTorch
+eager, `torch.compile` with CUDA graphs (mode "reduce-overhead") and RLX; and Llama in
+a ~1B shape with bf16 weights, decode tokens/s for PyTorch eager (Hugging Face
+generation) and RLX, against the copy bandwidth measured here.
+
 Prints one line per check and a summary; exits non-zero when a check fails.
-Usage: gpu_models.py RLX_BINARY WORK_DIR
+Usage: gpu_models.py RLX_BINARY WORK_DIR [--timing]
 """
 
 import json
@@ -129,9 +135,120 @@ def llama():
     )
 
 
+def cuda_median_ms(fn, runs=50, warmup=10):
+    """Median wall time of `fn` in ms, each run synchronized, warm-up excluded."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return float(np.median(times))
+
+
+def bert_config():
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+        intermediate_size=1536, max_position_embeddings=512, type_vocab_size=2,
+        hidden_act="gelu", layer_norm_eps=1e-12, attn_implementation="sdpa",
+    )
+
+
+def bert_timing():
+    from transformers import BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(bert_config()).eval().half()
+    directory = WORK / "bert-minilm-fp16"
+    model.save_pretrained(directory, safe_serialization=True)
+    model = model.cuda()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    rows = []
+    for batch in [32, 1]:
+        ids = np.random.default_rng(3).integers(0, 30522, size=(batch, 128), dtype=np.int64)
+        np.save(WORK / f"bert-ids-{batch}.npy", ids)
+        x = torch.from_numpy(ids).cuda()
+        with torch.no_grad():
+            eager = cuda_median_ms(lambda: model(x))
+            best = cuda_median_ms(lambda: compiled(x), warmup=20)
+        stdout, _ = rlx("forward", directory, "--ids", WORK / f"bert-ids-{batch}.npy", "--output",
+                        WORK / "bert-fp16-out.npy", "--device", "cuda", "--bench", 50)
+        mine = json.loads(stdout.strip().splitlines()[-1])["median_ms"]
+        rows.append((f"BERT MiniLM shape fp16 weights, {batch} x 128", eager, best, mine))
+    return rows
+
+
+def copy_bandwidth():
+    """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB buffers."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = cuda_median_ms(lambda: b.copy_(a), runs=20, warmup=3)
+    return 2 * a.numel() / (ms / 1e3)
+
+
+def llama_timing():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    directory = WORK / "llama-1b-bf16"
+    model.save_pretrained(directory, safe_serialization=True)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    prompt = torch.randint(0, config.vocab_size, (1, 16), device="cuda")
+    new = 64
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        torch.cuda.synchronize()
+        eager = new / (time.perf_counter() - start)
+    del model
+    torch.cuda.empty_cache()
+    stdout, _ = rlx("bench", "llm", "--model", directory, "--prompt", 0, "--gen", new,
+                    "--reps", 3, "--device", "cuda", "--json")
+    report_json = json.loads(stdout)
+    mine = report_json["tests"][0]["median_tokens_per_s"]
+    bandwidth = copy_bandwidth()
+    limit = bandwidth / weight_bytes
+    return eager, mine, limit, weight_bytes, bandwidth
+
+
+def timing():
+    print("== timing", flush=True)
+    try:
+        for name, eager, best, mine in bert_timing():
+            print(f"{name}: torch eager {eager:.3f} ms, torch.compile (CUDA graphs) {best:.3f} ms, "
+                  f"RLX {mine:.3f} ms, RLX / torch.compile {mine / best:.2f}x", flush=True)
+    except Exception as e:
+        print(f"bert timing failed: {type(e).__name__}: {e}", flush=True)
+    try:
+        eager, mine, limit, weight_bytes, bandwidth = llama_timing()
+        print(f"Llama ~1B shape bf16 decode: torch eager (HF generate) {eager:.1f} tok/s, RLX {mine:.1f} tok/s; "
+              f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
+              f"limit {limit:.0f} tok/s, RLX at {100 * mine / limit:.1f}% of it", flush=True)
+    except Exception as e:
+        print(f"llama timing failed: {type(e).__name__}: {e}", flush=True)
+
+
 def main():
     WORK.mkdir(parents=True, exist_ok=True)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
+    if "--timing" in sys.argv:
+        timing()
+        return
     for check in [bert, llama]:
         try:
             check()

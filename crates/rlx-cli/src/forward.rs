@@ -37,6 +37,10 @@ pub struct ForwardArgs {
     /// Allow TF32 tensor cores for f32 matrix products (CUDA).
     #[arg(long)]
     tf32: bool,
+    /// BERT only: after the pass that is written, time this many more (after 3
+    /// untimed) and print `{"median_ms", "runs"}` on stdout.
+    #[arg(long, default_value_t = 0)]
+    bench: usize,
 }
 
 /// What kind of checkpoint `path` is, from its `config.json` (`model_type`).
@@ -83,16 +87,34 @@ pub fn run(args: &ForwardArgs) -> Result<()> {
             compile_hidden_states(&args.model, batch, seq, args.device, &options)?;
         let zeros = vec![0i64; ids.len()];
         let ones = vec![1i64; ids.len()];
-        let out = graph.run_typed(&[
+        let feeds = [
             ("input_ids", TensorRef::I64(&ids)),
             ("token_type_ids", TensorRef::I64(&zeros)),
             ("attention_mask", TensorRef::I64(&ones)),
-        ])?;
+        ];
+        let out = graph.run_typed(&feeds)?;
         let hidden = out
             .into_iter()
             .next()
             .context("the encoder has no output")?;
         write_npy(&args.output, &[batch, seq, config.hidden_size], &hidden)?;
+        if args.bench > 0 {
+            for _ in 0..3 {
+                std::hint::black_box(graph.run_typed(&feeds)?);
+            }
+            let mut times = Vec::with_capacity(args.bench);
+            for _ in 0..args.bench {
+                let started = std::time::Instant::now();
+                std::hint::black_box(graph.run_typed(&feeds)?);
+                times.push(started.elapsed().as_secs_f64() * 1e3);
+            }
+            times.sort_by(f64::total_cmp);
+            let median = times[times.len() / 2];
+            println!(
+                "{}",
+                serde_json::json!({"median_ms": median, "runs": args.bench})
+            );
+        }
         return Ok(());
     }
     let seq = match dims[..] {

@@ -19,6 +19,9 @@ use std::sync::Arc;
 /// Threads per block of the generated elementwise kernels.
 const BLOCK: usize = 256;
 
+/// The name kernels are generated under, replaced by each distinct kernel's own.
+const STEP_NAME: &str = "rlx_step";
+
 /// Most pointer arguments of a generated kernel (its output and operands).
 const MAX_ARGS: usize = 64;
 
@@ -94,6 +97,10 @@ impl CudaProgram {
             Gemm(Gemm),
         }
         let mut checks = HashMap::new();
+        // Steps with the same kernel text (the same op over the same shapes, as in
+        // every layer of a model) share one compiled function: a 30-layer model
+        // compiles about one layer's kernels.
+        let mut written: HashMap<String, String> = HashMap::new();
         let mut pending = Vec::with_capacity(plan.schedule.len());
         for &id in &plan.schedule {
             let node = &nodes[id.index()];
@@ -137,7 +144,6 @@ impl CudaProgram {
                     what: format!("{}: more than {} operands", what(), MAX_ARGS - 2),
                 });
             }
-            let name = format!("k{}", id.index());
             let code = i32::try_from(id.index() + 1).unwrap_or(i32::MAX);
             if let Op::WriteAt { .. } = node.op {
                 // The kernel writes only the update's rows: the result must be the
@@ -146,9 +152,16 @@ impl CudaProgram {
                     return Err(location_error(&plan, what()));
                 }
             }
-            match codegen::kernel(&name, &node.op, &in_shapes, &node.shape, code)? {
+            match codegen::kernel(STEP_NAME, &node.op, &in_shapes, &node.shape, code)? {
                 Some(k) => {
-                    source.push_str(&k.source);
+                    let fresh = format!("k{}", written.len());
+                    let name = written
+                        .entry(k.source.clone())
+                        .or_insert_with(|| {
+                            source.push_str(&k.source.replace(STEP_NAME, &fresh));
+                            fresh
+                        })
+                        .clone();
                     let checked = k.check.is_some();
                     if let Some(message) = k.check {
                         checks.insert(code, format!("{}: {message}", what()));

@@ -86,12 +86,15 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
             activation: act,
             residual,
         } => {
-            let mut y = g.matmul(inputs[0], inputs[1])?;
-            // A half-precision weight is read by the fused kernel as it is.
+            // A half-precision weight under an f32 activation (the fused kernel reads
+            // it as it is) is widened first: the primitive product takes one dtype.
             let out_dtype = g.shape(inputs[0])?.dtype();
-            if g.shape(y)?.dtype() != out_dtype {
-                y = g.cast(y, out_dtype)?;
-            }
+            let w = if g.shape(inputs[1])?.dtype() != out_dtype {
+                g.cast(inputs[1], out_dtype)?
+            } else {
+                inputs[1]
+            };
+            let mut y = g.matmul(inputs[0], w)?;
             if alpha.get() != 1.0 {
                 y = g.mul(y, g.scalar(alpha.get(), out_dtype))?;
             }

@@ -1341,3 +1341,33 @@ fn a_fused_convolution_with_misshapen_operands_is_an_error() {
     let mut rng = Rng(43);
     check(&g, &mut rng, "fused conv after rejected ones");
 }
+
+#[test]
+fn a_fused_product_over_a_half_weight_decomposes_with_the_weight_widened() {
+    let g = Graph::new("half weight");
+    let x = g.input("x", Shape::new(&[3, 8], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[8, 5], DType::F16)).unwrap();
+    let b = g.param("b", Shape::new(&[5], DType::F32)).unwrap();
+    let y = g
+        .add(g.matmul(x, g.cast(w, DType::F32).unwrap()).unwrap(), b)
+        .unwrap();
+    g.set_outputs(vec![g.relu(y).unwrap()]);
+    let fused = plan_graph(&g, &all_passes()).unwrap().graph;
+    let product = fused
+        .nodes()
+        .iter()
+        .find(|n| n.op.name() == "fused_matmul")
+        .map(|n| n.inputs[1])
+        .expect("the product and its epilogue fuse");
+    assert_eq!(fused.shape(product).unwrap().dtype(), DType::F16);
+    let back =
+        rlx::ir::decompose::decompose_graph(&fused, &|op| !rlx::ir::decompose::is_composite(op))
+            .unwrap();
+    let mut rng = Rng(0x4A1F);
+    let feeds = feeds(&g, &mut rng);
+    for (want, got) in reference(&g, &feeds).iter().zip(&reference(&back, &feeds)) {
+        for (a, b) in want.data.iter().zip(&got.data) {
+            assert!((a - b).abs() <= 1e-6 * (1.0 + a.abs()), "{a} vs {b}");
+        }
+    }
+}

@@ -105,6 +105,27 @@ impl LlamaConfig {
         };
         let hidden = field("hidden_size")?;
         let heads = field("num_attention_heads")?;
+        // Newer checkpoints keep the rotary settings in `rope_parameters` (older ones
+        // at the top level, with any scaling in `rope_scaling`). Only plain rotary
+        // embeddings are built; a scaled variant would silently give other logits.
+        let rope = json.get("rope_parameters");
+        let rope_base = rope
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(serde_json::Value::as_f64)
+            .unwrap_or_else(|| float("rope_theta", 10_000.0));
+        for scaling in [rope, json.get("rope_scaling")].into_iter().flatten() {
+            let kind = scaling
+                .get("rope_type")
+                .or_else(|| scaling.get("type"))
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("default");
+            if !scaling.is_null() && kind != "default" {
+                return Err(Error::Unsupported {
+                    device: "llama checkpoint".into(),
+                    what: format!("{shown}: rotary embeddings of type '{kind}'"),
+                });
+            }
+        }
         let config = LlamaConfig {
             vocab_size: field("vocab_size")?,
             hidden,
@@ -113,7 +134,7 @@ impl LlamaConfig {
             kv_heads: field("num_key_value_heads").unwrap_or(heads),
             head_dim: field("head_dim").unwrap_or(hidden / heads.max(1)),
             ffn: field("intermediate_size")?,
-            rope_base: float("rope_theta", 10_000.0),
+            rope_base,
             rope_style: RopeStyle::HalfSplit,
             rms_eps: float("rms_norm_eps", 1e-6),
             context_length: field("max_position_embeddings").unwrap_or(2048),
@@ -172,5 +193,55 @@ impl LlamaConfig {
     /// Width of all key (or value) heads together.
     pub fn kv_width(&self) -> usize {
         self.kv_heads * self.head_dim
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_file(extra: &str) -> std::path::PathBuf {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "rlx-llama-config-{}-{n}.json",
+            std::process::id()
+        ));
+        let text = format!(
+            r#"{{"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2,
+                "intermediate_size": 48, "rms_norm_eps": 1e-5{extra}}}"#
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn the_rotary_base_is_read_where_each_generation_of_checkpoints_keeps_it() {
+        let old = config_file(r#", "rope_theta": 500000.0, "rope_scaling": null"#);
+        assert_eq!(LlamaConfig::from_hf_json(&old).unwrap().rope_base, 500000.0);
+        let new = config_file(
+            r#", "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}"#,
+        );
+        assert_eq!(LlamaConfig::from_hf_json(&new).unwrap().rope_base, 100000.0);
+        let none = config_file("");
+        assert_eq!(LlamaConfig::from_hf_json(&none).unwrap().rope_base, 10000.0);
+        for p in [old, new, none] {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
+    #[test]
+    fn scaled_rotary_embeddings_are_refused_not_ignored() {
+        for extra in [
+            r#", "rope_scaling": {"rope_type": "llama3", "factor": 32.0}"#,
+            r#", "rope_parameters": {"rope_theta": 500000.0, "rope_type": "yarn"}"#,
+            r#", "rope_scaling": {"type": "linear", "factor": 2.0}"#,
+        ] {
+            let path = config_file(extra);
+            let e = LlamaConfig::from_hf_json(&path).unwrap_err();
+            assert!(matches!(e, Error::Unsupported { .. }), "{extra}: {e}");
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
