@@ -203,10 +203,8 @@ mod tests {
     fn config_file(extra: &str) -> std::path::PathBuf {
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!(
-            "rlx-llama-config-{}-{n}.json",
-            std::process::id()
-        ));
+        let path =
+            std::env::temp_dir().join(format!("rlx-llama-config-{}-{n}.json", std::process::id()));
         let text = format!(
             r#"{{"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -220,9 +218,8 @@ mod tests {
     fn the_rotary_base_is_read_where_each_generation_of_checkpoints_keeps_it() {
         let old = config_file(r#", "rope_theta": 500000.0, "rope_scaling": null"#);
         assert_eq!(LlamaConfig::from_hf_json(&old).unwrap().rope_base, 500000.0);
-        let new = config_file(
-            r#", "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}"#,
-        );
+        let new =
+            config_file(r#", "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}"#);
         assert_eq!(LlamaConfig::from_hf_json(&new).unwrap().rope_base, 100000.0);
         let none = config_file("");
         assert_eq!(LlamaConfig::from_hf_json(&none).unwrap().rope_base, 10000.0);
