@@ -114,7 +114,6 @@ pub fn run(args: &LlmArgs) -> anyhow::Result<()> {
         max_chunk: args.prompt.next_power_of_two().max(16),
         threads,
         device: args.device,
-        ..LlmOptions::default()
     };
     let mut llm = Llm::load_with(&args.model, options)
         .with_context(|| format!("loading model '{}'", args.model))?;
