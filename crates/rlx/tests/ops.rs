@@ -2860,3 +2860,20 @@ fn random_shapes() {
         });
     }
 }
+
+/// Says on stderr whether the CUDA cases of the suites run here, and why not (CI
+/// shows it with `--nocapture`); on a machine with a GPU, that the device answers.
+#[test]
+fn cuda_availability_is_reported() {
+    match rlx::device_available(Device::Cuda(0)) {
+        Ok(()) => {
+            eprintln!("CUDA cases run on cuda:0");
+            assert!(test_devices().contains(&Device::Cuda(0)));
+        }
+        Err(e) => {
+            eprintln!("SKIP every CUDA case of the op, quant and handle suites: {e}");
+            assert!(matches!(e, Error::DeviceUnavailable { .. }), "{e}");
+            assert_eq!(test_devices(), vec![Device::Cpu]);
+        }
+    }
+}
