@@ -154,6 +154,14 @@ impl CudaProgram {
             }
             match codegen::kernel(STEP_NAME, &node.op, &in_shapes, &node.shape, code)? {
                 Some(k) => {
+                    if let Grid::Blocks { count, .. } = k.grid
+                        && count > i32::MAX as usize
+                    {
+                        return Err(Error::Unsupported {
+                            device: "cuda".into(),
+                            what: format!("{}: {count} blocks, past CUDA's grid limit", what()),
+                        });
+                    }
                     let fresh = format!("k{}", written.len());
                     let name = written
                         .entry(k.source.clone())
