@@ -212,3 +212,9 @@ mod control_flow_bodies {
         assert_error(&model("Scan", &["x", "x"], vec![scan_inputs]), "Scan");
     }
 }
+
+/// A recurrent op whose W is a scalar (was an index panic reading its first dim).
+#[test]
+fn recurrent_with_a_scalar_weight() {
+    assert!(import(include_bytes!("data/fuzz/rnn_scalar_weight.onnx")).is_err());
+}

@@ -153,7 +153,7 @@ fn recurrent(cx: &mut Cx, cell: Cell) -> Result<Vec<NodeId>> {
     let dt = cx.dtype(0)?;
     let h = size(cx.attr_i("hidden_size", 0), "hidden_size")?;
     let wd = cx.dims(1)?;
-    let dirs = wd[0];
+    let dirs = wd.first().copied().unwrap_or(0); // a W of rank 0 fails the check below
     let g = cell.gates();
     if wd != [dirs, g * h, input] || h == 0 {
         return Err(Error::invalid(
