@@ -138,20 +138,9 @@ impl Embedder {
         .with_buckets("seq", Buckets::Multiple(SEQ_BUCKET))?
         .with_buckets("batch", Buckets::PowersOfTwo)?
         .with_capacity(options.max_cached_shapes)?;
-        for (spec, _) in &specs {
-            let view = weights_file.tensor(&format!("{prefix}{}", spec.name), &spec.dims)?;
-            if spec.transposed {
-                let bytes = transpose_2d(
-                    view.bytes,
-                    spec.dims[0],
-                    spec.dims[1],
-                    view.dtype.size_in_bytes(),
-                );
-                cache.set_param_bytes(&spec.name, &bytes)?;
-            } else {
-                cache.set_param_bytes(&spec.name, view.bytes)?;
-            }
-        }
+        set_weights(&weights_file, &specs, prefix, |name, bytes| {
+            cache.set_param_bytes(name, bytes)
+        })?;
         let name = Path::new(name_or_path)
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -351,20 +340,9 @@ pub fn compile_hidden_states(
     let dtype_of = |name: &str| dtypes.get(name).copied().unwrap_or(DType::F32);
     let graph = build_hidden_states(&config, batch, seq, &dtype_of)?;
     let mut compiled = Session::new(device).compile_with(&graph, options)?;
-    for (spec, _) in &specs {
-        let view = file.tensor(&format!("{prefix}{}", spec.name), &spec.dims)?;
-        if spec.transposed {
-            let bytes = transpose_2d(
-                view.bytes,
-                spec.dims[0],
-                spec.dims[1],
-                view.dtype.size_in_bytes(),
-            );
-            compiled.set_param_bytes(&spec.name, &bytes)?;
-        } else {
-            compiled.set_param_bytes(&spec.name, view.bytes)?;
-        }
-    }
+    set_weights(&file, &specs, prefix, |name, bytes| {
+        compiled.set_param_bytes(name, bytes)
+    })?;
     Ok((config, compiled))
 }
 
@@ -403,6 +381,31 @@ fn checked_weights(
         out.push((spec, view.dtype));
     }
     Ok((out, prefix))
+}
+
+/// Hands every checked weight's bytes to `set` under its param name, transposing
+/// the ones the graph reads as `[in, out]`.
+fn set_weights(
+    file: &SafeTensorsFile,
+    specs: &[(WeightSpec, DType)],
+    prefix: &str,
+    mut set: impl FnMut(&str, &[u8]) -> Result<()>,
+) -> Result<()> {
+    for (spec, _) in specs {
+        let view = file.tensor(&format!("{prefix}{}", spec.name), &spec.dims)?;
+        if spec.transposed {
+            let bytes = transpose_2d(
+                view.bytes,
+                spec.dims[0],
+                spec.dims[1],
+                view.dtype.size_in_bytes(),
+            );
+            set(&spec.name, &bytes)?;
+        } else {
+            set(&spec.name, view.bytes)?;
+        }
+    }
+    Ok(())
 }
 
 /// `[rows, cols]` to `[cols, rows]` for elements of `elem` bytes.

@@ -2,7 +2,8 @@
 //! cumulative sums, top-k, argmax/argmin, and writes into a persistent handle.
 
 use super::{
-    Grid, Kernel, cast_expr, header, header_with, literal, load, store, strides, unravel_code,
+    Grid, Kernel, cast_expr, elements, header, header_with, literal, load, store, strides,
+    unravel_code,
 };
 use rlx_ir::{ArgReduceOp, DType, Op, PadMode, Result, Shape, TopKOutput};
 use std::fmt::Write;
@@ -36,14 +37,6 @@ pub(super) fn kernel(
         Op::WriteAt { axis } => write_at(name, *axis, inputs, fail_code),
         _ => return Ok(None),
     }))
-}
-
-fn elements(source: String, n: usize) -> Kernel {
-    Kernel {
-        source,
-        grid: Grid::Elements(n),
-        check: None,
-    }
 }
 
 /// Splits `dims` around `axis`: (product before, length, product after).

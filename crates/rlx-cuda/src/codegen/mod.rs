@@ -338,6 +338,15 @@ pub(crate) struct Kernel {
     pub check: Option<String>,
 }
 
+/// A grid-stride kernel over `n` items without run-time checks.
+fn elements(source: String, n: usize) -> Kernel {
+    Kernel {
+        source,
+        grid: Grid::Elements(n),
+        check: None,
+    }
+}
+
 /// The opening of a kernel: output pointer, one `const` pointer per operand, and the
 /// error word when `checked`.
 fn header_with(name: &str, out_dt: DType, inputs: &[DType], checked: bool) -> String {
@@ -437,16 +446,8 @@ pub(crate) fn kernel(
             let src_strides = strides(src);
             let kept: Vec<usize> = (0..src.len()).filter(|a| !axes.contains(a)).collect();
             // Output element i -> base offset over the kept axes.
-            let _ = writeln!(s, "    long long base = 0; {{ long long r = i;");
-            for &a in kept.iter().rev() {
-                let _ = writeln!(
-                    s,
-                    "      {{ long long c = r % {d}; r /= {d}; base += c * {st}LL; }}",
-                    d = src[a],
-                    st = src_strides[a]
-                );
-            }
-            let _ = writeln!(s, "    }}");
+            let _ = writeln!(s, "    long long base = 0;");
+            offset_over_axes(&mut s, "    ", "base", "i", &kept, src, &src_strides);
             let count: usize = axes.iter().map(|&a| src[a]).product();
             let idt = in_dts[0];
             let acc_t = if idt == DType::F64 {
@@ -466,16 +467,8 @@ pub(crate) fn kernel(
             };
             let _ = writeln!(s, "    {acc_t} acc = {init};");
             let _ = writeln!(s, "    for (long long j = 0; j < {count}LL; ++j) {{");
-            let _ = writeln!(s, "      long long off = base; {{ long long r = j;");
-            for &a in axes.iter().rev() {
-                let _ = writeln!(
-                    s,
-                    "        {{ long long c = r % {d}; r /= {d}; off += c * {st}LL; }}",
-                    d = src[a],
-                    st = src_strides[a]
-                );
-            }
-            let _ = writeln!(s, "      }}");
+            let _ = writeln!(s, "      long long off = base;");
+            offset_over_axes(&mut s, "      ", "off", "j", axes, src, &src_strides);
             let v = load(idt, "in0", "off");
             let step = match rop {
                 ReduceOp::Sum | ReduceOp::Mean => format!("acc += {v};"),
@@ -550,11 +543,30 @@ pub(crate) fn kernel(
         _ => return Ok(None),
     }
     s.push_str("  }\n}\n");
-    Ok(Some(Kernel {
-        source: s,
-        grid: Grid::Elements(n),
-        check: None,
-    }))
+    Ok(Some(elements(s, n)))
+}
+
+/// Adds to `long long {target}` the offset of linear index `index` counted over
+/// `axes` of `dims` (last axis fastest), each step `strides[axis]` apart.
+fn offset_over_axes(
+    s: &mut String,
+    indent: &str,
+    target: &str,
+    index: &str,
+    axes: &[usize],
+    dims: &[usize],
+    strides: &[i64],
+) {
+    let _ = writeln!(s, "{indent}{{ long long r = {index};");
+    for &a in axes.iter().rev() {
+        let _ = writeln!(
+            s,
+            "{indent}  {{ long long c = r % {d}; r /= {d}; {target} += c * {st}LL; }}",
+            d = dims[a],
+            st = strides[a]
+        );
+    }
+    let _ = writeln!(s, "{indent}}}");
 }
 
 /// `out[i] = in0[start + sum(coord_k * strides_k)]`.

@@ -4,7 +4,7 @@
 //! the row's values and decoding them as they go, so the weights are read once, in
 //! their packed size).
 
-use super::{Grid, Kernel, header};
+use super::{Grid, Kernel, elements, header};
 use rlx_ir::{Op, QuantFormat, Shape};
 use std::fmt::Write;
 
@@ -80,11 +80,7 @@ fn dequantize(name: &str, format: QuantFormat, packed: &Shape, out: &Shape) -> K
         "    long long row = i / {k}LL; int j = (int)(i % {k}LL);\n    out[i] = dq_{name}(in0 + row * {row_bytes}LL + (j / {bl}) * {bb}LL, j % {bl});"
     );
     s.push_str("  }\n}\n");
-    Kernel {
-        source: s,
-        grid: Grid::Elements(n),
-        check: None,
-    }
+    elements(s, n)
 }
 
 fn quant_matmul(name: &str, format: QuantFormat, inputs: &[Shape], out: &Shape) -> Kernel {

@@ -2,7 +2,7 @@
 //! kernel the generator writes is put in one source, as a program would be, and
 //! given to the host C++ compiler (syntax only) behind a shim that declares the CUDA
 //! built-ins. NVRTC on the GPU machine remains the real compiler; this catches the
-//! typos before a GPU run.
+//! typos before a GPU run. `RLX_KEEP_SOURCE=FILE` keeps a copy of the source.
 
 use super::{PRELUDE, kernel};
 use rlx_ir::{
@@ -273,5 +273,8 @@ fn generated_kernels_parse_as_cxx() {
         "the generated source does not parse ({}):\n{errors}",
         file.display()
     );
+    if let Some(keep) = std::env::var_os("RLX_KEEP_SOURCE") {
+        std::fs::copy(&file, keep).unwrap();
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

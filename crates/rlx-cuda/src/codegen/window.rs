@@ -1,7 +1,7 @@
 //! Direct 2-D convolution and pooling over NCHW tensors: one thread per output
 //! element, the window loops written with the geometry as constants.
 
-use super::{Grid, Kernel, header, load, store};
+use super::{Kernel, elements, header, load, store};
 use rlx_ir::{DType, Op, Shape, Window2d};
 use std::fmt::Write;
 
@@ -83,11 +83,7 @@ fn conv2d(name: &str, win: &Window2d, groups: usize, inputs: &[Shape], out: &Sha
     s.push_str("      }}\n    }\n");
     let _ = writeln!(s, "    out[i] = {};", store(out.dtype(), "acc"));
     s.push_str("  }\n}\n");
-    Kernel {
-        source: s,
-        grid: Grid::Elements(n),
-        check: None,
-    }
+    elements(s, n)
 }
 
 /// Max pooling when `average` is `None`; else average pooling, dividing by the whole
@@ -135,9 +131,5 @@ fn pool(name: &str, win: &Window2d, average: Option<bool>, x: &Shape, out: &Shap
     }
     let _ = writeln!(s, "    out[i] = {};", store(out.dtype(), "acc"));
     s.push_str("  }\n}\n");
-    Kernel {
-        source: s,
-        grid: Grid::Elements(n),
-        check: None,
-    }
+    elements(s, n)
 }
