@@ -15,11 +15,18 @@ pub(crate) fn cuda_error(what: &str, e: impl std::fmt::Debug) -> Error {
     }
 }
 
+/// Bytes of cuBLAS's workspace (what it asks for on Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
+
 /// The context, stream and cuBLAS handle of one GPU.
 pub(crate) struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub blas: Blas,
+    /// Streaming multiprocessors: kernels size their grids to fill them.
+    pub multiprocessors: usize,
+    /// cuBLAS's workspace, set once so that a captured product allocates nothing.
+    _blas_workspace: DeviceBuffer,
 }
 
 /// A cuBLAS handle bound to the program's stream.
@@ -50,7 +57,33 @@ impl Gpu {
         // SAFETY: both handles are live; the stream outlives the cuBLAS handle's use.
         unsafe { cublas::set_stream(blas.0, stream.cu_stream() as _) }
             .map_err(|e| cuda_error("binding cuBLAS to the stream", e))?;
-        Ok(Gpu { ctx, stream, blas })
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| cuda_error("reading the multiprocessor count", e))?
+            .max(1) as usize;
+        let bytes = BLAS_WORKSPACE;
+        ctx.bind_to_thread()
+            .map_err(|e| cuda_error("binding the context", e))?;
+        // SAFETY: the context is current; the size is non-zero.
+        let ptr = unsafe { driver::malloc_sync(bytes) }
+            .map_err(|e| cuda_error("allocating cuBLAS's workspace", e))?;
+        let workspace = DeviceBuffer {
+            ctx: ctx.clone(),
+            ptr,
+            bytes,
+        };
+        // SAFETY: the handle is live and the buffer outlives it (dropped after it).
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(blas.0, ptr as *mut _, bytes).result()
+        }
+        .map_err(|e| cuda_error("setting cuBLAS's workspace", e))?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            blas,
+            multiprocessors,
+            _blas_workspace: workspace,
+        })
     }
 
     /// Makes the context current on the calling thread (every driver call needs it).

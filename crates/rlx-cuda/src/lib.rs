@@ -11,13 +11,14 @@
 //! still holds an op with no CUDA kernel is a compile error naming it.
 
 mod codegen;
+mod fused_matmul;
 mod gpu;
 mod matmul;
 mod nvrtc;
 mod program;
 
 pub use nvrtc::{COMPILES as NVRTC_COMPILES, cache_dir};
-pub use program::CudaProgram;
+pub use program::{CudaProgram, GRAPH_CAPTURES};
 
 use rlx_backend::{Backend, BackendOptions, Executable};
 use rlx_driver::Device;
@@ -164,6 +165,8 @@ fn native_ops() -> NativeOps {
         "cached_attention",
         "dequantize",
         "quant_matmul",
+        "fused_matmul",
+        "elementwise",
     ] {
         names.insert(op.to_string());
     }
@@ -209,8 +212,14 @@ impl Backend for CudaBackend {
     }
 
     fn fusion(&self) -> FusionOptions {
-        // Fused forms need kernels of their own; none yet on CUDA.
-        FusionOptions::default()
+        // Products with their epilogues (and half weights read as stored), and
+        // elementwise regions as one generated kernel each.
+        FusionOptions {
+            matmul_epilogue: true,
+            elementwise_regions: true,
+            activations: true,
+            ..FusionOptions::default()
+        }
     }
 
     fn native_ops(&self) -> NativeOps {

@@ -5,18 +5,20 @@
 //! matrix, each with its operands' offsets worked out when the program is built.
 
 use crate::gpu::Gpu;
+use crate::program::Arg;
 use cudarc::cublas::result as cublas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::sys::CUdeviceptr;
 use rlx_ir::{DType, Shape};
-use rlx_opt::Location;
 use std::ffi::c_void;
 
 /// One planned product.
 pub(crate) struct Gemm {
-    pub a: Location,
-    pub b: Location,
-    pub c: Location,
+    pub a: Arg,
+    pub b: Arg,
+    pub c: Arg,
+    /// Scale of the product.
+    alpha: f64,
     m: i32,
     n: i32,
     k: i32,
@@ -49,14 +51,13 @@ fn to_i32(v: usize, what: &str) -> Result<i32, String> {
 }
 
 impl Gemm {
-    /// Plans `out = a b` for operand shapes `inputs`; an error says why cuBLAS
-    /// cannot run it in one call.
+    /// Plans `out = alpha a b` for operand shapes `inputs`; an error says why cuBLAS
+    /// cannot run it.
     pub fn new(
         inputs: &[Shape],
         out: &Shape,
-        a: Location,
-        b: Location,
-        c: Location,
+        (a, b, c): (Arg, Arg, Arg),
+        alpha: f64,
         allow_tf32: bool,
     ) -> Result<Gemm, String> {
         let dt = out.dtype();
@@ -144,6 +145,7 @@ impl Gemm {
             a,
             b,
             c,
+            alpha,
             m: to_i32(m, "rows")?,
             n: to_i32(n, "columns")?,
             k: to_i32(k, "inner dim")?,
@@ -195,17 +197,17 @@ impl Gemm {
         c: CUdeviceptr,
         batch: i32,
     ) -> rlx_ir::Result<()> {
-        let (one32, zero32) = (1.0f32, 0.0f32);
-        let (one64, zero64) = (1.0f64, 0.0f64);
+        let (alpha32, zero32) = (self.alpha as f32, 0.0f32);
+        let (alpha64, zero64) = (self.alpha, 0.0f64);
         let (alpha, beta): (*const c_void, *const c_void) =
             if self.compute == cublasComputeType_t::CUBLAS_COMPUTE_64F {
                 (
-                    (&one64 as *const f64).cast(),
+                    (&alpha64 as *const f64).cast(),
                     (&zero64 as *const f64).cast(),
                 )
             } else {
                 (
-                    (&one32 as *const f32).cast(),
+                    (&alpha32 as *const f32).cast(),
                     (&zero32 as *const f32).cast(),
                 )
             };

@@ -3,7 +3,8 @@
 //! matrix products as cuBLAS calls. Running queues every step on one stream; inputs
 //! are copied up from host staging before, outputs down after.
 
-use crate::codegen::{self, Grid};
+use crate::codegen::fused::Epilogue;
+use crate::codegen::{self, Grid, STEP_NAME};
 use crate::gpu::{DeviceBuffer, Gpu, cuda_error};
 use crate::matmul::Gemm;
 use crate::nvrtc::Module;
@@ -19,26 +20,79 @@ use std::sync::Arc;
 /// Threads per block of the generated elementwise kernels.
 const BLOCK: usize = 256;
 
-/// The name kernels are generated under, replaced by each distinct kernel's own.
-const STEP_NAME: &str = "rlx_step";
-
 /// Most pointer arguments of a generated kernel (its output and operands).
 const MAX_ARGS: usize = 64;
 
+/// What a kernel or product argument points at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Arg {
+    /// A value of the plan.
+    At(Location),
+    /// The program's workspace at this byte offset (partial sums, widened weights).
+    Workspace(usize),
+    /// The error words.
+    Errors,
+}
+
+/// Bytes at the start of the workspace for the matrix-vector kernels' per-tile
+/// counters; the rest holds data.
+pub(crate) const COUNTERS: usize = 64 * 1024;
+
 /// One queued step.
 enum Launch {
-    /// A generated kernel.
+    /// A generated kernel; `args` are its pointer parameters in order.
     Kernel {
         function: sys::CUfunction,
         grid: Grid,
-        out: Location,
-        inputs: Vec<Location>,
-        /// Whether it takes the error word as its last argument.
-        checked: bool,
+        args: Vec<Arg>,
     },
     /// A cuBLAS product.
     Gemm(Gemm),
 }
+
+/// A step as planned for one node, before its kernel is named.
+pub(crate) enum Step {
+    /// A generated kernel and its arguments.
+    Kernel {
+        kernel: codegen::Kernel,
+        args: Vec<Arg>,
+    },
+    /// A cuBLAS product.
+    Gemm(Gemm),
+}
+
+/// A step with its kernel named in the program's source.
+enum Pending {
+    Kernel {
+        function: String,
+        grid: Grid,
+        args: Vec<Arg>,
+    },
+    Gemm(Gemm),
+}
+
+/// A CUDA graph of every step of `run`, replayed while the buffers stay put.
+struct Captured {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+// The graph is launched only by the program that owns it, one thread at a time.
+unsafe impl Send for Captured {}
+
+impl Drop for Captured {
+    fn drop(&mut self) {
+        // SAFETY: both were created by `capture` and are destroyed once.
+        unsafe {
+            let _ = driver::graph::exec_destroy(self.exec);
+            let _ = driver::graph::destroy(self.graph);
+        }
+    }
+}
+
+/// How many times a program captured its steps as a CUDA graph in this process
+/// (a program captures once, and again only after a param or handle moved).
+pub static GRAPH_CAPTURES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// A compiled plan on one GPU.
 pub struct CudaProgram {
@@ -58,6 +112,13 @@ pub struct CudaProgram {
     /// checked kernels.
     errors: DeviceBuffer,
     checks: Arc<HashMap<i32, String>>,
+    /// Scratch memory of the fused products, `COUNTERS` zeroed bytes first.
+    workspace: DeviceBuffer,
+    /// The steps as a CUDA graph, captured on the first run (`None` before it, or
+    /// after a buffer moved).
+    captured: Option<Captured>,
+    /// Whether to capture at all (`RLX_CUDA_GRAPHS=0` launches step by step).
+    use_graphs: bool,
 }
 
 // Raw CUDA handles inside are used by one thread at a time (the program is `Send`,
@@ -91,17 +152,15 @@ impl CudaProgram {
             plan.check_range(&format!("%{i} ({})", node.op.name()), location, &node.shape)?;
         }
         let mut source = String::from(codegen::PRELUDE);
-        // (node, kernel name or gemm) in schedule order.
-        enum Pending {
-            Kernel(String, Grid, bool),
-            Gemm(Gemm),
-        }
         let mut checks = HashMap::new();
         // Steps with the same kernel text (the same op over the same shapes, as in
         // every layer of a model) share one compiled function: a 30-layer model
         // compiles about one layer's kernels.
         let mut written: HashMap<String, String> = HashMap::new();
-        let mut pending = Vec::with_capacity(plan.schedule.len());
+        let mut workspace_data = 0usize;
+        let target_blocks = gpu.multiprocessors * 3;
+        // (node, kernel table name, the function's name or the product) in order.
+        let mut pending: Vec<(NodeId, String, Pending)> = Vec::with_capacity(plan.schedule.len());
         for &id in &plan.schedule {
             let node = &nodes[id.index()];
             let in_shapes: Vec<_> = node
@@ -116,95 +175,124 @@ impl CudaProgram {
                 .collect();
             let out = plan.locations[id.index()];
             let what = || format!("%{} ({})", id.index(), node.op.name());
-            if node.op == Op::MatMul {
-                let gemm = Gemm::new(
-                    &in_shapes,
-                    &node.shape,
-                    inputs[0],
-                    inputs[1],
-                    out,
-                    allow_tf32,
-                )
-                .map_err(|e| Error::Unsupported {
-                    device: "cuda".into(),
-                    what: format!("{}: {e}", what()),
-                })?;
-                pending.push((
-                    id,
-                    format!("cuda.cublas.matmul.{:?}", node.shape.dtype()).to_lowercase(),
-                    Pending::Gemm(gemm),
-                    inputs,
-                    out,
-                ));
-                continue;
-            }
-            if inputs.len() + 2 > MAX_ARGS {
-                return Err(Error::Unsupported {
-                    device: "cuda".into(),
-                    what: format!("{}: more than {} operands", what(), MAX_ARGS - 2),
-                });
+            let unsupported = |e: String| Error::Unsupported {
+                device: "cuda".into(),
+                what: format!("{}: {e}", what()),
+            };
+            let table = |kind: &str| {
+                format!("cuda.{kind}.{}.{:?}", node.op.name(), node.shape.dtype()).to_lowercase()
+            };
+            if inputs.len() + 4 > MAX_ARGS {
+                return Err(unsupported(format!("more than {} operands", MAX_ARGS - 4)));
             }
             let code = i32::try_from(id.index() + 1).unwrap_or(i32::MAX);
-            if let Op::WriteAt { .. } = node.op {
-                // The kernel writes only the update's rows: the result must be the
-                // target itself, as the planner places it.
-                if out != inputs[0] {
-                    return Err(location_error(&plan, what()));
+            let steps: Vec<(String, Step)> = match &node.op {
+                Op::MatMul => {
+                    let gemm = Gemm::new(
+                        &in_shapes,
+                        &node.shape,
+                        (Arg::At(inputs[0]), Arg::At(inputs[1]), Arg::At(out)),
+                        1.0,
+                        allow_tf32,
+                    )
+                    .map_err(unsupported)?;
+                    vec![(table("cublas"), Step::Gemm(gemm))]
                 }
-            }
-            match codegen::kernel(STEP_NAME, &node.op, &in_shapes, &node.shape, code)? {
-                Some(k) => {
-                    if let Grid::Blocks { count, .. } = k.grid
-                        && count > i32::MAX as usize
-                    {
-                        return Err(Error::Unsupported {
-                            device: "cuda".into(),
-                            what: format!("{}: {count} blocks, past CUDA's grid limit", what()),
-                        });
-                    }
-                    let fresh = format!("k{}", written.len());
-                    let name = written
-                        .entry(k.source.clone())
-                        .or_insert_with(|| {
-                            source.push_str(&k.source.replace(STEP_NAME, &fresh));
-                            fresh
-                        })
-                        .clone();
-                    let checked = k.check.is_some();
-                    if let Some(message) = k.check {
-                        checks.insert(code, format!("{}: {message}", what()));
-                    }
-                    pending.push((
-                        id,
-                        format!("cuda.nvrtc.{}.{:?}", node.op.name(), node.shape.dtype())
-                            .to_lowercase(),
-                        Pending::Kernel(name, k.grid, checked),
-                        inputs,
+                Op::FusedMatMul {
+                    alpha,
+                    bias,
+                    activation,
+                    residual,
+                } => {
+                    let epilogue = Epilogue {
+                        alpha: alpha.get(),
+                        bias: *bias,
+                        activation: *activation,
+                        residual: *residual,
+                    };
+                    let (steps, data) = crate::fused_matmul::plan(
+                        &epilogue,
+                        &in_shapes,
+                        &node.shape,
+                        &inputs,
                         out,
-                    ));
+                        allow_tf32,
+                        target_blocks,
+                    )
+                    .map_err(unsupported)?;
+                    workspace_data = workspace_data.max(data);
+                    steps
+                        .into_iter()
+                        .map(|(kind, step)| (table(kind), step))
+                        .collect()
                 }
-                None => {
-                    return Err(Error::Unsupported {
-                        device: "cuda".into(),
-                        what: format!("{}: no CUDA kernel for this op yet", what()),
-                    });
+                op => {
+                    if let Op::WriteAt { .. } = op {
+                        // The kernel writes only the update's rows: the result must
+                        // be the target itself, as the planner places it.
+                        if out != inputs[0] {
+                            return Err(location_error(&plan, what()));
+                        }
+                    }
+                    let Some(kernel) =
+                        codegen::kernel(STEP_NAME, op, &in_shapes, &node.shape, code)?
+                    else {
+                        return Err(unsupported("no CUDA kernel for this op yet".into()));
+                    };
+                    let mut args = vec![Arg::At(out)];
+                    args.extend(inputs.iter().map(|&i| Arg::At(i)));
+                    if let Some(message) = &kernel.check {
+                        checks.insert(code, format!("{}: {message}", what()));
+                        args.push(Arg::Errors);
+                    }
+                    vec![(table("nvrtc"), Step::Kernel { kernel, args })]
                 }
+            };
+            for (name, step) in steps {
+                let step = match step {
+                    Step::Gemm(g) => Pending::Gemm(g),
+                    Step::Kernel { kernel, args } => {
+                        if let Grid::Blocks { count, .. } = kernel.grid
+                            && count > i32::MAX as usize
+                        {
+                            return Err(unsupported(format!(
+                                "{count} blocks, past CUDA's grid limit"
+                            )));
+                        }
+                        let fresh = format!("k{}", written.len());
+                        let function = written
+                            .entry(kernel.source.clone())
+                            .or_insert_with(|| {
+                                source.push_str(&kernel.source.replace(STEP_NAME, &fresh));
+                                fresh
+                            })
+                            .clone();
+                        Pending::Kernel {
+                            function,
+                            grid: kernel.grid,
+                            args,
+                        }
+                    }
+                };
+                pending.push((id, name, step));
             }
         }
         let module = Module::compile(&gpu, &source)?;
         let mut launches = Vec::with_capacity(pending.len());
-        for (id, kernel, p, inputs, out) in pending {
-            let launch = match p {
-                Pending::Kernel(name, grid, checked) => Launch::Kernel {
-                    function: module.function(&name)?,
+        for (id, name, step) in pending {
+            let launch = match step {
+                Pending::Kernel {
+                    function,
                     grid,
-                    out,
-                    inputs,
-                    checked,
+                    args,
+                } => Launch::Kernel {
+                    function: module.function(&function)?,
+                    grid,
+                    args,
                 },
                 Pending::Gemm(g) => Launch::Gemm(g),
             };
-            launches.push((id, kernel, launch));
+            launches.push((id, name, launch));
         }
         let constants = graph
             .constants()
@@ -240,6 +328,7 @@ impl CudaProgram {
         drop(nodes);
         let arena = DeviceBuffer::new(&gpu, plan.stats.arena_bytes, "the arena")?;
         let errors = DeviceBuffer::from_bytes(&gpu, &[0u8; 16], "the error words")?;
+        let workspace = new_workspace(&gpu, COUNTERS + workspace_data)?;
         let staging = plan
             .inputs
             .iter()
@@ -264,6 +353,9 @@ impl CudaProgram {
             outputs,
             errors,
             checks: Arc::new(checks),
+            workspace,
+            captured: None,
+            use_graphs: std::env::var("RLX_CUDA_GRAPHS").map_or(true, |v| v != "0"),
         })
     }
 
@@ -287,43 +379,95 @@ impl CudaProgram {
         Ok(base + at.offset as u64)
     }
 
-    fn launch_all(&self) -> Result<()> {
+    /// The device address an argument points at.
+    fn arg_address(&self, arg: Arg) -> Result<sys::CUdeviceptr> {
+        match arg {
+            Arg::At(at) => self.address(at),
+            Arg::Workspace(offset) => Ok(self.workspace.ptr() + offset as u64),
+            Arg::Errors => Ok(self.errors.ptr()),
+        }
+    }
+
+    /// Queues every step: the captured graph when there is one, else each launch
+    /// (captured into a graph first, when graphs are on).
+    fn queue_run(&mut self) -> Result<()> {
         self.gpu.bind()?;
+        let stream = self.gpu.cu_stream();
+        if self.captured.is_none() && self.use_graphs {
+            self.captured = Some(self.capture()?);
+        }
+        match &self.captured {
+            // SAFETY: the graph was instantiated on this context from this stream's
+            // steps; every buffer it points at is still the one captured (a moved
+            // buffer drops the graph).
+            Some(c) => unsafe { driver::graph::launch(c.exec, stream) }
+                .map_err(|e| cuda_error("launching the captured graph", e)),
+            None => self.launch_all(),
+        }
+    }
+
+    /// Records every step into a CUDA graph (nothing runs while recording).
+    fn capture(&self) -> Result<Captured> {
+        let stream = self.gpu.cu_stream();
+        // SAFETY: the stream is this program's; capture ends below on every path.
+        unsafe {
+            driver::stream::begin_capture(
+                stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .map_err(|e| cuda_error("starting a graph capture", e))?;
+        let queued = self.launch_all();
+        // SAFETY: capture was begun on this stream above.
+        let ended = unsafe { driver::stream::end_capture(stream) };
+        queued?;
+        let graph = ended.map_err(|e| cuda_error("ending a graph capture", e))?;
+        // SAFETY: the graph was just captured and is destroyed with the exec.
+        match unsafe { driver::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
+            Ok(exec) => {
+                GRAPH_CAPTURES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(Captured { graph, exec })
+            }
+            Err(e) => {
+                // SAFETY: created above, not used again.
+                unsafe {
+                    let _ = driver::graph::destroy(graph);
+                }
+                Err(cuda_error("instantiating the captured graph", e))
+            }
+        }
+    }
+
+    /// Queues each step on the stream.
+    fn launch_all(&self) -> Result<()> {
         let stream = self.gpu.cu_stream();
         for (id, _, launch) in self.launches.iter() {
             match launch {
                 Launch::Kernel {
                     function,
                     grid,
-                    out,
-                    inputs,
-                    checked,
+                    args,
                 } => {
                     if grid.is_empty() {
                         continue;
                     }
                     // Kernel arguments on the stack: no allocation per launch.
-                    let count = inputs.len() + 1 + usize::from(*checked);
-                    let mut args = [0u64; MAX_ARGS];
-                    args[0] = self.address(*out)?;
-                    for (slot, &i) in args[1..].iter_mut().zip(inputs) {
-                        *slot = self.address(i)?;
-                    }
-                    if *checked {
-                        args[count - 1] = self.errors.ptr();
+                    let mut values = [0u64; MAX_ARGS];
+                    for (slot, &a) in values.iter_mut().zip(args) {
+                        *slot = self.arg_address(a)?;
                     }
                     let mut pointers = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
-                    for (p, a) in pointers.iter_mut().zip(args.iter_mut()) {
+                    for (p, a) in pointers.iter_mut().zip(values.iter_mut()) {
                         *p = (a as *mut u64).cast();
                     }
-                    let params = &mut pointers[..count];
+                    let params = &mut pointers[..args.len()];
                     let (blocks, threads) = match *grid {
                         Grid::Elements(n) => (n.div_ceil(BLOCK).min(1 << 20), BLOCK as u32),
                         Grid::Warps(n) => (n.div_ceil(BLOCK / 32).min(1 << 20), BLOCK as u32),
                         Grid::Blocks { count, threads } => (count, threads),
                     };
                     // SAFETY: the kernel's parameters are device pointers, one per
-                    // operand, as the generator wrote them; every range was checked
+                    // argument, as the generator wrote them; every range was checked
                     // against its region when the program was built.
                     unsafe {
                         driver::launch_kernel(
@@ -338,9 +482,9 @@ impl CudaProgram {
                     .map_err(|e| cuda_error(&format!("launching %{}", id.index()), e))?;
                 }
                 Launch::Gemm(g) => {
-                    let a = self.address(g.a)?;
-                    let b = self.address(g.b)?;
-                    let c = self.address(g.c)?;
+                    let a = self.arg_address(g.a)?;
+                    let b = self.arg_address(g.b)?;
+                    let c = self.arg_address(g.c)?;
                     g.run(&self.gpu, a, b, c).map_err(|e| {
                         cuda_error(&format!("the matrix product %{}", id.index()), e)
                     })?;
@@ -399,6 +543,7 @@ impl Executable for CudaProgram {
         }
         // Storage shared with another program gets its own copy first.
         if Arc::strong_count(&self.params[index]) > 1 {
+            self.captured = None;
             self.params[index] = Arc::new(DeviceBuffer::new(
                 &self.gpu,
                 bytes.len(),
@@ -447,6 +592,7 @@ impl Executable for CudaProgram {
             ));
         }
         self.params[index] = buffer.clone();
+        self.captured = None;
         Ok(())
     }
 
@@ -463,7 +609,7 @@ impl Executable for CudaProgram {
             debug_assert_eq!(at.region, Region::Arena);
             self.arena.upload(&self.gpu, at.offset, bytes)?;
         }
-        self.launch_all()
+        self.queue_run()
     }
 
     fn wait(&mut self) -> Result<()> {
@@ -535,6 +681,7 @@ impl Executable for CudaProgram {
     fn take_handle(&mut self, index: usize) -> Result<HandleStorage> {
         self.handle_buffer(index)?;
         let buffer = self.handles[index].take().expect("checked above");
+        self.captured = None;
         Ok(HandleStorage::new(self.device(), buffer))
     }
 
@@ -563,6 +710,7 @@ impl Executable for CudaProgram {
             ));
         }
         self.handles[index] = Some(buffer);
+        self.captured = None;
         Ok(())
     }
 
@@ -609,8 +757,18 @@ impl Executable for CudaProgram {
                 outputs: self.outputs.clone(),
                 errors: DeviceBuffer::from_bytes(&self.gpu, &[0u8; 16], "the error words")?,
                 checks: self.checks.clone(),
+                workspace: new_workspace(&self.gpu, self.workspace.len())?,
+                captured: None,
+                use_graphs: self.use_graphs,
             })
         })();
         Box::new(copy.expect("device memory for a clone of a compiled graph"))
     }
+}
+
+/// A workspace of `bytes`, its counters zeroed.
+fn new_workspace(gpu: &Gpu, bytes: usize) -> Result<DeviceBuffer> {
+    let workspace = DeviceBuffer::new(gpu, bytes, "the workspace")?;
+    workspace.upload(gpu, 0, &vec![0u8; COUNTERS.min(bytes)])?;
+    Ok(workspace)
 }

@@ -166,6 +166,26 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 fn write_hf(dir: &PathBuf, w: &BTreeMap<String, (usize, usize, Vec<f32>)>) {
+    write_hf_as(dir, w, Dtype::F32);
+}
+
+/// Every weight rounded to bfloat16.
+fn rounded_to_bf16(
+    w: &BTreeMap<String, (usize, usize, Vec<f32>)>,
+) -> BTreeMap<String, (usize, usize, Vec<f32>)> {
+    w.iter()
+        .map(|(n, (r, c, v))| {
+            let v = v
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_f32())
+                .collect();
+            (n.clone(), (*r, *c, v))
+        })
+        .collect()
+}
+
+/// The checkpoint with its tensors stored as `dtype` (`F32` or `BF16`).
+fn write_hf_as(dir: &PathBuf, w: &BTreeMap<String, (usize, usize, Vec<f32>)>, dtype: Dtype) {
     std::fs::create_dir_all(dir).unwrap();
     let config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
@@ -179,17 +199,19 @@ fn write_hf(dir: &PathBuf, w: &BTreeMap<String, (usize, usize, Vec<f32>)>) {
         .iter()
         .map(|(n, (r, c, v))| {
             let dims = if *r == 1 { vec![*c] } else { vec![*r, *c] };
-            (n.clone(), (dims, f32_bytes(v)))
+            let b = if dtype == Dtype::BF16 {
+                v.iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect()
+            } else {
+                f32_bytes(v)
+            };
+            (n.clone(), (dims, b))
         })
         .collect();
     let views: Vec<(String, TensorView<'_>)> = bytes
         .iter()
-        .map(|(n, (dims, b))| {
-            (
-                n.clone(),
-                TensorView::new(Dtype::F32, dims.clone(), b).unwrap(),
-            )
-        })
+        .map(|(n, (dims, b))| (n.clone(), TensorView::new(dtype, dims.clone(), b).unwrap()))
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
 }
@@ -296,6 +318,31 @@ fn hugging_face_and_gguf_checkpoints_match_the_definition() {
     let weights = LlamaWeights::from_gguf(file, &config).unwrap();
     let mut gguf = Llm::from_parts("tiny.gguf".into(), config, weights, None, options()).unwrap();
     assert_close("gguf", &gguf.logits_all(&ids).unwrap(), &want);
+}
+
+#[test]
+fn a_bfloat16_checkpoint_keeps_its_linear_weights_as_stored() {
+    let w = rounded_to_bf16(&weights());
+    let ids = [3u32, 17, 42, 5, 9, 60, 1];
+    let want = reference(&w, &ids);
+    let dir = std::env::temp_dir().join(format!("rlx-tiny-llama-bf16-{}", std::process::id()));
+    write_hf_as(&dir, &w, Dtype::BF16);
+    let config = LlamaConfig::from_hf_json(&dir.join("config.json")).unwrap();
+    let weights = LlamaWeights::from_safetensors(&dir.join("model.safetensors"), &config).unwrap();
+    let dtype = |name: &str| weights.entry(name).unwrap().shape.dtype();
+    assert_eq!(dtype("blk.1.ffn_down.weight"), rlx_ir::DType::BF16);
+    assert_eq!(dtype("output.weight"), rlx_ir::DType::BF16);
+    assert_eq!(dtype("blk.0.attn_norm.weight"), rlx_ir::DType::F32);
+    let mut llm = Llm::load_with(
+        dir.to_str().unwrap(),
+        LlmOptions {
+            max_context: 32,
+            ..LlmOptions::default()
+        },
+    )
+    .unwrap();
+    assert_close("bf16 hf", &llm.logits_all(&ids).unwrap(), &want);
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

@@ -1,7 +1,11 @@
 //! The optimizer's rewrites (constant folding, CSE, matmul epilogues, elementwise
 //! regions) against the unfused graph: the rewritten graph must compute the same values
 //! under the reference evaluator, and the CPU's fused kernels must match the reference
-//! of the original graph, on random data and shapes.
+//! of the original graph, on random data and shapes. The fused graphs also run on
+//! every other available device (its own fusions and kernels) against the same
+//! reference.
+
+mod common;
 
 use rlx::ir::reference::{HostTensor, evaluate};
 use rlx::opt::{FusionOptions, PlanOptions, plan_graph};
@@ -61,14 +65,53 @@ fn reference(g: &Graph, feeds: &[(String, Vec<f32>)]) -> Vec<HostTensor> {
 }
 
 fn run_cpu(g: &Graph, feeds: &[(String, Vec<f32>)], optimize: bool) -> Vec<Vec<f32>> {
-    let c = Session::new(Device::Cpu)
+    run_on(Device::Cpu, g, feeds, optimize)
+}
+
+fn run_on(
+    device: Device,
+    g: &Graph,
+    feeds: &[(String, Vec<f32>)],
+    optimize: bool,
+) -> Vec<Vec<f32>> {
+    let c = Session::new(device)
         .compile_with(g, &CompileOptions::new().optimize(optimize))
         .unwrap();
     run_compiled(c, g, feeds)
 }
 
+/// The devices besides the CPU that the fused graphs also run on.
+fn other_devices() -> Vec<Device> {
+    common::test_devices()
+        .into_iter()
+        .filter(|d| *d != Device::Cpu)
+        .collect()
+}
+
+/// Checks `got` against the reference `want` within `tol * (1 + |reference|)`.
+fn assert_close(want: &[HostTensor], got: &[Vec<f32>], tol: f64, what: &str) {
+    for (o, (w, r)) in want.iter().zip(got).enumerate() {
+        assert_eq!(w.data.len(), r.len(), "{what}: output {o} length");
+        for (i, (a, &b)) in w.data.iter().zip(r).enumerate() {
+            assert!(
+                (a - f64::from(b)).abs() <= tol * (1.0 + a.abs()),
+                "{what}: output {o}[{i}]: {b} vs {a}"
+            );
+        }
+    }
+}
+
 /// Sets `g`'s params from `feeds` and runs with the rest as inputs.
 fn run_compiled(mut c: CompiledGraph, g: &Graph, feeds: &[(String, Vec<f32>)]) -> Vec<Vec<f32>> {
+    run_compiled_again(&mut c, g, feeds)
+}
+
+/// [`run_compiled`] on a graph kept for more runs.
+fn run_compiled_again(
+    c: &mut CompiledGraph,
+    g: &Graph,
+    feeds: &[(String, Vec<f32>)],
+) -> Vec<Vec<f32>> {
     let params: Vec<String> = g.params().into_iter().map(|p| p.0).collect();
     for (name, data) in feeds.iter().filter(|(n, _)| params.contains(n)) {
         c.set_param(name, data).unwrap();
@@ -121,6 +164,11 @@ fn check_within(g: &Graph, rng: &mut Rng, what: &str, tol: f64) -> usize {
                 plan.graph
             );
         }
+    }
+    // 2b. So do the other devices' fused graphs.
+    for device in other_devices() {
+        let got = run_on(device, g, &feeds, true);
+        assert_close(&want, &got, tol, &format!("{what}: fused on {device}"));
     }
     // 3. And the unfused CPU path agrees too.
     let plain = run_cpu(g, &feeds, false);
@@ -778,11 +826,13 @@ fn half_precision_weights_are_read_by_the_matmul_without_a_cast() {
                     .for_each(|v| *v = (*v * 128.0).round() / 128.0);
             }
             let want = reference(&g, &feeds);
-            let got = run_cpu(&g, &feeds, true);
-            for (i, (a, &b)) in want[0].data.iter().zip(&got[0]).enumerate() {
-                assert!(
-                    (a - f64::from(b)).abs() <= 2e-5 * (1.0 + a.abs()),
-                    "{dtype} {m}x{k}x{n} [{i}]: {b} vs {a}"
+            for device in common::test_devices() {
+                let got = run_on(device, &g, &feeds, true);
+                assert_close(
+                    &want,
+                    &got,
+                    2e-5,
+                    &format!("{dtype} {m}x{k}x{n} on {device}"),
                 );
             }
         }
@@ -1368,6 +1418,65 @@ fn a_fused_product_over_a_half_weight_decomposes_with_the_weight_widened() {
     for (want, got) in reference(&g, &feeds).iter().zip(&reference(&back, &feeds)) {
         for (a, b) in want.data.iter().zip(&got.data) {
             assert!((a - b).abs() <= 1e-6 * (1.0 + a.abs()), "{a} vs {b}");
+        }
+    }
+}
+
+/// Products of one to four rows (a decode step) over weights of every float dtype,
+/// wide and narrow, with and without epilogues: on CUDA these take the
+/// matrix-vector kernel that reads the weights as stored and splits the inner dim.
+#[test]
+fn few_row_products_over_stored_weights_match() {
+    let mut rng = Rng(91);
+    let shapes = [
+        (1, 2048, 256),
+        (1, 64, 24),
+        (2, 700, 37),
+        (3, 1536, 520),
+        (4, 96, 8),
+        (1, 0, 16),
+    ];
+    for (case, &(rows, k, n)) in shapes.iter().enumerate() {
+        for wdt in [DType::F32, DType::F16, DType::BF16] {
+            let g = Graph::new("decode product");
+            let x = g.input("x", Shape::new(&[rows, k], DType::F32)).unwrap();
+            let w = g.param("w", Shape::new(&[k, n], wdt)).unwrap();
+            let w = if wdt == DType::F32 {
+                w
+            } else {
+                g.cast(w, DType::F32).unwrap()
+            };
+            let mut y = g.matmul(x, w).unwrap();
+            if case % 2 == 0 {
+                let b = g.param("b", Shape::new(&[n], DType::F32)).unwrap();
+                y = g.silu(g.add(y, b).unwrap()).unwrap();
+            }
+            if case % 3 != 2 {
+                let r = g.input("r", Shape::new(&[rows, n], DType::F32)).unwrap();
+                y = g.add(r, y).unwrap();
+            }
+            g.set_outputs(vec![y]);
+            // Values exact in the half formats, so the reference reads the stored
+            // weights.
+            let mut feeds = feeds(&g, &mut rng);
+            for (_, data) in &mut feeds {
+                data.iter_mut()
+                    .for_each(|v| *v = (*v * 128.0).round() / 128.0);
+            }
+            let want = reference(&g, &feeds);
+            for device in common::test_devices() {
+                let mut c = Session::new(device).compile(&g).unwrap();
+                // Twice: on CUDA the second run replays the graph the first captured.
+                for round in 0..2 {
+                    let got = run_compiled_again(&mut c, &g, &feeds);
+                    assert_close(
+                        &want,
+                        &got,
+                        2e-5,
+                        &format!("{rows}x{k}x{n} {wdt} on {device}, round {round}"),
+                    );
+                }
+            }
         }
     }
 }

@@ -292,6 +292,9 @@ pub(crate) fn pack_b_panels(b: &[f32], k: usize, n: usize, out: &mut [f32]) -> u
 
 /// [`pack_b_panels`] for panels `nr` wide; `out` holds `ceil(n / nr) * nr * k` floats.
 fn pack_b_panels_for(nr: usize, b: &[f32], k: usize, n: usize, out: &mut [f32]) {
+    if k == 0 {
+        return; // an empty inner dim packs nothing
+    }
     for (q, panel) in out.chunks_exact_mut(nr * k).enumerate() {
         let (c0, valid) = (q * nr, nr.min(n - q * nr));
         for (p, dst) in panel.chunks_exact_mut(nr).enumerate() {

@@ -15,6 +15,7 @@
 //! output elements with a grid-stride loop over 64-bit indices ([`Grid::Elements`]).
 
 mod attention;
+pub(crate) mod fused;
 mod index;
 mod quant;
 mod window;
@@ -24,6 +25,9 @@ mod syntax_check;
 
 use rlx_ir::{BinaryOp, DType, Error, Op, ReduceOp, Result, Shape, UnaryOp};
 use std::fmt::Write;
+
+/// The name kernels are generated under, replaced by each distinct kernel's own.
+pub(crate) const STEP_NAME: &str = "rlx_step";
 
 /// Helpers every program's source starts with: half and bfloat16 conversions written
 /// as PTX, so the source needs no CUDA headers.
@@ -416,6 +420,9 @@ pub(crate) fn kernel(
     }
     if let Some(k) = quant::kernel(name, op, inputs, output) {
         return Ok(Some(k));
+    }
+    if let Op::Elementwise { steps } = op {
+        return fused::elementwise(name, steps, inputs, output).map(Some);
     }
     let out_dims = output.dims();
     let n = output.num_elements();

@@ -4,10 +4,11 @@
 //! built-ins. NVRTC on the GPU machine remains the real compiler; this catches the
 //! typos before a GPU run. `RLX_KEEP_SOURCE=FILE` keeps a copy of the source.
 
+use super::fused::{Epilogue, Gemv, epilogue_in_place, gemv};
 use super::{PRELUDE, kernel};
 use rlx_ir::{
-    ArgReduceOp, BinaryOp, DType, F64Bits, Op, PadMode, QuantFormat, ReduceOp, Shape, SliceAxis,
-    TopKOutput, UnaryOp, Window2d,
+    ArgReduceOp, BinaryOp, DType, EwStep, F64Bits, Op, PadMode, QuantFormat, ReduceOp, Shape,
+    SliceAxis, TopKOutput, UnaryOp, Window2d,
 };
 use std::process::Command;
 
@@ -31,6 +32,13 @@ double __longlong_as_double(long long);
 float rsqrtf(float);
 double rsqrt(double);
 void __syncthreads();
+void __threadfence();
+unsigned atomicAdd(unsigned*, unsigned);
+float __ldcg(const float*);
+float fmaf(float, float, float);
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+#define __launch_bounds__(n)
 using std::fmaxf; using std::fminf; using std::fmax; using std::fmin;
 "#;
 
@@ -228,6 +236,19 @@ fn samples() -> Vec<(Op, Vec<Shape>, Shape)> {
             Shape::new(&[1, 3, 4, 64], DType::BF16),
         ),
     ];
+    for dt in [DType::F32, DType::BF16] {
+        v.push((
+            Op::Elementwise {
+                steps: vec![
+                    EwStep::Binary(BinaryOp::Mul, 0, 1),
+                    EwStep::Unary(UnaryOp::Silu, 2),
+                    EwStep::Binary(BinaryOp::Max, 3, 0),
+                ],
+            },
+            vec![Shape::new(&[3, 1, 7], dt), Shape::new(&[5, 1], dt)],
+            Shape::new(&[3, 5, 7], dt),
+        ));
+    }
     for format in QuantFormat::ALL {
         let row = format.row_bytes(512).expect("whole blocks");
         let packed = Shape::new(&[6, row], DType::U8);
@@ -253,6 +274,51 @@ fn generated_kernels_parse_as_cxx() {
         let k = kernel(&format!("k{i}"), op, inputs, out, i as i32 + 1)
             .unwrap_or_else(|e| panic!("{}: {e}", op.name()))
             .unwrap_or_else(|| panic!("{}: no kernel", op.name()));
+        source.push_str(&k.source);
+    }
+    // The fused products' pieces, with and without every epilogue operand.
+    let full = Epilogue {
+        alpha: 0.5,
+        bias: true,
+        activation: Some(UnaryOp::Gelu),
+        residual: true,
+    };
+    let bare = Epilogue {
+        alpha: 1.0,
+        bias: false,
+        activation: None,
+        residual: false,
+    };
+    let mut more = vec![
+        epilogue_in_place("e0", &full, &f32s(&[5, 24])).unwrap(),
+        epilogue_in_place("e1", &full, &Shape::new(&[5, 24], DType::F16)).unwrap(),
+    ];
+    let shapes = [
+        (1, 2048, 512, true),
+        (3, 100, 37, false),
+        (4, 8192, 64, true),
+    ];
+    for (i, &(rows, k, n, vector)) in shapes.iter().enumerate() {
+        for (j, bdt) in [DType::F32, DType::F16, DType::BF16]
+            .into_iter()
+            .enumerate()
+        {
+            let g = Gemv::new(rows, k, n, 400, vector);
+            let e = if j == 1 { &bare } else { &full };
+            more.push(gemv(&format!("g{i}_{j}"), &g, e, DType::F32, bdt).unwrap());
+        }
+    }
+    more.push(
+        gemv(
+            "gh",
+            &Gemv::new(2, 64, 16, 400, true),
+            &full,
+            DType::BF16,
+            DType::BF16,
+        )
+        .unwrap(),
+    );
+    for k in more {
         source.push_str(&k.source);
     }
     let dir = std::env::temp_dir().join(format!("rlx-cuda-syntax-{}", std::process::id()));

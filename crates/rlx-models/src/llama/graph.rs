@@ -125,6 +125,9 @@ fn linear(g: &Graph, weights: &LlamaWeights, x: NodeId, name: &str) -> Result<No
     let w = g.param(name, entry.shape.clone())?;
     match entry.format {
         Some(format) => g.quant_matmul(x, w, format),
+        // Half-precision weights are widened for the product (the optimizer folds
+        // the cast into a fused product that reads them as stored).
+        None if entry.shape.dtype() != DType::F32 => g.matmul(x, g.cast(w, DType::F32)?),
         None => g.matmul(x, w),
     }
 }

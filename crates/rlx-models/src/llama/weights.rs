@@ -12,7 +12,7 @@ use std::path::Path;
 enum Data {
     /// Tensor bytes inside the memory-mapped GGUF file, used as stored.
     File(String),
-    /// Bytes converted at load time (`f32` little-endian).
+    /// Bytes converted at load time (little-endian, in the param's dtype).
     Owned(Vec<u8>),
 }
 
@@ -20,8 +20,8 @@ enum Data {
 pub struct WeightEntry {
     /// Param name (GGUF naming, e.g. `blk.3.attn_q.weight`).
     pub name: String,
-    /// The param's shape: `u8 [N, row_bytes]` for packed rows, `f32 [K, N]` for a
-    /// dense linear weight, `f32 [len]` for norms, `f32 [rows, width]` for an
+    /// The param's shape: `u8 [N, row_bytes]` for packed rows, `[K, N]` for a
+    /// dense linear weight (`f32`, or `f16`/`bf16` as a checkpoint stores it), `f32 [len]` for norms, `f32 [rows, width]` for an
     /// embedding table.
     pub shape: Shape,
     /// The block format of packed rows, if the weight is quantized.
@@ -88,6 +88,18 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     for r in 0..rows {
         for c in 0..cols {
             out[c * rows + r] = values[r * cols + c];
+        }
+    }
+    out
+}
+
+/// `[rows, cols]` row-major 2-byte elements (little-endian bytes) to `[cols, rows]`.
+fn transpose_u16(bytes: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let mut out = vec![0u8; bytes.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            let (from, to) = (2 * (r * cols + c), 2 * (c * rows + r));
+            out[to..to + 2].copy_from_slice(&bytes[from..from + 2]);
         }
     }
     out
@@ -186,7 +198,8 @@ impl LlamaWeights {
     }
 
     /// Loads a Hugging Face `LlamaForCausalLM` checkpoint's `model.safetensors`
-    /// (f32, f16 or bf16), converting to `f32` and renaming to GGUF names.
+    /// (f32, f16 or bf16), renaming to GGUF names. Linear weights are transposed to
+    /// `[K, N]` and kept in their stored dtype; the rest are converted to `f32`.
     pub fn from_safetensors(path: &Path, config: &LlamaConfig) -> Result<LlamaWeights> {
         let file = SafeTensorsFile::open(path)?;
         let mut entries = Vec::new();
@@ -205,6 +218,17 @@ impl LlamaWeights {
                 vec![rows, cols]
             };
             let view = file.tensor(&hf, &dims)?;
+            if is_linear(&name) && matches!(view.dtype, DType::F16 | DType::BF16) {
+                // Half-precision linear weights stay as stored (half the memory, and
+                // half the bytes a decode step reads); the product widens them.
+                entries.push(WeightEntry {
+                    name,
+                    shape: Shape::new(&[cols, rows], view.dtype),
+                    format: None,
+                    data: Data::Owned(transpose_u16(view.bytes, rows, cols)),
+                });
+                continue;
+            }
             let values = view_f32(&view, file.path())?;
             let (dims, values) = if is_linear(&name) {
                 (vec![cols, rows], transpose(&values, rows, cols))

@@ -1,0 +1,110 @@
+//! How a `FusedMatMul` (`act(alpha * a @ b + bias) + residual`) runs on the GPU.
+//!
+//! - A product of a few rows (a decode step) with a 2-D weight is one matrix-vector
+//!   kernel that reads the weight as stored, `f16`/`bf16` beside `f32` activations
+//!   included, and writes the epilogue's result: the weight's bytes are read once.
+//! - Anything larger is cuBLAS, after widening a half-precision weight into the
+//!   workspace when the activations are `f32`, followed by the epilogue as one
+//!   in-place kernel when there is one.
+
+use crate::codegen::fused::{Epilogue, GEMV_MAX_ROWS, Gemv, epilogue_in_place, gemv};
+use crate::codegen::{self, Kernel};
+use crate::matmul::Gemm;
+use crate::program::{Arg, COUNTERS, Step};
+use rlx_ir::{DType, Op, Shape};
+use rlx_opt::{Location, Region};
+
+/// Where workspace data starts (after the counters).
+const DATA: usize = COUNTERS;
+
+/// Steps of one node, each with the kind its kernel-table name takes.
+pub(crate) type Steps = Vec<(&'static str, Step)>;
+
+/// The steps of one fused product and the workspace data bytes they need. `inputs` are the operands' locations
+/// (`a`, `b`, then the bias and residual the epilogue takes).
+pub(crate) fn plan(
+    epilogue: &Epilogue,
+    shapes: &[Shape],
+    out_shape: &Shape,
+    inputs: &[Location],
+    out: Location,
+    allow_tf32: bool,
+    target_blocks: usize,
+) -> Result<(Steps, usize), String> {
+    if out_shape.num_elements() == 0 {
+        return Ok((Vec::new(), 0));
+    }
+    let (a, b) = (&shapes[0], &shapes[1]);
+    let (adt, bdt) = (a.dtype(), b.dtype());
+    let float = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
+    let k = a.dims().last().copied().unwrap_or(1);
+    let n = out_shape.dims().last().copied().unwrap_or(1);
+    // Not empty (checked above), so `n` is not zero.
+    let rows = out_shape.num_elements() / n;
+    let extra: Vec<Arg> = inputs[2..].iter().map(|&l| Arg::At(l)).collect();
+    if b.rank() == 2 && rows <= GEMV_MAX_ROWS && float(adt) && float(bdt) {
+        // 16-byte loads need aligned rows: params are their own allocations, arena
+        // values are placed at the plan's alignment.
+        let aligned = inputs[1].offset.is_multiple_of(16) || inputs[1].region != Region::Arena;
+        let g = Gemv::new(rows, k, n, target_blocks, n % 8 == 0 && aligned);
+        if g.tiles() * 4 > COUNTERS {
+            return Err(format!("{n} columns are past the workspace's counters"));
+        }
+        let kernel = gemv(codegen::STEP_NAME, &g, epilogue, adt, bdt).map_err(|e| e.to_string())?;
+        let mut args = vec![Arg::At(out), Arg::At(inputs[0]), Arg::At(inputs[1])];
+        args.extend(extra);
+        args.push(Arg::Workspace(DATA));
+        args.push(Arg::Workspace(0));
+        return Ok((
+            vec![("gemv", Step::Kernel { kernel, args })],
+            g.partial_bytes(),
+        ));
+    }
+    let mut steps = Vec::new();
+    let mut data = 0;
+    let mut b_arg = Arg::At(inputs[1]);
+    let mut b_shape = b.clone();
+    if bdt != adt {
+        // The product takes one dtype: the stored weight is widened once per run.
+        let wide = b.with_dtype(adt);
+        let kernel = codegen::kernel(
+            codegen::STEP_NAME,
+            &Op::Cast(adt),
+            std::slice::from_ref(b),
+            &wide,
+            0,
+        )
+        .map_err(|e| e.to_string())?
+        .ok_or("no cast kernel")?;
+        steps.push((
+            "widen",
+            Step::Kernel {
+                kernel,
+                args: vec![Arg::Workspace(DATA), Arg::At(inputs[1])],
+            },
+        ));
+        data = wide.byte_size();
+        b_arg = Arg::Workspace(DATA);
+        b_shape = wide;
+    }
+    let gemm = Gemm::new(
+        &[a.clone(), b_shape],
+        out_shape,
+        (Arg::At(inputs[0]), b_arg, Arg::At(out)),
+        epilogue.alpha,
+        allow_tf32,
+    )?;
+    steps.push(("cublas", Step::Gemm(gemm)));
+    let rest = Epilogue {
+        alpha: 1.0,
+        ..*epilogue
+    };
+    if !rest.is_identity() {
+        let kernel: Kernel =
+            epilogue_in_place(codegen::STEP_NAME, &rest, out_shape).map_err(|e| e.to_string())?;
+        let mut args = vec![Arg::At(out)];
+        args.extend(extra);
+        steps.push(("epilogue", Step::Kernel { kernel, args }));
+    }
+    Ok((steps, data))
+}
