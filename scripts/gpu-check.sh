@@ -52,7 +52,7 @@ case "$mode" in
 build)
     set -e
     mkdir -p "$bin"
-    cargo test -p rlx --test ops --test quant_ops --no-run --message-format=json 2>/dev/null |
+    cargo test -p rlx --test ops --test quant_ops --test fusion --no-run --message-format=json 2>/dev/null |
         python3 -c '
 import json, sys, shutil
 for line in sys.stdin:

@@ -8,7 +8,9 @@ the CPU) on the same ids and weights, and compares:
 
   * BERT last hidden state and Llama logits, f32 with TF32 off: within 1e-3, measured
     as max |rlx - torch| / max |torch| over the tensor;
-  * greedy decoding of 32 tokens: CUDA identical to the CPU backend.
+  * greedy decoding of 32 tokens: CUDA identical to the CPU backend;
+  * the same weights in fp16 (BERT) and bf16 (Llama), PyTorch computing in that
+    dtype: within 2e-2.
 
 Then a timing table (median of many runs, warm-up excluded, CUDA synchronized):
 BERT in the MiniLM shape with fp16 weights at batch 32 x 128 and 1 x 128 for PyTorch
@@ -32,6 +34,7 @@ import torch
 RLX = sys.argv[1]
 WORK = Path(sys.argv[2])
 TOLERANCE = 1e-3
+HALF_TOLERANCE = 2e-2
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -88,6 +91,16 @@ def bert():
         _, seconds = rlx("forward", directory, "--ids", WORK / "bert-ids.npy", "--output", out, "--device", device)
         err = relative_error(np.load(out), want)
         report(f"bert f32 last hidden state, {device} vs torch", err <= TOLERANCE, f"relative error {err:.2e} ({seconds:.1f} s)")
+    # The same weights in fp16, PyTorch computing in fp16.
+    half = model.half()
+    directory = WORK / "bert-minilm-fp16-check"
+    half.save_pretrained(directory, safe_serialization=True)
+    with torch.no_grad():
+        want = half(torch.from_numpy(ids).cuda()).last_hidden_state.float().cpu().numpy()
+    out = WORK / "bert-fp16-cuda.npy"
+    _, seconds = rlx("forward", directory, "--ids", WORK / "bert-ids.npy", "--output", out, "--device", "cuda")
+    err = relative_error(np.load(out), want)
+    report("bert fp16 last hidden state, cuda vs torch fp16", err <= HALF_TOLERANCE, f"relative error {err:.2e} ({seconds:.1f} s)")
 
 
 def llama():
@@ -133,6 +146,16 @@ def llama():
         same and len(decoded["cuda"]) == 32,
         f"cuda {decoded['cuda'][:8]}..., cpu {decoded['cpu'][:8]}...",
     )
+    # The same weights in bf16, PyTorch computing in bf16.
+    half = model.to(torch.bfloat16)
+    directory = WORK / "llama-smollm2-bf16"
+    half.save_pretrained(directory, safe_serialization=True)
+    with torch.no_grad():
+        want = half(torch.from_numpy(ids)[None].cuda()).logits[0].float().cpu().numpy()
+    out = WORK / "llama-bf16-cuda.npy"
+    _, seconds = rlx("forward", directory, "--ids", WORK / "llama-ids.npy", "--output", out, "--device", "cuda")
+    err = relative_error(np.load(out), want)
+    report("llama smollm2 bf16 logits, cuda vs torch bf16", err <= HALF_TOLERANCE, f"relative error {err:.2e} ({seconds:.1f} s)")
 
 
 def cuda_median_ms(fn, runs=50, warmup=10):

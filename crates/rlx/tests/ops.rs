@@ -965,6 +965,32 @@ fn reductions() {
                 },
             );
         }
+        // Long reductions (a warp per output on CUDA), over inner, middle and outer
+        // axes, and with NaN and infinities among many values.
+        for dt in [DType::F32, DType::F16, DType::I64] {
+            if op == ReduceOp::Mean && dt == DType::I64 {
+                continue;
+            }
+            let long = [2, 100, 3];
+            s.check(
+                &format!("reduce_{} {dt} long", op.name()),
+                &[inp("x", &long, dt)],
+                if dt == DType::I64 { EW } else { acc(300) },
+                |g, x| {
+                    Ok(vec![
+                        g.reduce(op, x[0], &[1], false)?,
+                        g.reduce(op, x[0], &[-1, 1], true)?,
+                        g.reduce(op, x[0], &[], false)?,
+                    ])
+                },
+            );
+        }
+        s.check(
+            &format!("reduce_{} special long", op.name()),
+            &[inp("x", &[3, 90], DType::F32).dist(Dist::Special)],
+            acc(90),
+            |g, x| one(g.reduce(op, x[0], &[1], false)?),
+        );
         // NaN and infinities propagate.
         s.check(
             &format!("reduce_{} special", op.name()),

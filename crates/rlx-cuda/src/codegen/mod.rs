@@ -448,6 +448,11 @@ pub(crate) fn kernel(
             // Comparisons compute in the operands' type and store as bool.
             let _ = writeln!(s, "    out[i] = {};", store(odt, &value));
         }
+        Op::Reduce { op: rop, axes, .. }
+            if axes.iter().map(|&a| inputs[0].dims()[a]).product::<usize>() >= WARP_REDUCE_FROM =>
+        {
+            return reduce_by_warps(name, *rop, axes, &inputs[0], output).map(Some);
+        }
         Op::Reduce { op: rop, axes, .. } => {
             let src = inputs[0].dims();
             let src_strides = strides(src);
@@ -457,13 +462,7 @@ pub(crate) fn kernel(
             offset_over_axes(&mut s, "    ", "base", "i", &kept, src, &src_strides);
             let count: usize = axes.iter().map(|&a| src[a]).product();
             let idt = in_dts[0];
-            let acc_t = if idt == DType::F64 {
-                "double"
-            } else if is_float(idt) {
-                "float"
-            } else {
-                "long long"
-            };
+            let acc_t = accumulator(idt);
             let init = match rop {
                 ReduceOp::Sum | ReduceOp::Mean => "0".to_string(),
                 ReduceOp::Prod => "1".to_string(),
@@ -476,17 +475,7 @@ pub(crate) fn kernel(
             let _ = writeln!(s, "    for (long long j = 0; j < {count}LL; ++j) {{");
             let _ = writeln!(s, "      long long off = base;");
             offset_over_axes(&mut s, "      ", "off", "j", axes, src, &src_strides);
-            let v = load(idt, "in0", "off");
-            let step = match rop {
-                ReduceOp::Sum | ReduceOp::Mean => format!("acc += {v};"),
-                ReduceOp::Prod => format!("acc *= {v};"),
-                ReduceOp::Max => format!(
-                    "{{ {acc_t} v = {v}; acc = (v != v || acc != acc) ? (acc + v) : (v > acc ? v : acc); }}"
-                ),
-                ReduceOp::Min => format!(
-                    "{{ {acc_t} v = {v}; acc = (v != v || acc != acc) ? (acc + v) : (v < acc ? v : acc); }}"
-                ),
-            };
+            let step = combine(*rop, acc_t, &load(idt, "in0", "off"));
             let _ = writeln!(s, "      {step}");
             let _ = writeln!(s, "    }}");
             if *rop == ReduceOp::Mean {
@@ -551,6 +540,94 @@ pub(crate) fn kernel(
     }
     s.push_str("  }\n}\n");
     Ok(Some(elements(s, n)))
+}
+
+/// Reductions over at least this many elements take a warp per output.
+const WARP_REDUCE_FROM: usize = 64;
+
+/// The accumulator type of a reduction over `dt`.
+fn accumulator(dt: DType) -> &'static str {
+    if dt == DType::F64 {
+        "double"
+    } else if is_float(dt) {
+        "float"
+    } else {
+        "long long"
+    }
+}
+
+/// `acc = combine(acc, v)` for a reduction (max and min propagate NaN).
+fn combine(rop: ReduceOp, acc_t: &str, v: &str) -> String {
+    match rop {
+        ReduceOp::Sum | ReduceOp::Mean => format!("acc += {v};"),
+        ReduceOp::Prod => format!("acc *= {v};"),
+        ReduceOp::Max => format!(
+            "{{ {acc_t} v = {v}; acc = (v != v || acc != acc) ? (acc + v) : (v > acc ? v : acc); }}"
+        ),
+        ReduceOp::Min => format!(
+            "{{ {acc_t} v = {v}; acc = (v != v || acc != acc) ? (acc + v) : (v < acc ? v : acc); }}"
+        ),
+    }
+}
+
+/// A reduction with one warp per output: the lanes stride over the reduced
+/// elements (adjacent lanes read adjacent elements when the reduced axes are the
+/// innermost), then combine through shuffles.
+fn reduce_by_warps(
+    name: &str,
+    rop: ReduceOp,
+    axes: &[usize],
+    input: &Shape,
+    output: &Shape,
+) -> Result<Kernel> {
+    let src = input.dims();
+    let src_strides = strides(src);
+    let kept: Vec<usize> = (0..src.len()).filter(|a| !axes.contains(a)).collect();
+    let count: usize = axes.iter().map(|&a| src[a]).product();
+    let (idt, odt) = (input.dtype(), output.dtype());
+    let acc_t = accumulator(idt);
+    let mut s = header(name, odt, &[idt]);
+    let outputs = output.num_elements();
+    let _ = writeln!(s, "  const int lane = threadIdx.x & 31;");
+    let _ = writeln!(s, "  RLX_WARP_LOOP({outputs}LL) {{");
+    let _ = writeln!(s, "    long long base = 0;");
+    offset_over_axes(&mut s, "    ", "base", "w", &kept, src, &src_strides);
+    // Every lane has at least one element (count >= 32): it starts from its first.
+    let _ = writeln!(s, "    long long first = base;");
+    offset_over_axes(&mut s, "    ", "first", "lane", axes, src, &src_strides);
+    let _ = writeln!(s, "    {acc_t} acc = {};", load(idt, "in0", "first"));
+    let _ = writeln!(
+        s,
+        "    for (long long j = lane + 32; j < {count}LL; j += 32) {{"
+    );
+    let _ = writeln!(s, "      long long off = base;");
+    offset_over_axes(&mut s, "      ", "off", "j", axes, src, &src_strides);
+    let _ = writeln!(s, "      {}", combine(rop, acc_t, &load(idt, "in0", "off")));
+    let _ = writeln!(s, "    }}");
+    let other = if acc_t == "long long" {
+        "__shfl_xor_sync(0xffffffffu, acc, o)".to_string()
+    } else {
+        format!("({acc_t})__shfl_xor_sync(0xffffffffu, acc, o)")
+    };
+    let _ = writeln!(
+        s,
+        "    for (int o = 16; o > 0; o >>= 1) {{ {acc_t} other = {other}; {} }}",
+        combine(rop, acc_t, "other")
+    );
+    if rop == ReduceOp::Mean {
+        let _ = writeln!(s, "    acc = acc / ({acc_t}){count};");
+    }
+    let _ = writeln!(s, "    if (lane == 0) out[w] = {};", store(odt, "acc"));
+    s.push_str(
+        "  }
+}
+",
+    );
+    Ok(Kernel {
+        source: s,
+        grid: Grid::Warps(outputs),
+        check: None,
+    })
 }
 
 /// Adds to `long long {target}` the offset of linear index `index` counted over

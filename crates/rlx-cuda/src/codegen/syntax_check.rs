@@ -26,6 +26,7 @@ static Dim3 blockIdx, threadIdx, blockDim, gridDim;
 unsigned long long atomicCAS(unsigned long long*, unsigned long long, unsigned long long);
 float __shfl_xor_sync(unsigned, float, int);
 double __shfl_xor_sync(unsigned, double, int);
+long long __shfl_xor_sync(unsigned, long long, int);
 float __int_as_float(int);
 float __uint_as_float(unsigned);
 double __longlong_as_double(long long);
@@ -236,6 +237,22 @@ fn samples() -> Vec<(Op, Vec<Shape>, Shape)> {
             Shape::new(&[1, 3, 4, 64], DType::BF16),
         ),
     ];
+    // Long reductions take a warp per output, over inner and outer axes.
+    for (rop, dt) in [
+        (ReduceOp::Mean, DType::F32),
+        (ReduceOp::Max, DType::F16),
+        (ReduceOp::Sum, DType::I64),
+    ] {
+        v.push((
+            Op::Reduce {
+                op: rop,
+                axes: vec![1, 3],
+                keepdims: false,
+            },
+            vec![Shape::new(&[2, 9, 3, 70], dt)],
+            Shape::new(&[2, 3], dt),
+        ));
+    }
     for dt in [DType::F32, DType::BF16] {
         v.push((
             Op::Elementwise {
