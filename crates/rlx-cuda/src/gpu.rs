@@ -25,6 +25,10 @@ pub(crate) struct Gpu {
     pub blas: Blas,
     /// Streaming multiprocessors: kernels size their grids to fill them.
     pub multiprocessors: usize,
+    /// Held by whoever queues work on the stream or waits for it. A graph capture
+    /// records everything queued on the stream, from any thread, so another
+    /// program's copies and kernels must not slip into it; this keeps them out.
+    stream_lock: std::sync::Mutex<()>,
     /// cuBLAS's workspace, set once so that a captured product allocates nothing.
     _blas_workspace: DeviceBuffer,
 }
@@ -82,6 +86,7 @@ impl Gpu {
             stream,
             blas,
             multiprocessors,
+            stream_lock: std::sync::Mutex::new(()),
             _blas_workspace: workspace,
         })
     }
@@ -98,8 +103,14 @@ impl Gpu {
         self.stream.cu_stream()
     }
 
+    /// Exclusive use of the stream until the guard drops.
+    pub fn lock_stream(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.stream_lock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Waits for everything queued on the stream.
     pub fn synchronize(&self) -> Result<()> {
+        let _stream = self.lock_stream();
         self.stream
             .synchronize()
             .map_err(|e| cuda_error("waiting for the stream", e))
@@ -160,6 +171,7 @@ impl DeviceBuffer {
             return Ok(());
         }
         gpu.bind()?;
+        let _stream = gpu.lock_stream();
         // The copy is queued on the program's stream, ordered after the kernels that
         // read this memory and before the ones that follow, then waited for. A plain
         // synchronous copy is not enough: it goes through the legacy default stream,
@@ -182,6 +194,7 @@ impl DeviceBuffer {
             return Ok(());
         }
         gpu.bind()?;
+        let _stream = gpu.lock_stream();
         // Queued after the kernels that write this memory (see `upload`).
         // SAFETY: the range was checked; `dst` outlives the copy because the stream is
         // drained before returning.

@@ -392,6 +392,8 @@ impl CudaProgram {
     /// (captured into a graph first, when graphs are on).
     fn queue_run(&mut self) -> Result<()> {
         self.gpu.bind()?;
+        let gpu = self.gpu.clone();
+        let _stream = gpu.lock_stream();
         let stream = self.gpu.cu_stream();
         if self.captured.is_none() && self.use_graphs {
             self.captured = Some(self.capture()?);
