@@ -23,6 +23,7 @@ Usage: gpu_models.py RLX_BINARY WORK_DIR [--timing]
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -216,7 +217,18 @@ def bert_timing():
                         WORK / "bert-fp16-out.npy", "--device", "cuda", "--bench", 50)
         mine = json.loads(stdout.strip().splitlines()[-1])["median_ms"]
         rows.append((f"BERT MiniLM shape fp16 weights, {batch} x 128", eager, best, mine))
+        # Where RLX's time goes (a separate pass: profiling launches step by step).
+        stdout, _ = rlx("forward", directory, "--ids", WORK / f"bert-ids-{batch}.npy", "--output",
+                        WORK / "bert-fp16-out.npy", "--device", "cuda", "--bench", 20, "--profile")
+        save_profile(f"bert-fp16-{batch}x128", stdout)
     return rows
+
+
+def save_profile(name, text):
+    """Writes an `rlx ... --profile` output under $OUT (or the work directory)."""
+    out = Path(os.environ.get("OUT", WORK))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile-{name}.txt").write_text(text)
 
 
 def copy_bandwidth():
@@ -257,6 +269,9 @@ def llama_timing():
                     "--reps", 3, "--device", "cuda", "--json")
     report_json = json.loads(stdout)
     mine = report_json["tests"][0]["median_tokens_per_s"]
+    stdout, _ = rlx("bench", "llm", "--model", directory, "--prompt", 0, "--gen", 32,
+                    "--reps", 1, "--device", "cuda", "--profile")
+    save_profile("llama-1b-bf16-decode", stdout)
     bandwidth = copy_bandwidth()
     limit = bandwidth / weight_bytes
     return eager, mine, limit, weight_bytes, bandwidth

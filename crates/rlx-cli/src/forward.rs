@@ -41,6 +41,10 @@ pub struct ForwardArgs {
     /// untimed) and print `{"median_ms", "runs"}` on stdout.
     #[arg(long, default_value_t = 0)]
     bench: usize,
+    /// With --bench: time every kernel of the timed runs and print where the time
+    /// goes (after the JSON line).
+    #[arg(long, requires = "bench")]
+    profile: bool,
 }
 
 /// What kind of checkpoint `path` is, from its `config.json` (`model_type`).
@@ -84,7 +88,7 @@ pub fn run(args: &ForwardArgs) -> Result<()> {
         }
         let options = CompileOptions::new().allow_tf32(args.tf32);
         let (config, mut graph) =
-            compile_hidden_states(&args.model, batch, seq, args.device, &options)?;
+            compile_hidden_states(&args.model, batch, seq, args.device, None, &options)?;
         let zeros = vec![0i64; ids.len()];
         let ones = vec![1i64; ids.len()];
         let feeds = [
@@ -102,6 +106,7 @@ pub fn run(args: &ForwardArgs) -> Result<()> {
             for _ in 0..3 {
                 std::hint::black_box(graph.run_typed(&feeds)?);
             }
+            graph.set_profiling(args.profile);
             let mut times = Vec::with_capacity(args.bench);
             for _ in 0..args.bench {
                 let started = std::time::Instant::now();
@@ -114,6 +119,9 @@ pub fn run(args: &ForwardArgs) -> Result<()> {
                 "{}",
                 serde_json::json!({"median_ms": median, "runs": args.bench})
             );
+            if let Some(profile) = graph.profile() {
+                crate::bench::print_profile(&profile);
+            }
         }
         return Ok(());
     }

@@ -16,6 +16,7 @@ mod gpu;
 mod matmul;
 mod nvrtc;
 mod program;
+mod step_timer;
 
 pub use nvrtc::{COMPILES as NVRTC_COMPILES, cache_dir};
 pub use program::{CudaProgram, GRAPH_CAPTURES};
@@ -163,6 +164,11 @@ fn native_ops() -> NativeOps {
         "avg_pool2d",
         "write_at",
         "cached_attention",
+        "attention",
+        "layer_norm",
+        "rms_norm",
+        "softmax",
+        "log_softmax",
         "dequantize",
         "quant_matmul",
         "fused_matmul",
@@ -256,6 +262,6 @@ mod tests {
         for name in ["add", "exp", "matmul", "reduce_sum", "where", "cast"] {
             assert!(names.contains(name), "{name}");
         }
-        assert!(!names.contains("softmax"), "composites decompose");
+        assert!(!names.contains("rope"), "composites decompose");
     }
 }

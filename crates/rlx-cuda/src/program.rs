@@ -8,9 +8,10 @@ use crate::codegen::{self, Grid, STEP_NAME};
 use crate::gpu::{DeviceBuffer, Gpu, cuda_error};
 use crate::matmul::Gemm;
 use crate::nvrtc::Module;
+use crate::step_timer::StepTimer;
 use cudarc::driver::{result as driver, sys};
 use rlx_backend::{Executable, HandleStorage, SharedParam};
-use rlx_driver::{Device, Profile};
+use rlx_driver::{Device, KernelTime, Profile};
 use rlx_ir::{Error, NodeId, Op, Result};
 use rlx_opt::{Location, Plan, Region};
 use std::collections::HashMap;
@@ -119,6 +120,8 @@ pub struct CudaProgram {
     captured: Option<Captured>,
     /// Whether to capture at all (`RLX_CUDA_GRAPHS=0` launches step by step).
     use_graphs: bool,
+    /// Per-step timings while profiling is on (runs then launch step by step).
+    timer: Option<StepTimer>,
 }
 
 // Raw CUDA handles inside are used by one thread at a time (the program is `Send`,
@@ -356,6 +359,7 @@ impl CudaProgram {
             workspace,
             captured: None,
             use_graphs: std::env::var("RLX_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            timer: None,
         })
     }
 
@@ -395,6 +399,11 @@ impl CudaProgram {
         let gpu = self.gpu.clone();
         let _stream = gpu.lock_stream();
         let stream = self.gpu.cu_stream();
+        if let Some(mut timer) = self.timer.take() {
+            let queued = self.launch_all(Some(&mut timer));
+            self.timer = Some(timer);
+            return queued;
+        }
         if self.captured.is_none() && self.use_graphs {
             self.captured = Some(self.capture()?);
         }
@@ -404,7 +413,7 @@ impl CudaProgram {
             // buffer drops the graph).
             Some(c) => unsafe { driver::graph::launch(c.exec, stream) }
                 .map_err(|e| cuda_error("launching the captured graph", e)),
-            None => self.launch_all(),
+            None => self.launch_all(None),
         }
     }
 
@@ -419,7 +428,7 @@ impl CudaProgram {
             )
         }
         .map_err(|e| cuda_error("starting a graph capture", e))?;
-        let queued = self.launch_all();
+        let queued = self.launch_all(None);
         // SAFETY: capture was begun on this stream above.
         let ended = unsafe { driver::stream::end_capture(stream) };
         queued?;
@@ -440,10 +449,19 @@ impl CudaProgram {
         }
     }
 
-    /// Queues each step on the stream.
-    fn launch_all(&self) -> Result<()> {
+    /// Queues each step on the stream, with an event after each when `timer` is
+    /// given.
+    fn launch_all(&self, mut timer: Option<&mut StepTimer>) -> Result<()> {
         let stream = self.gpu.cu_stream();
-        for (id, _, launch) in self.launches.iter() {
+        if let Some(t) = timer.as_deref_mut() {
+            t.mark(0, stream)?;
+        }
+        for (step, (id, _, launch)) in self.launches.iter().enumerate() {
+            if let Some(t) = timer.as_deref_mut()
+                && step > 0
+            {
+                t.mark(step, stream)?;
+            }
             match launch {
                 Launch::Kernel {
                     function,
@@ -492,6 +510,9 @@ impl CudaProgram {
                     })?;
                 }
             }
+        }
+        if let Some(t) = timer {
+            t.mark(self.launches.len(), stream)?;
         }
         Ok(())
     }
@@ -616,6 +637,9 @@ impl Executable for CudaProgram {
 
     fn wait(&mut self) -> Result<()> {
         self.gpu.synchronize()?;
+        if let Some(timer) = &mut self.timer {
+            timer.collect()?;
+        }
         if self.checks.is_empty() {
             return Ok(());
         }
@@ -720,10 +744,32 @@ impl Executable for CudaProgram {
         None
     }
 
-    fn set_profiling(&mut self, _on: bool) {}
+    fn set_profiling(&mut self, on: bool) {
+        // A timer that cannot be made (no events left) leaves profiling off; the
+        // profile then reads as absent, as on a backend without one.
+        self.timer = if on && self.gpu.bind().is_ok() {
+            StepTimer::new(self.launches.len()).ok()
+        } else {
+            None
+        };
+    }
 
     fn profile(&self) -> Option<Profile> {
-        None
+        let timer = self.timer.as_ref()?;
+        let kernels = self
+            .launches
+            .iter()
+            .zip(timer.totals())
+            .map(|((node, name, _), &total)| KernelTime {
+                node: *node,
+                kernel: name.clone(),
+                total,
+            })
+            .collect();
+        Some(Profile {
+            runs: timer.runs,
+            kernels,
+        })
     }
 
     fn clone_box(&self) -> Box<dyn Executable> {
@@ -762,6 +808,7 @@ impl Executable for CudaProgram {
                 workspace: new_workspace(&self.gpu, self.workspace.len())?,
                 captured: None,
                 use_graphs: self.use_graphs,
+                timer: None,
             })
         })();
         Box::new(copy.expect("device memory for a clone of a compiled graph"))

@@ -8,7 +8,8 @@
 //! order.
 
 use crate::bert::{
-    BertConfig, SentenceConfig, WeightSpec, build_hidden_states, symbolic_encoder, weight_specs,
+    BertConfig, SentenceConfig, WeightSpec, build_hidden_states, compute_dtype, symbolic_encoder,
+    weight_specs,
 };
 use crate::fetch::ModelStore;
 use crate::tokenize::{TextTokenizer, TokenizedText};
@@ -41,6 +42,10 @@ pub struct EmbedderOptions {
     pub max_cached_shapes: usize,
     /// The most CPU threads a forward pass uses (0: all of the runtime's threads).
     pub threads: usize,
+    /// The dtype the encoder's layers compute in; `None` picks it from the weights
+    /// and the device ([`crate::bert::compute_dtype`]: the weights' half type on a
+    /// GPU when all are stored in it, else `f32`).
+    pub compute: Option<DType>,
 }
 
 impl Default for EmbedderOptions {
@@ -51,6 +56,7 @@ impl Default for EmbedderOptions {
             max_batch: 32,
             max_cached_shapes: 8,
             threads: 0,
+            compute: None,
         }
     }
 }
@@ -129,7 +135,15 @@ impl Embedder {
             .iter()
             .map(|(s, dtype)| (s.name.clone(), *dtype))
             .collect();
-        let encoder = symbolic_encoder(&config, &head, MAX_ENCODER_BATCH, dtypes)?;
+        let on_gpu = options.device != Device::Cpu;
+        let compute = options.compute.unwrap_or_else(|| {
+            compute_dtype(
+                &config,
+                &|n| dtypes.get(n).copied().unwrap_or(DType::F32),
+                on_gpu,
+            )
+        });
+        let encoder = symbolic_encoder(&config, &head, MAX_ENCODER_BATCH, dtypes, compute)?;
         let mut cache = BucketedCompileCache::new(
             encoder,
             Session::new(options.device),
@@ -322,12 +336,14 @@ impl Embedder {
 /// `model.safetensors`; no tokenizer or sentence head needed) compiled for `batch`
 /// texts of `seq` tokens on `device`, its params set. Inputs `input_ids`,
 /// `token_type_ids`, `attention_mask` (`i64 [batch, seq]`); output the last hidden
-/// state, `f32 [batch, seq, hidden]`, as a Hugging Face `BertModel` returns it.
+/// state, `f32 [batch, seq, hidden]`, as a Hugging Face `BertModel` returns it. The
+/// layers compute in `compute` (`None`: as [`EmbedderOptions::compute`] picks).
 pub fn compile_hidden_states(
     dir: &Path,
     batch: usize,
     seq: usize,
     device: Device,
+    compute: Option<DType>,
     options: &CompileOptions,
 ) -> Result<(BertConfig, CompiledGraph)> {
     let config = BertConfig::from_file(&dir.join("config.json"))?;
@@ -338,7 +354,9 @@ pub fn compile_hidden_states(
         .map(|(s, dtype)| (s.name.clone(), *dtype))
         .collect();
     let dtype_of = |name: &str| dtypes.get(name).copied().unwrap_or(DType::F32);
-    let graph = build_hidden_states(&config, batch, seq, &dtype_of)?;
+    let compute =
+        compute.unwrap_or_else(|| compute_dtype(&config, &dtype_of, device != Device::Cpu));
+    let graph = build_hidden_states(&config, batch, seq, &dtype_of, compute)?;
     let mut compiled = Session::new(device).compile_with(&graph, options)?;
     set_weights(&file, &specs, prefix, |name, bytes| {
         compiled.set_param_bytes(name, bytes)

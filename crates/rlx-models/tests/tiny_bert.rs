@@ -693,3 +693,62 @@ fn a_bert_layer_compiles_to_nine_kernels() {
         assert!(!k.contains("permute") && !k.contains("softmax"), "{k}");
     }
 }
+
+/// Layers computing in half precision (as a GPU runs half checkpoints) stay within
+/// half-precision error of the f64 reference on the stored weights, on the CPU and,
+/// when there is one, on a GPU; `compute` must be a float type.
+#[test]
+fn half_precision_compute_matches_the_reference_within_half_tolerance() {
+    use rlx_driver::Device;
+    let weights = random_weights(11);
+    let mut devices = vec![Device::Cpu];
+    if rlx_runtime::device_available(Device::Cuda(0)).is_ok() {
+        devices.push(Device::Cuda(0));
+    } else {
+        eprintln!("SKIP half compute on cuda: no usable CUDA device");
+    }
+    for (dtype, compute) in [
+        (Dtype::F16, rlx_ir::DType::F16),
+        (Dtype::BF16, rlx_ir::DType::BF16),
+    ] {
+        let dir = temp_dir("half-compute");
+        write_model(&dir, &weights, dtype, Pooling::Mean, false, 32);
+        let exact = stored(&weights, dtype);
+        for &device in &devices {
+            let options = EmbedderOptions {
+                store: Some(ModelStore::new(dir.join("cache")).quiet(true)),
+                device,
+                compute: Some(compute),
+                ..EmbedderOptions::default()
+            };
+            let mut embedder = Embedder::load_with(&dir.to_string_lossy(), options).unwrap();
+            let tokens = embedder.tokenize(TEXTS).unwrap();
+            let got = embedder.embed(TEXTS).unwrap();
+            for (i, t) in tokens.iter().enumerate() {
+                let want = reference(&exact, &t.ids, Pooling::Mean, false);
+                let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+                let err = got[i]
+                    .iter()
+                    .zip(&want)
+                    .fold(0f64, |m, (g, w)| m.max((f64::from(*g) - w).abs()));
+                // bf16 keeps 8 bits of mantissa, f16 11: 2e-2 and 4e-3 of the largest
+                // value.
+                let tol = if compute == rlx_ir::DType::BF16 { 2e-2 } else { 4e-3 };
+                assert!(
+                    err <= tol * scale,
+                    "{compute} on {device}, text {i}: error {err} over {scale}"
+                );
+            }
+        }
+        let options = EmbedderOptions {
+            store: Some(ModelStore::new(dir.join("cache")).quiet(true)),
+            compute: Some(rlx_ir::DType::I32),
+            ..EmbedderOptions::default()
+        };
+        let e = match Embedder::load_with(&dir.to_string_lossy(), options) {
+            Ok(mut embedder) => embedder.embed(TEXTS).unwrap_err(),
+            Err(e) => e,
+        };
+        assert!(e.to_string().contains("float"), "{e}");
+    }
+}

@@ -1480,3 +1480,50 @@ fn few_row_products_over_stored_weights_match() {
         }
     }
 }
+
+/// Profiling times every kernel of a run on every device, and a profiled run
+/// computes what an unprofiled one does (on CUDA it launches step by step instead
+/// of replaying the captured graph).
+#[test]
+fn profiling_times_every_kernel_and_changes_no_result() {
+    let mut rng = Rng(17);
+    let g = Graph::new("profiled");
+    let x = g.input("x", Shape::new(&[6, 40], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[40, 24], DType::F32)).unwrap();
+    let b = g.param("b", Shape::new(&[24], DType::F32)).unwrap();
+    let y = g.gelu(g.add(g.matmul(x, w).unwrap(), b).unwrap()).unwrap();
+    let y = g.softmax(y, -1).unwrap();
+    g.set_outputs(vec![y]);
+    let feeds = feeds(&g, &mut rng);
+    let want = reference(&g, &feeds);
+    for device in common::test_devices() {
+        let mut c = Session::new(device).compile(&g).unwrap();
+        assert!(
+            c.profile().is_none(),
+            "{device}: no profile before it is asked for"
+        );
+        let plain = run_compiled_again(&mut c, &g, &feeds);
+        c.set_profiling(true);
+        for round in 0..3 {
+            let got = run_compiled_again(&mut c, &g, &feeds);
+            assert_eq!(got, plain, "{device}: profiled run {round}");
+        }
+        let profile = c.profile().expect("profiling is on");
+        assert_eq!(profile.runs, 3, "{device}");
+        let kernels = c.kernels();
+        assert_eq!(profile.kernels.len(), kernels.len(), "{device}");
+        for (timed, (node, name)) in profile.kernels.iter().zip(&kernels) {
+            assert_eq!((timed.node, &timed.kernel), (*node, name), "{device}");
+        }
+        let total: std::time::Duration = profile.kernels.iter().map(|k| k.total).sum();
+        assert!(total > std::time::Duration::ZERO, "{device}: {profile:?}");
+        c.set_profiling(false);
+        assert!(c.profile().is_none(), "{device}");
+        assert_close(
+            &want,
+            &run_compiled_again(&mut c, &g, &feeds),
+            1e-5,
+            &format!("{device} after profiling"),
+        );
+    }
+}

@@ -1159,6 +1159,12 @@ fn softmax_and_log_softmax() {
         |g, x| Ok(vec![g.softmax(x[0], 1)?, g.log_softmax(x[0], 1)?]),
     );
     s.check(
+        "softmax rows wider than a block",
+        &[inp("x", &[3, 1500], DType::F16).dist(Dist::Uniform(-6.0, 6.0))],
+        acc(1500),
+        |g, x| Ok(vec![g.softmax(x[0], -1)?, g.log_softmax(x[0], 0)?]),
+    );
+    s.check(
         "softmax large",
         &[inp("x", &[2, 300], DType::F32).dist(Dist::Uniform(-80.0, 80.0))],
         acc(300),
@@ -1169,7 +1175,8 @@ fn softmax_and_log_softmax() {
 #[test]
 fn layer_norm_and_rms_norm() {
     let mut s = Suite::new(0x0B);
-    let shapes: [&[usize]; 4] = [&[3, 5, 16], &[7], &[4, 1], &[0, 8]];
+    // Rows wider than a block's threads (1000, 2048) too.
+    let shapes: [&[usize]; 6] = [&[3, 5, 16], &[7], &[4, 1], &[0, 8], &[2, 1000], &[3, 2048]];
     for dt in FLOATS {
         for dims in shapes {
             let d = dims[dims.len() - 1];
@@ -2252,6 +2259,25 @@ fn attention_variants() {
                 inp("mask", &[sq, sk], DType::F32),
             ],
             acc(sk * 16),
+            |g, x| one(g.attention(x[0], x[1], x[2], Some(x[3]), causal, None)?),
+        );
+    }
+    // Model shapes in half precision: BERT heads (32 wide) under a key mask, and
+    // Llama prefill heads (128 wide, grouped, causal), several query tiles each.
+    for (dt, hq, hkv, seq, d, causal) in [
+        (DType::F16, 12, 12, 128, 32, false),
+        (DType::BF16, 8, 2, 67, 128, true),
+    ] {
+        let ins = [
+            inp("q", &[2, hq, seq, d], dt),
+            inp("k", &[2, hkv, seq, d], dt),
+            inp("v", &[2, hkv, seq, d], dt),
+            inp("mask", &[2, 1, 1, seq], DType::Bool).dist(Dist::Sparse),
+        ];
+        s.check(
+            &format!("attention model {dt} heads {hq}/{hkv} seq {seq} dim {d} causal={causal}"),
+            &ins,
+            acc(seq * d),
             |g, x| one(g.attention(x[0], x[1], x[2], Some(x[3]), causal, None)?),
         );
     }

@@ -6,7 +6,8 @@
 //! This module writes elementwise ops with broadcasting, casts, reductions and data
 //! movement (permute, expand, slice, concat); [`index`] the ops that pick, scan or
 //! rank elements; [`window`] convolutions and pooling; [`attention`] attention over a
-//! KV cache; [`quant`] the GGUF block formats.
+//! KV cache; [`flash`] attention over whole sequences; [`rows`] norms and softmax;
+//! [`quant`] the GGUF block formats.
 //!
 //! Each kernel takes its output pointer first, then one pointer per operand, and,
 //! when it checks its operands at run time (an index in range, a cache position), a
@@ -15,9 +16,11 @@
 //! output elements with a grid-stride loop over 64-bit indices ([`Grid::Elements`]).
 
 mod attention;
+mod flash;
 pub(crate) mod fused;
 mod index;
 mod quant;
+mod rows;
 mod window;
 
 #[cfg(test)]
@@ -416,6 +419,12 @@ pub(crate) fn kernel(
         return Ok(Some(k));
     }
     if let Some(k) = attention::kernel(name, op, inputs, output, fail_code)? {
+        return Ok(Some(k));
+    }
+    if let Some(k) = flash::kernel(name, op, inputs, output)? {
+        return Ok(Some(k));
+    }
+    if let Some(k) = rows::kernel(name, op, inputs, output) {
         return Ok(Some(k));
     }
     if let Some(k) = quant::kernel(name, op, inputs, output) {

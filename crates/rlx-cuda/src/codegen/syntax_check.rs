@@ -33,6 +33,7 @@ double __longlong_as_double(long long);
 float rsqrtf(float);
 double rsqrt(double);
 void __syncthreads();
+void __syncwarp();
 void __threadfence();
 unsigned atomicAdd(unsigned*, unsigned);
 float __ldcg(const float*);
@@ -236,7 +237,58 @@ fn samples() -> Vec<(Op, Vec<Shape>, Shape)> {
             ],
             Shape::new(&[1, 3, 4, 64], DType::BF16),
         ),
+        (
+            Op::LayerNorm {
+                eps: F64Bits::new(1e-12),
+            },
+            vec![
+                h.clone(),
+                Shape::new(&[7], DType::F16),
+                Shape::new(&[7], DType::F16),
+            ],
+            h.clone(),
+        ),
+        (
+            Op::RmsNorm {
+                eps: F64Bits::new(1e-5),
+            },
+            vec![f32s(&[3, 2048]), f32s(&[2048])],
+            f32s(&[3, 2048]),
+        ),
+        (Op::Softmax { axis: 1 }, vec![x.clone()], x.clone()),
+        (
+            Op::LogSoftmax { axis: 1 },
+            vec![Shape::new(&[4, 9], DType::F64)],
+            Shape::new(&[4, 9], DType::F64),
+        ),
     ];
+    // Attention over whole sequences: masks bool and additive, causal, grouped
+    // heads, both layouts, a large value head.
+    for (dt, causal, seq_major, mask, dv) in [
+        (DType::F16, false, false, Some(DType::Bool), 32),
+        (DType::F32, true, true, None, 64),
+        (DType::BF16, true, false, Some(DType::BF16), 24),
+        (DType::F64, false, true, Some(DType::F64), 520),
+    ] {
+        let layout = |s: usize, h: usize, d: usize| {
+            if seq_major {
+                Shape::new(&[2, s, h, d], dt)
+            } else {
+                Shape::new(&[2, h, s, d], dt)
+            }
+        };
+        let mut ins = vec![layout(7, 4, 40), layout(9, 2, 40), layout(9, 2, dv)];
+        ins.extend(mask.map(|m| Shape::new(&[2, 1, 7, 9], m)));
+        v.push((
+            Op::Attention {
+                scale: F64Bits::new(0.125),
+                causal,
+                seq_major,
+            },
+            ins,
+            layout(7, 4, dv),
+        ));
+    }
     // Long reductions take a warp per output, over inner and outer axes.
     for (rop, dt) in [
         (ReduceOp::Mean, DType::F32),

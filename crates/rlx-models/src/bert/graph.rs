@@ -90,15 +90,18 @@ pub fn weight_specs(c: &BertConfig) -> Vec<WeightSpec> {
 }
 
 /// Builds the encoder graph for `batch` texts of `seq` tokens. `dtype_of` gives the
-/// stored dtype of each weight (by checkpoint name); it must be a float type.
+/// stored dtype of each weight (by checkpoint name); it must be a float type. The
+/// layers compute in `compute` (`f32`, or a half type: see [`compute_dtype`]); the
+/// head and the output are `f32` either way.
 pub fn build_encoder(
     config: &BertConfig,
     head: &SentenceConfig,
     batch: usize,
     seq: usize,
     dtype_of: &dyn Fn(&str) -> DType,
+    compute: DType,
 ) -> Result<Graph> {
-    let (g, x, mask, keep) = encoder_layers(config, batch, seq, dtype_of)?;
+    let (g, x, mask, keep) = encoder_layers(config, batch, seq, dtype_of, compute)?;
     let pooled = pool(&g, x, mask, keep, head.pooling, batch, seq)?;
     let out = if head.normalize {
         // x / max(||x||, 1e-12), as torch.nn.functional.normalize.
@@ -118,20 +121,29 @@ pub fn build_hidden_states(
     batch: usize,
     seq: usize,
     dtype_of: &dyn Fn(&str) -> DType,
+    compute: DType,
 ) -> Result<Graph> {
-    let (g, x, _, _) = encoder_layers(config, batch, seq, dtype_of)?;
+    let (g, x, _, _) = encoder_layers(config, batch, seq, dtype_of, compute)?;
     g.set_outputs(vec![x]);
     Ok(g)
 }
 
-/// The embeddings and every layer: the graph, the last hidden state, the mask input
-/// and the mask as bool.
+/// The embeddings and every layer: the graph, the last hidden state (`f32`), the
+/// mask input and the mask as bool.
 fn encoder_layers(
     config: &BertConfig,
     batch: usize,
     seq: usize,
     dtype_of: &dyn Fn(&str) -> DType,
+    compute: DType,
 ) -> Result<(Graph, NodeId, NodeId, NodeId)> {
+    if !compute.is_float() {
+        return Err(rlx_ir::Error::dtype(
+            "bert encoder",
+            "a float type",
+            compute,
+        ));
+    }
     if seq == 0 || seq > config.max_position_embeddings || batch == 0 {
         return Err(rlx_ir::Error::invalid(
             "bert encoder",
@@ -146,6 +158,7 @@ fn encoder_layers(
         g: &g,
         config,
         dtype_of,
+        compute,
     };
     let (h, heads, hd) = (config.hidden_size, config.num_heads, config.head_dim());
     let ids_shape = Shape::new(&[batch, seq], DType::I64);
@@ -208,7 +221,9 @@ fn encoder_layers(
         let down = b.linear(act, &format!("{p}.output.dense"), f, h)?;
         x = b.layer_norm(g.add(down, x)?, &format!("{p}.output.LayerNorm"))?;
     }
-
+    if compute != DType::F32 {
+        x = g.cast(x, DType::F32)?;
+    }
     Ok((g, x, mask, keep))
 }
 
@@ -220,6 +235,7 @@ pub fn symbolic_encoder(
     head: &SentenceConfig,
     max_batch: usize,
     dtypes: HashMap<String, DType>,
+    compute: DType,
 ) -> Result<SymbolicGraph> {
     let ids = || SymbolicShape::new([Dim::sym("batch"), Dim::sym("seq")], DType::I64);
     let max_seq = head.max_seq_length.min(config.max_position_embeddings);
@@ -246,6 +262,7 @@ pub fn symbolic_encoder(
                 b.require("batch", "bert")?,
                 b.require("seq", "bert")?,
                 &|n| dtypes.get(n).copied().unwrap_or(DType::F32),
+                compute,
             )
         },
     )
@@ -279,21 +296,34 @@ fn pool(
     }
 }
 
+/// The dtype the encoder's layers compute in: a GPU computes in the weights' half
+/// type when every weight is stored in it (as PyTorch runs a model converted with
+/// `.half()`); otherwise, and always on the CPU, `f32`.
+pub fn compute_dtype(config: &BertConfig, dtype_of: &dyn Fn(&str) -> DType, on_gpu: bool) -> DType {
+    let mut stored = weight_specs(config).into_iter().map(|s| dtype_of(&s.name));
+    match stored.next() {
+        Some(first @ (DType::F16 | DType::BF16)) if on_gpu && stored.all(|d| d == first) => first,
+        _ => DType::F32,
+    }
+}
+
 struct Builder<'a> {
     g: &'a Graph,
     config: &'a BertConfig,
     dtype_of: &'a dyn Fn(&str) -> DType,
+    compute: DType,
 }
 
 impl Builder<'_> {
-    /// The param `name` as `f32` (cast in the graph when stored otherwise).
+    /// The param `name` in the compute dtype (cast in the graph when stored
+    /// otherwise).
     fn weight(&self, name: &str, dims: &[usize]) -> Result<NodeId> {
         let dtype = (self.dtype_of)(name);
         let p = self.g.param(name, Shape::new(dims, dtype))?;
-        if dtype == DType::F32 {
+        if dtype == self.compute {
             Ok(p)
         } else {
-            self.g.cast(p, DType::F32)
+            self.g.cast(p, self.compute)
         }
     }
 

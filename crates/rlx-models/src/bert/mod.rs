@@ -4,4 +4,6 @@ mod config;
 mod graph;
 
 pub use config::{Activation, BertConfig, Pooling, SentenceConfig};
-pub use graph::{WeightSpec, build_encoder, build_hidden_states, symbolic_encoder, weight_specs};
+pub use graph::{
+    WeightSpec, build_encoder, build_hidden_states, compute_dtype, symbolic_encoder, weight_specs,
+};

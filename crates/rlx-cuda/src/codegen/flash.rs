@@ -1,0 +1,235 @@
+//! Attention over whole sequences ([`Op::Attention`]) as one kernel, flash-style: the
+//! scores never reach device memory.
+//!
+//! One block of four warps takes a tile of query rows of one (batch, head); each warp
+//! owns `rows` of them. The block walks the keys in tiles staged in shared memory
+//! (widened to the accumulator type). For each of its rows a warp scores the tile's
+//! keys (one key per lane), folds them into the row's running maximum and sum (the
+//! online softmax), and adds the weighted values into the row's outputs, which each
+//! lane holds in registers for the output columns it owns. Keys past the causal limit
+//! are skipped by whole tiles. Masked scores are `-inf`; a row whose keys are all
+//! masked gives zeros, as the decomposition does.
+
+use super::{Grid, Kernel, ctype, f, header, literal, load, store};
+use rlx_ir::{DType, Op, Result, Shape};
+use std::fmt::Write;
+
+/// Warps per block.
+const WARPS: usize = 4;
+/// Shared memory a block may use without opting in to more.
+const SHARED_BYTES: usize = 48 * 1024;
+/// Most accumulators a lane keeps in registers across its rows.
+const REGISTER_BUDGET: usize = 64;
+
+/// Element strides of the batch, head and sequence axes of a `[B, H, S, D]` tensor
+/// (or `[B, S, H, D]` when `seq_major`), given as stored.
+fn axis_strides(s: &Shape, seq_major: bool) -> [usize; 3] {
+    let [d1, d2, d3] = [s.dim(1), s.dim(2), s.dim(3)];
+    let batch = d1 * d2 * d3;
+    if seq_major {
+        // [B, S, H, D]: heads are D apart, positions H * D.
+        [batch, d3, d2 * d3]
+    } else {
+        [batch, d2 * d3, d3]
+    }
+}
+
+/// The kernel for `op`, or `None` when it is not one of this module's.
+pub(super) fn kernel(name: &str, op: &Op, inputs: &[Shape], out: &Shape) -> Result<Option<Kernel>> {
+    let Op::Attention {
+        scale,
+        causal,
+        seq_major,
+    } = op
+    else {
+        return Ok(None);
+    };
+    let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
+    let mask = inputs.get(3);
+    let head_major = |s: &Shape| -> [usize; 4] {
+        if *seq_major {
+            [s.dim(0), s.dim(2), s.dim(1), s.dim(3)]
+        } else {
+            [s.dim(0), s.dim(1), s.dim(2), s.dim(3)]
+        }
+    };
+    let [b, hq, sq, d] = head_major(q);
+    let [_, hkv, sk, _] = head_major(k);
+    let dv = head_major(v)[3];
+    let group = (hq / hkv.max(1)).max(1);
+    let dt = q.dtype();
+    let acc = ctype(dt).compute;
+    let acc_size = if acc == "double" { 8 } else { 4 };
+    let per_lane = dv.div_ceil(32).max(1);
+    if per_lane > REGISTER_BUDGET {
+        return Err(super::unsupported(format!(
+            "attention with value heads of {dv} (at most {})",
+            REGISTER_BUDGET * 32
+        )));
+    }
+    let rows = (REGISTER_BUDGET / per_lane).clamp(1, 4);
+    let q_tile = rows * WARPS;
+    // Key rows are padded to an odd stride, so lanes reading one column of
+    // different keys hit different banks.
+    let k_stride = d | 1;
+    let shared = |kt: usize| (q_tile * d + kt * (k_stride + dv) + WARPS * kt) * acc_size;
+    let mut k_tile = 64;
+    while k_tile > 1 && shared(k_tile) > SHARED_BYTES {
+        k_tile /= 2;
+    }
+    if shared(k_tile) > SHARED_BYTES {
+        return Err(super::unsupported(format!(
+            "attention with heads of {d} and {dv}: too large for one block's shared memory"
+        )));
+    }
+    let tiles = sq.div_ceil(q_tile).max(1);
+    let [qb, qh, qs] = axis_strides(q, *seq_major);
+    let [kb, kh, ks] = axis_strides(k, *seq_major);
+    let [vb, vh, vs] = axis_strides(v, *seq_major);
+    let [ob, oh, os] = axis_strides(out, *seq_major);
+    let fdt = if acc == "double" {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let exp = f("exp", fdt);
+    let mut ins: Vec<DType> = vec![q.dtype(), k.dtype(), v.dtype()];
+    ins.extend(mask.map(Shape::dtype));
+    let mut s = header(name, out.dtype(), &ins);
+    let _ = writeln!(
+        s,
+        "  __shared__ {acc} qsh[{}]; __shared__ {acc} ksh[{}]; __shared__ {acc} vsh[{}]; __shared__ {acc} psh[{}];",
+        (q_tile * d).max(1),
+        (k_tile * k_stride).max(1),
+        (k_tile * dv).max(1),
+        WARPS * k_tile
+    );
+    let _ = writeln!(
+        s,
+        "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n  const long long tile = blockIdx.x % {tiles}LL, bh = blockIdx.x / {tiles}LL;\n  const long long h = bh % {hq}LL, bi = bh / {hq}LL, hk = h / {group}LL;\n  const long long i0 = tile * {q_tile}LL;",
+        hq = hq.max(1)
+    );
+    let _ = writeln!(
+        s,
+        "  for (int t = threadIdx.x; t < {}; t += blockDim.x) {{ const long long i = i0 + t / {dd}; qsh[t] = i < {sq}LL ? ({acc}){} : ({acc})0; }}",
+        q_tile * d,
+        load(
+            q.dtype(),
+            "in0",
+            &format!(
+                "(bi * {qb}LL + h * {qh}LL + i * {qs}LL + t % {dd})",
+                dd = d.max(1)
+            )
+        ),
+        dd = d.max(1)
+    );
+    let _ = writeln!(
+        s,
+        "  {acc} m[{rows}], l[{rows}], o[{rows}][{per_lane}];\n  #pragma unroll\n  for (int r = 0; r < {rows}; ++r) {{ m[r] = -RLX_INF; l[r] = 0;\n    #pragma unroll\n    for (int e = 0; e < {per_lane}; ++e) o[r][e] = 0; }}"
+    );
+    // Keys this block can see: under a causal mask, up to its last row's limit.
+    let limit = if *causal {
+        format!(
+            "  const long long last = (i0 + {q_tile}LL < {sq}LL ? i0 + {q_tile}LL : {sq}LL) - 1;\n  const long long kend = last + {sk}LL - {sq}LL + 1 < {sk}LL ? last + {sk}LL - {sq}LL + 1 : {sk}LL;"
+        )
+    } else {
+        format!("  const long long kend = {sk}LL;")
+    };
+    s.push_str(&limit);
+    s.push('\n');
+    let _ = writeln!(
+        s,
+        "  for (long long j0 = 0; j0 < kend; j0 += {k_tile}) {{\n    __syncthreads();"
+    );
+    let _ = writeln!(
+        s,
+        "    for (int t = threadIdx.x; t < {}; t += blockDim.x) {{ const long long j = j0 + t / {dd}; ksh[(t / {dd}) * {k_stride} + t % {dd}] = j < {sk}LL ? ({acc}){} : ({acc})0; }}",
+        k_tile * d,
+        load(
+            k.dtype(),
+            "in1",
+            &format!(
+                "(bi * {kb}LL + hk * {kh}LL + j * {ks}LL + t % {dd})",
+                dd = d.max(1)
+            )
+        ),
+        dd = d.max(1)
+    );
+    let _ = writeln!(
+        s,
+        "    for (int t = threadIdx.x; t < {}; t += blockDim.x) {{ const long long j = j0 + t / {dd}; vsh[t] = j < {sk}LL ? ({acc}){} : ({acc})0; }}",
+        k_tile * dv,
+        load(
+            v.dtype(),
+            "in2",
+            &format!(
+                "(bi * {vb}LL + hk * {vh}LL + j * {vs}LL + t % {dd})",
+                dd = dv.max(1)
+            )
+        ),
+        dd = dv.max(1)
+    );
+    s.push_str("    __syncthreads();\n");
+    let _ = writeln!(
+        s,
+        "    #pragma unroll\n    for (int r = 0; r < {rows}; ++r) {{\n      const int row = warp * {rows} + r; const long long i = i0 + row;\n      if (i >= {sq}LL) continue;\n      {acc}* p = psh + warp * {k_tile};"
+    );
+    // Scores: one key per lane.
+    let visible = if *causal {
+        format!("j < {sk}LL && j + {sq}LL <= i + {sk}LL")
+    } else {
+        format!("j < {sk}LL")
+    };
+    let mask_code = match mask {
+        None => String::new(),
+        Some(m) => {
+            let full = [b, hq, sq, sk];
+            let st = super::broadcast_strides(m.dims(), &full);
+            let off = format!(
+                "(bi * ({}LL) + h * ({}LL) + i * ({}LL) + j * ({}LL))",
+                st[0], st[1], st[2], st[3]
+            );
+            if m.dtype() == DType::Bool {
+                format!(" if (!in3[{off}]) sc = -RLX_INF;")
+            } else {
+                format!(" sc += ({acc}){};", load(m.dtype(), "in3", &off))
+            }
+        }
+    };
+    let _ = writeln!(
+        s,
+        "      for (int jj = lane; jj < {k_tile}; jj += 32) {{\n        const long long j = j0 + jj; {acc} sc = -RLX_INF;\n        if ({visible}) {{ {acc} t = 0; const {acc}* qr = qsh + row * {d}; const {acc}* kr = ksh + jj * {k_stride};\n          for (int c = 0; c < {d}; ++c) t += qr[c] * kr[c];\n          sc = t * {};{mask_code} }}\n        p[jj] = sc;\n      }}\n      __syncwarp();",
+        literal(scale.get(), fdt)
+    );
+    let _ = writeln!(
+        s,
+        "      {acc} tm = -RLX_INF; for (int jj = lane; jj < {k_tile}; jj += 32) tm = p[jj] > tm ? p[jj] : tm;\n      tm = warp_max(tm);\n      const {acc} mn = tm > m[r] ? tm : m[r];\n      if (mn == -RLX_INF) {{ __syncwarp(); continue; }}\n      const {acc} corr = m[r] == -RLX_INF ? ({acc})0 : {exp}(m[r] - mn);"
+    );
+    let _ = writeln!(
+        s,
+        "      {acc} ts = 0; for (int jj = lane; jj < {k_tile}; jj += 32) {{ const {acc} e = p[jj] == -RLX_INF ? ({acc})0 : {exp}(p[jj] - mn); p[jj] = e; ts += e; }}\n      ts = warp_sum(ts);\n      __syncwarp();\n      l[r] = l[r] * corr + ts; m[r] = mn;"
+    );
+    let _ = writeln!(
+        s,
+        "      #pragma unroll\n      for (int e = 0; e < {per_lane}; ++e) o[r][e] *= corr;\n      const int kn = kend - j0 < {k_tile} ? (int)(kend - j0) : {k_tile};\n      for (int jj = 0; jj < kn; ++jj) {{ const {acc} w = p[jj]; const {acc}* vr = vsh + jj * {dv};\n        #pragma unroll\n        for (int e = 0; e < {per_lane}; ++e) {{ const int c = lane + 32 * e; if (c < {dv}) o[r][e] += w * vr[c]; }} }}\n      __syncwarp();\n    }}\n  }}"
+    );
+    let _ = writeln!(
+        s,
+        "  #pragma unroll\n  for (int r = 0; r < {rows}; ++r) {{ const long long i = i0 + warp * {rows} + r; if (i >= {sq}LL) continue;\n    #pragma unroll\n    for (int e = 0; e < {per_lane}; ++e) {{ const int c = lane + 32 * e; if (c < {dv}) out[bi * {ob}LL + h * {oh}LL + i * {os}LL + c] = {}; }} }}",
+        store(out.dtype(), "(l[r] == 0 ? 0 : o[r][e] / l[r])")
+    );
+    s.push_str("}\n");
+    let count = if out.num_elements() == 0 {
+        0
+    } else {
+        b * hq * tiles
+    };
+    Ok(Some(Kernel {
+        source: s,
+        grid: Grid::Blocks {
+            count,
+            threads: (WARPS * 32) as u32,
+        },
+        check: None,
+    }))
+}
