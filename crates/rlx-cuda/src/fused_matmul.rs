@@ -100,8 +100,18 @@ pub(crate) fn plan(
         ..*epilogue
     };
     if !rest.is_identity() {
-        let kernel: Kernel =
-            epilogue_in_place(codegen::STEP_NAME, &rest, out_shape).map_err(|e| e.to_string())?;
+        // Every allocation starts 256-byte aligned; arena values at the plan's
+        // offsets.
+        let aligned = std::iter::once(out)
+            .chain(
+                inputs
+                    .get(2 + usize::from(rest.bias))
+                    .copied()
+                    .filter(|_| rest.residual),
+            )
+            .all(|l| l.offset.is_multiple_of(16));
+        let kernel: Kernel = epilogue_in_place(codegen::STEP_NAME, &rest, out_shape, aligned)
+            .map_err(|e| e.to_string())?;
         let mut args = vec![Arg::At(out)];
         args.extend(extra);
         steps.push(("epilogue", Step::Kernel { kernel, args }));

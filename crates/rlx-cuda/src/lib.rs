@@ -218,12 +218,16 @@ impl Backend for CudaBackend {
     }
 
     fn fusion(&self) -> FusionOptions {
-        // Products with their epilogues (and half weights read as stored), and
-        // elementwise regions as one generated kernel each.
+        // Products with their epilogues (and half weights read as stored),
+        // elementwise regions as one generated kernel each, and attention as one op
+        // (spelled-out attention recognized, head transposes folded into its layout)
+        // for the flash kernel.
         FusionOptions {
             matmul_epilogue: true,
             elementwise_regions: true,
             activations: true,
+            attention_layout: true,
+            attention_pattern: true,
             ..FusionOptions::default()
         }
     }

@@ -733,7 +733,11 @@ fn half_precision_compute_matches_the_reference_within_half_tolerance() {
                     .fold(0f64, |m, (g, w)| m.max((f64::from(*g) - w).abs()));
                 // bf16 keeps 8 bits of mantissa, f16 11: 2e-2 and 4e-3 of the largest
                 // value.
-                let tol = if compute == rlx_ir::DType::BF16 { 2e-2 } else { 4e-3 };
+                let tol = if compute == rlx_ir::DType::BF16 {
+                    2e-2
+                } else {
+                    4e-3
+                };
                 assert!(
                     err <= tol * scale,
                     "{compute} on {device}, text {i}: error {err} over {scale}"

@@ -7,6 +7,10 @@ use rlx_ir::{DType, Error, Graph, NodeId, Result, Shape, TensorData, TensorRef};
 use rlx_opt::{MemoryStats, Plan, Region};
 use std::sync::Arc;
 
+/// Why outputs cannot be read: no run has copied them to the host yet.
+const NO_HOST_OUTPUTS: &str =
+    "no outputs on the host: the graph has not run yet, or its last run left them on the device";
+
 /// A compiled graph with its own memory. Every fallible call checks its arguments
 /// completely before writing anything, so a rejected call leaves the graph usable.
 pub struct CompiledGraph {
@@ -558,6 +562,31 @@ impl CompiledGraph {
     /// Runs with named inputs of exactly their dtypes; outputs come back in their own
     /// dtypes.
     pub fn run_typed(&mut self, inputs: &[(&str, TensorRef<'_>)]) -> Result<Vec<TensorData>> {
+        self.stage_typed(inputs)?;
+        self.execute()?;
+        (0..self.plan.outputs.len())
+            .map(|i| {
+                let dtype = self.output_shape(i)?.dtype();
+                TensorData::from_le_bytes(dtype, self.output_bytes(i)?)
+            })
+            .collect()
+    }
+
+    /// Runs with named inputs of exactly their dtypes and leaves the outputs where the
+    /// device computed them: nothing is copied back (on the CPU they stay in memory).
+    /// For results that a later step reads on the device, and for timing the
+    /// device's work the way a framework returning device tensors is timed. The
+    /// outputs are not readable on the host until a run that copies them.
+    pub fn run_typed_on_device(&mut self, inputs: &[(&str, TensorRef<'_>)]) -> Result<()> {
+        self.stage_typed(inputs)?;
+        self.exe.submit()?;
+        self.exe.wait()?;
+        self.has_run = false;
+        Ok(())
+    }
+
+    /// Stages named inputs of exactly their dtypes.
+    fn stage_typed(&mut self, inputs: &[(&str, TensorRef<'_>)]) -> Result<()> {
         self.stage(
             inputs,
             |name, shape, v| {
@@ -571,14 +600,7 @@ impl CompiledGraph {
                 check_count("input", name, shape.num_elements(), v.len(), "elements")
             },
             |v, _, dst| v.write_le_bytes(dst),
-        )?;
-        self.execute()?;
-        (0..self.plan.outputs.len())
-            .map(|i| {
-                let dtype = self.output_shape(i)?.dtype();
-                TensorData::from_le_bytes(dtype, self.output_bytes(i)?)
-            })
-            .collect()
+        )
     }
 
     /// Runs with named inputs as raw little-endian bytes; returns raw output bytes.
@@ -663,7 +685,7 @@ impl CompiledGraph {
     /// Every output of the last run as `f32`.
     pub fn read_outputs(&self) -> Result<Vec<Vec<f32>>> {
         if !self.has_run {
-            return Err(Error::invalid("read_outputs", "the graph has not run yet"));
+            return Err(Error::invalid("read_outputs", NO_HOST_OUTPUTS));
         }
         (0..self.plan.outputs.len())
             .map(|i| bytes_to_f32_vec(self.output_bytes(i)?, self.output_shape(i)?.dtype()))
@@ -675,10 +697,7 @@ impl CompiledGraph {
     pub fn read_output_row(&self, output: usize, row: usize, dst: &mut [f32]) -> Result<()> {
         let shape = self.output_shape(output)?;
         if !self.has_run {
-            return Err(Error::invalid(
-                "read_output_row",
-                "the graph has not run yet",
-            ));
+            return Err(Error::invalid("read_output_row", NO_HOST_OUTPUTS));
         }
         let rows = *shape.dims().first().ok_or_else(|| {
             Error::invalid(

@@ -1527,3 +1527,32 @@ fn profiling_times_every_kernel_and_changes_no_result() {
         );
     }
 }
+
+/// A run that leaves its outputs on the device copies nothing back: reading them is
+/// an error until a run that copies them, which then gives the same values.
+#[test]
+fn a_run_on_the_device_leaves_outputs_unread_until_a_copying_run() {
+    let mut rng = Rng(23);
+    let g = Graph::new("device run");
+    let x = g.input("x", Shape::new(&[5, 12], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[12, 7], DType::F32)).unwrap();
+    g.set_outputs(vec![g.relu(g.matmul(x, w).unwrap()).unwrap()]);
+    let feeds = feeds(&g, &mut rng);
+    let want = reference(&g, &feeds);
+    for device in common::test_devices() {
+        let mut c = Session::new(device).compile(&g).unwrap();
+        c.set_param("w", &feeds[1].1).unwrap();
+        let xs = &feeds[0].1;
+        c.run_typed_on_device(&[("x", TensorRef::F32(xs))]).unwrap();
+        let e = c.read_outputs().unwrap_err();
+        assert!(e.to_string().contains("on the device"), "{device}: {e}");
+        // A wrong input is still rejected, and the graph still runs after it.
+        assert!(
+            c.run_typed_on_device(&[("x", TensorRef::F32(&xs[1..]))])
+                .is_err()
+        );
+        let got = c.run(&[("x", xs)]).unwrap();
+        assert_close(&want, &got, 1e-5, &format!("{device}"));
+        assert_eq!(c.read_outputs().unwrap(), got, "{device}");
+    }
+}

@@ -72,7 +72,7 @@ pub(super) fn kernel(name: &str, op: &Op, inputs: &[Shape], out: &Shape) -> Resu
     // Key rows are padded to an odd stride, so lanes reading one column of
     // different keys hit different banks.
     let k_stride = d | 1;
-    let shared = |kt: usize| (q_tile * d + kt * (k_stride + dv) + WARPS * kt) * acc_size;
+    let shared = |kt: usize| (q_tile * d + kt * (k_stride + dv) + q_tile * kt) * acc_size;
     let mut k_tile = 64;
     while k_tile > 1 && shared(k_tile) > SHARED_BYTES {
         k_tile /= 2;
@@ -102,7 +102,7 @@ pub(super) fn kernel(name: &str, op: &Op, inputs: &[Shape], out: &Shape) -> Resu
         (q_tile * d).max(1),
         (k_tile * k_stride).max(1),
         (k_tile * dv).max(1),
-        WARPS * k_tile
+        WARPS * rows * k_tile
     );
     let _ = writeln!(
         s,
@@ -170,11 +170,8 @@ pub(super) fn kernel(name: &str, op: &Op, inputs: &[Shape], out: &Shape) -> Resu
         dd = dv.max(1)
     );
     s.push_str("    __syncthreads();\n");
-    let _ = writeln!(
-        s,
-        "    #pragma unroll\n    for (int r = 0; r < {rows}; ++r) {{\n      const int row = warp * {rows} + r; const long long i = i0 + row;\n      if (i >= {sq}LL) continue;\n      {acc}* p = psh + warp * {k_tile};"
-    );
-    // Scores: one key per lane.
+    // Scores: one key per lane, for all of the warp's rows at once (each key
+    // element read from shared memory once for every row).
     let visible = if *causal {
         format!("j < {sk}LL && j + {sq}LL <= i + {sk}LL")
     } else {
@@ -198,20 +195,19 @@ pub(super) fn kernel(name: &str, op: &Op, inputs: &[Shape], out: &Shape) -> Resu
     };
     let _ = writeln!(
         s,
-        "      for (int jj = lane; jj < {k_tile}; jj += 32) {{\n        const long long j = j0 + jj; {acc} sc = -RLX_INF;\n        if ({visible}) {{ {acc} t = 0; const {acc}* qr = qsh + row * {d}; const {acc}* kr = ksh + jj * {k_stride};\n          for (int c = 0; c < {d}; ++c) t += qr[c] * kr[c];\n          sc = t * {};{mask_code} }}\n        p[jj] = sc;\n      }}\n      __syncwarp();",
+        "    {acc}* p = psh + warp * {rows} * {k_tile};\n    for (int jj = lane; jj < {k_tile}; jj += 32) {{\n      const long long j = j0 + jj; {acc} t[{rows}];\n      #pragma unroll\n      for (int r = 0; r < {rows}; ++r) t[r] = 0;\n      const {acc}* kr = ksh + jj * {k_stride}; const {acc}* qr = qsh + warp * {rows} * {d};\n      for (int c = 0; c < {d}; ++c) {{ const {acc} kv = kr[c];\n        #pragma unroll\n        for (int r = 0; r < {rows}; ++r) t[r] += qr[r * {d} + c] * kv; }}\n      #pragma unroll\n      for (int r = 0; r < {rows}; ++r) {{ const long long i = i0 + warp * {rows} + r; {acc} sc = -RLX_INF;\n        if ({visible}) {{ sc = t[r] * {};{mask_code} }}\n        p[r * {k_tile} + jj] = sc; }}\n    }}\n    __syncwarp();",
         literal(scale.get(), fdt)
     );
+    // The online softmax, row by row: rescale what was summed so far to the new
+    // maximum and turn the tile's scores into weights.
     let _ = writeln!(
         s,
-        "      {acc} tm = -RLX_INF; for (int jj = lane; jj < {k_tile}; jj += 32) tm = p[jj] > tm ? p[jj] : tm;\n      tm = warp_max(tm);\n      const {acc} mn = tm > m[r] ? tm : m[r];\n      if (mn == -RLX_INF) {{ __syncwarp(); continue; }}\n      const {acc} corr = m[r] == -RLX_INF ? ({acc})0 : {exp}(m[r] - mn);"
+        "    #pragma unroll\n    for (int r = 0; r < {rows}; ++r) {{\n      {acc}* pr = p + r * {k_tile};\n      {acc} tm = -RLX_INF; for (int jj = lane; jj < {k_tile}; jj += 32) tm = pr[jj] > tm ? pr[jj] : tm;\n      tm = warp_max(tm);\n      const {acc} mn = tm > m[r] ? tm : m[r];\n      if (mn == -RLX_INF) {{ for (int jj = lane; jj < {k_tile}; jj += 32) pr[jj] = 0; continue; }}\n      const {acc} corr = m[r] == -RLX_INF ? ({acc})0 : {exp}(m[r] - mn);\n      {acc} ts = 0; for (int jj = lane; jj < {k_tile}; jj += 32) {{ const {acc} e = pr[jj] == -RLX_INF ? ({acc})0 : {exp}(pr[jj] - mn); pr[jj] = e; ts += e; }}\n      ts = warp_sum(ts);\n      l[r] = l[r] * corr + ts; m[r] = mn;\n      #pragma unroll\n      for (int e = 0; e < {per_lane}; ++e) o[r][e] *= corr;\n    }}\n    __syncwarp();"
     );
+    // Weighted values: each value element read once for every row.
     let _ = writeln!(
         s,
-        "      {acc} ts = 0; for (int jj = lane; jj < {k_tile}; jj += 32) {{ const {acc} e = p[jj] == -RLX_INF ? ({acc})0 : {exp}(p[jj] - mn); p[jj] = e; ts += e; }}\n      ts = warp_sum(ts);\n      __syncwarp();\n      l[r] = l[r] * corr + ts; m[r] = mn;"
-    );
-    let _ = writeln!(
-        s,
-        "      #pragma unroll\n      for (int e = 0; e < {per_lane}; ++e) o[r][e] *= corr;\n      const int kn = kend - j0 < {k_tile} ? (int)(kend - j0) : {k_tile};\n      for (int jj = 0; jj < kn; ++jj) {{ const {acc} w = p[jj]; const {acc}* vr = vsh + jj * {dv};\n        #pragma unroll\n        for (int e = 0; e < {per_lane}; ++e) {{ const int c = lane + 32 * e; if (c < {dv}) o[r][e] += w * vr[c]; }} }}\n      __syncwarp();\n    }}\n  }}"
+        "    const int kn = kend - j0 < {k_tile} ? (int)(kend - j0) : {k_tile};\n    for (int jj = 0; jj < kn; ++jj) {{ const {acc}* vr = vsh + jj * {dv};\n      #pragma unroll\n      for (int e = 0; e < {per_lane}; ++e) {{ const int c = lane + 32 * e; const {acc} vv = c < {dv} ? vr[c] : ({acc})0;\n        #pragma unroll\n        for (int r = 0; r < {rows}; ++r) o[r][e] += p[r * {k_tile} + jj] * vv; }} }}\n    __syncwarp();\n  }}"
     );
     let _ = writeln!(
         s,

@@ -85,6 +85,12 @@ impl Epilogue {
     /// Statements turning `{c} v` (the product at output element `row * N + col`)
     /// into the stored value, reading the bias from `bias` and the residual from `res`.
     fn code(&self, s: &mut String, dt: DType, row: &str, col: &str, n: usize) -> Result<()> {
+        let residual = load(dt, "res", &format!("(({row}) * {n}LL + ({col}))"));
+        self.code_with(s, dt, col, &residual)
+    }
+
+    /// [`Epilogue::code`] with the residual read by the expression `residual`.
+    fn code_with(&self, s: &mut String, dt: DType, col: &str, residual: &str) -> Result<()> {
         if self.alpha != 1.0 {
             let a = super::literal(self.alpha, dt);
             let _ = writeln!(s, "      v = {};", rounded(dt, &format!("v * {a}")));
@@ -98,8 +104,7 @@ impl Epilogue {
             let _ = writeln!(s, "      v = {};", rounded(dt, &e));
         }
         if self.residual {
-            let r = load(dt, "res", &format!("(({row}) * {n}LL + ({col}))"));
-            let _ = writeln!(s, "      v = {};", rounded(dt, &format!("v + {r}")));
+            let _ = writeln!(s, "      v = {};", rounded(dt, &format!("v + {residual}")));
         }
         Ok(())
     }
@@ -119,28 +124,58 @@ impl Epilogue {
 }
 
 /// The epilogue applied in place to a product already in `out` (`[rows, N]` of
-/// `dt`); operands are the bias and residual the epilogue takes.
-pub(crate) fn epilogue_in_place(name: &str, epilogue: &Epilogue, out: &Shape) -> Result<Kernel> {
+/// `dt`); operands are the bias and residual the epilogue takes. With `vector`,
+/// each thread takes 16 bytes of a row at once (`N` must fill whole 16-byte
+/// pieces, and `out` and the residual must be 16-byte aligned).
+pub(crate) fn epilogue_in_place(
+    name: &str,
+    epilogue: &Epilogue,
+    out: &Shape,
+    vector: bool,
+) -> Result<Kernel> {
     let dt = out.dtype();
+    let ct = ctype(dt);
     let n = out.dims().last().copied().unwrap_or(1).max(1);
     let total = out.num_elements();
     let mut s = format!(
         "extern \"C\" __global__ void {name}({}* __restrict__ out{}) {{\n",
-        ctype(dt).storage,
+        ct.storage,
         epilogue.params(dt)
     );
-    let _ = writeln!(s, "  RLX_LOOP({total}LL) {{");
-    let _ = writeln!(s, "      long long row = i / {n}LL, col = i % {n}LL;");
+    let per = 16 / dt.size_in_bytes().max(1);
+    if !vector || per <= 1 || n % per != 0 {
+        let _ = writeln!(s, "  RLX_LOOP({total}LL) {{");
+        let _ = writeln!(s, "      long long row = i / {n}LL, col = i % {n}LL;");
+        let _ = writeln!(s, "      {} v = {};", ct.compute, load(dt, "out", "i"));
+        epilogue.code(&mut s, dt, "row", "col", n)?;
+        let _ = writeln!(s, "      out[i] = {};", store(dt, "v"));
+        s.push_str("  }\n}\n");
+        return Ok(elements(s, total));
+    }
+    let pieces = total / per;
+    let _ = writeln!(s, "  RLX_LOOP({pieces}LL) {{");
     let _ = writeln!(
         s,
-        "      {} v = {};",
-        ctype(dt).compute,
-        load(dt, "out", "i")
+        "    const long long at = i * {per}LL, col0 = at % {n}LL;\n    uint4 pk = *(const uint4*)(out + at); {st}* pv = ({st}*)&pk;",
+        st = ct.storage
     );
-    epilogue.code(&mut s, dt, "row", "col", n)?;
-    let _ = writeln!(s, "      out[i] = {};", store(dt, "v"));
-    s.push_str("  }\n}\n");
-    Ok(elements(s, total))
+    if epilogue.residual {
+        let _ = writeln!(
+            s,
+            "    const uint4 rk = *(const uint4*)(res + at); const {st}* rv = (const {st}*)&rk;",
+            st = ct.storage
+        );
+    }
+    let _ = writeln!(
+        s,
+        "    #pragma unroll\n    for (int u = 0; u < {per}; ++u) {{\n      const long long col = col0 + u;\n      {} v = {};",
+        ct.compute,
+        load(dt, "pv", "u")
+    );
+    epilogue.code_with(&mut s, dt, "col", &load(dt, "rv", "u"))?;
+    let _ = writeln!(s, "      pv[u] = {};\n    }}", store(dt, "v"));
+    s.push_str("    *(uint4*)(out + at) = pk;\n  }\n}\n");
+    Ok(elements(s, pieces))
 }
 
 /// The geometry of a matrix-vector product: `rows` (at most [`GEMV_MAX_ROWS`]) of

@@ -359,8 +359,10 @@ fn generated_kernels_parse_as_cxx() {
         residual: false,
     };
     let mut more = vec![
-        epilogue_in_place("e0", &full, &f32s(&[5, 24])).unwrap(),
-        epilogue_in_place("e1", &full, &Shape::new(&[5, 24], DType::F16)).unwrap(),
+        epilogue_in_place("e0", &full, &f32s(&[5, 24]), false).unwrap(),
+        epilogue_in_place("e1", &full, &Shape::new(&[5, 24], DType::F16), false).unwrap(),
+        epilogue_in_place("e2", &full, &f32s(&[5, 24]), true).unwrap(),
+        epilogue_in_place("e3", &full, &Shape::new(&[5, 24], DType::BF16), true).unwrap(),
     ];
     let shapes = [
         (1, 2048, 512, true),
