@@ -25,6 +25,8 @@ pub(crate) struct Gpu {
     pub blas: Blas,
     /// Streaming multiprocessors: kernels size their grids to fill them.
     pub multiprocessors: usize,
+    /// Whether the GPU has the `mma.m16n8k16` instructions (compute capability 8.0+).
+    pub tensor_cores: bool,
     /// Held by whoever queues work on the stream or waits for it. A graph capture
     /// records everything queued on the stream, from any thread, so another
     /// program's copies and kernels must not slip into it; this keeps them out.
@@ -65,6 +67,9 @@ impl Gpu {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| cuda_error("reading the multiprocessor count", e))?
             .max(1) as usize;
+        let (major, _) = ctx
+            .compute_capability()
+            .map_err(|e| cuda_error("reading the compute capability", e))?;
         let bytes = BLAS_WORKSPACE;
         ctx.bind_to_thread()
             .map_err(|e| cuda_error("binding the context", e))?;
@@ -86,6 +91,7 @@ impl Gpu {
             stream,
             blas,
             multiprocessors,
+            tensor_cores: major >= 8,
             stream_lock: std::sync::Mutex::new(()),
             _blas_workspace: workspace,
         })

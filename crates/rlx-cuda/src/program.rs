@@ -237,8 +237,14 @@ impl CudaProgram {
                             return Err(location_error(&plan, what()));
                         }
                     }
-                    let Some(kernel) =
-                        codegen::kernel(STEP_NAME, op, &in_shapes, &node.shape, code)?
+                    let Some(kernel) = codegen::kernel_for(
+                        STEP_NAME,
+                        op,
+                        &in_shapes,
+                        &node.shape,
+                        code,
+                        gpu.tensor_cores,
+                    )?
                     else {
                         return Err(unsupported("no CUDA kernel for this op yet".into()));
                     };

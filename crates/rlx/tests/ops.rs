@@ -2285,6 +2285,37 @@ fn attention_variants() {
             |g, x| one(g.attention(x[0], x[1], x[2], Some(x[3]), causal, None)?),
         );
     }
+    // Tensor-core shapes on a GPU (f16, widths multiples of 16): grouped heads,
+    // queries not a whole number of tiles, more keys than queries, causal with an
+    // additive mask, and the sequence-major layout.
+    for (causal, seq_major) in [(true, false), (false, true), (true, true)] {
+        let layout = |s: usize, h: usize, d: usize| {
+            if seq_major {
+                vec![2, s, h, d]
+            } else {
+                vec![2, h, s, d]
+            }
+        };
+        let ins = [
+            inp("q", &layout(70, 4, 64), DType::F16),
+            inp("k", &layout(100, 2, 64), DType::F16),
+            inp("v", &layout(100, 2, 32), DType::F16),
+            inp("mask", &[2, 1, 70, 100], DType::F16).dist(Dist::NegInf),
+        ];
+        s.check(
+            &format!("attention f16 tiles causal={causal} seq_major={seq_major}"),
+            &ins,
+            acc(100 * 64),
+            |g, x| {
+                let f = if seq_major {
+                    Graph::attention_seq_major
+                } else {
+                    Graph::attention
+                };
+                one(f(g, x[0], x[1], x[2], Some(x[3]), causal, None)?)
+            },
+        );
+    }
     s.check(
         "attention no keys",
         &[

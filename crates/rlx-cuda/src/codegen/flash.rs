@@ -21,6 +21,26 @@ const SHARED_BYTES: usize = 48 * 1024;
 /// Most accumulators a lane keeps in registers across its rows.
 const REGISTER_BUDGET: usize = 64;
 
+/// The sizes of one attention, in head-major terms, and where its operands are.
+pub(super) struct Geometry {
+    pub b: usize,
+    pub hq: usize,
+    pub sq: usize,
+    pub sk: usize,
+    /// Query/key head width.
+    pub d: usize,
+    /// Value head width.
+    pub dv: usize,
+    /// Query heads per key/value head.
+    pub group: usize,
+    /// Batch, head and sequence strides of `q`, `k`, `v` and the output.
+    pub strides: [[usize; 3]; 4],
+    pub causal: bool,
+    pub scale: f64,
+    /// The mask's dtype and its strides over `[B, Hq, Sq, Sk]`.
+    pub mask: Option<(DType, [i64; 4])>,
+}
+
 /// Element strides of the batch, head and sequence axes of a `[B, H, S, D]` tensor
 /// (or `[B, S, H, D]` when `seq_major`), given as stored.
 fn axis_strides(s: &Shape, seq_major: bool) -> [usize; 3] {
@@ -35,7 +55,14 @@ fn axis_strides(s: &Shape, seq_major: bool) -> [usize; 3] {
 }
 
 /// The kernel for `op`, or `None` when it is not one of this module's.
-pub(super) fn kernel(name: &str, op: &Op, inputs: &[Shape], out: &Shape) -> Result<Option<Kernel>> {
+/// `tensor_cores`: the GPU has the instructions of [`super::flash_mma`].
+pub(super) fn kernel(
+    name: &str,
+    op: &Op,
+    inputs: &[Shape],
+    out: &Shape,
+    tensor_cores: bool,
+) -> Result<Option<Kernel>> {
     let Op::Attention {
         scale,
         causal,
@@ -58,6 +85,27 @@ pub(super) fn kernel(name: &str, op: &Op, inputs: &[Shape], out: &Shape) -> Resu
     let dv = head_major(v)[3];
     let group = (hq / hkv.max(1)).max(1);
     let dt = q.dtype();
+    if tensor_cores && out.num_elements() > 0 {
+        let geometry = Geometry {
+            b,
+            hq,
+            sq,
+            sk,
+            d,
+            dv,
+            group,
+            strides: [q, k, v, out].map(|s| axis_strides(s, *seq_major)),
+            causal: *causal,
+            scale: scale.get(),
+            mask: mask.map(|m| {
+                let st = super::broadcast_strides(m.dims(), &[b, hq, sq, sk]);
+                (m.dtype(), [st[0], st[1], st[2], st[3]])
+            }),
+        };
+        if let Some(k) = super::flash_mma::kernel(name, dt, &geometry) {
+            return Ok(Some(k));
+        }
+    }
     let acc = ctype(dt).compute;
     let acc_size = if acc == "double" { 8 } else { 4 };
     let per_lane = dv.div_ceil(32).max(1);

@@ -6,7 +6,8 @@
 //! This module writes elementwise ops with broadcasting, casts, reductions and data
 //! movement (permute, expand, slice, concat); [`index`] the ops that pick, scan or
 //! rank elements; [`window`] convolutions and pooling; [`attention`] attention over a
-//! KV cache; [`flash`] attention over whole sequences; [`rows`] norms and softmax;
+//! KV cache; [`flash`] attention over whole sequences ([`flash_mma`] on tensor
+//! cores); [`rows`] norms and softmax;
 //! [`quant`] the GGUF block formats.
 //!
 //! Each kernel takes its output pointer first, then one pointer per operand, and,
@@ -17,6 +18,7 @@
 
 mod attention;
 mod flash;
+mod flash_mma;
 pub(crate) mod fused;
 mod index;
 mod quant;
@@ -71,6 +73,15 @@ template <typename T> __device__ T block_max(T v, T* red) {
   __syncthreads(); T r = red[0]; __syncthreads(); return r;
 }
 __device__ __forceinline__ float half_at(const unsigned char* b, int at) { return h2f((unsigned short)(b[at] | (b[at + 1] << 8))); }
+// Two floats as an f16 pair, the first in the low half (an mma operand register).
+__device__ __forceinline__ unsigned int rlx_pack(float lo, float hi) { return (unsigned int)f2h(lo) | ((unsigned int)f2h(hi) << 16); }
+#if __CUDA_ARCH__ >= 800
+// c += a b on tensor cores: a 16x16 f16 tile (4 registers), b 16x8 (2), c 16x8 f32.
+__device__ __forceinline__ void rlx_mma(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
 "#;
 
 /// How a dtype is stored and computed in generated code.
@@ -412,6 +423,19 @@ pub(crate) fn kernel(
     output: &Shape,
     fail_code: i32,
 ) -> Result<Option<Kernel>> {
+    kernel_for(name, op, inputs, output, fail_code, false)
+}
+
+/// [`kernel`] for a GPU that has `mma.m16n8k16` tensor-core instructions (compute
+/// capability 8.0 and later) when `tensor_cores`.
+pub(crate) fn kernel_for(
+    name: &str,
+    op: &Op,
+    inputs: &[Shape],
+    output: &Shape,
+    fail_code: i32,
+    tensor_cores: bool,
+) -> Result<Option<Kernel>> {
     if let Some(k) = index::kernel(name, op, inputs, output, fail_code)? {
         return Ok(Some(k));
     }
@@ -421,7 +445,7 @@ pub(crate) fn kernel(
     if let Some(k) = attention::kernel(name, op, inputs, output, fail_code)? {
         return Ok(Some(k));
     }
-    if let Some(k) = flash::kernel(name, op, inputs, output)? {
+    if let Some(k) = flash::kernel(name, op, inputs, output, tensor_cores)? {
         return Ok(Some(k));
     }
     if let Some(k) = rows::kernel(name, op, inputs, output) {

@@ -5,7 +5,7 @@
 //! typos before a GPU run. `RLX_KEEP_SOURCE=FILE` keeps a copy of the source.
 
 use super::fused::{Epilogue, Gemv, epilogue_in_place, gemv};
-use super::{PRELUDE, kernel};
+use super::{PRELUDE, kernel, kernel_for};
 use rlx_ir::{
     ArgReduceOp, BinaryOp, DType, EwStep, F64Bits, Op, PadMode, QuantFormat, ReduceOp, Shape,
     SliceAxis, TopKOutput, UnaryOp, Window2d,
@@ -41,6 +41,9 @@ float fmaf(float, float, float);
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
 #define __launch_bounds__(n)
+#define __align__(n)
+#define __CUDA_ARCH__ 900
+float __expf(float);
 using std::fmaxf; using std::fminf; using std::fmax; using std::fmin;
 "#;
 
@@ -289,6 +292,30 @@ fn samples() -> Vec<(Op, Vec<Shape>, Shape)> {
             layout(7, 4, dv),
         ));
     }
+    // Tensor-core attention shapes (f16, widths multiples of 16): grouped and
+    // causal with a bool mask, and sequence-major with an additive one.
+    for (seq_major, mask) in [(false, DType::Bool), (true, DType::F16)] {
+        let h = |d: &[usize]| Shape::new(d, DType::F16);
+        let (q, k, o) = if seq_major {
+            (h(&[2, 70, 4, 64]), h(&[2, 100, 2, 64]), h(&[2, 70, 4, 32]))
+        } else {
+            (h(&[2, 4, 70, 64]), h(&[2, 2, 100, 64]), h(&[2, 4, 70, 32]))
+        };
+        let vdims = if seq_major {
+            [2, 100, 2, 32]
+        } else {
+            [2, 2, 100, 32]
+        };
+        v.push((
+            Op::Attention {
+                scale: F64Bits::new(0.125),
+                causal: !seq_major,
+                seq_major,
+            },
+            vec![q, k, h(&vdims), Shape::new(&[2, 1, 70, 100], mask)],
+            o,
+        ));
+    }
     // Long reductions take a warp per output, over inner and outer axes.
     for (rop, dt) in [
         (ReduceOp::Mean, DType::F32),
@@ -344,6 +371,13 @@ fn generated_kernels_parse_as_cxx() {
             .unwrap_or_else(|e| panic!("{}: {e}", op.name()))
             .unwrap_or_else(|| panic!("{}: no kernel", op.name()));
         source.push_str(&k.source);
+        // With tensor cores, where a kernel differs (f16 attention).
+        let t = kernel_for(&format!("t{i}"), op, inputs, out, i as i32 + 1, true)
+            .unwrap_or_else(|e| panic!("{}: {e}", op.name()))
+            .unwrap_or_else(|| panic!("{}: no kernel", op.name()));
+        if t.source.replace(&format!("t{i}("), &format!("k{i}(")) != k.source {
+            source.push_str(&t.source);
+        }
     }
     // The fused products' pieces, with and without every epilogue operand.
     let full = Epilogue {

@@ -1,0 +1,181 @@
+//! The flash attention kernel on tensor cores, for `f16` heads whose widths are
+//! multiples of 16 (queries and keys) and 8 (values), up to 256: the shapes of
+//! transformer models. Other attentions take the kernel in [`super::flash`].
+//!
+//! One warp owns 16 query rows, four warps a block. The queries stay in registers as
+//! the A operands of `mma.m16n8k16` (f16 in, f32 accumulated). Per tile of keys,
+//! staged in shared memory as stored: the scores `Q K^T` come out of the tensor
+//! cores into registers, each thread holding two rows' values; the online softmax
+//! works on them there, its row maximum and sum taken across the four threads that
+//! share a row; the weights, rounded to f16, are already laid out as the A operand of
+//! `P V` (FlashAttention's register trick), which accumulates the output in f32.
+//! Masks, the causal limit and the all-masked rule are those of the other kernel.
+
+use super::flash::Geometry;
+use super::{Grid, Kernel, literal, load};
+use rlx_ir::DType;
+use std::fmt::Write;
+
+/// Query rows of a warp (the `m` of the instruction).
+const WARP_ROWS: usize = 16;
+/// Warps per block.
+const WARPS: usize = 4;
+/// Shared memory a block may use without opting in to more.
+const SHARED_BYTES: usize = 48 * 1024;
+/// Halves of padding after each staged key or value row (16 bytes), so the rows
+/// that a warp's lanes read start in different banks.
+const PAD: usize = 8;
+
+/// The tensor-core kernel for the attention `g`, or `None` when its shapes or dtype
+/// do not fit it.
+pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
+    let (d, dv) = (g.d, g.dv);
+    if dt != DType::F16 || d == 0 || d % 16 != 0 || dv == 0 || dv % 8 != 0 || d > 256 || dv > 256 {
+        return None;
+    }
+    let (ks, vs) = (d + PAD, dv + PAD);
+    let mut k_tile = 64;
+    while k_tile > 16 && k_tile * (ks + vs) * 2 > SHARED_BYTES {
+        k_tile /= 2;
+    }
+    let q_tile = WARP_ROWS * WARPS;
+    let tiles = g.sq.div_ceil(q_tile).max(1);
+    let (sq, sk) = (g.sq, g.sk);
+    let [[qb, qh, qs], [kb, kh, kst], [vb, vh, vst], [ob, oh, os]] = g.strides;
+    let mut s = String::new();
+    let mask_param = match g.mask {
+        Some((DType::Bool, _)) => ", const unsigned char* __restrict__ in3",
+        Some((DType::F16, _)) => ", const unsigned short* __restrict__ in3",
+        Some(_) => return None,
+        None => "",
+    };
+    let _ = writeln!(
+        s,
+        "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(unsigned short* __restrict__ out, const unsigned short* __restrict__ in0, const unsigned short* __restrict__ in1, const unsigned short* __restrict__ in2{mask_param}) {{",
+        threads = WARPS * 32
+    );
+    let _ = writeln!(
+        s,
+        "  __shared__ __align__(16) unsigned short ksh[{}]; __shared__ __align__(16) unsigned short vsh[{}];",
+        k_tile * ks,
+        k_tile * vs
+    );
+    let _ = writeln!(
+        s,
+        "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;\n  const long long tile = blockIdx.x % {tiles}LL, bh = blockIdx.x / {tiles}LL;\n  const long long h = bh % {hq}LL, bi = bh / {hq}LL, hk = h / {group}LL;\n  const long long i0 = tile * {q_tile}LL, ra = i0 + warp * {WARP_ROWS} + gq, rb = ra + 8;",
+        hq = g.hq.max(1),
+        group = g.group
+    );
+    // The queries as A fragments: per 16 columns, rows ra/rb, columns tq*2 and +8.
+    let q_at = |row: &str, col: &str| {
+        format!(
+            "({row} < {sq}LL ? *(const unsigned int*)(in0 + bi * {qb}LL + h * {qh}LL + {row} * {qs}LL + {col}) : 0u)"
+        )
+    };
+    let _ = writeln!(
+        s,
+        "  unsigned int qa[{steps}][4];\n  #pragma unroll\n  for (int t = 0; t < {steps}; ++t) {{ const int c = t * 16 + tq * 2;\n    qa[t][0] = {}; qa[t][1] = {}; qa[t][2] = {}; qa[t][3] = {}; }}",
+        q_at("ra", "c"),
+        q_at("rb", "c"),
+        q_at("ra", "c + 8"),
+        q_at("rb", "c + 8"),
+        steps = d / 16
+    );
+    let _ = writeln!(
+        s,
+        "  float o[{nb}][4];\n  #pragma unroll\n  for (int n = 0; n < {nb}; ++n) {{ o[n][0] = 0; o[n][1] = 0; o[n][2] = 0; o[n][3] = 0; }}\n  float ma = -RLX_INF, mb = -RLX_INF, la = 0, lb = 0;",
+        nb = dv / 8
+    );
+    if g.causal {
+        let _ = writeln!(
+            s,
+            "  const long long last = (i0 + {q_tile}LL < {sq}LL ? i0 + {q_tile}LL : {sq}LL) - 1;\n  const long long kend = last + {sk}LL - {sq}LL + 1 < {sk}LL ? last + {sk}LL - {sq}LL + 1 : {sk}LL;"
+        );
+    } else {
+        let _ = writeln!(s, "  const long long kend = {sk}LL;");
+    }
+    let _ = writeln!(
+        s,
+        "  for (long long j0 = 0; j0 < kend; j0 += {k_tile}) {{\n    __syncthreads();"
+    );
+    // Stage the tiles two halves at a time, zeros past the last key.
+    for (buf, src, width, stride, [sb, sh, sst]) in [
+        ("ksh", "in1", d, ks, [kb, kh, kst]),
+        ("vsh", "in2", dv, vs, [vb, vh, vst]),
+    ] {
+        let _ = writeln!(
+            s,
+            "    for (int t = threadIdx.x; t < {pairs}; t += blockDim.x) {{ const int r = t / {half}, c = (t % {half}) * 2; const long long j = j0 + r;\n      *(unsigned int*)&{buf}[r * {stride} + c] = j < {sk}LL ? *(const unsigned int*)({src} + bi * {sb}LL + hk * {sh}LL + j * {sst}LL + c) : 0u; }}",
+            pairs = k_tile * width / 2,
+            half = width / 2
+        );
+    }
+    s.push_str("    __syncthreads();\n");
+    // Scores.
+    let _ = writeln!(
+        s,
+        "    float sc[{nk}][4];\n    #pragma unroll\n    for (int n = 0; n < {nk}; ++n) {{ sc[n][0] = 0; sc[n][1] = 0; sc[n][2] = 0; sc[n][3] = 0;\n      const unsigned short* kr = ksh + (n * 8 + gq) * {ks} + tq * 2;\n      #pragma unroll\n      for (int t = 0; t < {steps}; ++t) rlx_mma(sc[n], qa[t], *(const unsigned int*)(kr + t * 16), *(const unsigned int*)(kr + t * 16 + 8)); }}",
+        nk = k_tile / 8,
+        steps = d / 16
+    );
+    // Scale, masks, and each row's tile maximum.
+    let visible = if g.causal {
+        format!("j < {sk}LL && j + {sq}LL <= i + {sk}LL")
+    } else {
+        format!("j < {sk}LL")
+    };
+    let mask_code = match g.mask {
+        None => String::new(),
+        Some((mdt, st)) => {
+            let off = format!(
+                "(bi * ({}LL) + h * ({}LL) + i * ({}LL) + j * ({}LL))",
+                st[0], st[1], st[2], st[3]
+            );
+            if mdt == DType::Bool {
+                format!(" if (!in3[{off}]) x = -RLX_INF;")
+            } else {
+                format!(" x += {};", load(mdt, "in3", &off))
+            }
+        }
+    };
+    let _ = writeln!(
+        s,
+        "    float ta = -RLX_INF, tb = -RLX_INF;\n    #pragma unroll\n    for (int n = 0; n < {nk}; ++n) {{\n      #pragma unroll\n      for (int e = 0; e < 4; ++e) {{ const long long i = e < 2 ? ra : rb, j = j0 + n * 8 + tq * 2 + (e & 1);\n        float x = -RLX_INF; if ({visible}) {{ x = sc[n][e] * {scale};{mask_code} }}\n        sc[n][e] = x; if (e < 2) ta = x > ta ? x : ta; else tb = x > tb ? x : tb; }} }}",
+        nk = k_tile / 8,
+        scale = literal(g.scale, DType::F32)
+    );
+    let _ = writeln!(
+        s,
+        "    ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, 1)); ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, 2));\n    tb = fmaxf(tb, __shfl_xor_sync(0xffffffffu, tb, 1)); tb = fmaxf(tb, __shfl_xor_sync(0xffffffffu, tb, 2));\n    const float na = ta > ma ? ta : ma, nb2 = tb > mb ? tb : mb;\n    const float ca = ma == -RLX_INF ? 0.f : __expf(ma - na), cb = mb == -RLX_INF ? 0.f : __expf(mb - nb2);"
+    );
+    // Weights, their row sums, and the weights as A fragments of P V.
+    let _ = writeln!(
+        s,
+        "    float sa = 0, sb = 0;\n    #pragma unroll\n    for (int n = 0; n < {nk}; ++n) {{\n      #pragma unroll\n      for (int e = 0; e < 4; ++e) {{ const float m = e < 2 ? na : nb2; const float p = sc[n][e] == -RLX_INF ? 0.f : __expf(sc[n][e] - m); sc[n][e] = p; if (e < 2) sa += p; else sb += p; }} }}\n    sa += __shfl_xor_sync(0xffffffffu, sa, 1); sa += __shfl_xor_sync(0xffffffffu, sa, 2);\n    sb += __shfl_xor_sync(0xffffffffu, sb, 1); sb += __shfl_xor_sync(0xffffffffu, sb, 2);\n    la = la * ca + sa; lb = lb * cb + sb; ma = na; mb = nb2;",
+        nk = k_tile / 8
+    );
+    let _ = writeln!(
+        s,
+        "    #pragma unroll\n    for (int n = 0; n < {nb}; ++n) {{ o[n][0] *= ca; o[n][1] *= ca; o[n][2] *= cb; o[n][3] *= cb; }}",
+        nb = dv / 8
+    );
+    let _ = writeln!(
+        s,
+        "    #pragma unroll\n    for (int t = 0; t < {kk}; ++t) {{\n      unsigned int pa[4] = {{ rlx_pack(sc[2 * t][0], sc[2 * t][1]), rlx_pack(sc[2 * t][2], sc[2 * t][3]), rlx_pack(sc[2 * t + 1][0], sc[2 * t + 1][1]), rlx_pack(sc[2 * t + 1][2], sc[2 * t + 1][3]) }};\n      const unsigned short* v0 = vsh + (t * 16 + tq * 2) * {vs} + gq;\n      #pragma unroll\n      for (int n = 0; n < {nb}; ++n) {{ const unsigned short* vr = v0 + n * 8;\n        rlx_mma(o[n], pa, (unsigned int)vr[0] | ((unsigned int)vr[{vs}] << 16), (unsigned int)vr[8 * {vs}] | ((unsigned int)vr[9 * {vs}] << 16)); }} }}\n  }}",
+        kk = k_tile / 16,
+        nb = dv / 8
+    );
+    let _ = writeln!(
+        s,
+        "  #pragma unroll\n  for (int n = 0; n < {nb}; ++n) {{ const int c = n * 8 + tq * 2;\n    if (ra < {sq}LL) {{ unsigned short* d = out + bi * {ob}LL + h * {oh}LL + ra * {os}LL + c; d[0] = f2h(la == 0 ? 0.f : o[n][0] / la); d[1] = f2h(la == 0 ? 0.f : o[n][1] / la); }}\n    if (rb < {sq}LL) {{ unsigned short* d = out + bi * {ob}LL + h * {oh}LL + rb * {os}LL + c; d[0] = f2h(lb == 0 ? 0.f : o[n][2] / lb); d[1] = f2h(lb == 0 ? 0.f : o[n][3] / lb); }} }}\n}}",
+        nb = dv / 8
+    );
+    Some(Kernel {
+        source: s,
+        grid: Grid::Blocks {
+            count: g.b * g.hq * tiles,
+            threads: (WARPS * 32) as u32,
+        },
+        check: None,
+    })
+}
