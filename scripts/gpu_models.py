@@ -54,9 +54,16 @@ def relative_error(got, want):
     return float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))) / scale
 
 
-def rlx(*args):
+def rlx(*args, timeout=300):
+    """Runs the rlx tool; a run past `timeout` seconds is an error (so one stuck
+    command costs one check, not the whole call on the GPU machine)."""
     started = time.time()
-    result = subprocess.run([RLX, *map(str, args)], capture_output=True, text=True)
+    try:
+        result = subprocess.run([RLX, *map(str, args)], capture_output=True, text=True,
+                                timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"rlx {' '.join(map(str, args))} ran past {timeout} s:\n"
+                           f"{(e.stderr or b'')[-2000:]}") from None
     if result.returncode != 0:
         raise RuntimeError(f"rlx {' '.join(map(str, args))} failed:\n{result.stderr}")
     return result.stdout, time.time() - started
