@@ -54,6 +54,69 @@ fn axis_strides(s: &Shape, seq_major: bool) -> [usize; 3] {
     }
 }
 
+/// A tile of rows copied into shared memory (widened to the accumulator type), zeros
+/// past the last row.
+struct Staged<'a> {
+    indent: &'a str,
+    /// The shared array; row `r` of the tile starts at `r * stride`.
+    buf: &'a str,
+    /// The variable holding the tile's first row, and the name of a row's index.
+    first: &'a str,
+    row: &'a str,
+    rows: usize,
+    width: usize,
+    stride: usize,
+    /// Rows past this many are zeros.
+    limit: usize,
+    /// The operand read, its dtype, the offset of its row 0 and its row stride.
+    src: &'a str,
+    dtype: DType,
+    base: String,
+    row_stride: usize,
+}
+
+/// Writes the loop that stages `t` (all threads of the block share it).
+fn stage(s: &mut String, t: &Staged, acc: &str) {
+    let w = t.width.max(1);
+    let at = if t.stride == t.width {
+        "t".to_string()
+    } else {
+        format!("(t / {w}) * {} + t % {w}", t.stride)
+    };
+    let _ = writeln!(
+        s,
+        "{ind}for (int t = threadIdx.x; t < {n}; t += blockDim.x) {{ const long long {r} = {first} + t / {w}; {buf}[{at}] = {r} < {limit}LL ? ({acc}){} : ({acc})0; }}",
+        load(
+            t.dtype,
+            t.src,
+            &format!(
+                "({} + {r} * {}LL + t % {w})",
+                t.base,
+                t.row_stride,
+                r = t.row
+            )
+        ),
+        ind = t.indent,
+        n = t.rows * t.width,
+        r = t.row,
+        first = t.first,
+        buf = t.buf,
+        limit = t.limit,
+    );
+}
+
+/// `kend`: the keys a block of `q_tile` query rows from `i0` can see (under a causal
+/// mask, up to its last row's limit).
+pub(super) fn key_end(causal: bool, q_tile: usize, sq: usize, sk: usize) -> String {
+    if causal {
+        format!(
+            "  const long long last = (i0 + {q_tile}LL < {sq}LL ? i0 + {q_tile}LL : {sq}LL) - 1;\n  const long long kend = last + {sk}LL - {sq}LL + 1 < {sk}LL ? last + {sk}LL - {sq}LL + 1 : {sk}LL;\n"
+        )
+    } else {
+        format!("  const long long kend = {sk}LL;\n")
+    }
+}
+
 /// The kernel for `op`, or `None` when it is not one of this module's.
 /// `tensor_cores`: the GPU has the instructions of [`super::flash_mma`].
 pub(super) fn kernel(
@@ -157,66 +220,72 @@ pub(super) fn kernel(
         "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n  const long long tile = blockIdx.x % {tiles}LL, bh = blockIdx.x / {tiles}LL;\n  const long long h = bh % {hq}LL, bi = bh / {hq}LL, hk = h / {group}LL;\n  const long long i0 = tile * {q_tile}LL;",
         hq = hq.max(1)
     );
-    let _ = writeln!(
-        s,
-        "  for (int t = threadIdx.x; t < {}; t += blockDim.x) {{ const long long i = i0 + t / {dd}; qsh[t] = i < {sq}LL ? ({acc}){} : ({acc})0; }}",
-        q_tile * d,
-        load(
-            q.dtype(),
-            "in0",
-            &format!(
-                "(bi * {qb}LL + h * {qh}LL + i * {qs}LL + t % {dd})",
-                dd = d.max(1)
-            )
-        ),
-        dd = d.max(1)
+    stage(
+        &mut s,
+        &Staged {
+            indent: "  ",
+            buf: "qsh",
+            first: "i0",
+            row: "i",
+            rows: q_tile,
+            width: d,
+            stride: d,
+            limit: sq,
+            src: "in0",
+            dtype: q.dtype(),
+            base: format!("bi * {qb}LL + h * {qh}LL"),
+            row_stride: qs,
+        },
+        acc,
     );
     let _ = writeln!(
         s,
         "  {acc} m[{rows}], l[{rows}], o[{rows}][{per_lane}];\n  #pragma unroll\n  for (int r = 0; r < {rows}; ++r) {{ m[r] = -RLX_INF; l[r] = 0;\n    #pragma unroll\n    for (int e = 0; e < {per_lane}; ++e) o[r][e] = 0; }}"
     );
-    // Keys this block can see: under a causal mask, up to its last row's limit.
-    let limit = if *causal {
-        format!(
-            "  const long long last = (i0 + {q_tile}LL < {sq}LL ? i0 + {q_tile}LL : {sq}LL) - 1;\n  const long long kend = last + {sk}LL - {sq}LL + 1 < {sk}LL ? last + {sk}LL - {sq}LL + 1 : {sk}LL;"
-        )
-    } else {
-        format!("  const long long kend = {sk}LL;")
-    };
-    s.push_str(&limit);
-    s.push('\n');
+    s.push_str(&key_end(*causal, q_tile, sq, sk));
     let _ = writeln!(
         s,
         "  for (long long j0 = 0; j0 < kend; j0 += {k_tile}) {{\n    __syncthreads();"
     );
-    let _ = writeln!(
-        s,
-        "    for (int t = threadIdx.x; t < {}; t += blockDim.x) {{ const long long j = j0 + t / {dd}; ksh[(t / {dd}) * {k_stride} + t % {dd}] = j < {sk}LL ? ({acc}){} : ({acc})0; }}",
-        k_tile * d,
-        load(
-            k.dtype(),
+    for (buf, src, dtype, width, stride, row_stride, base) in [
+        (
+            "ksh",
             "in1",
-            &format!(
-                "(bi * {kb}LL + hk * {kh}LL + j * {ks}LL + t % {dd})",
-                dd = d.max(1)
-            )
+            k.dtype(),
+            d,
+            k_stride,
+            ks,
+            format!("bi * {kb}LL + hk * {kh}LL"),
         ),
-        dd = d.max(1)
-    );
-    let _ = writeln!(
-        s,
-        "    for (int t = threadIdx.x; t < {}; t += blockDim.x) {{ const long long j = j0 + t / {dd}; vsh[t] = j < {sk}LL ? ({acc}){} : ({acc})0; }}",
-        k_tile * dv,
-        load(
-            v.dtype(),
+        (
+            "vsh",
             "in2",
-            &format!(
-                "(bi * {vb}LL + hk * {vh}LL + j * {vs}LL + t % {dd})",
-                dd = dv.max(1)
-            )
+            v.dtype(),
+            dv,
+            dv,
+            vs,
+            format!("bi * {vb}LL + hk * {vh}LL"),
         ),
-        dd = dv.max(1)
-    );
+    ] {
+        stage(
+            &mut s,
+            &Staged {
+                indent: "    ",
+                buf,
+                first: "j0",
+                row: "j",
+                rows: k_tile,
+                width,
+                stride,
+                limit: sk,
+                src,
+                dtype,
+                base,
+                row_stride,
+            },
+            acc,
+        );
+    }
     s.push_str("    __syncthreads();\n");
     // Scores: one key per lane, for all of the warp's rows at once (each key
     // element read from shared memory once for every row).

@@ -86,14 +86,7 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
         "  float o[{nb}][4];\n  #pragma unroll\n  for (int n = 0; n < {nb}; ++n) {{ o[n][0] = 0; o[n][1] = 0; o[n][2] = 0; o[n][3] = 0; }}\n  float ma = -RLX_INF, mb = -RLX_INF, la = 0, lb = 0;",
         nb = dv / 8
     );
-    if g.causal {
-        let _ = writeln!(
-            s,
-            "  const long long last = (i0 + {q_tile}LL < {sq}LL ? i0 + {q_tile}LL : {sq}LL) - 1;\n  const long long kend = last + {sk}LL - {sq}LL + 1 < {sk}LL ? last + {sk}LL - {sq}LL + 1 : {sk}LL;"
-        );
-    } else {
-        let _ = writeln!(s, "  const long long kend = {sk}LL;");
-    }
+    s.push_str(&super::flash::key_end(g.causal, q_tile, sq, sk));
     let _ = writeln!(
         s,
         "  for (long long j0 = 0; j0 < kend; j0 += {k_tile}) {{\n    __syncthreads();"

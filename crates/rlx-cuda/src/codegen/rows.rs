@@ -83,52 +83,39 @@ fn norm_body(s: &mut String, op: &Op, inputs: &[Shape], acc: &str) {
             DType::F32
         },
     );
-    if layer {
+    // Layer norm centers on the mean first; RMS norm scales `x` itself.
+    let (init, centered, name) = if layer {
         let _ = writeln!(
             s,
             "  {acc} t = 0; {} t += {};\n  const {acc} mean = block_sum(t, red) / {n};",
             each(len),
             at("in0")
         );
-        let _ = writeln!(
-            s,
-            "  t = 0; {} {{ {acc} d = {} - mean; t += d * d; }}\n  const {acc} inv = {}(block_sum(t, red) / {n} + {eps});",
-            each(len),
-            at("in0"),
-            f("rsqrt", dt)
-        );
-        let _ = writeln!(
-            s,
-            "  {} out[base + j * step] = {};",
-            each(len),
-            store(
-                dt,
-                &format!(
-                    "({} - mean) * inv * {} + {}",
-                    at("in0"),
-                    load(dt, "in1", "j"),
-                    load(dt, "in2", "j")
-                )
-            )
-        );
+        ("  t = 0;".to_string(), format!("{} - mean", at("in0")), "d")
     } else {
-        let _ = writeln!(
-            s,
-            "  {acc} t = 0; {} {{ {acc} v = {}; t += v * v; }}\n  const {acc} inv = {}(block_sum(t, red) / {n} + {eps});",
-            each(len),
-            at("in0"),
-            f("rsqrt", dt)
-        );
-        let _ = writeln!(
-            s,
-            "  {} out[base + j * step] = {};",
-            each(len),
-            store(
-                dt,
-                &format!("{} * inv * {}", at("in0"), load(dt, "in1", "j"))
-            )
-        );
-    }
+        (format!("  {acc} t = 0;"), at("in0"), "v")
+    };
+    let _ = writeln!(
+        s,
+        "{init} {} {{ {acc} {name} = {centered}; t += {name} * {name}; }}\n  const {acc} inv = {}(block_sum(t, red) / {n} + {eps});",
+        each(len),
+        f("rsqrt", dt)
+    );
+    let value = if layer {
+        format!(
+            "({centered}) * inv * {} + {}",
+            load(dt, "in1", "j"),
+            load(dt, "in2", "j")
+        )
+    } else {
+        format!("{centered} * inv * {}", load(dt, "in1", "j"))
+    };
+    let _ = writeln!(
+        s,
+        "  {} out[base + j * step] = {};",
+        each(len),
+        store(dt, &value)
+    );
 }
 
 fn softmax_body(s: &mut String, op: &Op, inputs: &[Shape], acc: &str) {
