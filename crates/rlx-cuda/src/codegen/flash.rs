@@ -105,6 +105,18 @@ fn stage(s: &mut String, t: &Staged, acc: &str) {
     );
 }
 
+/// The condition under which query row `i` scores key `j`: both exist (a tile's
+/// rows past the last query read no mask element), and under a causal mask the key
+/// is not after the query.
+pub(super) fn visible(causal: bool, sq: usize, sk: usize) -> String {
+    let both = format!("i < {sq}LL && j < {sk}LL");
+    if causal {
+        format!("{both} && j + {sq}LL <= i + {sk}LL")
+    } else {
+        both
+    }
+}
+
 /// `kend`: the keys a block of `q_tile` query rows from `i0` can see (under a causal
 /// mask, up to its last row's limit).
 pub(super) fn key_end(causal: bool, q_tile: usize, sq: usize, sk: usize) -> String {
@@ -289,11 +301,7 @@ pub(super) fn kernel(
     s.push_str("    __syncthreads();\n");
     // Scores: one key per lane, for all of the warp's rows at once (each key
     // element read from shared memory once for every row).
-    let visible = if *causal {
-        format!("j < {sk}LL && j + {sq}LL <= i + {sk}LL")
-    } else {
-        format!("j < {sk}LL")
-    };
+    let visible = visible(*causal, sq, sk);
     let mask_code = match mask {
         None => String::new(),
         Some(m) => {

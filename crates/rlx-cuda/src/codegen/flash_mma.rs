@@ -112,11 +112,7 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
         steps = d / 16
     );
     // Scale, masks, and each row's tile maximum.
-    let visible = if g.causal {
-        format!("j < {sk}LL && j + {sq}LL <= i + {sk}LL")
-    } else {
-        format!("j < {sk}LL")
-    };
+    let visible = super::flash::visible(g.causal, sq, sk);
     let mask_code = match g.mask {
         None => String::new(),
         Some((mdt, st)) => {
