@@ -8,7 +8,9 @@ the CPU) on the same ids and weights, and compares:
 
   * BERT last hidden state and Llama logits, f32 with TF32 off: within 1e-3, measured
     as max |rlx - torch| / max |torch| over the tensor;
-  * greedy decoding of 32 tokens: CUDA identical to the CPU backend;
+  * greedy decoding of 32 tokens: CUDA identical to the CPU backend, from the
+    safetensors checkpoint and from it written as GGUF with Q8_0 weights
+    (`rlx convert`);
   * the same weights in fp16 (BERT) and bf16 (Llama), PyTorch computing in that
     dtype: within 2e-2.
 
@@ -153,6 +155,20 @@ def llama():
         "llama smollm2 greedy 32 tokens, cuda vs cpu",
         same and len(decoded["cuda"]) == 32,
         f"cuda {decoded['cuda'][:8]}..., cpu {decoded['cpu'][:8]}...",
+    )
+    # The same checkpoint as GGUF with Q8_0 weights (RLX's own writer): the quantized
+    # products on CUDA decode what the CPU backend decodes.
+    gguf = WORK / "llama-smollm2-q8_0.gguf"
+    rlx("convert", directory, gguf, "--weights", "q8_0")
+    tokens = {}
+    for device in ["cuda", "cpu"]:
+        stdout, _ = rlx("forward", gguf, "--ids", WORK / "llama-ids.npy", "--output",
+                        WORK / f"llama-q8-{device}.npy", "--generate", 32, "--device", device)
+        tokens[device] = json.loads(stdout.strip().splitlines()[-1])
+    report(
+        "llama smollm2 GGUF Q8_0 greedy 32 tokens, cuda vs cpu",
+        tokens["cuda"] == tokens["cpu"] and len(tokens["cuda"]) == 32,
+        f"cuda {tokens['cuda'][:8]}..., cpu {tokens['cpu'][:8]}...",
     )
     # bf16 weights (transformers' default initializer: the 0.1 above makes a chaotic
     # 30-layer network in which bf16 rounding alone moves the logits by ~15%).

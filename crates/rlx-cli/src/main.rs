@@ -3,6 +3,7 @@
 mod bench;
 mod bench_llm;
 mod bench_onnx;
+mod convert;
 mod embed;
 mod examples;
 mod forward;
@@ -43,6 +44,9 @@ enum Command {
     /// Run ONNX backend test directories (model.onnx + test_data_set_*) and report
     /// PASS, FAIL or UNSUPPORTED for each.
     OnnxTest(onnx_test::OnnxTestArgs),
+    /// Write a Hugging Face Llama checkpoint as a GGUF file (f32, f16 or Q8_0
+    /// weights).
+    Convert(convert::ConvertArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -55,6 +59,7 @@ fn main() -> std::process::ExitCode {
         Command::OnnxTest(args) => onnx_test::run(&args),
         Command::Run(args) => run_onnx::run(&args),
         Command::Forward(args) => forward::run(&args),
+        Command::Convert(args) => convert::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

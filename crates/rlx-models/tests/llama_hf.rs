@@ -357,3 +357,51 @@ fn a_checkpoint_with_a_wrong_shape_is_a_named_error() {
     std::fs::remove_dir_all(&dir).ok();
     assert!(e.contains("model.layers.1.mlp.up_proj.weight"), "{e}");
 }
+
+/// A checkpoint written as GGUF by `write_gguf` loads (without a tokenizer) and
+/// gives the definition's logits: exactly as f32, within half-precision error as f16;
+/// Q8_0 needs rows of whole 32-value blocks, and an error names the tensor that has
+/// none (this model's down projection reads 48 values a row).
+#[test]
+fn a_checkpoint_written_as_gguf_gives_the_same_logits() {
+    use rlx_models::llama::{GgufWeights, write_gguf};
+    let w = weights();
+    let ids = [3u32, 17, 42, 5, 9, 60, 1];
+    let want = reference(&w, &ids);
+    let dir = std::env::temp_dir().join(format!("rlx-tiny-llama-gguf-{}", std::process::id()));
+    write_hf(&dir, &w);
+    let options = || LlmOptions {
+        max_context: 32,
+        ..LlmOptions::default()
+    };
+    let out = dir.join("tiny-f32.gguf");
+    write_gguf(&dir, &out, GgufWeights::F32).unwrap();
+    let mut llm = Llm::load_with(out.to_str().unwrap(), options()).unwrap();
+    assert!(
+        llm.tokenizer().is_err(),
+        "the written file has no tokenizer"
+    );
+    assert_close("gguf f32", &llm.logits_all(&ids).unwrap(), &want);
+
+    let out = dir.join("tiny-f16.gguf");
+    write_gguf(&dir, &out, GgufWeights::F16).unwrap();
+    let mut llm = Llm::load_with(out.to_str().unwrap(), options()).unwrap();
+    let got = llm.logits_all(&ids).unwrap();
+    let scale = want.iter().flatten().fold(0f64, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .flatten()
+        .zip(want.iter().flatten())
+        .fold(0f64, |m, (a, b)| m.max((f64::from(*a) - b).abs()));
+    assert!(err <= 2e-3 * scale, "f16 weights: error {err} over {scale}");
+
+    let e = write_gguf(&dir, &dir.join("tiny-q8.gguf"), GgufWeights::Q8_0).unwrap_err();
+    assert!(e.to_string().contains("mlp.down_proj"), "{e}");
+    assert!(
+        !dir.join("tiny-q8.gguf").exists(),
+        "nothing written on error"
+    );
+    let e = write_gguf(&dir.join("missing"), &dir.join("x.gguf"), GgufWeights::F32).unwrap_err();
+    assert!(e.to_string().contains("config.json"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -198,9 +198,14 @@ impl Llm {
         } else {
             let file = GgufFile::open(&source)?;
             let config = LlamaConfig::from_gguf(&file)?;
-            let tokenizer = LlmTokenizer::from_gguf(&file)?;
+            // A file without tokenizer metadata (as `write_gguf` makes) takes token
+            // ids; one with a broken tokenizer is still an error.
+            let tokenizer = match file.get("tokenizer.ggml.model") {
+                Some(_) => Some(LlmTokenizer::from_gguf(&file)?),
+                None => None,
+            };
             let weights = LlamaWeights::from_gguf(file, &config)?;
-            (config, weights, Some(tokenizer))
+            (config, weights, tokenizer)
         };
         Llm::from_parts(source, config, weights, tokenizer, options)
     }

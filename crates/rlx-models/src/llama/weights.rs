@@ -58,7 +58,7 @@ fn f32_bytes(values: &[f32]) -> Vec<u8> {
 }
 
 /// A float tensor's values as `f32`.
-fn view_f32(view: &crate::TensorView<'_>, origin: &str) -> Result<Vec<f32>> {
+pub(super) fn view_f32(view: &crate::TensorView<'_>, origin: &str) -> Result<Vec<f32>> {
     let b = view.bytes;
     Ok(match view.dtype {
         DType::F32 => b
@@ -284,7 +284,7 @@ impl LlamaWeights {
 
 /// `(name, rows, cols)` of every tensor a Llama model has (`rows` = 1 for vectors),
 /// in GGUF naming and row-major order: a linear layer is `[out, in]`.
-fn expected_tensors(c: &LlamaConfig) -> Vec<(String, usize, usize)> {
+pub(super) fn expected_tensors(c: &LlamaConfig) -> Vec<(String, usize, usize)> {
     let mut t = vec![("token_embd.weight".to_string(), c.vocab_size, c.hidden)];
     for l in 0..c.layers {
         let p = |s: &str| format!("blk.{l}.{s}.weight");
@@ -304,7 +304,7 @@ fn expected_tensors(c: &LlamaConfig) -> Vec<(String, usize, usize)> {
 }
 
 /// The Hugging Face name of a GGUF-named tensor.
-fn hf_name(name: &str) -> String {
+pub(super) fn hf_name(name: &str) -> String {
     match name {
         "token_embd.weight" => return "model.embed_tokens.weight".into(),
         "output_norm.weight" => return "model.norm.weight".into(),
