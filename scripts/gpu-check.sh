@@ -64,6 +64,16 @@ for line in sys.stdin:
         shutil.copy(m["executable"], sys.argv[1] + "/" + name)
         print(name)
 ' "$bin"
+    # The embedder's half-precision compute on CUDA (and its CPU tests beside it).
+    cargo test -p rlx-models --test tiny_bert --no-run --message-format=json 2>/dev/null |
+        python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        shutil.copy(m["executable"], sys.argv[1] + "/tiny_bert")
+        print("tiny_bert")
+' "$bin"
     cargo test -p rlx-cuda --lib --no-run --message-format=json 2>/dev/null |
         python3 -c '
 import json, sys, shutil
