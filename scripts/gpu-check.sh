@@ -37,6 +37,23 @@ cuda_libraries() {
     export RLX_CACHE=/tmp/rlx-gpu-check-cache
 }
 
+# Builds the test binaries `cargo test ARGS` names and copies them into $bin: an
+# integration test under its target's name, a library's unit tests as unit-NAME.
+test_binaries() {
+    cargo test "$@" --no-run --message-format=json 2>/dev/null |
+        python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        name = m["target"]["name"]
+        if m["target"]["kind"] == ["lib"]:
+            name = "unit-" + name
+        shutil.copy(m["executable"], sys.argv[1] + "/" + name)
+        print(name)
+' "$bin"
+}
+
 # A Python with PyTorch: the first of these that imports it.
 torch_python() {
     local p
@@ -52,37 +69,10 @@ case "$mode" in
 build)
     set -e
     mkdir -p "$bin"
-    cargo test -p rlx --test ops --test quant_ops --test fusion --no-run --message-format=json 2>/dev/null |
-        python3 -c '
-import json, sys, shutil
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        name = m["target"]["name"]
-        if m["target"]["kind"] == ["lib"]:
-            name = "unit-" + name
-        shutil.copy(m["executable"], sys.argv[1] + "/" + name)
-        print(name)
-' "$bin"
+    test_binaries -p rlx --test ops --test quant_ops --test fusion
     # The embedder's half-precision compute on CUDA (and its CPU tests beside it).
-    cargo test -p rlx-models --test tiny_bert --no-run --message-format=json 2>/dev/null |
-        python3 -c '
-import json, sys, shutil
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        shutil.copy(m["executable"], sys.argv[1] + "/tiny_bert")
-        print("tiny_bert")
-' "$bin"
-    cargo test -p rlx-cuda --lib --no-run --message-format=json 2>/dev/null |
-        python3 -c '
-import json, sys, shutil
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        shutil.copy(m["executable"], sys.argv[1] + "/unit-rlx_cuda")
-        print("unit-rlx_cuda")
-' "$bin"
+    test_binaries -p rlx-models --test tiny_bert
+    test_binaries -p rlx-cuda --lib
     strip "$bin"/* 2>/dev/null || true
     mkdir -p .device/tools
     cargo build --release -p rlx-cli

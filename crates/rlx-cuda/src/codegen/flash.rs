@@ -117,6 +117,23 @@ pub(super) fn visible(causal: bool, sq: usize, sk: usize) -> String {
     }
 }
 
+/// Statements applying `g`'s mask to the score `var` of query `i`, key `j`: a `false`
+/// bool masks it to `-inf`, an additive mask is added (read through `cast`).
+pub(super) fn mask_code(g: &Geometry, var: &str, cast: &str) -> String {
+    let Some((dtype, st)) = g.mask else {
+        return String::new();
+    };
+    let off = format!(
+        "(bi * ({}LL) + h * ({}LL) + i * ({}LL) + j * ({}LL))",
+        st[0], st[1], st[2], st[3]
+    );
+    if dtype == DType::Bool {
+        format!(" if (!in3[{off}]) {var} = -RLX_INF;")
+    } else {
+        format!(" {var} += {cast}{};", load(dtype, "in3", &off))
+    }
+}
+
 /// `kend`: the keys a block of `q_tile` query rows from `i0` can see (under a causal
 /// mask, up to its last row's limit).
 pub(super) fn key_end(causal: bool, q_tile: usize, sq: usize, sk: usize) -> String {
@@ -160,26 +177,27 @@ pub(super) fn kernel(
     let dv = head_major(v)[3];
     let group = (hq / hkv.max(1)).max(1);
     let dt = q.dtype();
-    if tensor_cores && out.num_elements() > 0 {
-        let geometry = Geometry {
-            b,
-            hq,
-            sq,
-            sk,
-            d,
-            dv,
-            group,
-            strides: [q, k, v, out].map(|s| axis_strides(s, *seq_major)),
-            causal: *causal,
-            scale: scale.get(),
-            mask: mask.map(|m| {
-                let st = super::broadcast_strides(m.dims(), &[b, hq, sq, sk]);
-                (m.dtype(), [st[0], st[1], st[2], st[3]])
-            }),
-        };
-        if let Some(k) = super::flash_mma::kernel(name, dt, &geometry) {
-            return Ok(Some(k));
-        }
+    let geometry = Geometry {
+        b,
+        hq,
+        sq,
+        sk,
+        d,
+        dv,
+        group,
+        strides: [q, k, v, out].map(|s| axis_strides(s, *seq_major)),
+        causal: *causal,
+        scale: scale.get(),
+        mask: mask.map(|m| {
+            let st = super::broadcast_strides(m.dims(), &[b, hq, sq, sk]);
+            (m.dtype(), [st[0], st[1], st[2], st[3]])
+        }),
+    };
+    if tensor_cores
+        && out.num_elements() > 0
+        && let Some(k) = super::flash_mma::kernel(name, dt, &geometry)
+    {
+        return Ok(Some(k));
     }
     let acc = ctype(dt).compute;
     let acc_size = if acc == "double" { 8 } else { 4 };
@@ -206,10 +224,7 @@ pub(super) fn kernel(
         )));
     }
     let tiles = sq.div_ceil(q_tile).max(1);
-    let [qb, qh, qs] = axis_strides(q, *seq_major);
-    let [kb, kh, ks] = axis_strides(k, *seq_major);
-    let [vb, vh, vs] = axis_strides(v, *seq_major);
-    let [ob, oh, os] = axis_strides(out, *seq_major);
+    let [[qb, qh, qs], [kb, kh, ks], [vb, vh, vs], [ob, oh, os]] = geometry.strides;
     let fdt = if acc == "double" {
         DType::F64
     } else {
@@ -302,22 +317,7 @@ pub(super) fn kernel(
     // Scores: one key per lane, for all of the warp's rows at once (each key
     // element read from shared memory once for every row).
     let visible = visible(*causal, sq, sk);
-    let mask_code = match mask {
-        None => String::new(),
-        Some(m) => {
-            let full = [b, hq, sq, sk];
-            let st = super::broadcast_strides(m.dims(), &full);
-            let off = format!(
-                "(bi * ({}LL) + h * ({}LL) + i * ({}LL) + j * ({}LL))",
-                st[0], st[1], st[2], st[3]
-            );
-            if m.dtype() == DType::Bool {
-                format!(" if (!in3[{off}]) sc = -RLX_INF;")
-            } else {
-                format!(" sc += ({acc}){};", load(m.dtype(), "in3", &off))
-            }
-        }
-    };
+    let mask_code = mask_code(&geometry, "sc", &format!("({acc})"));
     let _ = writeln!(
         s,
         "    {acc}* p = psh + warp * {rows} * {k_tile};\n    for (int jj = lane; jj < {k_tile}; jj += 32) {{\n      const long long j = j0 + jj; {acc} t[{rows}];\n      #pragma unroll\n      for (int r = 0; r < {rows}; ++r) t[r] = 0;\n      const {acc}* kr = ksh + jj * {k_stride}; const {acc}* qr = qsh + warp * {rows} * {d};\n      for (int c = 0; c < {d}; ++c) {{ const {acc} kv = kr[c];\n        #pragma unroll\n        for (int r = 0; r < {rows}; ++r) t[r] += qr[r * {d} + c] * kv; }}\n      #pragma unroll\n      for (int r = 0; r < {rows}; ++r) {{ const long long i = i0 + warp * {rows} + r; {acc} sc = -RLX_INF;\n        if ({visible}) {{ sc = t[r] * {};{mask_code} }}\n        p[r * {k_tile} + jj] = sc; }}\n    }}\n    __syncwarp();",

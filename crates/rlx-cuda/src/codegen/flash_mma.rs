@@ -12,7 +12,7 @@
 //! Masks, the causal limit and the all-masked rule are those of the other kernel.
 
 use super::flash::Geometry;
-use super::{Grid, Kernel, literal, load};
+use super::{Grid, Kernel, literal};
 use rlx_ir::DType;
 use std::fmt::Write;
 
@@ -113,20 +113,7 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
     );
     // Scale, masks, and each row's tile maximum.
     let visible = super::flash::visible(g.causal, sq, sk);
-    let mask_code = match g.mask {
-        None => String::new(),
-        Some((mdt, st)) => {
-            let off = format!(
-                "(bi * ({}LL) + h * ({}LL) + i * ({}LL) + j * ({}LL))",
-                st[0], st[1], st[2], st[3]
-            );
-            if mdt == DType::Bool {
-                format!(" if (!in3[{off}]) x = -RLX_INF;")
-            } else {
-                format!(" x += {};", load(mdt, "in3", &off))
-            }
-        }
-    };
+    let mask_code = super::flash::mask_code(g, "x", "");
     let _ = writeln!(
         s,
         "    float ta = -RLX_INF, tb = -RLX_INF;\n    #pragma unroll\n    for (int n = 0; n < {nk}; ++n) {{\n      #pragma unroll\n      for (int e = 0; e < 4; ++e) {{ const long long i = e < 2 ? ra : rb, j = j0 + n * 8 + tq * 2 + (e & 1);\n        float x = -RLX_INF; if ({visible}) {{ x = sc[n][e] * {scale};{mask_code} }}\n        sc[n][e] = x; if (e < 2) ta = x > ta ? x : ta; else tb = x > tb ? x : tb; }} }}",
