@@ -27,6 +27,10 @@ pub(crate) struct Gpu {
     pub multiprocessors: usize,
     /// Whether the GPU has the `mma.m16n8k16` instructions (compute capability 8.0+).
     pub tensor_cores: bool,
+    /// Whether kernels are launched with a programmatic dependency on the kernel
+    /// before them (compute capability 9.0+, unless `RLX_CUDA_PDL=0`): a launch is
+    /// scheduled while its predecessor finishes, and waits in its first statement.
+    pub programmatic_launch: bool,
     /// Held by whoever queues work on the stream or waits for it. A graph capture
     /// records everything queued on the stream, from any thread, so another
     /// program's copies and kernels must not slip into it; this keeps them out.
@@ -92,6 +96,8 @@ impl Gpu {
             blas,
             multiprocessors,
             tensor_cores: major >= 8,
+            programmatic_launch: major >= 9
+                && std::env::var("RLX_CUDA_PDL").map_or(true, |v| v.trim() != "0"),
             stream_lock: std::sync::Mutex::new(()),
             _blas_workspace: workspace,
         })
@@ -233,5 +239,48 @@ impl Drop for DeviceBuffer {
                 let _ = driver::free_sync(self.ptr);
             }
         }
+    }
+}
+
+/// Queues `function` on `stream` with `blocks` blocks of `threads` threads; with
+/// `programmatic`, the launch may begin while the kernel before it on the stream
+/// finishes (the kernel waits for it in its first statement: `RLX_ENTER`).
+///
+/// # Safety
+/// `params` must hold one pointer per kernel parameter, each to a value of the
+/// parameter's type, valid until the call returns.
+pub(crate) unsafe fn launch(
+    function: sys::CUfunction,
+    (blocks, threads): (u32, u32),
+    stream: sys::CUstream,
+    params: &mut [*mut std::ffi::c_void],
+    programmatic: bool,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    if !programmatic {
+        // SAFETY: as the caller promises.
+        return unsafe {
+            driver::launch_kernel(function, (blocks, 1, 1), (threads, 1, 1), 0, stream, params)
+        };
+    }
+    // SAFETY: the attribute union is plain data; zeroed is a valid value.
+    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: blocks,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: threads,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream,
+        attrs: &mut attribute,
+        numAttrs: 1,
+    };
+    // SAFETY: the configuration and its one attribute live through the call; the
+    // parameters are as the caller promises.
+    unsafe {
+        sys::cuLaunchKernelEx(&config, function, params.as_mut_ptr(), std::ptr::null_mut()).result()
     }
 }

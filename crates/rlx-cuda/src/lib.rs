@@ -167,6 +167,7 @@ fn native_ops() -> NativeOps {
         "attention",
         "layer_norm",
         "rms_norm",
+        "rope",
         "softmax",
         "log_softmax",
         "dequantize",
@@ -266,6 +267,6 @@ mod tests {
         for name in ["add", "exp", "matmul", "reduce_sum", "where", "cast"] {
             assert!(names.contains(name), "{name}");
         }
-        assert!(!names.contains("rope"), "composites decompose");
+        assert!(!names.contains("fused_conv2d"), "composites decompose");
     }
 }

@@ -5,7 +5,7 @@
 
 use crate::codegen::fused::Epilogue;
 use crate::codegen::{self, Grid, STEP_NAME};
-use crate::gpu::{DeviceBuffer, Gpu, cuda_error};
+use crate::gpu::{self, DeviceBuffer, Gpu, cuda_error};
 use crate::matmul::Gemm;
 use crate::nvrtc::Module;
 use crate::step_timer::StepTimer;
@@ -272,7 +272,9 @@ impl CudaProgram {
                         let function = written
                             .entry(kernel.source.clone())
                             .or_insert_with(|| {
-                                source.push_str(&kernel.source.replace(STEP_NAME, &fresh));
+                                source.push_str(&codegen::entering_after_predecessor(
+                                    &kernel.source.replace(STEP_NAME, &fresh),
+                                ));
                                 fresh
                             })
                             .clone();
@@ -496,13 +498,12 @@ impl CudaProgram {
                     // argument, as the generator wrote them; every range was checked
                     // against its region when the program was built.
                     unsafe {
-                        driver::launch_kernel(
+                        gpu::launch(
                             *function,
-                            (blocks as u32, 1, 1),
-                            (threads, 1, 1),
-                            0,
+                            (blocks as u32, threads),
                             stream,
                             params,
+                            self.gpu.programmatic_launch,
                         )
                     }
                     .map_err(|e| cuda_error(&format!("launching %{}", id.index()), e))?;

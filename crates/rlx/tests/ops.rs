@@ -2359,6 +2359,18 @@ fn rope_variants() {
         }
     }
     for style in [RopeStyle::HalfSplit, RopeStyle::Interleaved] {
+        // Llama's layout: `[batch, seq, heads, head_dim]` with one angle per
+        // position, broadcast over the heads.
+        s.check(
+            &format!("rope llama layout {style:?}"),
+            &[
+                inp("x", &[1, 3, 5, 64], DType::F32),
+                inp("cos", &[1, 3, 1, 32], DType::F32),
+                inp("sin", &[1, 3, 1, 32], DType::F32),
+            ],
+            acc(2),
+            |g, x| one(g.rope(x[0], x[1], x[2], style)?),
+        );
         s.check(
             &format!("rope rank 2 {style:?}"),
             &[

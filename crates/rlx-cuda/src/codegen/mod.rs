@@ -8,7 +8,7 @@
 //! rank elements; [`window`] convolutions and pooling; [`attention`] attention over a
 //! KV cache; [`flash`] attention over whole sequences ([`flash_mma`] on tensor
 //! cores); [`rows`] norms and softmax;
-//! [`quant`] the GGUF block formats.
+//! [`rope`] rotary embeddings; [`quant`] the GGUF block formats.
 //!
 //! Each kernel takes its output pointer first, then one pointer per operand, and,
 //! when it checks its operands at run time (an index in range, a cache position), a
@@ -22,6 +22,7 @@ mod flash_mma;
 pub(crate) mod fused;
 mod index;
 mod quant;
+mod rope;
 mod rows;
 mod window;
 
@@ -75,6 +76,15 @@ template <typename T> __device__ T block_max(T v, T* red) {
 __device__ __forceinline__ float half_at(const unsigned char* b, int at) { return h2f((unsigned short)(b[at] | (b[at + 1] << 8))); }
 // Two floats as an f16 pair, the first in the low half (an mma operand register).
 __device__ __forceinline__ unsigned int rlx_pack(float lo, float hi) { return (unsigned int)f2h(lo) | ((unsigned int)f2h(hi) << 16); }
+// Programmatic dependent launch (compute capability 9.0+): every kernel first waits
+// until the kernel before it has finished and its writes are visible, then lets the
+// next kernel's blocks be scheduled, so a launch overlaps its predecessor's tail
+// instead of following it. Without such a launch both are no-ops.
+#if __CUDA_ARCH__ >= 900
+#define RLX_ENTER() do { asm volatile("griddepcontrol.wait;" ::: "memory"); asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); } while (0)
+#else
+#define RLX_ENTER() do { } while (0)
+#endif
 #if __CUDA_ARCH__ >= 800
 // c += a b on tensor cores: a 16x16 f16 tile (4 registers), b 16x8 (2), c 16x8 f32.
 __device__ __forceinline__ void rlx_mma(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
@@ -83,6 +93,19 @@ __device__ __forceinline__ void rlx_mma(float* c, const unsigned int* a, unsigne
 }
 #endif
 "#;
+
+/// `source` (one kernel) with `RLX_ENTER()` as the first statement of its body, so
+/// it touches no memory before the kernel ahead of it has finished (see the
+/// prelude); launched with a programmatic dependency, it is scheduled early.
+pub(crate) fn entering_after_predecessor(source: &str) -> String {
+    let body = source
+        .find("__global__")
+        .and_then(|g| source[g..].find('{').map(|b| g + b + 1));
+    match body {
+        Some(at) => format!("{}\n  RLX_ENTER();{}", &source[..at], &source[at..]),
+        None => source.to_string(),
+    }
+}
 
 /// How a dtype is stored and computed in generated code.
 struct CType {
@@ -449,6 +472,9 @@ pub(crate) fn kernel_for(
         return Ok(Some(k));
     }
     if let Some(k) = rows::kernel(name, op, inputs, output) {
+        return Ok(Some(k));
+    }
+    if let Some(k) = rope::kernel(name, op, inputs, output) {
         return Ok(Some(k));
     }
     if let Some(k) = quant::kernel(name, op, inputs, output) {

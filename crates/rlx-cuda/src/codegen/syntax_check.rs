@@ -5,10 +5,10 @@
 //! typos before a GPU run. `RLX_KEEP_SOURCE=FILE` keeps a copy of the source.
 
 use super::fused::{Epilogue, Gemv, epilogue_in_place, gemv};
-use super::{PRELUDE, kernel, kernel_for};
+use super::{PRELUDE, entering_after_predecessor, kernel, kernel_for};
 use rlx_ir::{
-    ArgReduceOp, BinaryOp, DType, EwStep, F64Bits, Op, PadMode, QuantFormat, ReduceOp, Shape,
-    SliceAxis, TopKOutput, UnaryOp, Window2d,
+    ArgReduceOp, BinaryOp, DType, EwStep, F64Bits, Op, PadMode, QuantFormat, ReduceOp, RopeStyle,
+    Shape, SliceAxis, TopKOutput, UnaryOp, Window2d,
 };
 use std::process::Command;
 
@@ -260,6 +260,28 @@ fn samples() -> Vec<(Op, Vec<Shape>, Shape)> {
         ),
         (Op::Softmax { axis: 1 }, vec![x.clone()], x.clone()),
         (
+            Op::Rope {
+                style: RopeStyle::HalfSplit,
+            },
+            vec![
+                f32s(&[1, 3, 4, 64]),
+                f32s(&[1, 3, 1, 32]),
+                f32s(&[1, 3, 1, 32]),
+            ],
+            f32s(&[1, 3, 4, 64]),
+        ),
+        (
+            Op::Rope {
+                style: RopeStyle::Interleaved,
+            },
+            vec![
+                Shape::new(&[2, 6, 8], DType::BF16),
+                Shape::new(&[6, 4], DType::BF16),
+                Shape::new(&[6, 4], DType::BF16),
+            ],
+            Shape::new(&[2, 6, 8], DType::BF16),
+        ),
+        (
             Op::LogSoftmax { axis: 1 },
             vec![Shape::new(&[4, 9], DType::F64)],
             Shape::new(&[4, 9], DType::F64),
@@ -370,13 +392,13 @@ fn generated_kernels_parse_as_cxx() {
         let k = kernel(&format!("k{i}"), op, inputs, out, i as i32 + 1)
             .unwrap_or_else(|e| panic!("{}: {e}", op.name()))
             .unwrap_or_else(|| panic!("{}: no kernel", op.name()));
-        source.push_str(&k.source);
+        source.push_str(&entering_after_predecessor(&k.source));
         // With tensor cores, where a kernel differs (f16 attention).
         let t = kernel_for(&format!("t{i}"), op, inputs, out, i as i32 + 1, true)
             .unwrap_or_else(|e| panic!("{}: {e}", op.name()))
             .unwrap_or_else(|| panic!("{}: no kernel", op.name()));
         if t.source.replace(&format!("t{i}("), &format!("k{i}(")) != k.source {
-            source.push_str(&t.source);
+            source.push_str(&entering_after_predecessor(&t.source));
         }
     }
     // The fused products' pieces, with and without every epilogue operand.
@@ -424,7 +446,7 @@ fn generated_kernels_parse_as_cxx() {
         .unwrap(),
     );
     for k in more {
-        source.push_str(&k.source);
+        source.push_str(&entering_after_predecessor(&k.source));
     }
     let dir = std::env::temp_dir().join(format!("rlx-cuda-syntax-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a temporary directory");
