@@ -1,3 +1,4 @@
+#!/usr/bin/env bash
 # The GPU check, in parts:
 #
 #   scripts/gpu-check.sh build   on the CPU machine: builds the test binaries that
@@ -11,6 +12,9 @@
 #                                ONNX node suite on CUDA against the CPU's pass list
 #   scripts/gpu-check.sh timing  on the GPU machine: the timing table (PyTorch eager,
 #                                torch.compile, RLX; scripts/gpu_models.py --timing)
+#   scripts/gpu-check.sh bench   on the GPU machine, after `timing`: kernel benchmarks
+#                                (matrix-vector variants; decode with and without
+#                                programmatic launches)
 #
 # `run` finds the CUDA libraries (driver, NVRTC, cuBLAS) where the GPU machine keeps
 # them, prints the card, runs the op suites on every available device with the CUDA
@@ -163,8 +167,26 @@ timing)
     "$(torch_python)" scripts/gpu_models.py .device/tools/rlx /tmp/rlx-gpu-models --timing 2>&1 |
         grep -v 'Writing model shards' | tee -a "$out/timing.log"
     ;;
+bench)
+    # Kernel benchmarks: the matrix-vector variants (rlx-cuda's gemv_bench), and
+    # Llama decode with programmatic launches on and off (after `timing` made the
+    # ~1B checkpoint).
+    out=${OUT:-gpu-out}
+    mkdir -p "$out"
+    cuda_libraries
+    "$bin/unit-rlx_cuda" --ignored --nocapture gemv_bandwidth >"$out/gemv-bench.txt" 2>&1
+    grep -E 'test result|panicked' "$out/gemv-bench.txt"
+    model=/tmp/rlx-gpu-models/llama-1b-bf16
+    if [ -d "$model" ]; then
+        for pdl in 1 0 1 0; do
+            printf "decode, RLX_CUDA_PDL=%s: " "$pdl"
+            RLX_CUDA_PDL=$pdl .device/tools/rlx bench llm --model "$model" --prompt 0 --gen 64 \
+                --reps 3 --device cuda --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["tests"][0]["median_tokens_per_s"], "tok/s")'
+        done
+    fi
+    ;;
 *)
-    echo "usage: $0 build|run|models|timing" >&2
+    echo "usage: $0 build|run|models|timing|bench" >&2
     exit 2
     ;;
 esac

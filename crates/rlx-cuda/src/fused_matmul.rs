@@ -3,11 +3,14 @@
 //! - A product of a few rows (a decode step) with a 2-D weight is one matrix-vector
 //!   kernel that reads the weight as stored, `f16`/`bf16` beside `f32` activations
 //!   included, and writes the epilogue's result: the weight's bytes are read once.
+//!   A weight stored transposed (`[N, K]`, see `program`) takes the kernel with a
+//!   warp per output ([`gemv_rows`]); a `[K, N]` operand the split-`K` one.
 //! - Anything larger is cuBLAS, after widening a half-precision weight into the
 //!   workspace when the activations are `f32`, followed by the epilogue as one
 //!   in-place kernel when there is one.
 
-use crate::codegen::fused::{Epilogue, GEMV_MAX_ROWS, Gemv, epilogue_in_place, gemv};
+use crate::codegen::fused::{Epilogue, epilogue_in_place};
+use crate::codegen::gemv::{GEMV_MAX_ROWS, Gemv, GemvRows, gemv, gemv_rows};
 use crate::codegen::{self, Kernel};
 use crate::matmul::Gemm;
 use crate::program::{Arg, COUNTERS, Step};
@@ -20,16 +23,28 @@ const DATA: usize = COUNTERS;
 /// Steps of one node, each with the kind its kernel-table name takes.
 pub(crate) type Steps = Vec<(&'static str, Step)>;
 
-/// The steps of one fused product and the workspace data bytes they need. `inputs` are the operands' locations
-/// (`a`, `b`, then the bias and residual the epilogue takes).
+/// How the GPU's products are sized and what they may use.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ProductOptions {
+    /// Whether f32 products may round their inputs to TF32.
+    pub allow_tf32: bool,
+    /// Blocks a split-`K` matrix-vector kernel aims for.
+    pub target_blocks: usize,
+    /// The most blocks of a row-layout matrix-vector kernel.
+    pub row_blocks: usize,
+}
+
+/// The steps of one fused product and the workspace data bytes they need. `inputs`
+/// are the operands' locations (`a`, `b`, then the bias and residual the epilogue
+/// takes); `b` is stored `[N, K]` when `b_transposed`.
 pub(crate) fn plan(
     epilogue: &Epilogue,
     shapes: &[Shape],
     out_shape: &Shape,
     inputs: &[Location],
     out: Location,
-    allow_tf32: bool,
-    target_blocks: usize,
+    options: ProductOptions,
+    b_transposed: bool,
 ) -> Result<(Steps, usize), String> {
     if out_shape.num_elements() == 0 {
         return Ok((Vec::new(), 0));
@@ -42,11 +57,26 @@ pub(crate) fn plan(
     // Not empty (checked above), so `n` is not zero.
     let rows = out_shape.num_elements() / n;
     let extra: Vec<Arg> = inputs[2..].iter().map(|&l| Arg::At(l)).collect();
+    // 16-byte loads need aligned rows: params are their own allocations, arena values
+    // are placed at the plan's alignment.
+    let aligned16 = |l: Location| l.offset.is_multiple_of(16) || l.region != Region::Arena;
+    if b_transposed && rows <= GEMV_MAX_ROWS && float(adt) && float(bdt) {
+        let vector = k % 8 == 0 && aligned16(inputs[0]) && aligned16(inputs[1]);
+        let g = GemvRows::new(rows, k, n, options.row_blocks, vector);
+        let kernel =
+            gemv_rows(codegen::STEP_NAME, &g, epilogue, adt, bdt).map_err(|e| e.to_string())?;
+        let mut args = vec![Arg::At(out), Arg::At(inputs[0]), Arg::At(inputs[1])];
+        args.extend(extra);
+        return Ok((vec![("gemv", Step::Kernel { kernel, args })], 0));
+    }
     if b.rank() == 2 && rows <= GEMV_MAX_ROWS && float(adt) && float(bdt) {
-        // 16-byte loads need aligned rows: params are their own allocations, arena
-        // values are placed at the plan's alignment.
-        let aligned = inputs[1].offset.is_multiple_of(16) || inputs[1].region != Region::Arena;
-        let g = Gemv::new(rows, k, n, target_blocks, n % 8 == 0 && aligned);
+        let g = Gemv::new(
+            rows,
+            k,
+            n,
+            options.target_blocks,
+            n % 8 == 0 && aligned16(inputs[1]),
+        );
         if g.tiles() * 4 > COUNTERS {
             return Err(format!("{n} columns are past the workspace's counters"));
         }
@@ -92,7 +122,8 @@ pub(crate) fn plan(
         out_shape,
         (Arg::At(inputs[0]), b_arg, Arg::At(out)),
         epilogue.alpha,
-        allow_tf32,
+        options.allow_tf32,
+        b_transposed,
     )?;
     steps.push(("cublas", Step::Gemm(gemm)));
     let rest = Epilogue {

@@ -12,9 +12,12 @@
 
 mod codegen;
 mod fused_matmul;
+#[cfg(test)]
+mod gemv_bench;
 mod gpu;
 mod matmul;
 mod nvrtc;
+mod param_layout;
 mod program;
 mod step_timer;
 

@@ -19,6 +19,8 @@ pub(crate) struct Gemm {
     pub c: Arg,
     /// Scale of the product.
     alpha: f64,
+    /// Whether `b` is stored `[N, K]`.
+    b_transposed: bool,
     m: i32,
     n: i32,
     k: i32,
@@ -51,14 +53,15 @@ fn to_i32(v: usize, what: &str) -> Result<i32, String> {
 }
 
 impl Gemm {
-    /// Plans `out = alpha a b` for operand shapes `inputs`; an error says why cuBLAS
-    /// cannot run it.
+    /// Plans `out = alpha a b` for operand shapes `inputs` (`b`'s logical shape,
+    /// stored `[N, K]` when `b_transposed`); an error says why cuBLAS cannot run it.
     pub fn new(
         inputs: &[Shape],
         out: &Shape,
         (a, b, c): (Arg, Arg, Arg),
         alpha: f64,
         allow_tf32: bool,
+        b_transposed: bool,
     ) -> Result<Gemm, String> {
         let dt = out.dtype();
         let (data, compute) = match dt {
@@ -88,6 +91,9 @@ impl Gemm {
         let (bb, k2, n) = matrix(inputs[1].dims(), false);
         if k != k2 {
             return Err(format!("inner dims {k} and {k2} differ"));
+        }
+        if b_transposed && !bb.is_empty() {
+            return Err("a transposed operand must be a matrix".into());
         }
         let batch: usize = out.num_elements() / (m * n).max(1);
         let batch = if m * n == 0 { 0 } else { batch };
@@ -146,6 +152,7 @@ impl Gemm {
             b,
             c,
             alpha,
+            b_transposed,
             m: to_i32(m, "rows")?,
             n: to_i32(n, "columns")?,
             k: to_i32(k, "inner dim")?,
@@ -212,12 +219,19 @@ impl Gemm {
                 )
             };
         let k = self.k;
+        // Row-major `b [K, N]` is column-major `b^T`, cuBLAS's first operand as it
+        // stands; stored `[N, K]` it is column-major `b`, read transposed.
+        let (op_b, ld_b) = if self.b_transposed {
+            (cublasOperation_t::CUBLAS_OP_T, k)
+        } else {
+            (cublasOperation_t::CUBLAS_OP_N, self.n)
+        };
         // SAFETY: pointers address ranges the plan checked; the scalars live across
         // the call (cuBLAS reads host scalars before returning).
         unsafe {
             cublas::gemm_strided_batched_ex(
                 gpu.blas.0,
-                cublasOperation_t::CUBLAS_OP_N,
+                op_b,
                 cublasOperation_t::CUBLAS_OP_N,
                 self.n,
                 self.m,
@@ -225,7 +239,7 @@ impl Gemm {
                 alpha,
                 b as *const c_void,
                 self.data,
-                self.n,
+                ld_b,
                 self.stride_b,
                 a as *const c_void,
                 self.data,

@@ -8,6 +8,7 @@ use crate::codegen::{self, Grid, STEP_NAME};
 use crate::gpu::{self, DeviceBuffer, Gpu, cuda_error};
 use crate::matmul::Gemm;
 use crate::nvrtc::Module;
+use crate::param_layout;
 use crate::step_timer::StepTimer;
 use cudarc::driver::{result as driver, sys};
 use rlx_backend::{Executable, HandleStorage, SharedParam};
@@ -104,6 +105,8 @@ pub struct CudaProgram {
     launches: Arc<Vec<(NodeId, String, Launch)>>,
     arena: DeviceBuffer,
     params: Vec<Arc<DeviceBuffer>>,
+    /// Per param, whether it is stored `[N, K]` ([`param_layout`]).
+    transposed: Arc<Vec<bool>>,
     constants: Arc<Vec<DeviceBuffer>>,
     handles: Vec<Option<DeviceBuffer>>,
     staging: Vec<Vec<u8>>,
@@ -161,7 +164,25 @@ impl CudaProgram {
         // compiles about one layer's kernels.
         let mut written: HashMap<String, String> = HashMap::new();
         let mut workspace_data = 0usize;
-        let target_blocks = gpu.multiprocessors * 3;
+        let products = crate::fused_matmul::ProductOptions {
+            allow_tf32,
+            target_blocks: gpu.multiprocessors * 3,
+            row_blocks: gpu.multiprocessors * 16,
+        };
+        let transposed = param_layout::transposed_params(&plan);
+        let param_index: HashMap<NodeId, usize> = plan
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.node, i))
+            .collect();
+        // Whether a product's `b` (input 1) is a param stored `[N, K]`.
+        let b_transposed = |inputs: &[NodeId]| {
+            inputs
+                .get(1)
+                .and_then(|b| param_index.get(b))
+                .is_some_and(|&i| transposed[i])
+        };
         // (node, kernel table name, the function's name or the product) in order.
         let mut pending: Vec<(NodeId, String, Pending)> = Vec::with_capacity(plan.schedule.len());
         for &id in &plan.schedule {
@@ -197,6 +218,7 @@ impl CudaProgram {
                         (Arg::At(inputs[0]), Arg::At(inputs[1]), Arg::At(out)),
                         1.0,
                         allow_tf32,
+                        b_transposed(&node.inputs),
                     )
                     .map_err(unsupported)?;
                     vec![(table("cublas"), Step::Gemm(gemm))]
@@ -219,8 +241,8 @@ impl CudaProgram {
                         &node.shape,
                         &inputs,
                         out,
-                        allow_tf32,
-                        target_blocks,
+                        products,
+                        b_transposed(&node.inputs),
                     )
                     .map_err(unsupported)?;
                     workspace_data = workspace_data.max(data);
@@ -358,6 +380,7 @@ impl CudaProgram {
             launches: Arc::new(launches),
             arena,
             params,
+            transposed: Arc::new(transposed),
             constants: Arc::new(constants),
             handles,
             staging,
@@ -580,6 +603,12 @@ impl Executable for CudaProgram {
                 &format!("param '{}'", source.name),
             )?);
         }
+        if self.transposed[index] {
+            let dims = source.shape.dims();
+            let elem = source.shape.dtype().size_in_bytes();
+            let stored = param_layout::transpose(bytes, dims[0], dims[1], elem);
+            return self.params[index].upload(&self.gpu, 0, &stored);
+        }
         self.params[index].upload(&self.gpu, 0, bytes)
     }
 
@@ -588,12 +617,18 @@ impl Executable for CudaProgram {
             .params
             .get(index)
             .ok_or_else(|| Error::invalid("param", format!("no param #{index}")))?;
-        Ok(SharedParam::new(self.device(), p.clone()))
+        Ok(SharedParam::new(
+            self.device(),
+            StoredParam {
+                buffer: p.clone(),
+                transposed: self.transposed[index],
+            },
+        ))
     }
 
     fn import_param(&mut self, index: usize, param: &SharedParam) -> Result<()> {
-        let buffer = param
-            .storage::<Arc<DeviceBuffer>>()
+        let stored = param
+            .storage::<StoredParam>()
             .filter(|_| param.device() == self.device())
             .ok_or_else(|| {
                 Error::invalid(
@@ -612,6 +647,19 @@ impl Executable for CudaProgram {
             .ok_or_else(|| Error::invalid("param", format!("no param #{index}")))?
             .shape
             .byte_size();
+        if stored.transposed != self.transposed[index] {
+            return Err(Error::invalid(
+                "share param",
+                format!(
+                    "#{index} is stored {} here and {} in the shared storage (a weight \
+                     that only feeds products in one program and is read otherwise in the \
+                     other)",
+                    layout_name(self.transposed[index]),
+                    layout_name(stored.transposed)
+                ),
+            ));
+        }
+        let buffer = &stored.buffer;
         if buffer.len() != want {
             return Err(Error::invalid(
                 "share param",
@@ -806,6 +854,7 @@ impl Executable for CudaProgram {
                 launches: self.launches.clone(),
                 arena,
                 params: self.params.clone(),
+                transposed: self.transposed.clone(),
                 constants: self.constants.clone(),
                 handles,
                 staging: self.staging.clone(),
@@ -823,6 +872,21 @@ impl Executable for CudaProgram {
 }
 
 /// A workspace of `bytes`, its counters zeroed.
+/// A param's device storage as shared between programs, with its layout.
+struct StoredParam {
+    buffer: Arc<DeviceBuffer>,
+    /// Stored `[N, K]` ([`param_layout`]).
+    transposed: bool,
+}
+
+fn layout_name(transposed: bool) -> &'static str {
+    if transposed {
+        "transposed ([N, K])"
+    } else {
+        "as the graph has it"
+    }
+}
+
 fn new_workspace(gpu: &Gpu, bytes: usize) -> Result<DeviceBuffer> {
     let workspace = DeviceBuffer::new(gpu, bytes, "the workspace")?;
     workspace.upload(gpu, 0, &vec![0u8; COUNTERS.min(bytes)])?;

@@ -20,6 +20,7 @@ mod attention;
 mod flash;
 mod flash_mma;
 pub(crate) mod fused;
+pub(crate) mod gemv;
 mod index;
 mod quant;
 mod rope;
@@ -80,6 +81,8 @@ __device__ __forceinline__ unsigned int rlx_pack(float lo, float hi) { return (u
 // until the kernel before it has finished and its writes are visible, then lets the
 // next kernel's blocks be scheduled, so a launch overlaps its predecessor's tail
 // instead of following it. Without such a launch both are no-ops.
+// Asks L2 for the 128-byte line holding `p` (a hint: nothing waits for it).
+__device__ __forceinline__ void rlx_prefetch_l2(const void* p) { asm("prefetch.global.L2 [%0];" :: "l"(p)); }
 #if __CUDA_ARCH__ >= 900
 #define RLX_ENTER() do { asm volatile("griddepcontrol.wait;" ::: "memory"); asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); } while (0)
 #else
@@ -98,6 +101,10 @@ __device__ __forceinline__ void rlx_mma(float* c, const unsigned int* a, unsigne
 /// it touches no memory before the kernel ahead of it has finished (see the
 /// prelude); launched with a programmatic dependency, it is scheduled early.
 pub(crate) fn entering_after_predecessor(source: &str) -> String {
+    if source.contains("RLX_ENTER") {
+        // The kernel enters itself (after prefetching what no kernel writes).
+        return source.to_string();
+    }
     let body = source
         .find("__global__")
         .and_then(|g| source[g..].find('{').map(|b| g + b + 1));

@@ -4,7 +4,8 @@
 //! built-ins. NVRTC on the GPU machine remains the real compiler; this catches the
 //! typos before a GPU run. `RLX_KEEP_SOURCE=FILE` keeps a copy of the source.
 
-use super::fused::{Epilogue, Gemv, epilogue_in_place, gemv};
+use super::fused::{Epilogue, epilogue_in_place};
+use super::gemv::{Gemv, GemvRows, gemv, gemv_rows};
 use super::{PRELUDE, entering_after_predecessor, kernel, kernel_for};
 use rlx_ir::{
     ArgReduceOp, BinaryOp, DType, EwStep, F64Bits, Op, PadMode, QuantFormat, ReduceOp, RopeStyle,
@@ -439,6 +440,26 @@ fn generated_kernels_parse_as_cxx() {
         gemv(
             "gh",
             &Gemv::new(2, 64, 16, 400, true),
+            &full,
+            DType::BF16,
+            DType::BF16,
+        )
+        .unwrap(),
+    );
+    for (i, &(rows, k, n, vector)) in shapes.iter().enumerate() {
+        for (j, wdt) in [DType::F32, DType::F16, DType::BF16]
+            .into_iter()
+            .enumerate()
+        {
+            let g = GemvRows::new(rows, k, n, 2112, vector);
+            let e = if j == 1 { &bare } else { &full };
+            more.push(gemv_rows(&format!("w{i}_{j}"), &g, e, DType::F32, wdt).unwrap());
+        }
+    }
+    more.push(
+        gemv_rows(
+            "wh",
+            &GemvRows::new(2, 64, 16, 2112, true),
             &full,
             DType::BF16,
             DType::BF16,

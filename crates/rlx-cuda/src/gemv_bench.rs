@@ -1,0 +1,269 @@
+//! A benchmark of the matrix-vector kernels on the GPU (an ignored test: it asserts
+//! each kernel's result against a host reference and prints what each took):
+//!
+//! `unit-rlx_cuda --ignored --nocapture gemv_bandwidth` (the rlx-cuda unit-test
+//! binary that `scripts/gpu-check.sh build` carries).
+//!
+//! For the decode products of a ~1B Llama (bf16 weights, one f32 row), each kernel
+//! variant is launched back to back over enough copies of the weight that none is
+//! still in L2 when it comes round again, as in a decode step where every weight is
+//! read once; CUDA events around the launches give the time per product and the
+//! weight bytes over it the bandwidth.
+
+use crate::codegen::fused::Epilogue;
+use crate::codegen::gemv::{Gemv, GemvRows, gemv, gemv_rows};
+use crate::codegen::{Kernel, entering_after_predecessor};
+use crate::gpu::{DeviceBuffer, Gpu, launch};
+use crate::nvrtc::Module;
+use cudarc::driver::{result as driver, sys};
+use rlx_ir::DType;
+use std::ffi::c_void;
+
+/// Products `(K, N)`: q/o, k/v, q+k+v, gate/up, down, gate+up, the tied head.
+const SHAPES: [(usize, usize); 7] = [
+    (2048, 2048),
+    (2048, 512),
+    (2048, 3072),
+    (2048, 8192),
+    (8192, 2048),
+    (2048, 16384),
+    (2048, 128_256),
+];
+
+/// Launches timed per variant.
+const LAUNCHES: usize = 200;
+
+/// Bytes of weight copies cycled through (past L2).
+const CYCLE_BYTES: usize = 1 << 30;
+
+fn bf16_bits(v: f32) -> u16 {
+    // Round to nearest even, as the converter on the device does.
+    let b = v.to_bits();
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+fn bf16_value(h: u16) -> f64 {
+    f64::from(f32::from_bits(u32::from(h) << 16))
+}
+
+/// A small deterministic generator (no dependency for random numbers).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// One kernel variant and the layout of the weight it reads.
+struct Variant {
+    label: String,
+    kernel: Kernel,
+    /// The weight as `[N, K]` (else `[K, N]`).
+    rows_layout: bool,
+    /// Workspace bytes (partial sums after 4 KiB of zeroed counters).
+    workspace: usize,
+    programmatic: bool,
+}
+
+fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
+    let identity = Epilogue {
+        alpha: 1.0,
+        bias: false,
+        activation: None,
+        residual: false,
+    };
+    let mut v = Vec::new();
+    for programmatic in [false, true] {
+        let launch = if programmatic { "pdl" } else { "plain" };
+        for prefetch in [0, 32 << 10] {
+            let mut g = Gemv::new(1, k, n, 3 * sms, true);
+            g.prefetch_bytes = prefetch;
+            let kernel = gemv("bench", &g, &identity, DType::F32, DType::BF16).unwrap();
+            v.push(Variant {
+                label: format!(
+                    "[K,N] split {} prefetch {}K {launch}",
+                    g.splits,
+                    prefetch >> 10
+                ),
+                kernel,
+                rows_layout: false,
+                workspace: g.partial_bytes(),
+                programmatic,
+            });
+        }
+        for split in [1, 2, 4, 8] {
+            for prefetch in [false, true] {
+                let mut g = GemvRows::with_split(1, k, n, 16 * sms, true, split);
+                g.prefetch = prefetch;
+                let kernel = gemv_rows("bench", &g, &identity, DType::F32, DType::BF16).unwrap();
+                let chosen = GemvRows::new(1, k, n, 16 * sms, true).split == split;
+                v.push(Variant {
+                    label: format!(
+                        "[N,K] warps/row {split} blocks {} prefetch {} {launch}{}",
+                        g.blocks,
+                        if prefetch { "row" } else { "none" },
+                        if chosen { " (default split)" } else { "" }
+                    ),
+                    kernel,
+                    rows_layout: true,
+                    workspace: 0,
+                    programmatic,
+                });
+            }
+        }
+    }
+    v
+}
+
+/// The weight `[N, K]` (as bf16 bits) and the activation row.
+fn data(k: usize, n: usize) -> (Vec<u16>, Vec<f32>) {
+    let mut rng = Lcg(0x5eed ^ (k * 31 + n) as u64);
+    let w = (0..n * k).map(|_| bf16_bits(rng.next() * 0.05)).collect();
+    let a = (0..k).map(|_| rng.next()).collect();
+    (w, a)
+}
+
+fn bytes_of(v: &[u16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Times `variant` over the copies; returns microseconds per launch and the result.
+fn time(
+    gpu: &Gpu,
+    variant: &Variant,
+    copies: &[DeviceBuffer],
+    a: &DeviceBuffer,
+    n: usize,
+) -> (f64, Vec<f32>) {
+    let name = "gemv_bench";
+    let source = format!(
+        "{}{}",
+        crate::codegen::PRELUDE,
+        entering_after_predecessor(&variant.kernel.source.replace("bench", name))
+    );
+    let module = Module::compile(gpu, &source).expect("the kernel compiles");
+    let function = module.function(name).expect("the kernel is there");
+    let out = DeviceBuffer::new(gpu, n * 4, "bench output").unwrap();
+    let workspace = DeviceBuffer::new(gpu, 4096 + variant.workspace, "bench workspace").unwrap();
+    workspace.upload(gpu, 0, &[0u8; 4096]).unwrap();
+    let crate::codegen::Grid::Blocks { count, threads } = variant.kernel.grid else {
+        panic!("matrix-vector kernels launch whole blocks")
+    };
+    let stream = gpu.cu_stream();
+    let run = |copy: &DeviceBuffer| {
+        let mut values: Vec<u64> = vec![out.ptr(), a.ptr(), copy.ptr()];
+        if !variant.rows_layout {
+            values.push(workspace.ptr() + 4096);
+            values.push(workspace.ptr());
+        }
+        let mut params: Vec<*mut c_void> =
+            values.iter_mut().map(|v| (v as *mut u64).cast()).collect();
+        // SAFETY: one pointer per kernel parameter, each a live device address.
+        unsafe {
+            launch(
+                function,
+                (count as u32, threads),
+                stream,
+                &mut params,
+                variant.programmatic,
+            )
+        }
+        .expect("the launch is queued");
+    };
+    for copy in copies.iter().take(4) {
+        run(copy);
+    }
+    let event = || driver::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).unwrap();
+    let (start, stop) = (event(), event());
+    // SAFETY: events created above, recorded and read on the bench's own stream,
+    // then destroyed once.
+    let ms = unsafe {
+        driver::event::record(start, stream).unwrap();
+        for i in 0..LAUNCHES {
+            run(&copies[i % copies.len()]);
+        }
+        driver::event::record(stop, stream).unwrap();
+        driver::event::synchronize(stop).unwrap();
+        let ms = driver::event::elapsed(start, stop).unwrap();
+        driver::event::destroy(start).unwrap();
+        driver::event::destroy(stop).unwrap();
+        ms
+    };
+    let mut bytes = vec![0u8; n * 4];
+    out.download(gpu, 0, &mut bytes).unwrap();
+    let result = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (f64::from(ms) * 1e3 / LAUNCHES as f64, result)
+}
+
+#[test]
+#[ignore = "a benchmark for the GPU machine: --ignored --nocapture gemv_bandwidth"]
+fn gemv_bandwidth() {
+    if let Err(e) = crate::available(0) {
+        eprintln!("SKIP gemv_bandwidth on cuda: {e}");
+        return;
+    }
+    let gpu = Gpu::new(0).unwrap();
+    println!("matrix-vector products, bf16 weights, one f32 row, {LAUNCHES} launches each");
+    println!(
+        "{:>6} {:>7} {:>9} {:>8} {:>8}  variant",
+        "K", "N", "MB", "us", "GB/s"
+    );
+    for (k, n) in SHAPES {
+        let (w, a) = data(k, n);
+        let want: Vec<f64> = (0..n)
+            .map(|j| {
+                (0..k)
+                    .map(|i| bf16_value(w[j * k + i]) * f64::from(a[i]))
+                    .sum::<f64>()
+            })
+            .collect();
+        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let mut transposed = vec![0u16; n * k];
+        for j in 0..n {
+            for i in 0..k {
+                transposed[i * n + j] = w[j * k + i];
+            }
+        }
+        let weight_bytes = n * k * 2;
+        let count = CYCLE_BYTES.div_ceil(weight_bytes).clamp(2, 64);
+        let a_buffer = DeviceBuffer::from_bytes(
+            &gpu,
+            &a.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
+            "bench activation",
+        )
+        .unwrap();
+        for rows_layout in [false, true] {
+            let host = bytes_of(if rows_layout { &w } else { &transposed });
+            let copies: Vec<DeviceBuffer> = (0..count)
+                .map(|_| DeviceBuffer::from_bytes(&gpu, &host, "bench weight").unwrap())
+                .collect();
+            for variant in variants(k, n, gpu.multiprocessors)
+                .iter()
+                .filter(|v| v.rows_layout == rows_layout)
+            {
+                let (us, got) = time(&gpu, variant, &copies, &a_buffer, n);
+                let err = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(g, w)| (f64::from(*g) - w).abs())
+                    .fold(0.0, f64::max)
+                    / scale;
+                assert!(err < 1e-4, "{}: relative error {err:.2e}", variant.label);
+                println!(
+                    "{k:>6} {n:>7} {:>9.1} {us:>8.2} {:>8.0}  {}",
+                    weight_bytes as f64 / 1e6,
+                    weight_bytes as f64 / us / 1e3,
+                    variant.label
+                );
+            }
+        }
+    }
+}
