@@ -96,6 +96,13 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
                 programmatic,
             });
         }
+        v.push(Variant {
+            label: format!("[N,K] first version, prefetch row {launch}"),
+            kernel: first_row_kernel(k, n, 16 * sms),
+            rows_layout: true,
+            workspace: 0,
+            programmatic,
+        });
         for split in [1, 2, 4, 8] {
             for prefetch in [false, true] {
                 let mut g = GemvRows::with_split(1, k, n, 16 * sms, true, split);
@@ -120,6 +127,46 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
     v
 }
 
+/// The first row-layout kernel measured (a warp per output, bf16 weights, an f32
+/// row, `K` a multiple of 256), kept beside the generated one to tell a change in
+/// the kernel from a change in the machine.
+fn first_row_kernel(k: usize, n: usize, max_blocks: usize) -> Kernel {
+    let source = format!(
+        r#"extern "C" __global__ void __launch_bounds__(256) bench(float* __restrict__ out, const float* __restrict__ a, const unsigned short* __restrict__ b) {{
+  const long long K = {k}LL, N = {n}LL;
+  const int lane = threadIdx.x & 31;
+  const long long first = (long long)blockIdx.x * 8 + (threadIdx.x >> 5), warps = (long long)gridDim.x * 8;
+  if (first < N && (lane & 7) == 0) {{ for (long long k = lane * 8; k < K; k += 256) rlx_prefetch_l2(b + first * K + k); }}
+  RLX_ENTER();
+  for (long long col = first; col < N; col += warps) {{
+    const unsigned short* row = b + col * K;
+    float acc = 0.f;
+    #pragma unroll 8
+    for (long long k = lane * 8; k < K; k += 256) {{
+      const uint4 q = *reinterpret_cast<const uint4*>(row + k);
+      const unsigned int u[4] = {{q.x, q.y, q.z, q.w}};
+      float w[8];
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {{ w[2 * j] = bf2f((unsigned short)(u[j] & 0xffffu)); w[2 * j + 1] = bf2f((unsigned short)(u[j] >> 16)); }}
+      const float4 x0 = *reinterpret_cast<const float4*>(a + k), x1 = *reinterpret_cast<const float4*>(a + k + 4);
+      acc = fmaf(x0.x, w[0], fmaf(x0.y, w[1], fmaf(x0.z, w[2], fmaf(x0.w, w[3], fmaf(x1.x, w[4], fmaf(x1.y, w[5], fmaf(x1.z, w[6], fmaf(x1.w, w[7], acc))))))));
+    }}
+    acc = warp_sum(acc);
+    if (lane == 0) out[col] = acc;
+  }}
+}}
+"#
+    );
+    Kernel {
+        source,
+        grid: crate::codegen::Grid::Blocks {
+            count: n.div_ceil(8).clamp(1, max_blocks),
+            threads: 256,
+        },
+        check: None,
+    }
+}
+
 /// The weight `[N, K]` (as bf16 bits) and the activation row.
 fn data(k: usize, n: usize) -> (Vec<u16>, Vec<f32>) {
     let mut rng = Lcg(0x5eed ^ (k * 31 + n) as u64);
@@ -132,14 +179,15 @@ fn bytes_of(v: &[u16]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// Times `variant` over the copies; returns microseconds per launch and the result.
+/// Times `variant` over the copies, launched one by one and as a captured graph;
+/// returns microseconds per launch for each, and the result.
 fn time(
     gpu: &Gpu,
     variant: &Variant,
     copies: &[DeviceBuffer],
     a: &DeviceBuffer,
     n: usize,
-) -> (f64, Vec<f32>) {
+) -> (f64, f64, Vec<f32>) {
     let name = "gemv_bench";
     let source = format!(
         "{}{}",
@@ -194,13 +242,41 @@ fn time(
         driver::event::destroy(stop).unwrap();
         ms
     };
+    // The same launches captured as one CUDA graph and replayed, as a program runs.
+    // SAFETY: the capture is begun and ended on the bench's stream; the graph and
+    // its instance are destroyed once, after the stream is drained.
+    let graph_ms = unsafe {
+        driver::stream::begin_capture(
+            stream,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+        .unwrap();
+        for i in 0..LAUNCHES {
+            run(&copies[i % copies.len()]);
+        }
+        let graph = driver::stream::end_capture(stream).unwrap();
+        let exec = driver::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)).unwrap();
+        driver::graph::launch(exec, stream).unwrap();
+        let (start, stop) = (event(), event());
+        driver::event::record(start, stream).unwrap();
+        driver::graph::launch(exec, stream).unwrap();
+        driver::event::record(stop, stream).unwrap();
+        driver::event::synchronize(stop).unwrap();
+        let ms = driver::event::elapsed(start, stop).unwrap();
+        driver::event::destroy(start).unwrap();
+        driver::event::destroy(stop).unwrap();
+        driver::graph::exec_destroy(exec).unwrap();
+        driver::graph::destroy(graph).unwrap();
+        ms
+    };
     let mut bytes = vec![0u8; n * 4];
     out.download(gpu, 0, &mut bytes).unwrap();
     let result = bytes
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
         .collect();
-    (f64::from(ms) * 1e3 / LAUNCHES as f64, result)
+    let per_launch = |ms: f32| f64::from(ms) * 1e3 / LAUNCHES as f64;
+    (per_launch(ms), per_launch(graph_ms), result)
 }
 
 #[test]
@@ -249,7 +325,7 @@ fn gemv_bandwidth() {
                 .iter()
                 .filter(|v| v.rows_layout == rows_layout)
             {
-                let (us, got) = time(&gpu, variant, &copies, &a_buffer, n);
+                let (us, graph_us, got) = time(&gpu, variant, &copies, &a_buffer, n);
                 let err = got
                     .iter()
                     .zip(&want)
@@ -258,9 +334,10 @@ fn gemv_bandwidth() {
                     / scale;
                 assert!(err < 1e-4, "{}: relative error {err:.2e}", variant.label);
                 println!(
-                    "{k:>6} {n:>7} {:>9.1} {us:>8.2} {:>8.0}  {}",
+                    "{k:>6} {n:>7} {:>9.1} {us:>8.2} {:>8.0} {graph_us:>8.2} {:>8.0}  {}",
                     weight_bytes as f64 / 1e6,
                     weight_bytes as f64 / us / 1e3,
+                    weight_bytes as f64 / graph_us / 1e3,
                     variant.label
                 );
             }
