@@ -145,7 +145,7 @@ def llama():
         out = WORK / f"llama-{device}.npy"
         stdout, seconds = rlx(
             "forward", directory, "--ids", WORK / "llama-ids.npy", "--output", out,
-            "--generate", 32, "--device", device,
+            "--generate", 32, "--device", device, timeout=150,
         )
         decoded[device] = json.loads(stdout.strip().splitlines()[-1])
         err = relative_error(np.load(out), want)
@@ -162,8 +162,10 @@ def llama():
     rlx("convert", directory, gguf, "--weights", "q8_0")
     tokens = {}
     for device in ["cuda", "cpu"]:
-        stdout, _ = rlx("forward", gguf, "--ids", WORK / "llama-ids.npy", "--output",
-                        WORK / f"llama-q8-{device}.npy", "--generate", 32, "--device", device)
+        stdout, seconds = rlx("forward", gguf, "--ids", WORK / "llama-ids.npy", "--output",
+                              WORK / f"llama-q8-{device}.npy", "--generate", 32, "--device",
+                              device, timeout=150)
+        print(f"  GGUF Q8_0 greedy on {device}: {seconds:.1f} s", flush=True)
         tokens[device] = json.loads(stdout.strip().splitlines()[-1])
     report(
         "llama smollm2 GGUF Q8_0 greedy 32 tokens, cuda vs cpu",
