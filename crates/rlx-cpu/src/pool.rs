@@ -49,6 +49,9 @@ pub struct ThreadPool {
 /// How long an idle worker spins before it sleeps.
 const SPIN: Duration = Duration::from_millis(2);
 
+/// Spins of an idle worker before it starts yielding its core between checks.
+const PURE_SPINS: u32 = 1 << 10;
+
 impl ThreadPool {
     /// A pool that runs jobs on the caller plus `threads - 1` workers.
     pub fn new(threads: usize) -> ThreadPool {
@@ -189,10 +192,16 @@ fn worker(s: &Shared, index: usize) {
         let mut generation = s.generation.load(Ordering::Acquire);
         let mut spins = 0u32;
         while generation == seen {
-            spins = spins.wrapping_add(1);
-            // Reading the clock costs more than a spin: look at it now and then.
-            if !spins.is_multiple_of(256) || start.elapsed() < SPIN {
+            spins = spins.saturating_add(1);
+            if spins < PURE_SPINS {
                 std::hint::spin_loop();
+            } else if start.elapsed() < SPIN {
+                // Past a short spin, offer the core to any other runnable thread on
+                // each pass: with more threads than free cores (a shared machine, a
+                // second process), a spinning idle worker would otherwise hold the
+                // core a job's own worker needs, and every job would wait a
+                // scheduler time slice for it.
+                std::thread::yield_now();
             } else {
                 let lock = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleepers.fetch_add(1, Ordering::SeqCst);
