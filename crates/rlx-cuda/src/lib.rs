@@ -6,9 +6,10 @@
 //! other step is a kernel generated as CUDA C from the IR ([`codegen`]) and compiled
 //! with NVRTC, all of a program's kernels in one module, cached on disk.
 //!
-//! The backend declares the primitives it runs; composites (softmax, norms,
-//! attention, GELU, ...) are decomposed into those before planning, and a graph that
-//! still holds an op with no CUDA kernel is a compile error naming it.
+//! The backend declares the primitives and the composites it runs (norms, softmax,
+//! attention, rotary embeddings, the optimizer's fused forms); other composites are
+//! decomposed into primitives before planning, and a graph that still holds an op
+//! with no CUDA kernel is a compile error naming it.
 
 mod codegen;
 mod fused_matmul;
