@@ -15,14 +15,18 @@ use std::time::{Duration, Instant};
 type Job = dyn Fn(usize, usize) + Sync;
 
 struct Shared {
-    /// Bumped (Release) after a job is published; workers watch it.
+    /// The job word: a count bumped (Release) when a job is published, times
+    /// [`JOB_COUNT`], plus how many workers take part in that job. Workers watch it.
+    /// The count of participants travels in the same word as the job's number so that
+    /// a worker that wakes late decides on the job it saw: read from a separate field,
+    /// it could see the next job's count, join a job it was not counted in, and leave
+    /// that job's `pending` one short (the caller then waits forever or returns while
+    /// a worker still runs).
     generation: AtomicU64,
     /// The current job, valid while a `run` is in progress.
     job: UnsafeCell<Option<&'static Job>>,
     next_task: AtomicUsize,
     tasks: AtomicUsize,
-    /// Workers with an index below this take part in the current job.
-    participants: AtomicUsize,
     /// Workers that have not yet finished the current job.
     pending: AtomicUsize,
     panicked: AtomicBool,
@@ -46,6 +50,9 @@ pub struct ThreadPool {
     busy: Mutex<()>,
 }
 
+/// The job word's unit for the job count (below it: the participants).
+const JOB_COUNT: u64 = 1 << 20;
+
 /// How long an idle worker spins before it sleeps.
 const SPIN: Duration = Duration::from_millis(2);
 
@@ -60,7 +67,6 @@ impl ThreadPool {
             job: UnsafeCell::new(None),
             next_task: AtomicUsize::new(0),
             tasks: AtomicUsize::new(0),
-            participants: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             sleep_lock: Mutex::new(()),
@@ -68,7 +74,7 @@ impl ThreadPool {
             sleepers: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
         });
-        let workers = threads.max(1) - 1;
+        let workers = (threads.max(1) - 1).min(JOB_COUNT as usize - 1);
         let mut spawned = 0;
         for index in 0..workers {
             let shared = shared.clone();
@@ -132,12 +138,13 @@ impl ThreadPool {
         unsafe { *s.job.get() = Some(job) };
         s.next_task.store(0, Ordering::Relaxed);
         s.tasks.store(tasks, Ordering::Relaxed);
-        s.participants.store(helpers, Ordering::Relaxed);
         s.pending.store(helpers, Ordering::Relaxed);
         // SeqCst with the sleepers count: either a worker about to sleep sees the new
         // generation, or this sees it counted and wakes it under the lock it sleeps
         // with. Spinning workers need no call.
-        s.generation.fetch_add(1, Ordering::SeqCst);
+        let count = s.generation.load(Ordering::Relaxed) / JOB_COUNT;
+        s.generation
+            .store((count + 1) * JOB_COUNT + helpers as u64, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _lock = s.sleep_lock.lock();
             s.wake.notify_all();
@@ -168,7 +175,9 @@ impl ThreadPool {
 impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
-        self.shared.generation.fetch_add(1, Ordering::Release);
+        self.shared
+            .generation
+            .fetch_add(JOB_COUNT, Ordering::Release);
         let _lock = self.shared.sleep_lock.lock();
         self.shared.wake.notify_all();
     }
@@ -217,7 +226,7 @@ fn worker(s: &Shared, index: usize) {
         if s.shutdown.load(Ordering::Acquire) {
             return;
         }
-        if index >= s.participants.load(Ordering::Relaxed) {
+        if index as u64 >= generation % JOB_COUNT {
             continue;
         }
         // SAFETY: published before the generation bump we observed (Acquire), and kept
@@ -263,6 +272,26 @@ mod tests {
                 assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
                 assert!(!bad_thread.load(Ordering::Relaxed));
             }
+        }
+    }
+
+    #[test]
+    fn jobs_of_changing_width_back_to_back_each_finish_whole() {
+        // Many short jobs whose participant counts change from one to the next, on
+        // more workers than cores: a worker that wakes late must not join a job it
+        // was not counted in (that once left a job waiting forever).
+        let pool = ThreadPool::new(12);
+        for round in 0..4000 {
+            let tasks = [2, 12, 3, 7][round % 4];
+            let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(tasks, 12, &|t, _| {
+                hits[t].fetch_add(1, Ordering::Relaxed);
+            })
+            .unwrap();
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "round {round}"
+            );
         }
     }
 
