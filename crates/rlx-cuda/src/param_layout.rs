@@ -12,14 +12,18 @@ use rlx_ir::{NodeId, Op};
 use rlx_opt::Plan;
 use std::collections::HashMap;
 
-/// For each of the plan's params (in order), whether it is stored `[N, K]`.
-pub(crate) fn transposed_params(plan: &Plan) -> Vec<bool> {
-    let index: HashMap<NodeId, usize> = plan
-        .params
+/// Each param node's index among the plan's params.
+pub(crate) fn param_indices(plan: &Plan) -> HashMap<NodeId, usize> {
+    plan.params
         .iter()
         .enumerate()
         .map(|(i, p)| (p.node, i))
-        .collect();
+        .collect()
+}
+
+/// For each of the plan's params (in order), whether it is stored `[N, K]`.
+pub(crate) fn transposed_params(plan: &Plan) -> Vec<bool> {
+    let index = param_indices(plan);
     let mut transposed: Vec<bool> = plan.params.iter().map(|p| p.shape.rank() == 2).collect();
     let mut used = vec![false; plan.params.len()];
     for node in plan.graph.nodes().iter() {

@@ -170,12 +170,7 @@ impl CudaProgram {
             row_blocks: gpu.multiprocessors * 16,
         };
         let transposed = param_layout::transposed_params(&plan);
-        let param_index: HashMap<NodeId, usize> = plan
-            .params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (p.node, i))
-            .collect();
+        let param_index = param_layout::param_indices(&plan);
         // Whether a product's `b` (input 1) is a param stored `[N, K]`.
         let b_transposed = |inputs: &[NodeId]| {
             inputs
