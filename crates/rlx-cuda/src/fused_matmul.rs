@@ -10,12 +10,14 @@
 //!   in-place kernel when there is one.
 
 use crate::codegen::fused::{Epilogue, epilogue_in_place};
-use crate::codegen::gemv::{GEMV_MAX_ROWS, Gemv, GemvRows, gemv, gemv_rows};
+use crate::codegen::gemv::{GEMV_MAX_ROWS, GEMV_ROW_ELEMENTS, Gemv, GemvRows, gemv, gemv_rows};
+use crate::codegen::gemv_group::{GroupProduct, RowGroup, gemv_group};
 use crate::codegen::{self, Kernel};
 use crate::matmul::Gemm;
+use crate::product_groups::ProductGroup;
 use crate::program::{Arg, COUNTERS, Step};
-use rlx_ir::{DType, Op, Shape};
-use rlx_opt::{Location, Region};
+use rlx_ir::{DType, NodeId, Op, Shape};
+use rlx_opt::{Location, Plan, Region};
 
 /// Where workspace data starts (after the counters).
 const DATA: usize = COUNTERS;
@@ -69,17 +71,20 @@ pub(crate) fn plan(
         args.extend(extra);
         return Ok((vec![("gemv", Step::Kernel { kernel, args })], 0));
     }
-    if b.rank() == 2 && rows <= GEMV_MAX_ROWS && float(adt) && float(bdt) {
-        let g = Gemv::new(
-            rows,
-            k,
-            n,
-            options.target_blocks,
-            n % 8 == 0 && aligned16(inputs[1]),
-        );
-        if g.tiles() * 4 > COUNTERS {
-            return Err(format!("{n} columns are past the workspace's counters"));
-        }
+    let g = Gemv::new(
+        rows,
+        k,
+        n,
+        options.target_blocks,
+        n % 8 == 0 && aligned16(inputs[1]),
+    );
+    // Past the workspace's per-tile counters, cuBLAS takes it.
+    if b.rank() == 2
+        && rows <= GEMV_MAX_ROWS
+        && float(adt)
+        && float(bdt)
+        && g.tiles() * 4 <= COUNTERS
+    {
         let kernel = gemv(codegen::STEP_NAME, &g, epilogue, adt, bdt).map_err(|e| e.to_string())?;
         let mut args = vec![Arg::At(out), Arg::At(inputs[0]), Arg::At(inputs[1])];
         args.extend(extra);
@@ -148,4 +153,88 @@ pub(crate) fn plan(
         steps.push(("epilogue", Step::Kernel { kernel, args }));
     }
     Ok((steps, data))
+}
+
+/// Whether a product can be computed by a row group kernel ([`gemv_group`]): a few
+/// rows of float `a` (16-byte aligned) against a 2-D float weight stored `[N, K]`,
+/// with `K` a multiple of 8 and short enough for one warp to walk a row.
+pub(crate) fn joins_row_group(
+    shapes: &[Shape],
+    out_shape: &Shape,
+    a_at: Location,
+    b_transposed: bool,
+) -> bool {
+    let [a, b, ..] = shapes else {
+        return false;
+    };
+    let float = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
+    let k = a.dims().last().copied().unwrap_or(0);
+    let n = out_shape.dims().last().copied().unwrap_or(0);
+    let rows = out_shape.num_elements().checked_div(n).unwrap_or(0);
+    b_transposed
+        && b.rank() == 2
+        && (1..=GEMV_MAX_ROWS).contains(&rows)
+        && float(a.dtype())
+        && float(b.dtype())
+        && out_shape.dtype() == a.dtype()
+        && k % 8 == 0
+        && (8..=GEMV_ROW_ELEMENTS).contains(&k)
+        && aligned16(a_at)
+}
+
+/// Whether 16-byte loads may start at `l`: params are their own allocations, arena
+/// values are placed at the plan's alignment.
+fn aligned16(l: Location) -> bool {
+    l.offset.is_multiple_of(16) || l.region != Region::Arena
+}
+
+/// The one kernel of a [`ProductGroup`] of `plan`, with its operands.
+pub(crate) fn plan_group(
+    plan: &Plan,
+    group: &ProductGroup,
+    max_blocks: usize,
+) -> Result<Steps, String> {
+    let nodes = plan.graph.nodes();
+    let at = |id: NodeId| Arg::At(plan.locations[id.index()]);
+    let lead = &nodes[group.products[0].index()];
+    let a = group.norm.map_or(lead.inputs[0], |n| n.x);
+    let (a_shape, w_shape) = (plan.shape(lead.inputs[0]), plan.shape(lead.inputs[1]));
+    let k = a_shape.dims().last().copied().unwrap_or(0);
+    let mut products = Vec::new();
+    let mut args: Vec<Arg> = match group.combine {
+        Some(e) => vec![at(e)],
+        None => group.products.iter().map(|&p| at(p)).collect(),
+    };
+    args.push(at(a));
+    if let Some(norm) = group.norm {
+        args.push(at(norm.gamma));
+    }
+    for &p in &group.products {
+        let node = &nodes[p.index()];
+        let epilogue =
+            Epilogue::of(&node.op).ok_or_else(|| format!("%{} is not a product", p.index()))?;
+        let n = plan.shape(p).dims().last().copied().unwrap_or(0);
+        products.push(GroupProduct { n, epilogue });
+        args.extend(node.inputs[1..].iter().map(|&x| at(x)));
+    }
+    let out = plan.shape(group.products[0]);
+    let rows = out.num_elements() / products[0].n.max(1);
+    let combine = match group.combine {
+        Some(e) => Some(
+            crate::product_groups::combining_steps(&nodes[e.index()].op)
+                .ok_or_else(|| format!("%{} cannot combine products", e.index()))?,
+        ),
+        None => None,
+    };
+    let g = RowGroup {
+        rows,
+        k,
+        products,
+        combine,
+        norm: group.norm.map(|n| n.eps),
+        max_blocks,
+    };
+    let kernel = gemv_group(codegen::STEP_NAME, &g, a_shape.dtype(), w_shape.dtype())
+        .map_err(|e| e.to_string())?;
+    Ok(vec![("gemv_group", Step::Kernel { kernel, args })])
 }

@@ -11,12 +11,13 @@
 //! weight bytes over it the bandwidth.
 
 use crate::codegen::fused::Epilogue;
-use crate::codegen::gemv::{Gemv, GemvRows, gemv, gemv_rows};
+use crate::codegen::gemv::{GEMV_ROW_ELEMENTS, Gemv, GemvRows, gemv, gemv_rows};
+use crate::codegen::gemv_group::{GroupProduct, RowGroup, gemv_group};
 use crate::codegen::{Kernel, entering_after_predecessor};
 use crate::gpu::{DeviceBuffer, Gpu, launch};
 use crate::nvrtc::Module;
 use cudarc::driver::{result as driver, sys};
-use rlx_ir::DType;
+use rlx_ir::{BinaryOp, DType, EwStep, UnaryOp};
 use std::ffi::c_void;
 
 /// Products `(K, N)`: q/o, k/v, q+k+v, gate/up, down, gate+up, the tied head.
@@ -59,6 +60,21 @@ impl Lcg {
     }
 }
 
+/// What a variant's kernel takes after its output and activation row.
+#[derive(Clone, Copy, PartialEq)]
+enum Operands {
+    /// The weight.
+    Weight,
+    /// The weight, then the workspace's partial sums and counters.
+    WeightAndWorkspace,
+    /// A norm scale of ones, then the weight: the result is the product of the
+    /// RMS-normalized row.
+    NormThenWeight,
+    /// Two weights (two copies of the same values): the result is
+    /// `silu(p) * p` of the product `p`.
+    TwoWeightsGated,
+}
+
 /// One kernel variant and the layout of the weight it reads.
 struct Variant {
     label: String,
@@ -68,7 +84,11 @@ struct Variant {
     /// Workspace bytes (partial sums after 4 KiB of zeroed counters).
     workspace: usize,
     programmatic: bool,
+    operands: Operands,
 }
+
+/// The epsilon of the benchmarked folded norm.
+const NORM_EPS: f64 = 1e-5;
 
 fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
     let identity = Epilogue {
@@ -94,6 +114,7 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
                 rows_layout: false,
                 workspace: g.partial_bytes(),
                 programmatic,
+                operands: Operands::WeightAndWorkspace,
             });
         }
         v.push(Variant {
@@ -102,6 +123,7 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
             rows_layout: true,
             workspace: 0,
             programmatic,
+            operands: Operands::Weight,
         });
         for split in [1, 2, 4, 8] {
             for prefetch in [false, true] {
@@ -120,8 +142,51 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
                     rows_layout: true,
                     workspace: 0,
                     programmatic,
+                    operands: Operands::Weight,
                 });
             }
+        }
+        if k > GEMV_ROW_ELEMENTS {
+            continue;
+        }
+        // The group kernel: one product with the norm folded in, and two combined
+        // (each product reads the bytes of one weight; the gated one twice that).
+        let product = GroupProduct {
+            n,
+            epilogue: identity,
+        };
+        let group = |products: Vec<GroupProduct>, combine, norm| RowGroup {
+            rows: 1,
+            k,
+            products,
+            combine,
+            norm,
+            max_blocks: 16 * sms,
+        };
+        let silu_mul = vec![
+            EwStep::Unary(UnaryOp::Silu, 0),
+            EwStep::Binary(BinaryOp::Mul, 2, 1),
+        ];
+        for (label, g, operands) in [
+            (
+                "group, norm folded",
+                group(vec![product], None, Some(NORM_EPS)),
+                Operands::NormThenWeight,
+            ),
+            (
+                "group of 2, silu(a) * b (twice the bytes)",
+                group(vec![product, product], Some(silu_mul), None),
+                Operands::TwoWeightsGated,
+            ),
+        ] {
+            v.push(Variant {
+                label: format!("[N,K] {label} {launch}"),
+                kernel: gemv_group("bench", &g, DType::F32, DType::BF16).unwrap(),
+                rows_layout: true,
+                workspace: 0,
+                programmatic,
+                operands,
+            });
         }
     }
     v
@@ -186,6 +251,7 @@ fn time(
     variant: &Variant,
     copies: &[DeviceBuffer],
     a: &DeviceBuffer,
+    ones: &DeviceBuffer,
     n: usize,
 ) -> (f64, f64, Vec<f32>) {
     let name = "gemv_bench";
@@ -203,11 +269,18 @@ fn time(
         panic!("matrix-vector kernels launch whole blocks")
     };
     let stream = gpu.cu_stream();
-    let run = |copy: &DeviceBuffer| {
-        let mut values: Vec<u64> = vec![out.ptr(), a.ptr(), copy.ptr()];
-        if !variant.rows_layout {
-            values.push(workspace.ptr() + 4096);
-            values.push(workspace.ptr());
+    let run = |i: usize| {
+        let copy = &copies[i % copies.len()];
+        let mut values: Vec<u64> = vec![out.ptr(), a.ptr()];
+        match variant.operands {
+            Operands::Weight => values.push(copy.ptr()),
+            Operands::WeightAndWorkspace => {
+                values.extend([copy.ptr(), workspace.ptr() + 4096, workspace.ptr()])
+            }
+            Operands::NormThenWeight => values.extend([ones.ptr(), copy.ptr()]),
+            Operands::TwoWeightsGated => {
+                values.extend([copy.ptr(), copies[(i + 1) % copies.len()].ptr()])
+            }
         }
         let mut params: Vec<*mut c_void> =
             values.iter_mut().map(|v| (v as *mut u64).cast()).collect();
@@ -223,8 +296,8 @@ fn time(
         }
         .expect("the launch is queued");
     };
-    for copy in copies.iter().take(4) {
-        run(copy);
+    for i in 0..4 {
+        run(i);
     }
     let event = || driver::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).unwrap();
     let (start, stop) = (event(), event());
@@ -233,7 +306,7 @@ fn time(
     let ms = unsafe {
         driver::event::record(start, stream).unwrap();
         for i in 0..LAUNCHES {
-            run(&copies[i % copies.len()]);
+            run(i);
         }
         driver::event::record(stop, stream).unwrap();
         driver::event::synchronize(stop).unwrap();
@@ -252,7 +325,7 @@ fn time(
         )
         .unwrap();
         for i in 0..LAUNCHES {
-            run(&copies[i % copies.len()]);
+            run(i);
         }
         let graph = driver::stream::end_capture(stream).unwrap();
         let exec = driver::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)).unwrap();
@@ -301,7 +374,8 @@ fn gemv_bandwidth() {
                     .sum::<f64>()
             })
             .collect();
-        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let inv_rms = 1.0
+            / (a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>() / k as f64 + NORM_EPS).sqrt();
         let mut transposed = vec![0u16; n * k];
         for j in 0..n {
             for i in 0..k {
@@ -316,6 +390,9 @@ fn gemv_bandwidth() {
             "bench activation",
         )
         .unwrap();
+        let ones =
+            DeviceBuffer::from_bytes(&gpu, &1.0f32.to_le_bytes().repeat(k), "bench norm scale")
+                .unwrap();
         for rows_layout in [false, true] {
             let host = bytes_of(if rows_layout { &w } else { &transposed });
             let copies: Vec<DeviceBuffer> = (0..count)
@@ -325,10 +402,18 @@ fn gemv_bandwidth() {
                 .iter()
                 .filter(|v| v.rows_layout == rows_layout)
             {
-                let (us, graph_us, got) = time(&gpu, variant, &copies, &a_buffer, n);
+                let (us, graph_us, got) = time(&gpu, variant, &copies, &a_buffer, &ones, n);
+                let expected: Vec<f64> = match variant.operands {
+                    Operands::NormThenWeight => want.iter().map(|w| w * inv_rms).collect(),
+                    Operands::TwoWeightsGated => {
+                        want.iter().map(|&w| w / (1.0 + (-w).exp()) * w).collect()
+                    }
+                    _ => want.clone(),
+                };
+                let scale = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
                 let err = got
                     .iter()
-                    .zip(&want)
+                    .zip(&expected)
                     .map(|(g, w)| (f64::from(*g) - w).abs())
                     .fold(0.0, f64::max)
                     / scale;

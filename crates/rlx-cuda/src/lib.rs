@@ -19,6 +19,7 @@ mod gpu;
 mod matmul;
 mod nvrtc;
 mod param_layout;
+mod product_groups;
 mod program;
 mod step_timer;
 
@@ -184,6 +185,21 @@ fn native_ops() -> NativeOps {
     NativeOps::Only(names)
 }
 
+/// The optimizer's fusions for this backend: products with their epilogues (and half
+/// weights read as stored), elementwise regions as one generated kernel each, and
+/// attention as one op (spelled-out attention recognized, head transposes folded into
+/// its layout) for the flash kernel.
+fn fusion() -> FusionOptions {
+    FusionOptions {
+        matmul_epilogue: true,
+        elementwise_regions: true,
+        activations: true,
+        attention_layout: true,
+        attention_pattern: true,
+        ..FusionOptions::default()
+    }
+}
+
 /// One GPU's context, shared by every program compiled for it in this process.
 fn shared_gpu(ordinal: usize) -> Result<Arc<gpu::Gpu>> {
     type Opened = Mutex<Vec<(usize, Arc<gpu::Gpu>)>>;
@@ -223,18 +239,7 @@ impl Backend for CudaBackend {
     }
 
     fn fusion(&self) -> FusionOptions {
-        // Products with their epilogues (and half weights read as stored),
-        // elementwise regions as one generated kernel each, and attention as one op
-        // (spelled-out attention recognized, head transposes folded into its layout)
-        // for the flash kernel.
-        FusionOptions {
-            matmul_epilogue: true,
-            elementwise_regions: true,
-            activations: true,
-            attention_layout: true,
-            attention_pattern: true,
-            ..FusionOptions::default()
-        }
+        fusion()
     }
 
     fn native_ops(&self) -> NativeOps {

@@ -178,9 +178,17 @@ impl CudaProgram {
                 .and_then(|b| param_index.get(b))
                 .is_some_and(|&i| transposed[i])
         };
+        let groups = if crate::product_groups::enabled() {
+            crate::product_groups::of_plan(&plan)
+        } else {
+            Default::default()
+        };
         // (node, kernel table name, the function's name or the product) in order.
         let mut pending: Vec<(NodeId, String, Pending)> = Vec::with_capacity(plan.schedule.len());
         for &id in &plan.schedule {
+            if groups.absorbed.contains(&id) {
+                continue;
+            }
             let node = &nodes[id.index()];
             let in_shapes: Vec<_> = node
                 .inputs
@@ -206,30 +214,17 @@ impl CudaProgram {
             }
             let code = i32::try_from(id.index() + 1).unwrap_or(i32::MAX);
             let steps: Vec<(String, Step)> = match &node.op {
-                Op::MatMul => {
-                    let gemm = Gemm::new(
-                        &in_shapes,
-                        &node.shape,
-                        (Arg::At(inputs[0]), Arg::At(inputs[1]), Arg::At(out)),
-                        1.0,
-                        allow_tf32,
-                        b_transposed(&node.inputs),
-                    )
-                    .map_err(unsupported)?;
-                    vec![(table("cublas"), Step::Gemm(gemm))]
+                _ if groups.at.contains_key(&id) => {
+                    let group = &groups.at[&id];
+                    crate::fused_matmul::plan_group(&plan, group, products.row_blocks)
+                        .map_err(unsupported)?
+                        .into_iter()
+                        .map(|(kind, step)| (table(kind), step))
+                        .collect()
                 }
-                Op::FusedMatMul {
-                    alpha,
-                    bias,
-                    activation,
-                    residual,
-                } => {
-                    let epilogue = Epilogue {
-                        alpha: alpha.get(),
-                        bias: *bias,
-                        activation: *activation,
-                        residual: *residual,
-                    };
+                Op::MatMul | Op::FusedMatMul { .. } => {
+                    let epilogue = Epilogue::of(&node.op)
+                        .ok_or_else(|| unsupported("a product without an epilogue".into()))?;
                     let (steps, data) = crate::fused_matmul::plan(
                         &epilogue,
                         &in_shapes,

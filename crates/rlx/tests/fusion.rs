@@ -841,6 +841,73 @@ fn half_precision_weights_are_read_by_the_matmul_without_a_cast() {
     }
 }
 
+/// A decode layer's products (a GPU runs products of one input as one kernel, the
+/// norm before them folded in, gate and up combined by the SwiGLU product): norm,
+/// q/k/v (k with a bias), the output projection with a residual, norm, gate and up,
+/// down with a residual; half and f32 weights, one and three rows.
+#[test]
+fn a_decode_layers_products_match_the_reference() {
+    let mut rng = Rng(91);
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for (rows, hidden, kv, ffn) in [(1, 256, 64, 384), (3, 64, 24, 136)] {
+            let g = Graph::new("decode layer");
+            let f32s = |d: &[usize]| Shape::new(d, DType::F32);
+            let weight = |name: &str, k: usize, n: usize| {
+                let w = g.param(name, Shape::new(&[k, n], dtype)).unwrap();
+                if dtype == DType::F32 {
+                    w
+                } else {
+                    g.cast(w, DType::F32).unwrap()
+                }
+            };
+            let x = g.input("x", f32s(&[rows, hidden])).unwrap();
+            let h = g
+                .rms_norm(x, g.param("g1", f32s(&[hidden])).unwrap(), 1e-5)
+                .unwrap();
+            let q = g.matmul(h, weight("wq", hidden, hidden)).unwrap();
+            let k = g
+                .add(
+                    g.matmul(h, weight("wk", hidden, kv)).unwrap(),
+                    g.param("bk", f32s(&[kv])).unwrap(),
+                )
+                .unwrap();
+            let v = g.matmul(h, weight("wv", hidden, kv)).unwrap();
+            let o = g
+                .add(x, g.matmul(q, weight("wo", hidden, hidden)).unwrap())
+                .unwrap();
+            let h2 = g
+                .rms_norm(o, g.param("g2", f32s(&[hidden])).unwrap(), 1e-5)
+                .unwrap();
+            let gate = g.matmul(h2, weight("wg", hidden, ffn)).unwrap();
+            let up = g.matmul(h2, weight("wu", hidden, ffn)).unwrap();
+            let act = g.mul(g.silu(gate).unwrap(), up).unwrap();
+            let down = g
+                .add(o, g.matmul(act, weight("wd", ffn, hidden)).unwrap())
+                .unwrap();
+            g.set_outputs(vec![k, v, down]);
+            // Values exact in both half formats, so the reference sees the stored
+            // weights; weights scaled by 1/16 so every value stays near 1 and f32
+            // sums stay within the tolerance.
+            let mut feeds = feeds(&g, &mut rng);
+            for (name, data) in &mut feeds {
+                let scale = if name.starts_with('w') { 16.0 } else { 1.0 };
+                data.iter_mut()
+                    .for_each(|v| *v = (*v * 128.0).round() / 128.0 / scale);
+            }
+            let want = reference(&g, &feeds);
+            for device in common::test_devices() {
+                let got = run_on(device, &g, &feeds, true);
+                assert_close(
+                    &want,
+                    &got,
+                    2e-5,
+                    &format!("{dtype} {rows}x{hidden} on {device}"),
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn a_region_built_by_hand_is_checked() {
     use rlx::ir::{BinaryOp, EwStep, Op};

@@ -6,7 +6,7 @@ use super::{
     Kernel, binary_expr, broadcast_strides, ctype, elements, header, load, offset_code, store,
     unary_expr,
 };
-use rlx_ir::{DType, EwStep, Result, Shape, UnaryOp};
+use rlx_ir::{DType, EwStep, Op, Result, Shape, UnaryOp};
 use std::fmt::Write;
 
 /// `v` rounded to `dt` and back to its compute type (nothing for `f32`/`f64`): every
@@ -68,6 +68,30 @@ pub(crate) struct Epilogue {
 }
 
 impl Epilogue {
+    /// The epilogue of a product op (`MatMul` has none); `None` for other ops.
+    pub(crate) fn of(op: &Op) -> Option<Epilogue> {
+        match op {
+            Op::MatMul => Some(Epilogue {
+                alpha: 1.0,
+                bias: false,
+                activation: None,
+                residual: false,
+            }),
+            Op::FusedMatMul {
+                alpha,
+                bias,
+                activation,
+                residual,
+            } => Some(Epilogue {
+                alpha: alpha.get(),
+                bias: *bias,
+                activation: *activation,
+                residual: *residual,
+            }),
+            _ => None,
+        }
+    }
+
     /// Whether it changes nothing.
     pub fn is_identity(&self) -> bool {
         self.alpha == 1.0 && !self.bias && self.activation.is_none() && !self.residual
@@ -83,18 +107,44 @@ impl Epilogue {
         col: &str,
         n: usize,
     ) -> Result<()> {
-        let residual = load(dt, "res", &format!("(({row}) * {n}LL + ({col}))"));
-        self.code_with(s, dt, col, &residual)
+        self.code_tagged(s, dt, row, col, n, "")
     }
 
-    /// [`Epilogue::code`] with the residual read by the expression `residual`.
-    fn code_with(&self, s: &mut String, dt: DType, col: &str, residual: &str) -> Result<()> {
+    /// [`Epilogue::code`] reading the operands named by [`Epilogue::params_tagged`]
+    /// with `tag` (one kernel may hold several products' epilogues).
+    pub(super) fn code_tagged(
+        &self,
+        s: &mut String,
+        dt: DType,
+        row: &str,
+        col: &str,
+        n: usize,
+        tag: &str,
+    ) -> Result<()> {
+        let residual = load(
+            dt,
+            &format!("res{tag}"),
+            &format!("(({row}) * {n}LL + ({col}))"),
+        );
+        self.code_with(s, dt, col, &residual, &format!("bias{tag}"))
+    }
+
+    /// [`Epilogue::code`] with the residual read by the expression `residual` and the
+    /// bias from pointer `bias`.
+    fn code_with(
+        &self,
+        s: &mut String,
+        dt: DType,
+        col: &str,
+        residual: &str,
+        bias: &str,
+    ) -> Result<()> {
         if self.alpha != 1.0 {
             let a = super::literal(self.alpha, dt);
             let _ = writeln!(s, "      v = {};", rounded(dt, &format!("v * {a}")));
         }
         if self.bias {
-            let b = load(dt, "bias", col);
+            let b = load(dt, bias, col);
             let _ = writeln!(s, "      v = {};", rounded(dt, &format!("v + {b}")));
         }
         if let Some(act) = self.activation {
@@ -109,13 +159,18 @@ impl Epilogue {
 
     /// The pointer parameters for the bias and residual operands.
     pub(super) fn params(&self, dt: DType) -> String {
+        self.params_tagged(dt, "")
+    }
+
+    /// [`Epilogue::params`] named `bias{tag}` and `res{tag}`.
+    pub(super) fn params_tagged(&self, dt: DType, tag: &str) -> String {
         let t = ctype(dt).storage;
         let mut p = String::new();
         if self.bias {
-            let _ = write!(p, ", const {t}* __restrict__ bias");
+            let _ = write!(p, ", const {t}* __restrict__ bias{tag}");
         }
         if self.residual {
-            let _ = write!(p, ", const {t}* __restrict__ res");
+            let _ = write!(p, ", const {t}* __restrict__ res{tag}");
         }
         p
     }
@@ -170,7 +225,7 @@ pub(crate) fn epilogue_in_place(
         ct.compute,
         load(dt, "pv", "u")
     );
-    epilogue.code_with(&mut s, dt, "col", &load(dt, "rv", "u"))?;
+    epilogue.code_with(&mut s, dt, "col", &load(dt, "rv", "u"), "bias")?;
     let _ = writeln!(s, "      pv[u] = {};\n    }}", store(dt, "v"));
     s.push_str("    *(uint4*)(out + at) = pk;\n  }\n}\n");
     Ok(elements(s, pieces))

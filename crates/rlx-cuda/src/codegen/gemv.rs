@@ -27,7 +27,7 @@ const PREFETCH_BYTES: usize = 32 << 10;
 
 /// Lanes sharing one 128-byte line when each lane reads 8 elements of `dt`, less one
 /// (a lane prefetches when `lane & mask` is 0).
-fn line_mask(dt: DType) -> usize {
+pub(super) fn line_mask(dt: DType) -> usize {
     (128 / (8 * dt.size_in_bytes())).max(1) - 1
 }
 
@@ -100,26 +100,6 @@ impl Gemv {
     }
 }
 
-/// One 16-byte load of 8 consecutive `b` elements into `float w[8]`.
-fn vector_load(s: &mut String, bdt: DType) {
-    let _ = writeln!(s, "      float w[8];");
-    match bdt {
-        DType::F32 => {
-            let _ = writeln!(
-                s,
-                "      const float4 q0 = *reinterpret_cast<const float4*>(b + k * N + col0);\n      const float4 q1 = *reinterpret_cast<const float4*>(b + k * N + col0 + 4);\n      w[0] = q0.x; w[1] = q0.y; w[2] = q0.z; w[3] = q0.w; w[4] = q1.x; w[5] = q1.y; w[6] = q1.z; w[7] = q1.w;"
-            );
-        }
-        _ => {
-            let cvt = if bdt == DType::F16 { "h2f" } else { "bf2f" };
-            let _ = writeln!(
-                s,
-                "      const uint4 q = *reinterpret_cast<const uint4*>(b + k * N + col0);\n      const unsigned int u[4] = {{q.x, q.y, q.z, q.w}};\n      #pragma unroll\n      for (int j = 0; j < 4; ++j) {{ w[2 * j] = {cvt}((unsigned short)(u[j] & 0xffffu)); w[2 * j + 1] = {cvt}((unsigned short)(u[j] >> 16)); }}"
-            );
-        }
-    }
-}
-
 /// `out [rows, N] = epilogue(a [rows, K] @ b [K, N])` for a few rows: each block
 /// takes 256 columns and one slice of `K`; within it, 32 lanes of 8 columns and 8
 /// warps over the rows. Operands: `a`, `b`, the bias and residual if taken, then the
@@ -152,7 +132,7 @@ pub(crate) fn gemv(
         "  if (col0 < N) {{\n    #pragma unroll 4\n    for (long long k = k0 + warp; k < k1; k += 8) {{"
     );
     if g.vector {
-        vector_load(&mut s, bdt);
+        row_chunk(&mut s, bdt, "b + k * N + col0", "");
     } else {
         let _ = writeln!(s, "      float w[8];");
         let _ = writeln!(
@@ -228,17 +208,17 @@ pub(crate) struct GemvRows {
 }
 
 /// Rows longer than this are shared by several warps.
-const WARP_ROW_ELEMENTS: usize = 4096;
+pub(crate) const GEMV_ROW_ELEMENTS: usize = 4096;
 
 impl GemvRows {
-    /// One warp per output for rows up to [`WARP_ROW_ELEMENTS`], prefetching its
+    /// One warp per output for rows up to [`GEMV_ROW_ELEMENTS`], prefetching its
     /// row; longer rows shared by up to 8 warps (about 1024 elements each) without
     /// the prefetch. Measured with `gemv_bench` on an H100 (bf16, programmatic
     /// launches): 2048 x 2048 in 3.9 us with one warp and the prefetch (4.4 us
     /// without); 8192 x 2048 in 13.3 us with 8 warps, 16.2 us with one, and slower
     /// with the prefetch (its 16 KiB per row crowd out the loads).
     pub fn new(rows: usize, k: usize, n: usize, max_blocks: usize, vector: bool) -> GemvRows {
-        let split = if k <= WARP_ROW_ELEMENTS {
+        let split = if k <= GEMV_ROW_ELEMENTS {
             1
         } else {
             (k / 1024).next_power_of_two()
@@ -270,6 +250,26 @@ impl GemvRows {
             blocks: n.div_ceil(8 / split).clamp(1, max_blocks.max(1)),
             vector,
             prefetch: true,
+        }
+    }
+}
+
+/// Statements loading the 8 consecutive weights at address `at` (16-byte aligned) as
+/// `float w{tag}[8]`.
+pub(super) fn row_chunk(s: &mut String, wdt: DType, at: &str, tag: &str) {
+    match wdt {
+        DType::F32 => {
+            let _ = writeln!(
+                s,
+                "        const float4 qa{tag} = *reinterpret_cast<const float4*>({at}), qb{tag} = *reinterpret_cast<const float4*>({at} + 4);\n        const float w{tag}[8] = {{qa{tag}.x, qa{tag}.y, qa{tag}.z, qa{tag}.w, qb{tag}.x, qb{tag}.y, qb{tag}.z, qb{tag}.w}};"
+            );
+        }
+        _ => {
+            let cvt = if wdt == DType::F16 { "h2f" } else { "bf2f" };
+            let _ = writeln!(
+                s,
+                "        const uint4 q{tag} = *reinterpret_cast<const uint4*>({at});\n        const unsigned int u{tag}[4] = {{q{tag}.x, q{tag}.y, q{tag}.z, q{tag}.w}};\n        float w{tag}[8];\n        #pragma unroll\n        for (int j = 0; j < 4; ++j) {{ w{tag}[2 * j] = {cvt}((unsigned short)(u{tag}[j] & 0xffffu)); w{tag}[2 * j + 1] = {cvt}((unsigned short)(u{tag}[j] >> 16)); }}"
+            );
         }
     }
 }
@@ -340,21 +340,7 @@ pub(crate) fn gemv_rows(
         "      #pragma unroll 8\n      for (long long k = {start}; k < K; k += {step}) {{"
     );
     if g.vector {
-        match wdt {
-            DType::F32 => {
-                let _ = writeln!(
-                    s,
-                    "        const float4 q0 = *reinterpret_cast<const float4*>(row + k), q1 = *reinterpret_cast<const float4*>(row + k + 4);\n        const float w[8] = {{q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w}};"
-                );
-            }
-            _ => {
-                let cvt = if wdt == DType::F16 { "h2f" } else { "bf2f" };
-                let _ = writeln!(
-                    s,
-                    "        const uint4 q = *reinterpret_cast<const uint4*>(row + k);\n        const unsigned int u[4] = {{q.x, q.y, q.z, q.w}};\n        float w[8];\n        #pragma unroll\n        for (int j = 0; j < 4; ++j) {{ w[2 * j] = {cvt}((unsigned short)(u[j] & 0xffffu)); w[2 * j + 1] = {cvt}((unsigned short)(u[j] >> 16)); }}"
-                );
-            }
-        }
+        row_chunk(&mut s, wdt, "row + k", "");
         let _ = writeln!(
             s,
             "        #pragma unroll\n        for (int r = 0; r < {m}; ++r) {{"

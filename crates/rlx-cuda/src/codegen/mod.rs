@@ -21,6 +21,7 @@ mod flash;
 mod flash_mma;
 pub(crate) mod fused;
 pub(crate) mod gemv;
+pub(crate) mod gemv_group;
 mod index;
 mod quant;
 mod rope;

@@ -6,6 +6,7 @@
 
 use super::fused::{Epilogue, epilogue_in_place};
 use super::gemv::{Gemv, GemvRows, gemv, gemv_rows};
+use super::gemv_group::{GroupProduct, RowGroup, gemv_group};
 use super::{PRELUDE, entering_after_predecessor, kernel, kernel_for};
 use rlx_ir::{
     ArgReduceOp, BinaryOp, DType, EwStep, F64Bits, Op, PadMode, QuantFormat, ReduceOp, RopeStyle,
@@ -466,6 +467,56 @@ fn generated_kernels_parse_as_cxx() {
         )
         .unwrap(),
     );
+    // Row groups: q/k/v after a folded norm, gate/up combined by SwiGLU, and a
+    // group of half activations with every epilogue operand.
+    let product = |n: usize, epilogue: Epilogue| GroupProduct { n, epilogue };
+    let silu_mul = vec![
+        EwStep::Unary(UnaryOp::Silu, 0),
+        EwStep::Binary(BinaryOp::Mul, 2, 1),
+    ];
+    let groups = [
+        (
+            RowGroup {
+                rows: 1,
+                k: 2048,
+                products: vec![product(2048, bare), product(512, full), product(512, bare)],
+                combine: None,
+                norm: Some(1e-5),
+                max_blocks: 2112,
+            },
+            DType::F32,
+        ),
+        (
+            RowGroup {
+                rows: 3,
+                k: 256,
+                products: vec![product(72, bare), product(72, full)],
+                combine: Some(silu_mul),
+                norm: Some(1e-6),
+                max_blocks: 2112,
+            },
+            DType::F32,
+        ),
+        (
+            RowGroup {
+                rows: 2,
+                k: 64,
+                products: vec![product(16, full), product(24, full)],
+                combine: None,
+                norm: None,
+                max_blocks: 2112,
+            },
+            DType::BF16,
+        ),
+    ];
+    for (i, (g, adt)) in groups.iter().enumerate() {
+        for (j, wdt) in [DType::F32, DType::F16, DType::BF16]
+            .into_iter()
+            .enumerate()
+        {
+            more.push(gemv_group(&format!("rg{i}_{j}"), g, *adt, wdt).unwrap());
+        }
+    }
     for k in more {
         source.push_str(&entering_after_predecessor(&k.source));
     }
