@@ -14,7 +14,7 @@
 #                                torch.compile, RLX; scripts/gpu_models.py --timing)
 #   scripts/gpu-check.sh bench   on the GPU machine, after `timing`: kernel benchmarks
 #                                (matrix-vector variants; decode with and without
-#                                programmatic launches)
+#                                programmatic launches and grouped products)
 #
 # `run` finds the CUDA libraries (driver, NVRTC, cuBLAS) where the GPU machine keeps
 # them, prints the card, runs the op suites on every available device with the CUDA
@@ -178,10 +178,13 @@ bench)
     grep -E 'test result|panicked' "$out/gemv-bench.txt"
     model=/tmp/rlx-gpu-models/llama-1b-bf16
     if [ -d "$model" ]; then
-        for pdl in 1 0 1 0; do
-            printf "decode, RLX_CUDA_PDL=%s: " "$pdl"
-            RLX_CUDA_PDL=$pdl .device/tools/rlx bench llm --model "$model" --prompt 0 --gen 64 \
-                --reps 3 --device cuda --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["tests"][0]["median_tokens_per_s"], "tok/s")'
+        # Alternating: everything on; products not grouped; no programmatic launches.
+        for setting in "1 1" "1 0" "0 1" "1 1" "1 0" "0 1"; do
+            set -- $setting
+            printf "decode, RLX_CUDA_PDL=%s RLX_CUDA_GROUP_PRODUCTS=%s: " "$1" "$2"
+            RLX_CUDA_PDL=$1 RLX_CUDA_GROUP_PRODUCTS=$2 .device/tools/rlx bench llm --model "$model" \
+                --prompt 0 --gen 64 --reps 3 --device cuda --json |
+                python3 -c 'import json,sys; print(json.load(sys.stdin)["tests"][0]["median_tokens_per_s"], "tok/s")'
         done
     fi
     ;;

@@ -11,7 +11,7 @@
 
 use crate::codegen::fused::{Epilogue, epilogue_in_place};
 use crate::codegen::gemv::{GEMV_MAX_ROWS, GEMV_ROW_ELEMENTS, Gemv, GemvRows, gemv, gemv_rows};
-use crate::codegen::gemv_group::{GroupProduct, RowGroup, gemv_group};
+use crate::codegen::gemv_group::{GROUP_INPUT_FLOATS, GroupProduct, RowGroup, gemv_group};
 use crate::codegen::{self, Kernel};
 use crate::matmul::Gemm;
 use crate::product_groups::ProductGroup;
@@ -157,7 +157,8 @@ pub(crate) fn plan(
 
 /// Whether a product can be computed by a row group kernel ([`gemv_group`]): a few
 /// rows of float `a` (16-byte aligned) against a 2-D float weight stored `[N, K]`,
-/// with `K` a multiple of 8 and short enough for one warp to walk a row.
+/// with `K` a multiple of 8 and short enough for one warp to walk a row, and the
+/// rows few enough for a block to keep in shared memory.
 pub(crate) fn joins_row_group(
     shapes: &[Shape],
     out_shape: &Shape,
@@ -179,6 +180,7 @@ pub(crate) fn joins_row_group(
         && out_shape.dtype() == a.dtype()
         && k % 8 == 0
         && (8..=GEMV_ROW_ELEMENTS).contains(&k)
+        && rows * k <= GROUP_INPUT_FLOATS
         && aligned16(a_at)
 }
 

@@ -169,6 +169,11 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
         ];
         for (label, g, operands) in [
             (
+                "group of 1",
+                group(vec![product], None, None),
+                Operands::Weight,
+            ),
+            (
                 "group, norm folded",
                 group(vec![product], None, Some(NORM_EPS)),
                 Operands::NormThenWeight,

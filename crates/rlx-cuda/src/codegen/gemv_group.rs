@@ -6,13 +6,19 @@
 //!
 //! The weights are stored `[N, K]`, as for [`super::gemv::gemv_rows`]: a warp owns
 //! one output and walks its contiguous row (its rows, when the outputs are
-//! combined), 16 bytes a lane at a time.
+//! combined), 16 bytes a lane at a time. Each block first copies the input into
+//! shared memory (normalizing it there when the norm is folded: once a block, not
+//! once an output), so the walk reads only weights from memory.
 
 use super::fused::{Epilogue, rounded};
 use super::gemv::{GEMV_THREADS, line_mask, row_chunk};
 use super::{Grid, Kernel, binary_expr, ctype, load, store, unary_expr, unsupported};
 use rlx_ir::{DType, EwStep, Result};
 use std::fmt::Write;
+
+/// The most input values (`rows x K`) a group takes: each block keeps them in
+/// shared memory (32 KiB as float).
+pub(crate) const GROUP_INPUT_FLOATS: usize = 8192;
 
 /// One product of a [`RowGroup`]: its output columns and epilogue.
 #[derive(Clone, Copy, Debug)]
@@ -75,6 +81,11 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
     if g.norm.is_some() && adt != DType::F32 {
         return Err(unsupported(format!("a norm folded into {adt} products")));
     }
+    if m * k > GROUP_INPUT_FLOATS {
+        return Err(unsupported(format!(
+            "a row group input of {m} x {k}, past {GROUP_INPUT_FLOATS} values"
+        )));
+    }
     if let Some(steps) = &g.combine
         && (steps.is_empty() || g.products.iter().any(|p| p.n != g.products[0].n))
     {
@@ -131,18 +142,36 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
         }
         let _ = writeln!(s, "    const {wt}* row0 = {pick} + c * K;");
     };
-    // Ask L2 for the first output's rows before waiting for the kernel ahead.
+    // Ask L2 for the first output's first row before waiting for the kernel ahead
+    // (one row a warp: the resident blocks' rows fit in L2, both rows of every
+    // gated pair may not).
     let _ = writeln!(
         s,
         "  {{\n    const long long first = (long long)blockIdx.x * 8 + warp;\n    if (first < {total}LL && (lane & {mask}) == 0) {{",
         mask = line_mask(wdt)
     );
     select(&mut s, "first");
-    let _ = write!(s, "    for (long long k = lane * 8; k < K; k += 256) {{");
-    for w in 0..walked {
-        let _ = write!(s, " rlx_prefetch_l2(row{w} + k);");
+    s.push_str(
+        "    for (long long k = lane * 8; k < K; k += 256) rlx_prefetch_l2(row0 + k);\n    }\n  }\n  RLX_ENTER();\n",
+    );
+    // The block's copy of `a` in shared memory as float; normalized, when the norm
+    // is folded, as the norm kernel computes it (`x * inv * gamma`).
+    let size = m * k;
+    let _ = writeln!(
+        s,
+        "  __shared__ __align__(16) float xs[{size}];\n  for (int i = threadIdx.x; i < {size}; i += {GEMV_THREADS}) xs[i] = {};",
+        load(adt, "a", "i")
+    );
+    if let Some(eps) = g.norm {
+        let _ = writeln!(
+            s,
+            "  __shared__ float red[32];\n  __syncthreads();\n  for (int r = 0; r < {m}; ++r) {{\n    float t = 0.f;\n    for (int i = threadIdx.x; i < {k}; i += {GEMV_THREADS}) t += xs[r * {k} + i] * xs[r * {k} + i];\n    const float inv = rsqrtf(block_sum(t, red) / {} + {});\n    for (int i = threadIdx.x; i < {k}; i += {GEMV_THREADS}) xs[r * {k} + i] = xs[r * {k} + i] * inv * {};\n  }}",
+            super::literal(k as f64, DType::F32),
+            super::literal(eps, DType::F32),
+            load(adt, "gamma", "i")
+        );
     }
-    s.push_str(" }\n    }\n  }\n  RLX_ENTER();\n");
+    s.push_str("  __syncthreads();\n");
     let _ = writeln!(
         s,
         "  for (long long col = (long long)blockIdx.x * 8 + warp; col < {total}LL; col += stride) {{"
@@ -154,12 +183,6 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
             "    float acc{w}[{m}];\n    #pragma unroll\n    for (int r = 0; r < {m}; ++r) acc{w}[r] = 0.f;"
         );
     }
-    if g.norm.is_some() {
-        let _ = writeln!(
-            s,
-            "    float ss[{m}];\n    #pragma unroll\n    for (int r = 0; r < {m}; ++r) ss[r] = 0.f;"
-        );
-    }
     let _ = writeln!(
         s,
         "    #pragma unroll 8\n    for (long long k = lane * 8; k < K; k += 256) {{"
@@ -169,28 +192,8 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
     }
     let _ = writeln!(
         s,
-        "      #pragma unroll\n      for (int r = 0; r < {m}; ++r) {{\n        float x[8];"
+        "      #pragma unroll\n      for (int r = 0; r < {m}; ++r) {{\n        const float4 xa = *reinterpret_cast<const float4*>(xs + r * K + k), xb = *reinterpret_cast<const float4*>(xs + r * K + k + 4);\n        const float x[8] = {{xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w}};"
     );
-    if adt == DType::F32 {
-        let _ = writeln!(
-            s,
-            "        const float4 xa = *reinterpret_cast<const float4*>(a + r * K + k), xb = *reinterpret_cast<const float4*>(a + r * K + k + 4);\n        x[0] = xa.x; x[1] = xa.y; x[2] = xa.z; x[3] = xa.w; x[4] = xb.x; x[5] = xb.y; x[6] = xb.z; x[7] = xb.w;"
-        );
-    } else {
-        let _ = writeln!(
-            s,
-            "        #pragma unroll\n        for (int j = 0; j < 8; ++j) x[j] = {};",
-            load(adt, "a", "r * K + k + j")
-        );
-    }
-    if g.norm.is_some() {
-        // The sum of squares rides along; `gamma` scales the input here and the
-        // reciprocal root scales the finished sum (a per-row constant).
-        let _ = writeln!(
-            s,
-            "        const float4 ga = *reinterpret_cast<const float4*>(gamma + k), gb = *reinterpret_cast<const float4*>(gamma + k + 4);\n        const float gm[8] = {{ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w}};\n        #pragma unroll\n        for (int j = 0; j < 8; ++j) {{ ss[r] = fmaf(x[j], x[j], ss[r]); x[j] *= gm[j]; }}"
-        );
-    }
     for w in 0..walked {
         let _ = writeln!(
             s,
@@ -205,34 +208,19 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
     for w in 0..walked {
         let _ = writeln!(s, "      acc{w}[r] = warp_sum(acc{w}[r]);");
     }
-    if g.norm.is_some() {
-        s.push_str("      ss[r] = warp_sum(ss[r]);\n");
-    }
     s.push_str("    }\n");
     let c = ctype(adt).compute;
     let _ = writeln!(
         s,
         "    if (lane == 0) {{\n      for (int r = 0; r < {m}; ++r) {{"
     );
-    let scale = match g.norm {
-        Some(eps) => {
-            let _ = writeln!(
-                s,
-                "      const float inv = rsqrtf(ss[r] / {} + {});",
-                super::literal(k as f64, DType::F32),
-                super::literal(eps, DType::F32)
-            );
-            " * inv"
-        }
-        None => "",
-    };
     match &g.combine {
         Some(steps) => {
             for (i, prod) in g.products.iter().enumerate() {
                 let _ = writeln!(
                     s,
                     "      {c} r{i};\n      {{\n      {c} v = {};",
-                    rounded(adt, &format!("acc{i}[r]{scale}"))
+                    rounded(adt, &format!("acc{i}[r]"))
                 );
                 prod.epilogue
                     .code_tagged(&mut s, adt, "r", "c", prod.n, &i.to_string())?;
@@ -254,11 +242,7 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
             );
         }
         None => {
-            let _ = writeln!(
-                s,
-                "      {c} v = {};",
-                rounded(adt, &format!("acc0[r]{scale}"))
-            );
+            let _ = writeln!(s, "      {c} v = {};", rounded(adt, &format!("acc0[r]")));
             for (i, prod) in g.products.iter().enumerate() {
                 let _ = writeln!(
                     s,
