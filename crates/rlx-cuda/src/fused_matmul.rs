@@ -235,6 +235,12 @@ pub(crate) fn plan_group(
         combine,
         norm: group.norm.map(|n| n.eps),
         max_blocks,
+        staged: false,
+        split_products: false,
+    };
+    let g = RowGroup {
+        split_products: g.combine.is_some() && 8 % g.products.len() == 0,
+        ..g
     };
     let kernel = gemv_group(codegen::STEP_NAME, &g, a_shape.dtype(), w_shape.dtype())
         .map_err(|e| e.to_string())?;

@@ -73,6 +73,8 @@ enum Operands {
     /// Two weights (two copies of the same values): the result is
     /// `silu(p) * p` of the product `p`.
     TwoWeightsGated,
+    /// Both: the norm scale, then two weights.
+    NormThenTwoWeightsGated,
 }
 
 /// One kernel variant and the layout of the weight it reads.
@@ -155,43 +157,72 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
             n,
             epilogue: identity,
         };
-        let group = |products: Vec<GroupProduct>, combine, norm| RowGroup {
-            rows: 1,
-            k,
-            products,
-            combine,
-            norm,
-            max_blocks: 16 * sms,
-        };
         let silu_mul = vec![
             EwStep::Unary(UnaryOp::Silu, 0),
             EwStep::Binary(BinaryOp::Mul, 2, 1),
         ];
-        for (label, g, operands) in [
-            (
-                "group of 1",
-                group(vec![product], None, None),
-                Operands::Weight,
-            ),
-            (
-                "group, norm folded",
-                group(vec![product], None, Some(NORM_EPS)),
-                Operands::NormThenWeight,
-            ),
-            (
-                "group of 2, silu(a) * b (twice the bytes)",
-                group(vec![product, product], Some(silu_mul), None),
-                Operands::TwoWeightsGated,
-            ),
-        ] {
+        let group = |pair: bool, norm: bool, staged: bool, split: bool, blocks: usize| RowGroup {
+            rows: 1,
+            k,
+            products: vec![product; 1 + usize::from(pair)],
+            combine: pair.then(|| silu_mul.clone()),
+            norm: norm.then_some(NORM_EPS),
+            max_blocks: blocks * sms,
+            staged,
+            split_products: split,
+        };
+        let mut add = |label: String, g: RowGroup, operands| {
             v.push(Variant {
-                label: format!("[N,K] {label} {launch}"),
+                label: format!(
+                    "[N,K] {label}, {} blocks{} {launch}",
+                    g.blocks(),
+                    if g.staged { ", staged" } else { "" }
+                ),
                 kernel: gemv_group("bench", &g, DType::F32, DType::BF16).unwrap(),
                 rows_layout: true,
                 workspace: 0,
                 programmatic,
                 operands,
             });
+        };
+        for staged in [false, true] {
+            add(
+                "group of 1".into(),
+                group(false, false, staged, false, 16),
+                Operands::Weight,
+            );
+            add(
+                "group of 1, norm folded".into(),
+                group(false, true, staged, false, 16),
+                Operands::NormThenWeight,
+            );
+        }
+        // Gated pairs read twice the bytes of the row above.
+        for (norm, staged, split, blocks) in [
+            (false, false, false, 16),
+            (false, false, true, 16),
+            (true, false, true, 16),
+            (true, true, true, 16),
+            (true, true, true, 4),
+            (true, true, true, 2),
+        ] {
+            add(
+                format!(
+                    "pair silu(a) * b{}{}",
+                    if split {
+                        ", a warp a product"
+                    } else {
+                        ", a warp both"
+                    },
+                    if norm { ", norm folded" } else { "" }
+                ),
+                group(true, norm, staged, split, blocks),
+                if norm {
+                    Operands::NormThenTwoWeightsGated
+                } else {
+                    Operands::TwoWeightsGated
+                },
+            );
         }
     }
     v
@@ -285,6 +316,9 @@ fn time(
             Operands::NormThenWeight => values.extend([ones.ptr(), copy.ptr()]),
             Operands::TwoWeightsGated => {
                 values.extend([copy.ptr(), copies[(i + 1) % copies.len()].ptr()])
+            }
+            Operands::NormThenTwoWeightsGated => {
+                values.extend([ones.ptr(), copy.ptr(), copies[(i + 1) % copies.len()].ptr()])
             }
         }
         let mut params: Vec<*mut c_void> =
@@ -413,6 +447,13 @@ fn gemv_bandwidth() {
                     Operands::TwoWeightsGated => {
                         want.iter().map(|&w| w / (1.0 + (-w).exp()) * w).collect()
                     }
+                    Operands::NormThenTwoWeightsGated => want
+                        .iter()
+                        .map(|&w| {
+                            let w = w * inv_rms;
+                            w / (1.0 + (-w).exp()) * w
+                        })
+                        .collect(),
                     _ => want.clone(),
                 };
                 let scale = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));

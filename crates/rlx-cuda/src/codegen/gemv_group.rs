@@ -47,6 +47,14 @@ pub(crate) struct RowGroup {
     pub norm: Option<f64>,
     /// The most blocks to launch.
     pub max_blocks: usize,
+    /// Whether each block first copies `a` into shared memory (normalizing it
+    /// there once when the norm is folded); otherwise warps read it as they walk
+    /// (and each sums its squares itself).
+    pub staged: bool,
+    /// When combined: whether each warp walks one product's row, the block's
+    /// warps split between the products (their results meet in shared memory),
+    /// rather than one warp walking every product's row.
+    pub split_products: bool,
 }
 
 impl RowGroup {
@@ -59,10 +67,20 @@ impl RowGroup {
         }
     }
 
-    /// Blocks launched: 8 warps each, a warp per output at a time.
+    /// Outputs a block takes at a time: one a warp, or with the products split
+    /// over its warps, `8 / products`.
+    pub fn outputs_per_block(&self) -> usize {
+        if self.split_products {
+            8 / self.products.len().max(1)
+        } else {
+            8
+        }
+    }
+
+    /// Blocks launched (8 warps each).
     pub fn blocks(&self) -> usize {
         self.walked_outputs()
-            .div_ceil(8)
+            .div_ceil(self.outputs_per_block())
             .clamp(1, self.max_blocks.max(1))
     }
 }
@@ -93,8 +111,14 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
             "a combined row group of unequal products".into(),
         ));
     }
+    if g.split_products && (g.combine.is_none() || 8 % count != 0) {
+        return Err(unsupported(format!(
+            "{count} products split over a block's 8 warps"
+        )));
+    }
     let at = ctype(adt).storage;
     let wt = ctype(wdt).storage;
+    let c = ctype(adt).compute;
     let outs = if g.combine.is_some() { 1 } else { count };
     let mut s = format!("extern \"C\" __global__ void __launch_bounds__({GEMV_THREADS}) {name}(");
     for o in 0..outs {
@@ -113,28 +137,41 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
     }
     s.push_str(") {\n");
     let total = g.walked_outputs();
+    let per = g.outputs_per_block();
+    // Rows a warp walks at once: every product's when combined in one warp.
+    let walked = if g.combine.is_some() && !g.split_products {
+        count
+    } else {
+        1
+    };
     let _ = writeln!(
         s,
-        "  const long long K = {k}LL;\n  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n  const long long stride = (long long)gridDim.x * 8;"
+        "  const long long K = {k}LL;\n  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, slot = warp % {per};"
     );
-    // Rows this warp walks for output `col`: `p` is the product, `c` its column.
-    let walked = if g.combine.is_some() { count } else { 1 };
+    // The rows of output `col` (`c` within its product `p`).
     let select = |s: &mut String, col: &str| {
-        if g.combine.is_some() {
+        if g.combine.is_some() && !g.split_products {
             let _ = writeln!(s, "    const long long c = {col};");
             for i in 0..count {
                 let _ = writeln!(s, "    const {wt}* row{i} = b{i} + c * K;");
             }
             return;
         }
-        let _ = writeln!(s, "    int p = 0; long long c = {col};");
-        let mut start = 0usize;
-        for i in 1..count {
-            start += g.products[i - 1].n;
+        if g.split_products {
             let _ = writeln!(
                 s,
-                "    if ({col} >= {start}LL) {{ p = {i}; c = {col} - {start}LL; }}"
+                "    const int p = warp / {per}; const long long c = {col};"
             );
+        } else {
+            let _ = writeln!(s, "    int p = 0; long long c = {col};");
+            let mut start = 0usize;
+            for i in 1..count {
+                start += g.products[i - 1].n;
+                let _ = writeln!(
+                    s,
+                    "    if ({col} >= {start}LL) {{ p = {i}; c = {col} - {start}LL; }}"
+                );
+            }
         }
         let mut pick = String::from("b0");
         for i in 1..count {
@@ -147,40 +184,53 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
     // gated pair may not).
     let _ = writeln!(
         s,
-        "  {{\n    const long long first = (long long)blockIdx.x * 8 + warp;\n    if (first < {total}LL && (lane & {mask}) == 0) {{",
+        "  {{\n    const long long first = (long long)blockIdx.x * {per} + slot;\n    if (first < {total}LL && (lane & {mask}) == 0) {{",
         mask = line_mask(wdt)
     );
     select(&mut s, "first");
     s.push_str(
         "    for (long long k = lane * 8; k < K; k += 256) rlx_prefetch_l2(row0 + k);\n    }\n  }\n  RLX_ENTER();\n",
     );
-    // The block's copy of `a` in shared memory as float; normalized, when the norm
-    // is folded, as the norm kernel computes it (`x * inv * gamma`).
-    let size = m * k;
-    let _ = writeln!(
-        s,
-        "  __shared__ __align__(16) float xs[{size}];\n  for (int i = threadIdx.x; i < {size}; i += {GEMV_THREADS}) xs[i] = {};",
-        load(adt, "a", "i")
-    );
-    if let Some(eps) = g.norm {
+    if g.staged {
+        // The block's copy of `a` in shared memory as float; normalized, when the
+        // norm is folded, as the norm kernel computes it (`x * inv * gamma`).
+        let size = m * k;
         let _ = writeln!(
             s,
-            "  __shared__ float red[32];\n  __syncthreads();\n  for (int r = 0; r < {m}; ++r) {{\n    float t = 0.f;\n    for (int i = threadIdx.x; i < {k}; i += {GEMV_THREADS}) t += xs[r * {k} + i] * xs[r * {k} + i];\n    const float inv = rsqrtf(block_sum(t, red) / {} + {});\n    for (int i = threadIdx.x; i < {k}; i += {GEMV_THREADS}) xs[r * {k} + i] = xs[r * {k} + i] * inv * {};\n  }}",
-            super::literal(k as f64, DType::F32),
-            super::literal(eps, DType::F32),
-            load(adt, "gamma", "i")
+            "  __shared__ __align__(16) float xs[{size}];\n  for (int i = threadIdx.x; i < {size}; i += {GEMV_THREADS}) xs[i] = {};",
+            load(adt, "a", "i")
         );
+        if let Some(eps) = g.norm {
+            let _ = writeln!(
+                s,
+                "  __shared__ float red[32];\n  __syncthreads();\n  for (int r = 0; r < {m}; ++r) {{\n    float t = 0.f;\n    for (int i = threadIdx.x; i < {k}; i += {GEMV_THREADS}) t += xs[r * {k} + i] * xs[r * {k} + i];\n    const float inv = rsqrtf(block_sum(t, red) / {} + {});\n    for (int i = threadIdx.x; i < {k}; i += {GEMV_THREADS}) xs[r * {k} + i] = xs[r * {k} + i] * inv * {};\n  }}",
+                super::literal(k as f64, DType::F32),
+                super::literal(eps, DType::F32),
+                load(adt, "gamma", "i")
+            );
+        }
+        s.push_str("  __syncthreads();\n");
     }
-    s.push_str("  __syncthreads();\n");
+    if g.split_products {
+        let _ = writeln!(s, "  __shared__ float part[{}];", 8 * m);
+    }
+    // A block-uniform walk (the products' results meet at barriers when split).
     let _ = writeln!(
         s,
-        "  for (long long col = (long long)blockIdx.x * 8 + warp; col < {total}LL; col += stride) {{"
+        "  for (long long base = (long long)blockIdx.x * {per}; base < {total}LL; base += (long long)gridDim.x * {per}) {{\n  const long long col = base + slot;\n  if (col < {total}LL) {{"
     );
     select(&mut s, "col");
     for w in 0..walked {
         let _ = writeln!(
             s,
             "    float acc{w}[{m}];\n    #pragma unroll\n    for (int r = 0; r < {m}; ++r) acc{w}[r] = 0.f;"
+        );
+    }
+    let direct_norm = g.norm.is_some() && !g.staged;
+    if direct_norm {
+        let _ = writeln!(
+            s,
+            "    float ss[{m}];\n    #pragma unroll\n    for (int r = 0; r < {m}; ++r) ss[r] = 0.f;"
         );
     }
     let _ = writeln!(
@@ -190,10 +240,24 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
     for w in 0..walked {
         row_chunk(&mut s, wdt, &format!("row{w} + k"), &w.to_string());
     }
-    let _ = writeln!(
-        s,
-        "      #pragma unroll\n      for (int r = 0; r < {m}; ++r) {{\n        const float4 xa = *reinterpret_cast<const float4*>(xs + r * K + k), xb = *reinterpret_cast<const float4*>(xs + r * K + k + 4);\n        const float x[8] = {{xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w}};"
-    );
+    s.push_str("      #pragma unroll\n      for (int r = 0; r < ");
+    let _ = writeln!(s, "{m}; ++r) {{");
+    if g.staged {
+        s.push_str("        const float4 xa = *reinterpret_cast<const float4*>(xs + r * K + k), xb = *reinterpret_cast<const float4*>(xs + r * K + k + 4);\n        const float x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};\n");
+    } else if adt == DType::F32 {
+        s.push_str("        const float4 xa = *reinterpret_cast<const float4*>(a + r * K + k), xb = *reinterpret_cast<const float4*>(a + r * K + k + 4);\n        float x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};\n");
+    } else {
+        let _ = writeln!(
+            s,
+            "        float x[8];\n        #pragma unroll\n        for (int j = 0; j < 8; ++j) x[j] = {};",
+            load(adt, "a", "r * K + k + j")
+        );
+    }
+    if direct_norm {
+        // The sum of squares rides along; `gamma` scales the input here and the
+        // reciprocal root scales the finished sum (a per-row constant).
+        s.push_str("        const float4 ga = *reinterpret_cast<const float4*>(gamma + k), gb = *reinterpret_cast<const float4*>(gamma + k + 4);\n        const float gm[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};\n        #pragma unroll\n        for (int j = 0; j < 8; ++j) { ss[r] = fmaf(x[j], x[j], ss[r]); x[j] *= gm[j]; }\n");
+    }
     for w in 0..walked {
         let _ = writeln!(
             s,
@@ -208,23 +272,49 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
     for w in 0..walked {
         let _ = writeln!(s, "      acc{w}[r] = warp_sum(acc{w}[r]);");
     }
+    if direct_norm {
+        s.push_str("      ss[r] = warp_sum(ss[r]);\n");
+    }
     s.push_str("    }\n");
-    let c = ctype(adt).compute;
     let _ = writeln!(
         s,
         "    if (lane == 0) {{\n      for (int r = 0; r < {m}; ++r) {{"
     );
-    match &g.combine {
-        Some(steps) => {
-            for (i, prod) in g.products.iter().enumerate() {
-                let _ = writeln!(
-                    s,
-                    "      {c} r{i};\n      {{\n      {c} v = {};",
-                    rounded(adt, &format!("acc{i}[r]"))
-                );
-                prod.epilogue
-                    .code_tagged(&mut s, adt, "r", "c", prod.n, &i.to_string())?;
-                let _ = writeln!(s, "      r{i} = v;\n      }}");
+    let scale = if direct_norm {
+        let _ = writeln!(
+            s,
+            "      const float inv = rsqrtf(ss[r] / {} + {});",
+            super::literal(k as f64, DType::F32),
+            super::literal(g.norm.unwrap_or(0.0), DType::F32)
+        );
+        " * inv"
+    } else {
+        ""
+    };
+    // Each product's result after its epilogue, as `v` in the branch of product `p`.
+    let epilogues = |s: &mut String, then: &dyn Fn(&mut String, usize)| -> Result<()> {
+        let _ = writeln!(
+            s,
+            "      {c} v = {};",
+            rounded(adt, &format!("acc0[r]{scale}"))
+        );
+        for (i, prod) in g.products.iter().enumerate() {
+            let _ = writeln!(
+                s,
+                "      {}if (p == {i}) {{",
+                if i == 0 { "" } else { "else " }
+            );
+            prod.epilogue
+                .code_tagged(s, adt, "r", "c", prod.n, &i.to_string())?;
+            then(s, i);
+            s.push_str("      }\n");
+        }
+        Ok(())
+    };
+    let combined =
+        |s: &mut String, steps: &[EwStep], value: &dyn Fn(usize) -> String| -> Result<()> {
+            for i in 0..count {
+                let _ = writeln!(s, "      const {c} r{i} = {};", value(i));
             }
             for (j, step) in steps.iter().enumerate() {
                 let reg = |r: u16| format!("r{r}");
@@ -234,33 +324,51 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
                 };
                 let _ = writeln!(s, "      const {c} r{} = {};", count + j, rounded(adt, &v));
             }
-            let n = g.products[0].n;
             let _ = writeln!(
                 s,
-                "      out0[r * {n}LL + c] = {};",
+                "      out0[r * {total}LL + c] = {};",
                 store(adt, &format!("r{}", count + steps.len() - 1))
             );
+            Ok(())
+        };
+    match (&g.combine, g.split_products) {
+        (None, _) => {
+            epilogues(&mut s, &|s, i| {
+                let n = g.products[i].n;
+                let _ = writeln!(s, "      out{i}[r * {n}LL + c] = {};", store(adt, "v"));
+            })?;
+            s.push_str("      }\n    }\n  }\n  }\n}\n");
         }
-        None => {
-            let _ = writeln!(s, "      {c} v = {};", rounded(adt, &format!("acc0[r]")));
+        (Some(steps), false) => {
+            // Each product's epilogue in its own scope, then the region.
             for (i, prod) in g.products.iter().enumerate() {
                 let _ = writeln!(
                     s,
-                    "      {}if (p == {i}) {{",
-                    if i == 0 { "" } else { "else " }
+                    "      {c} e{i};\n      {{\n      {c} v = {};",
+                    rounded(adt, &format!("acc{i}[r]{scale}"))
                 );
                 prod.epilogue
                     .code_tagged(&mut s, adt, "r", "c", prod.n, &i.to_string())?;
-                let _ = writeln!(
-                    s,
-                    "      out{i}[r * {}LL + c] = {};\n      }}",
-                    prod.n,
-                    store(adt, "v")
-                );
+                let _ = writeln!(s, "      e{i} = v;\n      }}");
             }
+            combined(&mut s, steps, &|i| format!("e{i}"))?;
+            s.push_str("      }\n    }\n  }\n  }\n}\n");
+        }
+        (Some(steps), true) => {
+            epilogues(&mut s, &|s, _| {
+                let _ = writeln!(s, "      part[warp * {m} + r] = v;");
+            })?;
+            // The first `per` warps combine the products' results for their column.
+            let _ = writeln!(
+                s,
+                "      }}\n    }}\n  }}\n  __syncthreads();\n  if (warp < {per} && lane == 0 && col < {total}LL) {{\n    const long long c = col;\n    for (int r = 0; r < {m}; ++r) {{"
+            );
+            combined(&mut s, steps, &|i| {
+                format!("part[({i} * {per} + warp) * {m} + r]")
+            })?;
+            s.push_str("    }\n  }\n  __syncthreads();\n  }\n}\n");
         }
     }
-    s.push_str("      }\n    }\n  }\n}\n");
     Ok(Kernel {
         source: s,
         grid: Grid::Blocks {

@@ -483,6 +483,8 @@ fn generated_kernels_parse_as_cxx() {
                 combine: None,
                 norm: Some(1e-5),
                 max_blocks: 2112,
+                staged: false,
+                split_products: false,
             },
             DType::F32,
         ),
@@ -494,6 +496,8 @@ fn generated_kernels_parse_as_cxx() {
                 combine: Some(silu_mul),
                 norm: Some(1e-6),
                 max_blocks: 2112,
+                staged: false,
+                split_products: false,
             },
             DType::F32,
         ),
@@ -505,6 +509,8 @@ fn generated_kernels_parse_as_cxx() {
                 combine: None,
                 norm: None,
                 max_blocks: 2112,
+                staged: false,
+                split_products: false,
             },
             DType::BF16,
         ),
@@ -514,7 +520,14 @@ fn generated_kernels_parse_as_cxx() {
             .into_iter()
             .enumerate()
         {
-            more.push(gemv_group(&format!("rg{i}_{j}"), g, *adt, wdt).unwrap());
+            for (l, staged) in [false, true].into_iter().enumerate() {
+                let g = RowGroup {
+                    staged,
+                    split_products: g.combine.is_some() && j == 1,
+                    ..g.clone()
+                };
+                more.push(gemv_group(&format!("rg{i}_{j}_{l}"), &g, *adt, wdt).unwrap());
+            }
         }
     }
     for k in more {
