@@ -161,15 +161,14 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
             EwStep::Unary(UnaryOp::Silu, 0),
             EwStep::Binary(BinaryOp::Mul, 2, 1),
         ];
-        let group = |pair: bool, norm: bool, staged: bool, split: bool, blocks: usize| RowGroup {
+        let group = |pair: bool, norm: bool, staged: bool| RowGroup {
             rows: 1,
             k,
             products: vec![product; 1 + usize::from(pair)],
             combine: pair.then(|| silu_mul.clone()),
             norm: norm.then_some(NORM_EPS),
-            max_blocks: blocks * sms,
+            max_blocks: 16 * sms,
             staged,
-            split_products: split,
         };
         let mut add = |label: String, g: RowGroup, operands| {
             v.push(Variant {
@@ -188,35 +187,23 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
         for staged in [false, true] {
             add(
                 "group of 1".into(),
-                group(false, false, staged, false, 16),
+                group(false, false, staged),
                 Operands::Weight,
             );
             add(
                 "group of 1, norm folded".into(),
-                group(false, true, staged, false, 16),
+                group(false, true, staged),
                 Operands::NormThenWeight,
             );
         }
         // Gated pairs read twice the bytes of the row above.
-        for (norm, staged, split, blocks) in [
-            (false, false, false, 16),
-            (false, false, true, 16),
-            (true, false, true, 16),
-            (true, true, true, 16),
-            (true, true, true, 4),
-            (true, true, true, 2),
-        ] {
+        for (norm, staged) in [(false, false), (true, false), (true, true)] {
             add(
                 format!(
-                    "pair silu(a) * b{}{}",
-                    if split {
-                        ", a warp a product"
-                    } else {
-                        ", a warp both"
-                    },
+                    "pair silu(a) * b{}",
                     if norm { ", norm folded" } else { "" }
                 ),
-                group(true, norm, staged, split, blocks),
+                group(true, norm, staged),
                 if norm {
                     Operands::NormThenTwoWeightsGated
                 } else {

@@ -484,7 +484,6 @@ fn generated_kernels_parse_as_cxx() {
                 norm: Some(1e-5),
                 max_blocks: 2112,
                 staged: false,
-                split_products: false,
             },
             DType::F32,
         ),
@@ -497,7 +496,6 @@ fn generated_kernels_parse_as_cxx() {
                 norm: Some(1e-6),
                 max_blocks: 2112,
                 staged: false,
-                split_products: false,
             },
             DType::F32,
         ),
@@ -510,7 +508,6 @@ fn generated_kernels_parse_as_cxx() {
                 norm: None,
                 max_blocks: 2112,
                 staged: false,
-                split_products: false,
             },
             DType::BF16,
         ),
@@ -523,7 +520,6 @@ fn generated_kernels_parse_as_cxx() {
             for (l, staged) in [false, true].into_iter().enumerate() {
                 let g = RowGroup {
                     staged,
-                    split_products: g.combine.is_some() && j == 1,
                     ..g.clone()
                 };
                 more.push(gemv_group(&format!("rg{i}_{j}_{l}"), &g, *adt, wdt).unwrap());
