@@ -181,8 +181,8 @@ bench)
         # Alternating: everything on; products not grouped; no programmatic launches.
         for setting in "1 1" "1 0" "0 1" "1 1" "1 0" "0 1"; do
             set -- $setting
-            printf "decode, RLX_CUDA_PDL=%s RLX_CUDA_GROUP_PRODUCTS=%s: " "$1" "$2"
-            RLX_CUDA_PDL=$1 RLX_CUDA_GROUP_PRODUCTS=$2 .device/tools/rlx bench llm --model "$model" \
+            printf "decode, RLX_CUDA_PDL=%s RLX_CUDA_GROUPS=%s: " "$1" "$2"
+            RLX_CUDA_PDL=$1 RLX_CUDA_GROUPS=$2 .device/tools/rlx bench llm --model "$model" \
                 --prompt 0 --gen 64 --reps 3 --device cuda --json |
                 python3 -c 'import json,sys; print(json.load(sys.stdin)["tests"][0]["median_tokens_per_s"], "tok/s")'
         done

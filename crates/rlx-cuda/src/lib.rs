@@ -21,6 +21,7 @@ mod nvrtc;
 mod param_layout;
 mod product_groups;
 mod program;
+mod rope_writes;
 mod step_timer;
 
 pub use nvrtc::{COMPILES as NVRTC_COMPILES, cache_dir};

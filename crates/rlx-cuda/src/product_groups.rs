@@ -14,10 +14,11 @@ use rlx_ir::{DType, EwStep, NodeId, Op};
 use rlx_opt::{Location, Plan};
 use std::collections::{HashMap, HashSet};
 
-/// Whether products are grouped (`RLX_CUDA_GROUP_PRODUCTS=0` turns it off, to
-/// measure what it saves).
+/// Whether decode steps' nodes are grouped into shared kernels: these product
+/// groups and [`crate::rope_writes`] (`RLX_CUDA_GROUPS=0` turns both off, to
+/// measure what they save).
 pub(crate) fn enabled() -> bool {
-    std::env::var("RLX_CUDA_GROUP_PRODUCTS").map_or(true, |v| v != "0")
+    std::env::var("RLX_CUDA_GROUPS").map_or(true, |v| v != "0")
 }
 
 /// The most products in one group (each takes up to three operands).

@@ -178,15 +178,18 @@ impl CudaProgram {
                 .and_then(|b| param_index.get(b))
                 .is_some_and(|&i| transposed[i])
         };
-        let groups = if crate::product_groups::enabled() {
-            crate::product_groups::of_plan(&plan)
+        let (groups, rope_groups) = if crate::product_groups::enabled() {
+            (
+                crate::product_groups::of_plan(&plan),
+                crate::rope_writes::find(&plan),
+            )
         } else {
             Default::default()
         };
         // (node, kernel table name, the function's name or the product) in order.
         let mut pending: Vec<(NodeId, String, Pending)> = Vec::with_capacity(plan.schedule.len());
         for &id in &plan.schedule {
-            if groups.absorbed.contains(&id) {
+            if groups.absorbed.contains(&id) || rope_groups.absorbed.contains(&id) {
                 continue;
             }
             let node = &nodes[id.index()];
@@ -221,6 +224,14 @@ impl CudaProgram {
                         .into_iter()
                         .map(|(kind, step)| (table(kind), step))
                         .collect()
+                }
+                _ if rope_groups.at.contains_key(&id) => {
+                    let (kernel, args) =
+                        crate::rope_writes::plan_group(&plan, &rope_groups.at[&id], code)?;
+                    if let Some(message) = &kernel.check {
+                        checks.insert(code, format!("{}: {message}", what()));
+                    }
+                    vec![(table("rope_write"), Step::Kernel { kernel, args })]
                 }
                 Op::MatMul | Op::FusedMatMul { .. } => {
                     let epilogue = Epilogue::of(&node.op)

@@ -2731,6 +2731,133 @@ fn write_at_persistent_state() {
     );
 }
 
+/// A decode step's attention: q and k rotated (k into its cache), v into its cache,
+/// attention over the caches (a GPU runs the rotations and writes as one kernel).
+/// Checked against the reference at several positions, caches included, and a
+/// position past the cache is an error that leaves both caches as they were.
+#[test]
+fn rotated_keys_and_values_go_into_their_caches() {
+    let (seq, heads, kv_heads, dim, max_seq) = (1, 4, 2, 16, 8);
+    for style in [RopeStyle::HalfSplit, RopeStyle::Interleaved] {
+        let label = format!("decode attention {style:?}");
+        let g = Graph::new("decode attention");
+        let f32s = |d: &[usize]| Shape::new(d, DType::F32);
+        let q = g.input("q", f32s(&[1, seq, heads, dim])).unwrap();
+        let k = g.input("k", f32s(&[1, seq, kv_heads, dim])).unwrap();
+        let v = g.input("v", f32s(&[1, seq, kv_heads, dim])).unwrap();
+        let cos = g.input("cos", f32s(&[1, seq, 1, dim / 2])).unwrap();
+        let sin = g.input("sin", f32s(&[1, seq, 1, dim / 2])).unwrap();
+        let pos = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
+        let cache = f32s(&[1, max_seq, kv_heads, dim]);
+        let k_cache = g.input("k_cache", cache.clone()).unwrap();
+        let v_cache = g.input("v_cache", cache.clone()).unwrap();
+        let q = g.rope(q, cos, sin, style).unwrap();
+        let k = g.rope(k, cos, sin, style).unwrap();
+        let k_all = g.write_at(k_cache, k, pos, 1).unwrap();
+        let v_all = g.write_at(v_cache, v, pos, 1).unwrap();
+        let att = g.cached_attention(q, k_all, v_all, pos, None).unwrap();
+        g.set_outputs(vec![att, q]);
+        let handles = [
+            BufferHandle::new("k_cache", cache.dims(), DType::F32),
+            BufferHandle::new("v_cache", cache.dims(), DType::F32),
+        ];
+        let mut rng = Rng::new(0x2F0 + style as u64);
+        let mut values: HashMap<String, HostTensor> = HashMap::new();
+        let mut runs: Vec<(String, CompiledGraph)> = Vec::new();
+        for name in ["k_cache", "v_cache"] {
+            values.insert(name.into(), random_tensor(&mut rng, &cache, Dist::Default));
+        }
+        for device in test_devices() {
+            let options = CompileOptions::new()
+                .bind_handle(&handles[0])
+                .bind_handle(&handles[1]);
+            let mut compiled = Session::new(device).compile_with(&g, &options).unwrap();
+            for name in ["k_cache", "v_cache"] {
+                let init: Vec<f32> = values[name].data.iter().map(|&v| v as f32).collect();
+                compiled.write_handle(name, &init).unwrap();
+            }
+            runs.push((device.to_string(), compiled));
+        }
+        let fresh = |rng: &mut Rng, name: &str| {
+            let shape = g.inputs().into_iter().find(|i| i.0 == name).unwrap().2;
+            random_tensor(rng, &shape, Dist::Default)
+        };
+        for p in [0i64, 3, 7, 4] {
+            for name in ["q", "k", "v", "cos", "sin"] {
+                values.insert(name.into(), fresh(&mut rng, name));
+            }
+            values.insert(
+                "pos".into(),
+                HostTensor::new(Shape::new(&[1], DType::I64), vec![p as f64]),
+            );
+            let want = evaluate(&g, &mut values).unwrap();
+            let feeds: Vec<(String, TensorData)> = ["q", "k", "v", "cos", "sin", "pos"]
+                .iter()
+                .map(|&n| (n.to_string(), values[n].to_data()))
+                .collect();
+            let feeds: Vec<(&str, TensorRef)> = feeds
+                .iter()
+                .map(|(n, d)| (n.as_str(), d.as_ref()))
+                .collect();
+            for (name, compiled) in runs.iter_mut() {
+                let got = compiled.run_typed(&feeds).unwrap();
+                for (o, (a, w)) in got.iter().zip(&want).enumerate() {
+                    compare(
+                        &label,
+                        &format!("{name}, pos {p}, output {o}"),
+                        a,
+                        w,
+                        acc(dim * max_seq),
+                    );
+                }
+                for cache_name in ["k_cache", "v_cache"] {
+                    let state = compiled.read_handle(cache_name).unwrap();
+                    let state: Vec<f64> = state.iter().map(|&v| f64::from(v)).collect();
+                    let want = &values[cache_name].data;
+                    let worst = state
+                        .iter()
+                        .zip(want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f64::max);
+                    assert!(
+                        worst < 1e-5,
+                        "{label} ({name}): {cache_name} after pos {p} off by {worst}"
+                    );
+                }
+            }
+        }
+        // A position past the cache is an error and writes neither cache.
+        let bad: Vec<(String, TensorData)> = ["q", "k", "v", "cos", "sin"]
+            .iter()
+            .map(|&n| (n.to_string(), values[n].to_data()))
+            .chain(std::iter::once((
+                "pos".to_string(),
+                HostTensor::new(Shape::new(&[1], DType::I64), vec![max_seq as f64]).to_data(),
+            )))
+            .collect();
+        let bad: Vec<(&str, TensorRef)> =
+            bad.iter().map(|(n, d)| (n.as_str(), d.as_ref())).collect();
+        for (name, compiled) in runs.iter_mut() {
+            let before: Vec<Vec<f32>> = ["k_cache", "v_cache"]
+                .iter()
+                .map(|c| compiled.read_handle(c).unwrap())
+                .collect();
+            let err = compiled.run_typed(&bad);
+            assert!(
+                matches!(err, Err(Error::Runtime { .. })),
+                "{label} ({name}): position {max_seq} gave {err:?}"
+            );
+            for (c, old) in ["k_cache", "v_cache"].iter().zip(&before) {
+                assert_eq!(
+                    &compiled.read_handle(c).unwrap(),
+                    old,
+                    "{label} ({name}): {c} changed"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn handle_outputs_overwritten_by_write_at_are_refused() {
     // An output that is the handle, or a view of it, would be read after the write and

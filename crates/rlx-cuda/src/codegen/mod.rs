@@ -25,6 +25,7 @@ pub(crate) mod gemv_group;
 mod index;
 mod quant;
 mod rope;
+pub(crate) mod rope_write;
 mod rows;
 mod window;
 

@@ -7,6 +7,7 @@
 use super::fused::{Epilogue, epilogue_in_place};
 use super::gemv::{Gemv, GemvRows, gemv, gemv_rows};
 use super::gemv_group::{GroupProduct, RowGroup, gemv_group};
+use super::rope_write::{self, RopeJob, RopeWrites, WriteJob};
 use super::{PRELUDE, entering_after_predecessor, kernel, kernel_for};
 use rlx_ir::{
     ArgReduceOp, BinaryOp, DType, EwStep, F64Bits, Op, PadMode, QuantFormat, ReduceOp, RopeStyle,
@@ -525,6 +526,43 @@ fn generated_kernels_parse_as_cxx() {
                 more.push(gemv_group(&format!("rg{i}_{j}_{l}"), &g, *adt, wdt).unwrap());
             }
         }
+    }
+    // A decode step's rotations and cache writes, f32 and f16.
+    for (i, dt) in [DType::F32, DType::F16].into_iter().enumerate() {
+        let shape = |d: &[usize]| Shape::new(d, dt);
+        let cache = shape(&[1, 8, 2, 16]);
+        let spec = RopeWrites {
+            ropes: vec![
+                RopeJob {
+                    x: shape(&[1, 1, 4, 16]),
+                    style: RopeStyle::HalfSplit,
+                    into: None,
+                },
+                RopeJob {
+                    x: shape(&[1, 1, 2, 16]),
+                    style: RopeStyle::Interleaved,
+                    into: Some(0),
+                },
+            ],
+            cos: f32s(&[1, 1, 1, 8]),
+            sin: f32s(&[1, 1, 1, 8]),
+            writes: vec![
+                WriteJob {
+                    target: cache.clone(),
+                    update: shape(&[1, 1, 2, 16]),
+                    axis: 1,
+                    from: Some(1),
+                },
+                WriteJob {
+                    target: cache,
+                    update: shape(&[1, 1, 2, 16]),
+                    axis: 1,
+                    from: None,
+                },
+            ],
+            pos: Shape::new(&[1], DType::I64),
+        };
+        more.push(rope_write::kernel(&format!("rw{i}"), &spec, 3).unwrap());
     }
     for k in more {
         source.push_str(&entering_after_predecessor(&k.source));

@@ -1,0 +1,253 @@
+//! A decode step's rotary embeddings and cache writes as one kernel: q and k are
+//! rotated, k straight into its cache, and v copied into its cache, where the ops
+//! one by one take four launches. Every value is rounded as the ops would round it:
+//! a rotation to its input's dtype, a written element to the cache's.
+
+use super::fused::rounded;
+use super::{
+    Grid, Kernel, broadcast_strides, ctype, load, offset_code, store, strides, unravel_code,
+    unsupported,
+};
+use rlx_ir::{DType, Result, RopeStyle, Shape};
+use std::fmt::Write;
+
+/// One rotation: `x` (rotated pairs along its last dim) and where it goes.
+#[derive(Clone, Debug)]
+pub(crate) struct RopeJob {
+    /// The rotated value's shape (and the result's).
+    pub x: Shape,
+    /// How the last dim pairs up.
+    pub style: RopeStyle,
+    /// The write (an index into [`RopeWrites::writes`]) that stores the result in
+    /// its cache; `None` stores it as the rope's own value.
+    pub into: Option<usize>,
+}
+
+/// One write of rows into a cache at the shared position.
+#[derive(Clone, Debug)]
+pub(crate) struct WriteJob {
+    /// The cache.
+    pub target: Shape,
+    /// The rows written (their shape).
+    pub update: Shape,
+    /// The axis the rows go along.
+    pub axis: usize,
+    /// The rotation whose result is written; `None` writes an operand.
+    pub from: Option<usize>,
+}
+
+/// Rotations sharing their cosine and sine tables, and writes sharing a position.
+#[derive(Clone, Debug)]
+pub(crate) struct RopeWrites {
+    pub ropes: Vec<RopeJob>,
+    /// The cosine table, broadcast to each rotation's pairs.
+    pub cos: Shape,
+    /// The sine table, likewise.
+    pub sin: Shape,
+    pub writes: Vec<WriteJob>,
+    /// The position (one integer).
+    pub pos: Shape,
+}
+
+/// The kernel. Operands, in order: the result of each rotation kept as a value,
+/// each cache, each rotation's input, cos, sin, each written operand, the position,
+/// and the error slots (a position that does not fit is reported as `code`).
+pub(crate) fn kernel(name: &str, g: &RopeWrites, code: i32) -> Result<Kernel> {
+    let first = g.writes.first();
+    if g.writes.iter().any(|w| {
+        let f = first.expect("a write exists when the iterator yields one");
+        (w.update.dims()[w.axis], w.target.dims()[w.axis])
+            != (f.update.dims()[f.axis], f.target.dims()[f.axis])
+    }) {
+        return Err(unsupported(
+            "cache writes of different lengths in one kernel".into(),
+        ));
+    }
+    let mut s = format!("extern \"C\" __global__ void {name}(");
+    let mut params = Vec::new();
+    for (j, r) in g.ropes.iter().enumerate() {
+        if r.into.is_none() {
+            params.push(format!(
+                "{}* __restrict__ rot{j}",
+                ctype(r.x.dtype()).storage
+            ));
+        }
+    }
+    for (w, write) in g.writes.iter().enumerate() {
+        params.push(format!(
+            "{}* __restrict__ cache{w}",
+            ctype(write.target.dtype()).storage
+        ));
+    }
+    for (j, r) in g.ropes.iter().enumerate() {
+        params.push(format!(
+            "const {}* __restrict__ x{j}",
+            ctype(r.x.dtype()).storage
+        ));
+    }
+    params.push(format!(
+        "const {}* __restrict__ cosv",
+        ctype(g.cos.dtype()).storage
+    ));
+    params.push(format!(
+        "const {}* __restrict__ sinv",
+        ctype(g.sin.dtype()).storage
+    ));
+    for (w, write) in g.writes.iter().enumerate() {
+        if write.from.is_none() {
+            params.push(format!(
+                "const {}* __restrict__ upd{w}",
+                ctype(write.update.dtype()).storage
+            ));
+        }
+    }
+    params.push(format!(
+        "const {}* __restrict__ pos",
+        ctype(g.pos.dtype()).storage
+    ));
+    params.push("long long* __restrict__ err".into());
+    s.push_str(&params.join(", "));
+    s.push_str(") {\n");
+    if let Some(f) = first {
+        let (len, dim) = (f.update.dims()[f.axis], f.target.dims()[f.axis]);
+        let _ = writeln!(
+            s,
+            "  const long long p = {};\n  const bool fits = p >= 0 && p + {len}LL <= {dim}LL;\n  if (!fits && blockIdx.x == 0 && threadIdx.x == 0) rlx_fail(err, {code}, p);",
+            load(g.pos.dtype(), "pos", "0")
+        );
+    }
+    let mut total = 0usize;
+    let mut branches = Vec::new();
+    for (j, r) in g.ropes.iter().enumerate() {
+        let pairs = r.x.num_elements() / 2;
+        let mut b = String::new();
+        rope_body(&mut b, j, r, g)?;
+        branches.push((total, total + pairs, b));
+        total += pairs;
+    }
+    for (w, write) in g.writes.iter().enumerate() {
+        if write.from.is_some() {
+            continue;
+        }
+        let n = write.update.num_elements();
+        let mut b = String::new();
+        unravel_code(&mut b, "i", write.update.dims(), "u");
+        let _ = writeln!(
+            b,
+            "    if (fits) cache{w}[{}] = {};",
+            target_offset(write, "u"),
+            store(
+                write.target.dtype(),
+                &load(write.update.dtype(), &format!("upd{w}"), "i")
+            )
+        );
+        branches.push((total, total + n, b));
+        total += n;
+    }
+    let _ = writeln!(
+        s,
+        "  for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < {total}LL; t += (long long)gridDim.x * blockDim.x) {{"
+    );
+    for (k, (start, end, body)) in branches.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "  {}if (t < {end}LL) {{\n    const long long i = t - {start}LL;\n{body}  }}",
+            if k == 0 { "" } else { "else " }
+        );
+    }
+    s.push_str("  }\n}\n");
+    Ok(Kernel {
+        source: s,
+        grid: Grid::Elements(total),
+        check: first.map(|f| {
+            format!(
+                "write_at: position {{value}} + {} rows does not fit an axis of length {}",
+                f.update.dims()[f.axis],
+                f.target.dims()[f.axis]
+            )
+        }),
+    })
+}
+
+/// The offset in `write`'s cache of the update element whose coordinates are
+/// `{c}0, {c}1, ...`, its rows moved to position `p`.
+fn target_offset(write: &WriteJob, c: &str) -> String {
+    let st = strides(write.target.dims());
+    (0..write.update.rank())
+        .map(|a| {
+            if a == write.axis {
+                format!("({c}{a} + p) * {}LL", st[a])
+            } else {
+                format!("{c}{a} * {}LL", st[a])
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" + ")
+}
+
+/// Pair `i` of rotation `j`: both elements rotated by their angle and stored.
+fn rope_body(s: &mut String, j: usize, r: &RopeJob, g: &RopeWrites) -> Result<()> {
+    let dims = r.x.dims();
+    let d = *dims
+        .last()
+        .ok_or_else(|| unsupported("a rotation of a scalar".into()))?;
+    let half = d / 2;
+    let mut half_dims = dims.to_vec();
+    if let Some(last) = half_dims.last_mut() {
+        *last = half;
+    }
+    offset_code(
+        s,
+        "at",
+        &half_dims,
+        &broadcast_strides(g.cos.dims(), &half_dims),
+    );
+    let (ia, ib) = match r.style {
+        RopeStyle::HalfSplit => ("row * {d}LL + k", "row * {d}LL + k + {half}LL"),
+        RopeStyle::Interleaved => ("row * {d}LL + 2 * k", "row * {d}LL + 2 * k + 1"),
+    };
+    let fill = |e: &str| {
+        e.replace("{d}", &d.to_string())
+            .replace("{half}", &half.to_string())
+    };
+    let dt = r.x.dtype();
+    let acc = if dt == DType::F64 { "double" } else { "float" };
+    let _ = writeln!(
+        s,
+        "    const long long row = i / {h}LL, k = i % {h}LL;\n    const long long ia = {}, ib = {};\n    const {acc} a = {}, b = {}, cs = {}, sn = {};\n    const {acc} ra = {}, rb = {};",
+        fill(ia),
+        fill(ib),
+        load(dt, &format!("x{j}"), "ia"),
+        load(dt, &format!("x{j}"), "ib"),
+        load(g.cos.dtype(), "cosv", "at"),
+        load(g.sin.dtype(), "sinv", "at"),
+        rounded(dt, "a * cs - b * sn"),
+        rounded(dt, "a * sn + b * cs"),
+        h = half.max(1)
+    );
+    match r.into {
+        None => {
+            let _ = writeln!(
+                s,
+                "    rot{j}[ia] = {};\n    rot{j}[ib] = {};",
+                store(dt, "ra"),
+                store(dt, "rb")
+            );
+        }
+        Some(w) => {
+            let write = &g.writes[w];
+            unravel_code(s, "ia", dims, "ua");
+            unravel_code(s, "ib", dims, "ub");
+            let tdt = write.target.dtype();
+            let _ = writeln!(
+                s,
+                "    if (fits) {{ cache{w}[{}] = {}; cache{w}[{}] = {}; }}",
+                target_offset(write, "ua"),
+                store(tdt, "ra"),
+                target_offset(write, "ub"),
+                store(tdt, "rb")
+            );
+        }
+    }
+    Ok(())
+}

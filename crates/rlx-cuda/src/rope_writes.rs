@@ -1,0 +1,324 @@
+//! Which rotary embeddings and cache writes of a plan run as one kernel
+//! ([`crate::codegen::rope_write`]): a run of consecutive scheduled `rope` and
+//! `write_at` nodes whose rotations share their tables and whose writes share their
+//! position (a decode step's q and k rotations and its k and v cache writes). A
+//! rotation read only by a write of the run goes straight into that write's cache.
+//! The kernel runs in the place of the run's last node; as for
+//! [`crate::product_groups`], no other kernel runs between the nodes, and runs
+//! whose written bytes overlap their read ones are not formed.
+
+use crate::codegen::rope_write::{RopeJob, RopeWrites, WriteJob};
+use crate::program::Arg;
+use rlx_ir::{NodeId, Op};
+use rlx_opt::{Location, Plan};
+use std::collections::{HashMap, HashSet};
+
+/// The most nodes in one run.
+const MOST_NODES: usize = 8;
+
+/// A run of rotations and writes.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct RopeWriteGroup {
+    /// The `rope` nodes, in schedule order.
+    pub ropes: Vec<NodeId>,
+    /// The `write_at` nodes, in schedule order.
+    pub writes: Vec<NodeId>,
+}
+
+/// The runs of a plan.
+#[derive(Debug, Default)]
+pub(crate) struct RopeWriteGroups {
+    /// Each run, by the node in whose place it runs (its last).
+    pub at: HashMap<NodeId, RopeWriteGroup>,
+    /// Nodes whose work a run does elsewhere.
+    pub absorbed: HashSet<NodeId>,
+}
+
+/// Finds the runs of `plan`.
+pub(crate) fn find(plan: &Plan) -> RopeWriteGroups {
+    let nodes = plan.graph.nodes();
+    let sched = &plan.schedule;
+    let mut groups = RopeWriteGroups::default();
+    let mut i = 0;
+    while i < sched.len() {
+        let mut group = RopeWriteGroup {
+            ropes: Vec::new(),
+            writes: Vec::new(),
+        };
+        let mut end = i;
+        while end < sched.len() && end - i < MOST_NODES && joins(plan, &group, sched[end]) {
+            match nodes[sched[end].index()].op {
+                Op::Rope { .. } => group.ropes.push(sched[end]),
+                _ => group.writes.push(sched[end]),
+            }
+            end += 1;
+        }
+        if end - i < 2 || overlaps(plan, &group) {
+            i += 1;
+            continue;
+        }
+        let members = &sched[i..end];
+        groups
+            .absorbed
+            .extend(members[..members.len() - 1].iter().copied());
+        groups.at.insert(members[members.len() - 1], group);
+        i = end;
+    }
+    groups
+}
+
+/// Whether `id` can join `group`: a rotation with the group's tables, or a write at
+/// the group's position of the group's row count into a cache of the same length.
+fn joins(plan: &Plan, group: &RopeWriteGroup, id: NodeId) -> bool {
+    let nodes = plan.graph.nodes();
+    let node = &nodes[id.index()];
+    match node.op {
+        Op::Rope { .. } => group.ropes.first().is_none_or(|&r| {
+            let first = &nodes[r.index()];
+            first.inputs[1..] == node.inputs[1..]
+        }),
+        Op::WriteAt { axis } => {
+            let rows = |w: &rlx_ir::Node, axis: usize| {
+                (
+                    plan.shape(w.inputs[1]).dims()[axis],
+                    plan.shape(w.inputs[0]).dims()[axis],
+                )
+            };
+            // The kernel writes the target in place, as the planner places it.
+            plan.locations[id.index()] == plan.locations[node.inputs[0].index()]
+                && group.writes.first().is_none_or(|&w| {
+                    let first = &nodes[w.index()];
+                    let Op::WriteAt { axis: first_axis } = first.op else {
+                        return false;
+                    };
+                    first.inputs[2] == node.inputs[2] && rows(first, first_axis) == rows(node, axis)
+                })
+        }
+        _ => false,
+    }
+}
+
+/// For each rotation of `group`, the write (its index) that stores it in a cache,
+/// when that write is the rotation's only reader.
+fn destinations(plan: &Plan, group: &RopeWriteGroup) -> Vec<Option<usize>> {
+    let nodes = plan.graph.nodes();
+    group
+        .ropes
+        .iter()
+        .map(|&r| {
+            if plan.outputs.contains(&r) {
+                return None;
+            }
+            let readers: Vec<usize> = nodes
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| n.inputs.contains(&r))
+                .map(|(k, _)| k)
+                .collect();
+            let [only] = readers[..] else {
+                return None;
+            };
+            group.writes.iter().position(|&w| {
+                let write = &nodes[w.index()];
+                w.index() == only && write.inputs[1] == r && write.inputs[0] != r
+            })
+        })
+        .collect()
+}
+
+/// Whether bytes the group writes are bytes it reads.
+fn overlaps(plan: &Plan, group: &RopeWriteGroup) -> bool {
+    let nodes = plan.graph.nodes();
+    let span = |id: NodeId| {
+        let at: Location = plan.locations[id.index()];
+        (at, plan.shape(id).byte_size())
+    };
+    let into = destinations(plan, group);
+    let mut written = Vec::new();
+    let mut read = Vec::new();
+    for (k, &r) in group.ropes.iter().enumerate() {
+        if into[k].is_none() {
+            written.push(span(r));
+        }
+        read.extend(nodes[r.index()].inputs.iter().map(|&x| span(x)));
+    }
+    for &w in &group.writes {
+        written.push(span(w));
+        let inputs = &nodes[w.index()].inputs;
+        // An update is read as a value unless its rotation goes straight into this
+        // write (a rotation kept as a value and also written would be read while
+        // the kernel writes it: its own bytes overlap).
+        let straight = group
+            .ropes
+            .iter()
+            .position(|&r| r == inputs[1])
+            .is_some_and(|k| into[k].is_some());
+        if !straight {
+            read.push(span(inputs[1]));
+        }
+        read.push(span(inputs[2]));
+    }
+    written.iter().any(|&(w, wn)| {
+        read.iter().any(|&(r, rn)| {
+            w.region == r.region && w.offset < r.offset + rn && r.offset < w.offset + wn
+        })
+    })
+}
+
+/// The group's kernel and its operands; a position that does not fit is reported as
+/// `code`.
+pub(crate) fn plan_group(
+    plan: &Plan,
+    group: &RopeWriteGroup,
+    code: i32,
+) -> rlx_ir::Result<(crate::codegen::Kernel, Vec<Arg>)> {
+    let nodes = plan.graph.nodes();
+    let at = |id: NodeId| Arg::At(plan.locations[id.index()]);
+    let into = destinations(plan, group);
+    let from = |w: NodeId| {
+        let update = nodes[w.index()].inputs[1];
+        group
+            .ropes
+            .iter()
+            .position(|&r| r == update)
+            .filter(|&k| into[k].is_some())
+    };
+    let mut ropes = Vec::new();
+    for (k, &r) in group.ropes.iter().enumerate() {
+        let Op::Rope { style } = nodes[r.index()].op else {
+            unreachable!("a rope group holds ropes");
+        };
+        ropes.push(RopeJob {
+            x: plan.shape(nodes[r.index()].inputs[0]).clone(),
+            style,
+            into: into[k],
+        });
+    }
+    let mut writes = Vec::new();
+    for &w in &group.writes {
+        let Op::WriteAt { axis } = nodes[w.index()].op else {
+            unreachable!("a rope group holds writes");
+        };
+        let inputs = &nodes[w.index()].inputs;
+        writes.push(WriteJob {
+            target: plan.shape(inputs[0]).clone(),
+            update: plan.shape(inputs[1]).clone(),
+            axis,
+            from: from(w),
+        });
+    }
+    let tables = group.ropes.first().map(|&r| &nodes[r.index()].inputs);
+    let pos = group.writes.first().map(|&w| nodes[w.index()].inputs[2]);
+    let shape_or_scalar = |id: Option<NodeId>| {
+        id.map_or_else(
+            || rlx_ir::Shape::new(&[1], rlx_ir::DType::F32),
+            |x| plan.shape(x).clone(),
+        )
+    };
+    let spec = RopeWrites {
+        ropes,
+        cos: shape_or_scalar(tables.map(|t| t[1])),
+        sin: shape_or_scalar(tables.map(|t| t[2])),
+        writes,
+        pos: shape_or_scalar(pos),
+    };
+    let kernel = crate::codegen::rope_write::kernel(crate::codegen::STEP_NAME, &spec, code)?;
+    let mut args = Vec::new();
+    for (k, &r) in group.ropes.iter().enumerate() {
+        if into[k].is_none() {
+            args.push(at(r));
+        }
+    }
+    args.extend(group.writes.iter().map(|&w| at(w)));
+    args.extend(group.ropes.iter().map(|&r| at(nodes[r.index()].inputs[0])));
+    // Without ropes or writes the tables and position are never read; any live
+    // address stands in.
+    let stand_in = group.writes.first().or(group.ropes.first()).copied();
+    let table = |k: usize| tables.map_or_else(|| stand_in.map(at), |t| Some(at(t[k])));
+    args.extend(table(1));
+    args.extend(table(2));
+    for &w in &group.writes {
+        if from(w).is_none() {
+            args.push(at(nodes[w.index()].inputs[1]));
+        }
+    }
+    args.extend(pos.map(at).or_else(|| stand_in.map(at)));
+    args.push(Arg::Errors);
+    Ok((kernel, args))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rlx_ir::{DType, Graph, RopeStyle, Shape};
+    use rlx_opt::{PlanOptions, plan_graph};
+
+    /// A decode step's rotations, cache writes and attention; `k_is_output` also
+    /// returns the rotated k.
+    fn plan(k_is_output: bool) -> Plan {
+        let g = Graph::new("decode attention");
+        let f32s = |d: &[usize]| Shape::new(d, DType::F32);
+        let q = g.input("q", f32s(&[1, 1, 4, 16])).unwrap();
+        let k = g.input("k", f32s(&[1, 1, 2, 16])).unwrap();
+        let v = g.input("v", f32s(&[1, 1, 2, 16])).unwrap();
+        let cos = g.input("cos", f32s(&[1, 1, 1, 8])).unwrap();
+        let sin = g.input("sin", f32s(&[1, 1, 1, 8])).unwrap();
+        let pos = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
+        let cache = f32s(&[1, 8, 2, 16]);
+        let k_cache = g.input("k_cache", cache.clone()).unwrap();
+        let v_cache = g.input("v_cache", cache.clone()).unwrap();
+        let q = g.rope(q, cos, sin, RopeStyle::HalfSplit).unwrap();
+        let k = g.rope(k, cos, sin, RopeStyle::HalfSplit).unwrap();
+        let k_all = g.write_at(k_cache, k, pos, 1).unwrap();
+        let v_all = g.write_at(v_cache, v, pos, 1).unwrap();
+        let att = g.cached_attention(q, k_all, v_all, pos, None).unwrap();
+        g.set_outputs(if k_is_output { vec![att, k] } else { vec![att] });
+        let options = PlanOptions {
+            handles: vec![("k_cache".into(), cache.clone()), ("v_cache".into(), cache)],
+            fusion: crate::fusion(),
+            native: crate::native_ops(),
+            ..PlanOptions::default()
+        };
+        plan_graph(&g, &options).unwrap()
+    }
+
+    fn op(plan: &Plan, id: NodeId) -> String {
+        plan.graph.nodes()[id.index()].op.name()
+    }
+
+    #[test]
+    fn a_decode_steps_rotations_and_writes_are_one_run() {
+        let plan = plan(false);
+        let groups = find(&plan);
+        assert_eq!(groups.at.len(), 1, "{:?}\n{}", groups, plan.graph);
+        let group = groups.at.values().next().unwrap();
+        assert_eq!((group.ropes.len(), group.writes.len()), (2, 2));
+        // q is kept as a value, k goes straight into its cache.
+        assert_eq!(destinations(&plan, group), [None, Some(0)]);
+        assert_eq!(groups.absorbed.len(), 3);
+        let (kernel, args) = plan_group(&plan, group, 7).unwrap();
+        // q's result, two caches, two rotated inputs, cos, sin, v, pos, errors.
+        assert_eq!(args.len(), 10);
+        assert!(kernel.check.is_some());
+    }
+
+    #[test]
+    fn a_rotation_kept_as_an_output_and_written_is_not_grouped_with_its_write() {
+        let plan = plan(true);
+        let groups = find(&plan);
+        let kinds: Vec<Vec<String>> = groups
+            .at
+            .values()
+            .map(|g| {
+                g.ropes
+                    .iter()
+                    .chain(&g.writes)
+                    .map(|&id| op(&plan, id))
+                    .collect()
+            })
+            .collect();
+        // The rotated k is read by its write while the kernel would write it, so
+        // only the two writes share a kernel.
+        assert_eq!(kinds, [["write_at", "write_at"]], "{}", plan.graph);
+    }
+}
