@@ -3,15 +3,17 @@
 //! One block per (batch, query, head). The block walks the visible keys in chunks:
 //! each warp scores keys against the query (held, scaled, in shared memory), the
 //! chunk's scores become weights under a running maximum (the online softmax), and
-//! each thread accumulates the weighted values of the output elements it owns. Keys
-//! and values are read once per block, coalesced along the head dimension.
+//! each thread accumulates the weighted values of the output element it owns over
+//! its share of the keys (the block's threads split the keys when the value rows
+//! are shorter than the block; the shares are added at the end). Keys and values
+//! are read once per block, coalesced along the head dimension.
 
 use super::{Grid, Kernel, header_with, load, store};
 use rlx_ir::{DType, Op, Result, Shape};
 use std::fmt::Write;
 
 /// Threads per block.
-const THREADS: u32 = 128;
+const THREADS: u32 = 256;
 /// Keys scored per pass (their weights sit in shared memory).
 const CHUNK: usize = 256;
 
@@ -38,6 +40,12 @@ pub(super) fn kernel(
     };
     let exp = if acc == "double" { "exp" } else { "expf" };
     let per_thread = dv.div_ceil(THREADS as usize).max(1);
+    // Threads that share one output element, each taking every `split`-th key.
+    let split = if per_thread == 1 {
+        (THREADS as usize / dv.max(1)).max(1)
+    } else {
+        1
+    };
     let mut s = header_with(
         name,
         out.dtype(),
@@ -49,6 +57,9 @@ pub(super) fn kernel(
         "  __shared__ {acc} qs[{}]; __shared__ {acc} sc[{CHUNK}]; __shared__ {acc} red[32];",
         d.max(1)
     );
+    if split > 1 {
+        let _ = writeln!(s, "  __shared__ {acc} part[{}];", split * dv);
+    }
     let _ = writeln!(
         s,
         "  const long long pos = {};",
@@ -113,25 +124,43 @@ pub(super) fn kernel(
     // block_sum synchronizes, so every weight is written before it is read below.
     let _ = writeln!(s, "    cs = block_sum(cs, red);");
     let _ = writeln!(s, "    l = l * alpha + cs; m = nm;");
-    let _ = writeln!(
-        s,
-        "    for (int a = 0; a < {per_thread}; ++a) {{\n      const int j = tid + a * blockDim.x; if (j >= {dv}) break;\n      {acc} t = o[a] * alpha;\n      for (int jj = 0; jj < cn; ++jj) t += sc[jj] * ({acc}){};\n      o[a] = t;\n    }}",
-        load(
-            v.dtype(),
-            "in2",
-            &format!("(((bi * {smax}LL + c0 + jj) * {hkv}LL + kvh) * {dv}LL + j)")
-        )
+    let value = load(
+        v.dtype(),
+        "in2",
+        &format!("(((bi * {smax}LL + c0 + jj) * {hkv}LL + kvh) * {dv}LL + j)"),
     );
+    if split > 1 {
+        let _ = writeln!(
+            s,
+            "    if (tid < {all}) {{\n      const int j = tid % {dv}, s0 = tid / {dv};\n      {acc} t = o[0] * alpha;\n      for (int jj = s0; jj < cn; jj += {split}) t += sc[jj] * ({acc}){value};\n      o[0] = t;\n    }}",
+            all = split * dv
+        );
+    } else {
+        let _ = writeln!(
+            s,
+            "    for (int a = 0; a < {per_thread}; ++a) {{\n      const int j = tid + a * blockDim.x; if (j >= {dv}) break;\n      {acc} t = o[a] * alpha;\n      for (int jj = 0; jj < cn; ++jj) t += sc[jj] * ({acc}){value};\n      o[a] = t;\n    }}"
+        );
+    }
     s.push_str("    __syncthreads();\n  }\n");
     let _ = writeln!(
         s,
         "  const long long orow = ((bi * {sq}LL + qi) * {hq}LL + h) * {dv}LL;"
     );
-    let _ = writeln!(
-        s,
-        "  for (int a = 0; a < {per_thread}; ++a) {{ const int j = tid + a * blockDim.x; if (j < {dv}) out[orow + j] = {}; }}",
-        store(out.dtype(), "(l > 0 ? o[a] / l : 0)")
-    );
+    if split > 1 {
+        // The shares of each element meet in shared memory, added in share order.
+        let _ = writeln!(
+            s,
+            "  if (tid < {all}) part[tid] = o[0];\n  __syncthreads();\n  if (tid < {dv}) {{ {acc} t = 0; for (int s0 = 0; s0 < {split}; ++s0) t += part[s0 * {dv} + tid]; out[orow + tid] = {}; }}",
+            store(out.dtype(), "(l > 0 ? t / l : 0)"),
+            all = split * dv
+        );
+    } else {
+        let _ = writeln!(
+            s,
+            "  for (int a = 0; a < {per_thread}; ++a) {{ const int j = tid + a * blockDim.x; if (j < {dv}) out[orow + j] = {}; }}",
+            store(out.dtype(), "(l > 0 ? o[a] / l : 0)")
+        );
+    }
     s.push_str("}\n");
     Ok(Some(Kernel {
         source: s,

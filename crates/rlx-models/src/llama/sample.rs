@@ -197,7 +197,9 @@ mod tests {
     fn argmax_agrees_with_its_definition_on_ties_infinities_and_nans() {
         let mut state = 0x9e37_79b9u64;
         let mut next = || {
-            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
             state >> 33
         };
         for len in [0, 1, 2, 7, 8, 9, 17, 64, 1000] {
