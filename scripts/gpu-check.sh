@@ -182,8 +182,7 @@ bench)
     model=/tmp/rlx-gpu-models/llama-1b-bf16
     if [ -d "$model" ]; then
         # Alternating: everything on; products not grouped; no programmatic launches.
-        # RLX_CUDA_PDL=exit: the next kernel is scheduled when a kernel's blocks exit.
-        for setting in "1 1" "exit 1" "0 1" "1 0" "1 1" "exit 1" "0 1" "1 0"; do
+        for setting in "1 1" "0 1" "1 0" "1 1" "0 1" "1 0"; do
             set -- $setting
             printf "decode, RLX_CUDA_PDL=%s RLX_CUDA_GROUPS=%s: " "$1" "$2"
             RLX_CUDA_PDL=$1 RLX_CUDA_GROUPS=$2 .device/tools/rlx bench llm --model "$model" \

@@ -31,10 +31,6 @@ pub(crate) struct Gpu {
     /// before them (compute capability 9.0+, unless `RLX_CUDA_PDL=0`): a launch is
     /// scheduled while its predecessor finishes, and waits in its first statement.
     pub programmatic_launch: bool,
-    /// Whether a programmatically launched kernel lets the next one be scheduled
-    /// only when its blocks exit, rather than as soon as they start
-    /// (`RLX_CUDA_PDL=exit`).
-    pub trigger_at_exit: bool,
     /// Held by whoever queues work on the stream or waits for it. A graph capture
     /// records everything queued on the stream, from any thread, so another
     /// program's copies and kernels must not slip into it; this keeps them out.
@@ -102,7 +98,6 @@ impl Gpu {
             tensor_cores: major >= 8,
             programmatic_launch: major >= 9
                 && std::env::var("RLX_CUDA_PDL").map_or(true, |v| v.trim() != "0"),
-            trigger_at_exit: std::env::var("RLX_CUDA_PDL").is_ok_and(|v| v.trim() == "exit"),
             stream_lock: std::sync::Mutex::new(()),
             _blas_workspace: workspace,
         })

@@ -157,11 +157,7 @@ impl CudaProgram {
                 .ok_or_else(|| location_error(&plan, format!("%{i}")))?;
             plan.check_range(&format!("%{i} ({})", node.op.name()), location, &node.shape)?;
         }
-        let mut source = String::new();
-        if gpu.trigger_at_exit {
-            source.push_str("#define RLX_TRIGGER_AT_EXIT\n");
-        }
-        source.push_str(codegen::PRELUDE);
+        let mut source = String::from(codegen::PRELUDE);
         let mut checks = HashMap::new();
         // Steps with the same kernel text (the same op over the same shapes, as in
         // every layer of a model) share one compiled function: a 30-layer model
