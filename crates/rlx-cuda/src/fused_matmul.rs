@@ -17,7 +17,7 @@ use crate::matmul::Gemm;
 use crate::product_groups::ProductGroup;
 use crate::program::{Arg, COUNTERS, Step};
 use rlx_ir::{DType, NodeId, Op, Shape};
-use rlx_opt::{Location, Plan, Region};
+use rlx_opt::{Location, Plan};
 
 /// Where workspace data starts (after the counters).
 const DATA: usize = COUNTERS;
@@ -59,9 +59,6 @@ pub(crate) fn plan(
     // Not empty (checked above), so `n` is not zero.
     let rows = out_shape.num_elements() / n;
     let extra: Vec<Arg> = inputs[2..].iter().map(|&l| Arg::At(l)).collect();
-    // 16-byte loads need aligned rows: params are their own allocations, arena values
-    // are placed at the plan's alignment.
-    let aligned16 = |l: Location| l.offset.is_multiple_of(16) || l.region != Region::Arena;
     if b_transposed && rows <= GEMV_MAX_ROWS && float(adt) && float(bdt) {
         let vector = k % 8 == 0 && aligned16(inputs[0]) && aligned16(inputs[1]);
         let g = GemvRows::new(rows, k, n, options.row_blocks, vector);
@@ -184,10 +181,11 @@ pub(crate) fn joins_row_group(
         && aligned16(a_at)
 }
 
-/// Whether 16-byte loads may start at `l`: params are their own allocations, arena
-/// values are placed at the plan's alignment.
-fn aligned16(l: Location) -> bool {
-    l.offset.is_multiple_of(16) || l.region != Region::Arena
+/// Whether 16-byte loads may start at `l`: every region starts 256-byte aligned (the
+/// arena, each param, constant, input and handle its own allocation), so the offset
+/// decides (a view's may be any).
+pub(crate) fn aligned16(l: Location) -> bool {
+    l.offset.is_multiple_of(16)
 }
 
 /// The one kernel of a [`ProductGroup`] of `plan`, with its operands.

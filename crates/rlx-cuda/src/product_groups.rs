@@ -114,8 +114,13 @@ pub(crate) fn find(plan: &Plan, row_product: impl Fn(NodeId) -> bool) -> Product
                 .chain(inputs.iter().copied())
                 .all(|x| plan.shape(x).dtype() == DType::F32);
             let gamma_flat = inputs.len() == 2 && plan.shape(inputs[1]).rank() == 1;
+            // The kernel reads both 16 bytes at a time.
+            let aligned = inputs
+                .iter()
+                .all(|&x| crate::fused_matmul::aligned16(plan.locations[x.index()]));
             if f32s
                 && gamma_flat
+                && aligned
                 && !is_output(first)
                 && !readers.is_empty()
                 && readers.len() <= MOST_PRODUCTS
@@ -246,11 +251,7 @@ fn overlaps(plan: &Plan, group: &ProductGroup) -> bool {
         let skip = usize::from(group.norm.is_some());
         read.extend(inputs[skip..].iter().map(|&x| span(x)));
     }
-    written.iter().any(|&(w, wn)| {
-        read.iter().any(|&(r, rn)| {
-            w.region == r.region && w.offset < r.offset + rn && r.offset < w.offset + wn
-        })
-    })
+    crate::rope_writes::any_overlap(&written, &read)
 }
 
 #[cfg(test)]

@@ -158,10 +158,17 @@ fn overlaps(plan: &Plan, group: &RopeWriteGroup) -> bool {
         }
         read.push(span(inputs[2]));
     }
-    written.iter().any(|&(w, wn)| {
-        read.iter().any(|&(r, rn)| {
-            w.region == r.region && w.offset < r.offset + rn && r.offset < w.offset + wn
-        })
+    any_overlap(&written, &read)
+}
+
+/// Whether a written span (a location and its byte count) shares bytes with a read
+/// one or with another written one (two writes of one kernel race).
+pub(crate) fn any_overlap(written: &[(Location, usize)], read: &[(Location, usize)]) -> bool {
+    let meet = |(a, an): (Location, usize), (b, bn): (Location, usize)| {
+        a.region == b.region && a.offset < b.offset + bn && b.offset < a.offset + an
+    };
+    written.iter().enumerate().any(|(i, &w)| {
+        read.iter().any(|&r| meet(w, r)) || written[i + 1..].iter().any(|&o| meet(w, o))
     })
 }
 
@@ -300,6 +307,27 @@ mod tests {
         // q's result, two caches, two rotated inputs, cos, sin, v, pos, errors.
         assert_eq!(args.len(), 10);
         assert!(kernel.check.is_some());
+    }
+
+    #[test]
+    fn spans_overlap_within_a_region_only_and_two_writes_of_one_span_race() {
+        use rlx_opt::Region;
+        let at = |region, offset| Location { region, offset };
+        let (arena, handle) = (Region::Arena, Region::Handle(0));
+        // Adjacent spans do not overlap; one byte more does.
+        assert!(!any_overlap(&[(at(arena, 0), 64)], &[(at(arena, 64), 64)]));
+        assert!(any_overlap(&[(at(arena, 0), 65)], &[(at(arena, 64), 64)]));
+        // The same offsets in different regions are different bytes.
+        assert!(!any_overlap(&[(at(handle, 0), 64)], &[(at(arena, 0), 64)]));
+        // Two writes of the same bytes (two caches that are one) race.
+        assert!(any_overlap(
+            &[(at(handle, 0), 64), (at(handle, 32), 8)],
+            &[]
+        ));
+        assert!(!any_overlap(
+            &[(at(handle, 0), 64), (at(Region::Handle(1), 0), 64)],
+            &[]
+        ));
     }
 
     #[test]

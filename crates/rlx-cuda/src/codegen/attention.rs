@@ -41,7 +41,7 @@ pub(super) fn kernel(
     let exp = if acc == "double" { "exp" } else { "expf" };
     let per_thread = dv.div_ceil(THREADS as usize).max(1);
     // Threads that share one output element, each taking every `split`-th key.
-    let split = if per_thread == 1 {
+    let split = if per_thread == 1 && dv > 0 {
         (THREADS as usize / dv.max(1)).max(1)
     } else {
         1
