@@ -1179,8 +1179,18 @@ fn softmax_and_log_softmax() {
 #[test]
 fn layer_norm_and_rms_norm() {
     let mut s = Suite::new(0x0B);
-    // Rows wider than a block's threads (1000, 2048) too.
-    let shapes: [&[usize]; 6] = [&[3, 5, 16], &[7], &[4, 1], &[0, 8], &[2, 1000], &[3, 2048]];
+    // Rows wider than a block's threads (1000, 2048) too, and enough rows for a GPU
+    // to give each its own warp (300 x 384, 260 x 4096, the widest a warp takes).
+    let shapes: [&[usize]; 8] = [
+        &[3, 5, 16],
+        &[7],
+        &[4, 1],
+        &[0, 8],
+        &[2, 1000],
+        &[3, 2048],
+        &[3, 100, 384],
+        &[260, 4096],
+    ];
     for dt in FLOATS {
         for dims in shapes {
             let d = dims[dims.len() - 1];

@@ -11,6 +11,12 @@ use std::fmt::Write;
 /// The most threads a row gets.
 const MAX_THREADS: usize = 256;
 
+/// Norms of at least this many rows take a warp per row (no block barriers); fewer
+/// rows take a block each, to spread one row's work wider.
+const WARP_ROWS_FROM: usize = 256;
+/// The longest row a warp normalizes alone.
+const WARP_ROW_MAX: usize = 4096;
+
 /// Writes the part of a row kernel after the row's base offset is known.
 type Body = fn(&mut String, &Op, &[Shape], &str);
 
@@ -26,6 +32,12 @@ pub(super) fn kernel(name: &str, op: &Op, inputs: &[Shape], out: &Shape) -> Opti
     let len = *dims.get(axis)?;
     let inner: usize = dims[axis + 1..].iter().product();
     let rows = x.num_elements().checked_div(len).unwrap_or(0);
+    if matches!(op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
+        && rows >= WARP_ROWS_FROM
+        && (1..=WARP_ROW_MAX).contains(&len)
+    {
+        return Some(warp_norm(name, op, inputs, out, rows, len));
+    }
     let acc = ctype(x.dtype()).compute;
     let inputs_dt: Vec<DType> = inputs.iter().map(Shape::dtype).collect();
     let mut s = header(name, out.dtype(), &inputs_dt);
@@ -152,4 +164,79 @@ fn softmax_body(s: &mut String, op: &Op, inputs: &[Shape], acc: &str) {
         each(len),
         store(dt, &value)
     );
+}
+
+/// A layer or RMS norm over the last axis with a warp per row: the row's sums are
+/// warp sums, and its elements (read three times for layer norm) stay in L1.
+fn warp_norm(
+    name: &str,
+    op: &Op,
+    inputs: &[Shape],
+    out: &Shape,
+    rows: usize,
+    len: usize,
+) -> Kernel {
+    let x = &inputs[0];
+    let dt = x.dtype();
+    let acc = ctype(dt).compute;
+    let acc = if acc == "double" { "double" } else { "float" };
+    let lit = |v: f64| {
+        literal(
+            v,
+            if acc == "double" {
+                DType::F64
+            } else {
+                DType::F32
+            },
+        )
+    };
+    let (eps, layer) = match op {
+        Op::LayerNorm { eps } => (eps.get(), true),
+        Op::RmsNorm { eps } => (eps.get(), false),
+        _ => unreachable!("warp_norm is called for norms only"),
+    };
+    let inputs_dt: Vec<DType> = inputs.iter().map(Shape::dtype).collect();
+    let mut s = header(name, out.dtype(), &inputs_dt);
+    let at = load(dt, "in0", "(base + j)");
+    let each = format!("for (long long j = lane; j < {len}LL; j += 32)");
+    let _ = writeln!(
+        s,
+        "  const int lane = threadIdx.x & 31;\n  RLX_WARP_LOOP({rows}LL) {{\n    const long long base = w * {len}LL;"
+    );
+    let centered = if layer {
+        let _ = writeln!(
+            s,
+            "    {acc} t = 0; {each} t += {at};\n    const {acc} mean = warp_sum(t) / {n};",
+            n = lit(len as f64)
+        );
+        format!("({at} - mean)")
+    } else {
+        at.clone()
+    };
+    let _ = writeln!(
+        s,
+        "    {acc} q = 0; {each} {{ const {acc} d = {centered}; q += d * d; }}\n    const {acc} inv = {}(warp_sum(q) / {} + {});",
+        f("rsqrt", dt),
+        lit(len as f64),
+        lit(eps)
+    );
+    let value = if layer {
+        format!(
+            "{centered} * inv * {} + {}",
+            load(dt, "in1", "j"),
+            load(dt, "in2", "j")
+        )
+    } else {
+        format!("{centered} * inv * {}", load(dt, "in1", "j"))
+    };
+    let _ = writeln!(
+        s,
+        "    {each} out[base + j] = {};\n  }}\n}}",
+        store(dt, &value)
+    );
+    Kernel {
+        source: s,
+        grid: Grid::Warps(rows),
+        check: None,
+    }
 }

@@ -261,6 +261,25 @@ fn samples() -> Vec<(Op, Vec<Shape>, Shape)> {
             vec![f32s(&[3, 2048]), f32s(&[2048])],
             f32s(&[3, 2048]),
         ),
+        // A warp a row.
+        (
+            Op::LayerNorm {
+                eps: F64Bits::new(1e-12),
+            },
+            vec![
+                Shape::new(&[300, 384], DType::F16),
+                Shape::new(&[384], DType::F16),
+                Shape::new(&[384], DType::F16),
+            ],
+            Shape::new(&[300, 384], DType::F16),
+        ),
+        (
+            Op::RmsNorm {
+                eps: F64Bits::new(1e-5),
+            },
+            vec![f32s(&[260, 128]), f32s(&[128])],
+            f32s(&[260, 128]),
+        ),
         (Op::Softmax { axis: 1 }, vec![x.clone()], x.clone()),
         (
             Op::Rope {
