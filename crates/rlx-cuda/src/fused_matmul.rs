@@ -1,4 +1,5 @@
-//! How a `FusedMatMul` (`act(alpha * a @ b + bias) + residual`) runs on the GPU.
+//! How a product (`MatMul`, or `FusedMatMul`: `act(alpha * a @ b + bias) +
+//! residual`) runs on the GPU.
 //!
 //! - A product of a few rows (a decode step) with a 2-D weight is one matrix-vector
 //!   kernel that reads the weight as stored, `f16`/`bf16` beside `f32` activations
@@ -8,6 +9,8 @@
 //! - Anything larger is cuBLAS, after widening a half-precision weight into the
 //!   workspace when the activations are `f32`, followed by the epilogue as one
 //!   in-place kernel when there is one.
+//! - A group of products ([`crate::product_groups`]) is one [`gemv_group`] kernel
+//!   ([`plan_group`]).
 
 use crate::codegen::fused::{Epilogue, epilogue_in_place};
 use crate::codegen::gemv::{GEMV_MAX_ROWS, GEMV_ROW_ELEMENTS, Gemv, GemvRows, gemv, gemv_rows};
