@@ -242,7 +242,6 @@ pub(crate) fn plan_group(
         norm: group.norm.map(|n| n.eps),
         max_blocks,
         staged,
-        unroll: 8,
     };
     let kernel = gemv_group(codegen::STEP_NAME, &g, a_shape.dtype(), w_shape.dtype())
         .map_err(|e| e.to_string())?;

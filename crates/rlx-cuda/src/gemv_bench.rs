@@ -161,7 +161,7 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
             EwStep::Unary(UnaryOp::Silu, 0),
             EwStep::Binary(BinaryOp::Mul, 2, 1),
         ];
-        let group = |pair: bool, norm: bool, staged: bool, unroll: usize| RowGroup {
+        let group = |pair: bool, norm: bool, staged: bool| RowGroup {
             rows: 1,
             k,
             products: vec![product; 1 + usize::from(pair)],
@@ -169,15 +169,13 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
             norm: norm.then_some(NORM_EPS),
             max_blocks: 16 * sms,
             staged,
-            unroll,
         };
         let mut add = |label: String, g: RowGroup, operands| {
             v.push(Variant {
                 label: format!(
-                    "[N,K] {label}, {} blocks{}, unroll {} {launch}",
+                    "[N,K] {label}, {} blocks{} {launch}",
                     g.blocks(),
-                    if g.staged { ", staged" } else { "" },
-                    g.unroll
+                    if g.staged { ", staged" } else { "" }
                 ),
                 kernel: gemv_group("bench", &g, DType::F32, DType::BF16).unwrap(),
                 rows_layout: true,
@@ -189,29 +187,23 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
         for staged in [false, true] {
             add(
                 "group of 1".into(),
-                group(false, false, staged, 8),
+                group(false, false, staged),
                 Operands::Weight,
             );
             add(
                 "group of 1, norm folded".into(),
-                group(false, true, staged, 8),
+                group(false, true, staged),
                 Operands::NormThenWeight,
             );
         }
         // Gated pairs read twice the bytes of the row above.
-        for (norm, staged, unroll) in [
-            (false, false, 8),
-            (true, false, 8),
-            (true, true, 8),
-            (true, true, 4),
-            (true, true, 2),
-        ] {
+        for (norm, staged) in [(false, false), (true, false), (true, true)] {
             add(
                 format!(
                     "pair silu(a) * b{}",
                     if norm { ", norm folded" } else { "" }
                 ),
-                group(true, norm, staged, unroll),
+                group(true, norm, staged),
                 if norm {
                     Operands::NormThenTwoWeightsGated
                 } else {

@@ -51,9 +51,6 @@ pub(crate) struct RowGroup {
     /// there once when the norm is folded); otherwise warps read it as they walk
     /// (and each sums its squares itself).
     pub staged: bool,
-    /// Pieces of the walk (16 bytes a lane of each walked row) unrolled, and so in
-    /// flight at once.
-    pub unroll: usize,
 }
 
 impl RowGroup {
@@ -208,8 +205,7 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
     }
     let _ = writeln!(
         s,
-        "    #pragma unroll {}\n    for (long long k = lane * 8; k < K; k += 256) {{",
-        g.unroll.max(1)
+        "    #pragma unroll 8\n    for (long long k = lane * 8; k < K; k += 256) {{"
     );
     for w in 0..walked {
         row_chunk(&mut s, wdt, &format!("row{w} + k"), &w.to_string());
