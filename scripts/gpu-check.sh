@@ -12,9 +12,10 @@
 #                                ONNX node suite on CUDA against the CPU's pass list
 #   scripts/gpu-check.sh timing  on the GPU machine: the timing table (PyTorch eager,
 #                                torch.compile, RLX; scripts/gpu_models.py --timing)
-#   scripts/gpu-check.sh bench   on the GPU machine, after `timing`: kernel benchmarks
-#                                (matrix-vector variants; decode with and without
-#                                programmatic launches and grouped products)
+#   scripts/gpu-check.sh bench   on the GPU machine: kernel benchmarks (matrix-vector
+#                                and group variants; decode with and without
+#                                programmatic launches and groups, making the ~1B
+#                                checkpoint first when `timing` has not)
 #
 # `run` finds the CUDA libraries (driver, NVRTC, cuBLAS) where the GPU machine keeps
 # them, prints the card, runs the op suites on every available device with the CUDA
@@ -168,9 +169,8 @@ timing)
         grep -v 'Writing model shards' | tee -a "$out/timing.log"
     ;;
 bench)
-    # Kernel benchmarks: the matrix-vector variants (rlx-cuda's gemv_bench), and
-    # Llama decode with programmatic launches on and off (after `timing` made the
-    # ~1B checkpoint).
+    # Kernel benchmarks: the matrix-vector and group variants (rlx-cuda's
+    # gemv_bench), and Llama decode with programmatic launches and groups on and off.
     out=${OUT:-gpu-out}
     mkdir -p "$out"
     cuda_libraries
@@ -180,6 +180,11 @@ bench)
         grep -E 'test result|panicked' "$out/gemv-bench.txt"
     fi
     model=/tmp/rlx-gpu-models/llama-1b-bf16
+    # A fresh machine has no checkpoint yet: the decode timing makes it.
+    if [ ! -d "$model" ]; then
+        "$(torch_python)" scripts/gpu_models.py .device/tools/rlx /tmp/rlx-gpu-models --timing --llama-only 2>&1 |
+            grep -E '^Llama|failed'
+    fi
     if [ -d "$model" ]; then
         # Alternating: everything on; products not grouped; no programmatic launches.
         for setting in "1 1" "0 1" "1 0" "1 1" "0 1" "1 0"; do

@@ -21,7 +21,8 @@ a ~1B shape with bf16 weights, decode tokens/s for PyTorch eager (Hugging Face
 generation) and RLX, against the copy bandwidth measured here.
 
 Prints one line per check and a summary; exits non-zero when a check fails.
-Usage: gpu_models.py RLX_BINARY WORK_DIR [--timing]
+Usage: gpu_models.py RLX_BINARY WORK_DIR [--timing [--llama-only]]
+(`--llama-only`: only the decode timing, which also makes the ~1B checkpoint.)
 """
 
 import json
@@ -304,10 +305,10 @@ def llama_timing():
     return eager, mine, limit, weight_bytes, bandwidth
 
 
-def timing():
+def timing(llama_only=False):
     print("== timing", flush=True)
     try:
-        for name, eager, best, mine in bert_timing():
+        for name, eager, best, mine in ([] if llama_only else bert_timing()):
             print(f"{name}: torch eager {eager:.3f} ms, torch.compile (CUDA graphs) {best:.3f} ms, "
                   f"RLX {mine:.3f} ms, RLX / torch.compile {mine / best:.2f}x", flush=True)
     except Exception as e:
@@ -325,7 +326,7 @@ def main():
     WORK.mkdir(parents=True, exist_ok=True)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
     if "--timing" in sys.argv:
-        timing()
+        timing(llama_only="--llama-only" in sys.argv)
         return
     for check in [bert, llama]:
         try:
