@@ -39,11 +39,13 @@ pub(crate) struct WriteJob {
 /// Rotations sharing their cosine and sine tables, and writes sharing a position.
 #[derive(Clone, Debug)]
 pub(crate) struct RopeWrites {
+    /// The rotations.
     pub ropes: Vec<RopeJob>,
     /// The cosine table, broadcast to each rotation's pairs.
     pub cos: Shape,
     /// The sine table, likewise.
     pub sin: Shape,
+    /// The cache writes.
     pub writes: Vec<WriteJob>,
     /// The position (one integer).
     pub pos: Shape,
