@@ -17,6 +17,7 @@ mod fused_matmul;
 mod gemv_bench;
 mod gpu;
 mod matmul;
+mod node_runs;
 mod nvrtc;
 mod param_layout;
 mod product_groups;

@@ -10,9 +10,10 @@
 //! group reads is still where the plan put it, unless the plan reused its bytes for
 //! a value the group writes; such groups are not formed.
 
+use crate::node_runs::{Runs, any_overlap, span};
 use rlx_ir::{DType, EwStep, NodeId, Op};
-use rlx_opt::{Location, Plan};
-use std::collections::{HashMap, HashSet};
+use rlx_opt::Plan;
+use std::collections::HashSet;
 
 /// Whether decode steps' nodes are grouped into shared kernels: these product
 /// groups and [`crate::rope_writes`] (`RLX_CUDA_GROUPS=0` turns both off, to
@@ -48,13 +49,7 @@ pub(crate) struct ProductGroup {
 }
 
 /// The groups of a plan.
-#[derive(Debug, Default)]
-pub(crate) struct ProductGroups {
-    /// Each group, by the node in whose place it runs (its last in the schedule).
-    pub at: HashMap<NodeId, ProductGroup>,
-    /// Nodes whose work a group does elsewhere.
-    pub absorbed: HashSet<NodeId>,
-}
+pub(crate) type ProductGroups = Runs<ProductGroup>;
 
 /// The groups of `plan` as the CUDA backend lays it out: products whose weight is a
 /// param stored `[N, K]` ([`crate::param_layout`]) and that
@@ -181,12 +176,7 @@ pub(crate) fn find(plan: &Plan, row_product: impl Fn(NodeId) -> bool) -> Product
             continue;
         }
         let end = after + usize::from(combine.is_some());
-        let members = &sched[i..end];
-        let last = members[members.len() - 1];
-        groups
-            .absorbed
-            .extend(members[..members.len() - 1].iter().copied());
-        groups.at.insert(last, group);
+        groups.add(&sched[i..end], group);
         i = end;
     }
     groups
@@ -233,10 +223,7 @@ fn combines(
 /// Whether a value the group writes shares bytes with one it reads.
 fn overlaps(plan: &Plan, group: &ProductGroup) -> bool {
     let nodes = plan.graph.nodes();
-    let span = |id: NodeId| {
-        let at: Location = plan.locations[id.index()];
-        (at, plan.shape(id).byte_size())
-    };
+    let span = |id: NodeId| span(plan, id);
     let written: Vec<_> = match group.combine {
         Some(e) => vec![span(e)],
         None => group.products.iter().map(|&p| span(p)).collect(),
@@ -251,7 +238,7 @@ fn overlaps(plan: &Plan, group: &ProductGroup) -> bool {
         let skip = usize::from(group.norm.is_some());
         read.extend(inputs[skip..].iter().map(|&x| span(x)));
     }
-    crate::rope_writes::any_overlap(&written, &read)
+    any_overlap(&written, &read)
 }
 
 #[cfg(test)]

@@ -8,10 +8,10 @@
 //! whose written bytes overlap their read ones are not formed.
 
 use crate::codegen::rope_write::{RopeJob, RopeWrites, WriteJob};
+use crate::node_runs::{Runs, any_overlap, span};
 use crate::program::Arg;
 use rlx_ir::{NodeId, Op};
-use rlx_opt::{Location, Plan};
-use std::collections::{HashMap, HashSet};
+use rlx_opt::Plan;
 
 /// The most nodes in one run.
 const MOST_NODES: usize = 8;
@@ -26,13 +26,7 @@ pub(crate) struct RopeWriteGroup {
 }
 
 /// The runs of a plan.
-#[derive(Debug, Default)]
-pub(crate) struct RopeWriteGroups {
-    /// Each run, by the node in whose place it runs (its last).
-    pub at: HashMap<NodeId, RopeWriteGroup>,
-    /// Nodes whose work a run does elsewhere.
-    pub absorbed: HashSet<NodeId>,
-}
+pub(crate) type RopeWriteGroups = Runs<RopeWriteGroup>;
 
 /// Finds the runs of `plan`.
 pub(crate) fn find(plan: &Plan) -> RopeWriteGroups {
@@ -57,11 +51,7 @@ pub(crate) fn find(plan: &Plan) -> RopeWriteGroups {
             i += 1;
             continue;
         }
-        let members = &sched[i..end];
-        groups
-            .absorbed
-            .extend(members[..members.len() - 1].iter().copied());
-        groups.at.insert(members[members.len() - 1], group);
+        groups.add(&sched[i..end], group);
         i = end;
     }
     groups
@@ -129,10 +119,7 @@ fn destinations(plan: &Plan, group: &RopeWriteGroup) -> Vec<Option<usize>> {
 /// Whether bytes the group writes are bytes it reads.
 fn overlaps(plan: &Plan, group: &RopeWriteGroup) -> bool {
     let nodes = plan.graph.nodes();
-    let span = |id: NodeId| {
-        let at: Location = plan.locations[id.index()];
-        (at, plan.shape(id).byte_size())
-    };
+    let span = |id: NodeId| span(plan, id);
     let into = destinations(plan, group);
     let mut written = Vec::new();
     let mut read = Vec::new();
@@ -161,15 +148,15 @@ fn overlaps(plan: &Plan, group: &RopeWriteGroup) -> bool {
     any_overlap(&written, &read)
 }
 
-/// Whether a written span (a location and its byte count) shares bytes with a read
-/// one or with another written one (two writes of one kernel race).
-pub(crate) fn any_overlap(written: &[(Location, usize)], read: &[(Location, usize)]) -> bool {
-    let meet = |(a, an): (Location, usize), (b, bn): (Location, usize)| {
-        a.region == b.region && a.offset < b.offset + bn && b.offset < a.offset + an
-    };
-    written.iter().enumerate().any(|(i, &w)| {
-        read.iter().any(|&r| meet(w, r)) || written[i + 1..].iter().any(|&o| meet(w, o))
-    })
+/// The error for a group member of the wrong op (a group built for another plan).
+fn not_in_group(id: NodeId, want: &str) -> rlx_ir::Error {
+    rlx_ir::Error::Unsupported {
+        device: "cuda".into(),
+        what: format!(
+            "%{} in a rotation and cache-write group is not a {want}",
+            id.index()
+        ),
+    }
 }
 
 /// The group's kernel and its operands; a position that does not fit is reported as
@@ -193,7 +180,7 @@ pub(crate) fn plan_group(
     let mut ropes = Vec::new();
     for (k, &r) in group.ropes.iter().enumerate() {
         let Op::Rope { style } = nodes[r.index()].op else {
-            unreachable!("a rope group holds ropes");
+            return Err(not_in_group(r, "rope"));
         };
         ropes.push(RopeJob {
             x: plan.shape(nodes[r.index()].inputs[0]).clone(),
@@ -204,7 +191,7 @@ pub(crate) fn plan_group(
     let mut writes = Vec::new();
     for &w in &group.writes {
         let Op::WriteAt { axis } = nodes[w.index()].op else {
-            unreachable!("a rope group holds writes");
+            return Err(not_in_group(w, "write_at"));
         };
         let inputs = &nodes[w.index()].inputs;
         writes.push(WriteJob {
@@ -307,27 +294,6 @@ mod tests {
         // q's result, two caches, two rotated inputs, cos, sin, v, pos, errors.
         assert_eq!(args.len(), 10);
         assert!(kernel.check.is_some());
-    }
-
-    #[test]
-    fn spans_overlap_within_a_region_only_and_two_writes_of_one_span_race() {
-        use rlx_opt::Region;
-        let at = |region, offset| Location { region, offset };
-        let (arena, handle) = (Region::Arena, Region::Handle(0));
-        // Adjacent spans do not overlap; one byte more does.
-        assert!(!any_overlap(&[(at(arena, 0), 64)], &[(at(arena, 64), 64)]));
-        assert!(any_overlap(&[(at(arena, 0), 65)], &[(at(arena, 64), 64)]));
-        // The same offsets in different regions are different bytes.
-        assert!(!any_overlap(&[(at(handle, 0), 64)], &[(at(arena, 0), 64)]));
-        // Two writes of the same bytes (two caches that are one) race.
-        assert!(any_overlap(
-            &[(at(handle, 0), 64), (at(handle, 32), 8)],
-            &[]
-        ));
-        assert!(!any_overlap(
-            &[(at(handle, 0), 64), (at(Region::Handle(1), 0), 64)],
-            &[]
-        ));
     }
 
     #[test]

@@ -39,19 +39,31 @@ pub(super) fn elementwise(
         let v = load(shape.dtype(), &format!("in{k}"), &format!("o{k}"));
         let _ = writeln!(s, "    const {c} r{k} = {v};");
     }
-    let first = inputs.len();
+    let last = region_steps(&mut s, steps, inputs.len(), dt)?;
+    let _ = writeln!(s, "    out[i] = {};", store(dt, &last));
+    s.push_str("  }\n}\n");
+    Ok(elements(s, n))
+}
+
+/// Statements computing a region's `steps` in `dt`'s compute type on registers
+/// `r0, r1, ...`, the first `first` of which hold its inputs; each step is rounded
+/// as the unfused op would round it. Returns the last register defined.
+pub(super) fn region_steps(
+    s: &mut String,
+    steps: &[EwStep],
+    first: usize,
+    dt: DType,
+) -> Result<String> {
+    let c = ctype(dt).compute;
+    let reg = |r: u16| format!("r{r}");
     for (k, step) in steps.iter().enumerate() {
-        let reg = |r: u16| format!("r{r}");
         let v = match *step {
             EwStep::Unary(op, a) => unary_expr(op, dt, &reg(a))?,
             EwStep::Binary(op, a, b) => binary_expr(op, dt, &reg(a), &reg(b))?,
         };
         let _ = writeln!(s, "    const {c} r{} = {};", first + k, rounded(dt, &v));
     }
-    let last = first + steps.len() - 1;
-    let _ = writeln!(s, "    out[i] = {};", store(dt, &format!("r{last}")));
-    s.push_str("  }\n}\n");
-    Ok(elements(s, n))
+    Ok(format!("r{}", (first + steps.len()).saturating_sub(1)))
 }
 
 /// What a matrix product applies to each result before storing it.

@@ -10,9 +10,9 @@
 //! shared memory (normalizing it there when the norm is folded: once a block, not
 //! once an output), so the walk reads only weights from memory.
 
-use super::fused::{Epilogue, rounded};
+use super::fused::{Epilogue, region_steps, rounded};
 use super::gemv::{GEMV_THREADS, line_mask, row_chunk};
-use super::{Grid, Kernel, binary_expr, ctype, load, store, unary_expr, unsupported};
+use super::{Grid, Kernel, ctype, load, store, unsupported};
 use rlx_ir::{DType, EwStep, Result};
 use std::fmt::Write;
 
@@ -301,19 +301,8 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
                     .code_tagged(&mut s, adt, "r", "c", prod.n, &i.to_string())?;
                 let _ = writeln!(s, "      r{i} = v;\n      }}");
             }
-            for (j, step) in steps.iter().enumerate() {
-                let reg = |r: u16| format!("r{r}");
-                let v = match *step {
-                    EwStep::Unary(op, x) => unary_expr(op, adt, &reg(x))?,
-                    EwStep::Binary(op, x, y) => binary_expr(op, adt, &reg(x), &reg(y))?,
-                };
-                let _ = writeln!(s, "      const {c} r{} = {};", count + j, rounded(adt, &v));
-            }
-            let _ = writeln!(
-                s,
-                "      out0[r * {total}LL + c] = {};",
-                store(adt, &format!("r{}", count + steps.len() - 1))
-            );
+            let last = region_steps(&mut s, steps, count, adt)?;
+            let _ = writeln!(s, "      out0[r * {total}LL + c] = {};", store(adt, &last));
         }
     }
     s.push_str("      }\n    }\n  }\n}\n");

@@ -56,11 +56,12 @@ pub(crate) struct RopeWrites {
 /// and the error slots (a position that does not fit is reported as `code`).
 pub(crate) fn kernel(name: &str, g: &RopeWrites, code: i32) -> Result<Kernel> {
     let first = g.writes.first();
-    if g.writes.iter().any(|w| {
-        let f = first.expect("a write exists when the iterator yields one");
-        (w.update.dims()[w.axis], w.target.dims()[w.axis])
-            != (f.update.dims()[f.axis], f.target.dims()[f.axis])
-    }) {
+    // Every write takes the same rows into a cache axis of the same length: the
+    // one position check (and its message) holds for all of them.
+    let rows = |w: &WriteJob| (w.update.dims()[w.axis], w.target.dims()[w.axis]);
+    if let Some(f) = first
+        && g.writes.iter().any(|w| rows(w) != rows(f))
+    {
         return Err(unsupported(
             "cache writes of different lengths in one kernel".into(),
         ));

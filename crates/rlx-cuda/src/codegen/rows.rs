@@ -32,11 +32,11 @@ pub(super) fn kernel(name: &str, op: &Op, inputs: &[Shape], out: &Shape) -> Opti
     let len = *dims.get(axis)?;
     let inner: usize = dims[axis + 1..].iter().product();
     let rows = x.num_elements().checked_div(len).unwrap_or(0);
-    if matches!(op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
+    if let Some(norm) = norm_of(op)
         && rows >= WARP_ROWS_FROM
         && (1..=WARP_ROW_MAX).contains(&len)
     {
-        return Some(warp_norm(name, op, inputs, out, rows, len));
+        return Some(warp_norm(name, norm, inputs, out, rows, len));
     }
     let acc = ctype(x.dtype()).compute;
     let inputs_dt: Vec<DType> = inputs.iter().map(Shape::dtype).collect();
@@ -69,6 +69,30 @@ fn each(len: usize) -> String {
     format!("for (int j = threadIdx.x; j < {len}; j += blockDim.x)")
 }
 
+/// A norm's epsilon and whether it is a layer norm (else RMS); `None` for other ops.
+fn norm_of(op: &Op) -> Option<(f64, bool)> {
+    match op {
+        Op::LayerNorm { eps } => Some((eps.get(), true)),
+        Op::RmsNorm { eps } => Some((eps.get(), false)),
+        _ => None,
+    }
+}
+
+/// A normalized element: `centered` (`x - mean` for layer norm, `x` for RMS norm)
+/// times `inv`, scaled by `gamma` (`in1`) and, for layer norm, shifted by `beta`
+/// (`in2`), both at `j`.
+fn normalized(dt: DType, centered: &str, layer: bool) -> String {
+    if layer {
+        format!(
+            "({centered}) * inv * {} + {}",
+            load(dt, "in1", "j"),
+            load(dt, "in2", "j")
+        )
+    } else {
+        format!("{centered} * inv * {}", load(dt, "in1", "j"))
+    }
+}
+
 fn norm_body(s: &mut String, op: &Op, inputs: &[Shape], acc: &str) {
     let x = &inputs[0];
     let dt = x.dtype();
@@ -82,10 +106,8 @@ fn norm_body(s: &mut String, op: &Op, inputs: &[Shape], acc: &str) {
             DType::F32
         },
     );
-    let (eps, layer) = match op {
-        Op::LayerNorm { eps } => (eps.get(), true),
-        Op::RmsNorm { eps } => (eps.get(), false),
-        _ => unreachable!("norm_body is called for norms only"),
+    let Some((eps, layer)) = norm_of(op) else {
+        return;
     };
     let eps = literal(
         eps,
@@ -113,15 +135,7 @@ fn norm_body(s: &mut String, op: &Op, inputs: &[Shape], acc: &str) {
         each(len),
         f("rsqrt", dt)
     );
-    let value = if layer {
-        format!(
-            "({centered}) * inv * {} + {}",
-            load(dt, "in1", "j"),
-            load(dt, "in2", "j")
-        )
-    } else {
-        format!("{centered} * inv * {}", load(dt, "in1", "j"))
-    };
+    let value = normalized(dt, &centered, layer);
     let _ = writeln!(
         s,
         "  {} out[base + j * step] = {};",
@@ -170,7 +184,7 @@ fn softmax_body(s: &mut String, op: &Op, inputs: &[Shape], acc: &str) {
 /// warp sums, and its elements (read three times for layer norm) stay in L1.
 fn warp_norm(
     name: &str,
-    op: &Op,
+    (eps, layer): (f64, bool),
     inputs: &[Shape],
     out: &Shape,
     rows: usize,
@@ -190,11 +204,6 @@ fn warp_norm(
             },
         )
     };
-    let (eps, layer) = match op {
-        Op::LayerNorm { eps } => (eps.get(), true),
-        Op::RmsNorm { eps } => (eps.get(), false),
-        _ => unreachable!("warp_norm is called for norms only"),
-    };
     let inputs_dt: Vec<DType> = inputs.iter().map(Shape::dtype).collect();
     let mut s = header(name, out.dtype(), &inputs_dt);
     let at = load(dt, "in0", "(base + j)");
@@ -209,7 +218,7 @@ fn warp_norm(
             "    {acc} t = 0; {each} t += {at};\n    const {acc} mean = warp_sum(t) / {n};",
             n = lit(len as f64)
         );
-        format!("({at} - mean)")
+        format!("{at} - mean")
     } else {
         at.clone()
     };
@@ -220,15 +229,7 @@ fn warp_norm(
         lit(len as f64),
         lit(eps)
     );
-    let value = if layer {
-        format!(
-            "{centered} * inv * {} + {}",
-            load(dt, "in1", "j"),
-            load(dt, "in2", "j")
-        )
-    } else {
-        format!("{centered} * inv * {}", load(dt, "in1", "j"))
-    };
+    let value = normalized(dt, &centered, layer);
     let _ = writeln!(
         s,
         "    {each} out[base + j] = {};\n  }}\n}}",
