@@ -199,6 +199,47 @@ impl DeviceBuffer {
         .map_err(|e| cuda_error("copying to the device", e))
     }
 
+    /// Queues a copy of `data` to `offset` on the program's stream and returns
+    /// without waiting: kernels queued after it read the new bytes. `data` may be
+    /// reused at once: from pageable memory the driver has copied it to its own
+    /// staging before returning.
+    pub fn upload_queued(&self, gpu: &Gpu, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        gpu.bind()?;
+        let _stream = gpu.lock_stream();
+        // SAFETY: the range was checked against the allocation; a pageable source is
+        // staged by the driver before the call returns (a `HostBuffer` is never
+        // passed here: its bytes would be read later, when the copy runs).
+        unsafe { driver::memcpy_htod_async(self.ptr + offset as u64, data, gpu.cu_stream()) }
+            .map_err(|e| cuda_error("copying to the device", e))
+    }
+
+    /// Queues a copy from `offset` into `dst` after the queued work and returns
+    /// without waiting (when `dst` is page-locked; from pageable memory the driver
+    /// waits). `dst` holds the bytes once the stream has been synchronized.
+    pub fn download_queued(&self, gpu: &Gpu, offset: usize, dst: &mut HostBuffer) -> Result<()> {
+        self.check(offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        gpu.bind()?;
+        let _stream = gpu.lock_stream();
+        // SAFETY: the range was checked; `dst` is owned by the program, which reads
+        // or frees it only after synchronizing the stream (`HostBuffer` waits for
+        // the stream on drop when it is page-locked).
+        unsafe {
+            driver::memcpy_dtoh_async(
+                dst.as_mut_slice(),
+                self.ptr + offset as u64,
+                gpu.cu_stream(),
+            )
+        }
+        .map_err(|e| cuda_error("copying from the device", e))
+    }
+
     /// Copies bytes from `offset` into `dst` (after the queued work finishes).
     pub fn download(&self, gpu: &Gpu, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
@@ -282,5 +323,99 @@ pub(crate) unsafe fn launch(
     // parameters are as the caller promises.
     unsafe {
         sys::cuLaunchKernelEx(&config, function, params.as_mut_ptr(), std::ptr::null_mut()).result()
+    }
+}
+
+/// Host memory that device copies land in: page-locked where the driver grants it
+/// (a copy into it is a DMA that runs queued, at full link speed), else an ordinary
+/// allocation (the copy then waits, and goes through the driver's staging).
+pub(crate) struct HostBuffer {
+    memory: HostMemory,
+    bytes: usize,
+}
+
+enum HostMemory {
+    Locked {
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        ptr: *mut u8,
+    },
+    Pageable(Vec<u8>),
+}
+
+// The memory is plain bytes owned by the buffer, as a `Vec` is; the raw pointer is
+// only what the allocation call returned.
+unsafe impl Send for HostBuffer {}
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    /// `bytes` zeroed bytes, page-locked when possible.
+    pub fn new(gpu: &Gpu, bytes: usize) -> HostBuffer {
+        let locked = gpu.bind().ok().and_then(|()| {
+            // SAFETY: the context is current; the size is non-zero.
+            unsafe { driver::malloc_host(bytes.max(1), 0) }.ok()
+        });
+        let memory = match locked {
+            Some(ptr) => {
+                let ptr = ptr.cast::<u8>();
+                // SAFETY: the allocation holds at least `bytes` bytes.
+                unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+                HostMemory::Locked {
+                    ctx: gpu.ctx.clone(),
+                    stream: gpu.stream.clone(),
+                    ptr,
+                }
+            }
+            None => HostMemory::Pageable(vec![0u8; bytes]),
+        };
+        HostBuffer { memory, bytes }
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The bytes (what the last synchronized copy left).
+    pub fn as_slice(&self) -> &[u8] {
+        match &self.memory {
+            // SAFETY: the allocation holds `bytes` initialized bytes for the
+            // buffer's life.
+            HostMemory::Locked { ptr, .. } => unsafe {
+                std::slice::from_raw_parts(*ptr, self.bytes)
+            },
+            HostMemory::Pageable(v) => v,
+        }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match &mut self.memory {
+            // SAFETY: as `as_slice`, borrowed mutably.
+            HostMemory::Locked { ptr, .. } => unsafe {
+                std::slice::from_raw_parts_mut(*ptr, self.bytes)
+            },
+            HostMemory::Pageable(v) => v,
+        }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        if let HostMemory::Locked { ctx, stream, ptr } = &self.memory
+            && ctx.bind_to_thread().is_ok()
+        {
+            // A queued copy may still be writing here: let it land first.
+            let _ = stream.synchronize();
+            // SAFETY: the pointer came from `malloc_host` and is freed once.
+            unsafe {
+                let _ = driver::free_host(ptr.cast());
+            }
+        }
     }
 }

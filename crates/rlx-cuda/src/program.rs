@@ -5,7 +5,7 @@
 
 use crate::codegen::fused::Epilogue;
 use crate::codegen::{self, Grid, STEP_NAME};
-use crate::gpu::{self, DeviceBuffer, Gpu, cuda_error};
+use crate::gpu::{self, DeviceBuffer, Gpu, HostBuffer, cuda_error};
 use crate::matmul::Gemm;
 use crate::nvrtc::Module;
 use crate::param_layout;
@@ -110,11 +110,14 @@ pub struct CudaProgram {
     constants: Arc<Vec<DeviceBuffer>>,
     handles: Vec<Option<DeviceBuffer>>,
     staging: Vec<Vec<u8>>,
-    outputs: HashMap<NodeId, Vec<u8>>,
+    /// Where outputs are copied to (page-locked: the copies run queued, at full
+    /// link speed).
+    outputs: HashMap<NodeId, HostBuffer>,
     /// The words a kernel's failed run-time check sets (its node index + 1, and the
-    /// value that failed), and what each code means; read after every run that has
-    /// checked kernels.
+    /// value that failed), and what each code means; copied to `error_words` after
+    /// every run that has checked kernels, queued behind it.
     errors: DeviceBuffer,
+    error_words: HostBuffer,
     checks: Arc<HashMap<i32, String>>,
     /// Scratch memory of the fused products, `COUNTERS` zeroed bytes first.
     workspace: DeviceBuffer,
@@ -368,11 +371,8 @@ impl CudaProgram {
             .iter()
             .map(|i| vec![0u8; i.shape.byte_size()])
             .collect();
-        let outputs = plan
-            .outputs
-            .iter()
-            .map(|&o| (o, vec![0u8; plan.shape(o).byte_size()]))
-            .collect();
+        let outputs = output_buffers(&gpu, &plan);
+        let error_words = HostBuffer::new(&gpu, 16);
         Ok(CudaProgram {
             ordinal,
             gpu,
@@ -387,6 +387,7 @@ impl CudaProgram {
             staging,
             outputs,
             errors,
+            error_words,
             checks: Arc::new(checks),
             workspace,
             captured: None,
@@ -683,12 +684,19 @@ impl Executable for CudaProgram {
     }
 
     fn submit(&mut self) -> Result<()> {
+        // Inputs, kernels and the error words' copy are queued in stream order with
+        // no wait between them: one synchronization a run, in `wait`.
         for (source, bytes) in self.plan.inputs.iter().zip(&self.staging) {
             let at = self.plan.locations[source.node.index()];
             debug_assert_eq!(at.region, Region::Arena);
-            self.arena.upload(&self.gpu, at.offset, bytes)?;
+            self.arena.upload_queued(&self.gpu, at.offset, bytes)?;
         }
-        self.queue_run()
+        self.queue_run()?;
+        if !self.checks.is_empty() {
+            self.errors
+                .download_queued(&self.gpu, 0, &mut self.error_words)?;
+        }
+        Ok(())
     }
 
     fn wait(&mut self) -> Result<()> {
@@ -699,8 +707,7 @@ impl Executable for CudaProgram {
         if self.checks.is_empty() {
             return Ok(());
         }
-        let mut words = [0u8; 16];
-        self.errors.download(&self.gpu, 0, &mut words)?;
+        let words = self.error_words.as_slice();
         let word = |at: usize| {
             let mut b = [0u8; 8];
             b.copy_from_slice(&words[at..at + 8]);
@@ -712,6 +719,7 @@ impl Executable for CudaProgram {
         }
         // Cleared, so the next run starts clean.
         self.errors.upload(&self.gpu, 0, &[0u8; 16])?;
+        self.error_words.as_mut_slice().fill(0);
         let message = i32::try_from(code)
             .ok()
             .and_then(|c| self.checks.get(&c))
@@ -721,24 +729,27 @@ impl Executable for CudaProgram {
     }
 
     fn sync_outputs(&mut self) -> Result<()> {
+        // Every copy queued, then one wait.
         let mut outputs = std::mem::take(&mut self.outputs);
         let result = outputs.iter_mut().try_for_each(|(node, host)| {
             let at = self.plan.locations[node.index()];
-            match at.region {
-                Region::Arena => self.arena.download(&self.gpu, at.offset, host),
-                Region::Param(i) => self.params[i].download(&self.gpu, at.offset, host),
-                Region::Constant(i) => self.constants[i].download(&self.gpu, at.offset, host),
-                Region::Handle(i) => self.handle_buffer(i)?.download(&self.gpu, at.offset, host),
-            }
+            let source = match at.region {
+                Region::Arena => &self.arena,
+                Region::Param(i) => &*self.params[i],
+                Region::Constant(i) => &self.constants[i],
+                Region::Handle(i) => self.handle_buffer(i)?,
+            };
+            source.download_queued(&self.gpu, at.offset, host)
         });
         self.outputs = outputs;
-        result
+        let waited = self.gpu.synchronize();
+        result.and(waited)
     }
 
     fn value_bytes(&self, node: NodeId) -> Result<&[u8]> {
         self.outputs
             .get(&node)
-            .map(|v| v.as_slice())
+            .map(HostBuffer::as_slice)
             .ok_or_else(|| {
                 Error::invalid(
                     "value",
@@ -859,8 +870,9 @@ impl Executable for CudaProgram {
                 constants: self.constants.clone(),
                 handles,
                 staging: self.staging.clone(),
-                outputs: self.outputs.clone(),
+                outputs: output_buffers(&self.gpu, &self.plan),
                 errors: DeviceBuffer::from_bytes(&self.gpu, &[0u8; 16], "the error words")?,
+                error_words: HostBuffer::new(&self.gpu, 16),
                 checks: self.checks.clone(),
                 workspace: new_workspace(&self.gpu, self.workspace.len())?,
                 captured: None,
@@ -872,7 +884,14 @@ impl Executable for CudaProgram {
     }
 }
 
-/// A workspace of `bytes`, its counters zeroed.
+/// Host buffers for the plan's outputs.
+fn output_buffers(gpu: &Gpu, plan: &Plan) -> HashMap<NodeId, HostBuffer> {
+    plan.outputs
+        .iter()
+        .map(|&o| (o, HostBuffer::new(gpu, plan.shape(o).byte_size())))
+        .collect()
+}
+
 /// A param's device storage as shared between programs, with its layout.
 struct StoredParam {
     buffer: Arc<DeviceBuffer>,
@@ -888,6 +907,7 @@ fn layout_name(transposed: bool) -> &'static str {
     }
 }
 
+/// A workspace of `bytes`, its counters zeroed.
 fn new_workspace(gpu: &Gpu, bytes: usize) -> Result<DeviceBuffer> {
     let workspace = DeviceBuffer::new(gpu, bytes, "the workspace")?;
     workspace.upload(gpu, 0, &vec![0u8; COUNTERS.min(bytes)])?;

@@ -7,8 +7,9 @@
 //! The weights are stored `[N, K]`, as for [`super::gemv::gemv_rows`]: a warp owns
 //! one output and walks its contiguous row (its rows, when the outputs are
 //! combined), 16 bytes a lane at a time. Each block first copies the input into
-//! shared memory (normalizing it there when the norm is folded: once a block, not
-//! once an output), so the walk reads only weights from memory.
+//! shared memory, so the walk reads only weights from memory. A folded norm is
+//! applied as `inv * (w . (x * gamma))`: the copy scales by `gamma` and sums the
+//! squares in one pass, and the reciprocal root scales each finished sum.
 
 use super::fused::{Epilogue, region_steps, rounded};
 use super::gemv::{GEMV_THREADS, line_mask, row_chunk};
@@ -47,9 +48,9 @@ pub(crate) struct RowGroup {
     pub norm: Option<f64>,
     /// The most blocks to launch.
     pub max_blocks: usize,
-    /// Whether each block first copies `a` into shared memory (normalizing it
-    /// there once when the norm is folded); otherwise warps read it as they walk
-    /// (and each sums its squares itself).
+    /// Whether each block first copies `a` into shared memory (scaled by `gamma`
+    /// when the norm is folded, its squares summed on the way); otherwise warps
+    /// read it as they walk (and each sums its squares itself).
     pub staged: bool,
 }
 
@@ -164,24 +165,32 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
         "    for (long long k = lane * 8; k < K; k += 256) rlx_prefetch_l2(row0 + k);\n    }\n  }\n  RLX_ENTER();\n",
     );
     if g.staged {
-        // The block's copy of `a` in shared memory as float; normalized, when the
-        // norm is folded, as the norm kernel computes it (`x * inv * gamma`).
+        // The block's copy of `a` in shared memory as float. With the norm folded it
+        // holds `x * gamma` and the row's reciprocal root scales each finished sum
+        // (a per-row constant): the squares are summed in the same pass, so one
+        // barrier separates the copy from the walk.
         let size = m * k;
-        let _ = writeln!(
-            s,
-            "  __shared__ __align__(16) float xs[{size}];\n  for (int i = threadIdx.x; i < {size}; i += {GEMV_THREADS}) xs[i] = {};",
-            load(adt, "a", "i")
-        );
-        if let Some(eps) = g.norm {
-            let _ = writeln!(
-                s,
-                "  __shared__ float red[32];\n  __syncthreads();\n  for (int r = 0; r < {m}; ++r) {{\n    float t = 0.f;\n    for (int i = threadIdx.x; i < {k}; i += {GEMV_THREADS}) t += xs[r * {k} + i] * xs[r * {k} + i];\n    const float inv = rsqrtf(block_sum(t, red) / {} + {});\n    for (int i = threadIdx.x; i < {k}; i += {GEMV_THREADS}) xs[r * {k} + i] = xs[r * {k} + i] * inv * {};\n  }}",
-                super::literal(k as f64, DType::F32),
-                super::literal(eps, DType::F32),
-                load(adt, "gamma", "i")
-            );
+        let warps = GEMV_THREADS / 32;
+        let _ = writeln!(s, "  __shared__ __align__(16) float xs[{size}];");
+        match g.norm {
+            None => {
+                let _ = writeln!(
+                    s,
+                    "  for (int i = threadIdx.x; i < {size}; i += {GEMV_THREADS}) xs[i] = {};\n  __syncthreads();",
+                    load(adt, "a", "i")
+                );
+            }
+            Some(eps) => {
+                let _ = writeln!(
+                    s,
+                    "  __shared__ float squares[{m}][{warps}];\n  for (int r = 0; r < {m}; ++r) {{\n    float t = 0.f;\n    for (int i = threadIdx.x; i < {k}; i += {GEMV_THREADS}) {{\n      const float x = {};\n      t = fmaf(x, x, t);\n      xs[r * {k} + i] = x * {};\n    }}\n    t = warp_sum(t);\n    if (lane == 0) squares[r][warp] = t;\n  }}\n  __syncthreads();\n  float inv[{m}];\n  for (int r = 0; r < {m}; ++r) {{\n    float t = 0.f;\n    for (int w = 0; w < {warps}; ++w) t += squares[r][w];\n    inv[r] = rsqrtf(t / {} + {});\n  }}",
+                    load(adt, "a", &format!("r * {k} + i")),
+                    load(adt, "gamma", "i"),
+                    super::literal(k as f64, DType::F32),
+                    super::literal(eps, DType::F32),
+                );
+            }
         }
-        s.push_str("  __syncthreads();\n");
     }
     // Each warp walks on its own (measured faster than a block-uniform walk with a
     // test inside: 11.9 against 16.0 us for 2048 x 8192 in `gemv_bench`).
@@ -255,6 +264,7 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
         "    if (lane == 0) {{\n      for (int r = 0; r < {m}; ++r) {{"
     );
     let scale = match g.norm {
+        Some(_) if g.staged => " * inv[r]",
         Some(eps) if direct_norm => {
             let _ = writeln!(
                 s,
