@@ -14,7 +14,9 @@
 
 use crate::codegen::fused::{Epilogue, epilogue_in_place};
 use crate::codegen::gemv::{GEMV_MAX_ROWS, GEMV_ROW_ELEMENTS, Gemv, GemvRows, gemv, gemv_rows};
-use crate::codegen::gemv_group::{GROUP_INPUT_FLOATS, GroupProduct, RowGroup, gemv_group};
+use crate::codegen::gemv_group::{
+    GROUP_INPUT_FLOATS, GroupProduct, GroupTail, RowGroup, gemv_group,
+};
 use crate::codegen::{self, Kernel};
 use crate::matmul::Gemm;
 use crate::product_groups::ProductGroup;
@@ -24,6 +26,10 @@ use rlx_opt::{Location, Plan};
 
 /// Where workspace data starts (after the counters).
 const DATA: usize = COUNTERS;
+
+/// Where in the counters the group tails' segment counters start (split sums'
+/// counters stay below).
+const TAIL_COUNTERS: usize = COUNTERS / 2;
 
 /// Steps of one node, each with the kind its kernel-table name takes.
 pub(crate) type Steps = Vec<(&'static str, Step)>;
@@ -83,7 +89,7 @@ pub(crate) fn plan(
         && rows <= GEMV_MAX_ROWS
         && float(adt)
         && float(bdt)
-        && g.tiles() * 4 <= COUNTERS
+        && g.tiles() * 4 <= TAIL_COUNTERS
     {
         let kernel = gemv(codegen::STEP_NAME, &g, epilogue, adt, bdt).map_err(|e| e.to_string())?;
         let mut args = vec![Arg::At(out), Arg::At(inputs[0]), Arg::At(inputs[1])];
@@ -191,11 +197,14 @@ pub(crate) fn aligned16(l: Location) -> bool {
     l.offset.is_multiple_of(16)
 }
 
-/// The one kernel of a [`ProductGroup`] of `plan`, with its operands.
+/// The one kernel of a [`ProductGroup`] of `plan`, with its operands; `tail` (and
+/// its operands) adds rotations and cache writes of the outputs
+/// ([`crate::rope_writes::as_tail`]).
 pub(crate) fn plan_group(
     plan: &Plan,
     group: &ProductGroup,
     max_blocks: usize,
+    tail: Option<(GroupTail, Vec<Arg>)>,
 ) -> Result<Steps, String> {
     let nodes = plan.graph.nodes();
     let at = |id: NodeId| Arg::At(plan.locations[id.index()]);
@@ -234,6 +243,19 @@ pub(crate) fn plan_group(
     // 8192 each: 26.2 against 28.5 us) and a 2048 x 3072 product (the q/k/v shape:
     // 7.8 against 9.0 us), slower for a single 2048 x 8192 one (17.0 against 15.4).
     let staged = group.norm.is_some() && products.len() > 1;
+    let tail = tail.map(|(tail, tail_args)| {
+        args.extend(tail_args);
+        args.push(Arg::Workspace(TAIL_COUNTERS));
+        tail
+    });
+    if let Some(t) = &tail
+        && t.counters(&products) * 4 > COUNTERS - TAIL_COUNTERS
+    {
+        return Err(format!(
+            "{} segment counters, past the workspace's",
+            t.counters(&products)
+        ));
+    }
     let g = RowGroup {
         rows,
         k,
@@ -242,6 +264,7 @@ pub(crate) fn plan_group(
         norm: group.norm.map(|n| n.eps),
         max_blocks,
         staged,
+        tail,
     };
     let kernel = gemv_group(codegen::STEP_NAME, &g, a_shape.dtype(), w_shape.dtype())
         .map_err(|e| e.to_string())?;

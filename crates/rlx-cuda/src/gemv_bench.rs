@@ -169,6 +169,7 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
             norm: norm.then_some(NORM_EPS),
             max_blocks: 16 * sms,
             staged,
+            tail: None,
         };
         let mut add = |label: String, g: RowGroup, operands| {
             v.push(Variant {

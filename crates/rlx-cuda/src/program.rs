@@ -4,6 +4,7 @@
 //! are copied up from host staging before, outputs down after.
 
 use crate::codegen::fused::Epilogue;
+use crate::codegen::gemv_group::GroupTail;
 use crate::codegen::{self, Grid, STEP_NAME};
 use crate::gpu::{self, DeviceBuffer, Gpu, HostBuffer, cuda_error};
 use crate::matmul::Gemm;
@@ -15,7 +16,7 @@ use rlx_backend::{Executable, HandleStorage, SharedParam};
 use rlx_driver::{Device, KernelTime, Profile};
 use rlx_ir::{Error, NodeId, Op, Result};
 use rlx_opt::{Location, Plan, Region};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -189,10 +190,32 @@ impl CudaProgram {
         } else {
             Default::default()
         };
+        // A rotation/write group scheduled right after a product group is done by the
+        // products' kernel (by the rope group's last node: its code and message).
+        let tails: HashMap<NodeId, (NodeId, GroupTail, Vec<Arg>)> = groups
+            .at
+            .iter()
+            .filter_map(|(&id, group)| {
+                let next = plan.schedule.iter().position(|&s| s == id)? + 1;
+                let (&at, rope) = rope_groups.at.iter().find(|(_, r)| {
+                    r.ropes
+                        .iter()
+                        .chain(&r.writes)
+                        .any(|&m| Some(&m) == plan.schedule.get(next))
+                })?;
+                let code = i32::try_from(at.index() + 1).unwrap_or(i32::MAX);
+                let (tail, args) = crate::rope_writes::as_tail(&plan, rope, group, code)?;
+                Some((id, (at, tail, args)))
+            })
+            .collect();
+        let folded: HashSet<NodeId> = tails.values().map(|(at, ..)| *at).collect();
         // (node, kernel table name, the function's name or the product) in order.
         let mut pending: Vec<(NodeId, String, Pending)> = Vec::with_capacity(plan.schedule.len());
         for &id in &plan.schedule {
-            if groups.absorbed.contains(&id) || rope_groups.absorbed.contains(&id) {
+            if groups.absorbed.contains(&id)
+                || rope_groups.absorbed.contains(&id)
+                || folded.contains(&id)
+            {
                 continue;
             }
             let node = &nodes[id.index()];
@@ -222,7 +245,18 @@ impl CudaProgram {
             let steps: Vec<(String, Step)> = match &node.op {
                 _ if groups.at.contains_key(&id) => {
                     let group = &groups.at[&id];
-                    crate::fused_matmul::plan_group(&plan, group, products.row_blocks)
+                    let tail = tails.get(&id).map(|(at, tail, args)| {
+                        if let Some(message) = crate::codegen::rope_write::check_message(&tail.spec)
+                        {
+                            let last = &nodes[at.index()];
+                            checks.insert(
+                                tail.code,
+                                format!("%{} ({}): {message}", at.index(), last.op.name()),
+                            );
+                        }
+                        (tail.clone(), args.clone())
+                    });
+                    crate::fused_matmul::plan_group(&plan, group, products.row_blocks, tail)
                         .map_err(unsupported)?
                         .into_iter()
                         .map(|(kind, step)| (table(kind), step))

@@ -7,8 +7,10 @@
 //! [`crate::product_groups`], no other kernel runs between the nodes, and runs
 //! whose written bytes overlap their read ones are not formed.
 
+use crate::codegen::gemv_group::GroupTail;
 use crate::codegen::rope_write::{RopeJob, RopeWrites, WriteJob};
 use crate::node_runs::{Runs, any_overlap, span};
+use crate::product_groups::ProductGroup;
 use crate::program::Arg;
 use rlx_ir::{NodeId, Op};
 use rlx_opt::Plan;
@@ -159,13 +161,22 @@ fn not_in_group(id: NodeId, want: &str) -> rlx_ir::Error {
     }
 }
 
-/// The group's kernel and its operands; a position that does not fit is reported as
-/// `code`.
-pub(crate) fn plan_group(
-    plan: &Plan,
-    group: &RopeWriteGroup,
-    code: i32,
-) -> rlx_ir::Result<(crate::codegen::Kernel, Vec<Arg>)> {
+/// A group's kernel description and its operands by kind.
+struct Parts {
+    spec: RopeWrites,
+    /// Each rotation kept as a value.
+    rotated: Vec<Arg>,
+    caches: Vec<Arg>,
+    /// Each rotation's input node.
+    inputs: Vec<NodeId>,
+    cos: Arg,
+    sin: Arg,
+    /// For each write, the operand node it writes (`None`: a rotation's result).
+    operands: Vec<Option<NodeId>>,
+    pos: Arg,
+}
+
+fn parts(plan: &Plan, group: &RopeWriteGroup) -> rlx_ir::Result<Parts> {
     let nodes = plan.graph.nodes();
     let at = |id: NodeId| Arg::At(plan.locations[id.index()]);
     let into = destinations(plan, group);
@@ -209,36 +220,142 @@ pub(crate) fn plan_group(
             |x| plan.shape(x).clone(),
         )
     };
-    let spec = RopeWrites {
-        ropes,
-        cos: shape_or_scalar(tables.map(|t| t[1])),
-        sin: shape_or_scalar(tables.map(|t| t[2])),
-        writes,
-        pos: shape_or_scalar(pos),
-    };
-    let kernel = crate::codegen::rope_write::kernel(crate::codegen::STEP_NAME, &spec, code)?;
-    let mut args = Vec::new();
-    for (k, &r) in group.ropes.iter().enumerate() {
-        if into[k].is_none() {
-            args.push(at(r));
-        }
-    }
-    args.extend(group.writes.iter().map(|&w| at(w)));
-    args.extend(group.ropes.iter().map(|&r| at(nodes[r.index()].inputs[0])));
     // Without ropes or writes the tables and position are never read; any live
     // address stands in.
-    let stand_in = group.writes.first().or(group.ropes.first()).copied();
-    let table = |k: usize| tables.map_or_else(|| stand_in.map(at), |t| Some(at(t[k])));
-    args.extend(table(1));
-    args.extend(table(2));
-    for &w in &group.writes {
-        if from(w).is_none() {
-            args.push(at(nodes[w.index()].inputs[1]));
+    let stand_in = group
+        .writes
+        .first()
+        .or(group.ropes.first())
+        .copied()
+        .ok_or_else(|| not_in_group(NodeId::from_index(0), "rope or write_at"))?;
+    let table = |k: usize| tables.map_or(at(stand_in), |t| at(t[k]));
+    Ok(Parts {
+        spec: RopeWrites {
+            ropes,
+            cos: shape_or_scalar(tables.map(|t| t[1])),
+            sin: shape_or_scalar(tables.map(|t| t[2])),
+            writes,
+            pos: shape_or_scalar(pos),
+        },
+        rotated: group
+            .ropes
+            .iter()
+            .zip(&into)
+            .filter(|(_, into)| into.is_none())
+            .map(|(&r, _)| at(r))
+            .collect(),
+        caches: group.writes.iter().map(|&w| at(w)).collect(),
+        inputs: group
+            .ropes
+            .iter()
+            .map(|&r| nodes[r.index()].inputs[0])
+            .collect(),
+        cos: table(1),
+        sin: table(2),
+        operands: group
+            .writes
+            .iter()
+            .map(|&w| from(w).is_none().then(|| nodes[w.index()].inputs[1]))
+            .collect(),
+        pos: pos.map_or(at(stand_in), at),
+    })
+}
+
+/// The group's kernel and its operands; a position that does not fit is reported as
+/// `code`.
+pub(crate) fn plan_group(
+    plan: &Plan,
+    group: &RopeWriteGroup,
+    code: i32,
+) -> rlx_ir::Result<(crate::codegen::Kernel, Vec<Arg>)> {
+    let parts = parts(plan, group)?;
+    let kernel = crate::codegen::rope_write::kernel(crate::codegen::STEP_NAME, &parts.spec, code)?;
+    let at = |id: NodeId| Arg::At(plan.locations[id.index()]);
+    let mut args = parts.rotated;
+    args.extend(parts.caches);
+    args.extend(parts.inputs.iter().map(|&x| at(x)));
+    args.extend([parts.cos, parts.sin]);
+    args.extend(parts.operands.iter().flatten().map(|&x| at(x)));
+    args.extend([parts.pos, Arg::Errors]);
+    Ok((kernel, args))
+}
+
+/// `group` done by the kernel of `products` (which runs just before it), when
+/// every rotation's input and every written operand is one of the products'
+/// outputs (one row each) and nothing the group writes is anything the products'
+/// kernel reads or writes (it writes while other warps still compute). Returns the
+/// tail and its operands, after the group's own.
+pub(crate) fn as_tail(
+    plan: &Plan,
+    group: &RopeWriteGroup,
+    products: &ProductGroup,
+    code: i32,
+) -> Option<(GroupTail, Vec<Arg>)> {
+    if products.combine.is_some() {
+        return None;
+    }
+    let parts = parts(plan, group).ok()?;
+    let nodes = plan.graph.nodes();
+    // The product whose output `x` is: the same bytes, the same element count.
+    let product_of = |x: NodeId| {
+        products.products.iter().position(|&p| {
+            plan.locations[p.index()] == plan.locations[x.index()]
+                && plan.shape(p).num_elements() == plan.shape(x).num_elements()
+                && plan.shape(p).dtype() == plan.shape(x).dtype()
+        })
+    };
+    let mut reader = vec![None; products.products.len()];
+    let mut claim = |p: usize, job| {
+        let free = reader[p].is_none();
+        reader[p] = Some(job);
+        free
+    };
+    for (j, &x) in parts.inputs.iter().enumerate() {
+        if !claim(product_of(x)?, Ok(j)) {
+            return None;
         }
     }
-    args.extend(pos.map(at).or_else(|| stand_in.map(at)));
-    args.push(Arg::Errors);
-    Ok((kernel, args))
+    for (w, operand) in parts.operands.iter().enumerate() {
+        if let Some(x) = *operand
+            && !claim(product_of(x)?, Err(w))
+        {
+            return None;
+        }
+    }
+    // Everything the products' kernel touches, against what the tail writes.
+    // (A folded norm's result is never stored: the products read its input.)
+    let mut touched: Vec<_> = products.products.iter().map(|&p| span(plan, p)).collect();
+    for &p in &products.products {
+        let inputs = &nodes[p.index()].inputs;
+        let skip = usize::from(products.norm.is_some());
+        touched.extend(inputs[skip..].iter().map(|&x| span(plan, x)));
+    }
+    if let Some(norm) = products.norm {
+        touched.extend([span(plan, norm.x), span(plan, norm.gamma)]);
+    }
+    let into = destinations(plan, group);
+    let mut written: Vec<_> = group
+        .ropes
+        .iter()
+        .zip(&into)
+        .filter(|(_, into)| into.is_none())
+        .map(|(&r, _)| span(plan, r))
+        .collect();
+    written.extend(group.writes.iter().map(|&w| span(plan, w)));
+    if any_overlap(&written, &touched) {
+        return None;
+    }
+    let mut args = parts.rotated;
+    args.extend(parts.caches);
+    args.extend([parts.cos, parts.sin, parts.pos, Arg::Errors]);
+    Some((
+        GroupTail {
+            spec: parts.spec,
+            reader,
+            code,
+        },
+        args,
+    ))
 }
 
 #[cfg(test)]
@@ -274,6 +391,72 @@ mod tests {
             ..PlanOptions::default()
         };
         plan_graph(&g, &options).unwrap()
+    }
+
+    /// q/k/v products of a normalized row, rotated and written as a decode step.
+    fn projected_plan() -> Plan {
+        let g = Graph::new("decode projections");
+        let f32s = |d: &[usize]| Shape::new(d, DType::F32);
+        let x = g.input("x", f32s(&[1, 64])).unwrap();
+        let h = g
+            .rms_norm(x, g.param("g1", f32s(&[64])).unwrap(), 1e-5)
+            .unwrap();
+        let project = |name: &str, heads: usize| {
+            let w = g.param(name, f32s(&[64, heads * 16])).unwrap();
+            g.reshape(g.matmul(h, w).unwrap(), &[1, 1, heads, 16])
+                .unwrap()
+        };
+        let (q, k, v) = (project("wq", 4), project("wk", 2), project("wv", 2));
+        let cos = g.input("cos", f32s(&[1, 1, 1, 8])).unwrap();
+        let sin = g.input("sin", f32s(&[1, 1, 1, 8])).unwrap();
+        let pos = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
+        let cache = f32s(&[1, 8, 2, 16]);
+        let k_cache = g.input("k_cache", cache.clone()).unwrap();
+        let v_cache = g.input("v_cache", cache.clone()).unwrap();
+        let q = g.rope(q, cos, sin, RopeStyle::HalfSplit).unwrap();
+        let k = g.rope(k, cos, sin, RopeStyle::HalfSplit).unwrap();
+        let k_all = g.write_at(k_cache, k, pos, 1).unwrap();
+        let v_all = g.write_at(v_cache, v, pos, 1).unwrap();
+        let att = g.cached_attention(q, k_all, v_all, pos, None).unwrap();
+        // The residual keeps x live past the products, as in a layer.
+        let out = g.add(x, g.reshape(att, &[1, 64]).unwrap()).unwrap();
+        g.set_outputs(vec![out]);
+        let options = PlanOptions {
+            handles: vec![("k_cache".into(), cache.clone()), ("v_cache".into(), cache)],
+            fusion: crate::fusion(),
+            native: crate::native_ops(),
+            ..PlanOptions::default()
+        };
+        plan_graph(&g, &options).unwrap()
+    }
+
+    #[test]
+    fn rotations_of_the_products_just_before_are_their_kernels_tail() {
+        let plan = projected_plan();
+        let products = crate::product_groups::of_plan(&plan);
+        let ropes = find(&plan);
+        assert_eq!(
+            (products.at.len(), ropes.at.len()),
+            (1, 1),
+            "{}",
+            plan.graph
+        );
+        let (group, rope) = (
+            products.at.values().next().unwrap(),
+            ropes.at.values().next().unwrap(),
+        );
+        assert!(group.norm.is_some());
+        let (tail, args) = as_tail(&plan, rope, group, 9).unwrap();
+        // q rotated and kept, k rotated into its cache, v written.
+        assert_eq!(tail.reader, [Some(Ok(0)), Some(Ok(1)), Some(Err(1))]);
+        // q's result, two caches, cos, sin, pos, errors.
+        assert_eq!(args.len(), 7);
+        // A combined group (gate/up) takes no tail.
+        let combined = ProductGroup {
+            combine: Some(group.products[0]),
+            ..group.clone()
+        };
+        assert!(as_tail(&plan, rope, &combined, 9).is_none());
     }
 
     fn op(plan: &Plan, id: NodeId) -> String {

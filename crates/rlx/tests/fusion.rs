@@ -908,6 +908,206 @@ fn a_decode_layers_products_match_the_reference() {
     }
 }
 
+fn as_f32(d: &TensorData) -> Vec<f32> {
+    d.as_ref().to_f64_vec().iter().map(|&v| v as f32).collect()
+}
+
+/// A decode step's q/k/v products after a norm, then rotations, cache writes and
+/// attention over the cache (the CUDA backend does the rotations and writes inside
+/// the products' kernel: no rotation kernel is left). The attention, the rotated q
+/// and both caches match the reference over several positions; a position past the
+/// cache is an error that writes neither cache, and the graph runs on after it.
+#[test]
+fn a_decode_steps_projections_rotate_into_their_caches() {
+    use rlx::ir::RopeStyle;
+    let (hidden, heads, kv_heads, dim, max_seq) = (128, 4, 2, 32, 8);
+    let mut rng = Rng(0x51);
+    for dtype in [DType::BF16, DType::F32] {
+        for style in [RopeStyle::HalfSplit, RopeStyle::Interleaved] {
+            let label = format!("{dtype} {style:?}");
+            let g = Graph::new("decode projections");
+            let f32s = |d: &[usize]| Shape::new(d, DType::F32);
+            let weight = |name: &str, k: usize, n: usize| {
+                let w = g.param(name, Shape::new(&[k, n], dtype)).unwrap();
+                if dtype == DType::F32 {
+                    w
+                } else {
+                    g.cast(w, DType::F32).unwrap()
+                }
+            };
+            let x = g.input("x", f32s(&[1, hidden])).unwrap();
+            let h = g
+                .rms_norm(x, g.param("g1", f32s(&[hidden])).unwrap(), 1e-5)
+                .unwrap();
+            let project = |name: &str, n: usize| {
+                let p = g.matmul(h, weight(name, hidden, n * dim)).unwrap();
+                g.reshape(p, &[1, 1, n, dim]).unwrap()
+            };
+            let (q, k, v) = (
+                project("wq", heads),
+                project("wk", kv_heads),
+                project("wv", kv_heads),
+            );
+            let cos = g.input("cos", f32s(&[1, 1, 1, dim / 2])).unwrap();
+            let sin = g.input("sin", f32s(&[1, 1, 1, dim / 2])).unwrap();
+            let pos = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
+            let cache = f32s(&[1, max_seq, kv_heads, dim]);
+            let k_cache = g.input("k_cache", cache.clone()).unwrap();
+            let v_cache = g.input("v_cache", cache.clone()).unwrap();
+            let q = g.rope(q, cos, sin, style).unwrap();
+            let k = g.rope(k, cos, sin, style).unwrap();
+            let k_all = g.write_at(k_cache, k, pos, 1).unwrap();
+            let v_all = g.write_at(v_cache, v, pos, 1).unwrap();
+            let att = g.cached_attention(q, k_all, v_all, pos, None).unwrap();
+            // The residual keeps x live past the products, as in a layer.
+            let out = g.add(x, g.reshape(att, &[1, hidden]).unwrap()).unwrap();
+            g.set_outputs(vec![out, q]);
+            // Weights exact in bf16 and scaled so the sums stay near 1.
+            let params: Vec<(String, Vec<f32>)> = g
+                .params()
+                .into_iter()
+                .map(|(name, _, shape)| {
+                    let scale = if name.starts_with('w') { 16.0 } else { 1.0 };
+                    let data = (0..shape.num_elements())
+                        .map(|_| (rng.value() * 128.0).round() / 128.0 / scale)
+                        .collect();
+                    (name, data)
+                })
+                .collect();
+            let tensor = |shape: &Shape, data: &[f32]| {
+                let wide: Vec<f64> = data.iter().map(|&v| f64::from(v)).collect();
+                HostTensor::from_data(shape.dims(), &TensorData::from_f64(shape.dtype(), &wide))
+                    .unwrap()
+            };
+            let shape_of = |name: &str| {
+                g.inputs()
+                    .into_iter()
+                    .chain(g.params())
+                    .find(|i| i.0 == name)
+                    .unwrap()
+                    .2
+            };
+            let mut values: HashMap<String, HostTensor> = params
+                .iter()
+                .map(|(n, d)| (n.clone(), tensor(&shape_of(n), d)))
+                .collect();
+            let start: Vec<f32> = (0..cache.num_elements()).map(|_| rng.value()).collect();
+            for name in ["k_cache", "v_cache"] {
+                values.insert(name.into(), tensor(&cache, &start));
+            }
+            let handles = [
+                BufferHandle::new("k_cache", cache.dims(), DType::F32),
+                BufferHandle::new("v_cache", cache.dims(), DType::F32),
+            ];
+            let mut runs = Vec::new();
+            for device in common::test_devices() {
+                let options = CompileOptions::new()
+                    .bind_handle(&handles[0])
+                    .bind_handle(&handles[1]);
+                let mut c = Session::new(device).compile_with(&g, &options).unwrap();
+                for (name, data) in &params {
+                    c.set_param(name, data).unwrap();
+                }
+                for name in ["k_cache", "v_cache"] {
+                    c.write_handle(name, &start).unwrap();
+                }
+                if device != Device::Cpu {
+                    let rotations = c
+                        .kernels()
+                        .iter()
+                        .filter(|(_, k)| k.contains("rope"))
+                        .count();
+                    assert_eq!(rotations, 0, "{label} on {device}: {:?}", c.kernels());
+                }
+                runs.push((device, c));
+            }
+            let step = |rng: &mut Rng, p: i64| -> Vec<(String, TensorData)> {
+                let mut feeds: Vec<(String, TensorData)> = ["x", "cos", "sin"]
+                    .iter()
+                    .map(|&n| {
+                        let count = shape_of(n).num_elements();
+                        (
+                            n.to_string(),
+                            TensorData::F32((0..count).map(|_| rng.value()).collect()),
+                        )
+                    })
+                    .collect();
+                feeds.push(("pos".into(), TensorData::I64(vec![p])));
+                feeds
+            };
+            let caches_match =
+                |c: &CompiledGraph, values: &HashMap<String, HostTensor>, what: &str| {
+                    for name in ["k_cache", "v_cache"] {
+                        let got = c.read_handle(name).unwrap();
+                        let want = &values[name].data;
+                        let worst = got
+                            .iter()
+                            .zip(want)
+                            .map(|(a, b)| (f64::from(*a) - b).abs())
+                            .fold(0.0, f64::max);
+                        assert!(worst < 1e-5, "{label} {what}: {name} off by {worst}");
+                    }
+                };
+            for p in [0i64, 3, 7, 4] {
+                let feeds = step(&mut rng, p);
+                for (name, data) in &feeds {
+                    values.insert(
+                        name.clone(),
+                        HostTensor::from_data(shape_of(name).dims(), data).unwrap(),
+                    );
+                }
+                let want = evaluate(&g, &mut values).unwrap();
+                let refs: Vec<(&str, TensorRef)> = feeds
+                    .iter()
+                    .map(|(n, d)| (n.as_str(), d.as_ref()))
+                    .collect();
+                for (device, c) in runs.iter_mut() {
+                    let got: Vec<Vec<f32>> =
+                        c.run_typed(&refs).unwrap().iter().map(as_f32).collect();
+                    let what = format!("{label} on {device}, pos {p}");
+                    assert_close(&want, &got, 5e-5, &what);
+                    caches_match(c, &values, &what);
+                }
+            }
+            // A position past the cache: an error, and neither cache written.
+            let bad = step(&mut rng, max_seq as i64);
+            let bad: Vec<(&str, TensorRef)> =
+                bad.iter().map(|(n, d)| (n.as_str(), d.as_ref())).collect();
+            for (device, c) in runs.iter_mut() {
+                let err = c.run_typed(&bad);
+                assert!(
+                    matches!(err, Err(Error::Runtime { .. })),
+                    "{label} on {device}: position {max_seq} gave {err:?}"
+                );
+                caches_match(
+                    c,
+                    &values,
+                    &format!("{label} on {device} after a bad position"),
+                );
+            }
+            // And the next step runs as before.
+            let feeds = step(&mut rng, 5);
+            for (name, data) in &feeds {
+                values.insert(
+                    name.clone(),
+                    HostTensor::from_data(shape_of(name).dims(), data).unwrap(),
+                );
+            }
+            let want = evaluate(&g, &mut values).unwrap();
+            let refs: Vec<(&str, TensorRef)> = feeds
+                .iter()
+                .map(|(n, d)| (n.as_str(), d.as_ref()))
+                .collect();
+            for (device, c) in runs.iter_mut() {
+                let got: Vec<Vec<f32>> = c.run_typed(&refs).unwrap().iter().map(as_f32).collect();
+                let what = format!("{label} on {device}, pos 5 after the error");
+                assert_close(&want, &got, 5e-5, &what);
+                caches_match(c, &values, &what);
+            }
+        }
+    }
+}
+
 #[test]
 fn a_region_built_by_hand_is_checked() {
     use rlx::ir::{BinaryOp, EwStep, Op};

@@ -13,6 +13,7 @@
 
 use super::fused::{Epilogue, region_steps, rounded};
 use super::gemv::{GEMV_THREADS, line_mask, row_chunk};
+use super::rope_write::{self, RopeWrites};
 use super::{Grid, Kernel, ctype, load, store, unsupported};
 use rlx_ir::{DType, EwStep, Result};
 use std::fmt::Write;
@@ -52,6 +53,45 @@ pub(crate) struct RowGroup {
     /// when the norm is folded, its squares summed on the way); otherwise warps
     /// read it as they walk (and each sums its squares itself).
     pub staged: bool,
+    /// Rotations and cache writes of the outputs, done in the same kernel.
+    pub tail: Option<GroupTail>,
+}
+
+/// Rotations and cache writes of a group's outputs (a decode step's q and k
+/// rotated, k and v written into their caches) done by the group's kernel: each
+/// output is cut into segments (a head: a rotation's last dim, a written row's), and
+/// the warp that finishes a segment's last output does the segment's share, reading
+/// the outputs the other warps wrote. A launch and a trip through memory fewer than
+/// [`rope_write::kernel`] after the group.
+#[derive(Clone, Debug)]
+pub(crate) struct GroupTail {
+    /// The rotations and writes; a rotation's input, and an operand written, is a
+    /// product's output.
+    pub spec: RopeWrites,
+    /// For each product, what reads its output: a rotation (`Ok`, its index) or a
+    /// write (`Err`, its index); `None` when neither does.
+    pub reader: Vec<Option<std::result::Result<usize, usize>>>,
+    /// The code a position that does not fit is reported as.
+    pub code: i32,
+}
+
+impl GroupTail {
+    /// Product `p`'s segment length in outputs, when a job reads it.
+    fn segment(&self, p: usize) -> Option<usize> {
+        Some(match self.reader.get(p).copied().flatten()? {
+            Ok(j) => self.spec.ropes[j].x.dims().last().copied()?,
+            Err(w) => self.spec.writes[w].update.dims().last().copied()?,
+        })
+    }
+
+    /// The segment counters the kernel uses (one per segment of every read product).
+    pub fn counters(&self, products: &[GroupProduct]) -> usize {
+        products
+            .iter()
+            .enumerate()
+            .filter_map(|(p, prod)| Some(prod.n / self.segment(p)?.max(1)))
+            .sum()
+    }
 }
 
 impl RowGroup {
@@ -98,13 +138,23 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
             "a combined row group of unequal products".into(),
         ));
     }
+    if let Some(tail) = &g.tail {
+        check_tail(g, tail, adt)?;
+    }
     let at = ctype(adt).storage;
     let wt = ctype(wdt).storage;
     let c = ctype(adt).compute;
     let mut s = format!("extern \"C\" __global__ void __launch_bounds__({GEMV_THREADS}) {name}(");
     let outs = if g.combine.is_some() { 1 } else { count };
+    // A tail reads the outputs back through other pointers: they are not
+    // `__restrict__` then.
+    let restrict = if g.tail.is_some() {
+        ""
+    } else {
+        " __restrict__"
+    };
     for o in 0..outs {
-        let _ = write!(s, "{at}* __restrict__ out{o}, ");
+        let _ = write!(s, "{at}*{restrict} out{o}, ");
     }
     let _ = write!(s, "const {at}* __restrict__ a");
     if g.norm.is_some() {
@@ -116,6 +166,12 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
             ", const {wt}* __restrict__ b{i}{}",
             p.epilogue.params_tagged(adt, &i.to_string())
         );
+    }
+    if let Some(tail) = &g.tail {
+        for param in rope_write::params(&tail.spec, true) {
+            let _ = write!(s, ", {param}");
+        }
+        s.push_str(", unsigned int* __restrict__ tail_count");
     }
     s.push_str(") {\n");
     let total = g.walked_outputs();
@@ -315,7 +371,11 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
             let _ = writeln!(s, "      out0[r * {total}LL + c] = {};", store(adt, &last));
         }
     }
-    s.push_str("      }\n    }\n  }\n}\n");
+    s.push_str("      }\n    }\n");
+    if let Some(tail) = &g.tail {
+        tail_code(&mut s, g, tail, adt)?;
+    }
+    s.push_str("  }\n}\n");
     Ok(Kernel {
         source: s,
         grid: Grid::Blocks {
@@ -324,4 +384,86 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
         },
         check: None,
     })
+}
+
+/// Whether `tail` fits `g`: one row, products stored separately, each read by at
+/// most one job whose segments tile it, every job reading a product.
+fn check_tail(g: &RowGroup, tail: &GroupTail, adt: DType) -> Result<()> {
+    let refuse = |why: &str| Err(unsupported(format!("a row group's rotations: {why}")));
+    if g.rows != 1 || g.combine.is_some() || tail.reader.len() != g.products.len() {
+        return refuse("more than one row, or combined products");
+    }
+    rope_write::check_rows(&tail.spec)?;
+    for (p, prod) in g.products.iter().enumerate() {
+        match tail.segment(p) {
+            Some(len) if len == 0 || prod.n % len != 0 => {
+                return refuse("segments that do not tile an output");
+            }
+            _ => {}
+        }
+    }
+    let read = |job| tail.reader.contains(&Some(job));
+    let ropes_read =
+        (0..tail.spec.ropes.len()).all(|j| read(Ok(j)) && tail.spec.ropes[j].x.dtype() == adt);
+    let writes_read =
+        tail.spec.writes.iter().enumerate().all(|(w, write)| {
+            write.from.is_some() || (read(Err(w)) && write.update.dtype() == adt)
+        });
+    if !ropes_read || !writes_read {
+        return refuse("a rotation or write of a value the group does not compute");
+    }
+    Ok(())
+}
+
+/// After output `c` of product `p` is stored: the warp counts it into its segment,
+/// and the warp that completes a segment does that segment's rotation or write.
+fn tail_code(s: &mut String, g: &RowGroup, tail: &GroupTail, adt: DType) -> Result<()> {
+    let at = ctype(adt).storage;
+    let jobs = rope_write::jobs(&tail.spec)?;
+    s.push_str("    {\n      const int gp = p; const long long gc = c;\n      unsigned int* counter = nullptr; unsigned int len = 0u;\n");
+    let mut base = 0usize;
+    for (p, prod) in g.products.iter().enumerate() {
+        let Some(len) = tail.segment(p) else {
+            continue;
+        };
+        let _ = writeln!(
+            s,
+            "      if (gp == {p}) {{ counter = tail_count + {base}LL + gc / {len}LL; len = {len}u; }}"
+        );
+        base += prod.n / len;
+    }
+    // The store, then the count: a warp that sees the segment complete sees every
+    // output of it (fences on both sides, as for split sums).
+    s.push_str("      if (counter != nullptr) {\n        unsigned int done = 0u;\n        if (lane == 0) { __threadfence(); done = atomicAdd(counter, 1u) + 1u; }\n        done = __shfl_sync(0xffffffffu, done, 0);\n        if (done == len) {\n          __threadfence();\n          if (lane == 0) *counter = 0u;\n          const long long seg = gc / len;\n");
+    for (p, reader) in tail.reader.iter().enumerate() {
+        let Some(reader) = reader else {
+            continue;
+        };
+        let Some(job) = jobs.iter().find(|j| j.source == *reader) else {
+            // A rotation written straight into a cache has its own job; a write of
+            // a rotation has none.
+            continue;
+        };
+        // The segment's items: a rotation's pairs, a write's elements.
+        let per = match reader {
+            Ok(_) => "(len / 2)",
+            Err(_) => "len",
+        };
+        let alias = match reader {
+            Ok(j) => format!("x{j}"),
+            Err(w) => format!("upd{w}"),
+        };
+        let _ = writeln!(
+            s,
+            "          if (gp == {p}) {{\n          const volatile {at}* {alias} = out{p};"
+        );
+        rope_write::position_check(s, &tail.spec, tail.code, "lane == 0");
+        let _ = writeln!(
+            s,
+            "          for (long long i = seg * {per} + lane; i < (seg + 1) * {per}; i += 32) {{\n{}          }}\n          }}",
+            job.body
+        );
+    }
+    s.push_str("        }\n      }\n    }\n");
+    Ok(())
 }

@@ -55,97 +55,16 @@ pub(crate) struct RopeWrites {
 /// each cache, each rotation's input, cos, sin, each written operand, the position,
 /// and the error slots (a position that does not fit is reported as `code`).
 pub(crate) fn kernel(name: &str, g: &RopeWrites, code: i32) -> Result<Kernel> {
-    let first = g.writes.first();
-    // Every write takes the same rows into a cache axis of the same length: the
-    // one position check (and its message) holds for all of them.
-    let rows = |w: &WriteJob| (w.update.dims()[w.axis], w.target.dims()[w.axis]);
-    if let Some(f) = first
-        && g.writes.iter().any(|w| rows(w) != rows(f))
-    {
-        return Err(unsupported(
-            "cache writes of different lengths in one kernel".into(),
-        ));
-    }
+    check_rows(g)?;
     let mut s = format!("extern \"C\" __global__ void {name}(");
-    let mut params = Vec::new();
-    for (j, r) in g.ropes.iter().enumerate() {
-        if r.into.is_none() {
-            params.push(format!(
-                "{}* __restrict__ rot{j}",
-                ctype(r.x.dtype()).storage
-            ));
-        }
-    }
-    for (w, write) in g.writes.iter().enumerate() {
-        params.push(format!(
-            "{}* __restrict__ cache{w}",
-            ctype(write.target.dtype()).storage
-        ));
-    }
-    for (j, r) in g.ropes.iter().enumerate() {
-        params.push(format!(
-            "const {}* __restrict__ x{j}",
-            ctype(r.x.dtype()).storage
-        ));
-    }
-    params.push(format!(
-        "const {}* __restrict__ cosv",
-        ctype(g.cos.dtype()).storage
-    ));
-    params.push(format!(
-        "const {}* __restrict__ sinv",
-        ctype(g.sin.dtype()).storage
-    ));
-    for (w, write) in g.writes.iter().enumerate() {
-        if write.from.is_none() {
-            params.push(format!(
-                "const {}* __restrict__ upd{w}",
-                ctype(write.update.dtype()).storage
-            ));
-        }
-    }
-    params.push(format!(
-        "const {}* __restrict__ pos",
-        ctype(g.pos.dtype()).storage
-    ));
-    params.push("long long* __restrict__ err".into());
-    s.push_str(&params.join(", "));
+    s.push_str(&params(g, false).join(", "));
     s.push_str(") {\n");
-    if let Some(f) = first {
-        let (len, dim) = (f.update.dims()[f.axis], f.target.dims()[f.axis]);
-        let _ = writeln!(
-            s,
-            "  const long long p = {};\n  const bool fits = p >= 0 && p + {len}LL <= {dim}LL;\n  if (!fits && blockIdx.x == 0 && threadIdx.x == 0) rlx_fail(err, {code}, p);",
-            load(g.pos.dtype(), "pos", "0")
-        );
-    }
+    position_check(&mut s, g, code, "blockIdx.x == 0 && threadIdx.x == 0");
     let mut total = 0usize;
     let mut branches = Vec::new();
-    for (j, r) in g.ropes.iter().enumerate() {
-        let pairs = r.x.num_elements() / 2;
-        let mut b = String::new();
-        rope_body(&mut b, j, r, g)?;
-        branches.push((total, total + pairs, b));
-        total += pairs;
-    }
-    for (w, write) in g.writes.iter().enumerate() {
-        if write.from.is_some() {
-            continue;
-        }
-        let n = write.update.num_elements();
-        let mut b = String::new();
-        unravel_code(&mut b, "i", write.update.dims(), "u");
-        let _ = writeln!(
-            b,
-            "    if (fits) cache{w}[{}] = {};",
-            target_offset(write, "u"),
-            store(
-                write.target.dtype(),
-                &load(write.update.dtype(), &format!("upd{w}"), "i")
-            )
-        );
-        branches.push((total, total + n, b));
-        total += n;
+    for job in jobs(g)? {
+        branches.push((total, total + job.count, job.body));
+        total += job.count;
     }
     let _ = writeln!(
         s,
@@ -162,14 +81,144 @@ pub(crate) fn kernel(name: &str, g: &RopeWrites, code: i32) -> Result<Kernel> {
     Ok(Kernel {
         source: s,
         grid: Grid::Elements(total),
-        check: first.map(|f| {
-            format!(
-                "write_at: position {{value}} + {} rows does not fit an axis of length {}",
-                f.update.dims()[f.axis],
-                f.target.dims()[f.axis]
-            )
-        }),
+        check: check_message(g),
     })
+}
+
+/// Every write takes the same rows into a cache axis of the same length: the one
+/// position check (and its message) holds for all of them.
+pub(crate) fn check_rows(g: &RopeWrites) -> Result<()> {
+    let rows = |w: &WriteJob| (w.update.dims()[w.axis], w.target.dims()[w.axis]);
+    match g.writes.first() {
+        Some(f) if g.writes.iter().any(|w| rows(w) != rows(f)) => Err(unsupported(
+            "cache writes of different lengths in one kernel".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// What a position that does not fit is reported as.
+pub(crate) fn check_message(g: &RopeWrites) -> Option<String> {
+    g.writes.first().map(|f| {
+        format!(
+            "write_at: position {{value}} + {} rows does not fit an axis of length {}",
+            f.update.dims()[f.axis],
+            f.target.dims()[f.axis]
+        )
+    })
+}
+
+/// The kernel parameters, in operand order. Within a product group's kernel
+/// (`in_group`) the rotations' inputs and the written operands are the group's own
+/// outputs, not parameters.
+pub(crate) fn params(g: &RopeWrites, in_group: bool) -> Vec<String> {
+    let mut params = Vec::new();
+    for (j, r) in g.ropes.iter().enumerate() {
+        if r.into.is_none() {
+            params.push(format!(
+                "{}* __restrict__ rot{j}",
+                ctype(r.x.dtype()).storage
+            ));
+        }
+    }
+    for (w, write) in g.writes.iter().enumerate() {
+        params.push(format!(
+            "{}* __restrict__ cache{w}",
+            ctype(write.target.dtype()).storage
+        ));
+    }
+    if !in_group {
+        for (j, r) in g.ropes.iter().enumerate() {
+            params.push(format!(
+                "const {}* __restrict__ x{j}",
+                ctype(r.x.dtype()).storage
+            ));
+        }
+    }
+    params.push(format!(
+        "const {}* __restrict__ cosv",
+        ctype(g.cos.dtype()).storage
+    ));
+    params.push(format!(
+        "const {}* __restrict__ sinv",
+        ctype(g.sin.dtype()).storage
+    ));
+    if !in_group {
+        for (w, write) in g.writes.iter().enumerate() {
+            if write.from.is_none() {
+                params.push(format!(
+                    "const {}* __restrict__ upd{w}",
+                    ctype(write.update.dtype()).storage
+                ));
+            }
+        }
+    }
+    params.push(format!(
+        "const {}* __restrict__ pos",
+        ctype(g.pos.dtype()).storage
+    ));
+    params.push("long long* __restrict__ err".into());
+    params
+}
+
+/// Declares the position `p` and whether the writes fit (`fits`); where `leader`
+/// holds, a position that does not fit is reported as `code`.
+pub(crate) fn position_check(s: &mut String, g: &RopeWrites, code: i32, leader: &str) {
+    if let Some(f) = g.writes.first() {
+        let (len, dim) = (f.update.dims()[f.axis], f.target.dims()[f.axis]);
+        let _ = writeln!(
+            s,
+            "  const long long p = {};\n  const bool fits = p >= 0 && p + {len}LL <= {dim}LL;\n  if (!fits && {leader}) rlx_fail(err, {code}, p);",
+            load(g.pos.dtype(), "pos", "0")
+        );
+    }
+}
+
+/// One piece of the kernel's work: `count` items, done by `body` for item `i`.
+pub(crate) struct Job {
+    /// Which rotation (`Ok`) or written operand (`Err`) it is.
+    pub source: std::result::Result<usize, usize>,
+    /// Items: a rotation's pairs, a write's elements.
+    pub count: usize,
+    /// Code doing item `i` (after [`position_check`]).
+    pub body: String,
+}
+
+/// The work of `g`: each rotation's pairs, then each written operand's elements (a
+/// rotation written straight into a cache is written by its own job).
+pub(crate) fn jobs(g: &RopeWrites) -> Result<Vec<Job>> {
+    let mut out = Vec::new();
+    for (j, r) in g.ropes.iter().enumerate() {
+        let mut body = String::new();
+        rope_body(&mut body, j, r, g)?;
+        out.push(Job {
+            source: Ok(j),
+            count: r.x.num_elements() / 2,
+            body,
+        });
+    }
+    for (w, write) in g.writes.iter().enumerate() {
+        if write.from.is_some() {
+            continue;
+        }
+        let mut body = String::new();
+        unravel_code(&mut body, "i", write.update.dims(), "u");
+        let _ = writeln!(
+            body,
+            "    if (fits) cache{w}[{}] = {};",
+            target_offset(write, "u"),
+            store(
+                write.target.dtype(),
+                &load(write.update.dtype(), &format!("upd{w}"), "i")
+            )
+        );
+        out.push(Job {
+            source: Err(w),
+            count: write.update.num_elements(),
+            body,
+        });
+    }
+    Ok(out)
 }
 
 /// The offset in `write`'s cache of the update element whose coordinates are

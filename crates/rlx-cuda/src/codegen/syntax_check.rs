@@ -6,7 +6,7 @@
 
 use super::fused::{Epilogue, epilogue_in_place};
 use super::gemv::{Gemv, GemvRows, gemv, gemv_rows};
-use super::gemv_group::{GroupProduct, RowGroup, gemv_group};
+use super::gemv_group::{GroupProduct, GroupTail, RowGroup, gemv_group};
 use super::rope_write::{self, RopeJob, RopeWrites, WriteJob};
 use super::{PRELUDE, entering_after_predecessor, kernel, kernel_for};
 use rlx_ir::{
@@ -30,6 +30,7 @@ unsigned long long atomicCAS(unsigned long long*, unsigned long long, unsigned l
 float __shfl_xor_sync(unsigned, float, int);
 double __shfl_xor_sync(unsigned, double, int);
 long long __shfl_xor_sync(unsigned, long long, int);
+unsigned __shfl_sync(unsigned, unsigned, int);
 float __int_as_float(int);
 float __uint_as_float(unsigned);
 double __longlong_as_double(long long);
@@ -504,6 +505,7 @@ fn generated_kernels_parse_as_cxx() {
                 norm: Some(1e-5),
                 max_blocks: 2112,
                 staged: false,
+                tail: None,
             },
             DType::F32,
         ),
@@ -516,6 +518,7 @@ fn generated_kernels_parse_as_cxx() {
                 norm: Some(1e-6),
                 max_blocks: 2112,
                 staged: false,
+                tail: None,
             },
             DType::F32,
         ),
@@ -528,6 +531,7 @@ fn generated_kernels_parse_as_cxx() {
                 norm: None,
                 max_blocks: 2112,
                 staged: false,
+                tail: None,
             },
             DType::BF16,
         ),
@@ -582,6 +586,25 @@ fn generated_kernels_parse_as_cxx() {
             pos: Shape::new(&[1], DType::I64),
         };
         more.push(rope_write::kernel(&format!("rw{i}"), &spec, 3).unwrap());
+        // The same rotations and writes done by the q/k/v products' kernel.
+        let tail = GroupTail {
+            spec,
+            reader: vec![Some(Ok(0)), Some(Ok(1)), Some(Err(1))],
+            code: 3,
+        };
+        for (l, staged) in [false, true].into_iter().enumerate() {
+            let g = RowGroup {
+                rows: 1,
+                k: 64,
+                products: vec![product(64, bare), product(32, bare), product(32, bare)],
+                combine: None,
+                norm: (dt == DType::F32).then_some(1e-5),
+                max_blocks: 2112,
+                staged,
+                tail: Some(tail.clone()),
+            };
+            more.push(gemv_group(&format!("rgt{i}_{l}"), &g, dt, DType::BF16).unwrap());
+        }
     }
     for k in more {
         source.push_str(&entering_after_predecessor(&k.source));
