@@ -335,11 +335,7 @@ pub(crate) struct HostBuffer {
 }
 
 enum HostMemory {
-    Locked {
-        ctx: Arc<CudaContext>,
-        stream: Arc<CudaStream>,
-        ptr: *mut u8,
-    },
+    Locked { gpu: Arc<Gpu>, ptr: *mut u8 },
     Pageable(Vec<u8>),
 }
 
@@ -350,8 +346,12 @@ unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
     /// `bytes` zeroed bytes, page-locked when possible.
-    pub fn new(gpu: &Gpu, bytes: usize) -> HostBuffer {
+    pub fn new(gpu: &Arc<Gpu>, bytes: usize) -> HostBuffer {
         let locked = gpu.bind().ok().and_then(|()| {
+            // Page-locking may synchronize the device, which would break a graph
+            // capture of the (shared) stream in another thread: captures hold the
+            // stream's lock, so this waits for them.
+            let _stream = gpu.lock_stream();
             // SAFETY: the context is current; the size is non-zero.
             unsafe { driver::malloc_host(bytes.max(1), 0) }.ok()
         });
@@ -361,8 +361,7 @@ impl HostBuffer {
                 // SAFETY: the allocation holds at least `bytes` bytes.
                 unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
                 HostMemory::Locked {
-                    ctx: gpu.ctx.clone(),
-                    stream: gpu.stream.clone(),
+                    gpu: gpu.clone(),
                     ptr,
                 }
             }
@@ -407,11 +406,13 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        if let HostMemory::Locked { ctx, stream, ptr } = &self.memory
-            && ctx.bind_to_thread().is_ok()
+        if let HostMemory::Locked { gpu, ptr } = &self.memory
+            && gpu.bind().is_ok()
         {
-            // A queued copy may still be writing here: let it land first.
-            let _ = stream.synchronize();
+            // A queued copy may still be writing here: let it land first (under the
+            // stream's lock, as in `new`).
+            let _stream = gpu.lock_stream();
+            let _ = gpu.stream.synchronize();
             // SAFETY: the pointer came from `malloc_host` and is freed once.
             unsafe {
                 let _ = driver::free_host(ptr.cast());

@@ -919,7 +919,7 @@ impl Executable for CudaProgram {
 }
 
 /// Host buffers for the plan's outputs.
-fn output_buffers(gpu: &Gpu, plan: &Plan) -> HashMap<NodeId, HostBuffer> {
+fn output_buffers(gpu: &Arc<Gpu>, plan: &Plan) -> HashMap<NodeId, HostBuffer> {
     plan.outputs
         .iter()
         .map(|&o| (o, HostBuffer::new(gpu, plan.shape(o).byte_size())))
