@@ -186,6 +186,10 @@ bench)
             grep -E '^Llama|failed'
     fi
     if [ -d "$model" ]; then
+        # Where a token's time goes (CUDA events around every kernel).
+        .device/tools/rlx bench llm --model "$model" --prompt 0 --gen 32 --reps 1 \
+            --device cuda --profile >"$out/profile-decode.txt" 2>&1
+        head -14 "$out/profile-decode.txt"
         # Alternating: everything on; products not grouped; no programmatic launches.
         for setting in "1 1" "0 1" "1 0" "1 1" "0 1" "1 0"; do
             set -- $setting
