@@ -53,6 +53,12 @@ pub trait Executable: Send {
     fn input_staging(&mut self, index: usize) -> Result<&mut [u8]>;
     /// Starts a run with the staged inputs; may return before it finishes.
     fn submit(&mut self) -> Result<()>;
+    /// [`Executable::submit`] with the outputs' copies to the host queued behind
+    /// the run, so that [`Executable::sync_outputs`] after [`Executable::wait`] has
+    /// nothing left to wait for. By default a plain submit.
+    fn submit_with_outputs(&mut self) -> Result<()> {
+        self.submit()
+    }
     /// Waits for the last submitted run.
     fn wait(&mut self) -> Result<()>;
     /// Makes every output readable on the host (a copy from device memory where the

@@ -114,6 +114,10 @@ pub struct CudaProgram {
     /// Where outputs are copied to (page-locked: the copies run queued, at full
     /// link speed).
     outputs: HashMap<NodeId, HostBuffer>,
+    /// Whether the last submit queued the outputs' copies, and whether a wait has
+    /// seen them land since.
+    outputs_queued: bool,
+    waited: bool,
     /// The words a kernel's failed run-time check sets (its node index + 1, and the
     /// value that failed), and what each code means; copied to `error_words` after
     /// every run that has checked kernels, queued behind it.
@@ -420,6 +424,8 @@ impl CudaProgram {
             handles,
             staging,
             outputs,
+            outputs_queued: false,
+            waited: false,
             errors,
             error_words,
             checks: Arc::new(checks),
@@ -583,6 +589,23 @@ impl CudaProgram {
         Ok(())
     }
 
+    /// Queues the copy of every output to its host buffer.
+    fn queue_outputs(&mut self) -> Result<()> {
+        let mut outputs = std::mem::take(&mut self.outputs);
+        let result = outputs.iter_mut().try_for_each(|(node, host)| {
+            let at = self.plan.locations[node.index()];
+            let source = match at.region {
+                Region::Arena => &self.arena,
+                Region::Param(i) => &*self.params[i],
+                Region::Constant(i) => &self.constants[i],
+                Region::Handle(i) => self.handle_buffer(i)?,
+            };
+            source.download_queued(&self.gpu, at.offset, host)
+        });
+        self.outputs = outputs;
+        result
+    }
+
     /// Handle `index`'s buffer, checked to hold `len` bytes.
     fn handle_of_len(&self, index: usize, len: usize) -> Result<&DeviceBuffer> {
         let buffer = self.handle_buffer(index)?;
@@ -718,6 +741,8 @@ impl Executable for CudaProgram {
     }
 
     fn submit(&mut self) -> Result<()> {
+        self.outputs_queued = false;
+        self.waited = false;
         // Inputs, kernels and the error words' copy are queued in stream order with
         // no wait between them: one synchronization a run, in `wait`.
         for (source, bytes) in self.plan.inputs.iter().zip(&self.staging) {
@@ -733,8 +758,16 @@ impl Executable for CudaProgram {
         Ok(())
     }
 
+    fn submit_with_outputs(&mut self) -> Result<()> {
+        self.submit()?;
+        self.queue_outputs()?;
+        self.outputs_queued = true;
+        Ok(())
+    }
+
     fn wait(&mut self) -> Result<()> {
         self.gpu.synchronize()?;
+        self.waited = true;
         if let Some(timer) = &mut self.timer {
             timer.collect()?;
         }
@@ -763,21 +796,18 @@ impl Executable for CudaProgram {
     }
 
     fn sync_outputs(&mut self) -> Result<()> {
-        // Every copy queued, then one wait.
-        let mut outputs = std::mem::take(&mut self.outputs);
-        let result = outputs.iter_mut().try_for_each(|(node, host)| {
-            let at = self.plan.locations[node.index()];
-            let source = match at.region {
-                Region::Arena => &self.arena,
-                Region::Param(i) => &*self.params[i],
-                Region::Constant(i) => &self.constants[i],
-                Region::Handle(i) => self.handle_buffer(i)?,
+        if self.outputs_queued {
+            // Copied behind the run: landed when the wait returned.
+            return if self.waited {
+                Ok(())
+            } else {
+                self.gpu.synchronize()
             };
-            source.download_queued(&self.gpu, at.offset, host)
-        });
-        self.outputs = outputs;
+        }
+        // Every copy queued, then one wait.
+        let queued = self.queue_outputs();
         let waited = self.gpu.synchronize();
-        result.and(waited)
+        queued.and(waited)
     }
 
     fn value_bytes(&self, node: NodeId) -> Result<&[u8]> {
@@ -905,6 +935,8 @@ impl Executable for CudaProgram {
                 handles,
                 staging: self.staging.clone(),
                 outputs: output_buffers(&self.gpu, &self.plan),
+                outputs_queued: false,
+                waited: false,
                 errors: DeviceBuffer::from_bytes(&self.gpu, &[0u8; 16], "the error words")?,
                 error_words: HostBuffer::new(&self.gpu, 16),
                 checks: self.checks.clone(),

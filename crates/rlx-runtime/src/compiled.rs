@@ -502,7 +502,7 @@ impl CompiledGraph {
     }
 
     fn execute(&mut self) -> Result<()> {
-        self.exe.submit()?;
+        self.exe.submit_with_outputs()?;
         self.exe.wait()?;
         self.exe.sync_outputs()?;
         self.has_run = true;
@@ -732,7 +732,7 @@ impl CompiledGraph {
             ));
         }
         self.stage_f32(inputs)?;
-        self.exe.submit()?;
+        self.exe.submit_with_outputs()?;
         self.pending = true;
         Ok(())
     }

@@ -101,9 +101,12 @@ pub(super) fn kernel(
         "  for (long long c0 = 0; c0 < len; c0 += {CHUNK}) {{\n    const int cn = (int)(len - c0 < {CHUNK} ? len - c0 : {CHUNK});"
     );
     // Scores: one warp per key, lanes along the head dimension.
+    // The key and value loops are unrolled so that several rows' loads are in
+    // flight at once: a decode step's short context is a chain of dependent loads
+    // otherwise (each warp takes a key, each thread a strip of keys).
     let _ = writeln!(
         s,
-        "    for (int jj = warp; jj < cn; jj += warps) {{\n      const long long krow = ((bi * {smax}LL + c0 + jj) * {hkv}LL + kvh) * {d}LL;\n      {acc} t = 0;\n      for (int j = lane; j < {d}; j += 32) t += qs[j] * ({acc}){};\n      t = warp_sum(t);\n      if (lane == 0) sc[jj] = t;\n    }}",
+        "    #pragma unroll 4\n    for (int jj = warp; jj < cn; jj += warps) {{\n      const long long krow = ((bi * {smax}LL + c0 + jj) * {hkv}LL + kvh) * {d}LL;\n      {acc} t = 0;\n      for (int j = lane; j < {d}; j += 32) t += qs[j] * ({acc}){};\n      t = warp_sum(t);\n      if (lane == 0) sc[jj] = t;\n    }}",
         load(k.dtype(), "in1", "(krow + j)")
     );
     s.push_str("    __syncthreads();\n");
@@ -132,13 +135,13 @@ pub(super) fn kernel(
     if split > 1 {
         let _ = writeln!(
             s,
-            "    if (tid < {all}) {{\n      const int j = tid % {dv}, s0 = tid / {dv};\n      {acc} t = o[0] * alpha;\n      for (int jj = s0; jj < cn; jj += {split}) t += sc[jj] * ({acc}){value};\n      o[0] = t;\n    }}",
+            "    if (tid < {all}) {{\n      const int j = tid % {dv}, s0 = tid / {dv};\n      {acc} t = o[0] * alpha;\n      #pragma unroll 8\n      for (int jj = s0; jj < cn; jj += {split}) t += sc[jj] * ({acc}){value};\n      o[0] = t;\n    }}",
             all = split * dv
         );
     } else {
         let _ = writeln!(
             s,
-            "    for (int a = 0; a < {per_thread}; ++a) {{\n      const int j = tid + a * blockDim.x; if (j >= {dv}) break;\n      {acc} t = o[a] * alpha;\n      for (int jj = 0; jj < cn; ++jj) t += sc[jj] * ({acc}){value};\n      o[a] = t;\n    }}"
+            "    for (int a = 0; a < {per_thread}; ++a) {{\n      const int j = tid + a * blockDim.x; if (j >= {dv}) break;\n      {acc} t = o[a] * alpha;\n      #pragma unroll 8\n      for (int jj = 0; jj < cn; ++jj) t += sc[jj] * ({acc}){value};\n      o[a] = t;\n    }}"
         );
     }
     s.push_str("    __syncthreads();\n  }\n");
