@@ -52,6 +52,21 @@ pub(super) fn kernel(
         &[q.dtype(), k.dtype(), v.dtype(), pos.dtype()],
         true,
     );
+    // Before waiting for the kernel ahead (which writes the newest row), ask L2 for
+    // the cached rows this block reads first: they are the cache of earlier steps,
+    // and the rows are clamped to the cache, so a position the kernel ahead has
+    // not written yet only changes what is prefetched.
+    let row_bytes = |dt: DType, n: usize| n * dt.size_in_bytes();
+    let _ = writeln!(
+        s,
+        "  {{\n    const long long p0 = {pos0}, n = p0 + {sq} < 0 ? 0 : (p0 + {sq} > {cap} ? {cap} : p0 + {sq});\n    const long long kvh = (blockIdx.x % {hq}LL) / {group}LL, bi = blockIdx.x / ({hq}LL * {sq}LL);\n    for (long long jj = threadIdx.x; jj < n; jj += blockDim.x) {{\n      const long long r = (bi * {smax}LL + jj) * {hkv}LL + kvh;\n      for (int o = 0; o < {kb}; o += 128) rlx_prefetch_l2((const char*)(in1 + r * {d}LL) + o);\n      for (int o = 0; o < {vb}; o += 128) rlx_prefetch_l2((const char*)(in2 + r * {dv}LL) + o);\n    }}\n  }}\n  RLX_ENTER();",
+        pos0 = load(pos.dtype(), "in3", "0"),
+        sq = sq.max(1),
+        cap = smax.min(CHUNK),
+        hq = hq.max(1),
+        kb = row_bytes(k.dtype(), d),
+        vb = row_bytes(v.dtype(), dv),
+    );
     let _ = writeln!(
         s,
         "  __shared__ {acc} qs[{}]; __shared__ {acc} sc[{CHUNK}]; __shared__ {acc} red[32];",
