@@ -176,27 +176,14 @@ impl DeviceBuffer {
         self.bytes
     }
 
-    /// Copies `data` to `offset` (synchronously: the host slice may be reused at once).
+    /// Copies `data` to `offset` and waits for it (with the work queued before it).
+    /// Queued on the program's stream, not as a plain synchronous copy: that goes
+    /// through the legacy default stream, which a non-blocking stream does not wait
+    /// for, and from pageable memory it returns before the transfer lands, so a
+    /// kernel queued next could read the old bytes.
     pub fn upload(&self, gpu: &Gpu, offset: usize, data: &[u8]) -> Result<()> {
-        self.check(offset, data.len())?;
-        if data.is_empty() {
-            return Ok(());
-        }
-        gpu.bind()?;
-        let _stream = gpu.lock_stream();
-        // The copy is queued on the program's stream, ordered after the kernels that
-        // read this memory and before the ones that follow, then waited for. A plain
-        // synchronous copy is not enough: it goes through the legacy default stream,
-        // which a non-blocking stream does not wait for, and from pageable memory it
-        // returns before the transfer lands, so a kernel queued next could read the
-        // old bytes.
-        // SAFETY: the range was checked against the allocation; `data` outlives the
-        // copy because the stream is drained before returning.
-        unsafe {
-            driver::memcpy_htod_async(self.ptr + offset as u64, data, gpu.cu_stream())
-                .and_then(|_| driver::stream::synchronize(gpu.cu_stream()))
-        }
-        .map_err(|e| cuda_error("copying to the device", e))
+        self.upload_queued(gpu, offset, data)?;
+        gpu.synchronize()
     }
 
     /// Queues a copy of `data` to `offset` on the program's stream and returns

@@ -372,25 +372,9 @@ mod tests {
         let q = g.input("q", f32s(&[1, 1, 4, 16])).unwrap();
         let k = g.input("k", f32s(&[1, 1, 2, 16])).unwrap();
         let v = g.input("v", f32s(&[1, 1, 2, 16])).unwrap();
-        let cos = g.input("cos", f32s(&[1, 1, 1, 8])).unwrap();
-        let sin = g.input("sin", f32s(&[1, 1, 1, 8])).unwrap();
-        let pos = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
-        let cache = f32s(&[1, 8, 2, 16]);
-        let k_cache = g.input("k_cache", cache.clone()).unwrap();
-        let v_cache = g.input("v_cache", cache.clone()).unwrap();
-        let q = g.rope(q, cos, sin, RopeStyle::HalfSplit).unwrap();
-        let k = g.rope(k, cos, sin, RopeStyle::HalfSplit).unwrap();
-        let k_all = g.write_at(k_cache, k, pos, 1).unwrap();
-        let v_all = g.write_at(v_cache, v, pos, 1).unwrap();
-        let att = g.cached_attention(q, k_all, v_all, pos, None).unwrap();
+        let (att, k) = attend(&g, q, k, v);
         g.set_outputs(if k_is_output { vec![att, k] } else { vec![att] });
-        let options = PlanOptions {
-            handles: vec![("k_cache".into(), cache.clone()), ("v_cache".into(), cache)],
-            fusion: crate::fusion(),
-            native: crate::native_ops(),
-            ..PlanOptions::default()
-        };
-        plan_graph(&g, &options).unwrap()
+        plan_with_caches(&g)
     }
 
     /// q/k/v products of a normalized row, rotated and written as a decode step.
@@ -407,27 +391,43 @@ mod tests {
                 .unwrap()
         };
         let (q, k, v) = (project("wq", 4), project("wk", 2), project("wv", 2));
+        let (att, _) = attend(&g, q, k, v);
+        // The residual keeps x live past the products, as in a layer.
+        let out = g.add(x, g.reshape(att, &[1, 64]).unwrap()).unwrap();
+        g.set_outputs(vec![out]);
+        plan_with_caches(&g)
+    }
+
+    /// The cache shape of the test graphs: 8 positions of 2 heads of 16.
+    fn cache() -> Shape {
+        Shape::new(&[1, 8, 2, 16], DType::F32)
+    }
+
+    /// q and k rotated, k and v written into the caches at `pos`, and attention
+    /// over them; returns the attention and the rotated k.
+    fn attend(g: &Graph, q: NodeId, k: NodeId, v: NodeId) -> (NodeId, NodeId) {
+        let f32s = |d: &[usize]| Shape::new(d, DType::F32);
         let cos = g.input("cos", f32s(&[1, 1, 1, 8])).unwrap();
         let sin = g.input("sin", f32s(&[1, 1, 1, 8])).unwrap();
         let pos = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
-        let cache = f32s(&[1, 8, 2, 16]);
-        let k_cache = g.input("k_cache", cache.clone()).unwrap();
-        let v_cache = g.input("v_cache", cache.clone()).unwrap();
+        let k_cache = g.input("k_cache", cache()).unwrap();
+        let v_cache = g.input("v_cache", cache()).unwrap();
         let q = g.rope(q, cos, sin, RopeStyle::HalfSplit).unwrap();
         let k = g.rope(k, cos, sin, RopeStyle::HalfSplit).unwrap();
         let k_all = g.write_at(k_cache, k, pos, 1).unwrap();
         let v_all = g.write_at(v_cache, v, pos, 1).unwrap();
-        let att = g.cached_attention(q, k_all, v_all, pos, None).unwrap();
-        // The residual keeps x live past the products, as in a layer.
-        let out = g.add(x, g.reshape(att, &[1, 64]).unwrap()).unwrap();
-        g.set_outputs(vec![out]);
+        (g.cached_attention(q, k_all, v_all, pos, None).unwrap(), k)
+    }
+
+    /// `g` planned as the CUDA backend plans it, the caches bound as handles.
+    fn plan_with_caches(g: &Graph) -> Plan {
         let options = PlanOptions {
-            handles: vec![("k_cache".into(), cache.clone()), ("v_cache".into(), cache)],
+            handles: vec![("k_cache".into(), cache()), ("v_cache".into(), cache())],
             fusion: crate::fusion(),
             native: crate::native_ops(),
             ..PlanOptions::default()
         };
-        plan_graph(&g, &options).unwrap()
+        plan_graph(g, &options).unwrap()
     }
 
     #[test]
