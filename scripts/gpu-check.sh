@@ -11,7 +11,8 @@
 #                                compared with RLX (scripts/gpu_models.py), and the
 #                                ONNX node suite on CUDA against the CPU's pass list
 #   scripts/gpu-check.sh timing  on the GPU machine: the timing table (PyTorch eager,
-#                                torch.compile, RLX; scripts/gpu_models.py --timing)
+#                                torch.compile, RLX; scripts/gpu_models.py --timing;
+#                                `timing --bert-only` leaves out the decode row)
 #   scripts/gpu-check.sh bench   on the GPU machine: kernel benchmarks (matrix-vector
 #                                and group variants; decode with and without
 #                                programmatic launches and groups, making the ~1B
@@ -165,7 +166,8 @@ timing)
     mkdir -p "$out"
     cuda_libraries
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/timing.log"
-    "$(torch_python)" scripts/gpu_models.py .device/tools/rlx /tmp/rlx-gpu-models --timing 2>&1 |
+    # Extra arguments go to the script (`--bert-only`, `--llama-only`).
+    "$(torch_python)" scripts/gpu_models.py .device/tools/rlx /tmp/rlx-gpu-models --timing "${@:2}" 2>&1 |
         grep -v 'Writing model shards' | tee -a "$out/timing.log"
     ;;
 bench)

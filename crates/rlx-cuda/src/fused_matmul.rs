@@ -6,7 +6,9 @@
 //!   included, and writes the epilogue's result: the weight's bytes are read once.
 //!   A weight stored transposed (`[N, K]`, see `program`) takes the kernel with a
 //!   warp per output ([`gemv_rows`]); a `[K, N]` operand the split-`K` one.
-//! - Anything larger is cuBLAS, after widening a half-precision weight into the
+//! - Anything larger with a bias or residual and no other activation than ReLU
+//!   is one cuBLASLt call with both folded in ([`LtGemm`]), where it fits.
+//! - The rest is cuBLAS, after widening a half-precision weight into the
 //!   workspace when the activations are `f32`, followed by the epilogue as one
 //!   in-place kernel when there is one.
 //! - A group of products ([`crate::product_groups`]) is one [`gemv_group`] kernel
@@ -18,7 +20,8 @@ use crate::codegen::gemv_group::{
     GROUP_INPUT_FLOATS, GroupProduct, GroupTail, RowGroup, gemv_group,
 };
 use crate::codegen::{self, Kernel};
-use crate::matmul::Gemm;
+use crate::lt_matmul::{LtGemm, LtHandle, LtOperands};
+use crate::matmul::{Gemm, Product};
 use crate::product_groups::ProductGroup;
 use crate::program::{Arg, COUNTERS, Step};
 use rlx_ir::{DType, NodeId, Op, Shape};
@@ -35,14 +38,16 @@ const TAIL_COUNTERS: usize = COUNTERS / 2;
 pub(crate) type Steps = Vec<(&'static str, Step)>;
 
 /// How the GPU's products are sized and what they may use.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ProductOptions {
+#[derive(Clone, Copy)]
+pub(crate) struct ProductOptions<'a> {
     /// Whether f32 products may round their inputs to TF32.
     pub allow_tf32: bool,
     /// Blocks a split-`K` matrix-vector kernel aims for.
     pub target_blocks: usize,
     /// The most blocks of a row-layout matrix-vector kernel.
     pub row_blocks: usize,
+    /// cuBLASLt and the workspace bytes its products may use, where loaded.
+    pub lt: Option<(&'a LtHandle, usize)>,
 }
 
 /// The steps of one fused product and the workspace data bytes they need. `inputs`
@@ -54,7 +59,7 @@ pub(crate) fn plan(
     out_shape: &Shape,
     inputs: &[Location],
     out: Location,
-    options: ProductOptions,
+    options: ProductOptions<'_>,
     b_transposed: bool,
 ) -> Result<(Steps, usize), String> {
     if out_shape.num_elements() == 0 {
@@ -101,6 +106,17 @@ pub(crate) fn plan(
             g.partial_bytes(),
         ));
     }
+    if let Some((handle, workspace)) = options.lt {
+        let operands = LtOperands {
+            shapes,
+            inputs,
+            out: (out_shape, out),
+            b_transposed,
+        };
+        if let Some(g) = LtGemm::plan(handle, epilogue, &operands, options.allow_tf32, workspace)? {
+            return Ok((vec![("cublaslt", Step::Gemm(Product::Lt(Box::new(g))))], 0));
+        }
+    }
     let mut steps = Vec::new();
     let mut data = 0;
     let mut b_arg = Arg::At(inputs[1]);
@@ -136,7 +152,7 @@ pub(crate) fn plan(
         options.allow_tf32,
         b_transposed,
     )?;
-    steps.push(("cublas", Step::Gemm(gemm)));
+    steps.push(("cublas", Step::Gemm(Product::Blas(gemm))));
     let rest = Epilogue {
         alpha: 1.0,
         ..*epilogue

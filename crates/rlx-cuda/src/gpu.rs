@@ -1,4 +1,4 @@
-//! One GPU as a program uses it: its context, one stream, a cuBLAS handle, and
+//! One GPU as a program uses it: its context, one stream, cuBLAS and cuBLASLt handles, and
 //! device allocations that free themselves.
 
 use cudarc::cublas::result as cublas;
@@ -23,6 +23,9 @@ pub(crate) struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub blas: Blas,
+    /// cuBLASLt, for products with their bias and residual folded in (`None` where
+    /// the library is missing or `RLX_CUDA_LT=0`).
+    pub lt: Option<crate::lt_matmul::LtHandle>,
     /// Streaming multiprocessors: kernels size their grids to fill them.
     pub multiprocessors: usize,
     /// Whether the GPU has the `mma.m16n8k16` instructions (compute capability 8.0+).
@@ -36,7 +39,7 @@ pub(crate) struct Gpu {
     /// program's copies and kernels must not slip into it; this keeps them out.
     stream_lock: std::sync::Mutex<()>,
     /// cuBLAS's workspace, set once so that a captured product allocates nothing.
-    _blas_workspace: DeviceBuffer,
+    workspace_buffer: DeviceBuffer,
 }
 
 /// A cuBLAS handle bound to the program's stream.
@@ -94,13 +97,20 @@ impl Gpu {
             ctx,
             stream,
             blas,
+            lt: crate::lt_matmul::LtHandle::open(),
             multiprocessors,
             tensor_cores: major >= 8,
             programmatic_launch: major >= 9
                 && std::env::var("RLX_CUDA_PDL").map_or(true, |v| v.trim() != "0"),
             stream_lock: std::sync::Mutex::new(()),
-            _blas_workspace: workspace,
+            workspace_buffer: workspace,
         })
+    }
+
+    /// cuBLAS's workspace (shared with cuBLASLt: both queue on the one stream): its
+    /// address and size.
+    pub fn blas_workspace(&self) -> (sys::CUdeviceptr, usize) {
+        (self.workspace_buffer.ptr(), self.workspace_buffer.len())
     }
 
     /// Makes the context current on the calling thread (every driver call needs it).

@@ -16,6 +16,7 @@ mod fused_matmul;
 #[cfg(test)]
 mod gemv_bench;
 mod gpu;
+mod lt_matmul;
 mod matmul;
 mod node_runs;
 mod nvrtc;

@@ -5,12 +5,41 @@
 //! matrix, each with its operands' offsets worked out when the program is built.
 
 use crate::gpu::Gpu;
+use crate::lt_matmul::LtGemm;
 use crate::program::Arg;
 use cudarc::cublas::result as cublas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::sys::CUdeviceptr;
 use rlx_ir::{DType, Shape};
 use std::ffi::c_void;
+
+/// A library product: cuBLAS, or cuBLASLt with the bias and residual folded in.
+pub(crate) enum Product {
+    Blas(Gemm),
+    Lt(Box<LtGemm>),
+}
+
+/// Most pointer arguments of a [`Product`].
+pub(crate) const PRODUCT_ARGS: usize = 5;
+
+impl Product {
+    /// Its pointer arguments, in the order [`Product::run`] takes their addresses.
+    pub fn args(&self) -> Vec<Arg> {
+        match self {
+            Product::Blas(g) => vec![g.a, g.b, g.c],
+            Product::Lt(g) => g.args().collect(),
+        }
+    }
+
+    /// Queues it on the GPU's stream; `ptrs` are the addresses of
+    /// [`Product::args`].
+    pub fn run(&self, gpu: &Gpu, ptrs: &[CUdeviceptr]) -> rlx_ir::Result<()> {
+        match self {
+            Product::Blas(g) => g.run(gpu, ptrs[0], ptrs[1], ptrs[2]),
+            Product::Lt(g) => g.run(gpu, ptrs),
+        }
+    }
+}
 
 /// One planned product.
 pub(crate) struct Gemm {

@@ -7,7 +7,7 @@ use crate::codegen::fused::Epilogue;
 use crate::codegen::gemv_group::GroupTail;
 use crate::codegen::{self, Grid, STEP_NAME};
 use crate::gpu::{self, DeviceBuffer, Gpu, HostBuffer, cuda_error};
-use crate::matmul::Gemm;
+use crate::matmul::{PRODUCT_ARGS, Product};
 use crate::nvrtc::Module;
 use crate::param_layout;
 use crate::step_timer::StepTimer;
@@ -49,8 +49,8 @@ enum Launch {
         grid: Grid,
         args: Vec<Arg>,
     },
-    /// A cuBLAS product.
-    Gemm(Gemm),
+    /// A cuBLAS or cuBLASLt product and its pointer arguments.
+    Gemm(Product, Vec<Arg>),
 }
 
 /// A step as planned for one node, before its kernel is named.
@@ -60,8 +60,8 @@ pub(crate) enum Step {
         kernel: codegen::Kernel,
         args: Vec<Arg>,
     },
-    /// A cuBLAS product.
-    Gemm(Gemm),
+    /// A cuBLAS or cuBLASLt product.
+    Gemm(Product),
 }
 
 /// A step with its kernel named in the program's source.
@@ -71,7 +71,7 @@ enum Pending {
         grid: Grid,
         args: Vec<Arg>,
     },
-    Gemm(Gemm),
+    Gemm(Product),
 }
 
 /// A CUDA graph of every step of `run`, replayed while the buffers stay put.
@@ -176,6 +176,7 @@ impl CudaProgram {
             allow_tf32,
             target_blocks: gpu.multiprocessors * 3,
             row_blocks: gpu.multiprocessors * 16,
+            lt: gpu.lt.as_ref().map(|h| (h, gpu.blas_workspace().1)),
         };
         let transposed = param_layout::transposed_params(&plan);
         let param_index = param_layout::param_indices(&plan);
@@ -365,7 +366,10 @@ impl CudaProgram {
                     grid,
                     args,
                 },
-                Pending::Gemm(g) => Launch::Gemm(g),
+                Pending::Gemm(g) => {
+                    let args = g.args();
+                    Launch::Gemm(g, args)
+                }
             };
             launches.push((id, name, launch));
         }
@@ -573,11 +577,12 @@ impl CudaProgram {
                     }
                     .map_err(|e| cuda_error(&format!("launching %{}", id.index()), e))?;
                 }
-                Launch::Gemm(g) => {
-                    let a = self.arg_address(g.a)?;
-                    let b = self.arg_address(g.b)?;
-                    let c = self.arg_address(g.c)?;
-                    g.run(&self.gpu, a, b, c).map_err(|e| {
+                Launch::Gemm(g, args) => {
+                    let mut ptrs = [0; PRODUCT_ARGS];
+                    for (ptr, &arg) in ptrs.iter_mut().zip(args) {
+                        *ptr = self.arg_address(arg)?;
+                    }
+                    g.run(&self.gpu, &ptrs[..args.len()]).map_err(|e| {
                         cuda_error(&format!("the matrix product %{}", id.index()), e)
                     })?;
                 }

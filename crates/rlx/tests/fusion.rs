@@ -236,6 +236,68 @@ fn matmul_epilogues_fuse_and_match() {
     assert!(fused_total >= 30, "only {fused_total} fusions formed");
 }
 
+/// On a GPU a product's bias and residual (and a ReLU with no residual after it)
+/// are added by the library product as it stores its result (cuBLASLt's
+/// epilogue): no epilogue kernel is left. A GELU is not one of those and keeps its
+/// kernel. Every case matches the reference on every device.
+#[test]
+fn bias_and_residual_are_added_by_the_library_product() {
+    let mut rng = Rng(29);
+    // (epilogue, whether the library adds all of it)
+    let cases: [(&str, bool); 5] = [
+        ("bias", true),
+        ("residual", true),
+        ("bias residual", true),
+        ("bias relu", true),
+        ("bias gelu residual", false),
+    ];
+    for (batch, m, k, n) in [(vec![2], 40, 96, 72), (vec![], 33, 64, 136)] {
+        for (epilogue, folded) in cases {
+            let g = Graph::new("library epilogue");
+            let mut dims = batch.clone();
+            dims.extend([m, k]);
+            let a = g.input("a", Shape::new(&dims, DType::F32)).unwrap();
+            let w = g.param("w", Shape::new(&[k, n], DType::F32)).unwrap();
+            let mut y = g.matmul(a, w).unwrap();
+            if epilogue.contains("bias") {
+                let b = g.param("b", Shape::new(&[n], DType::F32)).unwrap();
+                y = g.add(y, b).unwrap();
+            }
+            if epilogue.contains("relu") {
+                y = g.relu(y).unwrap();
+            }
+            if epilogue.contains("gelu") {
+                y = g.gelu(y).unwrap();
+            }
+            if epilogue.contains("residual") {
+                let mut r_dims = batch.clone();
+                r_dims.extend([m, n]);
+                let r = g.input("r", Shape::new(&r_dims, DType::F32)).unwrap();
+                y = g.add(r, y).unwrap();
+            }
+            g.set_outputs(vec![y]);
+            let what = format!("{epilogue}, {batch:?} x {m}x{k}x{n}");
+            let feeds = feeds(&g, &mut rng);
+            let want = reference(&g, &feeds);
+            for device in common::test_devices() {
+                let c = Session::new(device).compile(&g).unwrap();
+                if device != Device::Cpu {
+                    let kernels: Vec<String> = c.kernels().into_iter().map(|(_, k)| k).collect();
+                    let epilogues = kernels.iter().filter(|k| k.contains("epilogue")).count();
+                    let library = kernels.iter().filter(|k| k.contains("cublaslt")).count();
+                    assert_eq!(
+                        (library, epilogues),
+                        if folded { (1, 0) } else { (0, 1) },
+                        "{what} on {device}: {kernels:?}"
+                    );
+                }
+                let got = run_compiled(c, &g, &feeds);
+                assert_close(&want, &got, 2e-5, &format!("{what} on {device}"));
+            }
+        }
+    }
+}
+
 #[test]
 fn conv_epilogues_fuse_and_match() {
     let mut rng = Rng(23);
