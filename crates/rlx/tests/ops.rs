@@ -2297,8 +2297,14 @@ fn attention_variants() {
     }
     // Tensor-core shapes on a GPU (f16, widths multiples of 16): grouped heads,
     // queries not a whole number of tiles, more keys than queries, causal with an
-    // additive mask, and the sequence-major layout.
-    for (causal, seq_major) in [(true, false), (false, true), (true, true)] {
+    // additive mask, the sequence-major layout, and more keys than one pass of
+    // staging holds (several passes, the last partial).
+    for (causal, seq_major, sk) in [
+        (true, false, 100),
+        (false, true, 100),
+        (true, true, 100),
+        (false, false, 300),
+    ] {
         let layout = |s: usize, h: usize, d: usize| {
             if seq_major {
                 vec![2, s, h, d]
@@ -2308,14 +2314,14 @@ fn attention_variants() {
         };
         let ins = [
             inp("q", &layout(70, 4, 64), DType::F16),
-            inp("k", &layout(100, 2, 64), DType::F16),
-            inp("v", &layout(100, 2, 32), DType::F16),
-            inp("mask", &[2, 1, 70, 100], DType::F16).dist(Dist::NegInf),
+            inp("k", &layout(sk, 2, 64), DType::F16),
+            inp("v", &layout(sk, 2, 32), DType::F16),
+            inp("mask", &[2, 1, 70, sk], DType::F16).dist(Dist::NegInf),
         ];
         s.check(
-            &format!("attention f16 tiles causal={causal} seq_major={seq_major}"),
+            &format!("attention f16 tiles causal={causal} seq_major={seq_major} keys {sk}"),
             &ins,
-            acc(100 * 64),
+            acc(sk * 64),
             |g, x| {
                 let f = if seq_major {
                     Graph::attention_seq_major

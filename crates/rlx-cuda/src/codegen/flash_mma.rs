@@ -38,10 +38,17 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
     while k_tile > 16 && k_tile * (ks + vs) * 2 > SHARED_BYTES {
         k_tile /= 2;
     }
+    // Keys staged at once: whole tiles, as many as shared memory holds up to the
+    // key count, so a short sequence is loaded in one go with every load in flight
+    // (a load loop that waits for each load was most of the kernel's time).
+    let mut staged = k_tile;
+    while staged < g.sk && staged * 2 * (ks + vs) * 2 <= SHARED_BYTES {
+        staged *= 2;
+    }
     let q_tile = WARP_ROWS * WARPS;
     let tiles = g.sq.div_ceil(q_tile).max(1);
     let (sq, sk) = (g.sq, g.sk);
-    let [[qb, qh, qs], [kb, kh, kst], [vb, vh, vst], [ob, oh, os]] = g.strides;
+    let [[qb, qh, qs], _, _, [ob, oh, os]] = g.strides;
     let mut s = String::new();
     let mask_param = match g.mask {
         Some((DType::Bool, _)) => ", const unsigned char* __restrict__ in3",
@@ -57,8 +64,8 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
     let _ = writeln!(
         s,
         "  __shared__ __align__(16) unsigned short ksh[{}]; __shared__ __align__(16) unsigned short vsh[{}];",
-        k_tile * ks,
-        k_tile * vs
+        staged * ks,
+        staged * vs
     );
     let _ = writeln!(
         s,
@@ -89,25 +96,17 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
     s.push_str(&super::flash::key_end(g.causal, q_tile, sq, sk));
     let _ = writeln!(
         s,
-        "  for (long long j0 = 0; j0 < kend; j0 += {k_tile}) {{\n    __syncthreads();"
+        "  for (long long js = 0; js < kend; js += {staged}) {{\n    __syncthreads();"
     );
-    // Stage the tiles two halves at a time, zeros past the last key.
-    for (buf, src, width, stride, [sb, sh, sst]) in [
-        ("ksh", "in1", d, ks, [kb, kh, kst]),
-        ("vsh", "in2", dv, vs, [vb, vh, vst]),
-    ] {
-        let _ = writeln!(
-            s,
-            "    for (int t = threadIdx.x; t < {pairs}; t += blockDim.x) {{ const int r = t / {half}, c = (t % {half}) * 2; const long long j = j0 + r;\n      *(unsigned int*)&{buf}[r * {stride} + c] = j < {sk}LL ? *(const unsigned int*)({src} + bi * {sb}LL + hk * {sh}LL + j * {sst}LL + c) : 0u; }}",
-            pairs = k_tile * width / 2,
-            half = width / 2
-        );
-    }
-    s.push_str("    __syncthreads();\n");
+    s.push_str(&stage(g, staged, ks, vs));
+    let _ = writeln!(
+        s,
+        "    __syncthreads();\n    for (int jt = 0; jt < {staged}; jt += {k_tile}) {{\n    const long long j0 = js + jt;\n    if (j0 >= kend) break;\n    const unsigned short* kt = ksh + jt * {ks}; const unsigned short* vt = vsh + jt * {vs};"
+    );
     // Scores.
     let _ = writeln!(
         s,
-        "    float sc[{nk}][4];\n    #pragma unroll\n    for (int n = 0; n < {nk}; ++n) {{ sc[n][0] = 0; sc[n][1] = 0; sc[n][2] = 0; sc[n][3] = 0;\n      const unsigned short* kr = ksh + (n * 8 + gq) * {ks} + tq * 2;\n      #pragma unroll\n      for (int t = 0; t < {steps}; ++t) rlx_mma(sc[n], qa[t], *(const unsigned int*)(kr + t * 16), *(const unsigned int*)(kr + t * 16 + 8)); }}",
+        "    float sc[{nk}][4];\n    #pragma unroll\n    for (int n = 0; n < {nk}; ++n) {{ sc[n][0] = 0; sc[n][1] = 0; sc[n][2] = 0; sc[n][3] = 0;\n      const unsigned short* kr = kt + (n * 8 + gq) * {ks} + tq * 2;\n      #pragma unroll\n      for (int t = 0; t < {steps}; ++t) rlx_mma(sc[n], qa[t], *(const unsigned int*)(kr + t * 16), *(const unsigned int*)(kr + t * 16 + 8)); }}",
         nk = k_tile / 8,
         steps = d / 16
     );
@@ -137,7 +136,7 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
     );
     let _ = writeln!(
         s,
-        "    #pragma unroll\n    for (int t = 0; t < {kk}; ++t) {{\n      unsigned int pa[4] = {{ rlx_pack(sc[2 * t][0], sc[2 * t][1]), rlx_pack(sc[2 * t][2], sc[2 * t][3]), rlx_pack(sc[2 * t + 1][0], sc[2 * t + 1][1]), rlx_pack(sc[2 * t + 1][2], sc[2 * t + 1][3]) }};\n      const unsigned short* v0 = vsh + (t * 16 + tq * 2) * {vs} + gq;\n      #pragma unroll\n      for (int n = 0; n < {nb}; ++n) {{ const unsigned short* vr = v0 + n * 8;\n        rlx_mma(o[n], pa, (unsigned int)vr[0] | ((unsigned int)vr[{vs}] << 16), (unsigned int)vr[8 * {vs}] | ((unsigned int)vr[9 * {vs}] << 16)); }} }}\n  }}",
+        "    #pragma unroll\n    for (int t = 0; t < {kk}; ++t) {{\n      unsigned int pa[4] = {{ rlx_pack(sc[2 * t][0], sc[2 * t][1]), rlx_pack(sc[2 * t][2], sc[2 * t][3]), rlx_pack(sc[2 * t + 1][0], sc[2 * t + 1][1]), rlx_pack(sc[2 * t + 1][2], sc[2 * t + 1][3]) }};\n      const unsigned short* v0 = vt + (t * 16 + tq * 2) * {vs} + gq;\n      #pragma unroll\n      for (int n = 0; n < {nb}; ++n) {{ const unsigned short* vr = v0 + n * 8;\n        rlx_mma(o[n], pa, (unsigned int)vr[0] | ((unsigned int)vr[{vs}] << 16), (unsigned int)vr[8 * {vs}] | ((unsigned int)vr[9 * {vs}] << 16)); }} }}\n  }}\n  }}",
         kk = k_tile / 16,
         nb = dv / 8
     );
@@ -154,4 +153,59 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
         },
         check: None,
     })
+}
+
+/// Statements copying keys `js..js + staged` of `g`'s `k` and `v` into `ksh` and
+/// `vsh` (rows `ks` and `vs` halves apart), zeros past the last key. Every thread
+/// issues its loads (up to four of each tensor) before storing any, so they are in
+/// flight together; 16 bytes a load where the operands' strides allow and their
+/// addresses turn out aligned, else 4.
+fn stage(g: &Geometry, staged: usize, ks: usize, vs: usize) -> String {
+    let threads = WARPS * 32;
+    let [_, [kb, kh, kst], [vb, vh, vst], _] = g.strides;
+    let sk = g.sk;
+    let tensors = [
+        ("ksh", "in1", g.d, ks, [kb, kh, kst]),
+        ("vsh", "in2", g.dv, vs, [vb, vh, vst]),
+    ];
+    // One copy loop over `unit`-half pieces (`ty`: the C type of one).
+    let copy = |unit: usize, ty: &str, zero: &str| {
+        let chunks = tensors.map(|(_, _, width, ..)| staged * width / unit);
+        let per = chunks[0].max(chunks[1]).div_ceil(threads);
+        let mut c = format!(
+            "    #pragma unroll\n    for (int u0 = 0; u0 < {per}; u0 += 4) {{\n      {ty} kx[4], vx[4];\n      #pragma unroll\n      for (int u = 0; u < 4; ++u) {{ const int t = threadIdx.x + (u0 + u) * {threads};\n"
+        );
+        for ((buf, src, width, _, [sb, sh, sst]), count) in tensors.iter().zip(chunks) {
+            let x = &buf[..1];
+            let _ = writeln!(
+                c,
+                "        {{ const int r = t / {w}, c = (t % {w}) * {unit}; const long long j = js + r;\n          {x}x[u] = u0 + u < {per} && t < {count} && j < {sk}LL ? *(const {ty}*)({src} + bi * {sb}LL + hk * {sh}LL + j * {sst}LL + c) : {zero}; }}",
+                w = width / unit
+            );
+        }
+        c.push_str(&format!(
+            "      }}\n      #pragma unroll\n      for (int u = 0; u < 4; ++u) {{ const int t = threadIdx.x + (u0 + u) * {threads};\n"
+        ));
+        for ((buf, _, width, stride, _), count) in tensors.iter().zip(chunks) {
+            let x = &buf[..1];
+            let _ = writeln!(
+                c,
+                "        if (u0 + u < {per} && t < {count}) {{ const int r = t / {w}, c = (t % {w}) * {unit}; *({ty}*)&{buf}[r * {stride} + c] = {x}x[u]; }}",
+                w = width / unit
+            );
+        }
+        c.push_str("      }\n    }\n");
+        c
+    };
+    let vector = g.d % 8 == 0
+        && g.dv % 8 == 0
+        && [kb, kh, kst, vb, vh, vst].iter().all(|s| s % 8 == 0);
+    let narrow = copy(2, "unsigned int", "0u");
+    if !vector {
+        return narrow;
+    }
+    format!(
+        "    if (((((unsigned long long)in1) | ((unsigned long long)in2)) & 15ull) == 0ull) {{\n{}    }} else {{\n{narrow}    }}\n",
+        copy(8, "uint4", "rlx_zero4()")
+    )
 }

@@ -77,6 +77,8 @@ template <typename T> __device__ T block_max(T v, T* red) {
   __syncthreads(); T r = red[0]; __syncthreads(); return r;
 }
 __device__ __forceinline__ float half_at(const unsigned char* b, int at) { return h2f((unsigned short)(b[at] | (b[at + 1] << 8))); }
+// Sixteen zero bytes.
+__device__ __forceinline__ uint4 rlx_zero4() { uint4 z; z.x = 0u; z.y = 0u; z.z = 0u; z.w = 0u; return z; }
 // Two floats as an f16 pair, the first in the low half (an mma operand register).
 __device__ __forceinline__ unsigned int rlx_pack(float lo, float hi) { return (unsigned int)f2h(lo) | ((unsigned int)f2h(hi) << 16); }
 // Programmatic dependent launch (compute capability 9.0+): every kernel first waits
