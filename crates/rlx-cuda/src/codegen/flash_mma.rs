@@ -197,9 +197,9 @@ fn stage(g: &Geometry, staged: usize, ks: usize, vs: usize) -> String {
         c.push_str("      }\n    }\n");
         c
     };
-    let vector = g.d % 8 == 0
-        && g.dv % 8 == 0
-        && [kb, kh, kst, vb, vh, vst].iter().all(|s| s % 8 == 0);
+    let vector = [g.d, g.dv, kb, kh, kst, vb, vh, vst]
+        .iter()
+        .all(|s| s.is_multiple_of(8));
     let narrow = copy(2, "unsigned int", "0u");
     if !vector {
         return narrow;
