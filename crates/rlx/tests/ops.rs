@@ -2332,6 +2332,20 @@ fn attention_variants() {
             },
         );
     }
+    // A mask that varies by head but not by query (staged with the keys by the
+    // tensor-core kernel), additive, with whole rows of keys masked.
+    let ins = [
+        inp("q", &[2, 4, 40, 32], DType::F16),
+        inp("k", &[2, 4, 90, 32], DType::F16),
+        inp("v", &[2, 4, 90, 16], DType::F16),
+        inp("mask", &[2, 4, 1, 90], DType::F16).dist(Dist::NegInf),
+    ];
+    s.check(
+        "attention f16 key mask by head",
+        &ins,
+        acc(90 * 32),
+        |g, x| one(g.attention(x[0], x[1], x[2], Some(x[3]), false, None)?),
+    );
     s.check(
         "attention no keys",
         &[

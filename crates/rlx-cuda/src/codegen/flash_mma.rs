@@ -12,7 +12,7 @@
 //! Masks, the causal limit and the all-masked rule are those of the other kernel.
 
 use super::flash::Geometry;
-use super::{Grid, Kernel, literal};
+use super::{Grid, Kernel};
 use rlx_ir::DType;
 use std::fmt::Write;
 
@@ -34,16 +34,24 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
         return None;
     }
     let (ks, vs) = (d + PAD, dv + PAD);
+    // Shared bytes a staged key takes: its key and value rows and its mask.
+    let per_key = (ks + vs) * 2 + 4;
     let mut k_tile = 64;
-    while k_tile > 16 && k_tile * (ks + vs) * 2 > SHARED_BYTES {
+    while k_tile > 16 && k_tile * per_key > SHARED_BYTES {
         k_tile /= 2;
     }
     // Keys staged at once: whole tiles, as many as shared memory holds up to the
     // key count, so a short sequence is loaded in one go with every load in flight
     // (a load loop that waits for each load was most of the kernel's time).
     let mut staged = k_tile;
-    while staged < g.sk && staged * 2 * (ks + vs) * 2 <= SHARED_BYTES {
+    while staged < g.sk && staged * 2 * per_key <= SHARED_BYTES {
         staged *= 2;
+    }
+    // A mask that does not vary by query row is staged with the keys.
+    let key_mask = g.mask.is_some_and(|(_, st)| st[2] == 0);
+    // Query and key positions are compared as 32-bit integers.
+    if g.sq.saturating_add(g.sk) >= i32::MAX as usize {
+        return None;
     }
     let q_tile = WARP_ROWS * WARPS;
     let tiles = g.sq.div_ceil(q_tile).max(1);
@@ -63,13 +71,14 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
     );
     let _ = writeln!(
         s,
-        "  __shared__ __align__(16) unsigned short ksh[{}]; __shared__ __align__(16) unsigned short vsh[{}];",
+        "  __shared__ __align__(16) unsigned short ksh[{}]; __shared__ __align__(16) unsigned short vsh[{}]; __shared__ __align__(16) float kmask[{staged}];",
         staged * ks,
         staged * vs
     );
     let _ = writeln!(
         s,
-        "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;\n  const long long tile = blockIdx.x % {tiles}LL, bh = blockIdx.x / {tiles}LL;\n  const long long h = bh % {hq}LL, bi = bh / {hq}LL, hk = h / {group}LL;\n  const long long i0 = tile * {q_tile}LL, ra = i0 + warp * {WARP_ROWS} + gq, rb = ra + 8;",
+        "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;\n  const long long tile = blockIdx.x % {tiles}LL, bh = blockIdx.x / {tiles}LL;\n  const long long h = bh % {hq}LL, bi = bh / {hq}LL, hk = h / {group}LL;\n  const long long i0 = tile * {q_tile}LL, ra = i0 + warp * {WARP_ROWS} + gq, rb = ra + 8;\n  const int ira = (int)ra, irb = (int)rb;\n  const float scale = __int_as_float({scale_bits});",
+        scale_bits = (g.scale as f32).to_bits() as i32,
         hq = g.hq.max(1),
         group = g.group
     );
@@ -99,6 +108,25 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
         "  for (long long js = 0; js < kend; js += {staged}) {{\n    __syncthreads();"
     );
     s.push_str(&stage(g, staged, ks, vs));
+    // The key mask of the staged keys.
+    let key_value = if key_mask {
+        format!(
+            " {{ const long long i = 0; float m = 0.f;{} km = m; }}",
+            super::flash::mask_code(g, "m", "")
+        )
+    } else {
+        String::new()
+    };
+    let _ = writeln!(
+        s,
+        "    for (int t = threadIdx.x; t < {staged}; t += {threads}) {{ const long long j = js + t; float km = -RLX_INF;\n      if (j < {sk}LL){key_value_or_zero} kmask[t] = km; }}",
+        threads = WARPS * 32,
+        key_value_or_zero = if key_mask {
+            key_value
+        } else {
+            " km = 0.f;".to_string()
+        }
+    );
     let _ = writeln!(
         s,
         "    __syncthreads();\n    for (int jt = 0; jt < {staged}; jt += {k_tile}) {{\n    const long long j0 = js + jt;\n    if (j0 >= kend) break;\n    const unsigned short* kt = ksh + jt * {ks}; const unsigned short* vt = vsh + jt * {vs};"
@@ -110,23 +138,37 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
         nk = k_tile / 8,
         steps = d / 16
     );
-    // Scale, masks, and each row's tile maximum.
-    let visible = super::flash::visible(g.causal, sq, sk);
-    let mask_code = super::flash::mask_code(g, "x", "");
+    // Scale, masks, and each row's tile maximum. The staged key mask (0, or -inf
+    // past the last key or where a mask that does not vary by query masks the
+    // key) is added to every score; only a causal limit or a mask varying by
+    // query is worked out per score.
+    let mut per_score = String::new();
+    if g.causal {
+        let _ = write!(
+            per_score,
+            " {{ const int i = e < 2 ? ira : irb, j = (int)j0 + n * 8 + tq * 2 + (e & 1); if (j + {sq} > i + {sk}) x = -RLX_INF; }}"
+        );
+    }
+    if !key_mask && g.mask.is_some() {
+        let _ = write!(
+            per_score,
+            " {{ const long long i = e < 2 ? ra : rb, j = j0 + n * 8 + tq * 2 + (e & 1); if (i < {sq}LL && j < {sk}LL) {{{}}} }}",
+            super::flash::mask_code(g, "x", "")
+        );
+    }
     let _ = writeln!(
         s,
-        "    float ta = -RLX_INF, tb = -RLX_INF;\n    #pragma unroll\n    for (int n = 0; n < {nk}; ++n) {{\n      #pragma unroll\n      for (int e = 0; e < 4; ++e) {{ const long long i = e < 2 ? ra : rb, j = j0 + n * 8 + tq * 2 + (e & 1);\n        float x = -RLX_INF; if ({visible}) {{ x = sc[n][e] * {scale};{mask_code} }}\n        sc[n][e] = x; if (e < 2) ta = x > ta ? x : ta; else tb = x > tb ? x : tb; }} }}",
+        "    float ta = -RLX_INF, tb = -RLX_INF;\n    #pragma unroll\n    for (int n = 0; n < {nk}; ++n) {{ const float2 km = *(const float2*)&kmask[jt + n * 8 + tq * 2];\n      #pragma unroll\n      for (int e = 0; e < 4; ++e) {{ float x = sc[n][e] * scale + ((e & 1) ? km.y : km.x);{per_score}\n        sc[n][e] = x; if (e < 2) ta = x > ta ? x : ta; else tb = x > tb ? x : tb; }} }}",
         nk = k_tile / 8,
-        scale = literal(g.scale, DType::F32)
     );
     let _ = writeln!(
         s,
-        "    ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, 1)); ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, 2));\n    tb = fmaxf(tb, __shfl_xor_sync(0xffffffffu, tb, 1)); tb = fmaxf(tb, __shfl_xor_sync(0xffffffffu, tb, 2));\n    const float na = ta > ma ? ta : ma, nb2 = tb > mb ? tb : mb;\n    const float ca = ma == -RLX_INF ? 0.f : __expf(ma - na), cb = mb == -RLX_INF ? 0.f : __expf(mb - nb2);"
+        "    ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, 1)); ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, 2));\n    tb = fmaxf(tb, __shfl_xor_sync(0xffffffffu, tb, 1)); tb = fmaxf(tb, __shfl_xor_sync(0xffffffffu, tb, 2));\n    const float na = ta > ma ? ta : ma, nb2 = tb > mb ? tb : mb;\n    const float ca = ma == -RLX_INF ? 0.f : __expf(ma - na), cb = mb == -RLX_INF ? 0.f : __expf(mb - nb2);\n    const float za = na == -RLX_INF ? 0.f : na, zb = nb2 == -RLX_INF ? 0.f : nb2;"
     );
     // Weights, their row sums, and the weights as A fragments of P V.
     let _ = writeln!(
         s,
-        "    float sa = 0, sb = 0;\n    #pragma unroll\n    for (int n = 0; n < {nk}; ++n) {{\n      #pragma unroll\n      for (int e = 0; e < 4; ++e) {{ const float m = e < 2 ? na : nb2; const float p = sc[n][e] == -RLX_INF ? 0.f : __expf(sc[n][e] - m); sc[n][e] = p; if (e < 2) sa += p; else sb += p; }} }}\n    sa += __shfl_xor_sync(0xffffffffu, sa, 1); sa += __shfl_xor_sync(0xffffffffu, sa, 2);\n    sb += __shfl_xor_sync(0xffffffffu, sb, 1); sb += __shfl_xor_sync(0xffffffffu, sb, 2);\n    la = la * ca + sa; lb = lb * cb + sb; ma = na; mb = nb2;",
+        "    float sa = 0, sb = 0;\n    #pragma unroll\n    for (int n = 0; n < {nk}; ++n) {{\n      #pragma unroll\n      for (int e = 0; e < 4; ++e) {{ const float p = __expf(sc[n][e] - (e < 2 ? za : zb)); sc[n][e] = p; if (e < 2) sa += p; else sb += p; }} }}\n    sa += __shfl_xor_sync(0xffffffffu, sa, 1); sa += __shfl_xor_sync(0xffffffffu, sa, 2);\n    sb += __shfl_xor_sync(0xffffffffu, sb, 1); sb += __shfl_xor_sync(0xffffffffu, sb, 2);\n    la = la * ca + sa; lb = lb * cb + sb; ma = na; mb = nb2;",
         nk = k_tile / 8
     );
     let _ = writeln!(

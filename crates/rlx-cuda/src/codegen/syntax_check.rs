@@ -44,6 +44,7 @@ float __ldcg(const float*);
 float fmaf(float, float, float);
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
 #define __launch_bounds__(n)
 #define __align__(n)
 #define __CUDA_ARCH__ 900
