@@ -2333,11 +2333,12 @@ fn attention_variants() {
         );
     }
     // A mask that varies by head but not by query (staged with the keys by the
-    // tensor-core kernel), additive, with whole rows of keys masked.
+    // tensor-core kernel), additive, with whole rows of keys masked; value heads
+    // of three 8-wide column blocks (two from one transposing load, one not).
     let ins = [
         inp("q", &[2, 4, 40, 32], DType::F16),
         inp("k", &[2, 4, 90, 32], DType::F16),
-        inp("v", &[2, 4, 90, 16], DType::F16),
+        inp("v", &[2, 4, 90, 24], DType::F16),
         inp("mask", &[2, 4, 1, 90], DType::F16).dist(Dist::NegInf),
     ];
     s.check(

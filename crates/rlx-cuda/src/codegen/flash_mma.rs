@@ -178,9 +178,9 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
     );
     let _ = writeln!(
         s,
-        "    #pragma unroll\n    for (int t = 0; t < {kk}; ++t) {{\n      unsigned int pa[4] = {{ rlx_pack(sc[2 * t][0], sc[2 * t][1]), rlx_pack(sc[2 * t][2], sc[2 * t][3]), rlx_pack(sc[2 * t + 1][0], sc[2 * t + 1][1]), rlx_pack(sc[2 * t + 1][2], sc[2 * t + 1][3]) }};\n      const unsigned short* v0 = vt + (t * 16 + tq * 2) * {vs} + gq;\n      #pragma unroll\n      for (int n = 0; n < {nb}; ++n) {{ const unsigned short* vr = v0 + n * 8;\n        rlx_mma(o[n], pa, (unsigned int)vr[0] | ((unsigned int)vr[{vs}] << 16), (unsigned int)vr[8 * {vs}] | ((unsigned int)vr[9 * {vs}] << 16)); }} }}\n  }}\n  }}",
+        "    #pragma unroll\n    for (int t = 0; t < {kk}; ++t) {{\n      unsigned int pa[4] = {{ rlx_pack(sc[2 * t][0], sc[2 * t][1]), rlx_pack(sc[2 * t][2], sc[2 * t][3]), rlx_pack(sc[2 * t + 1][0], sc[2 * t + 1][1]), rlx_pack(sc[2 * t + 1][2], sc[2 * t + 1][3]) }};\n{pv}\n  }}\n  }}",
         kk = k_tile / 16,
-        nb = dv / 8
+        pv = value_products(dv, vs)
     );
     let _ = writeln!(
         s,
@@ -250,4 +250,24 @@ fn stage(g: &Geometry, staged: usize, ks: usize, vs: usize) -> String {
         "    if (((((unsigned long long)in1) | ((unsigned long long)in2)) & 15ull) == 0ull) {{\n{}    }} else {{\n{narrow}    }}\n",
         copy(8, "uint4", "rlx_zero4()")
     )
+}
+
+/// The `P V` products of one 16-key step `t` into the accumulators `o`, the weights
+/// in `pa`: the value fragments of two 8-wide column blocks come from one
+/// transposing matrix load (`rlx_ldmatrix_t4`), a last odd block from four
+/// 16-bit loads.
+fn value_products(dv: usize, vs: usize) -> String {
+    let blocks = dv / 8;
+    let mut s = format!(
+        "      const unsigned short* vrow = vt + (t * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * {vs} + (lane >> 4) * 8;\n      #pragma unroll\n      for (int n = 0; n + 1 < {blocks}; n += 2) {{ unsigned int vb[4]; rlx_ldmatrix_t4(vb, vrow + n * 8);\n        rlx_mma(o[n], pa, vb[0], vb[1]); rlx_mma(o[n + 1], pa, vb[2], vb[3]); }}"
+    );
+    if blocks % 2 == 1 {
+        let n = blocks - 1;
+        let _ = write!(
+            s,
+            "\n      {{ const unsigned short* vr = vt + (t * 16 + tq * 2) * {vs} + gq + {n} * 8;\n        rlx_mma(o[{n}], pa, (unsigned int)vr[0] | ((unsigned int)vr[{vs}] << 16), (unsigned int)vr[8 * {vs}] | ((unsigned int)vr[9 * {vs}] << 16)); }}"
+        );
+    }
+    s.push_str(" }");
+    s
 }

@@ -100,6 +100,13 @@ __device__ __forceinline__ void rlx_mma(float* c, const unsigned int* a, unsigne
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// Four 8x8 f16 matrices from shared memory, transposed: lane l gives the address of
+// row l % 8 of matrix l / 8; register m holds this lane's pair of matrix m (as the
+// B operand of `rlx_mma` when the rows are keys).
+__device__ __forceinline__ void rlx_ldmatrix_t4(unsigned int* r, const unsigned short* row) {
+  unsigned int a; asm("{ .reg .u64 g; cvta.to.shared.u64 g, %1; cvt.u32.u64 %0, g; }" : "=r"(a) : "l"(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
 #endif
 "#;
 
