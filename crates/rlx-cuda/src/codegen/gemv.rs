@@ -264,23 +264,14 @@ pub(super) fn row_chunk(s: &mut String, wdt: DType, at: &str, tag: &str) {
                 "        const float4 qa{tag} = *reinterpret_cast<const float4*>({at}), qb{tag} = *reinterpret_cast<const float4*>({at} + 4);\n        const float w{tag}[8] = {{qa{tag}.x, qa{tag}.y, qa{tag}.z, qa{tag}.w, qb{tag}.x, qb{tag}.y, qb{tag}.z, qb{tag}.w}};"
             );
         }
-        _ => half_chunk(
-            s,
-            wdt,
-            &format!("*reinterpret_cast<const uint4*>({at})"),
-            tag,
-        ),
+        _ => {
+            let cvt = if wdt == DType::F16 { "h2f" } else { "bf2f" };
+            let _ = writeln!(
+                s,
+                "        const uint4 q{tag} = *reinterpret_cast<const uint4*>({at});\n        const unsigned int u{tag}[4] = {{q{tag}.x, q{tag}.y, q{tag}.z, q{tag}.w}};\n        float w{tag}[8];\n        #pragma unroll\n        for (int j = 0; j < 4; ++j) {{ w{tag}[2 * j] = {cvt}((unsigned short)(u{tag}[j] & 0xffffu)); w{tag}[2 * j + 1] = {cvt}((unsigned short)(u{tag}[j] >> 16)); }}"
+            );
+        }
     }
-}
-
-/// Declares `w{tag}[8]`: the eight half-precision (`wdt`) weights of the 16 bytes
-/// `chunk` (a `uint4` expression) as floats.
-pub(super) fn half_chunk(s: &mut String, wdt: DType, chunk: &str, tag: &str) {
-    let cvt = if wdt == DType::F16 { "h2f" } else { "bf2f" };
-    let _ = writeln!(
-        s,
-        "        const uint4 q{tag} = {chunk};\n        const unsigned int u{tag}[4] = {{q{tag}.x, q{tag}.y, q{tag}.z, q{tag}.w}};\n        float w{tag}[8];\n        #pragma unroll\n        for (int j = 0; j < 4; ++j) {{ w{tag}[2 * j] = {cvt}((unsigned short)(u{tag}[j] & 0xffffu)); w{tag}[2 * j + 1] = {cvt}((unsigned short)(u{tag}[j] >> 16)); }}"
-    );
 }
 
 /// `out [rows, N] = epilogue(a [rows, K] @ w^T)` with `w [N, K]`: `split` warps per

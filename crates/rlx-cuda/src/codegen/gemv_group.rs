@@ -12,7 +12,7 @@
 //! squares in one pass, and the reciprocal root scales each finished sum.
 
 use super::fused::{Epilogue, region_steps, rounded};
-use super::gemv::{GEMV_THREADS, half_chunk, line_mask, row_chunk};
+use super::gemv::{GEMV_THREADS, line_mask, row_chunk};
 use super::rope_write::{self, RopeWrites};
 use super::{Grid, Kernel, ctype, load, store, unsupported};
 use rlx_ir::{DType, EwStep, Result};
@@ -270,24 +270,12 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
     }
     // Eight pieces in flight, as `gemv_rows`: for a gate/up pair (2048 x 8192 each,
     // norm staged) 4 measured the same (26.35 against 26.45 us) and 2 slower (28.7).
-    // A single half-precision row of up to 16 pieces a lane is read whole before
-    // any is used: left to the compiler, the q/k/v group kept few loads in flight
-    // (32 registers; 0.86 TB/s for 12.6 MB under Nsight Compute).
-    let pieces = k.div_ceil(256);
-    if walked == 1 && matches!(wdt, DType::F16 | DType::BF16) && pieces <= 16 {
-        let _ = writeln!(
-            s,
-            "    uint4 raw[{pieces}];\n    #pragma unroll\n    for (int u = 0; u < {pieces}; ++u) {{ const long long k = lane * 8 + u * 256LL; if (k < K) raw[u] = *reinterpret_cast<const uint4*>(row0 + k); }}\n    #pragma unroll\n    for (int u = 0; u < {pieces}; ++u) {{\n      const long long k = lane * 8 + u * 256LL;\n      if (k >= K) break;"
-        );
-        half_chunk(&mut s, wdt, "raw[u]", "0");
-    } else {
-        let _ = writeln!(
-            s,
-            "    #pragma unroll 8\n    for (long long k = lane * 8; k < K; k += 256) {{"
-        );
-        for w in 0..walked {
-            row_chunk(&mut s, wdt, &format!("row{w} + k"), &w.to_string());
-        }
+    let _ = writeln!(
+        s,
+        "    #pragma unroll 8\n    for (long long k = lane * 8; k < K; k += 256) {{"
+    );
+    for w in 0..walked {
+        row_chunk(&mut s, wdt, &format!("row{w} + k"), &w.to_string());
     }
     let _ = writeln!(
         s,
