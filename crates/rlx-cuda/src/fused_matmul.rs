@@ -113,7 +113,7 @@ pub(crate) fn plan(
             out: (out_shape, out),
             b_transposed,
         };
-        if let Some(g) = LtGemm::plan(handle, epilogue, &operands, options.allow_tf32, workspace)? {
+        if let Some(g) = LtGemm::plan(handle, epilogue, &operands, options.allow_tf32, workspace) {
             return Ok((vec![("cublaslt", Step::Gemm(Product::Lt(Box::new(g))))], 0));
         }
     }

@@ -176,11 +176,25 @@ pub(crate) struct LtOperands<'a> {
 }
 
 impl LtGemm {
-    /// Plans `epilogue` over `operands` as one cuBLASLt call; `Ok(None)` where it
+    /// Plans `epilogue` over `operands` as one cuBLASLt call; `None` where it
     /// does not fit (an activation other than ReLU, ReLU before a residual, mixed
     /// dtypes, a batched `b`, unaligned operands, no algorithm found), leaving the
     /// product to cuBLAS and the epilogue kernel.
     pub fn plan(
+        handle: &LtHandle,
+        epilogue: &Epilogue,
+        operands: &LtOperands<'_>,
+        allow_tf32: bool,
+        workspace_bytes: usize,
+    ) -> Option<LtGemm> {
+        // A descriptor cuBLASLt refuses leaves the product to cuBLAS as well.
+        Self::build(handle, epilogue, operands, allow_tf32, workspace_bytes)
+            .ok()
+            .flatten()
+    }
+
+    /// [`LtGemm::plan`], with cuBLASLt's refusals as errors.
+    fn build(
         handle: &LtHandle,
         epilogue: &Epilogue,
         operands: &LtOperands<'_>,
@@ -229,7 +243,12 @@ impl LtGemm {
         let k = a.dims()[a.rank() - 1];
         let n = b.dims()[1];
         let m = a.num_elements() / k.max(1);
-        if k == 0 || m == 0 || n == 0 || b.dims()[0] != k || out_shape.num_elements() != m * n {
+        if k == 0
+            || m == 0
+            || n == 0
+            || b.dims()[0] != k
+            || m.checked_mul(n) != Some(out_shape.num_elements())
+        {
             return Ok(None);
         }
         let bias_at = usize::from(epilogue.bias);

@@ -2333,7 +2333,7 @@ fn attention_variants() {
         );
     }
     // A mask that varies by head but not by query (staged with the keys by the
-    // tensor-core kernel), additive, with whole rows of keys masked; value heads
+    // tensor-core kernel), additive, about a third of the keys masked; value heads
     // of three 8-wide column blocks (two from one transposing load, one not).
     let ins = [
         inp("q", &[2, 4, 40, 32], DType::F16),

@@ -49,8 +49,9 @@ pub(super) fn kernel(name: &str, dt: DType, g: &Geometry) -> Option<Kernel> {
     }
     // A mask that does not vary by query row is staged with the keys.
     let key_mask = g.mask.is_some_and(|(_, st)| st[2] == 0);
-    // Query and key positions are compared as 32-bit integers.
-    if g.sq.saturating_add(g.sk) >= i32::MAX as usize {
+    // Query and key positions (up to a tile past the ends) are compared as 32-bit
+    // integers.
+    if g.sq.saturating_add(g.sk).saturating_add(1024) >= i32::MAX as usize {
         return None;
     }
     let q_tile = WARP_ROWS * WARPS;
