@@ -842,7 +842,9 @@ impl Executable for CudaProgram {
 
     fn take_handle(&mut self, index: usize) -> Result<HandleStorage> {
         self.handle_buffer(index)?;
-        let buffer = self.handles[index].take().expect("checked above");
+        let buffer = self.handles[index].take().ok_or_else(|| {
+            Error::invalid("handle", format!("#{index} was taken and not put back"))
+        })?;
         self.captured = None;
         Ok(HandleStorage::new(self.device(), buffer))
     }
