@@ -13,6 +13,10 @@
 #   scripts/gpu-check.sh timing  on the GPU machine: the timing table (PyTorch eager,
 #                                torch.compile, RLX; scripts/gpu_models.py --timing;
 #                                `timing --bert-only` leaves out the decode row)
+#   scripts/gpu-check.sh ab A B  on the GPU machine: decode of two rlx builds (A, B:
+#                                paths of rlx binaries carried in .device/tools)
+#                                alternated over 4 rounds, making the ~1B checkpoint
+#                                first when `timing` has not
 #   scripts/gpu-check.sh bench   on the GPU machine: kernel benchmarks (matrix-vector
 #                                and group variants; decode with and without
 #                                programmatic launches and groups, making the ~1B
@@ -202,8 +206,28 @@ bench)
         done
     fi
     ;;
+ab)
+    out=${OUT:-gpu-out}
+    mkdir -p "$out"
+    cuda_libraries
+    first=${2:?the first rlx binary}
+    second=${3:?the second rlx binary}
+    model=/tmp/rlx-gpu-models/llama-1b-bf16
+    if [ ! -d "$model" ]; then
+        "$(torch_python)" scripts/gpu_models.py .device/tools/rlx /tmp/rlx-gpu-models --timing --llama-only 2>&1 |
+            grep -E '^Llama|failed' | tee -a "$out/ab.log"
+    fi
+    for round in 1 2 3 4; do
+        for tool in "$first" "$second"; do
+            printf "round %s, %s: " "$round" "$tool" | tee -a "$out/ab.log"
+            "$tool" bench llm --model "$model" --prompt 0 --gen 64 --reps 3 --device cuda --json |
+                python3 -c 'import json,sys; print(json.load(sys.stdin)["tests"][0]["median_tokens_per_s"], "tok/s")' |
+                tee -a "$out/ab.log"
+        done
+    done
+    ;;
 *)
-    echo "usage: $0 build|run|models|timing|bench" >&2
+    echo "usage: $0 build|run|models|timing|ab|bench" >&2
     exit 2
     ;;
 esac

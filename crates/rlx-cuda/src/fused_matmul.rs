@@ -30,10 +30,6 @@ use rlx_opt::{Location, Plan};
 /// Where workspace data starts (after the counters).
 const DATA: usize = COUNTERS;
 
-/// Where in the counters the group tails' segment counters start (split sums'
-/// counters stay below).
-const TAIL_COUNTERS: usize = COUNTERS / 2;
-
 /// Steps of one node, each with the kind its kernel-table name takes.
 pub(crate) type Steps = Vec<(&'static str, Step)>;
 
@@ -94,7 +90,7 @@ pub(crate) fn plan(
         && rows <= GEMV_MAX_ROWS
         && float(adt)
         && float(bdt)
-        && g.tiles() * 4 <= TAIL_COUNTERS
+        && g.tiles() * 4 <= COUNTERS
     {
         let kernel = gemv(codegen::STEP_NAME, &g, epilogue, adt, bdt).map_err(|e| e.to_string())?;
         let mut args = vec![Arg::At(out), Arg::At(inputs[0]), Arg::At(inputs[1])];
@@ -261,17 +257,8 @@ pub(crate) fn plan_group(
     let staged = group.norm.is_some() && products.len() > 1;
     let tail = tail.map(|(tail, tail_args)| {
         args.extend(tail_args);
-        args.push(Arg::Workspace(TAIL_COUNTERS));
         tail
     });
-    if let Some(t) = &tail
-        && t.counters(&products) * 4 > COUNTERS - TAIL_COUNTERS
-    {
-        return Err(format!(
-            "{} segment counters, past the workspace's",
-            t.counters(&products)
-        ));
-    }
     let g = RowGroup {
         rows,
         k,
@@ -280,6 +267,7 @@ pub(crate) fn plan_group(
         norm: group.norm.map(|n| n.eps),
         max_blocks,
         staged,
+        pairs: tail.is_some(),
         tail,
     };
     let kernel = gemv_group(codegen::STEP_NAME, &g, a_shape.dtype(), w_shape.dtype())

@@ -169,6 +169,7 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
             norm: norm.then_some(NORM_EPS),
             max_blocks: 16 * sms,
             staged,
+            pairs: false,
             tail: None,
         };
         let mut add = |label: String, g: RowGroup, operands| {
@@ -197,6 +198,15 @@ fn variants(k: usize, n: usize, sms: usize) -> Vec<Variant> {
                 Operands::NormThenWeight,
             );
         }
+        // Two rows a warp (as the q/k/v kernel walks them for its rotations).
+        add(
+            "group of 1, norm folded, rows in pairs".into(),
+            RowGroup {
+                pairs: true,
+                ..group(false, true, true)
+            },
+            Operands::NormThenWeight,
+        );
         // Gated pairs read twice the bytes of the row above.
         for (norm, staged) in [(false, false), (true, false), (true, true)] {
             add(

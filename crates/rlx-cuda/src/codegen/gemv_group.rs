@@ -6,14 +6,14 @@
 //!
 //! The weights are stored `[N, K]`, as for [`super::gemv::gemv_rows`]: a warp owns
 //! one output and walks its contiguous row (its rows, when the outputs are
-//! combined), 16 bytes a lane at a time. Each block first copies the input into
+//! combined or taken in pairs), 16 bytes a lane at a time. Each block first copies the input into
 //! shared memory, so the walk reads only weights from memory. A folded norm is
 //! applied as `inv * (w . (x * gamma))`: the copy scales by `gamma` and sums the
 //! squares in one pass, and the reciprocal root scales each finished sum.
 
 use super::fused::{Epilogue, region_steps, rounded};
 use super::gemv::{GEMV_THREADS, line_mask, row_chunk};
-use super::rope_write::{self, RopeWrites};
+use super::rope_write::{self, RopeJob, RopeWrites};
 use super::{Grid, Kernel, ctype, load, store, unsupported};
 use rlx_ir::{DType, EwStep, Result};
 use std::fmt::Write;
@@ -53,16 +53,21 @@ pub(crate) struct RowGroup {
     /// when the norm is folded, its squares summed on the way); otherwise warps
     /// read it as they walk (and each sums its squares itself).
     pub staged: bool,
-    /// Rotations and cache writes of the outputs, done in the same kernel.
+    /// Whether each warp walks two rows of one product at a time (the pair a
+    /// rotation turns together, or two neighbours), so that a [`GroupTail`] can be
+    /// done by the warp that computed the values. Not with `combine`.
+    pub pairs: bool,
+    /// Rotations and cache writes of the outputs, done in the same kernel (needs
+    /// `pairs`).
     pub tail: Option<GroupTail>,
 }
 
 /// Rotations and cache writes of a group's outputs (a decode step's q and k
 /// rotated, k and v written into their caches) done by the group's kernel: each
-/// output is cut into segments (a head: a rotation's last dim, a written row's), and
-/// the warp that finishes a segment's last output does the segment's share, reading
-/// the outputs the other warps wrote. A launch and a trip through memory fewer than
-/// [`rope_write::kernel`] after the group.
+/// warp computes the two outputs a rotation turns together (or two neighbours that
+/// are written or left alone) and does their share of the work straight from its
+/// registers. A launch and a trip through memory fewer than [`rope_write::kernel`]
+/// after the group, and nothing shared between warps.
 #[derive(Clone, Debug)]
 pub(crate) struct GroupTail {
     /// The rotations and writes; a rotation's input, and an operand written, is a
@@ -76,30 +81,25 @@ pub(crate) struct GroupTail {
 }
 
 impl GroupTail {
-    /// Product `p`'s segment length in outputs, when a job reads it.
-    fn segment(&self, p: usize) -> Option<usize> {
-        Some(match self.reader.get(p).copied().flatten()? {
-            Ok(j) => self.spec.ropes[j].x.dims().last().copied()?,
-            Err(w) => self.spec.writes[w].update.dims().last().copied()?,
-        })
-    }
-
-    /// The segment counters the kernel uses (one per segment of every read product).
-    pub fn counters(&self, products: &[GroupProduct]) -> usize {
-        products
-            .iter()
-            .enumerate()
-            .filter_map(|(p, prod)| Some(prod.n / self.segment(p)?.max(1)))
-            .sum()
+    /// The rotation that reads product `p`'s output, with its last dim.
+    fn rope_of(&self, p: usize) -> Option<(&RopeJob, usize)> {
+        match self.reader.get(p).copied().flatten()? {
+            Ok(j) => {
+                let rope = self.spec.ropes.get(j)?;
+                Some((rope, rope.x.dims().last().copied()?))
+            }
+            Err(_) => None,
+        }
     }
 }
 
 impl RowGroup {
-    /// Outputs a warp takes in turn: every product's when stored separately, one
-    /// product's count when combined.
+    /// Tasks a warp takes in turn: every product's outputs when stored separately
+    /// (pairs of them with `pairs`), one product's count when combined.
     pub fn walked_outputs(&self) -> usize {
         match self.combine {
             Some(_) => self.products.first().map_or(0, |p| p.n),
+            None if self.pairs => self.products.iter().map(|p| p.n.div_ceil(2)).sum(),
             None => self.products.iter().map(|p| p.n).sum(),
         }
     }
@@ -114,7 +114,8 @@ impl RowGroup {
 
 /// The kernel for `g`. Operands: the output (one per product unless combined), `a`,
 /// `gamma` when normalizing, then for each product its weight and the bias and
-/// residual its epilogue takes. `a`, `gamma` and every weight 16-byte aligned.
+/// residual its epilogue takes, then the tail's operands. `a`, `gamma` and every
+/// weight 16-byte aligned.
 pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Result<Kernel> {
     let (m, k) = (g.rows, g.k);
     let count = g.products.len();
@@ -132,10 +133,12 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
         )));
     }
     if let Some(steps) = &g.combine
-        && (steps.is_empty() || g.products.iter().any(|p| p.n != g.products[0].n))
+        && (steps.is_empty()
+            || g.pairs
+            || g.products.iter().any(|p| p.n != g.products[0].n))
     {
         return Err(unsupported(
-            "a combined row group of unequal products".into(),
+            "a combined row group of unequal products, or of pairs".into(),
         ));
     }
     if let Some(tail) = &g.tail {
@@ -146,15 +149,8 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
     let c = ctype(adt).compute;
     let mut s = format!("extern \"C\" __global__ void __launch_bounds__({GEMV_THREADS}) {name}(");
     let outs = if g.combine.is_some() { 1 } else { count };
-    // A tail reads the outputs back through other pointers: they are not
-    // `__restrict__` then.
-    let restrict = if g.tail.is_some() {
-        ""
-    } else {
-        " __restrict__"
-    };
     for o in 0..outs {
-        let _ = write!(s, "{at}*{restrict} out{o}, ");
+        let _ = write!(s, "{at}* __restrict__ out{o}, ");
     }
     let _ = write!(s, "const {at}* __restrict__ a");
     if g.norm.is_some() {
@@ -171,7 +167,6 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
         for param in rope_write::params(&tail.spec, true) {
             let _ = write!(s, ", {param}");
         }
-        s.push_str(", unsigned int* __restrict__ tail_count");
     }
     s.push_str(") {\n");
     let total = g.walked_outputs();
@@ -179,47 +174,32 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
         s,
         "  const long long K = {k}LL;\n  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;"
     );
-    // Rows a warp walks at once: every product's when combined. (Splitting a
-    // block's warps between the products instead, their results meeting in shared
-    // memory, measured slower in `gemv_bench`: 28.5 against 26.5 us for a
-    // 2048 x 8192 pair.)
-    let walked = if g.combine.is_some() { count } else { 1 };
-    // The rows of output `col` (`c` within its product `p`).
-    let select = |s: &mut String, col: &str| {
-        if g.combine.is_some() {
-            let _ = writeln!(s, "    const long long c = {col};");
-            for i in 0..count {
-                let _ = writeln!(s, "    const {wt}* row{i} = b{i} + c * K;");
-            }
-            return;
-        }
-        let _ = writeln!(s, "    int p = 0; long long c = {col};");
-        let mut start = 0usize;
-        for i in 1..count {
-            start += g.products[i - 1].n;
-            let _ = writeln!(
-                s,
-                "    if ({col} >= {start}LL) {{ p = {i}; c = {col} - {start}LL; }}"
-            );
-        }
-        let mut pick = String::from("b0");
-        for i in 1..count {
-            pick = format!("(p == {i} ? b{i} : {pick})");
-        }
-        let _ = writeln!(s, "    const {wt}* row0 = {pick} + c * K;");
+    // Rows a warp walks at once: every product's when combined, two with pairs.
+    // (Splitting a block's warps between the products instead, their results
+    // meeting in shared memory, measured slower in `gemv_bench`: 28.5 against
+    // 26.5 us for a 2048 x 8192 pair.)
+    let walked = match (&g.combine, g.pairs) {
+        (Some(_), _) => count,
+        (None, true) => 2,
+        (None, false) => 1,
     };
-    // Ask L2 for the first output's first row before waiting for the kernel ahead
-    // (one row a warp: the resident blocks' rows fit in L2, both rows of every
-    // combined pair may not).
+    let select = |s: &mut String, col: &str| select_rows(s, g, wt, col);
+    // Ask L2 for the first task's rows before waiting for the kernel ahead (the
+    // resident blocks' rows fit in L2).
     let _ = writeln!(
         s,
         "  {{\n    const long long first = (long long)blockIdx.x * 8 + warp;\n    if (first < {total}LL && (lane & {mask}) == 0) {{",
         mask = line_mask(wdt)
     );
     select(&mut s, "first");
-    s.push_str(
-        "    for (long long k = lane * 8; k < K; k += 256) rlx_prefetch_l2(row0 + k);\n    }\n  }\n  RLX_ENTER();\n",
-    );
+    let prefetched = if g.combine.is_some() { 1 } else { walked };
+    for w in 0..prefetched {
+        let _ = writeln!(
+            s,
+            "    for (long long k = lane * 8; k < K; k += 256) rlx_prefetch_l2(row{w} + k);"
+        );
+    }
+    s.push_str("    }\n  }\n  RLX_ENTER();\n");
     if g.staged {
         // The block's copy of `a` in shared memory as float. With the norm folded it
         // holds `x * gamma` and the row's reciprocal root scales each finished sum
@@ -333,6 +313,38 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
         _ => "",
     };
     match &g.combine {
+        None if g.pairs => {
+            // Each product's two outputs through its epilogue, kept (as stored) for
+            // the tail.
+            let _ = writeln!(s, "      {at} sv[2];");
+            for (i, prod) in g.products.iter().enumerate() {
+                let _ = writeln!(
+                    s,
+                    "      {}if (p == {i}) {{",
+                    if i == 0 { "" } else { "else " }
+                );
+                for (w, col) in ["ca", "cb"].into_iter().enumerate() {
+                    let _ = writeln!(
+                        s,
+                        "      if ({}) {{\n      const long long c = {col};\n      {c} v = {};",
+                        if w == 0 { "true" } else { "hasb" },
+                        rounded(adt, &format!("acc{w}[r]{scale}"))
+                    );
+                    prod.epilogue
+                        .code_tagged(&mut s, adt, "r", "c", prod.n, &i.to_string())?;
+                    let _ = writeln!(
+                        s,
+                        "      sv[{w}] = {};\n      out{i}[r * {}LL + c] = sv[{w}];\n      }}",
+                        store(adt, "v"),
+                        prod.n,
+                    );
+                }
+                s.push_str("      }\n");
+            }
+            if let Some(tail) = &g.tail {
+                tail_code(&mut s, tail, adt)?;
+            }
+        }
         None => {
             let _ = writeln!(
                 s,
@@ -371,11 +383,7 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
             let _ = writeln!(s, "      out0[r * {total}LL + c] = {};", store(adt, &last));
         }
     }
-    s.push_str("      }\n    }\n");
-    if let Some(tail) = &g.tail {
-        tail_code(&mut s, g, tail, adt)?;
-    }
-    s.push_str("  }\n}\n");
+    s.push_str("      }\n    }\n  }\n}\n");
     Ok(Kernel {
         source: s,
         grid: Grid::Blocks {
@@ -386,20 +394,84 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
     })
 }
 
-/// Whether `tail` fits `g`: one row, products stored separately, each read by at
-/// most one job whose segments tile it, every job reading a product.
+/// Statements choosing task `col`'s product and weight rows: `row0` (and `row1`
+/// with pairs, `row{i}` for each product when combined), with `c` the output
+/// column (`ca`, `cb` and `hasb`, whether the second is real, with pairs) and `p`
+/// the product when not combined.
+fn select_rows(s: &mut String, g: &RowGroup, wt: &str, col: &str) {
+    let count = g.products.len();
+    if g.combine.is_some() {
+        let _ = writeln!(s, "    const long long c = {col};");
+        for i in 0..count {
+            let _ = writeln!(s, "    const {wt}* row{i} = b{i} + c * K;");
+        }
+        return;
+    }
+    let _ = writeln!(s, "    int p = 0; long long c = {col};");
+    let mut start = 0usize;
+    for i in 1..count {
+        start += tasks(g, i - 1);
+        let _ = writeln!(
+            s,
+            "    if ({col} >= {start}LL) {{ p = {i}; c = {col} - {start}LL; }}"
+        );
+    }
+    let mut pick = String::from("b0");
+    for i in 1..count {
+        pick = format!("(p == {i} ? b{i} : {pick})");
+    }
+    if !g.pairs {
+        let _ = writeln!(s, "    const {wt}* row0 = {pick} + c * K;");
+        return;
+    }
+    // Task `c` of a rotated product is its pair `c` (the rotation's element
+    // indices); otherwise the neighbours `2c` and `2c + 1`.
+    s.push_str("    long long ca = 2 * c, cb = 2 * c + 1;\n    bool hasb = true;\n");
+    for (i, prod) in g.products.iter().enumerate() {
+        let rope = g.tail.as_ref().and_then(|t| t.rope_of(i));
+        match rope {
+            Some((r, d)) => {
+                let (ia, ib) = rope_write::pair_elements(r.style, d);
+                let _ = writeln!(
+                    s,
+                    "    if (p == {i}) {{ const long long row = c / {h}LL, k = c % {h}LL; ca = {ia}; cb = {ib}; }}",
+                    h = (d / 2).max(1)
+                );
+            }
+            None if prod.n % 2 == 1 => {
+                let _ = writeln!(s, "    if (p == {i}) hasb = cb < {}LL;", prod.n);
+            }
+            None => {}
+        }
+    }
+    let _ = writeln!(
+        s,
+        "    const {wt}* row0 = {pick} + ca * K;\n    const {wt}* row1 = {pick} + (hasb ? cb : ca) * K;"
+    );
+}
+
+/// Tasks of product `i`: its outputs, or pairs of them with `pairs`.
+fn tasks(g: &RowGroup, i: usize) -> usize {
+    let n = g.products[i].n;
+    if g.pairs { n.div_ceil(2) } else { n }
+}
+
+/// Whether `tail` fits `g`: one row, products stored separately in pairs, each read
+/// by at most one job, every job reading a product, a rotated product's rows whole
+/// rotations.
 fn check_tail(g: &RowGroup, tail: &GroupTail, adt: DType) -> Result<()> {
     let refuse = |why: &str| Err(unsupported(format!("a row group's rotations: {why}")));
-    if g.rows != 1 || g.combine.is_some() || tail.reader.len() != g.products.len() {
-        return refuse("more than one row, or combined products");
+    if g.rows != 1 || g.combine.is_some() || !g.pairs || tail.reader.len() != g.products.len()
+    {
+        return refuse("more than one row, combined products, or single outputs");
     }
     rope_write::check_rows(&tail.spec)?;
     for (p, prod) in g.products.iter().enumerate() {
-        match tail.segment(p) {
-            Some(len) if len == 0 || prod.n % len != 0 => {
-                return refuse("segments that do not tile an output");
+        if let Some(Ok(j)) = tail.reader[p] {
+            match tail.rope_of(p) {
+                Some((_, d)) if d > 0 && d % 2 == 0 && prod.n % d == 0 => {}
+                _ => return refuse(&format!("rotation {j} does not tile its product")),
             }
-            _ => {}
         }
     }
     let read = |job| tail.reader.contains(&Some(job));
@@ -415,55 +487,48 @@ fn check_tail(g: &RowGroup, tail: &GroupTail, adt: DType) -> Result<()> {
     Ok(())
 }
 
-/// After output `c` of product `p` is stored: the warp counts it into its segment,
-/// and the warp that completes a segment does that segment's rotation or write.
-fn tail_code(s: &mut String, g: &RowGroup, tail: &GroupTail, adt: DType) -> Result<()> {
-    let at = ctype(adt).storage;
-    let jobs = rope_write::jobs(&tail.spec)?;
-    s.push_str("    {\n      const int gp = p; const long long gc = c;\n      unsigned int* counter = nullptr; unsigned int len = 0u;\n");
-    let mut base = 0usize;
-    for (p, prod) in g.products.iter().enumerate() {
-        let Some(len) = tail.segment(p) else {
-            continue;
-        };
-        let _ = writeln!(
-            s,
-            "      if (gp == {p}) {{ counter = tail_count + {base}LL + gc / {len}LL; len = {len}u; }}"
-        );
-        base += prod.n / len;
-    }
-    // The store, then the count: a warp that sees the segment complete sees every
-    // output of it (fences on both sides, as for split sums).
-    s.push_str("      if (counter != nullptr) {\n        unsigned int done = 0u;\n        if (lane == 0) { __threadfence(); done = atomicAdd(counter, 1u) + 1u; }\n        done = __shfl_sync(0xffffffffu, done, 0);\n        if (done == len) {\n          __threadfence();\n          if (lane == 0) *counter = 0u;\n          const long long seg = gc / len;\n");
+/// After a pair's outputs are stored (`sv`, by lane 0): their rotation, or their
+/// writes into a cache, from the values in hand.
+fn tail_code(s: &mut String, tail: &GroupTail, adt: DType) -> Result<()> {
+    let value = |e: usize| load(adt, "sv", &e.to_string());
     for (p, reader) in tail.reader.iter().enumerate() {
-        let Some(reader) = reader else {
+        let Some(reader) = *reader else {
             continue;
         };
-        let Some(job) = jobs.iter().find(|j| j.source == *reader) else {
-            // A rotation written straight into a cache has its own job; a write of
-            // a rotation has none.
-            continue;
-        };
-        // The segment's items: a rotation's pairs, a write's elements.
-        let per = match reader {
-            Ok(_) => "(len / 2)",
-            Err(_) => "len",
-        };
-        let alias = match reader {
-            Ok(j) => format!("x{j}"),
-            Err(w) => format!("upd{w}"),
-        };
-        let _ = writeln!(
-            s,
-            "          if (gp == {p}) {{\n          const volatile {at}* {alias} = out{p};"
-        );
-        rope_write::position_check(s, &tail.spec, tail.code, "lane == 0");
-        let _ = writeln!(
-            s,
-            "          for (long long i = seg * {per} + lane; i < (seg + 1) * {per}; i += 32) {{\n{}          }}\n          }}",
-            job.body
-        );
+        let _ = writeln!(s, "      if (p == {p}) {{");
+        // The position check shadows `p` (the product) within the branch.
+        rope_write::position_check(s, &tail.spec, tail.code, "true");
+        match reader {
+            Ok(j) => {
+                // A rotation's pair `c` is the task's.
+                let _ = writeln!(s, "    const long long i = c;");
+                rope_write::rope_body(
+                    s,
+                    j,
+                    &tail.spec.ropes[j],
+                    &tail.spec,
+                    Some((&value(0), &value(1))),
+                )?;
+            }
+            Err(w) => {
+                let write = &tail.spec.writes[w];
+                if write.from.is_some() {
+                    // Written by its rotation's job.
+                    s.push_str("      }\n");
+                    continue;
+                }
+                for (e, col) in ["ca", "cb"].into_iter().enumerate() {
+                    let _ = writeln!(
+                        s,
+                        "    if ({}) {{\n    const long long i = {col};",
+                        if e == 0 { "true" } else { "hasb" }
+                    );
+                    rope_write::write_body(s, w, write, Some(&value(e)));
+                    s.push_str("    }\n");
+                }
+            }
+        }
+        s.push_str("      }\n");
     }
-    s.push_str("        }\n      }\n    }\n");
     Ok(())
 }

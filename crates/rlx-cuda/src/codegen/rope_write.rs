@@ -176,8 +176,6 @@ pub(crate) fn position_check(s: &mut String, g: &RopeWrites, code: i32, leader: 
 
 /// One piece of the kernel's work: `count` items, done by `body` for item `i`.
 pub(crate) struct Job {
-    /// Which rotation (`Ok`) or written operand (`Err`) it is.
-    pub source: std::result::Result<usize, usize>,
     /// Items: a rotation's pairs, a write's elements.
     pub count: usize,
     /// Code doing item `i` (after [`position_check`]).
@@ -190,9 +188,8 @@ pub(crate) fn jobs(g: &RopeWrites) -> Result<Vec<Job>> {
     let mut out = Vec::new();
     for (j, r) in g.ropes.iter().enumerate() {
         let mut body = String::new();
-        rope_body(&mut body, j, r, g)?;
+        rope_body(&mut body, j, r, g, None)?;
         out.push(Job {
-            source: Ok(j),
             count: r.x.num_elements() / 2,
             body,
         });
@@ -202,23 +199,33 @@ pub(crate) fn jobs(g: &RopeWrites) -> Result<Vec<Job>> {
             continue;
         }
         let mut body = String::new();
-        unravel_code(&mut body, "i", write.update.dims(), "u");
-        let _ = writeln!(
-            body,
-            "    if (fits) cache{w}[{}] = {};",
-            target_offset(write, "u"),
-            store(
-                write.target.dtype(),
-                &load(write.update.dtype(), &format!("upd{w}"), "i")
-            )
-        );
+        write_body(&mut body, w, write, None);
         out.push(Job {
-            source: Err(w),
             count: write.update.num_elements(),
             body,
         });
     }
     Ok(out)
+}
+
+/// Element `i` of written operand `w` stored in its cache: `value` (a compute-type
+/// expression) when given, else the element loaded from `upd{w}`.
+pub(crate) fn write_body(s: &mut String, w: usize, write: &WriteJob, value: Option<&str>) {
+    unravel_code(s, "i", write.update.dims(), "u");
+    let loaded;
+    let value = match value {
+        Some(v) => v,
+        None => {
+            loaded = load(write.update.dtype(), &format!("upd{w}"), "i");
+            &loaded
+        }
+    };
+    let _ = writeln!(
+        s,
+        "    if (fits) cache{w}[{}] = {};",
+        target_offset(write, "u"),
+        store(write.target.dtype(), value)
+    );
 }
 
 /// The offset in `write`'s cache of the update element whose coordinates are
@@ -237,8 +244,32 @@ fn target_offset(write: &WriteJob, c: &str) -> String {
         .join(" + ")
 }
 
-/// Pair `i` of rotation `j`: both elements rotated by their angle and stored.
-fn rope_body(s: &mut String, j: usize, r: &RopeJob, g: &RopeWrites) -> Result<()> {
+/// The elements `(ia, ib)` that pair `i` of a rotation over rows of `d` rotates,
+/// as expressions of `row` (`i / (d / 2)`) and `k` (`i % (d / 2)`).
+pub(crate) fn pair_elements(style: RopeStyle, d: usize) -> (String, String) {
+    let half = d / 2;
+    match style {
+        RopeStyle::HalfSplit => (
+            format!("row * {d}LL + k"),
+            format!("row * {d}LL + k + {half}LL"),
+        ),
+        RopeStyle::Interleaved => (
+            format!("row * {d}LL + 2 * k"),
+            format!("row * {d}LL + 2 * k + 1"),
+        ),
+    }
+}
+
+/// Pair `i` of rotation `j`: both elements rotated by their angle and stored. The
+/// elements are loaded from `x{j}`, or are `values` (compute-type expressions) when
+/// given.
+pub(crate) fn rope_body(
+    s: &mut String,
+    j: usize,
+    r: &RopeJob,
+    g: &RopeWrites,
+    values: Option<(&str, &str)>,
+) -> Result<()> {
     let dims = r.x.dims();
     let d = *dims
         .last()
@@ -254,23 +285,23 @@ fn rope_body(s: &mut String, j: usize, r: &RopeJob, g: &RopeWrites) -> Result<()
         &half_dims,
         &broadcast_strides(g.cos.dims(), &half_dims),
     );
-    let (ia, ib) = match r.style {
-        RopeStyle::HalfSplit => ("row * {d}LL + k", "row * {d}LL + k + {half}LL"),
-        RopeStyle::Interleaved => ("row * {d}LL + 2 * k", "row * {d}LL + 2 * k + 1"),
-    };
-    let fill = |e: &str| {
-        e.replace("{d}", &d.to_string())
-            .replace("{half}", &half.to_string())
-    };
+    let (ia, ib) = pair_elements(r.style, d);
     let dt = r.x.dtype();
+    let (va, vb) = match values {
+        Some((a, b)) => (a.to_string(), b.to_string()),
+        None => (
+            load(dt, &format!("x{j}"), "ia"),
+            load(dt, &format!("x{j}"), "ib"),
+        ),
+    };
     let acc = if dt == DType::F64 { "double" } else { "float" };
     let _ = writeln!(
         s,
         "    const long long row = i / {h}LL, k = i % {h}LL;\n    const long long ia = {}, ib = {};\n    const {acc} a = {}, b = {}, cs = {}, sn = {};\n    const {acc} ra = {}, rb = {};",
-        fill(ia),
-        fill(ib),
-        load(dt, &format!("x{j}"), "ia"),
-        load(dt, &format!("x{j}"), "ib"),
+        ia,
+        ib,
+        va,
+        vb,
         load(g.cos.dtype(), "cosv", "at"),
         load(g.sin.dtype(), "sinv", "at"),
         rounded(dt, "a * cs - b * sn"),

@@ -506,6 +506,7 @@ fn generated_kernels_parse_as_cxx() {
                 norm: Some(1e-5),
                 max_blocks: 2112,
                 staged: false,
+                pairs: false,
                 tail: None,
             },
             DType::F32,
@@ -519,6 +520,7 @@ fn generated_kernels_parse_as_cxx() {
                 norm: Some(1e-6),
                 max_blocks: 2112,
                 staged: false,
+                pairs: false,
                 tail: None,
             },
             DType::F32,
@@ -527,11 +529,12 @@ fn generated_kernels_parse_as_cxx() {
             RowGroup {
                 rows: 2,
                 k: 64,
-                products: vec![product(16, full), product(24, full)],
+                products: vec![product(16, full), product(23, full)],
                 combine: None,
                 norm: None,
                 max_blocks: 2112,
                 staged: false,
+                pairs: true,
                 tail: None,
             },
             DType::BF16,
@@ -602,6 +605,7 @@ fn generated_kernels_parse_as_cxx() {
                 norm: (dt == DType::F32).then_some(1e-5),
                 max_blocks: 2112,
                 staged,
+                pairs: true,
                 tail: Some(tail.clone()),
             };
             more.push(gemv_group(&format!("rgt{i}_{l}"), &g, dt, DType::BF16).unwrap());
