@@ -239,6 +239,52 @@ fn cached_attention_over_a_prefix_of_the_cache() {
             smax * d,
         );
     }
+    // A long cache (a GPU splits each row's keys over several blocks whose partial
+    // sums meet in its workspace), grouped and plain heads, values wider than keys,
+    // two batch entries, one and three new queries, positions from the first row to
+    // the last.
+    for (hq, hkv, d, dv) in [(8, 2, 64, 48), (3, 3, 32, 32)] {
+        let (b, smax) = (2, 300);
+        for (sq, pos) in [(1, 0), (1, 150), (1, 299), (3, 40), (3, 297)] {
+            let g = Graph::new("cached long");
+            let f32s = |dims: &[usize]| Shape::new(dims, DType::F32);
+            let q = g.input("q", f32s(&[b, sq, hq, d])).unwrap();
+            let k = g.input("k", f32s(&[b, smax, hkv, d])).unwrap();
+            let v = g.input("v", f32s(&[b, smax, hkv, dv])).unwrap();
+            let p = g.input("pos", Shape::new(&[1], DType::I64)).unwrap();
+            let y = g.cached_attention(q, k, v, p, None).unwrap();
+            g.set_outputs(vec![y]);
+            let r = |n: usize, rng: &mut Rng| (0..n).map(|_| rng.uniform()).collect::<Vec<_>>();
+            check(
+                &format!("cached_attention hq={hq} hkv={hkv} sq={sq} pos={pos}"),
+                &g,
+                vec![
+                    (
+                        "q",
+                        host(&[b, sq, hq, d], DType::F32, r(b * sq * hq * d, &mut rng)),
+                    ),
+                    (
+                        "k",
+                        host(
+                            &[b, smax, hkv, d],
+                            DType::F32,
+                            r(b * smax * hkv * d, &mut rng),
+                        ),
+                    ),
+                    (
+                        "v",
+                        host(
+                            &[b, smax, hkv, dv],
+                            DType::F32,
+                            r(b * smax * hkv * dv, &mut rng),
+                        ),
+                    ),
+                    ("pos", host(&[1], DType::I64, vec![pos as f64])),
+                ],
+                smax * d,
+            );
+        }
+    }
     // A position past the cache is a run-time error, and the graph runs afterwards.
     let g = Graph::new("cached_bad");
     let q = g.input("q", Shape::new(&[1, 4, 2, 4], DType::F32)).unwrap();

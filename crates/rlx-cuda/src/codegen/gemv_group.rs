@@ -133,9 +133,7 @@ pub(crate) fn gemv_group(name: &str, g: &RowGroup, adt: DType, wdt: DType) -> Re
         )));
     }
     if let Some(steps) = &g.combine
-        && (steps.is_empty()
-            || g.pairs
-            || g.products.iter().any(|p| p.n != g.products[0].n))
+        && (steps.is_empty() || g.pairs || g.products.iter().any(|p| p.n != g.products[0].n))
     {
         return Err(unsupported(
             "a combined row group of unequal products, or of pairs".into(),
@@ -461,8 +459,7 @@ fn tasks(g: &RowGroup, i: usize) -> usize {
 /// rotations.
 fn check_tail(g: &RowGroup, tail: &GroupTail, adt: DType) -> Result<()> {
     let refuse = |why: &str| Err(unsupported(format!("a row group's rotations: {why}")));
-    if g.rows != 1 || g.combine.is_some() || !g.pairs || tail.reader.len() != g.products.len()
-    {
+    if g.rows != 1 || g.combine.is_some() || !g.pairs || tail.reader.len() != g.products.len() {
         return refuse("more than one row, combined products, or single outputs");
     }
     rope_write::check_rows(&tail.spec)?;
