@@ -3,8 +3,10 @@
 //!
 //! A block takes one query row of one batch entry, every query head that shares
 //! one key/value head (grouped-query attention reads each cached row once for the
-//! group), and one of `splits` equal shares of the visible keys (the shares are cut
-//! at run time from the position). It stages its keys and values in shared memory
+//! group), and one of up to `splits` equal shares of the visible keys: the shares
+//! are cut at run time from the position, one for every two staged chunks of keys
+//! (a short context is one block's, as combining shares costs a round trip through
+//! memory), and the blocks past them return at once. It stages its keys and values in shared memory
 //! a chunk at a time, every load issued before any store, then scores each (head,
 //! key) pair with a thread, turns a chunk's scores into weights under a running
 //! maximum (a warp per head), and accumulates the weighted values with a thread
@@ -30,6 +32,8 @@ const SHARED_BYTES: usize = 48 << 10;
 const MOST_KEYS: usize = 128;
 /// Keys a split should have at the least (of a full cache).
 const KEYS_PER_SPLIT: usize = 16;
+/// Staged chunks of keys a share takes at the least (at run time).
+const CHUNKS_PER_SHARE: usize = 2;
 
 /// The geometry of one cached attention.
 struct Geometry {
@@ -143,7 +147,7 @@ pub(crate) fn kernel(
     // so a warp's threads, each on its own key, fall in different banks), of
     // values, of scores, and each head's running maximum, sum and rescale.
     let fixed = group * d + 3 * group;
-    let per_key = d + 1 + dv + group;
+    let per_key = d + 4 + dv + group;
     let room = (SHARED_BYTES / size).saturating_sub(fixed) / per_key.max(1);
     let chunk = if room >= MOST_KEYS {
         MOST_KEYS
@@ -155,6 +159,10 @@ pub(crate) fn kernel(
         )));
     };
     let chunk = chunk.min(smax.next_power_of_two().max(1));
+    // Scores read 16 bytes of a query and a key at a time where the rows allow
+    // (rows padded by 4 then, which keeps 8 threads' reads in distinct banks).
+    let vector = !double && d % 4 == 0;
+    let kstride = if vector { d + 4 } else { d + 1 };
     let staged_k = (chunk * d).div_ceil(THREADS);
     let staged_v = (chunk * dv).div_ceil(THREADS);
     let per_thread = (group * dv).div_ceil(THREADS).max(1);
@@ -180,10 +188,12 @@ pub(crate) fn kernel(
         "  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;\n  const long long split = blockIdx.x % {splits}LL, row = blockIdx.x / {splits}LL;\n  const long long kvh = row % {hkv}LL, qi = (row / {hkv}LL) % {sq}LL, bi = row / ({hkv}LL * {sq}LL);"
     );
     // The block's share of the keys of query row `qi` at position `p`.
+    // `shares` blocks of the row take keys, each at least two chunks' worth.
+    let least = CHUNKS_PER_SHARE * chunk;
     let share = |s: &mut String, p: &str| {
         let _ = writeln!(
             s,
-            "    const long long len = {p} + qi + 1 < 0 ? 0 : ({p} + qi + 1 > {smax}LL ? {smax}LL : {p} + qi + 1);\n    const long long per = (len + {splits}LL - 1) / {splits}LL;\n    const long long k0 = split * per < len ? split * per : len, k1 = k0 + per < len ? k0 + per : len;"
+            "    const long long len = {p} + qi + 1 < 0 ? 0 : ({p} + qi + 1 > {smax}LL ? {smax}LL : {p} + qi + 1);\n    const long long wanted = (len + {least}LL - 1) / {least}LL;\n    const long long shares = wanted < 1 ? 1 : (wanted > {splits}LL ? {splits}LL : wanted);\n    const long long per = (len + shares - 1) / shares;\n    const long long k0 = split * per < len ? split * per : len, k1 = k0 + per < len ? k0 + per : len;"
         );
     };
     // Before waiting for the kernel ahead (which writes the newest row), ask L2 for
@@ -204,11 +214,12 @@ pub(crate) fn kernel(
         "  const long long pos = {pos0};\n  if (pos < 0 || pos + {sq}LL > {smax}LL) {{ if (blockIdx.x == 0 && tid == 0) rlx_fail(err, {fail_code}, pos); return; }}"
     );
     share(&mut s, "pos");
+    s.push_str("  if (split >= shares) return;\n");
     let _ = writeln!(
         s,
-        "  __shared__ {acc} qs[{qn}];\n  __shared__ {acc} ks[{kn}];\n  __shared__ {acc} vs[{vn}];\n  __shared__ {acc} sc[{cn}];\n  __shared__ {acc} rm[{group}], rl[{group}], ra[{group}];",
+        "  __shared__ __align__(16) {acc} qs[{qn}];\n  __shared__ __align__(16) {acc} ks[{kn}];\n  __shared__ {acc} vs[{vn}];\n  __shared__ {acc} sc[{cn}];\n  __shared__ {acc} rm[{group}], rl[{group}], ra[{group}];",
         qn = group * d,
-        kn = chunk * (d + 1),
+        kn = chunk * kstride,
         vn = chunk * dv,
         cn = group * chunk,
     );
@@ -225,7 +236,7 @@ pub(crate) fn kernel(
     );
     // Staging: each thread's loads first, then its stores.
     for (tag, input, width, count, stride) in [
-        ("k", "in1", d, staged_k, d + 1),
+        ("k", "in1", d, staged_k, kstride),
         ("v", "in2", dv, staged_v, dv),
     ] {
         let dt = inputs[if input == "in1" { 1 } else { 2 }].dtype();
@@ -241,11 +252,19 @@ pub(crate) fn kernel(
     }
     s.push_str("    __syncthreads();\n");
     // Scores: a thread per (head, key).
+    let dot = if vector {
+        format!(
+            "#pragma unroll 4\n        for (int e = 0; e < {d}; e += 4) {{ const float4 x = *reinterpret_cast<const float4*>(qs + h * {d} + e), y = *reinterpret_cast<const float4*>(ks + j * {kstride} + e); t = fmaf(x.x, y.x, fmaf(x.y, y.y, fmaf(x.z, y.z, fmaf(x.w, y.w, t)))); }}"
+        )
+    } else {
+        format!(
+            "#pragma unroll 8\n        for (int e = 0; e < {d}; ++e) t += qs[h * {d} + e] * ks[j * {kstride} + e];"
+        )
+    };
     let _ = writeln!(
         s,
-        "    for (int i = tid; i < {pairs}; i += {THREADS}) {{\n      const int h = i / {chunk}, j = i % {chunk};\n      if (j < cn) {{\n        {acc} t = 0;\n        #pragma unroll 8\n        for (int e = 0; e < {d}; ++e) t += qs[h * {d} + e] * ks[j * {kstride} + e];\n        sc[i] = t;\n      }}\n    }}\n    __syncthreads();",
+        "    for (int i = tid; i < {pairs}; i += {THREADS}) {{\n      const int h = i / {chunk}, j = i % {chunk};\n      if (j < cn) {{\n        {acc} t = 0;\n        {dot}\n        sc[i] = t;\n      }}\n    }}\n    __syncthreads();",
         pairs = group * chunk,
-        kstride = d + 1,
     );
     // Weights: a warp per head, under the head's running maximum.
     let _ = writeln!(
@@ -260,24 +279,24 @@ pub(crate) fn kernel(
         items = group * dv,
     );
     let orow = format!("((bi * {sq}LL + qi) * {hq}LL + kvh * {group}LL) * {dv}LL");
-    if splits == 1 {
-        let _ = writeln!(
-            s,
-            "  #pragma unroll\n  for (int a = 0; a < {per_thread}; ++a) {{\n    const int i = tid + a * {THREADS};\n    if (i < {items}) {{ const {acc} l = rl[i / {dv}]; out[{orow} + i] = {}; }}\n  }}\n}}",
-            store(out.dtype(), "(l > 0 ? o[a] / l : 0)"),
-            items = group * dv,
-        );
-    } else {
+    let items = group * dv;
+    // One share: the block's sums are the row's.
+    let _ = writeln!(
+        s,
+        "  if (shares == 1) {{\n    #pragma unroll\n    for (int a = 0; a < {per_thread}; ++a) {{\n      const int i = tid + a * {THREADS};\n      if (i < {items}) {{ const {acc} l = rl[i / {dv}]; out[{orow} + i] = {}; }}\n    }}\n    return;\n  }}",
+        store(out.dtype(), "(l > 0 ? o[a] / l : 0)"),
+    );
+    if splits > 1 {
         // The block's maximum, sum and weighted values into the workspace; the last
-        // block of the row combines every split's in split order.
+        // block of the row combines every share's in share order.
         let rows = g.rows() * splits;
         let _ = writeln!(
             s,
-            "  {acc}* wo = ws + blockIdx.x * {items}LL;\n  {acc}* wm = ws + {rows}LL * {items}LL;\n  {acc}* wl = wm + {rows}LL * {group}LL;\n  #pragma unroll\n  for (int a = 0; a < {per_thread}; ++a) {{ const int i = tid + a * {THREADS}; if (i < {items}) wo[i] = o[a]; }}\n  if (tid < {group}) {{ wm[blockIdx.x * {group}LL + tid] = rm[tid]; wl[blockIdx.x * {group}LL + tid] = rl[tid]; }}\n  __threadfence();\n  __syncthreads();\n  __shared__ unsigned int last;\n  if (tid == 0) last = atomicAdd(&count[row], 1u) == {splits}u - 1u;\n  __syncthreads();\n  if (!last) return;\n  __threadfence();\n  #pragma unroll\n  for (int a = 0; a < {per_thread}; ++a) {{\n    const int i = tid + a * {THREADS};\n    if (i < {items}) {{\n      const int h = i / {dv};\n      {acc} m = -RLX_INF;\n      for (int p = 0; p < {splits}; ++p) {{ const {acc} x = __ldcg(&wm[(row * {splits}LL + p) * {group}LL + h]); m = x > m || x != x ? x : m; }}\n      {acc} l = 0, t = 0;\n      for (int p = 0; p < {splits}; ++p) {{\n        const long long blk = row * {splits}LL + p;\n        const {acc} x = __ldcg(&wm[blk * {group}LL + h]);\n        const {acc} w = x == -RLX_INF ? ({acc})0 : {exp}(x - m);\n        l += __ldcg(&wl[blk * {group}LL + h]) * w;\n        t += __ldcg(&wo[(p - split) * {items}LL + i]) * w;\n      }}\n      out[{orow} + i] = {};\n    }}\n  }}\n  if (tid == 0) count[row] = 0u;\n}}",
+            "  {acc}* wo = ws + blockIdx.x * {items}LL;\n  {acc}* wm = ws + {rows}LL * {items}LL;\n  {acc}* wl = wm + {rows}LL * {group}LL;\n  #pragma unroll\n  for (int a = 0; a < {per_thread}; ++a) {{ const int i = tid + a * {THREADS}; if (i < {items}) wo[i] = o[a]; }}\n  if (tid < {group}) {{ wm[blockIdx.x * {group}LL + tid] = rm[tid]; wl[blockIdx.x * {group}LL + tid] = rl[tid]; }}\n  __threadfence();\n  __syncthreads();\n  __shared__ unsigned int last;\n  if (tid == 0) last = atomicAdd(&count[row], 1u) == (unsigned int)shares - 1u;\n  __syncthreads();\n  if (!last) return;\n  __threadfence();\n  #pragma unroll\n  for (int a = 0; a < {per_thread}; ++a) {{\n    const int i = tid + a * {THREADS};\n    if (i < {items}) {{\n      const int h = i / {dv};\n      {acc} m = -RLX_INF;\n      for (int p = 0; p < shares; ++p) {{ const {acc} x = __ldcg(&wm[(row * {splits}LL + p) * {group}LL + h]); m = x > m || x != x ? x : m; }}\n      {acc} l = 0, t = 0;\n      for (int p = 0; p < shares; ++p) {{\n        const long long blk = row * {splits}LL + p;\n        const {acc} x = __ldcg(&wm[blk * {group}LL + h]);\n        const {acc} w = x == -RLX_INF ? ({acc})0 : {exp}(x - m);\n        l += __ldcg(&wl[blk * {group}LL + h]) * w;\n        t += __ldcg(&wo[(p - split) * {items}LL + i]) * w;\n      }}\n      out[{orow} + i] = {};\n    }}\n  }}\n  if (tid == 0) count[row] = 0u;",
             store(out.dtype(), "(l > 0 ? t / l : 0)"),
-            items = group * dv,
         );
     }
+    s.push_str("}\n");
     Ok(Some(Kernel {
         source: s,
         grid: Grid::Blocks {
