@@ -294,35 +294,6 @@ impl CudaProgram {
                         .map(|(kind, step)| (table(kind), step))
                         .collect()
                 }
-                Op::CachedAttention { .. } => {
-                    // Split over the keys when the counters hold one per row.
-                    let splits = codegen::attention::splits(
-                        &in_shapes,
-                        gpu.multiprocessors * 2,
-                        COUNTERS / 4,
-                    );
-                    let kernel = codegen::attention::kernel(
-                        STEP_NAME,
-                        &node.op,
-                        &in_shapes,
-                        &node.shape,
-                        code,
-                        splits,
-                    )?
-                    .ok_or_else(|| unsupported("no CUDA kernel for this op yet".into()))?;
-                    let mut args = vec![Arg::At(out)];
-                    args.extend(inputs.iter().map(|&i| Arg::At(i)));
-                    args.push(Arg::Errors);
-                    if splits > 1 {
-                        args.extend([Arg::Workspace(COUNTERS), Arg::Workspace(0)]);
-                        workspace_data = workspace_data
-                            .max(codegen::attention::workspace_bytes(&in_shapes, splits));
-                    }
-                    if let Some(message) = &kernel.check {
-                        checks.insert(code, format!("{}: {message}", what()));
-                    }
-                    vec![(table("nvrtc"), Step::Kernel { kernel, args })]
-                }
                 op => {
                     if let Op::WriteAt { .. } = op {
                         // The kernel writes only the update's rows: the result must

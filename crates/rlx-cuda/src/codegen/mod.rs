@@ -16,7 +16,7 @@
 //! and the value that failed. Most walk their
 //! output elements with a grid-stride loop over 64-bit indices ([`Grid::Elements`]).
 
-pub(crate) mod attention;
+mod attention;
 mod flash;
 mod flash_mma;
 pub(crate) mod fused;
@@ -485,7 +485,7 @@ pub(crate) fn kernel_for(
     if let Some(k) = window::kernel(name, op, inputs, output) {
         return Ok(Some(k));
     }
-    if let Some(k) = attention::kernel(name, op, inputs, output, fail_code, 1)? {
+    if let Some(k) = attention::kernel(name, op, inputs, output, fail_code)? {
         return Ok(Some(k));
     }
     if let Some(k) = flash::kernel(name, op, inputs, output, tensor_cores)? {

@@ -41,7 +41,6 @@ void __syncwarp();
 void __threadfence();
 unsigned atomicAdd(unsigned*, unsigned);
 float __ldcg(const float*);
-double __ldcg(const double*);
 float fmaf(float, float, float);
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
@@ -611,32 +610,6 @@ fn generated_kernels_parse_as_cxx() {
             };
             more.push(gemv_group(&format!("rgt{i}_{l}"), &g, dt, DType::BF16).unwrap());
         }
-    }
-    // Cached attention split over the keys (the workspace and counters taken), in
-    // each compute type, with and without shared key heads.
-    for (i, (dt, hq, hkv, d)) in [
-        (DType::BF16, 8, 2, 64),
-        (DType::F32, 3, 3, 24),
-        (DType::F64, 4, 1, 16),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let shapes = [
-            Shape::new(&[2, 3, hq, d], dt),
-            Shape::new(&[2, 300, hkv, d], dt),
-            Shape::new(&[2, 300, hkv, d + 8], dt),
-            Shape::new(&[1], DType::I64),
-        ];
-        let op = Op::CachedAttention {
-            scale: F64Bits::new(0.125),
-        };
-        let out = Shape::new(&[2, 3, hq, d + 8], dt);
-        more.push(
-            super::attention::kernel(&format!("cas{i}"), &op, &shapes, &out, 5, 7)
-                .unwrap()
-                .unwrap(),
-        );
     }
     for k in more {
         source.push_str(&entering_after_predecessor(&k.source));
