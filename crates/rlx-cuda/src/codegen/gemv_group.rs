@@ -6,8 +6,8 @@
 //!
 //! The weights are stored `[N, K]`, as for [`super::gemv::gemv_rows`]: a warp owns
 //! one output and walks its contiguous row (its rows, when the outputs are
-//! combined or taken in pairs), 16 bytes a lane at a time. Each block first copies the input into
-//! shared memory, so the walk reads only weights from memory. A folded norm is
+//! combined or taken in pairs), 16 bytes a lane at a time. Each block first copies
+//! the input into shared memory, so the walk reads only weights from memory. A folded norm is
 //! applied as `inv * (w . (x * gamma))`: the copy scales by `gamma` and sums the
 //! squares in one pass, and the reciprocal root scales each finished sum.
 
@@ -492,6 +492,12 @@ fn tail_code(s: &mut String, tail: &GroupTail, adt: DType) -> Result<()> {
         let Some(reader) = *reader else {
             continue;
         };
+        // A write of a rotation's result is done by the rotation.
+        if let Err(w) = reader
+            && tail.spec.writes[w].from.is_some()
+        {
+            continue;
+        }
         let _ = writeln!(s, "      if (p == {p}) {{");
         // The position check shadows `p` (the product) within the branch.
         rope_write::position_check(s, &tail.spec, tail.code, "true");
@@ -509,11 +515,6 @@ fn tail_code(s: &mut String, tail: &GroupTail, adt: DType) -> Result<()> {
             }
             Err(w) => {
                 let write = &tail.spec.writes[w];
-                if write.from.is_some() {
-                    // Written by its rotation's job.
-                    s.push_str("      }\n");
-                    continue;
-                }
                 for (e, col) in ["ca", "cb"].into_iter().enumerate() {
                     let _ = writeln!(
                         s,
