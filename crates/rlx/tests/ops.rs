@@ -2019,9 +2019,10 @@ fn conv2d_variants() {
             [1, 1],
             1,
         ),
-        // Large enough for several GEMM blocks.
+        // Large enough for several GEMM blocks even with an image per thread
+        // (1760 pixels against about 800 a block).
         (
-            [2, 16, 20, 24],
+            [2, 16, 40, 44],
             [40, 16, 3, 3],
             [1, 1],
             [1, 1, 1, 1],
