@@ -39,7 +39,9 @@ pub struct FusionOptions {
     /// `erf`) as one op.
     pub activations: bool,
     /// Turn products of gathered rows by one weight into one product and gathers
-    /// (see [`hoist_gathered_matmuls`](crate::hoist::hoist_gathered_matmuls)).
+    /// (see [`hoist_gathered_matmuls`](crate::hoist::hoist_gathered_matmuls)), and
+    /// products of a reordered whole tensor into a reordering of the product (see
+    /// [`hoist_sliced_matmuls`](crate::hoist::hoist_sliced_matmuls)).
     pub hoist_gathered_matmuls: bool,
 }
 

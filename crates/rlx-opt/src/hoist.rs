@@ -7,7 +7,7 @@
 
 use crate::fuse::Fused;
 use crate::rewrite::{Rewriter, use_counts};
-use rlx_ir::{Graph, Node, NodeId, Op, Shape};
+use rlx_ir::{Graph, Node, NodeId, Op, Shape, SliceAxis};
 use std::collections::HashMap;
 
 /// One `matmul(gather(x, idx, axis), w)` eligible for hoisting.
@@ -99,6 +99,78 @@ pub fn hoist_gathered_matmuls(graph: &Graph) -> Fused {
             vec![
                 format!("matmul %{i}"),
                 format!("gather %{}", n.inputs[0].index()),
+            ],
+        ));
+    }
+    crate::fuse::finish(graph, w, records)
+}
+
+/// Replaces `matmul(slice(x), w)`, where the slice keeps `x`'s last axis whole and
+/// takes every row of the others (a reversal of the time axis, say) and `w` is a
+/// matrix no wider than it is deep, by `slice(matmul(x, w))`: the same products,
+/// with the slice copying rows of the narrower result. An exported bidirectional
+/// recurrent layer flips its whole input sequence (`[steps, batch, 4096]` in the CRNN
+/// benchmark model) only to multiply it by a `4096 x 400` weight.
+pub fn hoist_sliced_matmuls(graph: &Graph) -> Fused {
+    let nodes = graph.nodes();
+    let uses = use_counts(graph);
+    let eligible = |n: &Node| -> Option<(NodeId, NodeId, Vec<SliceAxis>)> {
+        if n.op != Op::MatMul || !n.shape.dtype().is_float() {
+            return None;
+        }
+        let (a, w) = (n.inputs[0], n.inputs[1]);
+        let Op::Slice { axes } = &nodes[a.index()].op else {
+            return None;
+        };
+        let x = nodes[a.index()].inputs[0];
+        let (xs, ws) = (&nodes[x.index()].shape, &nodes[w.index()].shape);
+        let (rank, k) = (xs.rank(), xs.dims().last().copied().unwrap_or(0));
+        let whole_rows = axes.len() == rank
+            && rank >= 2
+            && axes[..rank - 1]
+                .iter()
+                .zip(xs.dims())
+                .all(|(s, &d)| s.len == d)
+            && axes[rank - 1]
+                == (SliceAxis {
+                    start: 0,
+                    step: 1,
+                    len: k,
+                });
+        (whole_rows && ws.rank() == 2 && ws.dim(1) <= k && uses[a.index()] == 1)
+            .then(|| (x, w, axes.clone()))
+    };
+    let mut w = Rewriter::new(nodes.len());
+    let mut records = Vec::new();
+    for (i, n) in nodes.iter().enumerate() {
+        let Some((x, weight, mut axes)) = eligible(n) else {
+            w.place(i, n.clone());
+            continue;
+        };
+        let cols = nodes[weight.index()].shape.dim(1);
+        let mut dims = nodes[x.index()].shape.dims().to_vec();
+        if let (Some(d), Some(a)) = (dims.last_mut(), axes.last_mut()) {
+            *d = cols;
+            a.len = cols;
+        }
+        let product = w.insert(Node {
+            op: Op::MatMul,
+            inputs: vec![x, weight],
+            shape: Shape::new(&dims, n.shape.dtype()),
+        });
+        w.place_with_new_inputs(
+            i,
+            Node {
+                op: Op::Slice { axes },
+                inputs: vec![product],
+                shape: n.shape.clone(),
+            },
+        );
+        records.push((
+            i,
+            vec![
+                format!("matmul %{i}"),
+                format!("slice %{}", n.inputs[0].index()),
             ],
         ));
     }

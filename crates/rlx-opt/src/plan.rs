@@ -251,7 +251,19 @@ fn run_stages(
                 Some(crate::recognize::recognize_activations(&graph))
             }
             "fuse.hoist" if f.hoist_gathered_matmuls => {
-                Some(crate::hoist::hoist_gathered_matmuls(&graph))
+                // Gathered products first: the product they hoist may read a slice.
+                let gathered = crate::hoist::hoist_gathered_matmuls(&graph);
+                for r in &mut fusions {
+                    r.node = gathered.remap[r.node.index()];
+                }
+                fusions.extend(gathered.records);
+                // The gathers it replaced still read the slice until they are removed.
+                let (live, remap) = crate::dce::eliminate_dead_code(&gathered.graph);
+                for r in &mut fusions {
+                    r.node = remap[r.node.index()].unwrap_or(r.node);
+                }
+                graph = live;
+                Some(crate::hoist::hoist_sliced_matmuls(&graph))
             }
             "fuse.epilogue" if f.matmul_epilogue || f.conv_epilogue => Some(
                 crate::fuse::fuse_epilogues(&graph, f.matmul_epilogue, f.conv_epilogue),

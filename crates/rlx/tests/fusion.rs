@@ -1348,6 +1348,72 @@ fn products_of_gathered_rows_by_one_weight_become_one_product() {
 }
 
 #[test]
+fn a_product_of_a_reversed_sequence_becomes_a_reversed_product() {
+    // A backward recurrence as exported: the whole sequence flipped along time, then
+    // each step's row gathered and multiplied by one weight (hoisted into one product
+    // of the flipped sequence, which then becomes a flip of the narrower product).
+    let mut rng = Rng(61);
+    let (steps, features, width) = (5, 48, 20);
+    let g = Graph::new("reversed");
+    let x = g
+        .input("x", Shape::new(&[steps, 3, features], DType::F32))
+        .unwrap();
+    let w = g
+        .param("w", Shape::new(&[features, width], DType::F32))
+        .unwrap();
+    let flipped = g.slice(x, 0, -1, -(steps as isize) - 1, -1).unwrap();
+    let mut outs = Vec::new();
+    for t in 0..steps {
+        let idx = g.constant(TensorData::I64(vec![t as i64]), &[]).unwrap();
+        outs.push(
+            g.tanh(g.matmul(g.gather(flipped, idx, 0).unwrap(), w).unwrap())
+                .unwrap(),
+        );
+    }
+    g.set_outputs(outs);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    let nodes = plan.graph.nodes();
+    let wide_slices = nodes
+        .iter()
+        .filter(|n| n.op.name() == "slice" && n.shape.dims().last() == Some(&features))
+        .count();
+    let product_reads_input = nodes
+        .iter()
+        .any(|n| n.op.name().contains("matmul") && nodes[n.inputs[0].index()].op.name() == "input");
+    assert!(wide_slices == 0 && product_reads_input, "{}", plan.graph);
+    check(&g, &mut rng, "reversed sequence product");
+    // Part of the sequence taken (the product would do more work), or a weight wider
+    // than it is deep (the slice would copy more): left alone.
+    for (rows, cols) in [(steps - 2, width), (steps, features * 2)] {
+        let g = Graph::new("left alone");
+        let x = g
+            .input("x", Shape::new(&[steps, 3, features], DType::F32))
+            .unwrap();
+        let w = g
+            .param("w", Shape::new(&[features, cols], DType::F32))
+            .unwrap();
+        let part = g
+            .slice(x, 0, rows as isize - 1, -(steps as isize) - 1, -1)
+            .unwrap();
+        g.set_outputs(vec![g.matmul(part, w).unwrap()]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let nodes = plan.graph.nodes();
+        assert!(
+            nodes
+                .iter()
+                .any(|n| n.op.name() == "slice" && nodes[n.inputs[0].index()].op.name() == "input"),
+            "{}",
+            plan.graph
+        );
+        check(
+            &g,
+            &mut rng,
+            &format!("sliced product rows={rows} cols={cols}"),
+        );
+    }
+}
+
+#[test]
 fn the_graph_after_each_named_stage() {
     let g = Graph::new("stages");
     let x = g.input("x", Shape::new(&[4, 8], DType::F32)).unwrap();
