@@ -252,17 +252,13 @@ fn run_stages(
             }
             "fuse.hoist" if f.hoist_gathered_matmuls => {
                 // Gathered products first: the product they hoist may read a slice.
-                let gathered = crate::hoist::hoist_gathered_matmuls(&graph);
-                for r in &mut fusions {
-                    r.node = gathered.remap[r.node.index()];
-                }
-                fusions.extend(gathered.records);
+                absorb(
+                    crate::hoist::hoist_gathered_matmuls(&graph),
+                    &mut graph,
+                    &mut fusions,
+                );
                 // The gathers it replaced still read the slice until they are removed.
-                let (live, remap) = crate::dce::eliminate_dead_code(&gathered.graph);
-                for r in &mut fusions {
-                    r.node = remap[r.node.index()].unwrap_or(r.node);
-                }
-                graph = live;
+                drop_dead(&mut graph, &mut fusions);
                 Some(crate::hoist::hoist_sliced_matmuls(&graph))
             }
             "fuse.epilogue" if f.matmul_epilogue || f.conv_epilogue => Some(
@@ -273,21 +269,13 @@ fn run_stages(
             }
             "dce.fused" => {
                 // Transposes whose only reader was fused away are dead now.
-                let (live, remap) = crate::dce::eliminate_dead_code(&graph);
-                for r in &mut fusions {
-                    r.node = remap[r.node.index()].unwrap_or(r.node);
-                }
-                graph = live;
+                drop_dead(&mut graph, &mut fusions);
                 None
             }
             _ => None,
         };
         if let Some(fused) = fused {
-            for r in &mut fusions {
-                r.node = fused.remap[r.node.index()];
-            }
-            graph = fused.graph;
-            fusions.extend(fused.records);
+            absorb(fused, &mut graph, &mut fusions);
         }
         if dump.as_deref() == Some(stage) {
             eprintln!("after {stage}: {graph}");
@@ -297,6 +285,25 @@ fn run_stages(
         }
     }
     Ok((graph, fusions))
+}
+
+/// Takes a fusion pass's result as the graph, with the earlier fusion records moved
+/// to the new node ids and the pass's own added.
+fn absorb(fused: crate::fuse::Fused, graph: &mut Graph, fusions: &mut Vec<FusionRecord>) {
+    for r in fusions.iter_mut() {
+        r.node = fused.remap[r.node.index()];
+    }
+    *graph = fused.graph;
+    fusions.extend(fused.records);
+}
+
+/// Removes dead nodes, moving the fusion records to the new node ids.
+fn drop_dead(graph: &mut Graph, fusions: &mut [FusionRecord]) {
+    let (live, remap) = crate::dce::eliminate_dead_code(graph);
+    for r in fusions.iter_mut() {
+        r.node = remap[r.node.index()].unwrap_or(r.node);
+    }
+    *graph = live;
 }
 
 /// Runs the pipeline on `graph`: verify, constant folding and CSE (if

@@ -637,7 +637,8 @@ multiversion! {
         prologue: Option<Prologue>,
         panels: &mut [f32]
     ) {
-        let ((wide, nr), (cg, taps, k)) = (dims, (geo.cg, geo.taps, geo.packed_rows()));
+        let (wide, nr) = dims;
+        let (cg, taps, k) = (geo.cg, geo.taps, geo.packed_rows());
         let span = place.rows * geo.wq;
         for t in 0..taps {
             let offset = tap_offset(win, geo, place, t);
