@@ -2612,6 +2612,61 @@ fn params_and_constants() {
     }
 }
 
+/// Weights that are bytes times a per-column scale (an int8 model's dequantized
+/// weights), which the CPU keeps as bytes: the products, plain and fused with a bias
+/// and GELU, match the reference on every device, and setting plain floats after them
+/// (which are not bytes) still gives the right products.
+#[test]
+fn products_with_weights_quantized_per_column() {
+    let (m, k, n) = (37, 200, 70);
+    let g = Graph::new("int8 weights");
+    let x = g.input("x", Shape::new(&[m, k], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[k, n], DType::F32)).unwrap();
+    let bias = g.param("bias", Shape::new(&[n], DType::F32)).unwrap();
+    let product = g.matmul(x, w).unwrap();
+    let fused = g
+        .gelu(g.add(g.matmul(x, w).unwrap(), bias).unwrap())
+        .unwrap();
+    g.set_outputs(vec![product, fused]);
+    let mut rng = Rng::new(0x18);
+    let scales: Vec<f64> = (0..n).map(|_| rng.uniform(0.001, 0.02)).collect();
+    let quantized: Vec<f64> = (0..k * n)
+        .map(|i| {
+            let q = if i / n == i % n % k {
+                127.0
+            } else {
+                rng.int(-127, 127) as f64
+            };
+            f64::from(q as f32 * scales[i % n] as f32)
+        })
+        .collect();
+    let wq = HostTensor::new(Shape::new(&[k, n], DType::F32), quantized);
+    let plain = random_tensor(&mut rng, &Shape::new(&[k, n], DType::F32), Dist::Default);
+    let bt = random_tensor(&mut rng, &Shape::new(&[n], DType::F32), Dist::Default);
+    for device in test_devices() {
+        let mut compiled = Session::new(device).compile(&g).unwrap();
+        compiled
+            .set_param_typed("bias", bt.to_data().as_ref())
+            .unwrap();
+        for wt in [&wq, &plain, &wq] {
+            compiled
+                .set_param_typed("w", wt.to_data().as_ref())
+                .unwrap();
+            let xt = random_tensor(&mut rng, &Shape::new(&[m, k], DType::F32), Dist::Default);
+            let mut values = HashMap::from([
+                ("x".to_string(), xt.clone()),
+                ("w".to_string(), wt.clone()),
+                ("bias".to_string(), bt.clone()),
+            ]);
+            let want = evaluate(&g, &mut values).unwrap();
+            let got = compiled.run_typed(&[("x", xt.to_data().as_ref())]).unwrap();
+            for (i, (a, w)) in got.iter().zip(&want).enumerate() {
+                compare("int8 weights", &format!("output {i}"), a, w, acc(k));
+            }
+        }
+    }
+}
+
 fn handle_graph(
     axis: isize,
     pos_dtype: DType,

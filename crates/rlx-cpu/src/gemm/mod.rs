@@ -102,7 +102,19 @@ pub(crate) enum BFormat {
     /// groups of `nr` values (zero past the last column); `ldb` is `n`. Read in
     /// place with no packing pass: one contiguous stream per panel.
     Packed { nr: usize },
+    /// Packed like [`BFormat::Packed`], with each value stored as a signed byte `q`
+    /// and its column's scale apart: `B[p, j] = q as f32 * scales[j]` (see
+    /// [`quantize_b_panels`], which stores only matrices this reproduces bit for
+    /// bit). `b` points at the bytes; `scales` holds one value per column of every
+    /// panel (zero past `n`). A block is converted into `f32` panels as it is packed,
+    /// so the weights stream from memory at a quarter of the bytes.
+    PackedI8 { nr: usize, scales: *const f32 },
 }
+
+// SAFETY: the scales pointer is only read, like `Gemm`'s operand pointers.
+unsafe impl Send for BFormat {}
+// SAFETY: as above.
+unsafe impl Sync for BFormat {}
 
 /// One GEMM problem. `A[i, p]` is `a[i * lda + p]`; `B[p, j]` is `b[p * ldb + j]`, or
 /// `b[j * ldb + p]` when `b_transposed`; `C[i, j]` is `c[i * ldc + j]`.
@@ -243,7 +255,7 @@ fn scratch_floats() -> usize {
 /// not overlap `a`, `b` or the epilogue's operands.
 pub(crate) unsafe fn sgemm(g: &Gemm, pool: &ThreadPool, scratch: &GemmScratch) -> Result<()> {
     let kernel = kernels::for_width(g.n);
-    if let BFormat::Packed { nr } = g.b_format
+    if let BFormat::Packed { nr } | BFormat::PackedI8 { nr, .. } = g.b_format
         && nr != kernel.nr
     {
         return Err(rlx_ir::Error::runtime(
@@ -304,6 +316,81 @@ fn pack_b_panels_for(nr: usize, b: &[f32], k: usize, n: usize, out: &mut [f32]) 
     }
 }
 
+/// Bytes [`quantize_b_panels`] writes for `B [k, n]`: the signed bytes of every
+/// panel, then (from a 64-byte boundary) one `f32` scale per panel column.
+pub(crate) fn quantized_len(k: usize, n: usize) -> usize {
+    let width = n
+        .div_ceil(packed_panel_width(n))
+        .saturating_mul(packed_panel_width(n));
+    width
+        .saturating_mul(k)
+        .next_multiple_of(64)
+        .saturating_add(width.saturating_mul(4))
+}
+
+/// Stores a row-major `B [k, n]` as signed bytes and one scale per column, packed for
+/// the kernel [`sgemm`] picks for width `n` ([`BFormat::PackedI8`]), when every
+/// column is `q * s` for bytes `q` and the column's scale `s = max |B[., j]| / 127`,
+/// exactly, bit for bit (weights quantized per column and dequantized to `f32`, as
+/// an int8 model's `Cast` and `Mul` make them). Returns `(nr, offset of the scales
+/// in out)`, or `None` (with `out` in any state) when some value is not so.
+/// `out` holds [`quantized_len`] bytes, 4-byte aligned.
+pub(crate) fn quantize_b_panels(
+    b: &[f32],
+    k: usize,
+    n: usize,
+    out: &mut [u8],
+) -> Option<(usize, usize)> {
+    let nr = packed_panel_width(n);
+    let width = n.div_ceil(nr) * nr;
+    let scales_at = (width * k).next_multiple_of(64);
+    if k == 0 || b.len() < k * n || out.len() < quantized_len(k, n) {
+        return None;
+    }
+    let (bytes, rest) = out.split_at_mut(scales_at);
+    // SAFETY: the caller's buffer is 4-byte aligned and 64 is a multiple of 4; `rest`
+    // holds `width` f32 values.
+    let scales = unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<f32>(), width) };
+    for j in 0..width {
+        let (panel, lane) = (j / nr, j % nr);
+        let at = |p: usize| panel * nr * k + p * nr + lane;
+        if j >= n {
+            scales[j] = 0.0;
+            (0..k).for_each(|p| bytes[at(p)] = 0);
+            continue;
+        }
+        let column = |p: usize| b[p * n + j];
+        let max = (0..k).fold(0.0f32, |m, p| m.max(column(p).abs()));
+        // max / 127 rounds, and may miss the quantizer's scale by an ulp or two.
+        let near = max / 127.0;
+        let scale = [0, 1, -1, 2, -2].into_iter().find_map(|ulps: i32| {
+            let scale = f32::from_bits(near.to_bits().checked_add_signed(ulps)?);
+            let fits = (0..k).all(|p| byte_for(column(p), scale).is_some());
+            (scale.is_finite() && fits).then_some(scale)
+        })?;
+        for p in 0..k {
+            bytes[at(p)] = byte_for(column(p), scale)? as u8;
+        }
+        scales[j] = scale;
+    }
+    Some((nr, scales_at))
+}
+
+/// The byte `q` with `q as f32 * scale == v` bit for bit (a `-0.0` has none: bytes
+/// convert to `+0.0`); a scale of 0 takes only `+0.0`.
+fn byte_for(v: f32, scale: f32) -> Option<i8> {
+    let q = if scale == 0.0 {
+        0.0
+    } else {
+        (v / scale).round()
+    };
+    if !(-128.0..=127.0).contains(&q) {
+        return None;
+    }
+    let q = q as i8;
+    ((f32::from(q) * scale).to_bits() == v.to_bits()).then_some(q)
+}
+
 /// [`sgemm`] with an explicit micro-kernel (tests compare them all).
 ///
 /// # Safety
@@ -323,7 +410,7 @@ pub(crate) unsafe fn sgemm_with(
     // is packed per call: 1024 columns then split 512 + 512 (ten 48-wide panels and a
     // 32-wide one each) rather than 528 + 496, which left one thread a panel more.
     let col_unit = match (g.b_format, kernel.partial.first()) {
-        (BFormat::Packed { .. }, _) | (_, None) => kernel.nr,
+        (BFormat::Packed { .. } | BFormat::PackedI8 { .. }, _) | (_, None) => kernel.nr,
         (_, Some(&(width, _))) => width,
     };
     let (split_cols, unit, extent) = if g.n >= g.m {
@@ -975,6 +1062,155 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// `B [k, n]` whose column `j` is bytes times a scale, with a byte of 127 or -127
+    /// in every column (as per-column quantization makes them).
+    fn column_quantized(k: usize, n: usize, seed: &mut u64) -> Vec<f32> {
+        let scales: Vec<f32> = (0..n).map(|_| (lcg(seed) + 1.5) * 0.01).collect();
+        let mut b: Vec<f32> = (0..k * n)
+            .map(|i| f32::from((lcg(seed) * 127.0).round() as i8) * scales[i % n])
+            .collect();
+        for j in 0..n {
+            let p = j * 7 % k;
+            b[p * n + j] = if j % 2 == 0 { 127.0 } else { -127.0 } * scales[j];
+        }
+        b
+    }
+
+    #[test]
+    fn b_stored_as_bytes_gives_the_products_of_its_values() {
+        let pool = ThreadPool::new(3);
+        let mut seed = 17u64;
+        let kernel = kernels::best();
+        // Few rows and many, K deeper than one block, widths that end in a partial
+        // panel, the MiniLM shapes.
+        let shapes = [
+            (1, 384, 384),
+            (7, 33, 5),
+            (128, 1536, 384),
+            (128, 384, 1536),
+            (97, 65, 257),
+            (200, 130, 600),
+            (37, 100, 3100),
+        ];
+        for &(m, n, k) in &shapes {
+            let nr = packed_panel_width(n);
+            let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+            let b = column_quantized(k, n, &mut seed);
+            let bias: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
+            // 4-byte aligned storage for the bytes and scales.
+            let mut storage = vec![0u32; quantized_len(k, n).div_ceil(4)];
+            // SAFETY: the u32 storage viewed as its bytes.
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut(storage.as_mut_ptr().cast::<u8>(), storage.len() * 4)
+            };
+            let (got_nr, scales_at) = quantize_b_panels(&b, k, n, bytes).expect("quantized");
+            assert_eq!(got_nr, nr);
+            let base = bytes.as_ptr();
+            let want = reference(m, n, k, &a, &b, false);
+            for (with_bias, threads) in [(false, 1), (true, 3)] {
+                let mut c = vec![f32::NAN; m * n];
+                let g = Gemm {
+                    m,
+                    n,
+                    k,
+                    a: a.as_ptr(),
+                    lda: k,
+                    b: base.cast::<f32>(),
+                    ldb: n,
+                    b_transposed: false,
+                    // SAFETY: the scales lie inside the storage.
+                    b_format: BFormat::PackedI8 {
+                        nr,
+                        scales: unsafe { base.add(scales_at) }.cast::<f32>(),
+                    },
+                    c: c.as_mut_ptr(),
+                    ldc: n,
+                    accumulate: false,
+                    epilogue: Epilogue {
+                        bias: with_bias.then_some(bias.as_ptr()),
+                        ..Epilogue::NONE
+                    },
+                };
+                // SAFETY: all buffers match the stated sizes and layouts.
+                unsafe { sgemm_with(&g, kernel, &pool, &GemmScratch::new(threads, 0)) }.unwrap();
+                for (idx, &got) in c.iter().enumerate() {
+                    let mut want = want[idx];
+                    if with_bias {
+                        want += f64::from(bias[idx % n]);
+                    }
+                    let tol = 1e-5 * (k as f64).sqrt().max(1.0) * 4.0;
+                    assert!(
+                        (f64::from(got) - want).abs() <= tol,
+                        "{m}x{n}x{k} threads={threads} at {idx}: {got} vs {want}"
+                    );
+                }
+            }
+            // Read back element by element, the same values as the f32 matrix.
+            let g = Gemm {
+                m: 1,
+                n,
+                k,
+                a: std::ptr::null(),
+                lda: k,
+                b: base.cast::<f32>(),
+                ldb: n,
+                b_transposed: false,
+                // SAFETY: as above.
+                b_format: BFormat::PackedI8 {
+                    nr,
+                    scales: unsafe { base.add(scales_at) }.cast::<f32>(),
+                },
+                c: std::ptr::null_mut(),
+                ldc: n,
+                accumulate: false,
+                epilogue: Epilogue::NONE,
+            };
+            let mut row = vec![0.0f32; n];
+            for p in [0, k / 2, k - 1] {
+                // SAFETY: row p lies inside B.
+                unsafe { pack::read_b_run(&g, p * n, &mut row) };
+                assert_eq!(row, b[p * n..(p + 1) * n], "row {p} of {k}x{n}");
+            }
+        }
+    }
+
+    #[test]
+    fn only_values_that_bytes_and_a_scale_reproduce_exactly_are_stored_as_bytes() {
+        let (k, n) = (40, 20);
+        let mut seed = 9u64;
+        let mut out = vec![0u32; quantized_len(k, n).div_ceil(4)];
+        // SAFETY: the u32 storage viewed as its bytes.
+        let out =
+            unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), out.len() * 4) };
+        let b = column_quantized(k, n, &mut seed);
+        assert!(quantize_b_panels(&b, k, n, out).is_some());
+        // A column of zeros is bytes of 0 at scale 0.
+        let mut zeros = b.clone();
+        (0..k).for_each(|p| zeros[p * n + 3] = 0.0);
+        assert!(quantize_b_panels(&zeros, k, n, out).is_some());
+        // Plain floats, a value off the grid by one ulp, a negative zero, a NaN, an
+        // infinity: all stay f32.
+        let plain: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed)).collect();
+        assert!(quantize_b_panels(&plain, k, n, out).is_none());
+        for (at, value) in [
+            (5 * n + 2, f32::from_bits(b[5 * n + 2].to_bits() + 1)),
+            (7 * n + 3, -0.0),
+            (1, f32::NAN),
+            (n + 1, f32::INFINITY),
+        ] {
+            let mut off = if value == 0.0 {
+                zeros.clone()
+            } else {
+                b.clone()
+            };
+            off[at] = value;
+            assert!(
+                quantize_b_panels(&off, k, n, out).is_none(),
+                "{value} at {at}"
+            );
         }
     }
 

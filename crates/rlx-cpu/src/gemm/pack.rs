@@ -44,6 +44,32 @@ pub(super) unsafe fn pack_b(
     nr: usize,
     out: &mut [f32],
 ) {
+    if let BFormat::PackedI8 { nr: stored, scales } = g.b_format
+        && stored == nr
+        && jc.is_multiple_of(nr)
+    {
+        // Whole stored panels: each row of bytes becomes a row of the packed block.
+        for (panel, cols) in (0..nc).step_by(nr).enumerate() {
+            let first = jc + cols;
+            // SAFETY: per the contract, the block lies inside B: stored panel
+            // `first / nr` holds `k` rows of `nr` bytes, and the scales cover it.
+            let (bytes, scales) = unsafe {
+                (
+                    std::slice::from_raw_parts(
+                        g.b.cast::<i8>().add(first * g.k + pc * nr),
+                        kc * nr,
+                    ),
+                    std::slice::from_raw_parts(scales.add(first), nr),
+                )
+            };
+            dequantize_panel(
+                bytes,
+                scales,
+                &mut out[panel * nr * kc..(panel + 1) * nr * kc],
+            );
+        }
+        return;
+    }
     let mut column = [0.0f32; super::KC_MAX];
     for (panel, cols) in (0..nc).step_by(nr).enumerate() {
         let dst = &mut out[panel * nr * kc..(panel + 1) * nr * kc];
@@ -74,6 +100,29 @@ pub(super) unsafe fn pack_b(
                 // SAFETY: row pc + p, columns jc+cols .. +valid, lie inside B.
                 unsafe { read_b_run(g, (pc + p) * g.ldb + jc + cols, &mut row[..valid]) };
                 row[valid..].fill(0.0);
+            }
+        }
+    }
+}
+
+crate::vmath::multiversion! {
+    /// Rows of `scales.len()` signed bytes into `f32` rows, column `j` times
+    /// `scales[j]` (the conversion vectorizes per instruction set).
+    fn dequantize_panel(bytes: &[i8], scales: &[f32], out: &mut [f32]) {
+        let nr = scales.len();
+        if let Ok(scales) = <&[f32; 16]>::try_from(scales) {
+            // The AVX2 kernel's width, as a constant: whole rows in two vectors (the
+            // general loop below runs four lanes at a time for so short a row).
+            for (row, dst) in bytes.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+                for ((d, &q), &s) in dst.iter_mut().zip(row).zip(scales) {
+                    *d = f32::from(q) * s;
+                }
+            }
+            return;
+        }
+        for (row, dst) in bytes.chunks_exact(nr).zip(out.chunks_exact_mut(nr)) {
+            for ((d, &q), &s) in dst.iter_mut().zip(row).zip(scales) {
+                *d = f32::from(q) * s;
             }
         }
     }
@@ -189,7 +238,7 @@ mod x86 {
 ///
 /// # Safety
 /// The elements must lie inside `B`.
-unsafe fn read_b_run(g: &Gemm, offset: usize, dst: &mut [f32]) {
+pub(super) unsafe fn read_b_run(g: &Gemm, offset: usize, dst: &mut [f32]) {
     let len = dst.len();
     match g.b_format {
         BFormat::F32 => {
@@ -220,6 +269,17 @@ unsafe fn read_b_run(g: &Gemm, offset: usize, dst: &mut [f32]) {
                 // SAFETY: per the contract, (r, c) lies inside B, whose panel of column
                 // c holds k rows of nr values.
                 *d = unsafe { *g.b.add(c / nr * nr * g.k + r * nr + c % nr) };
+            }
+        }
+        BFormat::PackedI8 { nr, scales } => {
+            for (i, d) in dst.iter_mut().enumerate() {
+                let (r, c) = ((offset + i) / g.ldb, (offset + i) % g.ldb);
+                // SAFETY: per the contract, (r, c) lies inside B, whose panel of column
+                // c holds k rows of nr bytes, and the scales cover every column.
+                *d = unsafe {
+                    f32::from(*g.b.cast::<i8>().add(c / nr * nr * g.k + r * nr + c % nr))
+                        * *scales.add(c)
+                };
             }
         }
         BFormat::BF16 => {

@@ -64,7 +64,7 @@ pub(crate) fn fused_matmul(
     // Weights packed ahead are read as they are (B is then one 2-D matrix).
     let packed = crate::prepack::operand_for(ctx.packed_b, &b);
     let b_format = match (packed, b.shape.dtype()) {
-        (Some((_, nr)), _) => BFormat::Packed { nr },
+        (Some((_, format)), _) => format,
         (None, DType::F16) => BFormat::F16,
         (None, DType::BF16) => BFormat::BF16,
         (None, _) => BFormat::F32,

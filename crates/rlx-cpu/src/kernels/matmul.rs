@@ -51,7 +51,7 @@ pub(crate) fn matmul(a: Src, b: Src, out: Dst, ctx: &Ctx) -> Result<()> {
         let sb = broadcast_strides(b_batch, out_batch);
         // Weights packed ahead are read as they are (B is then one 2-D matrix).
         let (b_ptr, b_format) = match crate::prepack::operand_for(ctx.packed_b, &b) {
-            Some((panels, nr)) => (panels, BFormat::Packed { nr }),
+            Some(packed) => packed,
             None => (b.ptr.cast::<f32>(), BFormat::F32),
         };
         let mut result = Ok(());
