@@ -1108,32 +1108,33 @@ mod tests {
             };
             let (got_nr, scales_at) = quantize_b_panels(&b, k, n, bytes).expect("quantized");
             assert_eq!(got_nr, nr);
-            let base = bytes.as_ptr();
+            // SAFETY: the scales lie inside the storage.
+            let format = BFormat::PackedI8 {
+                nr,
+                scales: unsafe { bytes.as_ptr().add(scales_at) }.cast::<f32>(),
+            };
+            let product = |c: &mut [f32], bias: Option<*const f32>| Gemm {
+                m,
+                n,
+                k,
+                a: a.as_ptr(),
+                lda: k,
+                b: bytes.as_ptr().cast::<f32>(),
+                ldb: n,
+                b_transposed: false,
+                b_format: format,
+                c: c.as_mut_ptr(),
+                ldc: n,
+                accumulate: false,
+                epilogue: Epilogue {
+                    bias,
+                    ..Epilogue::NONE
+                },
+            };
             let want = reference(m, n, k, &a, &b, false);
             for (with_bias, threads) in [(false, 1), (true, 3)] {
                 let mut c = vec![f32::NAN; m * n];
-                let g = Gemm {
-                    m,
-                    n,
-                    k,
-                    a: a.as_ptr(),
-                    lda: k,
-                    b: base.cast::<f32>(),
-                    ldb: n,
-                    b_transposed: false,
-                    // SAFETY: the scales lie inside the storage.
-                    b_format: BFormat::PackedI8 {
-                        nr,
-                        scales: unsafe { base.add(scales_at) }.cast::<f32>(),
-                    },
-                    c: c.as_mut_ptr(),
-                    ldc: n,
-                    accumulate: false,
-                    epilogue: Epilogue {
-                        bias: with_bias.then_some(bias.as_ptr()),
-                        ..Epilogue::NONE
-                    },
-                };
+                let g = product(&mut c, with_bias.then_some(bias.as_ptr()));
                 // SAFETY: all buffers match the stated sizes and layouts.
                 unsafe { sgemm_with(&g, kernel, &pool, &GemmScratch::new(threads, 0)) }.unwrap();
                 for (idx, &got) in c.iter().enumerate() {
@@ -1149,25 +1150,7 @@ mod tests {
                 }
             }
             // Read back element by element, the same values as the f32 matrix.
-            let g = Gemm {
-                m: 1,
-                n,
-                k,
-                a: std::ptr::null(),
-                lda: k,
-                b: base.cast::<f32>(),
-                ldb: n,
-                b_transposed: false,
-                // SAFETY: as above.
-                b_format: BFormat::PackedI8 {
-                    nr,
-                    scales: unsafe { base.add(scales_at) }.cast::<f32>(),
-                },
-                c: std::ptr::null_mut(),
-                ldc: n,
-                accumulate: false,
-                epilogue: Epilogue::NONE,
-            };
+            let g = product(&mut [], None);
             let mut row = vec![0.0f32; n];
             for p in [0, k / 2, k - 1] {
                 // SAFETY: row p lies inside B.
