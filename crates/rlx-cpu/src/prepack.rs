@@ -4,7 +4,8 @@
 //! left (short prompts, decoding) the product is bound by reading the weights, and a
 //! contiguous stream is read about twice as fast as rows far apart. The weights of a
 //! convolution that multiplies per tap are regrouped by tap the same way, and those
-//! of a 3x3 convolution that runs by Winograd's method are transformed.
+//! of a 3x3 convolution that runs by Winograd's method are transformed, and those of
+//! a strided one with output pixels for rows are transposed into panels.
 //!
 //! A matrix whose every column is signed bytes times one scale (the weights of an
 //! int8 model, dequantized to `f32` by its `Cast` and `Mul`) is stored that way
@@ -15,7 +16,7 @@ use crate::gemm::{
     BFormat, pack_b_panels, packed_len, packed_panel_width, quantize_b_panels, quantized_len,
 };
 use crate::kernels::conv_f32::{by_tap, regroup_by_tap};
-use crate::kernels::winograd_f32;
+use crate::kernels::{conv_pixels_f32, winograd_f32};
 use crate::tensor::Src;
 use rlx_driver::Buffer;
 use rlx_ir::{DType, Op, Result, Shape};
@@ -38,6 +39,9 @@ pub(crate) enum PackSpec {
     /// 3x3 convolution weights (`og` filters of `cg` channels) transformed for
     /// Winograd's F(4x4, 3x3): one packed `cg x og` GEMM operand per point.
     Winograd { cg: usize, og: usize },
+    /// Weights of `o` filters of `k` values, transposed into panels for a strided
+    /// convolution with output pixels for rows (see [`conv_pixels_f32`]).
+    ConvPixels { o: usize, k: usize },
 }
 
 impl PackSpec {
@@ -56,6 +60,7 @@ impl PackSpec {
                 .saturating_mul(cg)
                 .saturating_mul(taps),
             PackSpec::Winograd { cg, og } => winograd_f32::weights_len(cg, og),
+            PackSpec::ConvPixels { o, k } => conv_pixels_f32::weights_len(o, k),
         }
     }
 }
@@ -125,6 +130,10 @@ impl PackedParam {
                 winograd_f32::transform_weights(values, cg, og, out);
                 packed_panel_width(og)
             }
+            PackSpec::ConvPixels { o, k } => {
+                conv_pixels_f32::pack_weights(values, o, k, out);
+                0
+            }
         };
         PackedParam {
             spec,
@@ -139,7 +148,7 @@ impl PackedParam {
         self.spec == spec
             && match spec {
                 PackSpec::Panels { n, .. } => self.nr == packed_panel_width(n),
-                PackSpec::ConvTaps { .. } => true,
+                PackSpec::ConvTaps { .. } | PackSpec::ConvPixels { .. } => true,
                 PackSpec::Winograd { og, .. } => self.nr == packed_panel_width(og),
             }
     }
@@ -214,6 +223,14 @@ pub(crate) fn packed_operand(
             PackSpec::Winograd {
                 cg: b.dim(1),
                 og: b.dim(0),
+            }
+        }
+        Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
+            if b.rank() == 4 && conv_pixels_f32::applies(window, *groups, a) =>
+        {
+            PackSpec::ConvPixels {
+                o: b.dim(0),
+                k: b.dim(1) * b.dim(2) * b.dim(3),
             }
         }
         Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }

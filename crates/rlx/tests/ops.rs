@@ -1964,7 +1964,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 17] = [
+    let cases: [ConvCase; 21] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
         // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
         // of several images in one task.
@@ -2039,6 +2039,36 @@ fn conv2d_variants() {
         ),
         ([2, 3, 7, 8], [4, 3, 3, 3], [1, 1], [0, 0, 0, 0], [1, 1], 1),
         ([2, 3, 7, 8], [4, 3, 3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 1),
+        // f32 strided with several taps and one group: output pixels for rows, 6 of
+        // them (running on across rows) by 16 channels a tile. A stem-like 7x7 with a
+        // short last tile and a partial channel panel; a depth of several blocks
+        // (40 channels x 9 taps above, 70 x 9 here) with dilation; an input whose
+        // staged rows overflow half of L2, so an image takes several blocks.
+        (
+            [2, 3, 29, 37],
+            [20, 3, 7, 7],
+            [2, 2],
+            [3, 3, 3, 3],
+            [1, 1],
+            1,
+        ),
+        (
+            [1, 70, 11, 13],
+            [33, 70, 3, 3],
+            [2, 3],
+            [1, 0, 2, 1],
+            [2, 1],
+            1,
+        ),
+        (
+            [1, 8, 200, 120],
+            [16, 8, 5, 5],
+            [2, 2],
+            [2, 2, 2, 2],
+            [1, 1],
+            1,
+        ),
+        ([3, 5, 6, 9], [7, 5, 2, 2], [2, 2], [0, 0, 0, 0], [1, 1], 1),
         ([2, 4, 7, 8], [6, 2, 3, 3], [2, 1], [1, 0, 2, 1], [1, 2], 2),
         ([1, 4, 9, 9], [4, 1, 3, 3], [2, 2], [1, 1, 1, 1], [1, 1], 4),
         ([1, 4, 9, 9], [8, 1, 3, 2], [1, 3], [0, 2, 1, 0], [2, 1], 4),

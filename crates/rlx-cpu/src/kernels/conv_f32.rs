@@ -24,7 +24,7 @@
 //! is sized so the input rows it reads take about half of L2.
 
 use super::conv::{ConvEpilogue, extent, nchw};
-use super::{Ctx, winograd_f32};
+use super::{Ctx, conv_pixels_f32, winograd_f32};
 use crate::gemm::{Activation, BFormat, Epilogue, Gemm, sgemm_serial};
 use crate::tensor::{Dst, Src};
 use crate::vmath::multiversion;
@@ -185,6 +185,9 @@ pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     if winograd_f32::applies(win, groups_of(x, w), w.dim(1), w.dim(0) / groups_of(x, w)) {
         return winograd_f32::thread_floats(x, w, [oh, ow]);
     }
+    if conv_pixels_f32::applies(win, groups_of(x, w), x) {
+        return conv_pixels_f32::thread_floats(win, x, w, [oh, ow]);
+    }
     let geo = Geometry::new(win, w.dim(1), [x.dim(2), x.dim(3)], ow);
     // The largest block any thread count gives.
     let block = pixel_block(geo.per_pixel(), oh * ow, block_budget(true));
@@ -233,6 +236,8 @@ pub(crate) fn scratch_f64(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     let groups = groups_of(x, w);
     if winograd_f32::applies(win, groups, w.dim(1), w.dim(0) / groups) {
         winograd_f32::weights_len(w.dim(1), w.dim(0)).div_ceil(2)
+    } else if conv_pixels_f32::applies(win, groups, x) {
+        conv_pixels_f32::weights_len(w.dim(0), w.num_elements() / w.dim(0).max(1)).div_ceil(2)
     } else if by_tap(win, w.dim(1)) {
         w.num_elements().div_ceil(2)
     } else {
@@ -316,6 +321,17 @@ pub(crate) fn conv2d(
         debug_assert!(!has_prologue, "only a packing convolution takes a prologue");
         let finish = (activation, epilogue.residual, affine);
         return winograd(win, [x, w], bias, finish, out, ctx);
+    }
+    if conv_pixels_f32::applies(win, groups, x.shape) {
+        debug_assert!(!has_prologue, "only a packing convolution takes a prologue");
+        let finish = conv_pixels_f32::Finish {
+            // SAFETY: an f32 tensor of `o` values.
+            bias: bias.map(|b| unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), b.len) }),
+            activation,
+            residual: epilogue.residual,
+            affine,
+        };
+        return pixels(win, [x, w], finish, out, ctx);
     }
     let geo = Geometry::new(win, cg, [h, wd], ow);
     let threads = ctx.gemm.threads();
@@ -437,6 +453,37 @@ fn winograd(
         affine,
     };
     winograd_f32::conv2d(win, x, transformed, finish, out, (ctx.gemm, ctx.pool))
+}
+
+/// The convolution by [`conv_pixels_f32`], with the weights packed ahead (a param) or
+/// into the step's scratch.
+fn pixels(
+    win: &Window2d,
+    [x, w]: [Src; 2],
+    finish: conv_pixels_f32::Finish,
+    out: Dst,
+    ctx: &mut Ctx,
+) -> Result<()> {
+    let o = w.shape.dim(0);
+    let k = w.len / o.max(1);
+    let spec = crate::prepack::PackSpec::ConvPixels { o, k };
+    let packed: &[f32] = if let Some(packed) = ctx.packed_b.filter(|p| p.fits(spec)) {
+        packed.values()
+    } else {
+        // SAFETY: an f32 tensor of `w.len` values.
+        let ws = unsafe { std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len) };
+        let len = conv_pixels_f32::weights_len(o, k);
+        // SAFETY: the step asked for `scratch_f64` values: room for `len` f32 values
+        // (f64 storage is aligned for f32).
+        let values =
+            unsafe { std::slice::from_raw_parts_mut(ctx.scratch.as_mut_ptr().cast::<f32>(), len) };
+        conv_pixels_f32::pack_weights(ws, o, k, values);
+        values
+    };
+    // The scratch is read-only from here on: a shared view the tasks can hold.
+    // SAFETY: the values stay in place for the call and nothing writes them.
+    let packed = unsafe { std::slice::from_raw_parts(packed.as_ptr(), packed.len()) };
+    conv_pixels_f32::conv2d(win, x, packed, finish, out, (ctx.gemm, ctx.pool))
 }
 
 /// `(scale, shift, post)`: a batch norm and activation after the residual, one scale

@@ -5,6 +5,7 @@ mod attention;
 pub(crate) mod attention_f32;
 mod conv;
 pub(crate) mod conv_f32;
+pub(crate) mod conv_pixels_f32;
 mod elementwise;
 mod fused;
 mod layout;
@@ -69,6 +70,8 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
             let w = &inputs[1];
             let method = if winograd_f32::applies(window, *groups, w.dim(1), w.dim(0) / groups) {
                 "winograd"
+            } else if conv_pixels_f32::applies(window, *groups, &inputs[0]) {
+                "pixels"
             } else {
                 "gemm"
             };

@@ -1,0 +1,613 @@
+//! Strided `f32` convolutions with several taps (an image model's 7x7 stride-2 stem,
+//! its 3x3 stride-2 downsampling layers), as a product with output pixels for rows:
+//! `Cᵀ[pixel, co] = Σ_p X[pixel, p] Wᵀ[p, co]` over `p = (ci, ky, kx)`.
+//!
+//! The GEMM path ([`super::conv_f32`]) keeps pixels in vectors, so a strided window
+//! first splits its input into phase planes, computes junk columns between rows,
+//! and multiplies per tap (or packs every `(channel, tap)` row). Here the
+//! micro-kernel holds 6 output pixels by 16 output channels: each step broadcasts one
+//! input value per pixel, from any address, so the stride costs nothing, and
+//! multiplies it by 16 weights packed ahead (`Wᵀ` in panels of 16 channels). A table
+//! gives each step's offset from a pixel's first input value, and each pixel of a
+//! tile has its own base, so a tile's 6 pixels run on across output rows and only
+//! the last tile of a block is short.
+//!
+//! A pool task takes a block of output rows of one image. It copies the input rows
+//! they read, padded with zeros, so every tap reads inside the copy. Then, for each
+//! panel of 16 output channels and each depth block of `KC` steps (whose weights stay
+//! in L1), it runs every tile of the block; the last depth block stores the tile
+//! transposed into the output's channel rows. The bias, activation, residual and
+//! channel affine then run over the panel's finished rows.
+
+use super::conv_f32::ChannelAffine;
+use crate::gemm::Activation;
+use crate::pool::ThreadPool;
+use crate::tensor::{Dst, Src};
+use rlx_ir::{Result, Shape, Window2d};
+
+/// Output pixels per tile (the micro-kernel's rows).
+const MR: usize = 6;
+/// Output channels per panel (the micro-kernel's columns: two AVX2 vectors).
+const NR: usize = 16;
+/// Steps per depth block (a 3x3 window over 128 channels takes one): a panel's
+/// block of weights (`KC x NR` floats, 72 KiB) stays in L2 while every tile of the
+/// block reads it. On the CRNN's 3x3 stride-2 layer at batch 32, blocks of 1152
+/// steps ran in 9.06 ms, of 576 in 9.07, of 256 in 9.22 and of 128 in 9.60.
+const KC: usize = 1152;
+/// Floats of one tile's product, as the micro-kernel leaves it (`[pixel][channel]`).
+const TILE: usize = MR * NR;
+
+/// Whether a convolution runs here: `f32` on a CPU with AVX2 and FMA, one group, a
+/// stride other than 1 x 1 and more than one tap, with offsets that fit 32 bits.
+/// `RLX_CONV_PIXELS=0` in the environment turns it off.
+pub(crate) fn applies(win: &Window2d, groups: usize, x: &Shape) -> bool {
+    let geo = Geometry::new(win, x, [1, 1]);
+    groups == 1
+        && win.stride != [1, 1]
+        && win.kernel[0] * win.kernel[1] > 1
+        && geo.staged_len(geo.h + win.padding[0] + win.padding[2]) < u32::MAX as usize
+        && supported()
+        && enabled()
+}
+
+fn enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("RLX_CONV_PIXELS").as_deref() != Ok("0"))
+}
+
+#[cfg(target_arch = "x86_64")]
+fn supported() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn supported() -> bool {
+    false
+}
+
+/// Floats of the packed weights of `o` filters of `k` values: `Wᵀ` in panels of
+/// [`NR`] channels, zero past the last.
+pub(crate) fn weights_len(o: usize, k: usize) -> usize {
+    o.div_ceil(NR).saturating_mul(NR).saturating_mul(k)
+}
+
+/// Packs OIHW weights (`o` filters of `k = cg * taps` values) into `out`
+/// ([`weights_len`] floats): panel `q` holds, for each step `p`, the 16 weights
+/// `W[q * 16 + j][p]`.
+pub(crate) fn pack_weights(ws: &[f32], o: usize, k: usize, out: &mut [f32]) {
+    for (q, panel) in out[..weights_len(o, k)]
+        .chunks_exact_mut(k * NR)
+        .enumerate()
+    {
+        for (p, step) in panel.chunks_exact_mut(NR).enumerate() {
+            for (j, v) in step.iter_mut().enumerate() {
+                let co = q * NR + j;
+                *v = if co < o { ws[co * k + p] } else { 0.0 };
+            }
+        }
+    }
+}
+
+/// The sizes of one convolution, and of the padded input rows a block stages.
+#[derive(Clone, Copy)]
+struct Geometry {
+    cg: usize,
+    h: usize,
+    w: usize,
+    oh: usize,
+    ow: usize,
+    /// Columns of a staged row: every column some tap reads, from the left padding.
+    wp: usize,
+}
+
+impl Geometry {
+    fn new(win: &Window2d, x: &Shape, [oh, ow]: [usize; 2]) -> Geometry {
+        let (sx, kw, dx) = (win.stride[1], win.kernel[1], win.dilation[1]);
+        Geometry {
+            cg: x.dim(1),
+            h: x.dim(2),
+            w: x.dim(3),
+            oh,
+            ow,
+            wp: (ow.max(1) - 1) * sx + (kw - 1) * dx + 1,
+        }
+    }
+
+    /// Input rows that `rows` output rows read.
+    fn rows_read(&self, win: &Window2d, rows: usize) -> usize {
+        (rows.max(1) - 1) * win.stride[0] + (win.kernel[0] - 1) * win.dilation[0] + 1
+    }
+
+    /// Floats of `rows` staged input rows of every channel.
+    fn staged_len(&self, rows: usize) -> usize {
+        self.cg.saturating_mul(rows).saturating_mul(self.wp)
+    }
+}
+
+/// How the output is cut into pool tasks: blocks of whole output rows of one image.
+#[derive(Clone, Copy)]
+struct Blocking {
+    /// Output rows per block.
+    rows: usize,
+    /// Blocks per image.
+    blocks: usize,
+}
+
+impl Blocking {
+    /// Blocks whose staged input takes at most half of L2 (at least one output row),
+    /// evened out, and cut further when there are fewer images than threads.
+    fn new(win: &Window2d, geo: &Geometry, images: usize, threads: usize) -> Blocking {
+        let budget = crate::gemm::l2_cache_bytes() / 2 / 4;
+        let mut fit = geo.oh.max(1);
+        while fit > 1 && geo.staged_len(geo.rows_read(win, fit)) > budget {
+            fit = fit.div_ceil(2);
+        }
+        let mut blocks = geo.oh.div_ceil(fit).max(1);
+        if images < threads {
+            blocks = blocks
+                .max(threads.div_ceil(images.max(1)))
+                .min(geo.oh.max(1));
+        }
+        let rows = geo.oh.div_ceil(blocks).max(1);
+        Blocking {
+            rows,
+            blocks: geo.oh.div_ceil(rows).max(1),
+        }
+    }
+
+    /// The largest block any thread count gives (one image, one thread).
+    fn largest(win: &Window2d, geo: &Geometry) -> Blocking {
+        Blocking::new(win, geo, 1, 1)
+    }
+}
+
+/// Per-thread floats a convolution here needs, from its input and weight shapes and
+/// output rows and columns: the staged rows, the step offsets, and the products of
+/// every tile of a block when the depth takes more than one block.
+pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape, out_hw: [usize; 2]) -> usize {
+    let geo = Geometry::new(win, x, out_hw);
+    let block = Blocking::largest(win, &geo);
+    let k = w.dim(1) * w.dim(2) * w.dim(3);
+    geo.staged_len(geo.rows_read(win, block.rows)) + k + products_len(k, block.rows * geo.ow)
+}
+
+/// Floats of the tile products a block keeps between depth blocks (one tile when the
+/// depth is one block).
+fn products_len(k: usize, pixels: usize) -> usize {
+    if k > KC {
+        pixels.div_ceil(MR) * TILE
+    } else {
+        TILE
+    }
+}
+
+/// What a convolution here writes besides the product: bias, then activation, then
+/// residual, then the channel affine and its activation.
+pub(crate) struct Finish<'a> {
+    pub bias: Option<&'a [f32]>,
+    pub activation: Option<Activation>,
+    pub residual: Option<Src<'a>>,
+    pub affine: Option<ChannelAffine<'a>>,
+}
+
+/// The convolution, with `weights` from [`pack_weights`].
+pub(crate) fn conv2d(
+    win: &Window2d,
+    x: Src,
+    weights: &[f32],
+    finish: Finish,
+    out: Dst,
+    (gemm, pool): (&crate::gemm::GemmScratch, &ThreadPool),
+) -> Result<()> {
+    let [n, o] = [out.shape.dim(0), out.shape.dim(1)];
+    let geo = Geometry::new(win, x.shape, [out.shape.dim(2), out.shape.dim(3)]);
+    let pixels = geo.oh * geo.ow;
+    if n == 0 || o == 0 || pixels == 0 {
+        return Ok(());
+    }
+    let threads = gemm.threads();
+    let blocking = Blocking::new(win, &geo, n, threads);
+    let k = geo.cg * win.kernel[0] * win.kernel[1];
+    // SAFETY: an f32 tensor of `x.len` values.
+    let xs = unsafe { std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len) };
+    let out_addr = out.ptr as usize;
+    let residual_addr = finish.residual.map(|r| r.ptr as usize);
+    // A bias and a ReLU are applied to each tile as it is stored; anything more in
+    // one pass over a panel's finished rows.
+    let in_store = finish.residual.is_none()
+        && finish.affine.is_none()
+        && matches!(finish.activation, None | Some(Activation::Relu));
+    let task = |u: usize, thread: usize| {
+        let (image, block) = (u / blocking.blocks, u % blocking.blocks);
+        let y0 = block * blocking.rows;
+        let rows = blocking.rows.min(geo.oh - y0);
+        let staged_rows = geo.rows_read(win, rows);
+        // SAFETY: one task per thread index at a time.
+        let extra = unsafe { gemm.parts(thread) }.1;
+        let (staged, rest) = extra.split_at_mut(geo.staged_len(staged_rows));
+        let (offsets, rest) = rest.split_at_mut(k);
+        let block_pixels = rows * geo.ow;
+        let products = &mut rest[..products_len(k, block_pixels)];
+        let src = &xs[image * geo.cg * geo.h * geo.w..][..geo.cg * geo.h * geo.w];
+        stage_rows(win, &geo, src, y0, staged_rows, staged);
+        step_offsets(win, &geo, staged_rows, offsets);
+        let first = image * o * pixels + y0 * geo.ow;
+        let block_out = BlockOut {
+            // SAFETY: the block's first pixel of channel 0 of the image.
+            out: unsafe { (out_addr as *mut f32).add(first) },
+            pixels,
+            channels: o,
+        };
+        let bases = PixelBases {
+            ow: geo.ow,
+            row_step: win.stride[0] * geo.wp,
+            sx: win.stride[1],
+            last: block_pixels - 1,
+        };
+        let step_offsets: &[u32] = as_offsets(offsets);
+        for (q, panel) in weights.chunks_exact(k * NR).enumerate() {
+            let channels = q * NR..(q * NR + NR).min(o);
+            let stored = in_store.then(|| StoreFinish {
+                bias: std::array::from_fn(|j| {
+                    finish
+                        .bias
+                        .and_then(|b| b.get(q * NR + j))
+                        .copied()
+                        .unwrap_or(0.0)
+                }),
+                relu: finish.activation.is_some(),
+            });
+            run_panel(
+                (staged, step_offsets, panel),
+                bases,
+                (q, stored),
+                products,
+                &block_out,
+            );
+            if in_store {
+                continue;
+            }
+            for co in channels {
+                let at = first + co * pixels;
+                // SAFETY: the block's pixels of channel `co`: inside the output (and
+                // the residual, of the same shape); only this task writes them.
+                let (values, residual) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(
+                            (out_addr as *mut f32).add(at),
+                            block_pixels,
+                        ),
+                        residual_addr.map(|a| {
+                            std::slice::from_raw_parts((a as *const f32).add(at), block_pixels)
+                        }),
+                    )
+                };
+                let shift = finish.bias.map_or(0.0, |b| b[co]);
+                let affine = finish
+                    .affine
+                    .map(|(s, t, activation)| crate::gemm::RowAffine {
+                        scale: s[co],
+                        shift: t[co],
+                        activation,
+                    });
+                if shift != 0.0
+                    || finish.activation.is_some()
+                    || residual.is_some()
+                    || affine.is_some()
+                {
+                    crate::gemm::activate_and_add(
+                        values,
+                        shift,
+                        finish.activation,
+                        residual,
+                        affine,
+                    );
+                }
+            }
+        }
+    };
+    pool.run(n * blocking.blocks, threads, &task)
+}
+
+/// Reads `f32` scratch as the `u32` offsets stored in it.
+fn as_offsets(values: &mut [f32]) -> &[u32] {
+    // SAFETY: f32 and u32 have the same size and alignment, and the slice is only
+    // written through `step_offsets` as `u32` bit patterns.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u32>(), values.len()) }
+}
+
+/// What a tile goes through as it is stored: a panel's 16 biases (zero past the
+/// last channel), then a ReLU if `relu`.
+#[derive(Clone, Copy)]
+struct StoreFinish {
+    bias: [f32; NR],
+    relu: bool,
+}
+
+/// Where a block's output goes: its first pixel of channel 0, with `pixels` floats
+/// from one channel to the next.
+struct BlockOut {
+    out: *mut f32,
+    pixels: usize,
+    channels: usize,
+}
+
+/// Where each output pixel of a block reads its first input value in the staged rows.
+#[derive(Clone, Copy)]
+struct PixelBases {
+    ow: usize,
+    /// Staged floats from one output row's first input row to the next's.
+    row_step: usize,
+    sx: usize,
+    /// The block's last pixel (a short last tile repeats it).
+    last: usize,
+}
+
+impl PixelBases {
+    fn tile(&self, first: usize) -> [usize; MR] {
+        std::array::from_fn(|i| {
+            let j = (first + i).min(self.last);
+            (j / self.ow) * self.row_step + (j % self.ow) * self.sx
+        })
+    }
+}
+
+/// Copies the input rows `staged_rows` rows from output row `y0`'s first into
+/// `staged` (`[channel][row][wp]`), zero where they fall in the padding.
+fn stage_rows(
+    win: &Window2d,
+    geo: &Geometry,
+    src: &[f32],
+    y0: usize,
+    staged_rows: usize,
+    staged: &mut [f32],
+) {
+    let (pt, pl) = (win.padding[0] as isize, win.padding[1]);
+    let (h, w, wp) = (geo.h, geo.w, geo.wp);
+    // Staged column `c` holds input column `c - pl`: inside for `pl..pl + w`.
+    let (c0, c1) = (pl.min(wp), (pl + w).min(wp));
+    let top = (y0 * win.stride[0]) as isize - pt;
+    for (ci, plane) in staged.chunks_exact_mut(staged_rows * wp).enumerate() {
+        for (r, line) in plane.chunks_exact_mut(wp).enumerate() {
+            let iy = top + r as isize;
+            if !(0..h as isize).contains(&iy) {
+                line.fill(0.0);
+                continue;
+            }
+            let row = &src[(ci * h + iy as usize) * w..][..w];
+            line[..c0].fill(0.0);
+            line[c0..c1].copy_from_slice(&row[..c1 - c0]);
+            line[c1..].fill(0.0);
+        }
+    }
+}
+
+/// Writes each step's offset from a pixel's first input value in the staged rows:
+/// step `p = (ci * kh + ky) * kw + kx` (the weights' order) reads channel `ci`,
+/// `ky` rows and `kx` columns on (times the dilation).
+fn step_offsets(win: &Window2d, geo: &Geometry, staged_rows: usize, offsets: &mut [f32]) {
+    let ([kh, kw], [dy, dx]) = (win.kernel, win.dilation);
+    let plane = staged_rows * geo.wp;
+    let mut p = 0;
+    for ci in 0..geo.cg {
+        for ky in 0..kh {
+            for kx in 0..kw {
+                let offset = ci * plane + ky * dy * geo.wp + kx * dx;
+                // `applies` checked that every staged offset fits.
+                offsets[p] = f32::from_bits(offset as u32);
+                p += 1;
+            }
+        }
+    }
+}
+
+/// Runs every tile of a block against panel `q` (`k x NR` packed weights), depth
+/// block by depth block, and stores the finished tiles into the output's channels
+/// `q * NR ..`.
+fn run_panel(
+    (staged, offsets, panel): (&[f32], &[u32], &[f32]),
+    bases: PixelBases,
+    (q, finish): (usize, Option<StoreFinish>),
+    products: &mut [f32],
+    out: &BlockOut,
+) {
+    let k = offsets.len();
+    let depth_blocks = k.div_ceil(KC);
+    let kc = k.div_ceil(depth_blocks);
+    let tiles = (bases.last + 1).div_ceil(MR);
+    let channels = NR.min(out.channels - q * NR);
+    for d in 0..depth_blocks {
+        let (p0, p1) = (d * kc, ((d + 1) * kc).min(k));
+        for t in 0..tiles {
+            let tile = if depth_blocks == 1 { 0 } else { t * TILE };
+            let tile = &mut products[tile..tile + TILE];
+            let at = bases.tile(t * MR);
+            // SAFETY: every base plus every offset lies inside the staged rows (the
+            // offsets reach the last tap of the last channel; the bases, the last
+            // output row and column of the block), the panel holds `k` steps of NR.
+            unsafe {
+                micro_kernel(
+                    &offsets[p0..p1],
+                    at.map(|b| staged.as_ptr().add(b)),
+                    panel[p0 * NR..].as_ptr(),
+                    tile,
+                    d > 0,
+                )
+            };
+            if d + 1 == depth_blocks {
+                let valid = MR.min(bases.last + 1 - t * MR);
+                // SAFETY: pixels t * MR.. (valid of them) of channels q * NR.. (channels
+                // of them) lie inside the block's output.
+                unsafe {
+                    store_transposed(
+                        tile,
+                        out.out.add(q * NR * out.pixels + t * MR),
+                        out.pixels,
+                        (valid, channels),
+                        finish,
+                    )
+                };
+            }
+        }
+    }
+}
+
+/// One tile: `tile[i][j] (+)= Σ_p pixel_i[offsets[p]] * panel[p][j]`.
+///
+/// # Safety
+/// Every `pixel_i + offsets[p]` is readable; the panel holds `offsets.len()` steps of
+/// [`NR`] floats; AVX2 and FMA are available (checked by [`applies`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn micro_kernel(
+    offsets: &[u32],
+    pixel: [*const f32; MR],
+    panel: *const f32,
+    tile: &mut [f32],
+    accumulate: bool,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    if accumulate {
+        for (i, row) in acc.iter_mut().enumerate() {
+            // SAFETY: the tile holds MR rows of NR floats.
+            unsafe {
+                row[0] = _mm256_loadu_ps(tile.as_ptr().add(i * NR));
+                row[1] = _mm256_loadu_ps(tile.as_ptr().add(i * NR + 8));
+            }
+        }
+    }
+    let mut w = panel;
+    for &offset in offsets {
+        let offset = offset as usize;
+        // SAFETY: the caller's contract.
+        unsafe {
+            let w0 = _mm256_loadu_ps(w);
+            let w1 = _mm256_loadu_ps(w.add(8));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let v = _mm256_broadcast_ss(&*pixel[i].add(offset));
+                row[0] = _mm256_fmadd_ps(v, w0, row[0]);
+                row[1] = _mm256_fmadd_ps(v, w1, row[1]);
+            }
+            w = w.add(NR);
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        // SAFETY: as above.
+        unsafe {
+            _mm256_storeu_ps(tile.as_mut_ptr().add(i * NR), row[0]);
+            _mm256_storeu_ps(tile.as_mut_ptr().add(i * NR + 8), row[1]);
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn micro_kernel(_: &[u32], _: [*const f32; MR], _: *const f32, _: &mut [f32], _: bool) {
+    unreachable!("`applies` is false off x86-64")
+}
+
+/// Stores a tile's product (`[pixel][channel]`) into `channels` output rows `ldo`
+/// apart, `valid` pixels each, through `finish` if any.
+///
+/// # Safety
+/// `out + c * ldo + i` is writable for every `c < channels` and `i < valid`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn store_transposed(
+    tile: &[f32],
+    out: *mut f32,
+    ldo: usize,
+    (valid, channels): (usize, usize),
+    finish: Option<StoreFinish>,
+) {
+    use std::arch::x86_64::*;
+    let relu = finish.is_some_and(|f| f.relu);
+    if valid == MR && channels == NR {
+        for half in 0..2 {
+            // SAFETY: the tile holds MR rows of NR floats, the bias NR values; the
+            // caller's contract for the stores.
+            unsafe {
+                let bias = finish.map_or(_mm256_setzero_ps(), |f| {
+                    _mm256_loadu_ps(f.bias.as_ptr().add(half * 8))
+                });
+                let row = |i: usize| {
+                    let v =
+                        _mm256_add_ps(_mm256_loadu_ps(tile.as_ptr().add(i * NR + half * 8)), bias);
+                    // `max(0, NaN)` keeps the NaN, like the other ReLUs.
+                    if relu {
+                        _mm256_max_ps(_mm256_setzero_ps(), v)
+                    } else {
+                        v
+                    }
+                };
+                let columns = transpose_6x8([row(0), row(1), row(2), row(3), row(4), row(5)]);
+                for (c, column) in columns.iter().enumerate() {
+                    let dst = out.add((half * 8 + c) * ldo);
+                    _mm_storeu_ps(dst, _mm256_castps256_ps128(*column));
+                    _mm_storel_epi64(
+                        dst.add(4).cast::<__m128i>(),
+                        _mm_castps_si128(_mm256_extractf128_ps::<1>(*column)),
+                    );
+                }
+            }
+        }
+        return;
+    }
+    for c in 0..channels {
+        let bias = finish.map_or(0.0, |f| f.bias[c]);
+        for i in 0..valid {
+            let v = tile[i * NR + c] + bias;
+            let v = if relu && v < 0.0 { 0.0 } else { v };
+            // SAFETY: the caller's contract.
+            unsafe { *out.add(c * ldo + i) = v };
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn store_transposed(
+    _: &[f32],
+    _: *mut f32,
+    _: usize,
+    _: (usize, usize),
+    _: Option<StoreFinish>,
+) {
+    unreachable!("`applies` is false off x86-64")
+}
+
+/// Columns of a 6 x 8 matrix (rows `r`): column `c` holds `r[0][c] .. r[5][c]` in
+/// lanes 0 to 5 (lanes 6 and 7 are zero).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn transpose_6x8(r: [std::arch::x86_64::__m256; MR]) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::*;
+    let zero = _mm256_setzero_ps();
+    // Pairs of rows interleaved, then pairs of pairs: the 4 x 4 transposes of each
+    // 128-bit half; rows 6 and 7 are zero.
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, zero);
+    let u5 = _mm256_shuffle_ps::<0xEE>(t4, zero);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, zero);
+    let u7 = _mm256_shuffle_ps::<0xEE>(t5, zero);
+    // u0 holds columns 0 (low half) and 4 (high half) of rows 0-3; u4 the same of
+    // rows 4-5.
+    [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ]
+}
