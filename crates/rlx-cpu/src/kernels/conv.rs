@@ -248,20 +248,43 @@ multiversion! {
                     }
                 }
             }
-            let pl = win.padding[1];
-            for (xo, v) in dst[y * ow..(y + 1) * ow].iter_mut().enumerate() {
-                let origin = xo * win.stride[1];
-                if origin >= pl && origin - pl < starts {
-                    let value = across[origin - pl];
-                    *v = if max {
-                        value
-                    } else if count_include_pad {
-                        value / window_len
-                    } else {
-                        value / (ny * kw).max(1) as f32
-                    };
-                    continue;
+            let (pl, sx) = (win.padding[1], win.stride[1]);
+            let row = &mut dst[y * ow..(y + 1) * ow];
+            // Outputs `inner` have their whole window inside the row (`origin - pl <
+            // starts`): a strided read of `across`, with no test per output.
+            let inner = pl.div_ceil(sx).min(ow)..(starts + pl).div_ceil(sx).min(ow);
+            let inner = inner.start..inner.end.max(inner.start);
+            let divisor = if max || count_include_pad {
+                window_len
+            } else {
+                (ny * kw).max(1) as f32
+            };
+            let first = (inner.start * sx).saturating_sub(pl);
+            if inner.is_empty() {
+                // No window lies inside the row.
+            } else if sx == 2 {
+                // Whole pairs with a fixed stride vectorize (as shuffles); the last
+                // output may lack the pair's second value.
+                let outputs = &mut row[inner.clone()];
+                let whole = ((starts - first.min(starts)) / 2).min(outputs.len());
+                for (v, pair) in outputs.iter_mut().zip(across[first..first + 2 * whole].chunks_exact(2)) {
+                    *v = pair[0];
                 }
+                if whole < outputs.len() {
+                    outputs[whole] = across[first + 2 * whole];
+                }
+            } else {
+                for (v, &value) in row[inner.clone()].iter_mut().zip(across[first..].iter().step_by(sx)) {
+                    *v = value;
+                }
+            }
+            if !max {
+                for v in &mut row[inner.clone()] {
+                    *v /= divisor;
+                }
+            }
+            for xo in (0..inner.start).chain(inner.end..ow) {
+                let v = &mut row[xo];
                 let (ix0, nx) = inside_taps(win, 1, xo, w);
                 let taps = (0..nx).map(|tx| line[ix0 + tx * dx]);
                 *v = if max {
