@@ -5,25 +5,37 @@ use rlx_ir::{DType, Error, Result, Shape};
 /// Bytes in a cache line; every [`AlignedBytes`] starts on one.
 const ALIGN: usize = 64;
 
-#[derive(Clone, Copy)]
+/// Buffers of at least this many bytes start on a huge-page boundary and ask the
+/// kernel for huge pages (Linux's `MADV_HUGEPAGE`), so that the activations and
+/// weights a model walks through take few TLB entries.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// One cache line: the alignment of an empty buffer's dangling pointer.
 #[repr(C, align(64))]
 struct Line([u8; ALIGN]);
 
 /// A zero-initialized byte buffer whose start is 64-byte aligned, so kernels may view
-/// it as any element type.
-#[derive(Clone)]
+/// it as any element type. Buffers of 2 MiB or more are aligned to 2 MiB and backed
+/// by huge pages where the system allows it.
 pub struct AlignedBytes {
-    lines: Vec<Line>,
+    /// Start of the allocation (dangling and never freed when `len == 0`).
+    ptr: std::ptr::NonNull<u8>,
     len: usize,
 }
+
+// SAFETY: `AlignedBytes` owns its allocation exclusively, like a `Vec<u8>`.
+unsafe impl Send for AlignedBytes {}
+// SAFETY: shared access only reads.
+unsafe impl Sync for AlignedBytes {}
 
 impl AlignedBytes {
     /// `len` zero bytes. Aborts, as any Rust allocation does, when the memory is not
     /// available; use [`AlignedBytes::try_zeroed`] for sizes that come from a model.
     pub fn zeroed(len: usize) -> AlignedBytes {
-        AlignedBytes {
-            lines: vec![Line([0; ALIGN]); len.div_ceil(ALIGN)],
-            len,
+        match Self::layout(len) {
+            Some(layout) => Self::try_zeroed(len, "buffer")
+                .unwrap_or_else(|_| std::alloc::handle_alloc_error(layout)),
+            None => panic!("a buffer of {len} bytes is larger than the address space"),
         }
     }
 
@@ -34,24 +46,37 @@ impl AlignedBytes {
             tensor: what.to_string(),
             bytes: len,
         };
-        let count = len.div_ceil(ALIGN);
-        if count == 0 {
+        if len == 0 {
             return Ok(AlignedBytes {
-                lines: Vec::new(),
+                ptr: std::ptr::NonNull::<Line>::dangling().cast(),
                 len,
             });
         }
-        let layout = std::alloc::Layout::array::<Line>(count).map_err(|_| out_of_memory())?;
-        // SAFETY: `layout` has a non-zero size (`count > 0`).
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(out_of_memory());
-        }
-        // SAFETY: `ptr` comes from the global allocator with the layout of
-        // `[Line; count]` (so a `Vec<Line>` of capacity `count` may own and free it),
-        // and all-zero bytes are a valid `Line`, so all `count` elements are initialized.
-        let lines = unsafe { Vec::from_raw_parts(ptr.cast::<Line>(), count, count) };
-        Ok(AlignedBytes { lines, len })
+        let layout = Self::layout(len).ok_or_else(out_of_memory)?;
+        let ptr = if layout.align() == HUGE_PAGE {
+            // SAFETY: `layout` has a non-zero size.
+            let ptr = unsafe { std::alloc::alloc(layout) };
+            if !ptr.is_null() {
+                advise_huge_pages(ptr, layout.size());
+                // Zeroing after the advice faults the pages in as huge ones.
+                // SAFETY: `ptr` addresses `layout.size()` writable bytes.
+                unsafe { std::ptr::write_bytes(ptr, 0, layout.size()) };
+            }
+            ptr
+        } else {
+            // SAFETY: `layout` has a non-zero size.
+            unsafe { std::alloc::alloc_zeroed(layout) }
+        };
+        let ptr = std::ptr::NonNull::new(ptr).ok_or_else(out_of_memory)?;
+        Ok(AlignedBytes { ptr, len })
+    }
+
+    /// The allocation for `len > 0` bytes: whole cache lines, on a huge-page boundary
+    /// from [`HUGE_PAGE`] bytes on; `None` past `isize::MAX`.
+    fn layout(len: usize) -> Option<std::alloc::Layout> {
+        let align = if len >= HUGE_PAGE { HUGE_PAGE } else { ALIGN };
+        let size = len.checked_next_multiple_of(ALIGN)?;
+        std::alloc::Layout::from_size_align(size, align).ok()
     }
 
     /// Length in bytes.
@@ -66,27 +91,57 @@ impl AlignedBytes {
 
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `lines` owns at least `len` initialized bytes, contiguous because
-        // `Line` is `repr(C)` with no padding.
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), self.len) }
+        // SAFETY: the allocation holds at least `len` initialized bytes (or `len` is
+        // 0 and the pointer is dangling but aligned).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
     /// The bytes, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`, and `&mut self` guarantees exclusive access.
-        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<u8>(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
     /// Start address, for kernels that index through raw pointers.
     pub fn as_ptr(&self) -> *const u8 {
-        self.lines.as_ptr().cast()
+        self.ptr.as_ptr()
     }
 
     /// Start address, mutable.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.lines.as_mut_ptr().cast()
+        self.ptr.as_ptr()
     }
 }
+
+impl Drop for AlignedBytes {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            let layout = Self::layout(self.len).expect("allocated with this layout");
+            // SAFETY: allocated in `try_zeroed` with the same layout.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}
+
+impl Clone for AlignedBytes {
+    fn clone(&self) -> AlignedBytes {
+        let mut copy = AlignedBytes::zeroed(self.len);
+        copy.as_mut_slice().copy_from_slice(self.as_slice());
+        copy
+    }
+}
+
+/// Asks the kernel to back `len` bytes from `ptr` (a huge-page boundary) with huge
+/// pages. Only a hint: where transparent huge pages are off, nothing changes.
+#[cfg(target_os = "linux")]
+fn advise_huge_pages(ptr: *mut u8, len: usize) {
+    // SAFETY: the range is one allocation this process owns; the advice changes no
+    // contents. Its result is ignored, as the advice is optional.
+    unsafe { libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE) };
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge_pages(_: *mut u8, _: usize) {}
 
 impl std::fmt::Debug for AlignedBytes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -244,5 +299,25 @@ mod tests {
             Buffer::try_zeroed(Shape::new(&[1 << 62], DType::F32), "p"),
             Err(Error::SizeOverflow { .. })
         ));
+    }
+
+    #[test]
+    fn large_buffers_start_on_a_huge_page_and_clone_their_bytes() {
+        let len = HUGE_PAGE + 100;
+        let mut a = AlignedBytes::try_zeroed(len, "big").unwrap();
+        assert_eq!(a.as_ptr() as usize % HUGE_PAGE, 0);
+        assert_eq!(a.len(), len);
+        assert!(a.as_slice().iter().all(|&b| b == 0));
+        a.as_mut_slice()[len - 1] = 9;
+        a.as_mut_slice()[3] = 4;
+        let b = a.clone();
+        assert_eq!(b.as_ptr() as usize % HUGE_PAGE, 0);
+        assert_eq!(b.as_slice(), a.as_slice());
+        drop(a);
+        assert_eq!((b.as_slice()[3], b.as_slice()[len - 1]), (4, 9));
+        let small = AlignedBytes::zeroed(HUGE_PAGE - 1);
+        assert_eq!(small.as_ptr() as usize % 64, 0);
+        let empty = AlignedBytes::zeroed(0).clone();
+        assert!(empty.as_slice().is_empty());
     }
 }

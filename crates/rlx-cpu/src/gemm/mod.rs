@@ -147,7 +147,8 @@ unsafe impl Sync for Gemm {}
 /// Per-thread scratch, sized once when a program is compiled: GEMM packing buffers
 /// plus `extra` floats for other kernels that run inside pool tasks.
 pub(crate) struct GemmScratch {
-    per_thread: Vec<UnsafeCell<Vec<f32>>>,
+    /// Each thread's floats (cache-line aligned; huge pages where they are large).
+    per_thread: Vec<UnsafeCell<rlx_driver::AlignedBytes>>,
     extra: usize,
 }
 
@@ -167,11 +168,10 @@ const LINE_FLOATS: usize = 16;
 impl GemmScratch {
     /// Buffers for `threads` threads, each with `extra` more floats.
     pub fn new(threads: usize, extra: usize) -> GemmScratch {
-        // Room to start the buffer on a cache line, wherever the allocator puts it.
-        let len = scratch_floats() + extra + LINE_FLOATS;
+        let len = scratch_floats() + extra;
         GemmScratch {
             per_thread: (0..threads.max(1))
-                .map(|_| UnsafeCell::new(vec![0.0; len]))
+                .map(|_| UnsafeCell::new(rlx_driver::AlignedBytes::zeroed(len * 4)))
                 .collect(),
             extra,
         }
@@ -181,9 +181,7 @@ impl GemmScratch {
     /// is an [`rlx_ir::Error::OutOfMemory`] ("gemm scratch") instead of an abort.
     pub fn try_new(threads: usize, extra: usize) -> rlx_ir::Result<GemmScratch> {
         let threads = threads.max(1);
-        let len = scratch_floats()
-            .checked_add(extra)
-            .and_then(|n| n.checked_add(LINE_FLOATS));
+        let len = scratch_floats().checked_add(extra);
         let out_of_memory = |floats: Option<usize>| rlx_ir::Error::OutOfMemory {
             tensor: format!("gemm scratch ({threads} threads)"),
             bytes: floats
@@ -195,11 +193,10 @@ impl GemmScratch {
         per_thread
             .try_reserve_exact(threads)
             .map_err(|_| out_of_memory(Some(len)))?;
+        let bytes = len.checked_mul(4).ok_or_else(|| out_of_memory(None))?;
         for _ in 0..threads {
-            let mut buf: Vec<f32> = Vec::new();
-            buf.try_reserve_exact(len)
+            let buf = rlx_driver::AlignedBytes::try_zeroed(bytes, "gemm scratch")
                 .map_err(|_| out_of_memory(Some(len)))?;
-            buf.resize(len, 0.0);
             per_thread.push(UnsafeCell::new(buf));
         }
         Ok(GemmScratch { per_thread, extra })
@@ -223,11 +220,16 @@ impl GemmScratch {
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn parts(&self, t: usize) -> (&mut [f32], &mut [f32]) {
         // SAFETY: per the contract, no other reference to this buffer exists.
-        let all = unsafe { (*self.per_thread[t].get()).as_mut_slice() };
-        // Packed panels are read with full-width vector loads: a buffer that starts
-        // inside a cache line would make every one of them straddle two lines.
-        let skip = all.as_ptr().align_offset(64).min(LINE_FLOATS);
-        let all = &mut all[skip..skip + scratch_floats() + self.extra];
+        let bytes = unsafe { &mut *self.per_thread[t].get() };
+        // SAFETY: the buffer holds `scratch_floats() + extra` floats' bytes, starts on
+        // a cache line (so packed panels read with full-width vector loads never
+        // straddle two lines), and any bytes are a valid f32.
+        let all = unsafe {
+            std::slice::from_raw_parts_mut(
+                bytes.as_mut_ptr().cast::<f32>(),
+                scratch_floats() + self.extra,
+            )
+        };
         let split = all.len() - self.extra;
         all.split_at_mut(split)
     }
