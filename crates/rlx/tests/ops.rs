@@ -1964,7 +1964,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 21] = [
+    let cases: [ConvCase; 22] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
         // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
         // of several images in one task.
@@ -2065,6 +2065,16 @@ fn conv2d_variants() {
             [16, 8, 5, 5],
             [2, 2],
             [2, 2, 2, 2],
+            [1, 1],
+            1,
+        ),
+        // With AVX-512 a tile covers up to 4 panels: 72 channels make a group of 4
+        // and a partial fifth panel alone, over two depth blocks (140 x 9 steps).
+        (
+            [1, 140, 9, 11],
+            [72, 140, 3, 3],
+            [2, 2],
+            [1, 1, 1, 1],
             [1, 1],
             1,
         ),

@@ -36,6 +36,10 @@ const NR: usize = 16;
 const KC: usize = 1152;
 /// Floats of one tile's product, as the micro-kernel leaves it (`[pixel][channel]`).
 const TILE: usize = MR * NR;
+/// The most panels one micro-kernel call covers: with AVX-512, a tile is 6 pixels by
+/// 4 panels (64 channels, 24 zmm accumulators), so each step's 6 broadcasts serve 24
+/// multiply-adds instead of 12.
+const MAX_GROUP: usize = 4;
 
 /// Whether a convolution runs here: `f32` on a CPU with AVX2 and FMA, one group, a
 /// stride other than 1 x 1 and more than one tap, with offsets that fit 32 bits.
@@ -174,10 +178,11 @@ pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape, out_hw: [usize
 /// Floats of the tile products a block keeps between depth blocks (one tile when the
 /// depth is one block).
 fn products_len(k: usize, pixels: usize) -> usize {
+    let group = MAX_GROUP * TILE;
     if k > KC {
-        pixels.div_ceil(MR) * TILE
+        pixels.div_ceil(MR) * group
     } else {
-        TILE
+        group
     }
 }
 
@@ -245,29 +250,33 @@ pub(crate) fn conv2d(
             last: block_pixels - 1,
         };
         let step_offsets: &[u32] = as_offsets(offsets);
-        for (q, panel) in weights.chunks_exact(k * NR).enumerate() {
-            let channels = q * NR..(q * NR + NR).min(o);
-            let stored = in_store.then(|| StoreFinish {
-                bias: std::array::from_fn(|j| {
-                    finish
-                        .bias
-                        .and_then(|b| b.get(q * NR + j))
-                        .copied()
-                        .unwrap_or(0.0)
-                }),
-                relu: finish.activation.is_some(),
+        let panels = o.div_ceil(NR);
+        let group = panel_group();
+        for q0 in (0..panels).step_by(group) {
+            let count = group.min(panels - q0);
+            let stored: [Option<StoreFinish>; MAX_GROUP] = std::array::from_fn(|v| {
+                in_store.then(|| StoreFinish {
+                    bias: std::array::from_fn(|j| {
+                        finish
+                            .bias
+                            .and_then(|b| b.get((q0 + v) * NR + j))
+                            .copied()
+                            .unwrap_or(0.0)
+                    }),
+                    relu: finish.activation.is_some(),
+                })
             });
-            run_panel(
-                (staged, step_offsets, panel),
+            run_group(
+                (staged, step_offsets, weights),
                 bases,
-                (q, stored),
+                (q0, count, &stored[..count]),
                 products,
                 &block_out,
             );
             if in_store {
                 continue;
             }
-            for co in channels {
+            for co in q0 * NR..((q0 + count) * NR).min(o) {
                 let at = first + co * pixels;
                 // SAFETY: the block's pixels of channel `co`: inside the output (and
                 // the residual, of the same shape); only this task writes them.
@@ -401,13 +410,25 @@ fn step_offsets(win: &Window2d, geo: &Geometry, staged_rows: usize, offsets: &mu
     }
 }
 
-/// Runs every tile of a block against panel `q` (`k x NR` packed weights), depth
-/// block by depth block, and stores the finished tiles into the output's channels
-/// `q * NR ..`.
-fn run_panel(
-    (staged, offsets, panel): (&[f32], &[u32], &[f32]),
+/// Panels per micro-kernel call on this CPU: [`MAX_GROUP`] with AVX-512, else one.
+fn panel_group() -> usize {
+    static GROUP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *GROUP.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx512f") {
+            return MAX_GROUP;
+        }
+        1
+    })
+}
+
+/// Runs every tile of a block against panels `q0 .. q0 + count` of the packed weights
+/// (each `k x NR`), depth block by depth block, and stores the finished tiles into
+/// the output's channels `q0 * NR ..`, panel `v` through `finish[v]`.
+fn run_group(
+    (staged, offsets, weights): (&[f32], &[u32], &[f32]),
     bases: PixelBases,
-    (q, finish): (usize, Option<StoreFinish>),
+    (q0, count, finish): (usize, usize, &[Option<StoreFinish>]),
     products: &mut [f32],
     out: &BlockOut,
 ) {
@@ -415,51 +436,142 @@ fn run_panel(
     let depth_blocks = k.div_ceil(KC);
     let kc = k.div_ceil(depth_blocks);
     let tiles = (bases.last + 1).div_ceil(MR);
-    let channels = NR.min(out.channels - q * NR);
+    let group = count * TILE;
+    let panel_floats = k * NR;
+    let panels = &weights[q0 * panel_floats..(q0 + count) * panel_floats];
     for d in 0..depth_blocks {
         let (p0, p1) = (d * kc, ((d + 1) * kc).min(k));
         for t in 0..tiles {
-            let tile = if depth_blocks == 1 { 0 } else { t * TILE };
-            let tile = &mut products[tile..tile + TILE];
-            let at = bases.tile(t * MR);
+            let at = if depth_blocks == 1 { 0 } else { t * group };
+            let tile = &mut products[at..at + group];
+            let pixels = bases.tile(t * MR);
             // SAFETY: every base plus every offset lies inside the staged rows (the
             // offsets reach the last tap of the last channel; the bases, the last
-            // output row and column of the block), the panel holds `k` steps of NR.
+            // output row and column of the block); each of the `count` panels holds
+            // `k` steps of NR; the tile holds `count` tiles.
             unsafe {
                 micro_kernel(
                     &offsets[p0..p1],
-                    at.map(|b| staged.as_ptr().add(b)),
-                    panel[p0 * NR..].as_ptr(),
+                    pixels.map(|b| staged.as_ptr().add(b)),
+                    (panels[p0 * NR..].as_ptr(), panel_floats, count),
                     tile,
                     d > 0,
                 )
             };
             if d + 1 == depth_blocks {
                 let valid = MR.min(bases.last + 1 - t * MR);
-                // SAFETY: pixels t * MR.. (valid of them) of channels q * NR.. (channels
-                // of them) lie inside the block's output.
-                unsafe {
-                    store_transposed(
-                        tile,
-                        out.out.add(q * NR * out.pixels + t * MR),
-                        out.pixels,
-                        (valid, channels),
-                        finish,
-                    )
-                };
+                for (v, (product, finish)) in tile.chunks_exact(TILE).zip(finish).enumerate() {
+                    let q = q0 + v;
+                    let channels = NR.min(out.channels - q * NR);
+                    // SAFETY: pixels t * MR.. (valid of them) of channels q * NR..
+                    // (channels of them) lie inside the block's output.
+                    unsafe {
+                        store_transposed(
+                            product,
+                            out.out.add(q * NR * out.pixels + t * MR),
+                            out.pixels,
+                            (valid, channels),
+                            *finish,
+                        )
+                    };
+                }
             }
         }
     }
 }
 
-/// One tile: `tile[i][j] (+)= Σ_p pixel_i[offsets[p]] * panel[p][j]`.
+/// One tile of `count` panels: `tile[v][i][j] (+)= Σ_p pixel_i[offsets[p]] *
+/// panel_v[p][j]`, panel `v` starting `v * stride` floats after `panels`.
+///
+/// # Safety
+/// Every `pixel_i + offsets[p]` is readable; each panel holds `offsets.len()` steps of
+/// [`NR`] floats; `tile` holds `count` tiles; `count` is at most [`panel_group`];
+/// AVX2 and FMA are available (checked by [`applies`]).
+#[cfg(target_arch = "x86_64")]
+unsafe fn micro_kernel(
+    offsets: &[u32],
+    pixel: [*const f32; MR],
+    (panels, stride, count): (*const f32, usize, usize),
+    tile: &mut [f32],
+    accumulate: bool,
+) {
+    // SAFETY: forwarded contract; `count > 1` only where `panel_group` found AVX-512.
+    unsafe {
+        match count {
+            1 => micro_kernel_avx2(offsets, pixel, panels, tile, accumulate),
+            2 => micro_kernel_avx512::<2>(offsets, pixel, (panels, stride), tile, accumulate),
+            3 => micro_kernel_avx512::<3>(offsets, pixel, (panels, stride), tile, accumulate),
+            _ => micro_kernel_avx512::<4>(offsets, pixel, (panels, stride), tile, accumulate),
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn micro_kernel(
+    _: &[u32],
+    _: [*const f32; MR],
+    _: (*const f32, usize, usize),
+    _: &mut [f32],
+    _: bool,
+) {
+    unreachable!("`applies` is false off x86-64")
+}
+
+/// [`micro_kernel`] for `NP` panels at once, each in one zmm per pixel.
+///
+/// # Safety
+/// As [`micro_kernel`] with `count = NP`; AVX-512F is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn micro_kernel_avx512<const NP: usize>(
+    offsets: &[u32],
+    pixel: [*const f32; MR],
+    (panels, stride): (*const f32, usize),
+    tile: &mut [f32],
+    accumulate: bool,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); NP]; MR];
+    if accumulate {
+        for (i, row) in acc.iter_mut().enumerate() {
+            for (v, value) in row.iter_mut().enumerate() {
+                // SAFETY: the tile holds NP tiles of MR rows of NR floats.
+                *value = unsafe { _mm512_loadu_ps(tile.as_ptr().add(v * TILE + i * NR)) };
+            }
+        }
+    }
+    let mut w = panels;
+    for &offset in offsets {
+        let offset = offset as usize;
+        // SAFETY: the caller's contract.
+        unsafe {
+            let ws: [__m512; NP] = std::array::from_fn(|v| _mm512_loadu_ps(w.add(v * stride)));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let x = _mm512_set1_ps(*pixel[i].add(offset));
+                for (value, &wv) in row.iter_mut().zip(&ws) {
+                    *value = _mm512_fmadd_ps(x, wv, *value);
+                }
+            }
+            w = w.add(NR);
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (v, &value) in row.iter().enumerate() {
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(tile.as_mut_ptr().add(v * TILE + i * NR), value) };
+        }
+    }
+}
+
+/// [`micro_kernel`] for one panel: `tile[i][j] (+)= Σ_p pixel_i[offsets[p]] *
+/// panel[p][j]`.
 ///
 /// # Safety
 /// Every `pixel_i + offsets[p]` is readable; the panel holds `offsets.len()` steps of
 /// [`NR`] floats; AVX2 and FMA are available (checked by [`applies`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn micro_kernel(
+unsafe fn micro_kernel_avx2(
     offsets: &[u32],
     pixel: [*const f32; MR],
     panel: *const f32,
@@ -499,11 +611,6 @@ unsafe fn micro_kernel(
             _mm256_storeu_ps(tile.as_mut_ptr().add(i * NR + 8), row[1]);
         }
     }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_kernel(_: &[u32], _: [*const f32; MR], _: *const f32, _: &mut [f32], _: bool) {
-    unreachable!("`applies` is false off x86-64")
 }
 
 /// Stores a tile's product (`[pixel][channel]`) into `channels` output rows `ldo`
