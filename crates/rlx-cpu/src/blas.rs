@@ -86,7 +86,10 @@ pub fn matmul_f32_packed(
         b: b.data.as_ptr(),
         ldb: n,
         b_transposed: false,
-        b_format: BFormat::Packed { nr: b.nr },
+        b_format: BFormat::Packed {
+            nr: b.nr,
+            streamed: true,
+        },
         c: c.as_mut_ptr(),
         ldc: n,
         accumulate: false,

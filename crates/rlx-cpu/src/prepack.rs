@@ -167,7 +167,10 @@ impl PackedParam {
                 // SAFETY: the scales lie inside the storage, from `at`.
                 scales: unsafe { base.add(at) }.cast::<f32>(),
             },
-            None => BFormat::Packed { nr: self.nr },
+            None => BFormat::Packed {
+                nr: self.nr,
+                streamed: true,
+            },
         };
         (base.cast::<f32>(), format)
     }

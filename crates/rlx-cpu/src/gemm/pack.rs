@@ -261,7 +261,7 @@ pub(super) unsafe fn read_b_run(g: &Gemm, offset: usize, dst: &mut [f32]) {
                 crate::quant::decode_run(format, g.b.cast::<u8>().add(row * row_bytes), start, dst)
             };
         }
-        BFormat::Packed { nr } => {
+        BFormat::Packed { nr, .. } => {
             // The serial loop reads packed panels in place; this element-wise form
             // keeps the format well defined everywhere else.
             for (i, d) in dst.iter_mut().enumerate() {

@@ -610,7 +610,11 @@ impl BlockTask<'_> {
                 lda: k,
                 b: panels.as_ptr(),
                 ldb: wide,
-                b_format: BFormat::Packed { nr },
+                // The panels were just packed: in cache.
+                b_format: BFormat::Packed {
+                    nr,
+                    streamed: false,
+                },
                 ..base
             };
             // SAFETY: A is `og x k`, B the packed panels of a `k x wide` matrix, C

@@ -256,7 +256,7 @@ pub(crate) fn conv2d(
                 b: weights[p * per_point..].as_ptr(),
                 ldb: og,
                 b_transposed: false,
-                b_format: BFormat::Packed { nr },
+                b_format: BFormat::Packed { nr, streamed: true },
                 c: products[p * cap * og..].as_mut_ptr(),
                 ldc: og,
                 accumulate: false,
