@@ -547,6 +547,9 @@ unsafe fn micro_kernel(
     unreachable!("`applies` is false off x86-64")
 }
 
+/// Steps ahead whose weights the AVX-512 micro-kernel asks for.
+const WEIGHTS_AHEAD: usize = 24;
+
 /// [`micro_kernel`] for `NP` panels at once, each in one zmm per pixel.
 ///
 /// # Safety
@@ -576,6 +579,11 @@ unsafe fn micro_kernel_avx512<const NP: usize>(
         // SAFETY: the caller's contract.
         unsafe {
             let ws: [__m512; NP] = std::array::from_fn(|v| _mm512_loadu_ps(w.add(v * stride)));
+            for v in 0..NP {
+                _mm_prefetch::<_MM_HINT_T0>(
+                    w.wrapping_add(v * stride + WEIGHTS_AHEAD * NR).cast::<i8>(),
+                );
+            }
             for (i, row) in acc.iter_mut().enumerate() {
                 let x = _mm512_set1_ps(*pixel[i].add(offset));
                 for (value, &wv) in row.iter_mut().zip(&ws) {
