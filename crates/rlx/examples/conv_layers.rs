@@ -9,7 +9,7 @@
 use rlx::prelude::*;
 
 /// `(in channels, out channels, height, width, kernel, stride)`, padding `kernel / 2`.
-const LAYERS: [(usize, usize, usize, usize, usize, usize); 8] = [
+const LAYERS: [(usize, usize, usize, usize, usize, usize); 10] = [
     (64, 64, 15, 40, 3, 1),
     (64, 256, 15, 40, 1, 1),
     (64, 64, 15, 40, 1, 1),
@@ -18,6 +18,8 @@ const LAYERS: [(usize, usize, usize, usize, usize, usize); 8] = [
     (128, 128, 8, 20, 3, 1),
     (128, 512, 8, 20, 1, 1),
     (256, 512, 15, 40, 1, 2),
+    (256, 128, 15, 40, 1, 1),
+    (512, 128, 8, 20, 1, 1),
 ];
 
 const BATCH: usize = 32;
