@@ -214,12 +214,18 @@ mod x86 {
     pub const AVX2_MR: usize = 6;
     /// The main AVX-512 kernel.
     pub const AVX512_WIDE: super::MicroKernel = super::MicroKernel {
-        run: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, false>,
-        stream: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, true>,
-        strided: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, false>,
+        run: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, false, 16>,
+        stream: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, true, 16>,
+        strided: kernel_avx512::<AVX512_MR, { AVX512_NR / 16 }, false, 16>,
+        // The first width also sets the unit columns are split in between threads.
+        // Widths that are not whole vectors store their last vector under a mask (a
+        // 15 x 40 image's 600 pixels leave a last panel of 24).
         partial: &[
-            (16, kernel_avx512::<AVX512_MR, 1, false>),
-            (32, kernel_avx512::<AVX512_MR, 2, false>),
+            (16, kernel_avx512::<AVX512_MR, 1, false, 16>),
+            (32, kernel_avx512::<AVX512_MR, 2, false, 16>),
+            (8, kernel_avx512::<AVX512_MR, 1, false, 8>),
+            (24, kernel_avx512::<AVX512_MR, 2, false, 8>),
+            (40, kernel_avx512::<AVX512_MR, 3, false, 8>),
         ],
         row_edges: &[],
         mr: AVX512_MR,
@@ -228,10 +234,10 @@ mod x86 {
     };
     /// The AVX-512 kernel for widths that are multiples of 32.
     pub const AVX512_NARROW: super::MicroKernel = super::MicroKernel {
-        run: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, false>,
-        stream: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, true>,
-        strided: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, false>,
-        partial: &[(16, kernel_avx512::<AVX512_NARROW_MR, 1, false>)],
+        run: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, false, 16>,
+        stream: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, true, 16>,
+        strided: kernel_avx512::<AVX512_NARROW_MR, { AVX512_NARROW_NR / 16 }, false, 16>,
+        partial: &[(16, kernel_avx512::<AVX512_NARROW_MR, 1, false, 16>)],
         row_edges: &[],
         mr: AVX512_NARROW_MR,
         nr: AVX512_NARROW_NR,
@@ -274,13 +280,21 @@ mod x86 {
     }
 
     /// `MR x 16 NV` tile in `MR * NV` zmm accumulators; with `PREFETCH`, B rows
-    /// further down the panel are prefetched.
+    /// further down the panel are prefetched. Only the first `LAST` lanes of each
+    /// row's last vector are read and written in `C` (the panel is computed whole:
+    /// packed panels are zero past the last column).
     ///
     /// # Safety
-    /// AVX-512F must be available; pointers as in `KernelFn`.
+    /// AVX-512F must be available; pointers as in `KernelFn`, with rows of C
+    /// `16 (NV - 1) + LAST` wide.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)] // the micro-kernel ABI
-    pub unsafe fn kernel_avx512<const MR: usize, const NV: usize, const PREFETCH: bool>(
+    pub unsafe fn kernel_avx512<
+        const MR: usize,
+        const NV: usize,
+        const PREFETCH: bool,
+        const LAST: u32,
+    >(
         kc: usize,
         a: *const f32,
         lda: usize,
@@ -321,11 +335,22 @@ mod x86 {
                 b = b.add(ldb);
             }
         }
+        let last: __mmask16 = ((1u32 << LAST) - 1) as __mmask16;
         for (i, row) in acc.iter().enumerate() {
             for (v, &value) in row.iter().enumerate() {
-                // SAFETY: the tile is MR x NR with row stride `ldc`.
+                // SAFETY: the tile is MR x NR with row stride `ldc` (the last vector
+                // masked to the lanes inside C).
                 unsafe {
                     let dst = c.add(i * ldc + 16 * v);
+                    if LAST < 16 && v + 1 == NV {
+                        let value = if accumulate {
+                            _mm512_add_ps(value, _mm512_maskz_loadu_ps(last, dst))
+                        } else {
+                            value
+                        };
+                        _mm512_mask_storeu_ps(dst, last, value);
+                        continue;
+                    }
                     let value = if accumulate {
                         _mm512_add_ps(value, _mm512_loadu_ps(dst))
                     } else {

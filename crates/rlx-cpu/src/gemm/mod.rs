@@ -953,6 +953,11 @@ mod tests {
             (40, 112, 50),
             (64, 160, 70),
             (24, 1024, 40),
+            // Last panels 8 and 24 wide (a masked last vector with AVX-512), one
+            // accumulating over two K blocks.
+            (40, 56, 30),
+            (24, 600, 64),
+            (30, 120, 1700),
         ];
         for kernel in available_kernels() {
             for &(m, n, k) in &shapes {
@@ -1008,8 +1013,11 @@ mod tests {
             (97, 65, 257),
             (200, 130, 600),
             (120, 100, 1700),
+            // Last panels 8 and 24 wide.
+            (50, 104, 300),
+            (120, 120, 1700),
         ];
-        let shapes: [(usize, usize, usize); 8] = shapes;
+        let shapes: [(usize, usize, usize); 10] = shapes;
         for kernel in available_kernels() {
             for &(m, n, k) in &shapes {
                 let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
