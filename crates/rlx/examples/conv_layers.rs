@@ -8,18 +8,24 @@
 
 use rlx::prelude::*;
 
-/// `(in channels, out channels, height, width, kernel, stride)`, padding `kernel / 2`.
-const LAYERS: [(usize, usize, usize, usize, usize, usize); 10] = [
-    (64, 64, 15, 40, 3, 1),
-    (64, 256, 15, 40, 1, 1),
-    (64, 64, 15, 40, 1, 1),
-    (3, 64, 60, 160, 7, 2),
-    (128, 128, 15, 40, 3, 2),
-    (128, 128, 8, 20, 3, 1),
-    (128, 512, 8, 20, 1, 1),
-    (256, 512, 15, 40, 1, 2),
-    (256, 128, 15, 40, 1, 1),
-    (512, 128, 8, 20, 1, 1),
+/// `(in channels, out channels, height, width, kernel, stride, prologue)`, padding
+/// `kernel / 2`; with `prologue`, the input goes through a per-channel scale, shift and
+/// ReLU first (a batch norm before the convolution, fused into it as it packs).
+type Layer = (usize, usize, usize, usize, usize, usize, bool);
+
+const LAYERS: [Layer; 12] = [
+    (64, 64, 15, 40, 3, 1, false),
+    (64, 256, 15, 40, 1, 1, false),
+    (64, 64, 15, 40, 1, 1, false),
+    (3, 64, 60, 160, 7, 2, false),
+    (128, 128, 15, 40, 3, 2, false),
+    (128, 128, 8, 20, 3, 1, false),
+    (128, 512, 8, 20, 1, 1, false),
+    (256, 512, 15, 40, 1, 2, false),
+    (256, 128, 15, 40, 1, 1, false),
+    (512, 128, 8, 20, 1, 1, false),
+    (256, 64, 15, 40, 1, 1, true),
+    (512, 128, 8, 20, 1, 1, true),
 ];
 
 const BATCH: usize = 32;
@@ -31,12 +37,18 @@ fn main() -> rlx::Result<()> {
     // One layer alone (its index in `LAYERS`), for a profiler.
     let only: Option<usize> = args.next().and_then(|a| a.parse().ok());
     println!("conv layers at batch {BATCH}, {threads} thread(s), best of {runs} runs");
-    for (index, &(c, o, h, w, k, s)) in LAYERS.iter().enumerate() {
+    for (index, &(c, o, h, w, k, s, prologue)) in LAYERS.iter().enumerate() {
         if only.is_some_and(|i| i != index) {
             continue;
         }
         let g = Graph::new("conv");
-        let x = g.input("x", Shape::new(&[BATCH, c, h, w], DType::F32))?;
+        let mut x = g.input("x", Shape::new(&[BATCH, c, h, w], DType::F32))?;
+        let channel = Shape::new(&[1, c, 1, 1], DType::F32);
+        if prologue {
+            let scale = g.param("scale", channel.clone())?;
+            let shift = g.param("shift", channel.clone())?;
+            x = g.relu(g.add(g.mul(x, scale)?, shift)?)?;
+        }
         let wt = g.param("w", Shape::new(&[o, c, k, k], DType::F32))?;
         let y = g.conv2d(x, wt, None, [s, s], [k / 2; 4], [1, 1], 1)?;
         g.set_outputs(vec![y]);
@@ -44,6 +56,12 @@ fn main() -> rlx::Result<()> {
         let mut compiled = Session::new(Device::Cpu).compile_with(&g, &options)?;
         let weights: Vec<f32> = (0..o * c * k * k).map(|i| (i % 7) as f32 * 0.01).collect();
         compiled.set_param("w", &weights)?;
+        if prologue {
+            let scale: Vec<f32> = (0..c).map(|i| 0.5 + (i % 5) as f32 * 0.1).collect();
+            let shift: Vec<f32> = (0..c).map(|i| (i % 3) as f32 * 0.1 - 0.1).collect();
+            compiled.set_param("scale", &scale)?;
+            compiled.set_param("shift", &shift)?;
+        }
         let input: Vec<f32> = (0..BATCH * c * h * w)
             .map(|i| (i % 11) as f32 * 0.1)
             .collect();
@@ -67,7 +85,8 @@ fn main() -> rlx::Result<()> {
             }
         }
         println!(
-            "{c:>4} -> {o:<4} {h:>3}x{w:<4} {k}x{k} stride {s}: {:8.3} ms {:7.1} GFLOP/s",
+            "{c:>4} -> {o:<4} {h:>3}x{w:<4} {k}x{k} stride {s}{}: {:8.3} ms {:7.1} GFLOP/s",
+            if prologue { " (bn+relu first)" } else { "" },
             best * 1e3,
             flops / best / 1e9
         );
