@@ -174,18 +174,30 @@ pub(crate) fn pool_f32(
         in_hw: [h, w],
         out_hw: [oh, ow],
     };
-    let plane_task = |plane: usize, thread: usize| {
-        let src = &xs[plane * h * w..(plane + 1) * h * w];
-        // SAFETY: plane `plane` of the output, written by this task alone.
-        let dst = unsafe {
-            std::slice::from_raw_parts_mut((out_addr as *mut f32).add(plane * oh * ow), oh * ow)
-        };
+    // Runs of consecutive planes per task, so that each thread reads one long stream
+    // the hardware prefetcher follows across planes (one plane a task interleaved the
+    // threads' planes, and every task started on lines not yet asked for).
+    let threads = ctx.gemm.threads();
+    let per_task = planes.div_ceil(threads * PLANE_RUNS_PER_THREAD).max(1);
+    let plane_task = |task: usize, thread: usize| {
         // SAFETY: one task per thread index at a time; the step asked for `2 w` floats.
         let (line, across) = unsafe { ctx.gemm.parts(thread) }.1[..2 * w].split_at_mut(w);
-        pool_plane(&shape, src, dst, line, across);
+        for plane in task * per_task..((task + 1) * per_task).min(planes) {
+            let src = &xs[plane * h * w..(plane + 1) * h * w];
+            // SAFETY: plane `plane` of the output, written by this task alone.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut((out_addr as *mut f32).add(plane * oh * ow), oh * ow)
+            };
+            pool_plane(&shape, src, dst, line, across);
+        }
     };
-    ctx.pool.run(planes, ctx.gemm.threads(), &plane_task)
+    ctx.pool
+        .run(planes.div_ceil(per_task), threads, &plane_task)
 }
+
+/// Tasks per thread that pooling cuts its planes into (a few, so that a thread slowed
+/// by another process leaves work to the others).
+const PLANE_RUNS_PER_THREAD: usize = 4;
 
 /// Output rows ahead whose input rows pooling asks for: a plane is too short for the
 /// hardware prefetcher to get ahead of the reads, and pooling does little per value.
