@@ -330,7 +330,7 @@ mod tests {
             Some(Activation::Relu),
             Some(Activation::Silu),
         ];
-        for act in acts {
+        for (act, alpha) in acts.into_iter().flat_map(|a| [(a, 0.75), (a, 1.0)]) {
             for with_bias in [false, true] {
                 for with_residual in [false, true] {
                     for shift in [0.0, -0.375] {
@@ -339,10 +339,10 @@ mod tests {
                             with_bias.then_some(&bias[..]),
                             with_residual.then_some(&residual[..]),
                         );
-                        row(&mut out, 0.75, b, shift, act, r, None);
+                        row(&mut out, alpha, b, shift, act, r, None);
                         for j in 0..n {
                             let mut want =
-                                start[j] * 0.75 + if with_bias { bias[j] } else { 0.0 } + shift;
+                                start[j] * alpha + if with_bias { bias[j] } else { 0.0 } + shift;
                             want = match act {
                                 None => want,
                                 Some(Activation::Gelu) => vmath::gelu(want),
@@ -360,6 +360,26 @@ mod tests {
                     }
                 }
             }
+        }
+        // A residual, then a channel affine and a ReLU (one loop for all three).
+        let affine = RowAffine {
+            scale: 1.5,
+            shift: -0.25,
+            activation: Some(Activation::Relu),
+        };
+        let mut out = start.clone();
+        row(
+            &mut out,
+            1.0,
+            None,
+            0.0,
+            None,
+            Some(&residual),
+            Some(affine),
+        );
+        for j in 0..n {
+            let want = ((start[j] + residual[j]) * 1.5 - 0.25).max(0.0);
+            assert_eq!(out[j], want, "residual, affine, relu at {j}");
         }
     }
 }
