@@ -8,6 +8,7 @@ mod elem;
 mod gemm;
 mod kernels;
 pub mod pool;
+mod prefetch;
 mod prepack;
 mod quant;
 mod tensor;

@@ -100,7 +100,7 @@ unsafe fn gemv_rows(g: &Gemv, rows: std::ops::Range<usize>) {
         let row = unsafe { std::slice::from_raw_parts(g.w.add(j * g.row_bytes), g.row_bytes) };
         if j + PREFETCH_ROWS < end {
             // SAFETY: row j + PREFETCH_ROWS of W exists.
-            prefetch(
+            crate::prefetch::lines(
                 unsafe { g.w.add((j + PREFETCH_ROWS) * g.row_bytes) },
                 g.row_bytes,
             );
@@ -118,22 +118,6 @@ unsafe fn gemv_rows(g: &Gemv, rows: std::ops::Range<usize>) {
 
 /// Weight rows ahead of the current one whose bytes are requested from memory.
 const PREFETCH_ROWS: usize = 8;
-
-/// Asks for the cache lines of `len` bytes at `p` (a hint; no effect elsewhere).
-#[inline(always)]
-fn prefetch(p: *const u8, len: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for line in (0..len).step_by(64) {
-        // SAFETY: prefetching never faults; `p + line` is inside the row anyway.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.add(line).cast::<i8>(),
-            )
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, len);
-}
 
 /// `sums[i] = a[i, :] . row` for every format: decode a block, then multiply.
 fn dot_rows_generic(

@@ -203,22 +203,6 @@ const PLANE_RUNS_PER_THREAD: usize = 4;
 /// hardware prefetcher to get ahead of the reads, and pooling does little per value.
 const POOL_AHEAD: usize = 2;
 
-/// Asks for the cache lines of `len` floats from `at`, which may lie anywhere.
-#[inline(always)]
-fn prefetch_lines(at: *const f32, len: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for i in (0..len).step_by(16) {
-        // SAFETY: a prefetch reads nothing architecturally and never faults.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                at.wrapping_add(i).cast::<i8>(),
-            )
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (at, len);
-}
-
 /// One plane's pooling problem: the window, the kind, and the plane sizes.
 #[derive(Clone, Copy)]
 struct PoolPlane<'a> {
@@ -247,7 +231,10 @@ multiversion! {
             // The input rows that the output row `POOL_AHEAD` rows on reads first
             // (past the plane's end, the next plane's first rows).
             let newest = (y + POOL_AHEAD) * sy + kh.saturating_sub(sy);
-            prefetch_lines(src.as_ptr().wrapping_add(newest * w), sy.min(kh) * w);
+            crate::prefetch::lines(
+                src.as_ptr().wrapping_add(newest * w).cast(),
+                sy.min(kh) * w * 4,
+            );
             let (iy0, ny) = inside_taps(win, 0, y, h);
             if ny == 0 {
                 line.fill(if max { f32::NEG_INFINITY } else { 0.0 });
