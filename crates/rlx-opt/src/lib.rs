@@ -6,6 +6,7 @@
 //! epilogues, then elementwise regions), verify, schedule (respecting in-place writes
 //! to persistent handles), memory plan.
 
+pub mod autodiff;
 pub mod cse;
 pub mod dce;
 pub mod extent;

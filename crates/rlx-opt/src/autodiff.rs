@@ -1,0 +1,476 @@
+//! Reverse-mode gradients: [`grad`] appends to a graph the nodes that compute the
+//! gradient of a scalar loss with respect to some of its params or inputs, by the
+//! vector-Jacobian product (VJP) of each node on a path between them, from the loss
+//! back.
+//!
+//! Rules exist for the primitives listed in [`grad`]'s docs; a node on a path that
+//! needs a gradient and has no rule is an error that names it: by nature for
+//! comparisons, index results and integer ops, not yet for the rest.
+
+use rlx_ir::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Result, UnaryOp};
+
+/// Appends to `graph` the gradient of `loss` (a float tensor of one element) with
+/// respect to each of `wrt` (params or inputs, or any node), and returns one node per
+/// entry of `wrt`, of its shape: the gradient, or zeros where the loss does not depend
+/// on it. The graph's outputs are left as they were.
+///
+/// Rules: `neg`, `exp`, `log`, `sqrt`, `tanh`, `sigmoid`, `relu` and `reciprocal`;
+/// `add`, `sub`, `mul` and `div` with broadcasting; `matmul` (operands of rank 2 or
+/// more, batch dims broadcast); `sum` and `mean` reductions; `reshape` and `permute`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when `loss` is not a float tensor of one element or an
+/// id is not in the graph; [`Error::InvalidGraph`] naming the node and op when a path
+/// from one of `wrt` to the loss goes through an op with no gradient rule.
+pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Vec<NodeId>> {
+    let count = graph.len();
+    for &id in wrt.iter().chain([&loss]) {
+        if id.index() >= count {
+            return Err(Error::invalid(
+                "grad",
+                format!("node %{} is not in graph '{}'", id.index(), graph.name()),
+            ));
+        }
+    }
+    let loss_shape = graph.shape(loss)?;
+    if !loss_shape.dtype().is_float() || loss_shape.num_elements() != 1 {
+        return Err(Error::invalid(
+            "grad",
+            format!(
+                "the loss must be a float tensor of one element, got {loss_shape} (node %{})",
+                loss.index()
+            ),
+        ));
+    }
+    let needed = on_paths(graph, loss, wrt);
+    let mut adjoints: Vec<Option<NodeId>> = vec![None; count];
+    let ones = graph.scalar(1.0, loss_shape.dtype());
+    adjoints[loss.index()] = Some(graph.reshape(ones, loss_shape.dims())?);
+    for index in (0..=loss.index()).rev() {
+        let Some(cotangent) = adjoints[index] else {
+            continue;
+        };
+        if !needed[index] {
+            continue;
+        }
+        let node = graph.node(NodeId::from_index(index))?;
+        let operands: Vec<NodeId> = node.inputs.clone();
+        if operands.iter().all(|x| !needed[x.index()]) {
+            // A leaf, or a node none of whose operands lead back to `wrt`.
+            continue;
+        }
+        // A bool or integer value between `wrt` and the loss (a comparison, an
+        // index, an integer op) carries no gradient: name the op that made it.
+        for &x in operands.iter().filter(|x| needed[x.index()]) {
+            let made = graph.node(x)?;
+            if !made.shape.dtype().is_float() {
+                return Err(Error::InvalidGraph {
+                    graph: graph.name().to_string(),
+                    node: format!("%{}", x.index()),
+                    message: format!(
+                        "the loss needs a gradient through `{}`, whose {} result has none",
+                        made.op.name(),
+                        made.shape.dtype()
+                    ),
+                });
+            }
+        }
+        let contributions = vjp(graph, index, &node.op, &operands, cotangent)?;
+        for (operand, contribution) in operands.iter().zip(contributions) {
+            let (Some(contribution), true) = (contribution, needed[operand.index()]) else {
+                continue;
+            };
+            let slot = &mut adjoints[operand.index()];
+            *slot = Some(match *slot {
+                Some(sum) => graph.binary(BinaryOp::Add, sum, contribution)?,
+                None => contribution,
+            });
+        }
+    }
+    wrt.iter()
+        .map(|&id| match adjoints[id.index()] {
+            Some(g) => Ok(g),
+            None => zeros_like(graph, id),
+        })
+        .collect()
+}
+
+/// Which nodes lie on a path from one of `wrt` to `loss`: reachable from `wrt` through
+/// operand edges, and among `loss`'s operands (transitively).
+fn on_paths(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Vec<bool> {
+    let nodes = graph.nodes();
+    let mut from_wrt = vec![false; nodes.len()];
+    for &id in wrt {
+        from_wrt[id.index()] = true;
+    }
+    // Operands come before the nodes that read them.
+    for (i, node) in nodes.iter().enumerate() {
+        if node.inputs.iter().any(|x| from_wrt[x.index()]) {
+            from_wrt[i] = true;
+        }
+    }
+    let mut to_loss = vec![false; nodes.len()];
+    to_loss[loss.index()] = true;
+    for i in (0..=loss.index()).rev() {
+        if to_loss[i] {
+            for x in &nodes[i].inputs {
+                to_loss[x.index()] = true;
+            }
+        }
+    }
+    from_wrt
+        .iter()
+        .zip(&to_loss)
+        .map(|(&a, &b)| a && b)
+        .collect()
+}
+
+/// The contribution of node `index` (`op` over `operands`) to each operand's
+/// gradient, given the gradient `g` of its result (`None` for an operand it does not
+/// depend on differentiably).
+fn vjp(
+    graph: &Graph,
+    index: usize,
+    op: &Op,
+    operands: &[NodeId],
+    g: NodeId,
+) -> Result<Vec<Option<NodeId>>> {
+    let out = NodeId::from_index(index);
+    let dtype = graph.shape(out)?.dtype();
+    let constant = |v: f64| graph.scalar(v, dtype);
+    let mul = |a, b| graph.binary(BinaryOp::Mul, a, b);
+    let no_rule = |why: &str| {
+        Err(Error::InvalidGraph {
+            graph: graph.name().to_string(),
+            node: format!("%{index}"),
+            message: format!(
+                "the loss needs a gradient through `{}`, which {why}",
+                op.name()
+            ),
+        })
+    };
+    if !dtype.is_float() {
+        return no_rule("has no gradient (its result is not a float)");
+    }
+    Ok(match op {
+        Op::Unary(u) => {
+            let x = operands[0];
+            let dx = match u {
+                UnaryOp::Neg => graph.unary(UnaryOp::Neg, g)?,
+                UnaryOp::Exp => mul(g, out)?,
+                UnaryOp::Log => graph.binary(BinaryOp::Div, g, x)?,
+                UnaryOp::Sqrt => graph.binary(BinaryOp::Div, mul(g, constant(0.5))?, out)?,
+                UnaryOp::Tanh => {
+                    let square = mul(out, out)?;
+                    mul(g, graph.binary(BinaryOp::Sub, constant(1.0), square)?)?
+                }
+                UnaryOp::Sigmoid => {
+                    let slope = mul(out, graph.binary(BinaryOp::Sub, constant(1.0), out)?)?;
+                    mul(g, slope)?
+                }
+                UnaryOp::Relu => {
+                    let positive = graph.binary(BinaryOp::Gt, x, constant(0.0))?;
+                    graph.select(positive, g, constant(0.0))?
+                }
+                UnaryOp::Reciprocal => graph.unary(UnaryOp::Neg, mul(g, mul(out, out)?)?)?,
+                _ => return no_rule("has no gradient rule yet"),
+            };
+            vec![Some(dx)]
+        }
+        Op::Binary(b) => {
+            let (x, y) = (operands[0], operands[1]);
+            let (dx, dy) = match b {
+                BinaryOp::Add => (g, g),
+                BinaryOp::Sub => (g, graph.unary(UnaryOp::Neg, g)?),
+                BinaryOp::Mul => (mul(g, y)?, mul(g, x)?),
+                BinaryOp::Div => {
+                    let dx = graph.binary(BinaryOp::Div, g, y)?;
+                    // d(x / y)/dy = -(x / y) / y.
+                    let dy =
+                        graph.unary(UnaryOp::Neg, graph.binary(BinaryOp::Div, mul(g, out)?, y)?)?;
+                    (dx, dy)
+                }
+                _ => return no_rule("has no gradient rule yet"),
+            };
+            vec![
+                Some(unbroadcast(graph, dx, x)?),
+                Some(unbroadcast(graph, dy, y)?),
+            ]
+        }
+        Op::MatMul => {
+            let (a, b) = (operands[0], operands[1]);
+            let (ra, rb) = (graph.shape(a)?.rank(), graph.shape(b)?.rank());
+            if ra < 2 || rb < 2 {
+                return no_rule("has no gradient rule yet for a 1-D operand");
+            }
+            let da = graph.matmul(g, graph.transpose(b, -1, -2)?)?;
+            let db = graph.matmul(graph.transpose(a, -1, -2)?, g)?;
+            vec![
+                Some(unbroadcast(graph, da, a)?),
+                Some(unbroadcast(graph, db, b)?),
+            ]
+        }
+        Op::Reduce {
+            op: op @ (ReduceOp::Sum | ReduceOp::Mean),
+            axes,
+            keepdims,
+        } => {
+            let x = operands[0];
+            let shape = graph.shape(x)?;
+            // The gradient with the reduced axes kept (size 1), spread over them.
+            let kept: Vec<usize> = (0..shape.rank())
+                .map(|a| if axes.contains(&a) { 1 } else { shape.dim(a) })
+                .collect();
+            let g = if *keepdims {
+                g
+            } else {
+                graph.reshape(g, &kept)?
+            };
+            let mut dx = graph.expand(g, shape.dims())?;
+            if *op == ReduceOp::Mean {
+                let n: usize = axes.iter().map(|&a| shape.dim(a)).product();
+                dx = mul(dx, constant(1.0 / n.max(1) as f64))?;
+            }
+            vec![Some(dx)]
+        }
+        Op::Reshape { .. } => {
+            let dims = graph.shape(operands[0])?.dims().to_vec();
+            vec![Some(graph.reshape(g, &dims)?)]
+        }
+        Op::Permute { perm } => {
+            let mut inverse = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inverse[p] = i;
+            }
+            vec![Some(graph.permute(g, &inverse)?)]
+        }
+        // Between float types (other operands were rejected above).
+        Op::Cast(_) => {
+            let from = graph.shape(operands[0])?.dtype();
+            vec![Some(graph.cast(g, from)?)]
+        }
+        _ => return no_rule("has no gradient rule yet"),
+    })
+}
+
+/// `g` summed over the axes along which `x` was broadcast to `g`'s shape, and shaped
+/// like `x`.
+fn unbroadcast(graph: &Graph, g: NodeId, x: NodeId) -> Result<NodeId> {
+    let (gs, xs) = (graph.shape(g)?, graph.shape(x)?);
+    if gs.dims() == xs.dims() {
+        return Ok(g);
+    }
+    let lead = gs.rank() - xs.rank();
+    let mut axes: Vec<isize> = (0..lead as isize).collect();
+    for (i, &d) in xs.dims().iter().enumerate() {
+        if d == 1 && gs.dim(lead + i) != 1 {
+            axes.push((lead + i) as isize);
+        }
+    }
+    let summed = if axes.is_empty() {
+        g
+    } else {
+        graph.sum(g, &axes, true)?
+    };
+    graph.reshape(summed, xs.dims())
+}
+
+/// Zeros of `id`'s shape and dtype (a float dtype; integers and bools get `f32`).
+fn zeros_like(graph: &Graph, id: NodeId) -> Result<NodeId> {
+    let shape = graph.shape(id)?;
+    let dtype = if shape.dtype().is_float() {
+        shape.dtype()
+    } else {
+        DType::F32
+    };
+    let zero = graph.scalar(0.0, dtype);
+    let one = graph.reshape(zero, &vec![1; shape.rank()])?;
+    graph.expand(one, shape.dims())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rlx_ir::Shape;
+    use rlx_ir::reference::{HostTensor, evaluate};
+    use std::collections::HashMap;
+
+    /// Deterministic values in [-1, 1].
+    fn values(n: usize, seed: &mut u64) -> Vec<f64> {
+        (0..n)
+            .map(|_| {
+                *seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (*seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Checks `grad` of `build`'s scalar loss with respect to every input against
+    /// central finite differences of the loss, in f64 with the reference evaluator.
+    fn check(
+        name: &str,
+        inputs: &[(&str, &[usize])],
+        build: impl Fn(&Graph, &[NodeId]) -> Result<NodeId>,
+    ) {
+        let graph = Graph::new(name);
+        let ids: Vec<NodeId> = inputs
+            .iter()
+            .map(|(n, d)| graph.input(*n, Shape::new(d, DType::F64)).unwrap())
+            .collect();
+        let loss = build(&graph, &ids).unwrap();
+        let grads = grad(&graph, loss, &ids).unwrap();
+        let mut outputs = vec![loss];
+        outputs.extend(&grads);
+        graph.set_outputs(outputs);
+        let mut seed = 7u64;
+        let feed: HashMap<String, HostTensor> = inputs
+            .iter()
+            .map(|(n, d)| {
+                let shape = Shape::new(d, DType::F64);
+                let data = values(shape.num_elements(), &mut seed);
+                (n.to_string(), HostTensor::new(shape, data))
+            })
+            .collect();
+        let results = evaluate(&graph, &mut feed.clone()).unwrap();
+        assert_eq!(results.len(), inputs.len() + 1);
+        let eps = 1e-6;
+        for (k, (input, _)) in inputs.iter().enumerate() {
+            let analytic = &results[k + 1].data;
+            for (e, &rule) in analytic.iter().enumerate() {
+                let at = |delta: f64| {
+                    let mut probe = feed.clone();
+                    probe.get_mut(*input).unwrap().data[e] += delta;
+                    evaluate(&graph, &mut probe).unwrap()[0].data[0]
+                };
+                let numeric = (at(eps) - at(-eps)) / (2.0 * eps);
+                assert!(
+                    (rule - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                    "{name}: d loss / d {input}[{e}] = {rule} by the rule, {numeric} by differences"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn elementwise_rules_match_finite_differences() {
+        let unary = [
+            UnaryOp::Neg,
+            UnaryOp::Exp,
+            UnaryOp::Tanh,
+            UnaryOp::Sigmoid,
+            UnaryOp::Relu,
+        ];
+        for u in unary {
+            check(u.name(), &[("x", &[3, 4])], |g, x| {
+                let y = g.unary(u, x[0])?;
+                g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
+            });
+        }
+        // Positive operands for the ones defined there: exp of the input.
+        for u in [UnaryOp::Log, UnaryOp::Sqrt, UnaryOp::Reciprocal] {
+            check(u.name(), &[("x", &[2, 5])], |g, x| {
+                let y = g.unary(u, g.unary(UnaryOp::Exp, x[0])?)?;
+                g.sum(y, &[], false)
+            });
+        }
+        for b in [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div] {
+            // Broadcasting both ways: [3, 1, 4] against [2, 1].
+            check(b.name(), &[("a", &[3, 1, 4]), ("b", &[2, 1])], |g, x| {
+                let b_side = if b == BinaryOp::Div {
+                    g.unary(UnaryOp::Exp, x[1])?
+                } else {
+                    x[1]
+                };
+                let y = g.binary(b, x[0], b_side)?;
+                g.sum(g.unary(UnaryOp::Tanh, y)?, &[], false)
+            });
+        }
+    }
+
+    #[test]
+    fn matmul_reduce_and_layout_rules_match_finite_differences() {
+        check(
+            "mlp",
+            &[("x", &[3, 4]), ("w", &[4, 5]), ("b", &[5])],
+            |g, x| {
+                let h = g.binary(BinaryOp::Add, g.matmul(x[0], x[1])?, x[2])?;
+                let h = g.unary(UnaryOp::Tanh, h)?;
+                g.reduce(ReduceOp::Mean, g.binary(BinaryOp::Mul, h, h)?, &[], false)
+            },
+        );
+        // A batch of matrices against one shared matrix.
+        check("batched", &[("a", &[2, 3, 4]), ("w", &[4, 2])], |g, x| {
+            let y = g.matmul(x[0], x[1])?;
+            let y = g.sum(g.unary(UnaryOp::Sigmoid, y)?, &[1], false)?;
+            g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], true)
+        });
+        check("layout", &[("x", &[2, 3, 4])], |g, x| {
+            let p = g.permute(x[0], &[2, 0, 1])?;
+            let r = g.reshape(p, &[4, 6])?;
+            let m = g.reduce(ReduceOp::Mean, r, &[1], true)?;
+            g.sum(
+                g.binary(BinaryOp::Mul, g.unary(UnaryOp::Exp, m)?, r)?,
+                &[],
+                false,
+            )
+        });
+    }
+
+    #[test]
+    fn a_loss_that_does_not_depend_on_a_node_gives_zeros() {
+        let g = Graph::new("zeros");
+        let x = g.input("x", Shape::new(&[2, 3], DType::F32)).unwrap();
+        let unused = g.input("u", Shape::new(&[4], DType::F32)).unwrap();
+        let loss = g.sum(x, &[], false).unwrap();
+        let grads = grad(&g, loss, &[x, unused]).unwrap();
+        assert_eq!(g.shape(grads[1]).unwrap().dims(), &[4]);
+        g.set_outputs(grads.clone());
+        let mut feed = HashMap::new();
+        feed.insert(
+            "x".to_string(),
+            HostTensor::new(Shape::new(&[2, 3], DType::F32), vec![1.0; 6]),
+        );
+        feed.insert(
+            "u".to_string(),
+            HostTensor::new(Shape::new(&[4], DType::F32), vec![2.0; 4]),
+        );
+        let out = evaluate(&g, &mut feed).unwrap();
+        assert_eq!(out[0].data, vec![1.0; 6]);
+        assert_eq!(out[1].data, vec![0.0; 4]);
+    }
+
+    #[test]
+    fn bad_requests_are_errors_that_name_the_problem() {
+        let g = Graph::new("bad");
+        let x = g.input("x", Shape::new(&[2, 3], DType::F32)).unwrap();
+        // A loss that is not one element.
+        let not_scalar = g.unary(UnaryOp::Exp, x).unwrap();
+        let err = grad(&g, not_scalar, &[x]).unwrap_err().to_string();
+        assert!(err.contains("one element"), "{err}");
+        // An id from elsewhere.
+        let loss = g.sum(x, &[], false).unwrap();
+        let err = grad(&g, loss, &[NodeId::from_index(999)])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("%999"), "{err}");
+        // A path through a comparison: no gradient, named.
+        let positive = g
+            .binary(BinaryOp::Gt, x, g.scalar(0.0, DType::F32))
+            .unwrap();
+        let counted = g
+            .sum(g.cast(positive, DType::F32).unwrap(), &[], false)
+            .unwrap();
+        let err = grad(&g, counted, &[x]).unwrap_err().to_string();
+        assert!(err.contains("`gt`") && err.contains("bool"), "{err}");
+        // An op with no rule yet on the path: named too.
+        let sorted = g.unary(UnaryOp::Erf, x).unwrap();
+        let total = g.sum(sorted, &[], false).unwrap();
+        let err = grad(&g, total, &[x]).unwrap_err().to_string();
+        assert!(err.contains("`erf`"), "{err}");
+        // The graph still works: a valid request after the rejected ones.
+        let grads = grad(&g, loss, &[x]).unwrap();
+        assert_eq!(g.shape(grads[0]).unwrap().dims(), &[2, 3]);
+    }
+}
