@@ -14,9 +14,11 @@ use rlx_ir::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Result, UnaryO
 /// entry of `wrt`, of its shape: the gradient, or zeros where the loss does not depend
 /// on it. The graph's outputs are left as they were.
 ///
-/// Rules: `neg`, `exp`, `log`, `sqrt`, `tanh`, `sigmoid`, `relu` and `reciprocal`;
-/// `add`, `sub`, `mul` and `div` with broadcasting; `matmul` (operands of rank 2 or
-/// more, batch dims broadcast); `sum` and `mean` reductions; `reshape` and `permute`.
+/// Rules: `neg`, `abs`, `exp`, `log`, `sqrt`, `rsqrt`, `reciprocal`, `tanh`,
+/// `sigmoid`, `relu`, `silu`, `gelu`, `gelu_tanh`, `erf`, `sin` and `cos`; `add`,
+/// `sub`, `mul` and `div` with broadcasting; `where` (to its two values); `matmul`
+/// (operands of rank 2 or more, batch dims broadcast); `sum` and `mean` reductions;
+/// `softmax` and `log_softmax`; `reshape`, `permute`, `expand` and float casts.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] when `loss` is not a float tensor of one element or an
@@ -60,8 +62,10 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Vec<NodeId>> 
             continue;
         }
         // A bool or integer value between `wrt` and the loss (a comparison, an
-        // index, an integer op) carries no gradient: name the op that made it.
-        for &x in operands.iter().filter(|x| needed[x.index()]) {
+        // index, an integer op) carries no gradient: name the op that made it. (A
+        // `where`'s condition only selects, and needs none.)
+        let selects = usize::from(node.op == Op::Where);
+        for &x in operands[selects..].iter().filter(|x| needed[x.index()]) {
             let made = graph.node(x)?;
             if !made.shape.dtype().is_float() {
                 return Err(Error::InvalidGraph {
@@ -173,9 +177,102 @@ fn vjp(
                     graph.select(positive, g, constant(0.0))?
                 }
                 UnaryOp::Reciprocal => graph.unary(UnaryOp::Neg, mul(g, mul(out, out)?)?)?,
+                UnaryOp::Rsqrt => {
+                    let cube = mul(out, mul(out, out)?)?;
+                    mul(g, mul(cube, constant(-0.5))?)?
+                }
+                UnaryOp::Abs => mul(g, graph.unary(UnaryOp::Sign, x)?)?,
+                UnaryOp::Sin => mul(g, graph.unary(UnaryOp::Cos, x)?)?,
+                UnaryOp::Cos => {
+                    graph.unary(UnaryOp::Neg, mul(g, graph.unary(UnaryOp::Sin, x)?)?)?
+                }
+                UnaryOp::Erf => mul(g, erf_slope(graph, x, dtype)?)?,
+                UnaryOp::Silu => {
+                    // s + x s (1 - s), with s = sigmoid(x).
+                    let s = graph.unary(UnaryOp::Sigmoid, x)?;
+                    let one_minus = graph.binary(BinaryOp::Sub, constant(1.0), s)?;
+                    let slope = mul(
+                        s,
+                        graph.binary(BinaryOp::Add, constant(1.0), mul(x, one_minus)?)?,
+                    )?;
+                    mul(g, slope)?
+                }
+                UnaryOp::Gelu => {
+                    // Φ(x) + x φ(x): erf'(x / √2) / (2 √2) is φ(x).
+                    let scaled = mul(x, constant(std::f64::consts::FRAC_1_SQRT_2))?;
+                    let cdf = mul(
+                        graph.binary(
+                            BinaryOp::Add,
+                            constant(1.0),
+                            graph.unary(UnaryOp::Erf, scaled)?,
+                        )?,
+                        constant(0.5),
+                    )?;
+                    let pdf = mul(
+                        erf_slope(graph, scaled, dtype)?,
+                        constant(0.5 * std::f64::consts::FRAC_1_SQRT_2),
+                    )?;
+                    mul(g, graph.binary(BinaryOp::Add, cdf, mul(x, pdf)?)?)?
+                }
+                UnaryOp::GeluTanh => {
+                    // 0.5 (1 + t) + 0.5 x (1 - t²) c (1 + 3 a x²), t = tanh(c (x + a x³)).
+                    let (c, a) = ((2.0 / std::f64::consts::PI).sqrt(), 0.044715);
+                    let square = mul(x, x)?;
+                    let inner = mul(
+                        graph.binary(BinaryOp::Add, x, mul(mul(square, x)?, constant(a))?)?,
+                        constant(c),
+                    )?;
+                    let t = graph.unary(UnaryOp::Tanh, inner)?;
+                    let one_plus = graph.binary(BinaryOp::Add, constant(1.0), t)?;
+                    let sech2 = graph.binary(BinaryOp::Sub, constant(1.0), mul(t, t)?)?;
+                    let inner_slope = mul(
+                        graph.binary(
+                            BinaryOp::Add,
+                            constant(1.0),
+                            mul(square, constant(3.0 * a))?,
+                        )?,
+                        constant(c),
+                    )?;
+                    let second = mul(mul(x, sech2)?, inner_slope)?;
+                    mul(
+                        g,
+                        mul(
+                            graph.binary(BinaryOp::Add, one_plus, second)?,
+                            constant(0.5),
+                        )?,
+                    )?
+                }
                 _ => return no_rule("has no gradient rule yet"),
             };
             vec![Some(dx)]
+        }
+        Op::Where => {
+            let (cond, a, b) = (operands[0], operands[1], operands[2]);
+            let zero = constant(0.0);
+            let da = graph.select(cond, g, zero)?;
+            let db = graph.select(cond, zero, g)?;
+            vec![
+                None,
+                Some(unbroadcast(graph, da, a)?),
+                Some(unbroadcast(graph, db, b)?),
+            ]
+        }
+        Op::Expand { .. } => vec![Some(unbroadcast(graph, g, operands[0])?)],
+        Op::Softmax { axis } => {
+            // y (g - Σ g y) along the axis.
+            let axis = [*axis as isize];
+            let dot = graph.sum(mul(g, out)?, &axis, true)?;
+            vec![Some(mul(out, graph.binary(BinaryOp::Sub, g, dot)?)?)]
+        }
+        Op::LogSoftmax { axis } => {
+            // g - softmax(x) Σ g along the axis.
+            let total = graph.sum(g, &[*axis as isize], true)?;
+            let softmax = graph.unary(UnaryOp::Exp, out)?;
+            vec![Some(graph.binary(
+                BinaryOp::Sub,
+                g,
+                mul(softmax, total)?,
+            )?)]
         }
         Op::Binary(b) => {
             let (x, y) = (operands[0], operands[1]);
@@ -251,6 +348,14 @@ fn vjp(
         }
         _ => return no_rule("has no gradient rule yet"),
     })
+}
+
+/// `erf'(x) = 2 / √π e^(-x²)`.
+fn erf_slope(graph: &Graph, x: NodeId, dtype: DType) -> Result<NodeId> {
+    let square = graph.binary(BinaryOp::Mul, x, x)?;
+    let decay = graph.unary(UnaryOp::Exp, graph.unary(UnaryOp::Neg, square)?)?;
+    let scale = graph.scalar(std::f64::consts::FRAC_2_SQRT_PI, dtype);
+    graph.binary(BinaryOp::Mul, decay, scale)
 }
 
 /// `g` summed over the axes along which `x` was broadcast to `g`'s shape, and shaped
@@ -357,10 +462,17 @@ mod tests {
     fn elementwise_rules_match_finite_differences() {
         let unary = [
             UnaryOp::Neg,
+            UnaryOp::Abs,
             UnaryOp::Exp,
             UnaryOp::Tanh,
             UnaryOp::Sigmoid,
             UnaryOp::Relu,
+            UnaryOp::Silu,
+            UnaryOp::Gelu,
+            UnaryOp::GeluTanh,
+            UnaryOp::Erf,
+            UnaryOp::Sin,
+            UnaryOp::Cos,
         ];
         for u in unary {
             check(u.name(), &[("x", &[3, 4])], |g, x| {
@@ -369,7 +481,12 @@ mod tests {
             });
         }
         // Positive operands for the ones defined there: exp of the input.
-        for u in [UnaryOp::Log, UnaryOp::Sqrt, UnaryOp::Reciprocal] {
+        for u in [
+            UnaryOp::Log,
+            UnaryOp::Sqrt,
+            UnaryOp::Rsqrt,
+            UnaryOp::Reciprocal,
+        ] {
             check(u.name(), &[("x", &[2, 5])], |g, x| {
                 let y = g.unary(u, g.unary(UnaryOp::Exp, x[0])?)?;
                 g.sum(y, &[], false)
@@ -406,6 +523,21 @@ mod tests {
             let y = g.sum(g.unary(UnaryOp::Sigmoid, y)?, &[1], false)?;
             g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], true)
         });
+        // Cross-entropy-like: log_softmax picked by a one-hot, a softmax weighting, a
+        // `where` whose condition depends on the input, an expand.
+        check(
+            "softmax",
+            &[("x", &[3, 5]), ("t", &[3, 5]), ("v", &[1, 5])],
+            |g, x| {
+                let picked = g.binary(BinaryOp::Mul, g.log_softmax(x[0], -1)?, x[1])?;
+                let weights = g.softmax(x[0], 0)?;
+                let wide = g.expand(x[2], &[3, 5])?;
+                let positive = g.binary(BinaryOp::Gt, x[0], g.scalar(0.0, DType::F64))?;
+                let chosen = g.select(positive, wide, g.binary(BinaryOp::Mul, x[0], x[0])?)?;
+                let mixed = g.binary(BinaryOp::Mul, weights, chosen)?;
+                g.sum(g.binary(BinaryOp::Add, picked, mixed)?, &[], false)
+            },
+        );
         check("layout", &[("x", &[2, 3, 4])], |g, x| {
             let p = g.permute(x[0], &[2, 0, 1])?;
             let r = g.reshape(p, &[4, 6])?;
@@ -465,10 +597,10 @@ mod tests {
         let err = grad(&g, counted, &[x]).unwrap_err().to_string();
         assert!(err.contains("`gt`") && err.contains("bool"), "{err}");
         // An op with no rule yet on the path: named too.
-        let sorted = g.unary(UnaryOp::Erf, x).unwrap();
-        let total = g.sum(sorted, &[], false).unwrap();
+        let stepped = g.unary(UnaryOp::Floor, x).unwrap();
+        let total = g.sum(stepped, &[], false).unwrap();
         let err = grad(&g, total, &[x]).unwrap_err().to_string();
-        assert!(err.contains("`erf`"), "{err}");
+        assert!(err.contains("`floor`"), "{err}");
         // The graph still works: a valid request after the rejected ones.
         let grads = grad(&g, loss, &[x]).unwrap();
         assert_eq!(g.shape(grads[0]).unwrap().dims(), &[2, 3]);
