@@ -17,8 +17,11 @@ use rlx_ir::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Result, UnaryO
 /// Rules: `neg`, `abs`, `exp`, `log`, `sqrt`, `rsqrt`, `reciprocal`, `tanh`,
 /// `sigmoid`, `relu`, `silu`, `gelu`, `gelu_tanh`, `erf`, `sin` and `cos`; `add`,
 /// `sub`, `mul` and `div` with broadcasting; `where` (to its two values); `matmul`
-/// (operands of rank 2 or more, batch dims broadcast); `sum` and `mean` reductions;
-/// `softmax` and `log_softmax`; `reshape`, `permute`, `expand` and float casts.
+/// (operands of rank 2 or more, batch dims broadcast); `sum` and `mean` reductions, and
+/// `max` and `min` ones (to the extremes, ties sharing evenly);
+/// `softmax` and `log_softmax`; `reshape`, `permute`, `expand` and float casts. Other
+/// composites (layer and RMS norm, attention, rope, the fused forms) go through their
+/// decomposition into primitives.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] when `loss` is not a float tensor of one element or an
@@ -330,6 +333,28 @@ fn vjp(
             }
             vec![Some(dx)]
         }
+        Op::Reduce {
+            op: ReduceOp::Max | ReduceOp::Min,
+            axes,
+            keepdims,
+        } => {
+            // To the extreme values, shared evenly between ties.
+            let x = operands[0];
+            let shape = graph.shape(x)?;
+            let kept: Vec<usize> = (0..shape.rank())
+                .map(|a| if axes.contains(&a) { 1 } else { shape.dim(a) })
+                .collect();
+            let (g, out) = if *keepdims {
+                (g, out)
+            } else {
+                (graph.reshape(g, &kept)?, graph.reshape(out, &kept)?)
+            };
+            let hit = graph.cast(graph.binary(BinaryOp::Eq, x, out)?, dtype)?;
+            let axes: Vec<isize> = axes.iter().map(|&a| a as isize).collect();
+            let ties = graph.sum(hit, &axes, true)?;
+            let share = graph.binary(BinaryOp::Div, g, ties)?;
+            vec![Some(mul(hit, share)?)]
+        }
         Op::Reshape { .. } => {
             let dims = graph.shape(operands[0])?.dims().to_vec();
             vec![Some(graph.reshape(g, &dims)?)]
@@ -346,8 +371,63 @@ fn vjp(
             let from = graph.shape(operands[0])?.dtype();
             vec![Some(graph.cast(g, from)?)]
         }
+        _ if rlx_ir::decompose::is_composite(op) => {
+            return through_decomposition(graph, op, operands, g);
+        }
         _ => return no_rule("has no gradient rule yet"),
     })
+}
+
+/// The VJP of a composite with no rule of its own (the norms, attention, rope, the
+/// fused forms): its decomposition into primitives is built from the same operands,
+/// and `g` is taken back through it to them.
+fn through_decomposition(
+    graph: &Graph,
+    op: &Op,
+    operands: &[NodeId],
+    g: NodeId,
+) -> Result<Vec<Option<NodeId>>> {
+    let start = graph.len();
+    let Some(y) = rlx_ir::decompose::decompose(graph, op, operands)? else {
+        return Err(Error::invalid(
+            "grad",
+            format!("`{}` has no decomposition", op.name()),
+        ));
+    };
+    let mut adjoints: std::collections::HashMap<usize, NodeId> = Default::default();
+    adjoints.insert(y.index(), g);
+    for index in (start..=y.index()).rev() {
+        let Some(&cotangent) = adjoints.get(&index) else {
+            continue;
+        };
+        let node = graph.node(NodeId::from_index(index))?;
+        // Constants the decomposition made, and values that are not floats, pass
+        // nothing on.
+        if node.inputs.is_empty() || !node.shape.dtype().is_float() {
+            continue;
+        }
+        let contributions = vjp(graph, index, &node.op, &node.inputs, cotangent)?;
+        for (operand, contribution) in node.inputs.iter().zip(contributions) {
+            let Some(contribution) = contribution else {
+                continue;
+            };
+            // Only the decomposition's own nodes and the composite's operands carry
+            // a gradient anywhere; constants it built need none.
+            let inside = operand.index() >= start;
+            if !inside && !operands.contains(operand) {
+                continue;
+            }
+            let sum = match adjoints.get(&operand.index()) {
+                Some(&sum) => graph.binary(BinaryOp::Add, sum, contribution)?,
+                None => contribution,
+            };
+            adjoints.insert(operand.index(), sum);
+        }
+    }
+    Ok(operands
+        .iter()
+        .map(|x| adjoints.get(&x.index()).copied())
+        .collect())
 }
 
 /// `erf'(x) = 2 / √π e^(-x²)`.
@@ -538,15 +618,43 @@ mod tests {
                 g.sum(g.binary(BinaryOp::Add, picked, mixed)?, &[], false)
             },
         );
+        // Composites through their decompositions.
+        check(
+            "norms",
+            &[("x", &[3, 8]), ("gamma", &[8]), ("beta", &[8])],
+            |g, x| {
+                let ln = g.layer_norm(x[0], x[1], x[2], 1e-5)?;
+                let rms = g.rms_norm(x[0], x[1], 1e-6)?;
+                let y = g.binary(BinaryOp::Mul, ln, g.unary(UnaryOp::Tanh, rms)?)?;
+                g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
+            },
+        );
+        check(
+            "attention",
+            &[
+                ("q", &[1, 2, 3, 4]),
+                ("k", &[1, 2, 5, 4]),
+                ("v", &[1, 2, 5, 4]),
+            ],
+            |g, x| {
+                let y = g.attention(x[0], x[1], x[2], None, true, None)?;
+                g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
+            },
+        );
         check("layout", &[("x", &[2, 3, 4])], |g, x| {
             let p = g.permute(x[0], &[2, 0, 1])?;
             let r = g.reshape(p, &[4, 6])?;
             let m = g.reduce(ReduceOp::Mean, r, &[1], true)?;
-            g.sum(
+            let weighted = g.sum(
                 g.binary(BinaryOp::Mul, g.unary(UnaryOp::Exp, m)?, r)?,
                 &[],
                 false,
-            )
+            )?;
+            // The extremes along each axis, kept and not.
+            let high = g.sum(g.reduce_max(r, &[0], false)?, &[], false)?;
+            let low = g.sum(g.reduce_min(r, &[1], true)?, &[], false)?;
+            let extremes = g.binary(BinaryOp::Sub, high, g.binary(BinaryOp::Mul, low, low)?)?;
+            g.binary(BinaryOp::Add, weighted, extremes)
         });
     }
 
