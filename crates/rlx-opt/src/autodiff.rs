@@ -19,7 +19,8 @@ use rlx_ir::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Result, UnaryO
 /// `sub`, `mul` and `div` with broadcasting; `where` (to its two values); `matmul`
 /// (operands of rank 2 or more, batch dims broadcast); `sum` and `mean` reductions, and
 /// `max` and `min` ones (to the extremes, ties sharing evenly);
-/// `softmax` and `log_softmax`; `reshape`, `permute`, `expand` and float casts. Other
+/// `softmax` and `log_softmax`; `reshape`, `permute`, `expand`, `slice` (steps of 1),
+/// `concat`, `gather` of a 2-D table's rows (an embedding) and float casts. Other
 /// composites (layer and RMS norm, attention, rope, the fused forms) go through their
 /// decomposition into primitives.
 ///
@@ -66,9 +67,12 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Vec<NodeId>> 
         }
         // A bool or integer value between `wrt` and the loss (a comparison, an
         // index, an integer op) carries no gradient: name the op that made it. (A
-        // `where`'s condition only selects, and needs none.)
-        let selects = usize::from(node.op == Op::Where);
-        for &x in operands[selects..].iter().filter(|x| needed[x.index()]) {
+        // `where`'s condition and a gather's indices only select, and need none.)
+        let selects = |i: usize| {
+            (node.op == Op::Where && i == 0) || (matches!(node.op, Op::Gather { .. }) && i == 1)
+        };
+        let carrying = operands.iter().enumerate().filter(|&(i, _)| !selects(i));
+        for (_, &x) in carrying.filter(|(_, x)| needed[x.index()]) {
             let made = graph.node(x)?;
             if !made.shape.dtype().is_float() {
                 return Err(Error::InvalidGraph {
@@ -355,6 +359,42 @@ fn vjp(
             let share = graph.binary(BinaryOp::Div, g, ties)?;
             vec![Some(mul(hit, share)?)]
         }
+        Op::Slice { axes } => {
+            // Zeros around the slice: only forward steps of 1 so far.
+            let x = graph.shape(operands[0])?;
+            if axes.iter().any(|a| a.step != 1) {
+                return no_rule("has no gradient rule yet for a step other than 1");
+            }
+            let pads: Vec<(usize, usize)> = axes
+                .iter()
+                .enumerate()
+                .map(|(d, a)| (a.start, x.dim(d) - a.start - a.len))
+                .collect();
+            let zero = rlx_ir::PadMode::Constant(rlx_ir::F64Bits::new(0.0));
+            vec![Some(graph.pad(g, &pads, zero)?)]
+        }
+        Op::Concat { axis } => {
+            let mut start = 0;
+            operands
+                .iter()
+                .map(|&x| {
+                    let len = graph.shape(x)?.dim(*axis);
+                    let range = (start as isize, (start + len) as isize);
+                    start += len;
+                    Ok(Some(graph.slice(g, *axis as isize, range.0, range.1, 1)?))
+                })
+                .collect::<Result<Vec<_>>>()?
+        }
+        Op::Gather { axis: 0 } if graph.shape(operands[0])?.rank() == 2 => {
+            // Rows of a table (an embedding): each picked row's gradient added into
+            // its row, as a one-hot product.
+            let (table, indices) = (graph.shape(operands[0])?, operands[1]);
+            let picks = graph.shape(indices)?.num_elements();
+            let flat = graph.reshape(indices, &[picks])?;
+            let hot = graph.one_hot(flat, table.dim(0), dtype)?;
+            let rows = graph.reshape(g, &[picks, table.dim(1)])?;
+            vec![Some(graph.matmul(graph.transpose(hot, 0, 1)?, rows)?), None]
+        }
         Op::Reshape { .. } => {
             let dims = graph.shape(operands[0])?.dims().to_vec();
             vec![Some(graph.reshape(g, &dims)?)]
@@ -639,6 +679,21 @@ mod tests {
             |g, x| {
                 let y = g.attention(x[0], x[1], x[2], None, true, None)?;
                 g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
+            },
+        );
+        // An embedding lookup (rows picked twice), slices and a concat.
+        check(
+            "embedding",
+            &[("table", &[5, 3]), ("x", &[2, 6])],
+            |g, x| {
+                let ids = g.constant(rlx_ir::TensorData::I64(vec![4, 0, 4, 2]), &[2, 2])?;
+                let rows = g.gather(x[0], ids, 0)?;
+                let left = g.slice(x[1], 1, 1, 4, 1)?;
+                let right = g.slice(x[1], 1, 3, 6, 1)?;
+                let joined = g.concat(&[left, right], 0)?;
+                let picked = g.sum(g.binary(BinaryOp::Mul, rows, rows)?, &[], false)?;
+                let mixed = g.sum(g.unary(UnaryOp::Tanh, joined)?, &[], false)?;
+                g.binary(BinaryOp::Add, picked, mixed)
             },
         );
         check("layout", &[("x", &[2, 3, 4])], |g, x| {
