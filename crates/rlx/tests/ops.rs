@@ -3217,6 +3217,59 @@ fn random_shapes() {
 /// Says on stderr whether the CUDA cases of the suites run here, and why not (CI
 /// shows it with `--nocapture`); on a machine with a GPU, that the device answers.
 #[test]
+fn gradient_graphs_run_on_every_device() {
+    let mut s = Suite::new(0x4A);
+    for dt in [DType::F32, DType::F64] {
+        // A two-layer classifier with a cross-entropy loss against soft targets: the
+        // loss and the gradient of every weight, as `grad` appends them.
+        s.check(
+            &format!("mlp cross-entropy gradients {dt}"),
+            &[
+                inp("x", &[8, 6], dt),
+                inp("w1", &[6, 16], dt),
+                inp("b1", &[16], dt),
+                inp("w2", &[16, 4], dt),
+                inp("logits", &[8, 4], dt),
+            ],
+            acc(16),
+            |g, x| {
+                let h = g.unary(UnaryOp::Tanh, g.add(g.matmul(x[0], x[1])?, x[2])?)?;
+                let out = g.matmul(h, x[3])?;
+                let target = g.softmax(x[4], -1)?;
+                let picked = g.mul(g.log_softmax(out, -1)?, target)?;
+                let loss = g.unary(
+                    UnaryOp::Neg,
+                    g.reduce(ReduceOp::Mean, g.sum(picked, &[1], false)?, &[], false)?,
+                )?;
+                let mut outs = vec![loss];
+                outs.extend(rlx::grad(g, loss, &[x[1], x[2], x[3]])?);
+                Ok(outs)
+            },
+        );
+        // An embedding, a layer norm (through its decomposition) and a ReLU.
+        s.check(
+            &format!("embedding and layer norm gradients {dt}"),
+            &[
+                inp("table", &[10, 8], dt),
+                inp("gamma", &[8], dt),
+                inp("beta", &[8], dt),
+            ],
+            acc(8),
+            |g, x| {
+                let ids = g.constant(TensorData::I64(vec![3, 7, 3, 0, 9, 1]), &[2, 3])?;
+                let rows = g.gather(x[0], ids, 0)?;
+                let normed = g.layer_norm(rows, x[1], x[2], 1e-5)?;
+                let y = g.unary(UnaryOp::Relu, normed)?;
+                let loss = g.sum(g.mul(y, y)?, &[], false)?;
+                let mut outs = vec![loss];
+                outs.extend(rlx::grad(g, loss, &[x[0], x[1], x[2]])?);
+                Ok(outs)
+            },
+        );
+    }
+}
+
+#[test]
 fn cuda_availability_is_reported() {
     match rlx::device_available(Device::Cuda(0)) {
         Ok(()) => {
