@@ -20,7 +20,9 @@ use rlx_ir::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Result, UnaryO
 /// (operands of rank 2 or more, batch dims broadcast); `sum` and `mean` reductions, and
 /// `max` and `min` ones (to the extremes, ties sharing evenly);
 /// `softmax` and `log_softmax`; `reshape`, `permute`, `expand`, `slice` (steps of 1),
-/// `concat`, `gather` of a 2-D table's rows (an embedding) and float casts. Other
+/// `concat`, `gather` of a 2-D table's rows (an embedding), `conv2d` (unit stride, no
+/// dilation, one group, padding less than the kernel), `max_pool2d` (windows that tile
+/// the input) and float casts. Other
 /// composites (layer and RMS norm, attention, rope, the fused forms) go through their
 /// decomposition into primitives.
 ///
@@ -395,6 +397,40 @@ fn vjp(
             let rows = graph.reshape(g, &[picks, table.dim(1)])?;
             vec![Some(graph.matmul(graph.transpose(hot, 0, 1)?, rows)?), None]
         }
+        Op::Conv2d { window, groups: 1 }
+            if window.stride == [1, 1]
+                && window.dilation == [1, 1]
+                && window.padding[0].max(window.padding[2]) < graph.shape(operands[1])?.dim(2)
+                && window.padding[1].max(window.padding[3]) < graph.shape(operands[1])?.dim(3) =>
+        {
+            conv2d_vjp(graph, window, operands, g)?
+        }
+        Op::MaxPool2d { window }
+            if window.kernel == window.stride
+                && window.padding == [0; 4]
+                && window.dilation == [1, 1]
+                && {
+                    let x = graph.shape(operands[0])?;
+                    x.dim(2) % window.kernel[0] == 0 && x.dim(3) % window.kernel[1] == 0
+                } =>
+        {
+            // To each window's maximum, shared evenly between ties: the windows tile
+            // the input, so spreading a pooled value over its window is a broadcast.
+            let x = operands[0];
+            let [kh, kw] = window.kernel;
+            let spread = |t: NodeId| -> Result<NodeId> {
+                let s = graph.shape(t)?;
+                let (n, c, h, w) = (s.dim(0), s.dim(1), s.dim(2), s.dim(3));
+                let split = graph.reshape(t, &[n, c, h, 1, w, 1])?;
+                let wide = graph.expand(split, &[n, c, h, kh, w, kw])?;
+                graph.reshape(wide, &[n, c, h * kh, w * kw])
+            };
+            let hit = graph.cast(graph.binary(BinaryOp::Eq, x, spread(out)?)?, dtype)?;
+            let ties = graph.avg_pool2d(hit, window.kernel, window.stride, [0; 4], true)?;
+            let ties = mul(ties, constant((kh * kw) as f64))?;
+            let share = graph.binary(BinaryOp::Div, g, ties)?;
+            vec![Some(mul(hit, spread(share)?)?)]
+        }
         Op::Reshape { .. } => {
             let dims = graph.shape(operands[0])?.dims().to_vec();
             vec![Some(graph.reshape(g, &dims)?)]
@@ -468,6 +504,38 @@ fn through_decomposition(
         .iter()
         .map(|x| adjoints.get(&x.index()).copied())
         .collect())
+}
+
+/// The VJP of a unit-stride, undilated, single-group convolution whose padding is less
+/// than its kernel on every side: the input's gradient is the output's convolved with
+/// the flipped, transposed weights (the padding that restores the input's size), the
+/// weights' is the input's correlated with the output's over the batch, and the bias's
+/// the output's summed over batch and pixels.
+fn conv2d_vjp(
+    graph: &Graph,
+    window: &rlx_ir::Window2d,
+    operands: &[NodeId],
+    g: NodeId,
+) -> Result<Vec<Option<NodeId>>> {
+    let (x, w) = (operands[0], operands[1]);
+    let ws = graph.shape(w)?;
+    let (kh, kw) = (ws.dim(2) as isize, ws.dim(3) as isize);
+    let [t, l, b, r] = window.padding;
+    let flipped = graph.slice_axes(w, &[(2, -1, -kh - 1, -1), (3, -1, -kw - 1, -1)])?;
+    let turned = graph.permute(flipped, &[1, 0, 2, 3])?;
+    let (kh, kw) = (ws.dim(2), ws.dim(3));
+    let pad = [kh - 1 - t, kw - 1 - l, kh - 1 - b, kw - 1 - r];
+    let dx = graph.conv2d(g, turned, None, [1, 1], pad, [1, 1], 1)?;
+    // Batch as the channels being summed over: [C, N, H, W] by [O, N, OH, OW].
+    let xt = graph.permute(x, &[1, 0, 2, 3])?;
+    let gt = graph.permute(g, &[1, 0, 2, 3])?;
+    let dw = graph.conv2d(xt, gt, None, [1, 1], window.padding, [1, 1], 1)?;
+    let dw = graph.permute(dw, &[1, 0, 2, 3])?;
+    let mut grads = vec![Some(dx), Some(dw)];
+    if operands.len() > 2 {
+        grads.push(Some(graph.sum(g, &[0, 2, 3], false)?));
+    }
+    Ok(grads)
 }
 
 /// `erf'(x) = 2 / √π e^(-x²)`.
@@ -694,6 +762,22 @@ mod tests {
                 let picked = g.sum(g.binary(BinaryOp::Mul, rows, rows)?, &[], false)?;
                 let mixed = g.sum(g.unary(UnaryOp::Tanh, joined)?, &[], false)?;
                 g.binary(BinaryOp::Add, picked, mixed)
+            },
+        );
+        // A small CNN: padded and unpadded convolutions with a bias, a max pool.
+        check(
+            "cnn",
+            &[
+                ("x", &[2, 3, 6, 6]),
+                ("w", &[4, 3, 3, 3]),
+                ("b", &[4]),
+                ("w2", &[2, 4, 2, 3]),
+            ],
+            |g, x| {
+                let y = g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [1, 1, 1, 1], [1, 1], 1)?;
+                let y = g.max_pool2d(g.unary(UnaryOp::Tanh, y)?, [2, 2], [2, 2], [0; 4])?;
+                let z = g.conv2d(y, x[3], None, [1, 1], [0, 1, 1, 0], [1, 1], 1)?;
+                g.sum(g.binary(BinaryOp::Mul, z, z)?, &[], false)
             },
         );
         check("layout", &[("x", &[2, 3, 4])], |g, x| {

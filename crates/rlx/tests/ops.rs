@@ -3266,6 +3266,24 @@ fn gradient_graphs_run_on_every_device() {
                 Ok(outs)
             },
         );
+        // A convolution with a bias and a ReLU, then a max pool.
+        s.check(
+            &format!("cnn gradients {dt}"),
+            &[
+                inp("x", &[2, 3, 8, 8], dt),
+                inp("w", &[5, 3, 3, 3], dt),
+                inp("b", &[5], dt),
+            ],
+            acc(128),
+            |g, x| {
+                let y = g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [1, 1, 1, 1], [1, 1], 1)?;
+                let y = g.max_pool2d(g.unary(UnaryOp::Relu, y)?, [2, 2], [2, 2], [0; 4])?;
+                let loss = g.sum(g.mul(y, y)?, &[], false)?;
+                let mut outs = vec![loss];
+                outs.extend(rlx::grad(g, loss, &[x[0], x[1], x[2]])?);
+                Ok(outs)
+            },
+        );
     }
 }
 
