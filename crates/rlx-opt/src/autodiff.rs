@@ -108,6 +108,47 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Vec<NodeId>> 
         .collect()
 }
 
+/// Appends to `graph` the forward-mode derivative of `y` along `tangent` at `x`: the
+/// Jacobian-vector product `J v` (of `y`'s shape) of `y` with respect to `x`, for a
+/// `tangent` of `x`'s shape and dtype.
+///
+/// It transposes the reverse mode rather than keeping a second set of rules: with `u`
+/// of `y`'s shape, `Jᵀu` is the gradient of `sum(y u)`, linear in `u`, and `J v` is the
+/// gradient of `sum(Jᵀu v)` with respect to `u` (taken at `u = 0`). So every op with a
+/// reverse rule whose backward nodes have rules too has a forward one.
+///
+/// # Errors
+/// As [`grad`]; [`Error::InvalidArgument`] when `y` is not a float tensor or the
+/// tangent's shape is not `x`'s.
+pub fn jvp(graph: &Graph, y: NodeId, x: NodeId, tangent: NodeId) -> Result<NodeId> {
+    for id in [y, x, tangent] {
+        if id.index() >= graph.len() {
+            return Err(Error::invalid(
+                "jvp",
+                format!("node %{} is not in graph '{}'", id.index(), graph.name()),
+            ));
+        }
+    }
+    let (ys, xs, vs) = (graph.shape(y)?, graph.shape(x)?, graph.shape(tangent)?);
+    if !ys.dtype().is_float() {
+        return Err(Error::invalid(
+            "jvp",
+            format!("the output must be a float tensor, got {ys}"),
+        ));
+    }
+    if vs != xs {
+        return Err(Error::invalid(
+            "jvp",
+            format!("the tangent must have the input's shape {xs}, got {vs}"),
+        ));
+    }
+    let u = zeros_like(graph, y)?;
+    let paired = graph.sum(graph.binary(BinaryOp::Mul, y, u)?, &[], false)?;
+    let pulled = grad(graph, paired, &[x])?[0];
+    let along = graph.sum(graph.binary(BinaryOp::Mul, pulled, tangent)?, &[], false)?;
+    Ok(grad(graph, along, &[u])?[0])
+}
+
 /// Which nodes lie on a path from one of `wrt` to `loss`: reachable from `wrt` through
 /// operand edges, and among `loss`'s operands (transitively).
 fn on_paths(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Vec<bool> {
@@ -795,6 +836,51 @@ mod tests {
             let extremes = g.binary(BinaryOp::Sub, high, g.binary(BinaryOp::Mul, low, low)?)?;
             g.binary(BinaryOp::Add, weighted, extremes)
         });
+    }
+
+    #[test]
+    fn forward_mode_matches_finite_differences_along_the_tangent() {
+        let graph = Graph::new("jvp");
+        let f64s = |d: &[usize]| Shape::new(d, DType::F64);
+        let x = graph.input("x", f64s(&[3, 4])).unwrap();
+        let w = graph.input("w", f64s(&[4, 5])).unwrap();
+        let v = graph.input("v", f64s(&[3, 4])).unwrap();
+        let h = graph
+            .unary(UnaryOp::Tanh, graph.matmul(x, w).unwrap())
+            .unwrap();
+        let y = graph
+            .softmax(graph.binary(BinaryOp::Mul, h, h).unwrap(), -1)
+            .unwrap();
+        let jv = jvp(&graph, y, x, v).unwrap();
+        assert_eq!(graph.shape(jv).unwrap().dims(), &[3, 5]);
+        graph.set_outputs(vec![y, jv]);
+        let mut seed = 3u64;
+        let mut feed: HashMap<String, HostTensor> = HashMap::new();
+        for (name, dims) in [("x", [3, 4]), ("w", [4, 5]), ("v", [3, 4])] {
+            let data = values(dims.iter().product(), &mut seed);
+            feed.insert(name.to_string(), HostTensor::new(f64s(&dims), data));
+        }
+        let analytic = evaluate(&graph, &mut feed.clone()).unwrap()[1].data.clone();
+        let eps = 1e-6;
+        let at = |sign: f64| {
+            let mut probe = feed.clone();
+            let tangent = probe["v"].data.clone();
+            for (value, t) in probe.get_mut("x").unwrap().data.iter_mut().zip(tangent) {
+                *value += sign * eps * t;
+            }
+            evaluate(&graph, &mut probe).unwrap()[0].data.clone()
+        };
+        let (plus, minus) = (at(1.0), at(-1.0));
+        for (e, &rule) in analytic.iter().enumerate() {
+            let numeric = (plus[e] - minus[e]) / (2.0 * eps);
+            assert!(
+                (rule - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                "(J v)[{e}] = {rule} by the rule, {numeric} by differences"
+            );
+        }
+        // A tangent of the wrong shape is an error.
+        let err = jvp(&graph, y, x, w).unwrap_err().to_string();
+        assert!(err.contains("tangent"), "{err}");
     }
 
     #[test]

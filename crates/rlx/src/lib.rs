@@ -36,7 +36,7 @@ pub use rlx_models::Embedder;
 pub use rlx_models::llama::Llm;
 pub use rlx_onnx as onnx;
 pub use rlx_opt as opt;
-pub use rlx_opt::autodiff::grad;
+pub use rlx_opt::autodiff::{grad, jvp};
 pub use rlx_runtime as runtime;
 pub use rlx_runtime::{
     BucketedCompileCache, Buckets, CompileOptions, CompiledGraph, MemoryStats, Session,
@@ -54,7 +54,7 @@ pub mod prelude {
     pub use crate::{
         Bindings, BucketedCompileCache, Buckets, BufferHandle, CompileOptions, CompiledGraph,
         DType, Device, Dim, Error, Graph, NodeId, Result, Session, Shape, SymbolRange,
-        SymbolicGraph, SymbolicShape, TensorData, TensorRef, grad,
+        SymbolicGraph, SymbolicShape, TensorData, TensorRef, grad, jvp,
     };
     pub use rlx_ir::{BinaryOp, PadMode, ReduceOp, RopeStyle, UnaryOp};
 }
