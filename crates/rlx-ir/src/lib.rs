@@ -46,6 +46,7 @@ pub use op::{
 pub use ops::fused::{
     EwStep, MAX_REGION_INPUTS, MAX_REGION_REGISTERS, fusable_binary, fusable_unary,
 };
+pub use ops::loss::CrossEntropy;
 pub use ops::matmul::{MatMulDims, matmul_dims};
 pub use quant::{QuantFormat, dequantize_row};
 pub use shape::{MAX_RANK, Shape, broadcast_dims, contiguous_strides, normalize_axis};

@@ -767,6 +767,16 @@ mod tests {
                 g.sum(g.binary(BinaryOp::Add, picked, mixed)?, &[], false)
             },
         );
+        // The losses: cross-entropy with an ignored row and label smoothing, MSE.
+        check("losses", &[("x", &[4, 6]), ("y", &[4, 6])], |g, x| {
+            let ids = g.constant(rlx_ir::TensorData::I64(vec![5, -100, 0, 3]), &[4])?;
+            let options = rlx_ir::CrossEntropy {
+                ignore_index: Some(-100),
+                label_smoothing: 0.1,
+            };
+            let ce = g.cross_entropy(x[0], ids, options)?;
+            g.binary(BinaryOp::Add, ce, g.mse(x[0], x[1])?)
+        });
         // Composites through their decompositions.
         check(
             "norms",

@@ -7,6 +7,7 @@ pub mod attention;
 pub mod conv;
 pub mod elementwise;
 pub mod fused;
+pub mod loss;
 pub mod matmul;
 pub mod misc;
 pub mod norm;
