@@ -3266,6 +3266,23 @@ fn gradient_graphs_run_on_every_device() {
                 Ok(outs)
             },
         );
+        // The cross-entropy loss with an ignored row and label smoothing.
+        s.check(
+            &format!("cross-entropy gradients {dt}"),
+            &[inp("logits", &[6, 7], dt)],
+            acc(7),
+            |g, x| {
+                let ids = g.constant(TensorData::I64(vec![6, 0, -100, 3, 3, 1]), &[6])?;
+                let options = rlx::ir::CrossEntropy {
+                    ignore_index: Some(-100),
+                    label_smoothing: 0.1,
+                };
+                let loss = g.cross_entropy(x[0], ids, options)?;
+                let mut outs = vec![loss];
+                outs.extend(rlx::grad(g, loss, &[x[0]])?);
+                Ok(outs)
+            },
+        );
         // A convolution with a bias and a ReLU, then a max pool.
         s.check(
             &format!("cnn gradients {dt}"),
