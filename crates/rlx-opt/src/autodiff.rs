@@ -16,13 +16,14 @@ use rlx_ir::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Result, UnaryO
 ///
 /// Rules: `neg`, `abs`, `exp`, `log`, `sqrt`, `rsqrt`, `reciprocal`, `tanh`,
 /// `sigmoid`, `relu`, `silu`, `gelu`, `gelu_tanh`, `erf`, `sin` and `cos`; `add`,
-/// `sub`, `mul` and `div` with broadcasting; `where` (to its two values); `matmul`
+/// `sub`, `mul`, `div`, `pow` (positive bases), `max` and `min` (the first operand on
+/// a tie) with broadcasting; `where` (to its two values); `matmul`
 /// (operands of rank 2 or more, batch dims broadcast); `sum` and `mean` reductions, and
 /// `max` and `min` ones (to the extremes, ties sharing evenly);
 /// `softmax` and `log_softmax`; `reshape`, `permute`, `expand`, `slice` (steps of 1),
 /// `concat`, `gather` of a 2-D table's rows (an embedding), `conv2d` (unit stride, no
-/// dilation, one group, padding less than the kernel), `max_pool2d` (windows that tile
-/// the input) and float casts. Other
+/// dilation, one group, padding less than the kernel), `max_pool2d` and `avg_pool2d`
+/// (windows that tile the input) and float casts. Other
 /// composites (layer and RMS norm, attention, rope, the fused forms) go through their
 /// decomposition into primitives.
 ///
@@ -330,6 +331,26 @@ fn vjp(
                 BinaryOp::Add => (g, g),
                 BinaryOp::Sub => (g, graph.unary(UnaryOp::Neg, g)?),
                 BinaryOp::Mul => (mul(g, y)?, mul(g, x)?),
+                BinaryOp::Max | BinaryOp::Min => {
+                    // To the operand picked, the first one on a tie.
+                    let first = if *b == BinaryOp::Max {
+                        BinaryOp::Ge
+                    } else {
+                        BinaryOp::Le
+                    };
+                    let picked = graph.binary(first, x, y)?;
+                    let zero = constant(0.0);
+                    (
+                        graph.select(picked, g, zero)?,
+                        graph.select(picked, zero, g)?,
+                    )
+                }
+                BinaryOp::Pow => {
+                    // y x^(y-1) and x^y ln x (for positive bases).
+                    let dx = mul(g, graph.binary(BinaryOp::Div, mul(y, out)?, x)?)?;
+                    let dy = mul(g, mul(out, graph.unary(UnaryOp::Log, x)?)?)?;
+                    (dx, dy)
+                }
                 BinaryOp::Div => {
                     let dx = graph.binary(BinaryOp::Div, g, y)?;
                     // d(x / y)/dy = -(x / y) / y.
@@ -445,6 +466,25 @@ fn vjp(
                 && window.padding[1].max(window.padding[3]) < graph.shape(operands[1])?.dim(3) =>
         {
             conv2d_vjp(graph, window, operands, g)?
+        }
+        Op::AvgPool2d { window, .. }
+            if window.kernel == window.stride
+                && window.padding == [0; 4]
+                && window.dilation == [1, 1]
+                && {
+                    let x = graph.shape(operands[0])?;
+                    x.dim(2) % window.kernel[0] == 0 && x.dim(3) % window.kernel[1] == 0
+                } =>
+        {
+            // Each value's share of its window's mean: the gradient spread over the
+            // window, divided by its size.
+            let [kh, kw] = window.kernel;
+            let s = graph.shape(g)?;
+            let (n, c, h, w) = (s.dim(0), s.dim(1), s.dim(2), s.dim(3));
+            let split = graph.reshape(g, &[n, c, h, 1, w, 1])?;
+            let wide = graph.expand(split, &[n, c, h, kh, w, kw])?;
+            let spread = graph.reshape(wide, &[n, c, h * kh, w * kw])?;
+            vec![Some(mul(spread, constant(1.0 / (kh * kw) as f64))?)]
         }
         Op::MaxPool2d { window }
             if window.kernel == window.stride
@@ -721,7 +761,14 @@ mod tests {
                 g.sum(y, &[], false)
             });
         }
-        for b in [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div] {
+        for b in [
+            BinaryOp::Add,
+            BinaryOp::Sub,
+            BinaryOp::Mul,
+            BinaryOp::Div,
+            BinaryOp::Max,
+            BinaryOp::Min,
+        ] {
             // Broadcasting both ways: [3, 1, 4] against [2, 1].
             check(b.name(), &[("a", &[3, 1, 4]), ("b", &[2, 1])], |g, x| {
                 let b_side = if b == BinaryOp::Div {
@@ -815,6 +862,16 @@ mod tests {
                 g.binary(BinaryOp::Add, picked, mixed)
             },
         );
+        // A power with a positive base, both operands varying.
+        check("pow", &[("a", &[2, 3]), ("b", &[3])], |g, x| {
+            let y = g.binary(BinaryOp::Pow, g.unary(UnaryOp::Exp, x[0])?, x[1])?;
+            g.sum(y, &[], false)
+        });
+        // An average pool.
+        check("avg_pool", &[("x", &[1, 2, 4, 6])], |g, x| {
+            let y = g.avg_pool2d(x[0], [2, 3], [2, 3], [0; 4], true)?;
+            g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
+        });
         // A small CNN: padded and unpadded convolutions with a bias, a max pool.
         check(
             "cnn",
