@@ -48,6 +48,7 @@ pub use ops::fused::{
 };
 pub use ops::loss::CrossEntropy;
 pub use ops::matmul::{MatMulDims, matmul_dims};
+pub use ops::optim::{Adam, Sgd};
 pub use quant::{QuantFormat, dequantize_row};
 pub use shape::{MAX_RANK, Shape, broadcast_dims, contiguous_strides, normalize_axis};
 pub use symbolic::{Bindings, Dim, SymbolicShape};

@@ -11,6 +11,7 @@ pub mod loss;
 pub mod matmul;
 pub mod misc;
 pub mod norm;
+pub mod optim;
 pub mod quant;
 pub mod reduce;
 pub mod shape_ops;
