@@ -386,14 +386,7 @@ fn vjp(
             let x = operands[0];
             let shape = graph.shape(x)?;
             // The gradient with the reduced axes kept (size 1), spread over them.
-            let kept: Vec<usize> = (0..shape.rank())
-                .map(|a| if axes.contains(&a) { 1 } else { shape.dim(a) })
-                .collect();
-            let g = if *keepdims {
-                g
-            } else {
-                graph.reshape(g, &kept)?
-            };
+            let g = with_reduced_axes(graph, g, x, (axes, *keepdims))?;
             let mut dx = graph.expand(g, shape.dims())?;
             if *op == ReduceOp::Mean {
                 let n: usize = axes.iter().map(|&a| shape.dim(a)).product();
@@ -408,15 +401,8 @@ fn vjp(
         } => {
             // To the extreme values, shared evenly between ties.
             let x = operands[0];
-            let shape = graph.shape(x)?;
-            let kept: Vec<usize> = (0..shape.rank())
-                .map(|a| if axes.contains(&a) { 1 } else { shape.dim(a) })
-                .collect();
-            let (g, out) = if *keepdims {
-                (g, out)
-            } else {
-                (graph.reshape(g, &kept)?, graph.reshape(out, &kept)?)
-            };
+            let g = with_reduced_axes(graph, g, x, (axes, *keepdims))?;
+            let out = with_reduced_axes(graph, out, x, (axes, *keepdims))?;
             let hit = graph.cast(graph.binary(BinaryOp::Eq, x, out)?, dtype)?;
             let axes: Vec<isize> = axes.iter().map(|&a| a as isize).collect();
             let ties = graph.sum(hit, &axes, true)?;
@@ -479,11 +465,7 @@ fn vjp(
             // Each value's share of its window's mean: the gradient spread over the
             // window, divided by its size.
             let [kh, kw] = window.kernel;
-            let s = graph.shape(g)?;
-            let (n, c, h, w) = (s.dim(0), s.dim(1), s.dim(2), s.dim(3));
-            let split = graph.reshape(g, &[n, c, h, 1, w, 1])?;
-            let wide = graph.expand(split, &[n, c, h, kh, w, kw])?;
-            let spread = graph.reshape(wide, &[n, c, h * kh, w * kw])?;
+            let spread = spread_windows(graph, g, window.kernel)?;
             vec![Some(mul(spread, constant(1.0 / (kh * kw) as f64))?)]
         }
         Op::MaxPool2d { window }
@@ -499,13 +481,7 @@ fn vjp(
             // the input, so spreading a pooled value over its window is a broadcast.
             let x = operands[0];
             let [kh, kw] = window.kernel;
-            let spread = |t: NodeId| -> Result<NodeId> {
-                let s = graph.shape(t)?;
-                let (n, c, h, w) = (s.dim(0), s.dim(1), s.dim(2), s.dim(3));
-                let split = graph.reshape(t, &[n, c, h, 1, w, 1])?;
-                let wide = graph.expand(split, &[n, c, h, kh, w, kw])?;
-                graph.reshape(wide, &[n, c, h * kh, w * kw])
-            };
+            let spread = |t: NodeId| spread_windows(graph, t, window.kernel);
             let hit = graph.cast(graph.binary(BinaryOp::Eq, x, spread(out)?)?, dtype)?;
             let ties = graph.avg_pool2d(hit, window.kernel, window.stride, [0; 4], true)?;
             let ties = mul(ties, constant((kh * kw) as f64))?;
@@ -617,6 +593,34 @@ fn conv2d_vjp(
         grads.push(Some(graph.sum(g, &[0, 2, 3], false)?));
     }
     Ok(grads)
+}
+
+/// `t`, the result of reducing `x` over `axes`, with those axes kept as size 1 (a
+/// reshape unless `keepdims` kept them already).
+fn with_reduced_axes(
+    graph: &Graph,
+    t: NodeId,
+    x: NodeId,
+    (axes, keepdims): (&[usize], bool),
+) -> Result<NodeId> {
+    if keepdims {
+        return Ok(t);
+    }
+    let shape = graph.shape(x)?;
+    let kept: Vec<usize> = (0..shape.rank())
+        .map(|a| if axes.contains(&a) { 1 } else { shape.dim(a) })
+        .collect();
+    graph.reshape(t, &kept)
+}
+
+/// A pooled NCHW tensor `t` spread back over windows of `[kh, kw]` that tile the
+/// input: each value repeated over its window.
+fn spread_windows(graph: &Graph, t: NodeId, [kh, kw]: [usize; 2]) -> Result<NodeId> {
+    let s = graph.shape(t)?;
+    let (n, c, h, w) = (s.dim(0), s.dim(1), s.dim(2), s.dim(3));
+    let split = graph.reshape(t, &[n, c, h, 1, w, 1])?;
+    let wide = graph.expand(split, &[n, c, h, kh, w, kw])?;
+    graph.reshape(wide, &[n, c, h * kh, w * kw])
 }
 
 /// `erf'(x) = 2 / √π e^(-x²)`.
