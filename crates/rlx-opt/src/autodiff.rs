@@ -453,30 +453,14 @@ fn vjp(
         {
             conv2d_vjp(graph, window, operands, g)?
         }
-        Op::AvgPool2d { window, .. }
-            if window.kernel == window.stride
-                && window.padding == [0; 4]
-                && window.dilation == [1, 1]
-                && {
-                    let x = graph.shape(operands[0])?;
-                    x.dim(2) % window.kernel[0] == 0 && x.dim(3) % window.kernel[1] == 0
-                } =>
-        {
+        Op::AvgPool2d { window, .. } if tiles(window, &graph.shape(operands[0])?) => {
             // Each value's share of its window's mean: the gradient spread over the
             // window, divided by its size.
             let [kh, kw] = window.kernel;
             let spread = spread_windows(graph, g, window.kernel)?;
             vec![Some(mul(spread, constant(1.0 / (kh * kw) as f64))?)]
         }
-        Op::MaxPool2d { window }
-            if window.kernel == window.stride
-                && window.padding == [0; 4]
-                && window.dilation == [1, 1]
-                && {
-                    let x = graph.shape(operands[0])?;
-                    x.dim(2) % window.kernel[0] == 0 && x.dim(3) % window.kernel[1] == 0
-                } =>
-        {
+        Op::MaxPool2d { window } if tiles(window, &graph.shape(operands[0])?) => {
             // To each window's maximum, shared evenly between ties: the windows tile
             // the input, so spreading a pooled value over its window is a broadcast.
             let x = operands[0];
@@ -611,6 +595,16 @@ fn with_reduced_axes(
         .map(|a| if axes.contains(&a) { 1 } else { shape.dim(a) })
         .collect();
     graph.reshape(t, &kept)
+}
+
+/// Whether a pooling window tiles the NCHW input `x`: stride equal to the kernel, no
+/// padding or dilation, and the kernel dividing the height and width.
+fn tiles(window: &rlx_ir::Window2d, x: &rlx_ir::Shape) -> bool {
+    window.kernel == window.stride
+        && window.padding == [0; 4]
+        && window.dilation == [1, 1]
+        && x.dim(2).is_multiple_of(window.kernel[0])
+        && x.dim(3).is_multiple_of(window.kernel[1])
 }
 
 /// A pooled NCHW tensor `t` spread back over windows of `[kh, kw]` that tile the
