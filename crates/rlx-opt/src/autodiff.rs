@@ -21,7 +21,7 @@ use rlx_ir::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Result, UnaryO
 /// (operands of rank 2 or more, batch dims broadcast); `sum` and `mean` reductions, and
 /// `max` and `min` ones (to the extremes, ties sharing evenly);
 /// `softmax` and `log_softmax`; `reshape`, `permute`, `expand`, `slice` (steps of 1),
-/// `concat`, `gather` of a 2-D table's rows (an embedding), `conv2d` (unit stride, no
+/// `concat`, `gather` of a 2-D table's rows (an embedding), `conv2d` (any stride, no
 /// dilation, one group, padding less than the kernel), `max_pool2d` and `avg_pool2d`
 /// (windows that tile the input) and float casts. Other
 /// composites (layer and RMS norm, attention, rope, the fused forms) go through their
@@ -446,8 +446,7 @@ fn vjp(
             vec![Some(graph.matmul(graph.transpose(hot, 0, 1)?, rows)?), None]
         }
         Op::Conv2d { window, groups: 1 }
-            if window.stride == [1, 1]
-                && window.dilation == [1, 1]
+            if window.dilation == [1, 1]
                 && window.padding[0].max(window.padding[2]) < graph.shape(operands[1])?.dim(2)
                 && window.padding[1].max(window.padding[3]) < graph.shape(operands[1])?.dim(3) =>
         {
@@ -547,11 +546,12 @@ fn through_decomposition(
         .collect())
 }
 
-/// The VJP of a unit-stride, undilated, single-group convolution whose padding is less
-/// than its kernel on every side: the input's gradient is the output's convolved with
-/// the flipped, transposed weights (the padding that restores the input's size), the
-/// weights' is the input's correlated with the output's over the batch, and the bias's
-/// the output's summed over batch and pixels.
+/// The VJP of an undilated, single-group convolution whose padding is less than its
+/// kernel on every side: the input's gradient is the output's (spaced out by the
+/// stride) convolved with the flipped, transposed weights, with the padding that
+/// restores the input's size; the weights' is the input correlated with the output's
+/// over the batch (its taps the stride apart); the bias's the output's summed over
+/// batch and pixels.
 fn conv2d_vjp(
     graph: &Graph,
     window: &rlx_ir::Window2d,
@@ -559,18 +559,39 @@ fn conv2d_vjp(
     g: NodeId,
 ) -> Result<Vec<Option<NodeId>>> {
     let (x, w) = (operands[0], operands[1]);
-    let ws = graph.shape(w)?;
+    let (xs, ws, gs) = (graph.shape(x)?, graph.shape(w)?, graph.shape(g)?);
     let (kh, kw) = (ws.dim(2) as isize, ws.dim(3) as isize);
-    let [t, l, b, r] = window.padding;
+    let [t, l, _, _] = window.padding;
+    let [sy, sx] = window.stride;
     let flipped = graph.slice_axes(w, &[(2, -1, -kh - 1, -1), (3, -1, -kw - 1, -1)])?;
     let turned = graph.permute(flipped, &[1, 0, 2, 3])?;
     let (kh, kw) = (ws.dim(2), ws.dim(3));
-    let pad = [kh - 1 - t, kw - 1 - l, kh - 1 - b, kw - 1 - r];
-    let dx = graph.conv2d(g, turned, None, [1, 1], pad, [1, 1], 1)?;
-    // Batch as the channels being summed over: [C, N, H, W] by [O, N, OH, OW].
+    // With a stride, the output's gradient spaced out by it (zeros between), so that
+    // the unit-stride formula applies.
+    let (n, o, oh, ow) = (gs.dim(0), gs.dim(1), gs.dim(2), gs.dim(3));
+    let spaced = if [sy, sx] == [1, 1] {
+        g
+    } else {
+        let split = graph.reshape(g, &[n, o, oh, 1, ow, 1])?;
+        let zero = rlx_ir::PadMode::Constant(rlx_ir::F64Bits::new(0.0));
+        let pads = [(0, 0), (0, 0), (0, 0), (0, sy - 1), (0, 0), (0, sx - 1)];
+        let wide = graph.reshape(graph.pad(split, &pads, zero)?, &[n, o, oh * sy, ow * sx])?;
+        let (hd, wd) = (((oh - 1) * sy + 1) as isize, ((ow - 1) * sx + 1) as isize);
+        graph.slice_axes(wide, &[(2, 0, hd, 1), (3, 0, wd, 1)])?
+    };
+    let (hd, wd) = ((oh - 1) * sy + 1, (ow - 1) * sx + 1);
+    // Bottom and right padding that give back the input's size (rows the stride
+    // skipped get zeros).
+    let (h, wi) = (xs.dim(2), xs.dim(3));
+    let pad = [kh - 1 - t, kw - 1 - l, h + t - hd, wi + l - wd];
+    let dx = graph.conv2d(spaced, turned, None, [1, 1], pad, [1, 1], 1)?;
+    // Batch as the channels being summed over: [C, N, H, W] by [O, N, OH, OW], the
+    // latter's taps the stride apart; a stride that left rows unread gives a larger
+    // result, cut to the kernel.
     let xt = graph.permute(x, &[1, 0, 2, 3])?;
     let gt = graph.permute(g, &[1, 0, 2, 3])?;
-    let dw = graph.conv2d(xt, gt, None, [1, 1], window.padding, [1, 1], 1)?;
+    let dw = graph.conv2d(xt, gt, None, [1, 1], window.padding, [sy, sx], 1)?;
+    let dw = graph.slice_axes(dw, &[(2, 0, kh as isize, 1), (3, 0, kw as isize, 1)])?;
     let dw = graph.permute(dw, &[1, 0, 2, 3])?;
     let mut grads = vec![Some(dx), Some(dw)];
     if operands.len() > 2 {
@@ -870,6 +891,29 @@ mod tests {
             let y = g.avg_pool2d(x[0], [2, 3], [2, 3], [0; 4], true)?;
             g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
         });
+        // Strided convolutions: one whose stride leaves the last rows unread, one with
+        // uneven strides and padding.
+        check(
+            "strided",
+            &[
+                ("x", &[2, 2, 7, 8]),
+                ("w", &[3, 2, 3, 3]),
+                ("w2", &[2, 3, 2, 3]),
+            ],
+            |g, x| {
+                let y = g.conv2d(x[0], x[1], None, [2, 2], [1, 1, 0, 1], [1, 1], 1)?;
+                let z = g.conv2d(
+                    g.unary(UnaryOp::Tanh, y)?,
+                    x[2],
+                    None,
+                    [1, 2],
+                    [1, 0, 0, 2],
+                    [1, 1],
+                    1,
+                )?;
+                g.sum(g.binary(BinaryOp::Mul, z, z)?, &[], false)
+            },
+        );
         // A small CNN: padded and unpadded convolutions with a bias, a max pool.
         check(
             "cnn",

@@ -3290,14 +3290,17 @@ fn gradient_graphs_run_on_every_device() {
                 inp("x", &[2, 3, 8, 8], dt),
                 inp("w", &[5, 3, 3, 3], dt),
                 inp("b", &[5], dt),
+                inp("w2", &[4, 5, 3, 3], dt),
             ],
             acc(128),
             |g, x| {
                 let y = g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [1, 1, 1, 1], [1, 1], 1)?;
                 let y = g.max_pool2d(g.unary(UnaryOp::Relu, y)?, [2, 2], [2, 2], [0; 4])?;
+                // A stride-2 convolution after the pool.
+                let y = g.conv2d(y, x[3], None, [2, 2], [1, 1, 1, 1], [1, 1], 1)?;
                 let loss = g.sum(g.mul(y, y)?, &[], false)?;
                 let mut outs = vec![loss];
-                outs.extend(rlx::grad(g, loss, &[x[0], x[1], x[2]])?);
+                outs.extend(rlx::grad(g, loss, &[x[0], x[1], x[2], x[3]])?);
                 Ok(outs)
             },
         );
