@@ -21,6 +21,8 @@ pub struct AlignedBytes {
     /// Start of the allocation (dangling and never freed when `len == 0`).
     ptr: std::ptr::NonNull<u8>,
     len: usize,
+    /// The allocation's layout, `None` for an empty buffer (nothing allocated).
+    layout: Option<std::alloc::Layout>,
 }
 
 // SAFETY: `AlignedBytes` owns its allocation exclusively, like a `Vec<u8>`.
@@ -50,6 +52,7 @@ impl AlignedBytes {
             return Ok(AlignedBytes {
                 ptr: std::ptr::NonNull::<Line>::dangling().cast(),
                 len,
+                layout: None,
             });
         }
         let layout = Self::layout(len).ok_or_else(out_of_memory)?;
@@ -68,7 +71,11 @@ impl AlignedBytes {
             unsafe { std::alloc::alloc_zeroed(layout) }
         };
         let ptr = std::ptr::NonNull::new(ptr).ok_or_else(out_of_memory)?;
-        Ok(AlignedBytes { ptr, len })
+        Ok(AlignedBytes {
+            ptr,
+            len,
+            layout: Some(layout),
+        })
     }
 
     /// The allocation for `len > 0` bytes: whole cache lines, on a huge-page boundary
@@ -115,9 +122,8 @@ impl AlignedBytes {
 
 impl Drop for AlignedBytes {
     fn drop(&mut self) {
-        if self.len > 0 {
-            let layout = Self::layout(self.len).expect("allocated with this layout");
-            // SAFETY: allocated in `try_zeroed` with the same layout.
+        if let Some(layout) = self.layout {
+            // SAFETY: allocated in `try_zeroed` with this layout.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
         }
     }

@@ -166,15 +166,12 @@ impl Graph {
             ));
         }
         let dtype = self.shape(first)?.dtype();
-        let mut total = None;
-        for &g in gradients {
-            let squares = self.sum(self.binary(BinaryOp::Mul, g, g)?, &[], false)?;
-            total = Some(match total {
-                Some(t) => self.binary(BinaryOp::Add, t, squares)?,
-                None => squares,
-            });
+        let squares = |g: NodeId| self.sum(self.binary(BinaryOp::Mul, g, g)?, &[], false);
+        let mut total = squares(first)?;
+        for &g in &gradients[1..] {
+            total = self.binary(BinaryOp::Add, total, squares(g)?)?;
         }
-        let norm = self.unary(UnaryOp::Sqrt, total.expect("one gradient at least"))?;
+        let norm = self.unary(UnaryOp::Sqrt, total)?;
         let denominator = self.binary(BinaryOp::Add, norm, self.scalar(1e-6, dtype))?;
         let factor = self.binary(BinaryOp::Div, self.scalar(max_norm, dtype), denominator)?;
         let factor = self.binary(BinaryOp::Min, factor, self.scalar(1.0, dtype))?;
