@@ -863,6 +863,32 @@ impl CompiledGraph {
         Ok(pairs)
     }
 
+    /// A persistent handle's contents as raw little-endian bytes of its dtype.
+    pub fn read_handle_bytes(&self, name: &str) -> Result<Vec<u8>> {
+        let i = self.handle_index(name)?;
+        let mut bytes = vec![0u8; self.plan.handles[i].shape.byte_size()];
+        self.exe.read_handle(i, &mut bytes)?;
+        Ok(bytes)
+    }
+
+    /// Replaces a persistent handle's contents with raw little-endian bytes of its
+    /// dtype (exactly its byte size).
+    pub fn write_handle_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let i = self.handle_index(name)?;
+        let size = self.plan.handles[i].shape.byte_size();
+        check_count("handle", name, size, bytes.len(), "bytes")?;
+        self.exe.write_handle(i, bytes)
+    }
+
+    /// The names and shapes of the persistent handles.
+    pub fn handles(&self) -> Vec<(String, Shape)> {
+        self.plan
+            .handles
+            .iter()
+            .map(|h| (h.name.clone(), h.shape.clone()))
+            .collect()
+    }
+
     /// A persistent handle's contents as `f32`.
     pub fn read_handle(&self, name: &str) -> Result<Vec<f32>> {
         let i = self.handle_index(name)?;

@@ -42,6 +42,8 @@ pub use rlx_runtime::{
     BucketedCompileCache, Buckets, CompileOptions, CompiledGraph, MemoryStats, Session,
     SlotOutputs, SymbolRange, SymbolicGraph, device_available,
 };
+pub use rlx_train as train;
+pub use rlx_train::{LrSchedule, Optimizer, TrainOptions, Trainer};
 
 /// How many threads the CPU backend's pool runs kernels on (one per core, or
 /// `$RLX_NUM_THREADS`).
@@ -56,7 +58,8 @@ pub mod prelude {
         DType, Device, Dim, Error, Graph, NodeId, Result, Session, Shape, SymbolRange,
         SymbolicGraph, SymbolicShape, TensorData, TensorRef, grad, jvp,
     };
-    pub use rlx_ir::{BinaryOp, PadMode, ReduceOp, RopeStyle, UnaryOp};
+    pub use crate::{LrSchedule, Optimizer, TrainOptions, Trainer};
+    pub use rlx_ir::{Adam, BinaryOp, CrossEntropy, PadMode, ReduceOp, RopeStyle, Sgd, UnaryOp};
 }
 
 /// The README's examples, compiled and run as doc tests.
