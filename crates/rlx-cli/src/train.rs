@@ -6,7 +6,7 @@ use crate::progress::Progress;
 use anyhow::Context;
 use rlx::models::ModelStore;
 use rlx::train::Trainer;
-use rlx::train::jobs::{Digits, DigitsConfig, DigitsModel, JobReport};
+use rlx::train::jobs::{CharCorpus, CharLmConfig, Digits, DigitsConfig, DigitsModel, JobReport};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 
@@ -22,6 +22,10 @@ enum Job {
     /// Classify scikit-learn's 8x8 handwritten digits (fetched on first use) with an
     /// MLP or a small CNN; the summary holds `test_accuracy`.
     Digits(DigitsArgs),
+    /// Train a character-level GPT on the Python standard library's source (this
+    /// machine's interpreter's `Lib/`, split by file); the summary holds `val_loss`
+    /// (nats per byte) and a generated `sample`.
+    Charlm(CharLmArgs),
 }
 
 /// Options every job takes.
@@ -65,6 +69,47 @@ struct DigitsArgs {
     common: Common,
 }
 
+#[derive(clap::Args)]
+struct CharLmArgs {
+    /// Training steps.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    steps: u64,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    batch: u32,
+    /// Stop after this many steps, keeping the schedule of --steps (the start of a
+    /// longer run).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    stop_after: Option<u64>,
+    /// Peak learning rate (AdamW; warmup, then cosine decay to a tenth).
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f64,
+    /// Transformer layers.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    layers: u32,
+    /// Model width (a multiple of --heads).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=8192))]
+    width: u32,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    heads: u32,
+    /// Bytes of context.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=8192))]
+    context: u32,
+    /// The Python interpreter whose standard library is the corpus.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Start from the params in this safetensors file instead of the seeded draw.
+    #[arg(long, value_name = "FILE")]
+    init: Option<PathBuf>,
+    /// Train on the windows in this file (`context + 1` bytes each, `batch` per step,
+    /// in order) instead of drawing them from the corpus.
+    #[arg(long, value_name = "FILE")]
+    batches: Option<PathBuf>,
+    #[command(flatten)]
+    common: Common,
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum ModelKind {
     Mlp,
@@ -75,7 +120,72 @@ enum ModelKind {
 pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
     match &args.job {
         Job::Digits(a) => digits(a),
+        Job::Charlm(a) => charlm(a),
     }
+}
+
+fn charlm(args: &CharLmArgs) -> anyhow::Result<()> {
+    let c = &args.common;
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        anyhow::bail!("--lr must be a positive number, got {}", args.lr);
+    }
+    if !args.width.is_multiple_of(args.heads) {
+        anyhow::bail!(
+            "--width {} is not a multiple of --heads {}",
+            args.width,
+            args.heads
+        );
+    }
+    let corpus = CharCorpus::python_stdlib(&args.python).context("reading the corpus")?;
+    if !c.quiet {
+        eprintln!(
+            "rlx: corpus: {} training files ({:.1} MB), {} validation files ({:.1} MB)",
+            corpus.files.0,
+            corpus.train.len() as f64 / 1e6,
+            corpus.files.1,
+            corpus.val.len() as f64 / 1e6
+        );
+    }
+    let config = CharLmConfig {
+        layers: args.layers as usize,
+        width: args.width as usize,
+        heads: args.heads as usize,
+        context: args.context as usize,
+        batch: args.batch as usize,
+        steps: args.steps,
+        stop_after: args.stop_after,
+        lr: args.lr,
+        seed: c.seed,
+        device: c.device,
+        threads: c.threads,
+        init: args.init.clone(),
+        fixed_batches: match &args.batches {
+            Some(path) => {
+                Some(std::fs::read(path).with_context(|| format!("reading {}", path.display()))?)
+            }
+            None => None,
+        },
+        ..CharLmConfig::default()
+    };
+    let steps = args.stop_after.unwrap_or(args.steps).min(args.steps);
+    let mut bar = Progress::new("charlm", steps, c.quiet);
+    let tokens = (config.batch * config.context) as f64;
+    let (trainer, report) = rlx::train::jobs::train_charlm(&corpus, &config, &mut |e| {
+        bar.update(e.step, e.loss, e.elapsed, ("tokens", tokens));
+    })?;
+    let settings = json!({
+        "layers": config.layers,
+        "width": config.width,
+        "heads": config.heads,
+        "context": config.context,
+        "batch": config.batch,
+        "lr": config.lr,
+        "seed": config.seed,
+        "train_bytes": corpus.train.len(),
+        "val_bytes": corpus.val.len(),
+        "params": trainer.params().iter().map(|p| p.shape.num_elements()).sum::<usize>(),
+    });
+    finish("charlm", &trainer, &report, settings, c)
 }
 
 fn digits(args: &DigitsArgs) -> anyhow::Result<()> {
@@ -149,6 +259,9 @@ fn finish(
         "checkpoint": checkpoint.display().to_string(),
         "loss_plot": plot.display().to_string(),
         "settings": settings,
+        "step_seconds_median": median(&report.step_seconds),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "losses": report.losses,
     });
     for (name, value) in &report.metrics {
         summary[name] = json!(value);
@@ -206,4 +319,18 @@ fn write_plot(path: &Path, report: &JobReport) -> anyhow::Result<()> {
         400,
     );
     std::fs::write(path, chart.to_png()).with_context(|| format!("writing {}", path.display()))
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// The process's peak resident memory (Linux: `VmHWM`), if known.
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

@@ -2,7 +2,13 @@
 //! character-level GPT. Each reports its losses and metrics; the caller shows the
 //! progress and writes the files.
 
+mod charlm;
 mod digits;
+
+pub use charlm::{
+    CharCorpus, CharLmConfig, VOCAB, charlm_loss_graph, charlm_network, sample, train_charlm,
+    training_starts, validation_loss,
+};
 
 pub use digits::{
     CLASSES, Digits, DigitsConfig, DigitsModel, PIXELS, TEST_IMAGES, digits_network, test_accuracy,
@@ -35,6 +41,8 @@ pub struct JobReport {
     pub losses: Vec<f32>,
     /// Seconds spent in the steps.
     pub train_seconds: f64,
+    /// Seconds each step took.
+    pub step_seconds: Vec<f64>,
     /// Named results (`test_accuracy`, `val_loss`, ...).
     pub metrics: Vec<(String, f64)>,
     /// Named text results (`sample`).
@@ -61,7 +69,9 @@ pub(crate) fn train_loop(
     while trainer.steps() < total {
         let n = trainer.steps();
         let lr = trainer.learning_rate();
+        let began = Instant::now();
         let loss = step(trainer, n)?;
+        report.step_seconds.push(began.elapsed().as_secs_f64());
         report.losses.push(loss);
         on_step(&StepEvent {
             step: n + 1,
