@@ -21,7 +21,7 @@ Usage:
     python3 bench/train_vs_torch.py speed --job charlm|digits-cnn [--rounds 5]
                                     [--steps 20] [--threads 2] [--compile] [--device D]
 
-It installs torch, numpy and safetensors into a virtual environment in the cache
+It installs torch and numpy into a virtual environment in the cache
 ($RLX_CACHE or ~/.cache/rlx; $RLX_TORCH_VENV overrides) and re-runs itself there.
 `--rlx PATH` chooses the rlx binary (default target/release/rlx).
 """
@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("RLX_CACHE") or Path.home() / ".cache" / "rlx")
 VENV = Path(os.environ.get("RLX_TORCH_VENV") or CACHE / "torch-venv")
-PACKAGES = ["torch", "numpy", "safetensors"]
+PACKAGES = ["torch", "numpy"]
 
 CHARLM = dict(layers=4, width=256, heads=4, context=128, batch=16, lr=2e-3)
 DIGITS_BATCH = 32
@@ -53,8 +53,9 @@ def in_venv():
 def ensure_venv():
     python = VENV / "bin" / "python"
     try:
+        import numpy  # noqa: F401
         import torch  # noqa: F401
-        import safetensors  # noqa: F401
+
         return
     except ImportError:
         pass
@@ -76,6 +77,51 @@ def schedule(step, steps, lr):
         return floor
     progress = (step - warmup) / max(total - warmup, 1)
     return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+DTYPES = {"F32": "<f4", "F64": "<f8", "I64": "<i8"}
+
+
+def save_safetensors(path, tensors):
+    """Writes {name: numpy array} as a safetensors file (header JSON, then the data)."""
+    import numpy as np
+
+    header, blobs, offset = {}, [], 0
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        kind = {np.dtype("<f4"): "F32", np.dtype("<f8"): "F64", np.dtype("<i8"): "I64"}[a.dtype.newbyteorder("<")]
+        blob = a.astype(DTYPES[kind]).tobytes()
+        header[name] = {"dtype": kind, "shape": list(a.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
+
+
+def load_safetensors(path):
+    """Reads a safetensors file into {name: numpy array}."""
+    import numpy as np
+
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    data = raw[8 + n :]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        out[name] = np.frombuffer(data[start:end], dtype=DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def state_dict_numpy(model):
+    return {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}
 
 
 def peak_rss():
@@ -178,7 +224,6 @@ def torch_worker(args):
     import numpy as np
     import torch
     import torch.nn.functional as F
-    from safetensors.torch import load_file, save_file
 
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device.startswith("cuda") else "cpu")
@@ -189,7 +234,7 @@ def torch_worker(args):
     else:
         model = DigitsCnn()
     if args.init:
-        model.load_state_dict(load_file(args.init))
+        model.load_state_dict({n: torch.from_numpy(a.copy()) for n, a in load_safetensors(args.init).items()})
     model.to(device)
     if args.float64:
         model.double()
@@ -226,7 +271,7 @@ def torch_worker(args):
         sync()
         seconds.append(time.perf_counter() - began)
     if args.params_out:
-        save_file({n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}, args.params_out)
+        save_safetensors(args.params_out, state_dict_numpy(model))
     result = dict(losses=losses, step_seconds=seconds, peak_rss_bytes=peak_rss(), torch=torch.__version__)
     Path(args.out).write_text(json.dumps(result))
 
@@ -234,12 +279,11 @@ def torch_worker(args):
 def export_init(path):
     """The PyTorch model's initial weights (seed 0), as safetensors."""
     import torch
-    from safetensors.torch import save_file
 
     CharLm, _ = torch_models()
     torch.manual_seed(0)
     model = CharLm(**CHARLM)
-    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, path)
+    save_safetensors(path, state_dict_numpy(model))
 
 
 def write_batches(path, steps):
@@ -291,8 +335,6 @@ def run_torch(args, work, steps, tag, compile_=False, params_out=None):
 
 
 def parity(args):
-    from safetensors.numpy import load_file
-
     args.job = "charlm"
     with tempfile.TemporaryDirectory() as work:
         export_init(Path(work) / "init.safetensors")
@@ -306,8 +348,8 @@ def parity(args):
             worst_loss = max(worst_loss, rel)
             if step < 3 or step % 10 == 9 or step == args.steps - 1:
                 print(f"step {step + 1:3d}: rlx {a:.6f}  torch {b:.6f}  relative {rel:.2e}")
-        mine = load_file(str(rlx_dir / "checkpoint.safetensors"))
-        theirs = load_file(str(torch_params))
+        mine = load_safetensors(rlx_dir / "checkpoint.safetensors")
+        theirs = load_safetensors(torch_params)
         worst_param, where = 0.0, ""
         for name, value in theirs.items():
             diffs = abs(mine[name] - value)
@@ -347,8 +389,7 @@ def speed(args):
             for side in order:
                 if side == "rlx":
                     summary, _ = run_rlx(args, work, args.steps if args.job == "charlm" else 1, f"speed{r}")
-                    steps = summary["steps"]
-                    times[side].append(summary["step_seconds_median"])
+                    times[side].append(statistics.median(summary["step_seconds"][3:]))
                     memory[side].append(summary["peak_rss_bytes"])
                 else:
                     # The digits run of rlx is one epoch (44 steps); time as many.

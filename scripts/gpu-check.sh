@@ -13,6 +13,10 @@
 #   scripts/gpu-check.sh timing  on the GPU machine: the timing table (PyTorch eager,
 #                                torch.compile, RLX; scripts/gpu_models.py --timing;
 #                                `timing --bert-only` leaves out the decode row)
+#   scripts/gpu-check.sh train   on the GPU machine: the training step on CUDA against
+#                                PyTorch (bench/train_vs_torch.py): parity over the
+#                                first 50 steps of the character GPT, then step times
+#                                against PyTorch eager and torch.compile
 #   scripts/gpu-check.sh ab A B  on the GPU machine: decode of two rlx builds (A, B:
 #                                paths of rlx binaries carried in .device/tools)
 #                                alternated over 4 rounds, making the ~1B checkpoint
@@ -79,7 +83,7 @@ case "$mode" in
 build)
     set -e
     mkdir -p "$bin"
-    test_binaries -p rlx --test ops --test quant_ops --test fusion
+    test_binaries -p rlx --test ops --test quant_ops --test fusion --test training
     # The embedder's half-precision compute on CUDA (and its CPU tests beside it).
     test_binaries -p rlx-models --test tiny_bert
     test_binaries -p rlx-cuda --lib
@@ -207,6 +211,17 @@ bench)
         done
     fi
     ;;
+train)
+    out=${OUT:-gpu-out}
+    mkdir -p "$out"
+    cuda_libraries
+    py=$(torch_python)
+    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/train.log"
+    "$py" bench/train_vs_torch.py parity --device cuda --rlx .device/tools/rlx --verbose \
+        --json "$out/train-parity.json" 2>&1 | tee -a "$out/train.log"
+    "$py" bench/train_vs_torch.py speed --job charlm --device cuda --compile --rounds 3 --steps 40 \
+        --rlx .device/tools/rlx --json "$out/train-speed.json" 2>&1 | tee -a "$out/train.log"
+    ;;
 ab)
     out=${OUT:-gpu-out}
     mkdir -p "$out"
@@ -228,7 +243,7 @@ ab)
     done
     ;;
 *)
-    echo "usage: $0 build|run|models|timing|ab|bench" >&2
+    echo "usage: $0 build|run|models|timing|train|ab|bench" >&2
     exit 2
     ;;
 esac

@@ -243,12 +243,20 @@ fn minilm(args: &MinilmArgs) -> anyhow::Result<()> {
         print_minilm(&report, median, args.warmup);
     }
     if let Some(profile) = encoder.profile() {
-        print_profile(&profile);
+        print_profile(&profile, false);
     }
     Ok(())
 }
 
-pub(crate) fn print_profile(profile: &rlx::driver::Profile) {
+/// Prints per-kernel totals and the slowest launches, on stderr when `to_stderr`.
+pub(crate) fn print_profile(profile: &rlx::driver::Profile, to_stderr: bool) {
+    let say = |line: String| {
+        if to_stderr {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
     let runs = profile.runs.max(1) as f64;
     let total: f64 = profile
         .kernels
@@ -272,19 +280,23 @@ pub(crate) fn print_profile(profile: &rlx::driver::Profile) {
         }
     }
     by_kernel.sort_by(|a, b| b.1.total_cmp(&a.1));
-    println!("profile: {total:.3} ms per run in kernels");
+    say(format!("profile: {total:.3} ms per run in kernels"));
     for (kernel, ms, count) in by_kernel {
-        println!(
+        say(format!(
             "  {kernel:<44} {ms:>8.3} ms {:>5.1}%  ({count} launches)",
             100.0 * ms / total.max(1e-9)
-        );
+        ));
     }
     let mut launches: Vec<&rlx::driver::KernelTime> = profile.kernels.iter().collect();
     launches.sort_by_key(|k| std::cmp::Reverse(k.total));
-    println!("slowest launches (node ids as `rlx inspect` prints them):");
+    say("slowest launches (node ids as `rlx inspect` prints them):".to_string());
     for k in launches.iter().take(SLOWEST_LAUNCHES) {
         let ms = k.total.as_secs_f64() / runs * 1e3;
-        println!("  {:<8} {:<44} {ms:>8.3} ms", k.node.to_string(), k.kernel);
+        say(format!(
+            "  {:<8} {:<44} {ms:>8.3} ms",
+            k.node.to_string(),
+            k.kernel
+        ));
     }
 }
 

@@ -190,7 +190,7 @@ pub fn run(args: &LlmArgs) -> anyhow::Result<()> {
     }
     for (graph, profile) in llm.profiles() {
         println!("{graph}:");
-        crate::bench::print_profile(&profile);
+        crate::bench::print_profile(&profile, false);
     }
     Ok(())
 }

@@ -146,7 +146,7 @@ pub fn run(args: &OnnxBenchArgs) -> Result<()> {
         );
     }
     if let Some(p) = profile {
-        crate::bench::print_profile(&p);
+        crate::bench::print_profile(&p, false);
     }
     Ok(())
 }

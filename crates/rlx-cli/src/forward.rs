@@ -135,7 +135,7 @@ pub fn run(args: &ForwardArgs) -> Result<()> {
                 graph.set_profiling(true);
                 time_runs(args.bench, || graph.run_typed_on_device(&feeds))?;
                 if let Some(profile) = graph.profile() {
-                    crate::bench::print_profile(&profile);
+                    crate::bench::print_profile(&profile, false);
                 }
             }
         }

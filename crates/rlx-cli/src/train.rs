@@ -49,6 +49,9 @@ struct Common {
     /// No progress bar or messages on stderr.
     #[arg(long, short)]
     quiet: bool,
+    /// Time every kernel of the steps and print the totals (on stderr with --json).
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(clap::Args)]
@@ -158,6 +161,7 @@ fn charlm(args: &CharLmArgs) -> anyhow::Result<()> {
         seed: c.seed,
         device: c.device,
         threads: c.threads,
+        profile: c.profile,
         init: args.init.clone(),
         fixed_batches: match &args.batches {
             Some(path) => {
@@ -206,6 +210,7 @@ fn digits(args: &DigitsArgs) -> anyhow::Result<()> {
         seed: c.seed,
         device: c.device,
         threads: c.threads,
+        profile: c.profile,
     };
     let name = match config.model {
         DigitsModel::Mlp => "digits-mlp",
@@ -244,6 +249,9 @@ fn finish(
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("rlx-train-{job}")));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    if let Some(profile) = trainer.profile().filter(|_| c.profile) {
+        crate::bench::print_profile(&profile, c.json);
+    }
     let checkpoint = dir.join("checkpoint.safetensors");
     trainer.save_checkpoint(&checkpoint)?;
     let plot = dir.join("loss.png");
@@ -262,6 +270,7 @@ fn finish(
         "step_seconds_median": median(&report.step_seconds),
         "peak_rss_bytes": peak_rss_bytes(),
         "losses": report.losses,
+        "step_seconds": report.step_seconds,
     });
     for (name, value) in &report.metrics {
         summary[name] = json!(value);

@@ -236,6 +236,16 @@ impl Trainer {
         &self.compiled
     }
 
+    /// Turns per-kernel timing of the steps on or off.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.compiled.set_profiling(on);
+    }
+
+    /// Kernel timings of the steps run while profiling was on.
+    pub fn profile(&self) -> Option<rlx_driver::Profile> {
+        self.compiled.profile()
+    }
+
     /// Sets a param (trained or fixed) from `f32` values.
     pub fn set_param(&mut self, name: &str, values: &[f32]) -> Result<()> {
         if let Some(i) = self.fixed.iter().position(|f| f.name == name) {

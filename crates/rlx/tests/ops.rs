@@ -800,12 +800,15 @@ fn logical_and_bool_ops() {
 #[test]
 fn select_where() {
     let mut s = Suite::new(0x06);
-    let shapes: [(&[usize], &[usize], &[usize]); 5] = [
+    let shapes: [(&[usize], &[usize], &[usize]); 7] = [
         (&[3, 5, 7], &[3, 5, 7], &[3, 5, 7]),
         (&[3, 1, 7], &[5, 7], &[]),
         (&[7], &[3, 5, 1], &[3, 1, 7]),
         (&[2, 0, 3], &[3], &[1]),
         (&[], &[4, 4], &[4, 1]),
+        // One condition for whole operands (a guarded update).
+        (&[1], &[3, 4], &[3, 4]),
+        (&[], &[2, 3, 5], &[2, 3, 5]),
     ];
     for dt in [
         DType::F32,
@@ -985,6 +988,23 @@ fn reductions() {
                         g.reduce(op, x[0], &[1], false)?,
                         g.reduce(op, x[0], &[-1, 1], true)?,
                         g.reduce(op, x[0], &[], false)?,
+                    ])
+                },
+            );
+        }
+        // Consecutive axes run as one: column sums over leading axes and row sums over
+        // trailing ones, both large enough to be split between threads.
+        if matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+            s.check(
+                &format!("reduce_{} f32 consecutive axes", op.name()),
+                &[inp("x", &[6, 64, 130], DType::F32)],
+                acc(6 * 64),
+                |g, x| {
+                    Ok(vec![
+                        g.reduce(op, x[0], &[0, 1], true)?,
+                        g.reduce(op, x[0], &[1, 2], false)?,
+                        g.reduce(op, x[0], &[0, 1, 2], false)?,
+                        g.reduce(op, x[0], &[1], false)?,
                     ])
                 },
             );

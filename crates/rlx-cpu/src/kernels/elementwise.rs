@@ -44,6 +44,23 @@ fn binary_typed<T: Elem, U: Elem>(op: BinaryOp, a: Src, b: Src, out: Dst) {
 }
 
 pub(crate) fn select(c: Src, a: Src, b: Src, out: Dst) {
+    // One condition for the whole tensor (a guarded update): copy the chosen operand
+    // when it already has the output's dims.
+    if c.len == 1 {
+        let chosen = if c.get::<crate::elem::Bool8>(0).0 != 0 {
+            a
+        } else {
+            b
+        };
+        if chosen.shape.dims() == out.shape.dims() {
+            // SAFETY: both hold `out.len` elements of the output's dtype; `copy`
+            // allows the two to be the same bytes (an in-place select).
+            unsafe {
+                std::ptr::copy(chosen.ptr, out.ptr, out.shape.byte_size());
+            }
+            return;
+        }
+    }
     with_dtype!(out.shape.dtype(), T => {
         let dims = out.shape.dims();
         let (sc, sa, sb) = (

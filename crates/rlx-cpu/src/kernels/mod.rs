@@ -113,12 +113,21 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
             op: ReduceOp::Sum | ReduceOp::Mean,
             axes,
             ..
-        } if axes.len() == 1 && dtype == DType::F32 => format!("cpu.axis.{}.f32", op.name()),
+        } if consecutive(axes).is_some() && dtype == DType::F32 => {
+            format!("cpu.axis.{}.f32", op.name())
+        }
         _ if inputs.first().is_some_and(|x| fast_rows(op, x)) => {
             format!("cpu.rows.{}.f32", op.name())
         }
         _ => format!("cpu.ref.{}.{}", op.name(), dtype),
     }
+}
+
+/// The first and last of `axes` when they are consecutive (sorted, as reductions
+/// keep them) and not empty.
+fn consecutive(axes: &[usize]) -> Option<(usize, usize)> {
+    let (&first, &last) = (axes.first()?, axes.last()?);
+    (last - first + 1 == axes.len()).then_some((first, last))
 }
 
 /// Whether a row-wise op (norms, last-axis softmax) on `x` has an `f32` fast kernel.
@@ -201,8 +210,10 @@ pub(crate) fn run<'a>(
             op: op @ (ReduceOp::Sum | ReduceOp::Mean),
             axes,
             ..
-        } if axes.len() == 1 && src(0).shape.dtype() == DType::F32 => {
-            norm_f32::sum_axis(*op == ReduceOp::Mean, src(0), axes[0], out)
+        } if src(0).shape.dtype() == DType::F32
+            && let Some(span) = consecutive(axes) =>
+        {
+            norm_f32::sum_axes(*op == ReduceOp::Mean, src(0), span, out, ctx)?
         }
         Op::Reduce { op, .. } => {
             let fallback;

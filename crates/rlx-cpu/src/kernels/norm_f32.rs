@@ -162,43 +162,108 @@ multiversion! {
     }
 }
 
-/// Sum (or mean) of `f32` values over one axis: `x` seen as `[outer, len, inner]`, the
-/// result `[outer, inner]`; each output row accumulates whole contiguous input rows, in
-/// `f64` as the reference does.
-pub(crate) fn sum_axis(mean: bool, x: Src, axis: usize, out: Dst) {
+/// Sum (or mean) of `f32` values over the consecutive axes `first..=last`: `x` seen
+/// as `[outer, len, inner]`, the result `[outer, inner]`. Each output accumulates in
+/// `f64`, as the reference does. Row sums (`inner == 1`) split the rows between
+/// threads; column sums split blocks of 64 columns.
+pub(crate) fn sum_axes(
+    mean: bool,
+    x: Src,
+    (first, last): (usize, usize),
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
     let dims = x.shape.dims();
-    let outer: usize = dims[..axis].iter().product();
-    let len = dims[axis];
-    let inner: usize = dims[axis + 1..].iter().product();
+    let outer: usize = dims[..first].iter().product();
+    let len: usize = dims[first..=last].iter().product();
+    let inner: usize = dims[last + 1..].iter().product();
     // A mean over nothing is 0 / 0 = NaN, as in the reference.
     let scale = if mean { 1.0 / len as f64 } else { 1.0 };
-    let src = x.as_slice::<f32>();
-    // SAFETY: the output is `outer * inner` floats and a reduction never runs in place.
-    let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr.cast::<f32>(), outer * inner) };
-    sum_rows(src, dst, (outer, len, inner), scale);
+    let (src, dst) = (x.ptr.cast::<f32>() as usize, out.ptr.cast::<f32>() as usize);
+    let threads = if outer * len * inner >= 1 << 15 {
+        ctx.gemm.threads()
+    } else {
+        1
+    };
+    if len == 0 {
+        // SAFETY: the output is `outer * inner` floats.
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut f32, outer * inner) };
+        dst.fill((0.0 * scale) as f32);
+        return Ok(());
+    }
+    if inner == 1 {
+        let per_task = (1usize << 14).div_ceil(len).max(1);
+        let tasks = outer.div_ceil(per_task);
+        let task = |t: usize, _thread: usize| {
+            let rows = t * per_task..((t + 1) * per_task).min(outer);
+            // SAFETY: rows `rows` of `x` (`outer * len` floats) and of the output
+            // (`outer` floats); each task writes its own outputs, and a reduction never
+            // runs in place.
+            let (src, dst) = unsafe {
+                (
+                    std::slice::from_raw_parts(
+                        (src as *const f32).add(rows.start * len),
+                        rows.len() * len,
+                    ),
+                    std::slice::from_raw_parts_mut((dst as *mut f32).add(rows.start), rows.len()),
+                )
+            };
+            for (d, row) in dst.iter_mut().zip(src.chunks_exact(len)) {
+                *d = (sum_row(row) * scale) as f32;
+            }
+        };
+        return ctx.pool.run(tasks, threads, &task);
+    }
+    let blocks = inner.div_ceil(64);
+    let task = |t: usize, _thread: usize| {
+        let (o, c0) = (t / blocks, t % blocks * 64);
+        let width = 64.min(inner - c0);
+        // SAFETY: output row `o` columns `c0..c0 + width` belong to this task alone;
+        // the input is `outer * len * inner` floats.
+        let (src, dst) = unsafe {
+            (
+                std::slice::from_raw_parts((src as *const f32).add(o * len * inner), len * inner),
+                std::slice::from_raw_parts_mut((dst as *mut f32).add(o * inner + c0), width),
+            )
+        };
+        sum_columns(src, dst, (len, inner, c0), scale);
+    };
+    ctx.pool.run(outer * blocks, threads, &task)
 }
 
 multiversion! {
-    /// The loops of `sum_axis`.
-    fn sum_rows(src: &[f32], dst: &mut [f32], shape: (usize, usize, usize), scale: f64) {
-        let (outer, len, inner) = shape;
-        let mut acc = [0.0f64; 64];
-        for o in 0..outer {
-            // Columns in chunks of 64 so the accumulators stay in registers.
-            for c0 in (0..inner).step_by(64) {
-                let width = 64.min(inner - c0);
-                let acc = &mut acc[..width];
-                acc.fill(0.0);
-                for k in 0..len {
-                    let row = &src[(o * len + k) * inner + c0..][..width];
-                    for (a, &v) in acc.iter_mut().zip(row) {
-                        *a += f64::from(v);
-                    }
-                }
-                for (d, &a) in dst[o * inner + c0..][..width].iter_mut().zip(acc.iter()) {
-                    *d = (a * scale) as f32;
-                }
+    /// The `f64` sum of one contiguous row, in eight lanes.
+    fn sum_row(row: &[f32]) -> f64 {
+        let mut lanes = [0.0f64; 8];
+        let chunks = row.chunks_exact(8);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for (l, &v) in lanes.iter_mut().zip(c) {
+                *l += f64::from(v);
             }
+        }
+        let mut total = lanes.iter().sum::<f64>();
+        for &v in tail {
+            total += f64::from(v);
+        }
+        total
+    }
+}
+
+multiversion! {
+    /// Sums `len` rows of `inner` floats at columns `c0..c0 + dst.len()`.
+    fn sum_columns(src: &[f32], dst: &mut [f32], shape: (usize, usize, usize), scale: f64) {
+        let (len, inner, c0) = shape;
+        let mut acc = [0.0f64; 64];
+        let acc = &mut acc[..dst.len()];
+        for k in 0..len {
+            let row = &src[k * inner + c0..][..acc.len()];
+            for (a, &v) in acc.iter_mut().zip(row) {
+                *a += f64::from(v);
+            }
+        }
+        for (d, &a) in dst.iter_mut().zip(acc.iter()) {
+            *d = (a * scale) as f32;
         }
     }
 }

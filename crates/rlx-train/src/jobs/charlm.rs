@@ -135,6 +135,8 @@ pub struct CharLmConfig {
     pub val_batches: usize,
     /// Bytes of sample text generated at the end.
     pub sample_bytes: usize,
+    /// Time every kernel of the steps ([`Trainer::profile`]).
+    pub profile: bool,
     /// Initial params from a safetensors file (names as [`charlm_network`] gives
     /// them) instead of the seeded draw.
     pub init: Option<PathBuf>,
@@ -158,6 +160,7 @@ impl Default for CharLmConfig {
             seed: 1,
             device: Device::Cpu,
             threads: 0,
+            profile: false,
             val_batches: 8,
             sample_bytes: 300,
             init: None,
@@ -298,6 +301,7 @@ pub fn train_charlm(
         .clip_norm(1.0)
         .compile_options(CompileOptions::new().threads(config.threads));
     let mut trainer = Trainer::new(&session, &net.graph, loss, options)?;
+    trainer.set_profiling(config.profile);
     match &config.init {
         Some(path) => trainer.load_params(path)?,
         None => {

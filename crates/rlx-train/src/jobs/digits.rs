@@ -129,6 +129,8 @@ pub struct DigitsConfig {
     pub device: Device,
     /// CPU threads (0: all).
     pub threads: usize,
+    /// Time every kernel of the steps ([`Trainer::profile`]).
+    pub profile: bool,
 }
 
 impl Default for DigitsConfig {
@@ -141,6 +143,7 @@ impl Default for DigitsConfig {
             seed: 1,
             device: Device::Cpu,
             threads: 0,
+            profile: false,
         }
     }
 }
@@ -214,6 +217,7 @@ pub fn train_digits(
         })
         .compile_options(CompileOptions::new().threads(config.threads));
     let mut trainer = Trainer::new(&session, &g, loss, options)?;
+    trainer.set_profiling(config.profile);
     for (name, values) in &init {
         trainer.set_param(name, values)?;
     }
