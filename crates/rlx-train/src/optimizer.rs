@@ -4,7 +4,7 @@
 use rlx_ir::{Adam, Graph, NodeId, Result, Sgd};
 
 /// The update rule of a training step (PyTorch's definitions; see
-/// [`Graph::sgd_step`] and [`Graph::adam_step`]).
+/// [`Graph::sgd_step`] and [`Graph::adam_step_corrected`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Optimizer {
     /// SGD, with momentum and Nesterov when set.
@@ -32,18 +32,44 @@ impl Optimizer {
         }
     }
 
+    /// The names of the scalar inputs the step graph takes besides the learning rate,
+    /// worked out on the host each step (Adam's bias corrections, in `f64` as
+    /// PyTorch does).
+    pub fn scalar_inputs(&self) -> &'static [&'static str] {
+        match self {
+            Optimizer::Sgd(_) => &[],
+            Optimizer::Adam(_) => &["train.adam.step_size", "train.adam.root_correction2"],
+        }
+    }
+
+    /// The values of [`Optimizer::scalar_inputs`] for step `step` (from 0) at rate `lr`.
+    pub fn scalars(&self, step: u64, lr: f64) -> Vec<f32> {
+        match self {
+            Optimizer::Sgd(_) => Vec::new(),
+            Optimizer::Adam(a) => {
+                let t = (step + 1) as i32;
+                let correction = |beta: f64| 1.0 - beta.powi(t);
+                vec![
+                    (lr / correction(a.beta1)) as f32,
+                    correction(a.beta2).sqrt() as f32,
+                ]
+            }
+        }
+    }
+
     /// A one-line description, stored in checkpoints.
     pub fn describe(&self) -> String {
         format!("{self:?}")
     }
 
     /// The next values of a param and its state (in [`Optimizer::state_suffixes`]
-    /// order) from its gradient, the learning rate and the step number `t` (from 1).
+    /// order) from its gradient, the learning rate and the nodes of
+    /// [`Optimizer::scalar_inputs`].
     pub(crate) fn update(
         &self,
         g: &Graph,
         (param, gradient, state): (NodeId, NodeId, &[NodeId]),
-        (lr, t): (NodeId, NodeId),
+        (lr, scalars): (NodeId, &[NodeId]),
     ) -> Result<(NodeId, Vec<NodeId>)> {
         match *self {
             Optimizer::Sgd(options) => {
@@ -52,8 +78,11 @@ impl Optimizer {
                 Ok((p, velocity.into_iter().collect()))
             }
             Optimizer::Adam(options) => {
-                let (p, m, v) =
-                    g.adam_step((param, gradient, state[0], state[1]), (lr, t), options)?;
+                let (p, m, v) = g.adam_step_corrected(
+                    (param, gradient, state[0], state[1]),
+                    (lr, scalars[0], scalars[1]),
+                    options,
+                )?;
                 Ok((p, vec![m, v]))
             }
         }

@@ -97,12 +97,12 @@ pub(crate) fn build(
     };
 
     let lr = g.input(claim(LR_INPUT.to_string())?, Shape::scalar(DType::F32))?;
-    let step = step_input(&g)?;
-    let t = g.binary(
-        BinaryOp::Add,
-        g.cast(step, DType::F32)?,
-        g.scalar(1.0, DType::F32),
-    )?;
+    step_input(&g)?;
+    let scalars = optimizer
+        .scalar_inputs()
+        .iter()
+        .map(|name| g.input(claim(name.to_string())?, Shape::scalar(DType::F32)))
+        .collect::<Result<Vec<_>>>()?;
 
     let ids: Vec<NodeId> = trainable.iter().map(|p| p.1).collect();
     let gradients = rlx_opt::autodiff::grad(&g, loss, &ids)?;
@@ -136,8 +136,13 @@ pub(crate) fn build(
                 shape: shape.clone(),
             });
         }
-        let (lr, t) = (as_dtype(&g, lr, dtype)?, as_dtype(&g, t, dtype)?);
-        let (next, next_state) = optimizer.update(&g, (*param, *gradient, &handles), (lr, t))?;
+        let lr = as_dtype(&g, lr, dtype)?;
+        let scalars = scalars
+            .iter()
+            .map(|&s| as_dtype(&g, s, dtype))
+            .collect::<Result<Vec<_>>>()?;
+        let (next, next_state) =
+            optimizer.update(&g, (*param, *gradient, &handles), (lr, &scalars))?;
         for (target, value) in
             std::iter::once((*param, next)).chain(handles.into_iter().zip(next_state))
         {

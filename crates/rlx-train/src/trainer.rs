@@ -162,11 +162,16 @@ impl Trainer {
                 known: self.batch.iter().map(|b| b.name.clone()).collect(),
             });
         }
-        let lr = [self.options.schedule.at(self.steps) as f32];
+        let rate = self.options.schedule.at(self.steps);
+        let lr = [rate as f32];
         let step = [self.steps as i64];
+        let scalars = self.options.optimizer.scalars(self.steps, rate);
         let mut inputs: Vec<(&str, TensorRef<'_>)> = batch.to_vec();
         inputs.push((LR_INPUT, TensorRef::F32(&lr)));
         inputs.push((STEP_INPUT, TensorRef::I64(&step)));
+        for (name, value) in self.options.optimizer.scalar_inputs().iter().zip(&scalars) {
+            inputs.push((name, TensorRef::F32(std::slice::from_ref(value))));
+        }
         let out = self.compiled.run_typed(&inputs)?;
         let loss = scalar(&out[0]);
         let norm = scalar(&out[1]);

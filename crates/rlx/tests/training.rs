@@ -175,6 +175,13 @@ fn steps_match_the_reference_evaluator_on_every_device() -> Result<()> {
                 STEP_INPUT.into(),
                 host(&Shape::new(&[1], DType::I64), vec![step as f64]),
             );
+            let scalars = optimizer.scalars(step as u64, rate);
+            for (name, value) in optimizer.scalar_inputs().iter().zip(scalars) {
+                values.insert(
+                    name.to_string(),
+                    host(&Shape::scalar(DType::F32), vec![value as f64]),
+                );
+            }
             let out = evaluate(&g, &mut values)?;
             expected_losses.push(out[0].data[0]);
         }

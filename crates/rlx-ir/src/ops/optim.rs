@@ -98,6 +98,10 @@ impl Graph {
     /// first and second moments, the learning rate `lr` and the step number `t`
     /// (scalar nodes; `t` counts from 1 and sets the bias corrections `1 - beta^t`).
     ///
+    /// The corrections are computed in the graph; where `t` is known on the host,
+    /// [`Graph::adam_step_corrected`] with corrections computed there in `f64` is more
+    /// accurate in the first steps (`1 - beta2^t` cancels badly near `t = 1`).
+    ///
     /// # Errors
     /// [`Error::InvalidArgument`] when the shapes differ or a beta is outside `[0, 1)`.
     pub fn adam_step(
@@ -106,15 +110,38 @@ impl Graph {
         (lr, t): (NodeId, NodeId),
         options: Adam,
     ) -> Result<(NodeId, NodeId, NodeId)> {
+        check_betas(&options)?;
+        let dtype = self.shape(param)?.dtype();
+        let c = |x: f64| self.scalar(x, dtype);
+        // 1 - beta^t, as 1 - exp(t ln beta).
+        let correction = |beta: f64| -> Result<NodeId> {
+            let power = self.unary(UnaryOp::Exp, self.binary(BinaryOp::Mul, t, c(beta.ln()))?)?;
+            self.binary(BinaryOp::Sub, c(1.0), power)
+        };
+        let step_size = self.binary(BinaryOp::Div, lr, correction(options.beta1)?)?;
+        let root_correction2 = self.unary(UnaryOp::Sqrt, correction(options.beta2)?)?;
+        self.adam_step_corrected(
+            (param, gradient, m, v),
+            (lr, step_size, root_correction2),
+            options,
+        )
+    }
+
+    /// One Adam or AdamW step as PyTorch computes it, from scalar nodes worked out
+    /// beforehand: `lr` (for the decoupled weight decay), `step_size = lr / (1 -
+    /// beta1^t)` and `root_correction2 = sqrt(1 - beta2^t)`. The update is `param -
+    /// step_size m' / (sqrt(v') / root_correction2 + eps)`.
+    ///
+    /// # Errors
+    /// As [`Graph::adam_step`].
+    pub fn adam_step_corrected(
+        &self,
+        (param, gradient, m, v): (NodeId, NodeId, NodeId, NodeId),
+        (lr, step_size, root_correction2): (NodeId, NodeId, NodeId),
+        options: Adam,
+    ) -> Result<(NodeId, NodeId, NodeId)> {
         self.same_state("adam_step", param, &[gradient, m], Some(v))?;
-        for beta in [options.beta1, options.beta2] {
-            if !(0.0..1.0).contains(&beta) {
-                return Err(Error::invalid(
-                    "adam_step",
-                    format!("betas must be in [0, 1), got {beta}"),
-                ));
-            }
-        }
+        check_betas(&options)?;
         let dtype = self.shape(param)?.dtype();
         let c = |x: f64| self.scalar(x, dtype);
         let mul = |a, b| self.binary(BinaryOp::Mul, a, b);
@@ -133,15 +160,13 @@ impl Graph {
             mul(v, c(options.beta2))?,
             mul(mul(g, g)?, c(1.0 - options.beta2))?,
         )?;
-        // 1 - beta^t, as 1 - exp(t ln beta).
-        let correction = |beta: f64| -> Result<NodeId> {
-            let power = self.unary(UnaryOp::Exp, mul(t, c(beta.ln()))?)?;
-            self.binary(BinaryOp::Sub, c(1.0), power)
-        };
-        let m_hat = self.binary(BinaryOp::Div, m, correction(options.beta1)?)?;
-        let v_hat = self.binary(BinaryOp::Div, v, correction(options.beta2)?)?;
-        let denominator = add(self.unary(UnaryOp::Sqrt, v_hat)?, c(options.eps))?;
-        let step = mul(self.binary(BinaryOp::Div, m_hat, denominator)?, lr)?;
+        let root = self.binary(
+            BinaryOp::Div,
+            self.unary(UnaryOp::Sqrt, v)?,
+            root_correction2,
+        )?;
+        let denominator = add(root, c(options.eps))?;
+        let step = mul(self.binary(BinaryOp::Div, m, denominator)?, step_size)?;
         Ok((self.binary(BinaryOp::Sub, p, step)?, m, v))
     }
 
@@ -210,6 +235,18 @@ impl Graph {
     }
 }
 
+fn check_betas(options: &Adam) -> Result<()> {
+    for beta in [options.beta1, options.beta2] {
+        if !(0.0..1.0).contains(&beta) {
+            return Err(Error::invalid(
+                "adam_step",
+                format!("betas must be in [0, 1), got {beta}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,7 +293,15 @@ mod tests {
                 g.input("t", f(&[])).unwrap(),
             );
             let (p2, m2, v2) = g.adam_step((p, gr, m, v), (lr_n, t_n), options).unwrap();
-            g.set_outputs(vec![p2, m2, v2]);
+            // The same step from corrections worked out on the host.
+            let (ss, rc) = (
+                g.input("ss", f(&[])).unwrap(),
+                g.input("rc", f(&[])).unwrap(),
+            );
+            let (p3, m3, v3) = g
+                .adam_step_corrected((p, gr, m, v), (lr_n, ss, rc), options)
+                .unwrap();
+            g.set_outputs(vec![p2, m2, v2, p3, m3, v3]);
             let (mut pv, mut mv, mut vv) = (p0.clone(), vec![0.0; 4], vec![0.0; 4]);
             let (mut pw, mut mw, mut vw) = (p0.clone(), vec![0.0; 4], vec![0.0; 4]);
             for (step, grad) in grads.iter().enumerate() {
@@ -270,8 +315,15 @@ mod tests {
                         ("v", vv),
                         ("lr", vec![lr]),
                         ("t", vec![t]),
+                        ("ss", vec![lr / (1.0 - options.beta1.powf(t))]),
+                        ("rc", vec![(1.0 - options.beta2.powf(t)).sqrt()]),
                     ],
                 );
+                for (a, b) in out[..3].iter().zip(&out[3..]) {
+                    for (x, y) in a.iter().zip(b) {
+                        assert!((x - y).abs() < 1e-12, "{options:?} step {t}: {x} vs {y}");
+                    }
+                }
                 (pv, mv, vv) = (out[0].clone(), out[1].clone(), out[2].clone());
                 for i in 0..4 {
                     let mut gi = grad[i];
