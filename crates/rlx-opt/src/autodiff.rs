@@ -487,11 +487,154 @@ fn vjp(
             let from = graph.shape(operands[0])?.dtype();
             vec![Some(graph.cast(g, from)?)]
         }
+        Op::LayerNorm { eps } if matches!(dtype, DType::F32 | DType::F64) => {
+            norm_vjp(graph, operands, g, eps.get(), true)?
+        }
+        Op::RmsNorm { eps } if matches!(dtype, DType::F32 | DType::F64) => {
+            norm_vjp(graph, operands, g, eps.get(), false)?
+        }
+        Op::Attention {
+            scale,
+            causal,
+            seq_major,
+        } => match attention_vjp(graph, out, operands, g, (scale.get(), *causal, *seq_major))? {
+            Some(contributions) => contributions,
+            None => return through_decomposition(graph, op, operands, g),
+        },
         _ if rlx_ir::decompose::is_composite(op) => {
             return through_decomposition(graph, op, operands, g);
         }
         _ => return no_rule("has no gradient rule yet"),
     })
+}
+
+/// The VJP of a layer norm (`centered`: `x̂ = (x - mean) r`, `y = x̂ γ + β`) or an RMS
+/// norm (`x̂ = x r`, `y = x̂ γ`) over the last axis, `r = 1 / sqrt(var + eps)` (the
+/// mean square for RMS): `dx = r (gγ - mean(gγ) - x̂ mean(gγ x̂))` (no first mean for
+/// RMS), `dγ = Σ g x̂`, `dβ = Σ g`, the sums over every axis but the last.
+fn norm_vjp(
+    graph: &Graph,
+    operands: &[NodeId],
+    g: NodeId,
+    eps: f64,
+    centered: bool,
+) -> Result<Vec<Option<NodeId>>> {
+    let (x, gamma) = (operands[0], operands[1]);
+    let dtype = graph.shape(x)?.dtype();
+    let mul = |a, b| graph.binary(BinaryOp::Mul, a, b);
+    let sub = |a, b| graph.binary(BinaryOp::Sub, a, b);
+    let mean = |a| graph.mean(a, &[-1], true);
+    let centred = if centered { sub(x, mean(x)?)? } else { x };
+    let variance = mean(mul(centred, centred)?)?;
+    let r = graph.unary(
+        UnaryOp::Rsqrt,
+        graph.binary(BinaryOp::Add, variance, graph.scalar(eps, dtype))?,
+    )?;
+    let normed = mul(centred, r)?;
+    let scaled = mul(g, gamma)?;
+    let mut inner = sub(scaled, mul(normed, mean(mul(scaled, normed)?)?)?)?;
+    if centered {
+        inner = sub(inner, mean(scaled)?)?;
+    }
+    let dx = mul(r, inner)?;
+    let dgamma = unbroadcast(graph, mul(g, normed)?, gamma)?;
+    let mut contributions = vec![Some(dx), Some(dgamma)];
+    if centered {
+        contributions.push(Some(unbroadcast(graph, g, operands[2])?));
+    }
+    Ok(contributions)
+}
+
+/// The VJP of attention in `f32` or `f64` (half precision goes through the
+/// decomposition): the probabilities `P` are recomputed (one product, the mask, a
+/// softmax), then with `dO` the output's gradient, `dV = Pᵀ dO`, `dS = P (dO Vᵀ -
+/// rowsum(dO O))`, `dQ = dS K scale`, `dK = dSᵀ Q scale`; a float mask's gradient is
+/// `dS` summed to its shape. Grouped key/value heads sum the gradients of the query
+/// heads they serve.
+fn attention_vjp(
+    graph: &Graph,
+    out: NodeId,
+    operands: &[NodeId],
+    g: NodeId,
+    (scale, causal, seq_major): (f64, bool, bool),
+) -> Result<Option<Vec<Option<NodeId>>>> {
+    const HEAD_SWAP: [usize; 4] = [0, 2, 1, 3];
+    let dtype = graph.shape(out)?.dtype();
+    if !matches!(dtype, DType::F32 | DType::F64) {
+        return Ok(None);
+    }
+    let head_major = |x: NodeId| {
+        if seq_major {
+            graph.permute(x, &HEAD_SWAP)
+        } else {
+            Ok(x)
+        }
+    };
+    let (q, k, v) = (
+        head_major(operands[0])?,
+        head_major(operands[1])?,
+        head_major(operands[2])?,
+    );
+    let (qs, ks) = (graph.shape(q)?, graph.shape(k)?);
+    let (hq, hkv, sq, sk) = (qs.dim(1), ks.dim(1), qs.dim(2), ks.dim(2));
+    let group = hq / hkv.max(1);
+    // Each key/value head serves `group` consecutive query heads.
+    let (k_full, v_full) = if group > 1 {
+        let heads: Vec<i64> = (0..hq).map(|h| (h / group) as i64).collect();
+        let idx = graph.constant(rlx_ir::TensorData::I64(heads), &[hq])?;
+        (graph.gather(k, idx, 1)?, graph.gather(v, idx, 1)?)
+    } else {
+        (k, v)
+    };
+    let (o, d_o) = (head_major(out)?, head_major(g)?);
+    let transpose = |x: NodeId| graph.permute(x, &[0, 1, 3, 2]);
+    let mul = |a, b| graph.binary(BinaryOp::Mul, a, b);
+    let scale_node = graph.scalar(scale, dtype);
+    let neg = graph.scalar(f64::NEG_INFINITY, dtype);
+    let mut scores = mul(graph.matmul(q, transpose(k_full)?)?, scale_node)?;
+    let mask = operands.get(3).copied();
+    if let Some(m) = mask {
+        scores = if graph.shape(m)?.dtype() == DType::Bool {
+            graph.select(m, scores, neg)?
+        } else {
+            graph.binary(BinaryOp::Add, scores, m)?
+        };
+    }
+    if causal {
+        // Query i sees keys j <= i + (sk - sq), as the forward does.
+        let keep: Vec<bool> = (0..sq)
+            .flat_map(|i| (0..sk).map(move |j| j + sq <= i + sk))
+            .collect();
+        let keep = graph.constant(rlx_ir::TensorData::Bool(keep), &[sq, sk])?;
+        scores = graph.select(keep, scores, neg)?;
+    }
+    let p = graph.softmax(scores, -1)?;
+    let mut dv = graph.matmul(transpose(p)?, d_o)?;
+    let dp = graph.matmul(d_o, transpose(v_full)?)?;
+    let delta = graph.sum(mul(d_o, o)?, &[-1], true)?;
+    let d_scores = mul(p, graph.binary(BinaryOp::Sub, dp, delta)?)?;
+    let ds = mul(d_scores, scale_node)?;
+    let dq = graph.matmul(ds, k_full)?;
+    let mut dk = graph.matmul(transpose(ds)?, q)?;
+    if group > 1 {
+        let fold = |x: NodeId| -> Result<NodeId> {
+            let dims = graph.shape(x)?.dims().to_vec();
+            let grouped = graph.reshape(x, &[dims[0], hkv, group, dims[2], dims[3]])?;
+            graph.sum(grouped, &[2], false)
+        };
+        dk = fold(dk)?;
+        dv = fold(dv)?;
+    }
+    let back = |x: NodeId| -> Result<Option<NodeId>> { Ok(Some(head_major(x)?)) };
+    let mut contributions = vec![back(dq)?, back(dk)?, back(dv)?];
+    if let Some(m) = mask {
+        contributions.push(if graph.shape(m)?.dtype().is_float() {
+            Some(unbroadcast(graph, d_scores, m)?)
+        } else {
+            None
+        });
+    }
+    Ok(Some(contributions))
 }
 
 /// The VJP of a composite with no rule of its own (the norms, attention, rope, the
@@ -855,6 +998,21 @@ mod tests {
             },
         );
         check(
+            "norms over a 3-D input",
+            &[
+                ("x", &[2, 3, 5]),
+                ("gamma", &[5]),
+                ("beta", &[5]),
+                ("w", &[2, 3, 5]),
+            ],
+            |g, x| {
+                let ln = g.layer_norm(x[0], x[1], x[2], 1e-3)?;
+                let rms = g.rms_norm(x[0], x[1], 1e-3)?;
+                let y = g.binary(BinaryOp::Add, ln, g.binary(BinaryOp::Mul, rms, rms)?)?;
+                g.sum(g.binary(BinaryOp::Mul, y, x[3])?, &[], false)
+            },
+        );
+        check(
             "attention",
             &[
                 ("q", &[1, 2, 3, 4]),
@@ -863,6 +1021,52 @@ mod tests {
             ],
             |g, x| {
                 let y = g.attention(x[0], x[1], x[2], None, true, None)?;
+                g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
+            },
+        );
+        // Its own rule: sequence-major, causal and not, with a given scale.
+        check(
+            "attention, sequence-major",
+            &[
+                ("q", &[2, 4, 3, 5]),
+                ("k", &[2, 4, 3, 5]),
+                ("v", &[2, 4, 3, 2]),
+                ("w", &[2, 4, 3, 2]),
+            ],
+            |g, x| {
+                let a = g.attention_seq_major(x[0], x[1], x[2], None, true, None)?;
+                let b = g.attention_seq_major(x[0], x[1], x[2], None, false, Some(0.3))?;
+                let y = g.binary(BinaryOp::Add, a, g.unary(UnaryOp::Tanh, b)?)?;
+                g.sum(g.binary(BinaryOp::Mul, y, x[3])?, &[], false)
+            },
+        );
+        check(
+            "attention, bool mask",
+            &[
+                ("q", &[1, 2, 3, 2]),
+                ("k", &[1, 2, 4, 2]),
+                ("v", &[1, 2, 4, 3]),
+            ],
+            |g, x| {
+                let keep = [
+                    true, false, true, true, false, true, true, true, true, true, false, false,
+                ];
+                let mask = g.constant(rlx_ir::TensorData::Bool(keep.to_vec()), &[3, 4])?;
+                let y = g.attention(x[0], x[1], x[2], Some(mask), false, None)?;
+                g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
+            },
+        );
+        // Grouped key/value heads and a float mask (whose gradient is checked too).
+        check(
+            "attention, grouped heads and a mask",
+            &[
+                ("q", &[1, 4, 3, 2]),
+                ("k", &[1, 2, 3, 2]),
+                ("v", &[1, 2, 3, 2]),
+                ("mask", &[3, 3]),
+            ],
+            |g, x| {
+                let y = g.attention(x[0], x[1], x[2], Some(x[3]), false, None)?;
                 g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
             },
         );
