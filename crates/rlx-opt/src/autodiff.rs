@@ -224,8 +224,10 @@ fn vjp(
                     mul(g, slope)?
                 }
                 UnaryOp::Relu => {
-                    let positive = graph.binary(BinaryOp::Gt, x, constant(0.0))?;
-                    graph.select(positive, g, constant(0.0))?
+                    // sign(relu(x)) is 1 where x > 0 and 0 elsewhere: float ops that
+                    // fuse into one elementwise kernel with the product.
+                    let step = graph.unary(UnaryOp::Sign, out)?;
+                    mul(g, step)?
                 }
                 UnaryOp::Reciprocal => graph.unary(UnaryOp::Neg, mul(g, mul(out, out)?)?)?,
                 UnaryOp::Rsqrt => {
@@ -738,7 +740,8 @@ fn conv2d_vjp(
     let dw = graph.permute(dw, &[1, 0, 2, 3])?;
     let mut grads = vec![Some(dx), Some(dw)];
     if operands.len() > 2 {
-        grads.push(Some(graph.sum(g, &[0, 2, 3], false)?));
+        let summed = sum_in_runs(graph, g, &[0, 2, 3])?;
+        grads.push(Some(graph.reshape(summed, &[graph.shape(g)?.dim(1)])?));
     }
     Ok(grads)
 }
@@ -803,12 +806,25 @@ fn unbroadcast(graph: &Graph, g: NodeId, x: NodeId) -> Result<NodeId> {
             axes.push((lead + i) as isize);
         }
     }
-    let summed = if axes.is_empty() {
-        g
-    } else {
-        graph.sum(g, &axes, true)?
-    };
-    graph.reshape(summed, xs.dims())
+    let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
+    graph.reshape(sum_in_runs(graph, g, &axes)?, xs.dims())
+}
+
+/// `g` summed over `axes` (sorted), dims kept, one reduction per run of consecutive
+/// axes (the last run first): a backend's fast reduction covers consecutive axes.
+fn sum_in_runs(graph: &Graph, g: NodeId, axes: &[usize]) -> Result<NodeId> {
+    let mut runs: Vec<Vec<isize>> = Vec::new();
+    for &a in axes {
+        match runs.last_mut() {
+            Some(run) if run.last() == Some(&(a as isize - 1)) => run.push(a as isize),
+            _ => runs.push(vec![a as isize]),
+        }
+    }
+    let mut summed = g;
+    for run in runs.iter().rev() {
+        summed = graph.sum(summed, run, true)?;
+    }
+    Ok(summed)
 }
 
 /// Zeros of `id`'s shape and dtype (a float dtype; integers and bools get `f32`).
