@@ -99,6 +99,9 @@ struct CharLmArgs {
     /// Bytes of context.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=8192))]
     context: u32,
+    /// Dropout on each block's residual branches while training (0 to 1, exclusive).
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f64,
     /// The Python interpreter whose standard library is the corpus.
     #[arg(long, default_value = "python3")]
     python: String,
@@ -162,6 +165,7 @@ fn charlm(args: &CharLmArgs) -> anyhow::Result<()> {
         device: c.device,
         threads: c.threads,
         profile: c.profile,
+        dropout: args.dropout,
         init: args.init.clone(),
         fixed_batches: match &args.batches {
             Some(path) => {
@@ -184,6 +188,7 @@ fn charlm(args: &CharLmArgs) -> anyhow::Result<()> {
         "context": config.context,
         "batch": config.batch,
         "lr": config.lr,
+        "dropout": config.dropout,
         "seed": config.seed,
         "train_bytes": corpus.train.len(),
         "val_bytes": corpus.val.len(),

@@ -163,6 +163,7 @@ fn native_ops() -> NativeOps {
         "pad",
         "tile",
         "range",
+        "random_uniform",
         "cumsum",
         "topk_values",
         "topk_indices",

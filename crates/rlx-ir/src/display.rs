@@ -34,6 +34,7 @@ pub fn op_attributes(op: &Op) -> String {
         Op::Range {
             start, step, len, ..
         } => format!("start={:?} step={:?} len={len}", start, step),
+        Op::RandomUniform { seed, dims, .. } => format!("seed={seed} dims={dims:?}"),
         Op::Cumsum {
             axis,
             exclusive,

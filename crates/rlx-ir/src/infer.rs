@@ -63,6 +63,7 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
             }
             Ok(Shape::new(&[*len], *dtype))
         }
+        Op::RandomUniform { dims, dtype, .. } => misc::infer_random_uniform(dims, *dtype, x()),
         Op::Cumsum { axis, .. } => {
             crate::ops::require_numeric("cumsum", x())?;
             if *axis >= x().rank() {

@@ -538,6 +538,18 @@ pub enum Op {
         /// Element type of the result.
         dtype: DType,
     },
+    /// Uniform random numbers in `[0, 1)` of the given dims and float dtype, a pure
+    /// function of `seed`, the run-time integer `key` (its one operand, such as the
+    /// training step) and each element's index: the same key gives the same numbers on
+    /// every backend ([`crate::scalar::random_uniform`]).
+    RandomUniform {
+        /// Fixed part of the stream (one per use, such as one per dropout layer).
+        seed: u64,
+        /// Dimensions of the result.
+        dims: Vec<usize>,
+        /// Float type of the result.
+        dtype: DType,
+    },
     /// Running sum along an axis.
     Cumsum {
         /// The axis.
@@ -703,6 +715,7 @@ impl Op {
             Op::Pad { .. } => "pad".into(),
             Op::Tile { .. } => "tile".into(),
             Op::Range { .. } => "range".into(),
+            Op::RandomUniform { .. } => "random_uniform".into(),
             Op::Cumsum { .. } => "cumsum".into(),
             Op::TopK {
                 output: TopKOutput::Values,

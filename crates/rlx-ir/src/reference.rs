@@ -89,6 +89,7 @@ pub fn eval_node(
         Op::Pad { pads, mode } => shape_ops::eval_pad(pads, *mode, x(), out),
         Op::Tile { .. } => shape_ops::eval_tile(x(), out),
         Op::Range { start, step, .. } => misc::eval_range(start.get(), step.get(), out),
+        Op::RandomUniform { seed, .. } => misc::eval_random_uniform(*seed, x(), out),
         Op::Cumsum {
             axis,
             exclusive,

@@ -202,6 +202,32 @@ fn int_pow(base: i64, exp: i64) -> i64 {
     result
 }
 
+/// A 32-bit integer hash with good avalanche (two multiply-xorshift rounds).
+fn mix32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7FEB_352D);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846C_A68B);
+    x ^ (x >> 16)
+}
+
+/// The stream key of `random_uniform` for `seed` and the run-time `key`.
+pub fn random_stream(seed: u64, key: i64) -> u32 {
+    let key = key as u64;
+    mix32(
+        mix32(seed as u32 ^ mix32((seed >> 32) as u32))
+            ^ mix32(key as u32 ^ mix32((key >> 32) as u32)),
+    )
+}
+
+/// Element `index` of `random_uniform` with stream key `stream` (from
+/// [`random_stream`]): 24 random bits as a value in `[0, 1)`, exact in `f32`. Every
+/// backend computes this same function.
+pub fn random_uniform(stream: u32, index: u64) -> f64 {
+    let h = mix32((index as u32).wrapping_mul(0x9E37_79B9) ^ stream ^ mix32((index >> 32) as u32));
+    (h >> 8) as f64 / (1u32 << 24) as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,5 +252,20 @@ mod tests {
         assert_eq!(binary_i64(BinaryOp::Pow, 3, 4), 81);
         assert_eq!(binary_i64(BinaryOp::Pow, 2, -1), 0);
         assert!(binary_f64(BinaryOp::Max, f64::NAN, 1.0).is_nan());
+    }
+
+    #[test]
+    fn random_numbers_are_pinned() {
+        // The values every backend must reproduce; a change to the hash changes
+        // every dropout mask and so what a checkpoint resumes into.
+        let stream = random_stream(5, 7);
+        let first: Vec<f64> = (0..3).map(|i| random_uniform(stream, i)).collect();
+        assert_eq!(
+            first,
+            [0.33469128608703613, 0.8433941602706909, 0.2765868902206421]
+        );
+        assert_ne!(random_stream(5, 7), random_stream(5, 8));
+        assert_ne!(random_stream(5, 7), random_stream(6, 7));
+        assert_ne!(random_stream(5, 1), random_stream(5, 1 << 32));
     }
 }

@@ -1788,6 +1788,102 @@ fn expand_pad_tile() {
 // ---------------------------------------------------------------------------------------
 
 #[test]
+fn random_numbers_and_dropout() {
+    let mut s = Suite::new(0x4B);
+    // The same numbers as the reference's definition on every device, for random keys
+    // (negative and past 32 bits too), several dtypes and a size split between threads.
+    for dt in FLOATS {
+        s.check(
+            &format!("random_uniform {dt}"),
+            &[inp("key", &[1], DType::I64).dist(Dist::Int(-(1 << 40), 1 << 40))],
+            EW,
+            |g, x| {
+                Ok(vec![
+                    g.random_uniform(&[3, 5, 7], dt, 11, x[0])?,
+                    g.random_uniform(&[1 << 17], dt, u64::MAX - 3, x[0])?,
+                    g.random_uniform(&[0, 4], dt, 11, x[0])?,
+                ])
+            },
+        );
+    }
+    // Dropout on a float input with an i32 key, and its gradient.
+    s.check(
+        "dropout and its gradient",
+        &[
+            inp("x", &[4, 33], DType::F32),
+            inp("key", &[1], DType::I32).dist(Dist::Int(0, 1000)),
+        ],
+        EW,
+        |g, x| {
+            let y = g.dropout(x[0], 0.3, 5, x[1])?;
+            let loss = g.sum(g.mul(y, y)?, &[], false)?;
+            let mut outs = vec![y];
+            outs.extend(rlx::grad(g, loss, &[x[0]])?);
+            Ok(outs)
+        },
+    );
+
+    // The numbers themselves: uniform, new for a new key or seed, the same for the
+    // same ones; dropout keeps about 1 - p and scales what it keeps.
+    let g = Graph::new("random");
+    let key = g.input("key", Shape::new(&[1], DType::I64)).unwrap();
+    let n = 1 << 16;
+    let a = g.random_uniform(&[n], DType::F32, 1, key).unwrap();
+    let b = g.random_uniform(&[n], DType::F32, 2, key).unwrap();
+    let x = g.input("x", Shape::new(&[n], DType::F32)).unwrap();
+    let d = g.dropout(x, 0.25, 9, key).unwrap();
+    g.set_outputs(vec![a, b, d]);
+    for device in test_devices() {
+        let mut c = Session::new(device).compile(&g).unwrap();
+        let ones = vec![1.0f32; n];
+        let run = |c: &mut CompiledGraph, k: i64| {
+            c.run_typed(&[("key", TensorRef::I64(&[k])), ("x", TensorRef::F32(&ones))])
+                .unwrap()
+                .iter()
+                .map(|t| t.as_ref().to_f64_vec())
+                .collect::<Vec<_>>()
+        };
+        let (first, again, next) = (run(&mut c, 7), run(&mut c, 7), run(&mut c, 8));
+        assert_eq!(first, again, "on {device}: the same key gave other numbers");
+        assert_ne!(
+            first[0], next[0],
+            "on {device}: a new key gave the same numbers"
+        );
+        assert_ne!(
+            first[0], first[1],
+            "on {device}: two seeds gave the same numbers"
+        );
+        let u = &first[0];
+        assert!(u.iter().all(|v| (0.0..1.0).contains(v)));
+        let mean = u.iter().sum::<f64>() / n as f64;
+        let below = u.iter().filter(|&&v| v < 0.1).count() as f64 / n as f64;
+        assert!(
+            (mean - 0.5).abs() < 0.01 && (below - 0.1).abs() < 0.01,
+            "{mean} {below}"
+        );
+        let kept = first[2].iter().filter(|&&v| v != 0.0).count() as f64 / n as f64;
+        assert!(
+            (kept - 0.75).abs() < 0.01,
+            "on {device}: dropout kept {kept}"
+        );
+        assert!(
+            first[2]
+                .iter()
+                .all(|&v| v == 0.0 || (v - 1.0 / 0.75).abs() < 1e-6)
+        );
+    }
+    // Bad settings.
+    let e = g.dropout(x, 1.0, 0, key).unwrap_err().to_string();
+    assert!(e.contains("[0, 1)"), "{e}");
+    let fkey = g.input("fkey", Shape::new(&[1], DType::F32)).unwrap();
+    assert!(g.random_uniform(&[2], DType::F32, 0, fkey).is_err());
+    let wide = g.input("wide", Shape::new(&[2], DType::I64)).unwrap();
+    assert!(g.random_uniform(&[2], DType::F32, 0, wide).is_err());
+    assert!(g.random_uniform(&[2], DType::I32, 0, key).is_err());
+    assert_eq!(g.dropout(x, 0.0, 0, key).unwrap(), x);
+}
+
+#[test]
 fn range_and_iota() {
     let mut s = Suite::new(0x13);
     for dt in [

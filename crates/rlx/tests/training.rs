@@ -462,3 +462,68 @@ fn an_evaluator_runs_on_the_trained_params() -> Result<()> {
     }
     Ok(())
 }
+
+/// The classifier with dropout on its hidden layer, keyed by the trainer's step.
+fn dropout_trainer(device: Device) -> Result<Trainer> {
+    let g = Graph::new("dropout classifier");
+    let x = g.input("x", Shape::new(&[ROWS, FEATURES], DType::F32))?;
+    let y = g.input("y", Shape::new(&[ROWS], DType::I64))?;
+    let key = g.input(STEP_INPUT, Shape::new(&[1], DType::I64))?;
+    let w1 = g.param("w1", Shape::new(&[FEATURES, HIDDEN], DType::F32))?;
+    let b1 = g.param("b1", Shape::new(&[HIDDEN], DType::F32))?;
+    let w2 = g.param("w2", Shape::new(&[HIDDEN, CLASSES], DType::F32))?;
+    let h = g.unary(UnaryOp::Tanh, g.add(g.matmul(x, w1)?, b1)?)?;
+    let h = g.dropout(h, 0.5, 3, key)?;
+    let loss = g.cross_entropy(g.matmul(h, w2)?, y, CrossEntropy::default())?;
+    let mut t = Trainer::new(
+        &Session::new(device),
+        &g,
+        loss,
+        TrainOptions::new(Optimizer::adamw(0.0)).schedule(LrSchedule::Constant(0.01)),
+    )?;
+    for (name, values) in initial_params(7) {
+        t.set_param(name, &values)?;
+    }
+    Ok(t)
+}
+
+#[test]
+fn dropout_masks_follow_the_step_so_a_resumed_run_matches() -> Result<()> {
+    let data = batches(61, 4);
+    let dir = std::env::temp_dir().join(format!("rlx-dropout-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| Error::invalid("test", e.to_string()))?;
+    for device in test_devices() {
+        let mut straight = dropout_trainer(device)?;
+        let losses: Vec<u32> = data
+            .iter()
+            .map(|b| Ok(straight.step(&feed(b))?.to_bits()))
+            .collect::<Result<_>>()?;
+        let mut first = dropout_trainer(device)?;
+        let mut again = Vec::new();
+        for b in &data[..2] {
+            again.push(first.step(&feed(b))?.to_bits());
+        }
+        let path = dir.join("dropout.safetensors");
+        first.save_checkpoint(&path)?;
+        let mut resumed = dropout_trainer(device)?;
+        resumed.load_checkpoint(&path)?;
+        for b in &data[2..] {
+            again.push(resumed.step(&feed(b))?.to_bits());
+        }
+        assert_eq!(
+            again, losses,
+            "on {device}: the resumed run drew other masks"
+        );
+        // The mask changes with the step: the same batch at two steps, with the
+        // params reset in between, gives two losses.
+        let mut t = dropout_trainer(device)?;
+        let at_0 = t.step(&feed(&data[0]))?;
+        for (name, values) in initial_params(7) {
+            t.set_param(name, &values)?;
+        }
+        let at_1 = t.step(&feed(&data[0]))?;
+        assert_ne!(at_0, at_1, "on {device}: the same mask at steps 0 and 1");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}

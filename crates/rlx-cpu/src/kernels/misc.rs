@@ -1,8 +1,10 @@
-//! Range, cumsum, top-k and one-hot.
+//! Range, random numbers, cumsum, top-k and one-hot.
 
+use super::Ctx;
 use crate::elem::{Elem, with_dtype};
 use crate::tensor::{Dst, Src};
-use rlx_ir::TopKOutput;
+use rlx_ir::scalar::{random_stream, random_uniform as uniform_at};
+use rlx_ir::{DType, Result, TopKOutput};
 
 pub(crate) fn range(start: f64, step: f64, out: Dst) {
     with_dtype!(out.shape.dtype(), T => {
@@ -10,6 +12,40 @@ pub(crate) fn range(start: f64, step: f64, out: Dst) {
             out.set(i, T::from_f64(start + i as f64 * step));
         }
     })
+}
+
+/// `random_uniform`: the values of [`rlx_ir::scalar::random_uniform`], in chunks
+/// split between threads.
+pub(crate) fn random_uniform(seed: u64, key: Src, out: Dst, ctx: &Ctx) -> Result<()> {
+    let key = with_dtype!(key.shape.dtype(), T => key.get::<T>(0).to_i64());
+    let stream = random_stream(seed, key);
+    const CHUNK: usize = 1 << 14;
+    let n = out.shape.num_elements();
+    if out.shape.dtype() != DType::F32 {
+        with_dtype!(out.shape.dtype(), T => {
+            for i in 0..n {
+                out.set(i, T::from_f64(uniform_at(stream, i as u64)));
+            }
+        });
+        return Ok(());
+    }
+    let threads = if n >= 4 * CHUNK {
+        ctx.gemm.threads()
+    } else {
+        1
+    };
+    let base = out.ptr as usize;
+    let task = |t: usize, _thread: usize| {
+        let range = t * CHUNK..((t + 1) * CHUNK).min(n);
+        // SAFETY: elements `range` of the `n`-float output belong to this task.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut((base as *mut f32).add(range.start), range.len())
+        };
+        for (d, i) in dst.iter_mut().zip(range) {
+            *d = uniform_at(stream, i as u64) as f32;
+        }
+    };
+    ctx.pool.run(n.div_ceil(CHUNK), threads, &task)
 }
 
 fn lanes(dims: &[usize], axis: usize) -> (usize, usize, usize) {

@@ -263,6 +263,7 @@ pub(crate) fn run<'a>(
         Op::Pad { pads, mode } => layout::pad(pads, *mode, src(0), out),
         Op::Tile { .. } => layout::tile(src(0), out),
         Op::Range { start, step, .. } => misc::range(start.get(), step.get(), out),
+        Op::RandomUniform { seed, .. } => misc::random_uniform(*seed, src(0), out, ctx)?,
         Op::Cumsum {
             axis,
             exclusive,

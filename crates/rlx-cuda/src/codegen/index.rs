@@ -1,4 +1,5 @@
-//! Kernels that pick, fill, scan or rank elements: gather, pad, tile, range, one-hot,
+//! Kernels that pick, fill, scan or rank elements: gather, pad, tile, range, random
+//! numbers, one-hot,
 //! cumulative sums, top-k, argmax/argmin, and writes into a persistent handle.
 
 use super::{
@@ -21,6 +22,7 @@ pub(super) fn kernel(
         Op::Pad { pads, mode } => pad(name, pads, *mode, &inputs[0], out),
         Op::Tile { .. } => tile(name, &inputs[0], out),
         Op::Range { start, step, .. } => range(name, start.get(), step.get(), out),
+        Op::RandomUniform { seed, .. } => random_uniform(name, *seed, &inputs[0], out),
         Op::OneHot { depth, .. } => one_hot(name, *depth, &inputs[0], out),
         Op::Cumsum {
             axis,
@@ -175,6 +177,22 @@ fn range(name: &str, start: f64, step: f64, out: &Shape) -> Kernel {
         "    out[i] = {};",
         store(out.dtype(), &cast_expr(DType::F64, out.dtype(), &v))
     );
+    s.push_str("  }\n}\n");
+    elements(s, n)
+}
+
+fn random_uniform(name: &str, seed: u64, key: &Shape, out: &Shape) -> Kernel {
+    let n = out.num_elements();
+    let mut s = header(name, out.dtype(), &[key.dtype()]);
+    let k = load(key.dtype(), "in0", "0");
+    let _ = writeln!(s, "  unsigned int stream = rlx_stream({seed}ULL, {k});");
+    let _ = writeln!(s, "  RLX_LOOP({n}LL) {{");
+    let v = cast_expr(
+        DType::F64,
+        out.dtype(),
+        "rlx_uniform(stream, (unsigned long long)i)",
+    );
+    let _ = writeln!(s, "    out[i] = {};", store(out.dtype(), &v));
     s.push_str("  }\n}\n");
     elements(s, n)
 }

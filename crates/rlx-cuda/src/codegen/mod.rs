@@ -51,6 +51,19 @@ __device__ __forceinline__ long long ipow(long long b, long long e) {
   while (e > 0) { if (e & 1) r *= x; x *= x; e >>= 1; }
   return (long long)r;
 }
+// random_uniform: the hash of rlx_ir::scalar (random_stream, random_uniform).
+__device__ __forceinline__ unsigned int rlx_mix32(unsigned int x) {
+  x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; return x ^ (x >> 16);
+}
+__device__ __forceinline__ unsigned int rlx_stream(unsigned long long seed, long long key) {
+  unsigned long long k = (unsigned long long)key;
+  return rlx_mix32(rlx_mix32((unsigned int)seed ^ rlx_mix32((unsigned int)(seed >> 32)))
+                   ^ rlx_mix32((unsigned int)k ^ rlx_mix32((unsigned int)(k >> 32))));
+}
+__device__ __forceinline__ double rlx_uniform(unsigned int stream, unsigned long long i) {
+  unsigned int h = rlx_mix32(((unsigned int)i) * 0x9E3779B9u ^ stream ^ rlx_mix32((unsigned int)(i >> 32)));
+  return (double)(h >> 8) / 16777216.0;
+}
 #define RLX_LOOP(n) for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
 #define RLX_INF __int_as_float(0x7f800000)
 #define RLX_WARP_LOOP(n) for (long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < (n); w += ((long long)gridDim.x * blockDim.x) >> 5)

@@ -172,6 +172,15 @@ fn samples() -> Vec<(Op, Vec<Shape>, Shape)> {
             Shape::new(&[9], DType::BF16),
         ),
         (
+            Op::RandomUniform {
+                seed: 7,
+                dims: vec![3, 5],
+                dtype: DType::F16,
+            },
+            vec![Shape::new(&[1], DType::I64)],
+            Shape::new(&[3, 5], DType::F16),
+        ),
+        (
             Op::OneHot {
                 depth: 5,
                 dtype: DType::F32,

@@ -27,6 +27,61 @@ impl Graph {
         )
     }
 
+    /// Uniform random numbers in `[0, 1)` of shape `dims` and float `dtype`, drawn from
+    /// `seed` and the one-element integer node `key` (the training step, say): the same
+    /// seed and key give the same numbers on every backend, and a new key new ones.
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] when `dtype` is not a float or `key` not an integer;
+    /// [`Error::InvalidArgument`] when `key` holds more than one element.
+    pub fn random_uniform(
+        &self,
+        dims: &[usize],
+        dtype: DType,
+        seed: u64,
+        key: NodeId,
+    ) -> Result<NodeId> {
+        self.push(
+            Op::RandomUniform {
+                seed,
+                dims: dims.to_vec(),
+                dtype,
+            },
+            &[key],
+        )
+    }
+
+    /// Dropout: each element of `x` kept with probability `1 - p` and scaled by `1 /
+    /// (1 - p)`, or zeroed, the mask drawn by [`Graph::random_uniform`] from `seed`
+    /// and `key`. `p = 0` returns `x` itself. Build the graph without it for
+    /// evaluation.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `p` is not in `[0, 1)` or `x` is not a float.
+    pub fn dropout(&self, x: NodeId, p: f64, seed: u64, key: NodeId) -> Result<NodeId> {
+        let shape = self.shape(x)?;
+        if !(0.0..1.0).contains(&p) {
+            return Err(Error::invalid(
+                "dropout",
+                format!("the drop probability must be in [0, 1), got {p}"),
+            ));
+        }
+        if !shape.dtype().is_float() {
+            return Err(Error::dtype("dropout", "a float type", shape.dtype()));
+        }
+        if p == 0.0 {
+            return Ok(x);
+        }
+        let u = self.random_uniform(shape.dims(), DType::F32, seed, key)?;
+        let keep = self.binary(crate::BinaryOp::Ge, u, self.scalar(p, DType::F32))?;
+        let scaled = self.binary(
+            crate::BinaryOp::Mul,
+            x,
+            self.scalar(1.0 / (1.0 - p), shape.dtype()),
+        )?;
+        self.select(keep, scaled, self.scalar(0.0, shape.dtype()))
+    }
+
     /// `0, 1, ..., len - 1`.
     pub fn iota(&self, len: usize, dtype: DType) -> Result<NodeId> {
         self.push(
@@ -121,6 +176,31 @@ pub(crate) fn infer_one_hot(depth: usize, dtype: DType, idx: &Shape) -> Result<S
 pub(crate) fn eval_range(start: f64, step: f64, out: &Shape) -> HostTensor {
     let data = (0..out.num_elements())
         .map(|i| out.dtype().round_value(start + i as f64 * step))
+        .collect();
+    HostTensor::new(out.clone(), data)
+}
+
+pub(crate) fn infer_random_uniform(dims: &[usize], dtype: DType, key: &Shape) -> Result<Shape> {
+    if !dtype.is_float() {
+        return Err(Error::dtype("random_uniform", "a float type", dtype));
+    }
+    require_int("random_uniform", "key", key)?;
+    if key.num_elements() != 1 {
+        return Err(Error::invalid(
+            "random_uniform",
+            format!("the key must hold one element, got {key}"),
+        ));
+    }
+    Ok(Shape::new(dims, dtype))
+}
+
+pub(crate) fn eval_random_uniform(seed: u64, key: &HostTensor, out: &Shape) -> HostTensor {
+    let stream = crate::scalar::random_stream(seed, key.data[0] as i64);
+    let data = (0..out.num_elements())
+        .map(|i| {
+            out.dtype()
+                .round_value(crate::scalar::random_uniform(stream, i as u64))
+        })
         .collect();
     HostTensor::new(out.clone(), data)
 }

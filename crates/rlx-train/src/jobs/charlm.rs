@@ -3,7 +3,7 @@
 //! validation by file.
 
 use super::{JobReport, StepEvent, train_loop};
-use crate::{LrSchedule, ModelBuilder, Network, Optimizer, Rng, TrainOptions, Trainer};
+use crate::{LrSchedule, ModelBuilder, Network, Optimizer, Rng, STEP_INPUT, TrainOptions, Trainer};
 use rlx_driver::Device;
 use rlx_ir::{CrossEntropy, DType, Error, Graph, NodeId, Result, Shape, TensorRef, UnaryOp};
 use rlx_runtime::{CompileOptions, Session};
@@ -135,6 +135,9 @@ pub struct CharLmConfig {
     pub val_batches: usize,
     /// Bytes of sample text generated at the end.
     pub sample_bytes: usize,
+    /// Dropout on each block's two residual branches while training (0: none), its
+    /// masks keyed by the step.
+    pub dropout: f64,
     /// Time every kernel of the steps ([`Trainer::profile`]).
     pub profile: bool,
     /// Initial params from a safetensors file (names as [`charlm_network`] gives
@@ -163,6 +166,7 @@ impl Default for CharLmConfig {
             profile: false,
             val_batches: 8,
             sample_bytes: 300,
+            dropout: 0.0,
             init: None,
             fixed_batches: None,
         }
@@ -171,6 +175,12 @@ impl Default for CharLmConfig {
 
 impl CharLmConfig {
     fn check(&self) -> Result<()> {
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(Error::invalid(
+                "charlm",
+                format!("dropout must be in [0, 1), got {}", self.dropout),
+            ));
+        }
         let fits = self.layers > 0
             && self.heads > 0
             && self.width.is_multiple_of(self.heads)
@@ -193,8 +203,15 @@ impl CharLmConfig {
 /// The GPT's logits `[rows * context, VOCAB]` for `tokens: i64 [rows, context]`:
 /// byte and position embeddings, `layers` pre-norm blocks (causal attention, a GELU
 /// MLP four times as wide), a final layer norm and an output projection. Param names
-/// follow a PyTorch module of the same structure.
-pub fn charlm_network(config: &CharLmConfig, rows: usize, seed: u64) -> Result<Network> {
+/// follow a PyTorch module of the same structure. With `training` and a dropout
+/// rate, each residual branch is dropped out, keyed by the trainer's
+/// [`STEP_INPUT`].
+pub fn charlm_network(
+    config: &CharLmConfig,
+    rows: usize,
+    seed: u64,
+    training: bool,
+) -> Result<Network> {
     config.check()?;
     let (t, d, h) = (config.context, config.width, config.heads);
     let g = Graph::new("charlm");
@@ -203,6 +220,15 @@ pub fn charlm_network(config: &CharLmConfig, rows: usize, seed: u64) -> Result<N
     let table = m.normal("tok_emb.weight", &[VOCAB, d], 0.02)?;
     let pos = m.normal("pos_emb", &[t, d], 0.02)?;
     let mut x = g.add(g.gather(table, tokens, 0)?, pos)?;
+    let key = if training && config.dropout > 0.0 {
+        Some(g.input(STEP_INPUT, Shape::new(&[1], DType::I64))?)
+    } else {
+        None
+    };
+    let drop = |x: NodeId, which: u64| match key {
+        Some(key) => g.dropout(x, config.dropout, which, key),
+        None => Ok(x),
+    };
     for l in 0..config.layers {
         let p = format!("blocks.{l}");
         let a = layer_norm(&mut m, &format!("{p}.ln1"), x)?;
@@ -212,13 +238,15 @@ pub fn charlm_network(config: &CharLmConfig, rows: usize, seed: u64) -> Result<N
         let v = heads(m.linear(&format!("{p}.attn.v"), a, d, true)?)?;
         let att = g.attention_seq_major(q, k, v, None, true, None)?;
         let att = g.reshape(att, &[rows, t, d])?;
-        x = g.add(x, m.linear(&format!("{p}.attn.proj"), att, d, true)?)?;
+        let branch = m.linear(&format!("{p}.attn.proj"), att, d, true)?;
+        x = g.add(x, drop(branch, 2 * l as u64)?)?;
         let f = layer_norm(&mut m, &format!("{p}.ln2"), x)?;
         let f = g.unary(
             UnaryOp::Gelu,
             m.linear(&format!("{p}.mlp.fc"), f, 4 * d, true)?,
         )?;
-        x = g.add(x, m.linear(&format!("{p}.mlp.proj"), f, d, true)?)?;
+        let branch = m.linear(&format!("{p}.mlp.proj"), f, d, true)?;
+        x = g.add(x, drop(branch, 2 * l as u64 + 1)?)?;
     }
     let x = layer_norm(&mut m, "ln_f", x)?;
     let logits = m.linear("head", x, VOCAB, false)?;
@@ -245,8 +273,9 @@ pub fn charlm_loss_graph(
     config: &CharLmConfig,
     rows: usize,
     seed: u64,
+    training: bool,
 ) -> Result<(Network, NodeId)> {
-    let net = charlm_network(config, rows, seed)?;
+    let net = charlm_network(config, rows, seed, training)?;
     let targets = net
         .graph
         .input("targets", Shape::new(&[rows * config.context], DType::I64))?;
@@ -290,7 +319,7 @@ pub fn train_charlm(
         ));
     }
     let session = Session::new(config.device);
-    let (net, loss) = charlm_loss_graph(config, config.batch, config.seed)?;
+    let (net, loss) = charlm_loss_graph(config, config.batch, config.seed, true)?;
     let options = TrainOptions::new(Optimizer::adamw(0.01))
         .schedule(LrSchedule::WarmupCosine {
             lr: config.lr,
@@ -366,7 +395,7 @@ pub fn validation_loss(
     corpus: &CharCorpus,
     config: &CharLmConfig,
 ) -> Result<f64> {
-    let (net, loss) = charlm_loss_graph(config, config.batch, 0)?;
+    let (net, loss) = charlm_loss_graph(config, config.batch, 0, false)?;
     net.graph.set_outputs(vec![loss]);
     let mut eval = trainer.evaluator(session, &net.graph)?;
     let windows_total = config.batch * config.val_batches;
@@ -406,7 +435,7 @@ pub fn sample(
     prompt: &[u8],
     temperature: f64,
 ) -> Result<String> {
-    let net = charlm_network(config, 1, 0)?;
+    let net = charlm_network(config, 1, 0, false)?;
     let mut eval = trainer.evaluator(session, &net.graph)?;
     let mut rng = Rng::new(config.seed ^ 0x5A3D);
     let mut text = prompt.to_vec();
