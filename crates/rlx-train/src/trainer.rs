@@ -1,7 +1,7 @@
 //! The training object: a model, its loss and an optimizer compiled into one step
 //! graph whose params and optimizer state live on the device across steps.
 
-use crate::step_graph::{self, LR_INPUT, STEP_INPUT, TensorSpec};
+use crate::step_graph::{self, LR_INPUT, OK_INPUT, STEP_INPUT, StepSettings, TensorSpec};
 use crate::{LrSchedule, Optimizer};
 use rlx_driver::BufferHandle;
 use rlx_ir::{Error, Graph, NodeId, Op, Result, TensorData, TensorRef};
@@ -16,6 +16,7 @@ pub struct TrainOptions {
     clip_norm: Option<f64>,
     frozen: Vec<String>,
     compile: CompileOptions,
+    micro_batches: usize,
 }
 
 impl TrainOptions {
@@ -28,6 +29,7 @@ impl TrainOptions {
             clip_norm: None,
             frozen: Vec::new(),
             compile: CompileOptions::default(),
+            micro_batches: 1,
         }
     }
 
@@ -46,6 +48,13 @@ impl TrainOptions {
     /// Params that keep the values given with [`Trainer::set_param`].
     pub fn freeze(mut self, names: &[&str]) -> TrainOptions {
         self.frozen.extend(names.iter().map(|n| n.to_string()));
+        self
+    }
+
+    /// Averages the gradients of `n` micro-batches into each update (gradient
+    /// accumulation); steps are then taken with [`Trainer::step_accumulated`].
+    pub fn accumulate(mut self, n: usize) -> TrainOptions {
+        self.micro_batches = n;
         self
     }
 
@@ -68,6 +77,9 @@ impl TrainOptions {
 /// [`Trainer::set_param`] or [`Trainer::load_params`].
 pub struct Trainer {
     compiled: CompiledGraph,
+    /// With accumulation: the update graph, which owns the optimizer state and
+    /// borrows the params and accumulators from `compiled` for each update.
+    apply: Option<CompiledGraph>,
     step_graph: Graph,
     model_name: String,
     params: Vec<TensorSpec>,
@@ -116,20 +128,41 @@ impl Trainer {
         let built = step_graph::build(
             model,
             loss,
-            &options.frozen,
-            &options.optimizer,
-            options.clip_norm,
+            &StepSettings {
+                frozen: &options.frozen,
+                optimizer: &options.optimizer,
+                clip: options.clip_norm,
+                micro_batches: options.micro_batches,
+            },
         )?;
-        let mut compile = options.compile.clone();
-        for t in built.params.iter().chain(&built.state) {
-            compile = compile.bind_handle(&BufferHandle {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-            });
-        }
-        let compiled = session.compile_with(&built.graph, &compile)?;
+        let bind = |tensors: &[&[TensorSpec]]| {
+            tensors
+                .iter()
+                .flat_map(|t| t.iter())
+                .fold(options.compile.clone(), |c, t| {
+                    c.bind_handle(&BufferHandle {
+                        name: t.name.clone(),
+                        shape: t.shape.clone(),
+                    })
+                })
+        };
+        let (compiled, apply) = match &built.apply {
+            None => (
+                session.compile_with(&built.graph, &bind(&[&built.params, &built.state]))?,
+                None,
+            ),
+            Some(apply) => {
+                let micro = bind(&[&built.params, &built.accumulators]);
+                let update = bind(&[&built.params, &built.accumulators, &built.state]);
+                // The update borrows the params and accumulators for each run (its
+                // own copies are dropped at the first).
+                let apply = session.compile_with(apply, &update)?;
+                (session.compile_with(&built.graph, &micro)?, Some(apply))
+            }
+        };
         Ok(Trainer {
             compiled,
+            apply,
             step_graph: built.graph,
             model_name: model.name().to_string(),
             fixed_values: vec![None; built.fixed.len()],
@@ -152,6 +185,15 @@ impl Trainer {
     /// from before the step, the step count does not advance, and the error names
     /// the step.
     pub fn step(&mut self, batch: &[(&str, TensorRef<'_>)]) -> Result<f32> {
+        if self.apply.is_some() {
+            return Err(Error::invalid(
+                "training step",
+                format!(
+                    "this trainer averages {} micro-batches per update; call step_accumulated",
+                    self.options.micro_batches
+                ),
+            ));
+        }
         if let Some((name, _)) = batch
             .iter()
             .find(|(name, _)| !self.batch.iter().any(|b| b.name == *name))
@@ -187,6 +229,146 @@ impl Trainer {
         self.steps += 1;
         self.grad_norm = norm as f32;
         Ok(loss as f32)
+    }
+
+    /// Runs one update from `micro_batches` (as many as [`TrainOptions::accumulate`]
+    /// set, each a batch as [`Trainer::step`] takes): the gradients of each are
+    /// added up on the device, and their mean updates the params once. Returns the
+    /// mean of the micro-batches' losses.
+    ///
+    /// # Errors
+    /// The wrong number of micro-batches, or one with a missing, unknown or
+    /// misshapen input (checked before any runs); a loss or gradient norm that is not
+    /// finite, which writes nothing (as [`Trainer::step`]). The accumulators are
+    /// empty again after any error.
+    pub fn step_accumulated(&mut self, micro_batches: &[&[(&str, TensorRef<'_>)]]) -> Result<f32> {
+        let n = self.options.micro_batches;
+        if micro_batches.len() != n {
+            return Err(Error::invalid(
+                "training step",
+                format!("expected {n} micro-batches, got {}", micro_batches.len()),
+            ));
+        }
+        if self.apply.is_none() {
+            return self.step(micro_batches[0]);
+        }
+        for batch in micro_batches {
+            self.check_batch(batch)?;
+        }
+        let step = [self.steps as i64];
+        let mut losses = Vec::with_capacity(n);
+        for batch in micro_batches {
+            let mut inputs: Vec<(&str, TensorRef<'_>)> = batch.to_vec();
+            inputs.push((STEP_INPUT, TensorRef::I64(&step)));
+            match self.compiled.run_typed(&inputs) {
+                Ok(out) => losses.push(scalar(&out[0])),
+                Err(e) => {
+                    self.clear_accumulators()?;
+                    return Err(e);
+                }
+            }
+        }
+        let ok = [if losses.iter().all(|l| l.is_finite()) {
+            1.0f32
+        } else {
+            0.0
+        }];
+        let rate = self.options.schedule.at(self.steps);
+        let lr = [rate as f32];
+        let scalars = self.options.optimizer.scalars(self.steps, rate);
+        let mut inputs: Vec<(&str, TensorRef<'_>)> = vec![
+            (LR_INPUT, TensorRef::F32(&lr)),
+            (OK_INPUT, TensorRef::F32(&ok)),
+        ];
+        for (name, value) in self.options.optimizer.scalar_inputs().iter().zip(&scalars) {
+            inputs.push((name, TensorRef::F32(std::slice::from_ref(value))));
+        }
+        let apply = self
+            .apply
+            .as_mut()
+            .ok_or_else(|| Error::invalid("training step", "no update graph"))?;
+        apply.borrow_handles(&mut self.compiled)?;
+        let out = apply.run_typed(&inputs);
+        apply.return_handles(&mut self.compiled)?;
+        let norm = scalar(&out?[0]);
+        let loss = losses.iter().sum::<f64>() / n as f64;
+        if !(loss.is_finite() && norm.is_finite()) {
+            return Err(Error::runtime(
+                format!("training step {}", self.steps),
+                format!(
+                    "the mean loss is {loss} and the gradient norm {norm}; the params and \
+                     optimizer state were left as they were before this step"
+                ),
+            ));
+        }
+        self.steps += 1;
+        self.grad_norm = norm as f32;
+        Ok(loss as f32)
+    }
+
+    /// Checks a batch's names, dtypes and sizes against the model's inputs.
+    fn check_batch(&self, batch: &[(&str, TensorRef<'_>)]) -> Result<()> {
+        for (name, value) in batch {
+            let spec =
+                self.batch
+                    .iter()
+                    .find(|b| b.name == *name)
+                    .ok_or_else(|| Error::UnknownName {
+                        kind: "input",
+                        name: name.to_string(),
+                        known: self.batch.iter().map(|b| b.name.clone()).collect(),
+                    })?;
+            if value.dtype() != spec.shape.dtype() {
+                return Err(Error::dtype(
+                    format!("input '{name}'"),
+                    spec.shape.dtype().name(),
+                    value.dtype(),
+                ));
+            }
+            if value.len() != spec.shape.num_elements() {
+                return Err(Error::LengthMismatch {
+                    kind: "input",
+                    name: name.to_string(),
+                    expected: spec.shape.num_elements(),
+                    got: value.len(),
+                    unit: "elements",
+                });
+            }
+        }
+        if let Some(missing) = self
+            .batch
+            .iter()
+            .find(|b| !batch.iter().any(|(n, _)| *n == b.name))
+        {
+            return Err(Error::MissingInput {
+                name: missing.name.clone(),
+                shape: missing.shape.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    fn clear_accumulators(&mut self) -> Result<()> {
+        let handles = self.compiled.handles();
+        for (name, shape) in handles.iter().filter(|h| h.0.ends_with(".grad_acc")) {
+            self.compiled
+                .write_handle_bytes(name, &vec![0u8; shape.byte_size()])?;
+        }
+        Ok(())
+    }
+
+    /// The current values of a trained param or an optimizer state tensor, as `f32`.
+    pub fn tensor(&self, name: &str) -> Result<Vec<f32>> {
+        self.holder(name).read_handle(name)
+    }
+
+    /// The compiled graph that holds handle `name`: the update graph for optimizer
+    /// state when accumulating, else the step graph.
+    fn holder(&self, name: &str) -> &CompiledGraph {
+        match &self.apply {
+            Some(apply) if self.state.iter().any(|s| s.name == name) => apply,
+            _ => &self.compiled,
+        }
     }
 
     /// Steps done (the next step's number, from 0).
@@ -230,8 +412,10 @@ impl Trainer {
     }
 
     /// The step graph as built, before optimization: its inputs are the batch,
-    /// [`LR_INPUT`] and [`STEP_INPUT`], its handles the params and state, its outputs
-    /// the loss and the gradient norm.
+    /// [`LR_INPUT`], [`STEP_INPUT`] and the optimizer's scalars, its handles the
+    /// params and state, its outputs the loss and the gradient norm. (When
+    /// accumulating, the micro-batch graph: the loss out, the gradients added into
+    /// the `param.grad_acc` handles.)
     pub fn step_graph(&self) -> &Graph {
         &self.step_graph
     }
@@ -278,9 +462,8 @@ impl Trainer {
 
     /// Resets the optimizer state to zeros and the step count to 0 (the params stay).
     pub fn reset_optimizer(&mut self) -> Result<()> {
-        for s in &self.state {
-            self.compiled
-                .write_handle_bytes(&s.name, &vec![0u8; s.shape.byte_size()])?;
+        for s in self.state.clone() {
+            self.set_handle_bytes(&s.name, &vec![0u8; s.shape.byte_size()])?;
         }
         self.steps = 0;
         Ok(())
@@ -303,11 +486,16 @@ impl Trainer {
     }
 
     pub(crate) fn handle_bytes(&self, name: &str) -> Result<Vec<u8>> {
-        self.compiled.read_handle_bytes(name)
+        self.holder(name).read_handle_bytes(name)
     }
 
     pub(crate) fn set_handle_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
-        self.compiled.write_handle_bytes(name, bytes)
+        match &mut self.apply {
+            Some(apply) if self.state.iter().any(|s| s.name == name) => {
+                apply.write_handle_bytes(name, bytes)
+            }
+            _ => self.compiled.write_handle_bytes(name, bytes),
+        }
     }
 
     pub(crate) fn set_steps(&mut self, steps: u64) {

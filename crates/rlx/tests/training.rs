@@ -50,9 +50,14 @@ fn logits(g: &Graph, x: NodeId) -> Result<NodeId> {
 
 /// The classifier with a cross-entropy loss; returns the graph and its loss.
 fn classifier() -> Result<(Graph, NodeId)> {
+    classifier_of(ROWS)
+}
+
+/// The classifier for batches of `rows`.
+fn classifier_of(rows: usize) -> Result<(Graph, NodeId)> {
     let g = Graph::new("classifier");
-    let x = g.input("x", Shape::new(&[ROWS, FEATURES], DType::F32))?;
-    let y = g.input("y", Shape::new(&[ROWS], DType::I64))?;
+    let x = g.input("x", Shape::new(&[rows, FEATURES], DType::F32))?;
+    let y = g.input("y", Shape::new(&[rows], DType::I64))?;
     let logits = logits(&g, x)?;
     g.set_outputs(vec![logits]);
     let options = CrossEntropy {
@@ -198,7 +203,7 @@ fn steps_match_the_reference_evaluator_on_every_device() -> Result<()> {
             }
             assert_eq!(t.steps(), data.len() as u64);
             for p in t.params().iter().chain(t.state()) {
-                let got = t.compiled().read_handle(&p.name)?;
+                let got = t.tensor(&p.name)?;
                 let want = &values[&p.name].data;
                 let worst = got
                     .iter()
@@ -220,23 +225,8 @@ fn bits(t: &Trainer) -> Result<Vec<Vec<u32>>> {
     t.params()
         .iter()
         .chain(t.state())
-        .map(|p| {
-            Ok(t.param_or_state(&p.name)?
-                .iter()
-                .map(|v| v.to_bits())
-                .collect())
-        })
+        .map(|p| Ok(t.tensor(&p.name)?.iter().map(|v| v.to_bits()).collect()))
         .collect()
-}
-
-trait ReadAny {
-    fn param_or_state(&self, name: &str) -> Result<Vec<f32>>;
-}
-
-impl ReadAny for Trainer {
-    fn param_or_state(&self, name: &str) -> Result<Vec<f32>> {
-        self.compiled().read_handle(name)
-    }
 }
 
 #[test]
@@ -523,6 +513,147 @@ fn dropout_masks_follow_the_step_so_a_resumed_run_matches() -> Result<()> {
         }
         let at_1 = t.step(&feed(&data[0]))?;
         assert_ne!(at_0, at_1, "on {device}: the same mask at steps 0 and 1");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}
+
+fn accumulating(device: Device, optimizer: Optimizer, micro: usize) -> Result<Trainer> {
+    let (g, loss) = classifier_of(ROWS / micro)?;
+    let options = TrainOptions::new(optimizer)
+        .schedule(SCHEDULE)
+        .clip_norm(1.0)
+        .accumulate(micro);
+    let mut t = Trainer::new(&Session::new(device), &g, loss, options)?;
+    for (name, values) in initial_params(7) {
+        t.set_param(name, &values)?;
+    }
+    Ok(t)
+}
+
+/// A batch's two halves, as micro-batches.
+fn halves(b: &Batch) -> [Batch; 2] {
+    let (rows, cut) = (ROWS / 2, ROWS / 2 * FEATURES);
+    [
+        Batch {
+            x: b.x[..cut].to_vec(),
+            y: b.y[..rows].to_vec(),
+        },
+        Batch {
+            x: b.x[cut..].to_vec(),
+            y: b.y[rows..].to_vec(),
+        },
+    ]
+}
+
+#[test]
+fn accumulated_micro_batches_update_as_their_whole_batch() -> Result<()> {
+    let data = batches(71, 3);
+    for device in test_devices() {
+        for optimizer in optimizers() {
+            let mut whole = trainer(device, optimizer)?;
+            let mut parts = accumulating(device, optimizer, 2)?;
+            for b in &data {
+                let full = whole.step(&feed(b))?;
+                let [first, second] = halves(b);
+                let mean = parts.step_accumulated(&[&feed(&first), &feed(&second)])?;
+                assert!(
+                    (full - mean).abs() < 1e-5,
+                    "{optimizer:?} on {device}: loss {full} whole, {mean} in halves"
+                );
+            }
+            assert_eq!(parts.steps(), 3);
+            for p in whole.params().iter().chain(whole.state()) {
+                let (a, b) = (whole.tensor(&p.name)?, parts.tensor(&p.name)?);
+                let worst = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0, f32::max);
+                assert!(
+                    worst < 1e-5,
+                    "{optimizer:?} on {device}: '{}' differs by {worst}",
+                    p.name
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn accumulation_refuses_bad_micro_batches_and_resumes_bit_for_bit() -> Result<()> {
+    let data = batches(81, 4);
+    let adam = optimizers()[1];
+    let dir = std::env::temp_dir().join(format!("rlx-accumulate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| Error::invalid("test", e.to_string()))?;
+    for device in test_devices() {
+        let mut t = accumulating(device, adam, 2)?;
+        let [a, b] = halves(&data[0]);
+        // step() is the wrong call; the count must match; a bad second micro-batch
+        // is found before the first runs.
+        assert!(
+            t.step(&feed(&a))
+                .unwrap_err()
+                .to_string()
+                .contains("step_accumulated")
+        );
+        assert!(
+            t.step_accumulated(&[&feed(&a)])
+                .unwrap_err()
+                .to_string()
+                .contains("2 micro-batches")
+        );
+        let short = [
+            ("x", TensorRef::F32(&b.x[..7])),
+            ("y", TensorRef::I64(&b.y)),
+        ];
+        assert!(t.step_accumulated(&[&feed(&a), &short]).is_err());
+        let before = bits(&t)?;
+        // A non-finite micro-batch: nothing written, and the accumulators are empty
+        // again, so the next step is as a fresh trainer's.
+        let mut poisoned = Batch {
+            x: b.x.clone(),
+            y: b.y.clone(),
+        };
+        poisoned.x[3] = f32::NAN;
+        let err = t
+            .step_accumulated(&[&feed(&a), &feed(&poisoned)])
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("training step 0"),
+            "on {device}: {err}"
+        );
+        assert!(
+            bits(&t)? == before,
+            "on {device}: a rejected step wrote its update"
+        );
+        let mut fresh = accumulating(device, adam, 2)?;
+        let want = fresh.step_accumulated(&[&feed(&a), &feed(&b)])?;
+        assert_eq!(
+            t.step_accumulated(&[&feed(&a), &feed(&b)])?.to_bits(),
+            want.to_bits()
+        );
+        assert!(
+            bits(&t)? == bits(&fresh)?,
+            "on {device}: the accumulators kept something"
+        );
+
+        // Resuming from a checkpoint (the optimizer state lives in the update graph).
+        let path = dir.join("accumulated.safetensors");
+        t.save_checkpoint(&path)?;
+        let mut resumed = accumulating(device, adam, 2)?;
+        resumed.load_checkpoint(&path)?;
+        for batch in &data[1..] {
+            let [x, y] = halves(batch);
+            let one = t.step_accumulated(&[&feed(&x), &feed(&y)])?;
+            let two = resumed.step_accumulated(&[&feed(&x), &feed(&y)])?;
+            assert_eq!(one.to_bits(), two.to_bits(), "on {device}");
+        }
+        assert!(
+            bits(&t)? == bits(&resumed)?,
+            "on {device}: the resumed run differs"
+        );
     }
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
