@@ -694,9 +694,8 @@ fn through_decomposition(
 /// The VJP of an undilated, single-group convolution whose padding is less than its
 /// kernel on every side: the input's gradient is the output's (spaced out by the
 /// stride) convolved with the flipped, transposed weights, with the padding that
-/// restores the input's size; the weights' is the input correlated with the output's
-/// over the batch (its taps the stride apart); the bias's the output's summed over
-/// batch and pixels.
+/// restores the input's size; the weights' is one product of the output's gradient
+/// and the input's patches; the bias's the output's summed over batch and pixels.
 fn conv2d_vjp(
     graph: &Graph,
     window: &rlx_ir::Window2d,
@@ -730,14 +729,37 @@ fn conv2d_vjp(
     let (h, wi) = (xs.dim(2), xs.dim(3));
     let pad = [kh - 1 - t, kw - 1 - l, h + t - hd, wi + l - wd];
     let dx = graph.conv2d(spaced, turned, None, [1, 1], pad, [1, 1], 1)?;
-    // Batch as the channels being summed over: [C, N, H, W] by [O, N, OH, OW], the
-    // latter's taps the stride apart; a stride that left rows unread gives a larger
-    // result, cut to the kernel.
-    let xt = graph.permute(x, &[1, 0, 2, 3])?;
-    let gt = graph.permute(g, &[1, 0, 2, 3])?;
-    let dw = graph.conv2d(xt, gt, None, [1, 1], window.padding, [sy, sx], 1)?;
-    let dw = graph.slice_axes(dw, &[(2, 0, kh as isize, 1), (3, 0, kw as isize, 1)])?;
-    let dw = graph.permute(dw, &[1, 0, 2, 3])?;
+    // The weights' gradient as one product: the output's gradient [O, N OH OW] by the
+    // input's patches [N OH OW, C KH KW], each tap a strided slice of the padded
+    // input (rows a stride leaves unread are in no patch).
+    let c = xs.dim(1);
+    let [top, left, bottom, right] = window.padding;
+    let padded = if window.padding == [0; 4] {
+        x
+    } else {
+        let zero = rlx_ir::PadMode::Constant(rlx_ir::F64Bits::new(0.0));
+        graph.pad(x, &[(0, 0), (0, 0), (top, bottom), (left, right)], zero)?
+    };
+    let pixels = oh * ow;
+    let mut taps = Vec::with_capacity(kh * kw);
+    for i in 0..kh {
+        for j in 0..kw {
+            let tap = graph.slice_axes(
+                padded,
+                &[
+                    (2, i as isize, (i + hd) as isize, sy as isize),
+                    (3, j as isize, (j + wd) as isize, sx as isize),
+                ],
+            )?;
+            taps.push(graph.reshape(tap, &[n, c, pixels])?);
+        }
+    }
+    // [N, T C, P] -> [N P, T C]: whole blocks copied, then one batched transpose.
+    let patches = graph.permute(graph.concat(&taps, 1)?, &[0, 2, 1])?;
+    let patches = graph.reshape(patches, &[n * pixels, kh * kw * c])?;
+    let rows = graph.reshape(graph.permute(g, &[1, 0, 2, 3])?, &[o, n * pixels])?;
+    let by_tap = graph.reshape(graph.matmul(rows, patches)?, &[o, kh * kw, c])?;
+    let dw = graph.reshape(graph.permute(by_tap, &[0, 2, 1])?, &[o, c, kh, kw])?;
     let mut grads = vec![Some(dx), Some(dw)];
     if operands.len() > 2 {
         let summed = sum_in_runs(graph, g, &[0, 2, 3])?;

@@ -159,6 +159,12 @@ pub(crate) fn gather(axis: usize, x: Src, idx: Src, out: Dst) -> Result<()> {
 }
 
 pub(crate) fn pad(pads: &[(usize, usize)], mode: PadMode, x: Src, out: Dst) {
+    if let PadMode::Constant(v) = mode
+        && x.shape.rank() > 0
+    {
+        pad_constant(pads, v.get(), x, out);
+        return;
+    }
     with_dtype!(x.shape.dtype(), T => {
         let (xd, od) = (x.shape.dims(), out.shape.dims());
         let xs = strides_of(xd);
@@ -186,6 +192,30 @@ pub(crate) fn pad(pads: &[(usize, usize)], mode: PadMode, x: Src, out: Dst) {
             }
             out.set::<T>(i, if outside { fill } else { x.get(p as usize) });
         }
+    })
+}
+
+/// A constant pad: the output filled with the value, then each row of the input
+/// copied into its interior.
+fn pad_constant(pads: &[(usize, usize)], value: f64, x: Src, out: Dst) {
+    with_dtype!(x.shape.dtype(), T => {
+        let fill = T::from_f64(value);
+        for i in 0..out.shape.num_elements() {
+            out.set::<T>(i, fill);
+        }
+        let (xd, od) = (x.shape.dims(), out.shape.dims());
+        if xd.contains(&0) {
+            return;
+        }
+        let rank = xd.len();
+        let os = strides_of(od);
+        let base: isize = pads.iter().zip(os.iter()).map(|(p, s)| p.0 as isize * s).sum();
+        let inner = xd[rank - 1];
+        for_each_strided(&xd[..rank - 1], [&os], [base], |row, [o]| {
+            for j in 0..inner {
+                out.set::<T>(o as usize + j, x.get(row * inner + j));
+            }
+        });
     })
 }
 
