@@ -25,7 +25,40 @@ fn unary_typed<T: Elem>(op: UnaryOp, x: Src, out: Dst) {
 pub(crate) fn binary(op: BinaryOp, a: Src, b: Src, out: Dst) {
     let in_dtype = a.shape.dtype();
     let out_dtype = out.shape.dtype();
+    if in_dtype == rlx_ir::DType::F32 && op.is_comparison() && compare_f32(op, a, b, out) {
+        return;
+    }
     with_dtype!(in_dtype, T => with_dtype!(out_dtype, U => binary_typed::<T, U>(op, a, b, out)))
+}
+
+/// An `f32` comparison of an operand of the output's dims with one of the same dims
+/// or a single value, as one loop; false (nothing done) for other broadcasts.
+fn compare_f32(op: BinaryOp, a: Src, b: Src, out: Dst) -> bool {
+    let dims = out.shape.dims();
+    if a.shape.dims() != dims || !(b.shape.dims() == dims || b.len == 1) {
+        return false;
+    }
+    let (x, y) = (a.as_slice::<f32>(), b.as_slice::<f32>());
+    // SAFETY: the output is `out.len` bools of one byte each.
+    let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr, out.len) };
+    let test = |p: f32, q: f32| match op {
+        BinaryOp::Eq => p == q,
+        BinaryOp::Ne => p != q,
+        BinaryOp::Lt => p < q,
+        BinaryOp::Le => p <= q,
+        BinaryOp::Gt => p > q,
+        _ => p >= q,
+    };
+    if y.len() == 1 {
+        for (d, &p) in dst.iter_mut().zip(x) {
+            *d = u8::from(test(p, y[0]));
+        }
+    } else {
+        for ((d, &p), &q) in dst.iter_mut().zip(x).zip(y) {
+            *d = u8::from(test(p, q));
+        }
+    }
+    true
 }
 
 fn binary_typed<T: Elem, U: Elem>(op: BinaryOp, a: Src, b: Src, out: Dst) {
