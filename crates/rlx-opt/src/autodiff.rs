@@ -610,7 +610,14 @@ fn attention_vjp(
         let keep = graph.constant(rlx_ir::TensorData::Bool(keep), &[sq, sk])?;
         scores = graph.select(keep, scores, neg)?;
     }
-    let p = graph.softmax(scores, -1)?;
+    let mut p = graph.softmax(scores, -1)?;
+    if mask.is_some() || (causal && sq > sk) {
+        // A query with every key masked gives zeros, as the forward does (a plain
+        // softmax of an all -inf row is NaN).
+        let top = graph.reduce(ReduceOp::Max, scores, &[-1], true)?;
+        let seen = graph.binary(BinaryOp::Ne, top, neg)?;
+        p = graph.select(seen, p, graph.scalar(0.0, dtype))?;
+    }
     let mut dv = graph.matmul(transpose(p)?, d_o)?;
     let dp = graph.matmul(d_o, transpose(v_full)?)?;
     let delta = graph.sum(mul(d_o, o)?, &[-1], true)?;
@@ -1086,11 +1093,25 @@ mod tests {
                 ("v", &[1, 2, 4, 3]),
             ],
             |g, x| {
+                // The second query sees no key at all.
                 let keep = [
-                    true, false, true, true, false, true, true, true, true, true, false, false,
+                    true, false, true, true, false, false, false, false, true, true, false, false,
                 ];
                 let mask = g.constant(rlx_ir::TensorData::Bool(keep.to_vec()), &[3, 4])?;
                 let y = g.attention(x[0], x[1], x[2], Some(mask), false, None)?;
+                g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
+            },
+        );
+        // Causal with more queries than keys: the first queries see no key.
+        check(
+            "attention, causal with more queries than keys",
+            &[
+                ("q", &[1, 2, 5, 3]),
+                ("k", &[1, 2, 3, 3]),
+                ("v", &[1, 2, 3, 2]),
+            ],
+            |g, x| {
+                let y = g.attention(x[0], x[1], x[2], None, true, None)?;
                 g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
             },
         );

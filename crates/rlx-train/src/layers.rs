@@ -64,7 +64,12 @@ impl<'g> ModelBuilder<'g> {
     /// `{name}.weight` and `b` `{name}.bias`.
     pub fn linear(&mut self, name: &str, x: NodeId, outputs: usize, bias: bool) -> Result<NodeId> {
         let shape = self.g.shape(x)?;
-        let inputs = shape.dim(shape.rank() - 1);
+        let Some(&inputs) = shape.dims().last() else {
+            return Err(rlx_ir::Error::invalid(
+                format!("linear '{name}'"),
+                format!("the input needs at least one axis, got {shape}"),
+            ));
+        };
         let bound = 1.0 / (inputs as f64).sqrt();
         let w = self.uniform(&format!("{name}.weight"), &[inputs, outputs], bound)?;
         let y = self.g.matmul(x, w)?;
@@ -85,7 +90,14 @@ impl<'g> ModelBuilder<'g> {
         k: usize,
         pad: usize,
     ) -> Result<NodeId> {
-        let inputs = self.g.shape(x)?.dim(1);
+        let shape = self.g.shape(x)?;
+        if shape.rank() != 4 {
+            return Err(rlx_ir::Error::invalid(
+                format!("conv2d '{name}'"),
+                format!("the input must be NCHW, got {shape}"),
+            ));
+        }
+        let inputs = shape.dim(1);
         let bound = 1.0 / ((inputs * k * k) as f64).sqrt();
         let w = self.uniform(&format!("{name}.weight"), &[channels, inputs, k, k], bound)?;
         let b = self.uniform(&format!("{name}.bias"), &[channels], bound)?;

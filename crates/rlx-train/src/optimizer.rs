@@ -47,8 +47,8 @@ impl Optimizer {
         match self {
             Optimizer::Sgd(_) => Vec::new(),
             Optimizer::Adam(a) => {
-                let t = (step + 1) as i32;
-                let correction = |beta: f64| 1.0 - beta.powi(t);
+                let t = step as f64 + 1.0;
+                let correction = |beta: f64| 1.0 - beta.powf(t);
                 vec![
                     (lr / correction(a.beta1)) as f32,
                     correction(a.beta2).sqrt() as f32,

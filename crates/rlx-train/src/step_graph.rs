@@ -9,9 +9,10 @@ use rlx_ir::{BinaryOp, DType, Error, Graph, NodeId, Op, Result, Shape, TensorDat
 /// The input the learning rate is fed through (an `f32` scalar).
 pub const LR_INPUT: &str = "train.lr";
 
-/// The input holding the number of steps done before this one (`i64 [1]`). A model
-/// may declare it itself to key its random ops (dropout) by the step, so that a run
-/// resumed from a checkpoint draws the same masks.
+/// The input holding the number of steps done before this one (`i64 [1]`; with
+/// gradient accumulation, that times the micro-batches per step plus the micro-batch's
+/// place in its step). A model may declare it itself to key its random ops (dropout)
+/// by it, so that a run resumed from a checkpoint draws the same masks.
 pub const STEP_INPUT: &str = "train.step";
 
 /// A named tensor of the step graph.

@@ -84,6 +84,7 @@ pub struct Trainer {
     model_name: String,
     params: Vec<TensorSpec>,
     state: Vec<TensorSpec>,
+    accumulators: Vec<TensorSpec>,
     fixed: Vec<TensorSpec>,
     fixed_values: Vec<Option<Vec<f32>>>,
     batch: Vec<TensorSpec>,
@@ -168,6 +169,7 @@ impl Trainer {
             fixed_values: vec![None; built.fixed.len()],
             params: built.params,
             state: built.state,
+            accumulators: built.accumulators,
             fixed: built.fixed,
             batch: built.batch,
             options,
@@ -226,7 +228,7 @@ impl Trainer {
                 ),
             ));
         }
-        self.steps += 1;
+        self.steps = self.steps.saturating_add(1);
         self.grad_norm = norm as f32;
         Ok(loss as f32)
     }
@@ -255,15 +257,20 @@ impl Trainer {
         for batch in micro_batches {
             self.check_batch(batch)?;
         }
-        let step = [self.steps as i64];
         let mut losses = Vec::with_capacity(n);
-        for batch in micro_batches {
+        for (i, batch) in micro_batches.iter().enumerate() {
+            // Each micro-batch draws its own random numbers (dropout masks), keyed by
+            // the step and its place in it, so a resumed run draws them again.
+            let key = [(self.steps as i64)
+                .wrapping_mul(n as i64)
+                .wrapping_add(i as i64)];
             let mut inputs: Vec<(&str, TensorRef<'_>)> = batch.to_vec();
-            inputs.push((STEP_INPUT, TensorRef::I64(&step)));
+            inputs.push((STEP_INPUT, TensorRef::I64(&key)));
             match self.compiled.run_typed(&inputs) {
                 Ok(out) => losses.push(scalar(&out[0])),
                 Err(e) => {
-                    self.clear_accumulators()?;
+                    // The first error is the one to report.
+                    let _ = self.clear_accumulators();
                     return Err(e);
                 }
             }
@@ -283,14 +290,26 @@ impl Trainer {
         for (name, value) in self.options.optimizer.scalar_inputs().iter().zip(&scalars) {
             inputs.push((name, TensorRef::F32(std::slice::from_ref(value))));
         }
-        let apply = self
+        let mut apply = self
             .apply
-            .as_mut()
+            .take()
             .ok_or_else(|| Error::invalid("training step", "no update graph"))?;
-        apply.borrow_handles(&mut self.compiled)?;
-        let out = apply.run_typed(&inputs);
-        apply.return_handles(&mut self.compiled)?;
-        let norm = scalar(&out?[0]);
+        let out = match apply.borrow_handles(&mut self.compiled) {
+            Ok(_) => {
+                let out = apply.run_typed(&inputs);
+                let back = apply.return_handles(&mut self.compiled);
+                back.and(out)
+            }
+            Err(e) => Err(e),
+        };
+        self.apply = Some(apply);
+        let norm = match out {
+            Ok(out) => scalar(&out[0]),
+            Err(e) => {
+                let _ = self.clear_accumulators();
+                return Err(e);
+            }
+        };
         let loss = losses.iter().sum::<f64>() / n as f64;
         if !(loss.is_finite() && norm.is_finite()) {
             return Err(Error::runtime(
@@ -301,7 +320,7 @@ impl Trainer {
                 ),
             ));
         }
-        self.steps += 1;
+        self.steps = self.steps.saturating_add(1);
         self.grad_norm = norm as f32;
         Ok(loss as f32)
     }
@@ -349,10 +368,9 @@ impl Trainer {
     }
 
     fn clear_accumulators(&mut self) -> Result<()> {
-        let handles = self.compiled.handles();
-        for (name, shape) in handles.iter().filter(|h| h.0.ends_with(".grad_acc")) {
+        for a in &self.accumulators {
             self.compiled
-                .write_handle_bytes(name, &vec![0u8; shape.byte_size()])?;
+                .write_handle_bytes(&a.name, &vec![0u8; a.shape.byte_size()])?;
         }
         Ok(())
     }

@@ -299,7 +299,7 @@ fn windows(text: &[u8], starts: &[usize], context: usize, tokens: &mut [i64], ta
 /// seed and the step alone (so a resumed run sees the same batches).
 pub fn training_starts(config: &CharLmConfig, text_len: usize, step: u64) -> Vec<usize> {
     let mut rng = Rng::new(config.seed.wrapping_mul(0x1000_0001) ^ step.wrapping_mul(0x9E37_79B9));
-    let span = text_len - config.context - 1;
+    let span = text_len.saturating_sub(config.context + 1).max(1);
     (0..config.batch).map(|_| rng.below(span)).collect()
 }
 
@@ -395,6 +395,15 @@ pub fn validation_loss(
     corpus: &CharCorpus,
     config: &CharLmConfig,
 ) -> Result<f64> {
+    if corpus.val.len() < config.context + 2 {
+        return Err(Error::invalid(
+            "charlm",
+            format!(
+                "the validation text needs at least {} bytes",
+                config.context + 2
+            ),
+        ));
+    }
     let (net, loss) = charlm_loss_graph(config, config.batch, 0, false)?;
     net.graph.set_outputs(vec![loss]);
     let mut eval = trainer.evaluator(session, &net.graph)?;
@@ -435,6 +444,12 @@ pub fn sample(
     prompt: &[u8],
     temperature: f64,
 ) -> Result<String> {
+    if !(temperature > 0.0 && temperature.is_finite()) {
+        return Err(Error::invalid(
+            "charlm sample",
+            format!("the temperature must be positive, got {temperature}"),
+        ));
+    }
     let net = charlm_network(config, 1, 0, false)?;
     let mut eval = trainer.evaluator(session, &net.graph)?;
     let mut rng = Rng::new(config.seed ^ 0x5A3D);
