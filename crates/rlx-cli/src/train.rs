@@ -66,7 +66,7 @@ struct DigitsArgs {
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
     batch: u32,
     /// Peak learning rate (AdamW; warmup, then cosine decay).
-    #[arg(long, default_value_t = 5e-3)]
+    #[arg(long, default_value_t = 5e-3, value_parser = positive_rate)]
     lr: f64,
     #[command(flatten)]
     common: Common,
@@ -85,7 +85,7 @@ struct CharLmArgs {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     stop_after: Option<u64>,
     /// Peak learning rate (AdamW; warmup, then cosine decay to a tenth).
-    #[arg(long, default_value_t = 2e-3)]
+    #[arg(long, default_value_t = 2e-3, value_parser = positive_rate)]
     lr: f64,
     /// Transformer layers.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -122,6 +122,15 @@ enum ModelKind {
     Cnn,
 }
 
+/// Parses a learning rate: a finite number above zero.
+fn positive_rate(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(rate) if rate.is_finite() && rate > 0.0 => Ok(rate),
+        Ok(rate) => Err(format!("must be a positive number, got {rate}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Runs the chosen job.
 pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
     match &args.job {
@@ -132,9 +141,6 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
 
 fn charlm(args: &CharLmArgs) -> anyhow::Result<()> {
     let c = &args.common;
-    if !(args.lr.is_finite() && args.lr > 0.0) {
-        anyhow::bail!("--lr must be a positive number, got {}", args.lr);
-    }
     if !args.width.is_multiple_of(args.heads) {
         anyhow::bail!(
             "--width {} is not a multiple of --heads {}",
@@ -199,9 +205,6 @@ fn charlm(args: &CharLmArgs) -> anyhow::Result<()> {
 
 fn digits(args: &DigitsArgs) -> anyhow::Result<()> {
     let c = &args.common;
-    if !(args.lr.is_finite() && args.lr > 0.0) {
-        anyhow::bail!("--lr must be a positive number, got {}", args.lr);
-    }
     let store = ModelStore::from_env()?.quiet(c.quiet);
     let data = Digits::fetch(&store).context("loading the digits")?;
     let config = DigitsConfig {

@@ -66,3 +66,17 @@ fn a_malformed_csv_is_an_error_naming_its_line() {
     assert!(Digits::from_csv(&dir.join("absent.csv")).is_err());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn inconsistent_sets_are_an_error() {
+    let data = Digits {
+        train_x: vec![0.0; 64 * 40 - 1],
+        train_y: vec![0; 40],
+        test_x: vec![0.0; 64],
+        test_y: vec![0],
+    };
+    let err = train_digits(&data, &DigitsConfig::default(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("64 pixels"), "{err}");
+}

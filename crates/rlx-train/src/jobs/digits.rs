@@ -188,6 +188,13 @@ pub fn train_digits(
     config: &DigitsConfig,
     on_step: &mut dyn FnMut(&StepEvent),
 ) -> Result<(Trainer, JobReport)> {
+    let whole = |x: &[f32], y: &[i64]| x.len() == y.len() * PIXELS;
+    if !whole(&data.train_x, &data.train_y) || !whole(&data.test_x, &data.test_y) {
+        return Err(Error::invalid(
+            "digits",
+            format!("each image needs {PIXELS} pixels and one label; the sets disagree in length"),
+        ));
+    }
     if config.batch == 0 || config.batch > data.train_y.len() {
         return Err(Error::invalid(
             "digits",
