@@ -3420,6 +3420,71 @@ fn gradient_graphs_run_on_every_device() {
                 Ok(outs)
             },
         );
+        // A grouped, dilated, strided convolution padded by more than its kernel, then
+        // overlapping padded max and average pools (dilated ones too).
+        s.check(
+            &format!("grouped conv and overlapping pool gradients {dt}"),
+            &[
+                inp("x", &[2, 4, 9, 8], dt),
+                inp("w", &[6, 2, 3, 2], dt),
+                inp("b", &[6], dt),
+            ],
+            acc(256),
+            |g, x| {
+                let y = g.conv2d(x[0], x[1], Some(x[2]), [2, 1], [3, 2, 4, 1], [2, 3], 2)?;
+                let y = g.unary(UnaryOp::Tanh, y)?;
+                let top = g.max_pool2d(y, [3, 3], [2, 1], [1, 1, 1, 1])?;
+                let mean = g.avg_pool2d(y, [2, 3], [1, 2], [1, 1, 0, 2], false)?;
+                let window = rlx::ir::Window2d {
+                    kernel: [2, 2],
+                    stride: [1, 1],
+                    padding: [1, 0, 0, 1],
+                    dilation: [2, 2],
+                };
+                let spread = g.push(
+                    rlx::ir::Op::AvgPool2d {
+                        window,
+                        count_include_pad: true,
+                    },
+                    &[y],
+                )?;
+                let mut loss = g.sum(g.mul(top, top)?, &[], false)?;
+                for t in [mean, spread] {
+                    loss = g.add(loss, g.sum(g.mul(t, t)?, &[], false)?)?;
+                }
+                let mut outs = vec![loss];
+                outs.extend(rlx::grad(g, loss, &[x[0], x[1], x[2]])?);
+                Ok(outs)
+            },
+        );
+        // Data movement: a strided backward slice, a gather on axis 1 with negative
+        // and repeated indices, reflect and edge pads, a tile, a reversed exclusive
+        // cumsum, top-k values and a product.
+        s.check(
+            &format!("data movement gradients {dt}"),
+            &[inp("x", &[4, 6, 5], dt)],
+            acc(64),
+            |g, x| {
+                let x = x[0];
+                let sliced = g.slice_axes(x, &[(0, 3, isize::MIN, -2), (1, 0, 6, 2)])?;
+                let ids = g.constant(TensorData::I64(vec![5, -1, 0, 2]), &[2, 2])?;
+                let gathered = g.gather(x, ids, 1)?;
+                let reflect = g.pad(x, &[(1, 2), (2, 1), (0, 3)], rlx::ir::PadMode::Reflect)?;
+                let edge = g.pad(x, &[(0, 0), (3, 0), (2, 2)], rlx::ir::PadMode::Edge)?;
+                let tiled = g.tile(x, &[2, 1, 3])?;
+                let running = g.cumsum(x, 1, true, true)?;
+                let (top, _) = g.topk(x, 2, -1, true)?;
+                let product = g.prod(x, &[2], false)?;
+                let mut loss = g.sum(g.mul(sliced, sliced)?, &[], false)?;
+                for t in [gathered, reflect, edge, tiled, running, top, product] {
+                    let term = g.mul(g.unary(UnaryOp::Sin, t)?, t)?;
+                    loss = g.add(loss, g.sum(term, &[], false)?)?;
+                }
+                let mut outs = vec![loss];
+                outs.extend(rlx::grad(g, loss, &[x])?);
+                Ok(outs)
+            },
+        );
     }
 }
 
