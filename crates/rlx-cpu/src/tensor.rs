@@ -88,6 +88,38 @@ pub(crate) fn strides_of(dims: &[usize]) -> [isize; MAX_RANK] {
     strides
 }
 
+/// `dims` with the strides of `N` operands walking them, with adjacent axes merged
+/// wherever every operand steps over both as one (`stride[i] == stride[i + 1] *
+/// dims[i + 1]`, broadcast axes included) and size-1 axes dropped: the same walk in
+/// fewer, longer rows. Returns the rank (at least 1) and the merged dims and strides.
+pub(crate) fn coalesce<const N: usize>(
+    dims: &[usize],
+    strides: [&[isize; MAX_RANK]; N],
+) -> (usize, [usize; MAX_RANK], [[isize; MAX_RANK]; N]) {
+    let mut merged = [1usize; MAX_RANK];
+    let mut steps = [[0isize; MAX_RANK]; N];
+    let mut rank = 0;
+    for (axis, &d) in dims.iter().enumerate() {
+        if d == 1 {
+            continue;
+        }
+        let joins = rank > 0 && (0..N).all(|k| steps[k][rank - 1] == strides[k][axis] * d as isize);
+        if joins {
+            merged[rank - 1] *= d;
+            for k in 0..N {
+                steps[k][rank - 1] = strides[k][axis];
+            }
+        } else {
+            merged[rank] = d;
+            for k in 0..N {
+                steps[k][rank] = strides[k][axis];
+            }
+            rank += 1;
+        }
+    }
+    (rank.max(1), merged, steps)
+}
+
 /// Walks every index of `dims` in row-major order, calling `f(flat, offsets)` where
 /// `offsets[k] = base[k] + sum(idx * strides[k])`. No allocation.
 pub(crate) fn for_each_strided<const N: usize>(

@@ -800,8 +800,12 @@ fn logical_and_bool_ops() {
 #[test]
 fn select_where() {
     let mut s = Suite::new(0x06);
-    let shapes: [(&[usize], &[usize], &[usize]); 7] = [
+    let shapes: [(&[usize], &[usize], &[usize]); 9] = [
         (&[3, 5, 7], &[3, 5, 7], &[3, 5, 7]),
+        // A mask over the last axes, broadcast over the leading ones (a causal mask
+        // over heads), and one broadcast along inner axes.
+        (&[6, 9], &[2, 3, 6, 9], &[]),
+        (&[2, 1, 4, 1], &[2, 3, 4, 5], &[3, 1, 5]),
         (&[3, 1, 7], &[5, 7], &[]),
         (&[7], &[3, 5, 1], &[3, 1, 7]),
         (&[2, 0, 3], &[3], &[1]),
@@ -1696,11 +1700,18 @@ fn expand_pad_tile() {
     for dt in [DType::F32, DType::I32, DType::Bool, DType::F64] {
         s.check(
             &format!("expand {dt}"),
-            &[inp("x", &[3, 1, 5], dt), inp("s", &[], dt)],
+            &[
+                inp("x", &[3, 1, 5], dt),
+                inp("s", &[], dt),
+                inp("w", &[2, 3, 4, 1, 5, 1], dt),
+            ],
             EW,
             |g, x| {
                 Ok(vec![
                     g.expand(x[0], &[2, 3, 4, 5])?,
+                    // Rows two wide: a pooled value spread over its 2x2 window.
+                    g.expand(x[2], &[2, 3, 4, 2, 5, 2])?,
+                    g.expand(x[2], &[2, 3, 4, 3, 5, 17])?,
                     g.expand(x[0], &[3, 1, 5])?,
                     g.expand(x[1], &[2, 3])?,
                     g.expand(x[0], &[3, 0, 5])?,

@@ -94,19 +94,85 @@ pub(crate) fn select(c: Src, a: Src, b: Src, out: Dst) {
             return;
         }
     }
-    with_dtype!(out.shape.dtype(), T => {
-        let dims = out.shape.dims();
-        let (sc, sa, sb) = (
-            broadcast_strides(c.shape.dims(), dims),
-            broadcast_strides(a.shape.dims(), dims),
-            broadcast_strides(b.shape.dims(), dims),
-        );
-        for_each_strided(dims, [&sc, &sa, &sb], [0, 0, 0], |i, [oc, oa, ob]| {
-            let keep = c.get::<crate::elem::Bool8>(oc as usize).0 != 0;
-            let v: T = if keep { a.get(oa as usize) } else { b.get(ob as usize) };
-            out.set(i, v);
-        });
-    })
+    let dims = out.shape.dims();
+    if dims.contains(&0) {
+        return;
+    }
+    let (sc, sa, sb) = (
+        broadcast_strides(c.shape.dims(), dims),
+        broadcast_strides(a.shape.dims(), dims),
+        broadcast_strides(b.shape.dims(), dims),
+    );
+    // SAFETY (all arms): the strides come from the operands' own dims broadcast to the
+    // output's, so every offset lies inside its operand.
+    match out.shape.dtype().size_in_bytes() {
+        1 => unsafe { select_rows::<u8>(c, a, b, out, [&sc, &sa, &sb]) },
+        2 => unsafe { select_rows::<u16>(c, a, b, out, [&sc, &sa, &sb]) },
+        4 => unsafe { select_rows::<u32>(c, a, b, out, [&sc, &sa, &sb]) },
+        8 => unsafe { select_rows::<u64>(c, a, b, out, [&sc, &sa, &sb]) },
+        _ => with_dtype!(out.shape.dtype(), T => {
+            for_each_strided(dims, [&sc, &sa, &sb], [0, 0, 0], |i, [oc, oa, ob]| {
+                let keep = c.get::<crate::elem::Bool8>(oc as usize).0 != 0;
+                let v: T = if keep { a.get(oa as usize) } else { b.get(ob as usize) };
+                out.set(i, v);
+            });
+        }),
+    }
+}
+
+/// [`select`] on elements of `T`'s size, copied as bits: the walk coalesced into rows
+/// (a mask broadcast over leading axes makes one row of its whole size), each row one
+/// loop, which vectorizes where all three operands are contiguous along it.
+///
+/// # Safety
+/// `strides` are the condition's, `a`'s and `b`'s strides over the output's dims, each
+/// keeping its offsets inside its operand; the output holds its shape's elements of
+/// `T`'s size.
+unsafe fn select_rows<T: Copy>(
+    c: Src,
+    a: Src,
+    b: Src,
+    out: Dst,
+    strides: [&[isize; rlx_ir::MAX_RANK]; 3],
+) {
+    let (rank, dims, steps) = crate::tensor::coalesce(out.shape.dims(), strides);
+    let inner = dims[rank - 1];
+    let [kc, ka, kb] = [steps[0][rank - 1], steps[1][rank - 1], steps[2][rank - 1]];
+    let (cp, ap, bp, dst) = (
+        c.ptr,
+        a.ptr.cast::<T>(),
+        b.ptr.cast::<T>(),
+        out.ptr.cast::<T>(),
+    );
+    let outer = &dims[..rank - 1];
+    let [sc, sa, sb] = &steps;
+    for_each_strided(outer, [sc, sa, sb], [0, 0, 0], |row, [oc, oa, ob]| {
+        // SAFETY: row `row` of the output and the elements of each operand it reads
+        // (the caller's contract); an in-place operand is read at `j` before `j` is
+        // written.
+        unsafe {
+            let d = dst.add(row * inner);
+            if [kc, ka, kb] == [1, 1, 1] {
+                let (cs, xs, ys) = (cp.offset(oc), ap.offset(oa), bp.offset(ob));
+                for j in 0..inner {
+                    *d.add(j) = if *cs.add(j) != 0 {
+                        *xs.add(j)
+                    } else {
+                        *ys.add(j)
+                    };
+                }
+            } else {
+                for j in 0..inner as isize {
+                    let keep = *cp.offset(oc + j * kc) != 0;
+                    *d.offset(j) = if keep {
+                        *ap.offset(oa + j * ka)
+                    } else {
+                        *bp.offset(ob + j * kb)
+                    };
+                }
+            }
+        }
+    });
 }
 
 pub(crate) fn cast(x: Src, out: Dst) {

@@ -30,27 +30,34 @@ fn copy_strided(x: Src, out: Dst, strides: &[isize; MAX_RANK], base: isize) {
 /// Every selected offset lies inside `x`; `out` holds its shape's elements and does
 /// not overlap `x`.
 unsafe fn copy_rows<T: Copy>(x: Src, out: Dst, strides: &[isize; MAX_RANK], base: isize) {
-    let dims = out.shape.dims();
     let (src, dst) = (x.ptr.cast::<T>(), out.ptr.cast::<T>());
-    let Some((&inner, outer)) = dims.split_last() else {
-        // A scalar.
-        unsafe { *dst = *src.offset(base) };
-        return;
-    };
-    if dims.contains(&0) {
+    if out.shape.dims().contains(&0) {
         return;
     }
-    let step = strides[dims.len() - 1];
-    // One walk over the outer axes, a row of the output per index.
-    for_each_strided(outer, [strides], [base], |row, [offset]| {
-        // SAFETY: row `row` of the output, and the elements of `x` it selects.
+    // Axes the source walks as one are merged first (a permute that keeps inner axes
+    // together copies whole blocks).
+    let (rank, dims, [steps]) = crate::tensor::coalesce(out.shape.dims(), [strides]);
+    let (inner, step) = (dims[rank - 1], steps[rank - 1]);
+    // Short rows (an expand over a 2-wide window) are copied two axes per walk step,
+    // so the walk's per-row cost is paid once per block of rows.
+    let (block_rows, row_step, walked) = if rank >= 2 && inner < 16 {
+        (dims[rank - 2], steps[rank - 2], rank - 2)
+    } else {
+        (1, 0, rank - 1)
+    };
+    let block = block_rows * inner;
+    for_each_strided(&dims[..walked], [&steps], [base], |at, [offset]| {
+        // SAFETY: block `at` of the output, and the elements of `x` it selects.
         unsafe {
-            let d = dst.add(row * inner);
-            if step == 1 {
-                std::ptr::copy_nonoverlapping(src.offset(offset), d, inner);
-            } else {
-                for j in 0..inner {
-                    *d.add(j) = *src.offset(offset + j as isize * step);
+            let d = dst.add(at * block);
+            for r in 0..block_rows {
+                let (from, to) = (offset + r as isize * row_step, d.add(r * inner));
+                if step == 1 {
+                    std::ptr::copy_nonoverlapping(src.offset(from), to, inner);
+                } else {
+                    for j in 0..inner {
+                        *to.add(j) = *src.offset(from + j as isize * step);
+                    }
                 }
             }
         }
