@@ -497,16 +497,13 @@ fn vjp(
             vec![Some(mul(spread, constant(1.0 / (kh * kw) as f64))?)]
         }
         Op::MaxPool2d { window } if tiles(window, &graph.shape(operands[0])?) => {
-            // To each window's maximum, shared evenly between ties: the windows tile
-            // the input, so spreading a pooled value over its window is a broadcast.
-            let x = operands[0];
-            let [kh, kw] = window.kernel;
-            let spread = |t: NodeId| spread_windows(graph, t, window.kernel);
-            let hit = graph.cast(graph.binary(BinaryOp::Eq, x, spread(out)?)?, dtype)?;
-            let ties = graph.avg_pool2d(hit, window.kernel, window.stride, [0; 4], true)?;
-            let ties = mul(ties, constant((kh * kw) as f64))?;
-            let share = graph.binary(BinaryOp::Div, g, ties)?;
-            vec![Some(mul(hit, spread(share)?)?)]
+            vec![Some(tiled_max_pool_vjp(
+                graph,
+                window.kernel,
+                operands[0],
+                out,
+                g,
+            )?)]
         }
         Op::AvgPool2d {
             window,
@@ -856,7 +853,20 @@ fn matmul_vjp(graph: &Graph, operands: &[NodeId], g: NodeId) -> Result<Vec<Optio
         (a2, b2, graph.reshape(g, &g_dims)?)
     };
     let da = graph.matmul(g2, graph.transpose(b2, -1, -2)?)?;
-    let db = graph.matmul(graph.transpose(a2, -1, -2)?, g2)?;
+    let db = if b_shape.rank() == 2 && a_shape.rank() > 2 {
+        // One matrix shared by a batch (a linear layer's weight): its gradient is one
+        // product over every row of the batch, `[k, rows] x [rows, n]`, rather than a
+        // product per batch element summed afterwards (a batch-sized intermediate and
+        // short products).
+        let k = a_shape.dim(a_shape.rank() - 1);
+        let n = b_shape.dim(1);
+        let rows = a_shape.num_elements() / k.max(1);
+        let a_rows = graph.reshape(a2, &[rows, k])?;
+        let g_rows = graph.reshape(g2, &[rows, n])?;
+        graph.matmul(graph.transpose(a_rows, 0, 1)?, g_rows)?
+    } else {
+        graph.matmul(graph.transpose(a2, -1, -2)?, g2)?
+    };
     let (da, db) = (unbroadcast(graph, da, a2)?, unbroadcast(graph, db, b2)?);
     let back = |t: NodeId, like: &rlx_ir::Shape| -> Result<NodeId> {
         if graph.shape(t)?.dims() == like.dims() {
@@ -1382,6 +1392,36 @@ fn tiles(window: &rlx_ir::Window2d, x: &rlx_ir::Shape) -> bool {
         && x.dim(3).is_multiple_of(window.kernel[1])
 }
 
+/// The VJP of a max pool whose windows tile the NCHW input `x`: to each window's
+/// maximum, shared evenly between ties. In the view `[n, c, oh, kh, ow, kw]` of the
+/// input, the pooled values broadcast over their windows, and a hit is `1 -
+/// sign(max - x)` (1 at the maximum, 0 below it): float ops on broadcast operands, so
+/// the rule runs as a reduction and two elementwise regions, with no copies of the
+/// spread maxima and no comparisons.
+fn tiled_max_pool_vjp(
+    graph: &Graph,
+    [kh, kw]: [usize; 2],
+    x: NodeId,
+    out: NodeId,
+    g: NodeId,
+) -> Result<NodeId> {
+    let xs = graph.shape(x)?;
+    let (n, c, h, w) = (xs.dim(0), xs.dim(1), xs.dim(2), xs.dim(3));
+    let (oh, ow) = (h / kh, w / kw);
+    let windows = graph.reshape(x, &[n, c, oh, kh, ow, kw])?;
+    let pooled = |t: NodeId| graph.reshape(t, &[n, c, oh, 1, ow, 1]);
+    let one = graph.scalar(1.0, xs.dtype());
+    let below = graph.unary(
+        UnaryOp::Sign,
+        graph.binary(BinaryOp::Sub, pooled(out)?, windows)?,
+    )?;
+    let hit = graph.binary(BinaryOp::Sub, one, below)?;
+    let ties = sum_in_runs(graph, hit, &[3, 5])?;
+    let share = graph.binary(BinaryOp::Div, pooled(g)?, ties)?;
+    let dx = graph.binary(BinaryOp::Mul, hit, share)?;
+    graph.reshape(dx, &[n, c, h, w])
+}
+
 /// A pooled NCHW tensor `t` spread back over windows of `[kh, kw]` that tile the
 /// input: each value repeated over its window.
 fn spread_windows(graph: &Graph, t: NodeId, [kh, kw]: [usize; 2]) -> Result<NodeId> {
@@ -1885,6 +1925,46 @@ mod tests {
         let got = evaluate(&graph, &mut feed).unwrap()[0].data.clone();
         let want = vec![0.0, 12.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 4.0];
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn max_pool_ties_share_the_gradient_evenly() {
+        // Windows that tile the input (the broadcast rule) and overlapping ones (the
+        // general rule): the left window's maximum 3 is there twice, the right one's 5
+        // three times.
+        for stride in [[2, 2], [2, 1]] {
+            let graph = Graph::new("max pool ties");
+            let shape = Shape::new(&[1, 1, 2, 4], DType::F64);
+            let x = graph.input("x", shape.clone()).unwrap();
+            let pooled = graph.max_pool2d(x, [2, 2], stride, [0; 4]).unwrap();
+            let cols = graph.shape(pooled).unwrap().dim(3);
+            let weights: Vec<f64> = (0..cols).map(|i| 2.0 + 4.0 * i as f64).collect();
+            let w = graph
+                .constant(rlx_ir::TensorData::F64(weights), &[cols])
+                .unwrap();
+            let loss = graph
+                .sum(graph.binary(BinaryOp::Mul, pooled, w).unwrap(), &[], false)
+                .unwrap();
+            let dx = grad(&graph, loss, &[x]).unwrap()[0];
+            graph.set_outputs(vec![dx]);
+            let data = vec![1.0, 3.0, 5.0, 5.0, 3.0, 2.0, 5.0, 1.0];
+            let mut feed = HashMap::from([("x".to_string(), HostTensor::new(shape, data))]);
+            let got = evaluate(&graph, &mut feed).unwrap()[0].data.clone();
+            let want = if stride == [2, 2] {
+                vec![0.0, 1.0, 2.0, 2.0, 1.0, 0.0, 2.0, 0.0]
+            } else {
+                // Windows at columns 0, 1 and 2 (weights 2, 6, 10): maxima 3 (twice),
+                // 5 (twice) and 5 (three times).
+                let third = 10.0 / 3.0;
+                vec![0.0, 1.0, 3.0 + third, third, 1.0, 0.0, 3.0 + third, 0.0]
+            };
+            for (a, b) in got.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() < 1e-12,
+                    "stride {stride:?}: {got:?} against {want:?}"
+                );
+            }
+        }
     }
 
     #[test]

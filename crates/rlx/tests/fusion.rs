@@ -663,6 +663,8 @@ fn elementwise_regions_fuse_with_broadcasts_and_match() {
         let scalar = g.input("s", Shape::new(&[1], DType::F32)).unwrap();
         // Per-"channel" values repeated over runs of `cols`, as a [1, C, 1, 1] scale.
         let channel = g.input("k", Shape::new(&[1, rows, 1], DType::F32)).unwrap();
+        // One row per batch element, broadcast over the rows between (strided).
+        let plane = g.input("p", Shape::new(&[2, 1, cols], DType::F32)).unwrap();
         let mut pool = vec![x];
         let mut y = x;
         for _ in 0..2 + rng.below(8) {
@@ -671,9 +673,10 @@ fn elementwise_regions_fuse_with_broadcasts_and_match() {
                 col_vec,
                 scalar,
                 channel,
+                plane,
                 x,
                 pool[rng.below(pool.len())],
-            ][rng.below(6)];
+            ][rng.below(7)];
             y = match rng.below(10) {
                 0 => g.add(y, other),
                 1 => g.mul(other, y),
@@ -703,6 +706,23 @@ fn elementwise_regions_fuse_with_broadcasts_and_match() {
         fused_total += check(&g, &mut rng, &format!("case {case} [2x{rows}x{cols}]"));
     }
     assert!(fused_total >= 30, "only {fused_total} regions formed");
+    // Pooled values broadcast over their windows, in the 6-D view of the input: the
+    // broadcast operand's runs are two wide, and its rows repeat along a middle axis.
+    let cases: [(&[usize], &[usize]); 2] = [
+        (&[2, 3, 4, 2, 5, 2], &[2, 3, 4, 1, 5, 1]),
+        (&[3, 7, 3, 9, 1], &[3, 1, 3, 1, 1]),
+    ];
+    for (windows, pooled) in cases {
+        let g = Graph::new("windows");
+        let x = g.input("x", Shape::new(windows, DType::F32)).unwrap();
+        let m = g.input("m", Shape::new(pooled, DType::F32)).unwrap();
+        let below = g.unary(UnaryOp::Sign, g.sub(m, x).unwrap()).unwrap();
+        let y = g
+            .mul(g.sub(g.scalar(1.0, DType::F32), below).unwrap(), m)
+            .unwrap();
+        g.set_outputs(vec![y]);
+        assert_eq!(check(&g, &mut rng, &format!("windows {windows:?}")), 1);
+    }
 }
 
 #[test]

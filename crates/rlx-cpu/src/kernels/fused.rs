@@ -186,8 +186,14 @@ enum Access {
     /// product of the output dims after that run (1 for a suffix such as a bias,
     /// the pixels of a plane for a per-channel `[1, C, 1, 1]` scale).
     Blocks { len: usize, inner: usize },
-    /// Anything else: strides per output axis.
-    Strided([isize; MAX_RANK]),
+    /// Anything else: the output's dims with adjacent axes merged where the input
+    /// walks them as one (see [`crate::tensor::coalesce`]), and the input's strides
+    /// along them.
+    Strided {
+        rank: usize,
+        dims: [usize; MAX_RANK],
+        strides: [isize; MAX_RANK],
+    },
 }
 
 /// A region's operands, shared by its chunk tasks.
@@ -219,7 +225,13 @@ pub(crate) fn elementwise(steps: &[EwStep], inputs: &[Src], out: Dst, ctx: &Ctx)
                 inner,
             }
         } else {
-            Access::Strided(broadcast_strides(x.shape.dims(), dims))
+            let strides = broadcast_strides(x.shape.dims(), dims);
+            let (rank, dims, [strides]) = crate::tensor::coalesce(dims, [&strides]);
+            Access::Strided {
+                rank,
+                dims,
+                strides,
+            }
         };
     }
     let chunks = total.div_ceil(CHUNK);
@@ -240,7 +252,7 @@ pub(crate) fn elementwise(steps: &[EwStep], inputs: &[Src], out: Dst, ctx: &Ctx)
         let len = CHUNK.min(total - start);
         for (r, x) in inputs.iter().enumerate() {
             let reg = &mut regs[r * CHUNK..r * CHUNK + len];
-            load(x, access[r], dims, start, reg);
+            load(x, access[r], start, reg);
         }
         for (s, step) in steps.iter().enumerate() {
             let (before, after) = regs.split_at_mut((n_in + s) * CHUNK);
@@ -290,7 +302,7 @@ fn block_inner(xd: &[usize], dims: &[usize]) -> Option<usize> {
     Some(dims[last + 1..].iter().product())
 }
 
-fn load(x: &Src, access: Access, dims: &[usize], start: usize, reg: &mut [f32]) {
+fn load(x: &Src, access: Access, start: usize, reg: &mut [f32]) {
     let base = x.ptr.cast::<f32>();
     match access {
         Access::Same => {
@@ -322,29 +334,61 @@ fn load(x: &Src, access: Access, dims: &[usize], start: usize, reg: &mut [f32]) 
                 offset = 0;
             }
         }
-        Access::Strided(strides) => {
-            // Walk the odometer from `start`.
+        Access::Strided {
+            rank,
+            dims,
+            strides,
+        } => {
+            // Runs along the last (merged) axis: a fill where it is broadcast, a copy
+            // where it is contiguous; the odometer moves once per run.
+            let (dims, strides) = (&dims[..rank], &strides[..rank]);
+            let last = rank - 1;
             let mut idx = [0usize; MAX_RANK];
             let mut rest = start;
             let mut offset = 0isize;
-            for axis in (0..dims.len()).rev() {
-                let d = dims[axis].max(1);
-                idx[axis] = rest % d;
+            for axis in (0..rank).rev() {
+                idx[axis] = rest % dims[axis];
                 offset += idx[axis] as isize * strides[axis];
-                rest /= d;
+                rest /= dims[axis];
             }
-            for v in reg.iter_mut() {
-                *v = x.get::<f32>(offset as usize);
-                let mut axis = dims.len();
-                while axis > 0 {
+            let (row_len, step) = (dims[last], strides[last]);
+            let mut done = 0;
+            while done < reg.len() {
+                let run = (row_len - idx[last]).min(reg.len() - done);
+                let dst = &mut reg[done..done + run];
+                match step {
+                    0 => dst.fill(x.get::<f32>(offset as usize)),
+                    1 => {
+                        assert!(offset as usize + run <= x.len, "region read out of bounds");
+                        // SAFETY: positions offset..offset + run lie inside the input
+                        // (checked).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                base.offset(offset),
+                                dst.as_mut_ptr(),
+                                run,
+                            )
+                        };
+                    }
+                    _ => {
+                        for (j, v) in dst.iter_mut().enumerate() {
+                            *v = x.get::<f32>((offset + j as isize * step) as usize);
+                        }
+                    }
+                }
+                done += run;
+                idx[last] += run;
+                offset += run as isize * step;
+                let mut axis = last;
+                while idx[axis] == dims[axis] {
+                    offset -= strides[axis] * dims[axis] as isize;
+                    idx[axis] = 0;
+                    if axis == 0 {
+                        break;
+                    }
                     axis -= 1;
                     idx[axis] += 1;
                     offset += strides[axis];
-                    if idx[axis] < dims[axis] {
-                        break;
-                    }
-                    offset -= strides[axis] * dims[axis] as isize;
-                    idx[axis] = 0;
                 }
             }
         }
@@ -384,6 +428,17 @@ fn unary_body(op: UnaryOp, a: &[f32], out: &mut [f32]) {
         UnaryOp::GeluTanh => each!(|x| vmath::gelu_tanh(x)),
         UnaryOp::Silu => each!(|x| vmath::silu(x)),
         UnaryOp::Erf => each!(|x| vmath::erf(x)),
+        // Zero (of either sign) and NaN pass through, as the scalar definition has it.
+        UnaryOp::Sign => each!(|x| if x > 0.0 {
+            1.0
+        } else if x < 0.0 {
+            -1.0
+        } else {
+            x
+        }),
+        UnaryOp::Floor => each!(|x| x.floor()),
+        UnaryOp::Ceil => each!(|x| x.ceil()),
+        UnaryOp::Round => each!(|x| x.round_ties_even()),
         // The rest are rare in hot regions: the exact scalar definitions.
         other => each!(|x| unary_f64(other, f64::from(x)) as f32),
     }
@@ -410,6 +465,17 @@ fn binary_body(op: BinaryOp, a: &[f32], b: &[f32], out: &mut [f32]) {
         BinaryOp::Sub => each!(|x, y| x - y),
         BinaryOp::Mul => each!(|x, y| x * y),
         BinaryOp::Div => each!(|x, y| x / y),
+        // NaN from either operand, as the scalar definition has it.
+        BinaryOp::Max => each!(|x, y| if x.is_nan() || y.is_nan() {
+            f32::NAN
+        } else {
+            x.max(y)
+        }),
+        BinaryOp::Min => each!(|x, y| if x.is_nan() || y.is_nan() {
+            f32::NAN
+        } else {
+            x.min(y)
+        }),
         other => each!(|x, y| binary_f64(other, f64::from(x), f64::from(y)) as f32),
     }
 }

@@ -215,20 +215,34 @@ pub(crate) fn sum_axes(
         return ctx.pool.run(tasks, threads, &task);
     }
     let blocks = inner.div_ceil(64);
-    let task = |t: usize, _thread: usize| {
-        let (o, c0) = (t / blocks, t % blocks * 64);
-        let width = 64.min(inner - c0);
-        // SAFETY: output row `o` columns `c0..c0 + width` belong to this task alone;
-        // the input is `outer * len * inner` floats.
-        let (src, dst) = unsafe {
-            (
-                std::slice::from_raw_parts((src as *const f32).add(o * len * inner), len * inner),
-                std::slice::from_raw_parts_mut((dst as *mut f32).add(o * inner + c0), width),
-            )
-        };
-        sum_columns(src, dst, (len, inner, c0), scale);
+    // Short columns (a 2x2 window's rows) take many outer rows per task, so that a
+    // task is worth its hand-off to a thread.
+    let outers_per_task = if blocks == 1 {
+        ((1usize << 14) / (len * inner)).max(1)
+    } else {
+        1
     };
-    ctx.pool.run(outer * blocks, threads, &task)
+    let tasks = outer.div_ceil(outers_per_task) * blocks;
+    let task = |t: usize, _thread: usize| {
+        let (group, c0) = (t / blocks, t % blocks * 64);
+        let width = 64.min(inner - c0);
+        let first = group * outers_per_task;
+        for o in first..(first + outers_per_task).min(outer) {
+            // SAFETY: output row `o` columns `c0..c0 + width` belong to this task
+            // alone; the input is `outer * len * inner` floats.
+            let (src, dst) = unsafe {
+                (
+                    std::slice::from_raw_parts(
+                        (src as *const f32).add(o * len * inner),
+                        len * inner,
+                    ),
+                    std::slice::from_raw_parts_mut((dst as *mut f32).add(o * inner + c0), width),
+                )
+            };
+            sum_columns(src, dst, (len, inner, c0), scale);
+        }
+    };
+    ctx.pool.run(tasks, threads, &task)
 }
 
 multiversion! {
