@@ -118,6 +118,8 @@ unsafe fn transpose<T: Copy>(
 
 /// Side of the register blocks of 4-byte elements.
 const BLOCK: usize = 8;
+/// Columns of the strips the 4-byte transpose walks down (a multiple of `BLOCK`).
+const STRIP: usize = 64;
 
 crate::vmath::multiversion! {
     /// Rows `first..last` of a row-major `rows x cols` matrix of 4-byte elements at
@@ -129,22 +131,35 @@ crate::vmath::multiversion! {
         let whole_cols = cols / BLOCK * BLOCK;
         // SAFETY (all blocks): every (r, c) read lies inside the matrix and every
         // (c, r) written inside its transpose; the caller owns rows first..last.
-        for r0 in (first..whole_rows).step_by(BLOCK) {
-            for c0 in (0..whole_cols).step_by(BLOCK) {
-                let mut block = [[0u32; BLOCK]; BLOCK];
-                for (i, row) in block.iter_mut().enumerate() {
-                    *row = unsafe { src.add((r0 + i) * cols + c0).cast::<[u32; BLOCK]>().read_unaligned() };
-                }
-                let mut turned = [[0u32; BLOCK]; BLOCK];
-                for (i, row) in block.iter().enumerate() {
-                    for (j, &v) in row.iter().enumerate() {
-                        turned[j][i] = v;
-                    }
-                }
-                for (j, row) in turned.iter().enumerate() {
-                    unsafe { dst.add((c0 + j) * rows + r0).cast::<[u32; BLOCK]>().write_unaligned(*row) };
+        let block = |r0: usize, c0: usize| {
+            let mut block = [[0u32; BLOCK]; BLOCK];
+            for (i, row) in block.iter_mut().enumerate() {
+                *row = unsafe { src.add((r0 + i) * cols + c0).cast::<[u32; BLOCK]>().read_unaligned() };
+            }
+            let mut turned = [[0u32; BLOCK]; BLOCK];
+            for (i, row) in block.iter().enumerate() {
+                for (j, &v) in row.iter().enumerate() {
+                    turned[j][i] = v;
                 }
             }
+            for (j, row) in turned.iter().enumerate() {
+                unsafe { dst.add((c0 + j) * rows + r0).cast::<[u32; BLOCK]>().write_unaligned(*row) };
+            }
+        };
+        // Column strips, and every row block down a strip before the next: the
+        // strip's output rows are written in order, each cache line filled by
+        // consecutive blocks. Walking a whole row of blocks instead touches one line
+        // of every output row, each `rows` floats apart, and leaves half of each for
+        // the next row of blocks: 2048x1024 took 3.2 ms that way, 2.4 ms in strips
+        // (one thread; strips of 8 to 64 and square tiles of 16 to 64 measured).
+        for s0 in (0..whole_cols).step_by(STRIP) {
+            for r0 in (first..whole_rows).step_by(BLOCK) {
+                for c0 in (s0..(s0 + STRIP).min(whole_cols)).step_by(BLOCK) {
+                    block(r0, c0);
+                }
+            }
+        }
+        for r0 in (first..whole_rows).step_by(BLOCK) {
             for c in whole_cols..cols {
                 for r in r0..r0 + BLOCK {
                     unsafe { *dst.add(c * rows + r) = *src.add(r * cols + c) };
