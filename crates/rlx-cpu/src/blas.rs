@@ -30,6 +30,7 @@ pub fn matmul_f32(
         lda: k,
         b: b.as_ptr(),
         ldb: n,
+        a_transposed: false,
         b_transposed: false,
         b_format: BFormat::F32,
         c: c.as_mut_ptr(),
@@ -85,6 +86,7 @@ pub fn matmul_f32_packed(
         lda: k,
         b: b.data.as_ptr(),
         ldb: n,
+        a_transposed: false,
         b_transposed: false,
         b_format: BFormat::Packed {
             nr: b.nr,

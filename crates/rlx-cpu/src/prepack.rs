@@ -215,7 +215,10 @@ pub(crate) fn packed_operand(
         return None;
     }
     let spec = match op {
-        Op::MatMul | Op::FusedMatMul { .. } if b.rank() == 2 => PackSpec::Panels {
+        Op::MatMul
+        | Op::FusedMatMul {
+            transpose_b: false, ..
+        } if b.rank() == 2 => PackSpec::Panels {
             k: b.dim(0),
             n: b.dim(1),
         },

@@ -276,8 +276,9 @@ impl CudaProgram {
                     vec![(table("rope_write"), Step::Kernel { kernel, args })]
                 }
                 Op::MatMul | Op::FusedMatMul { .. } => {
-                    let epilogue = Epilogue::of(&node.op)
-                        .ok_or_else(|| unsupported("a product without an epilogue".into()))?;
+                    let epilogue = Epilogue::of(&node.op).ok_or_else(|| {
+                        unsupported("a product reading a transposed operand".into())
+                    })?;
                     let (steps, data) = crate::fused_matmul::plan(
                         &epilogue,
                         &in_shapes,

@@ -82,6 +82,8 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
         }
         Op::FusedMatMul {
             alpha,
+            transpose_a,
+            transpose_b,
             bias,
             activation: act,
             residual,
@@ -94,7 +96,8 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
             } else {
                 inputs[1]
             };
-            let mut y = g.matmul(inputs[0], w)?;
+            let read = |x: NodeId, swap: bool| if swap { g.transpose(x, -1, -2) } else { Ok(x) };
+            let mut y = g.matmul(read(inputs[0], *transpose_a)?, read(w, *transpose_b)?)?;
             if alpha.get() != 1.0 {
                 y = g.mul(y, g.scalar(alpha.get(), out_dtype))?;
             }

@@ -73,11 +73,19 @@ pub fn op_attributes(op: &Op) -> String {
         Op::CachedAttention { scale } => format!("scale={:.6}", scale.get()),
         Op::FusedMatMul {
             alpha,
+            transpose_a,
+            transpose_b,
             bias,
             activation,
             residual,
         } => {
             let mut parts = Vec::new();
+            if *transpose_a {
+                parts.push("a^T".to_string());
+            }
+            if *transpose_b {
+                parts.push("b^T".to_string());
+            }
             if alpha.get() != 1.0 {
                 parts.push(format!("alpha={}", alpha.get()));
             }

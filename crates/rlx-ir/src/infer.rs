@@ -83,11 +83,19 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
         Op::AvgPool2d { window, .. } => conv::infer_pool("avg_pool2d", window, x()),
         Op::Attention { seq_major, .. } => attention::infer_attention(inputs, *seq_major),
         Op::FusedMatMul {
+            transpose_a,
+            transpose_b,
             bias,
             residual,
             activation,
             ..
-        } => fused::infer_fused_matmul(*bias, *residual, *activation, inputs),
+        } => fused::infer_fused_matmul(
+            [*transpose_a, *transpose_b],
+            *bias,
+            *residual,
+            *activation,
+            inputs,
+        ),
         Op::FusedConv2d {
             window,
             groups,

@@ -626,10 +626,16 @@ pub enum Op {
     /// `act(alpha * (a @ b) + bias) + residual`: a matmul with its epilogue, formed by
     /// the optimizer. Operands: `a`, `b`, then `bias` (`[N]`) if `bias`, then the
     /// residual (the output's shape) if `residual`. With an `f32` `a`, `b` may be `f16`
-    /// or `bf16` (read as `f32`: stored weights need no conversion pass).
+    /// or `bf16` (read as `f32`: stored weights need no conversion pass). A transposed
+    /// operand is given with its last two axes swapped (`a` as `[.., k, m]`, `b` as
+    /// `[.., n, k]`) and read that way by the product, with no transposed copy.
     FusedMatMul {
         /// Scale of the product.
         alpha: F64Bits,
+        /// `a` is stored transposed (`[.., k, m]`).
+        transpose_a: bool,
+        /// `b` is stored transposed (`[.., n, k]`).
+        transpose_b: bool,
         /// Whether a bias operand follows `b`.
         bias: bool,
         /// Applied after the bias.

@@ -117,10 +117,18 @@ pub fn eval_node(
         Op::WriteAt { axis } => state::eval_write_at(*axis, inputs[0], inputs[1], inputs[2])?,
         Op::FusedMatMul {
             alpha,
+            transpose_a,
+            transpose_b,
             bias,
             activation,
             residual,
-        } => fused::eval_fused_matmul(alpha.get(), *bias, *activation, *residual, inputs, out)?,
+        } => fused::eval_fused_matmul(
+            alpha.get(),
+            [*transpose_a, *transpose_b],
+            (*bias, *activation, *residual),
+            inputs,
+            out,
+        )?,
         Op::FusedConv2d {
             window,
             groups,

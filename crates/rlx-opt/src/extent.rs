@@ -152,6 +152,9 @@ fn row_wise(op: &Op, ins: &[(bool, &Shape)], out: &Shape) -> std::result::Result
             Ok(())
         }
         Op::ArgReduce { axis, .. } => not_axis0(*axis),
+        Op::FusedMatMul {
+            transpose_a: true, ..
+        } => Err("reads its rows operand transposed"),
         Op::MatMul | Op::FusedMatMul { .. } | Op::QuantMatMul { .. } => {
             let (a, b) = (ins[0], ins[1]);
             if !a.0 || a.1.rank() < 2 || a.1.rank() != rank {

@@ -4,7 +4,8 @@
 //!   gelu_tanh, relu, silu) and a residual add (same shape), each only when the
 //!   intermediate value has no other reader, become one `FusedMatMul`; a cast of
 //!   `f16`/`bf16` weights to `f32` feeding the matmul is absorbed too (the kernel reads
-//!   the stored weights).
+//!   the stored weights), and so (where the backend reads transposed operands) is a
+//!   permute that swaps an operand's last two axes.
 //! - Convolution epilogues: `conv2d` followed by an activation, a residual add, a
 //!   per-channel multiply and add (`[1, C, 1, 1]`: a batch norm after the residual
 //!   add) and another activation, under the same rule, become one `FusedConv2d` (the
@@ -27,6 +28,9 @@ use std::collections::{BTreeSet, BinaryHeap};
 pub struct FusionOptions {
     /// Form `FusedMatMul` nodes.
     pub matmul_epilogue: bool,
+    /// Let a `FusedMatMul` read an operand whose last two axes a permute swapped,
+    /// with no copy (the permute absorbed when nothing else reads it).
+    pub transposed_operands: bool,
     /// Form `FusedConv2d` nodes.
     pub conv_epilogue: bool,
     /// Form `Elementwise` region nodes.
@@ -49,6 +53,7 @@ impl FusionOptions {
     /// Every fused form.
     pub const ALL: FusionOptions = FusionOptions {
         matmul_epilogue: true,
+        transposed_operands: true,
         conv_epilogue: true,
         elementwise_regions: true,
         attention_layout: true,
@@ -409,6 +414,8 @@ struct Epilogue {
     matmul: usize,
     /// A cast of half-precision weights to `f32` feeding `b`, read natively instead.
     b_cast: Option<usize>,
+    /// Permutes swapping the last two axes of `a` and of `b`, read transposed instead.
+    swaps: [Option<usize>; 2],
     last: usize,
     bias: Option<NodeId>,
     activation: Option<UnaryOp>,
@@ -487,8 +494,9 @@ fn input_prologue(
 /// Folds bias, activation and residual adds into the matmuls that feed them (if
 /// `matmuls`), and activations, residual adds and per-channel affines (with their
 /// activation) into convolutions, with the per-channel affine and activation that
-/// make a 1x1 convolution's input (if `convs`).
-pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
+/// make a 1x1 convolution's input (if `convs`); with `transposes`, a matmul also
+/// absorbs permutes that swap its operands' last two axes (even with no epilogue).
+pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: bool) -> Fused {
     let uses = use_counts(graph);
     let readers = consumers(graph);
     let nodes = graph.nodes();
@@ -524,9 +532,28 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
             }
             _ => None,
         };
+        // An operand made by a permute that swaps its last two axes and that nothing
+        // else reads: the product reads the permute's input transposed.
+        let swapped = |x: NodeId| -> Option<usize> {
+            let k = x.index();
+            let Op::Permute { perm } = &nodes[k].op else {
+                return None;
+            };
+            let r = perm.len();
+            let swaps_last_two = r >= 2
+                && perm[..r - 2].iter().enumerate().all(|(a, &p)| a == p)
+                && perm[r - 2] == r - 1
+                && perm[r - 1] == r - 2;
+            (transposes && is_matmul && swaps_last_two && uses[k] == 1 && !claimed[k]).then_some(k)
+        };
+        let swaps = [
+            swapped(node.inputs[0]),
+            if b_cast.is_none() { swapped(b) } else { None },
+        ];
         let mut e = Epilogue {
             matmul: i,
             b_cast,
+            swaps,
             last: i,
             bias: None,
             activation: None,
@@ -607,8 +634,8 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
                 e.last = a;
             }
         }
-        if e.absorbed.len() > 1 || e.b_cast.is_some() {
-            for &a in &e.absorbed {
+        if e.absorbed.len() > 1 || e.b_cast.is_some() || e.swaps.iter().any(Option::is_some) {
+            for &a in e.absorbed.iter().chain(e.swaps.iter().flatten()) {
                 claimed[a] = true;
             }
             found.push(e);
@@ -616,7 +643,12 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
     }
     let mut absorbed_into = vec![None; nodes.len()];
     for (k, e) in found.iter().enumerate() {
-        for &a in e.absorbed.iter().chain(&e.b_cast) {
+        for &a in e
+            .absorbed
+            .iter()
+            .chain(&e.b_cast)
+            .chain(e.swaps.iter().flatten())
+        {
             absorbed_into[a] = Some(k);
         }
     }
@@ -633,6 +665,11 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
                 }
                 if let Some(c) = e.b_cast {
                     inputs[1] = nodes[c].inputs[0];
+                }
+                for (slot, swap) in e.swaps.iter().enumerate() {
+                    if let Some(p) = swap {
+                        inputs[slot] = nodes[*p].inputs[0];
+                    }
                 }
                 inputs.extend(e.bias);
                 inputs.extend(e.residual);
@@ -658,6 +695,8 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
                     },
                     _ => Op::FusedMatMul {
                         alpha: F64Bits::new(1.0),
+                        transpose_a: e.swaps[0].is_some(),
+                        transpose_b: e.swaps[1].is_some(),
                         bias: e.bias.is_some(),
                         activation: e.activation,
                         residual: e.residual.is_some(),
@@ -671,8 +710,13 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool) -> Fused {
                         shape: node.shape.clone(),
                     },
                 );
-                let mut replaced: Vec<usize> =
-                    e.absorbed.iter().chain(&e.b_cast).copied().collect();
+                let mut replaced: Vec<usize> = e
+                    .absorbed
+                    .iter()
+                    .chain(&e.b_cast)
+                    .chain(e.swaps.iter().flatten())
+                    .copied()
+                    .collect();
                 replaced.sort_unstable();
                 records.push((
                     i,

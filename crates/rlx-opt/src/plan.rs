@@ -261,9 +261,14 @@ fn run_stages(
                 drop_dead(&mut graph, &mut fusions);
                 Some(crate::hoist::hoist_sliced_matmuls(&graph))
             }
-            "fuse.epilogue" if f.matmul_epilogue || f.conv_epilogue => Some(
-                crate::fuse::fuse_epilogues(&graph, f.matmul_epilogue, f.conv_epilogue),
-            ),
+            "fuse.epilogue" if f.matmul_epilogue || f.conv_epilogue => {
+                Some(crate::fuse::fuse_epilogues(
+                    &graph,
+                    f.matmul_epilogue,
+                    f.conv_epilogue,
+                    f.transposed_operands,
+                ))
+            }
             "fuse.regions" if f.elementwise_regions => {
                 Some(crate::fuse::fuse_elementwise_regions(&graph))
             }

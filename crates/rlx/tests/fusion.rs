@@ -880,6 +880,94 @@ fn attention_written_out_in_ops_becomes_one_attention() {
 }
 
 #[test]
+fn transposed_operands_are_read_by_the_product_without_a_copy() {
+    let mut rng = Rng(91);
+    // (batch dims, m, k, n, transpose a, transpose b, bias): a weight gradient's
+    // `xᵀ dy` (k long), an input gradient's `dy wᵀ`, both at once under a batch, and
+    // edges that are not whole tiles.
+    type Case = (&'static [usize], usize, usize, usize, bool, bool, bool);
+    let cases: [Case; 6] = [
+        (&[], 64, 300, 48, true, false, false),
+        (&[], 37, 19, 70, false, true, true),
+        (&[3], 20, 33, 17, true, true, false),
+        (&[2, 2], 9, 8, 40, true, false, true),
+        (&[], 130, 64, 200, true, true, true),
+        (&[4], 16, 128, 16, false, true, false),
+    ];
+    for (batch, m, k, n, ta, tb, with_bias) in cases {
+        let g = Graph::new("transposed operands");
+        let stored = |rows: usize, cols: usize, swap: bool| {
+            let mut dims = batch.to_vec();
+            dims.extend(if swap { [cols, rows] } else { [rows, cols] });
+            Shape::new(&dims, DType::F32)
+        };
+        let a = g.input("a", stored(m, k, ta)).unwrap();
+        let b = g.input("b", stored(k, n, tb)).unwrap();
+        let read = |x: NodeId, swap: bool| {
+            if swap {
+                g.transpose(x, -1, -2).unwrap()
+            } else {
+                x
+            }
+        };
+        let mut y = g.matmul(read(a, ta), read(b, tb)).unwrap();
+        if with_bias {
+            let bias = g.input("bias", Shape::new(&[n], DType::F32)).unwrap();
+            y = g.add(y, bias).unwrap();
+        }
+        g.set_outputs(vec![y]);
+        let what = format!("{batch:?} {m}x{k}x{n} a^T={ta} b^T={tb} bias={with_bias}");
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let nodes = plan.graph.nodes();
+        assert!(
+            nodes.iter().all(|n| n.op.name() != "permute"),
+            "{what}: {}",
+            plan.graph
+        );
+        assert!(
+            nodes.iter().any(|n| matches!(
+                n.op,
+                rlx::ir::Op::FusedMatMul { transpose_a, transpose_b, .. }
+                    if transpose_a == ta && transpose_b == tb
+            )),
+            "{what}: {}",
+            plan.graph
+        );
+        check(&g, &mut rng, &what);
+    }
+    // A transpose that something else also reads stays a copy, read by both.
+    let g = Graph::new("shared transpose");
+    let a = g.input("a", Shape::new(&[24, 10], DType::F32)).unwrap();
+    let b = g.input("b", Shape::new(&[24, 6], DType::F32)).unwrap();
+    let at = g.transpose(a, 0, 1).unwrap();
+    let y = g.matmul(at, b).unwrap();
+    g.set_outputs(vec![y, g.exp(at).unwrap()]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    assert!(
+        plan.graph.nodes().iter().any(|n| n.op.name() == "permute"),
+        "{}",
+        plan.graph
+    );
+    check(&g, &mut rng, "shared transpose");
+    // Built by hand, it decomposes into a transpose and a product.
+    let g = Graph::new("transposed by hand");
+    let a = g.input("a", Shape::new(&[2, 7, 5], DType::F32)).unwrap();
+    let b = g.input("b", Shape::new(&[2, 3, 7], DType::F32)).unwrap();
+    let op = rlx::ir::Op::FusedMatMul {
+        alpha: rlx::ir::F64Bits::new(0.5),
+        transpose_a: true,
+        transpose_b: true,
+        bias: false,
+        activation: None,
+        residual: false,
+    };
+    let y = g.push(op, &[a, b]).unwrap();
+    assert_eq!(g.shape(y).unwrap().dims(), [2, 5, 3]);
+    g.set_outputs(vec![y]);
+    check_decomposed(&g, &mut rng, "transposed by hand");
+}
+
+#[test]
 fn half_precision_weights_are_read_by_the_matmul_without_a_cast() {
     let mut rng = Rng(77);
     for dtype in [DType::F16, DType::BF16] {

@@ -27,7 +27,7 @@ const KC_MIN: usize = 192;
 /// The widest `B` block.
 const NC_MAX: usize = 480;
 /// Rows of `A` per block, before rounding to a multiple of `MR`.
-const MC: usize = 96;
+pub(super) const MC: usize = 96;
 /// The share of L2, in eighths, the packed `B` block may fill (the rest holds the
 /// rows of `A` and `C` the kernel touches).
 const B_BLOCK_EIGHTHS: usize = 7;
@@ -50,6 +50,25 @@ impl Blocking {
             kc,
             nc: even(cols, nc_cap, nr).min(nc_cap),
             mc: even(rows, mc_cap, mr).min(mc_cap),
+        }
+    }
+
+    /// Blocks for a product whose `A` is packed (a transposed `A`): `A` is packed once
+    /// per column block, so the column block takes all of the rectangle's columns
+    /// that fit the packed-`B` buffer with a shallower `K` block (at least 256 deep).
+    pub fn with_packed_a(rows: usize, cols: usize, k: usize, (mr, nr): (usize, usize)) -> Blocking {
+        let plain = Self::new(rows, cols, k, (mr, nr));
+        let room = Self::max_b_block_floats();
+        let wide = cols.next_multiple_of(nr);
+        let kc =
+            even(k, (room / wide.max(1)).clamp(256, plain.kc.max(256)), 8).min(plain.kc.max(8));
+        if kc * wide > room {
+            return plain;
+        }
+        Blocking {
+            kc,
+            nc: wide,
+            ..plain
         }
     }
 

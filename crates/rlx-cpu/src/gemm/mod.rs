@@ -119,8 +119,9 @@ unsafe impl Send for BFormat {}
 // SAFETY: as above.
 unsafe impl Sync for BFormat {}
 
-/// One GEMM problem. `A[i, p]` is `a[i * lda + p]`; `B[p, j]` is `b[p * ldb + j]`, or
-/// `b[j * ldb + p]` when `b_transposed`; `C[i, j]` is `c[i * ldc + j]`.
+/// One GEMM problem. `A[i, p]` is `a[i * lda + p]`, or `a[p * lda + i]` when
+/// `a_transposed`; `B[p, j]` is `b[p * ldb + j]`, or `b[j * ldb + p]` when
+/// `b_transposed`; `C[i, j]` is `c[i * ldc + j]`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Gemm {
     pub m: usize,
@@ -128,6 +129,8 @@ pub(crate) struct Gemm {
     pub k: usize,
     pub a: *const f32,
     pub lda: usize,
+    /// `A` is stored transposed: each block of it is packed into rows before use.
+    pub a_transposed: bool,
     pub b: *const f32,
     pub ldb: usize,
     pub b_transposed: bool,
@@ -238,15 +241,24 @@ impl GemmScratch {
     }
 }
 
-/// Floats of a GEMM buffer's regions: the short-row `A` panel, the packed `B` block
-/// and the edge tile, each a multiple of 16 floats so each starts on a cache line.
-fn scratch_regions() -> [usize; 3] {
+/// Floats of a GEMM buffer's regions: the short-row `A` panel, the packed `B` block,
+/// the edge tile and a block of a transposed `A` packed into rows (up to `MC` rows,
+/// and a tile's more of zeros), each a multiple of 16 floats so each starts on a cache
+/// line.
+fn scratch_regions() -> [usize; 4] {
     let (mr, tile) = kernels::largest_tiles();
     [
         (mr * KC_MAX).next_multiple_of(LINE_FLOATS),
         Blocking::max_b_block_floats().next_multiple_of(LINE_FLOATS),
-        tile,
+        tile.next_multiple_of(LINE_FLOATS),
+        ((blocking::MC + mr) * packed_a_stride(KC_MAX)).next_multiple_of(LINE_FLOATS),
     ]
+}
+
+/// The row stride of a block of `A` packed into rows of `kc` values: a cache line
+/// more, so that rows a multiple of 1 KiB long do not all fall into one cache set.
+fn packed_a_stride(kc: usize) -> usize {
+    kc.next_multiple_of(LINE_FLOATS) + LINE_FLOATS
 }
 
 fn scratch_floats() -> usize {
@@ -539,11 +551,16 @@ unsafe fn serial(
     buf: &mut [f32],
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
-    let blocks = Blocking::new(rows.len(), cols.len(), g.k, (mr, nr));
+    let blocks = if g.a_transposed {
+        Blocking::with_packed_a(rows.len(), cols.len(), g.k, (mr, nr))
+    } else {
+        Blocking::new(rows.len(), cols.len(), g.k, (mr, nr))
+    };
     let (mc_max, nc_max) = (blocks.mc, blocks.nc);
-    let [a_floats, b_floats, _] = scratch_regions();
+    let [a_floats, b_floats, tile_floats, _] = scratch_regions();
     let (a_edge, rest) = buf.split_at_mut(a_floats);
-    let (b_pack, tile) = rest.split_at_mut(b_floats);
+    let (b_pack, rest) = rest.split_at_mut(b_floats);
+    let (tile, a_block) = rest.split_at_mut(tile_floats);
     if g.k == 0 {
         // An empty sum: C (or zeros) goes through the epilogue.
         for i in rows.clone() {
@@ -559,7 +576,7 @@ unsafe fn serial(
         unsafe { epilogue::apply(g, rows, cols) };
         return;
     }
-    if matches!(g.b_format, BFormat::Packed { .. }) && rows.len() <= mc_max {
+    if matches!(g.b_format, BFormat::Packed { .. }) && rows.len() <= mc_max && !g.a_transposed {
         // SAFETY: forwarded contract.
         unsafe { packed_few_rows(g, kernel, rows, cols, a_edge, tile) };
         return;
@@ -608,6 +625,26 @@ unsafe fn serial(
             let mut ic = rows.start;
             while ic < rows.end {
                 let mc = mc_max.min(rows.end - ic);
+                // A transposed A is read from rows packed here, padded with zero rows
+                // to whole tiles.
+                let a_rows = if g.a_transposed {
+                    let padded = mc.next_multiple_of(mr);
+                    // SAFETY: rows ic..ic+mc, columns pc..pc+kc lie inside A; the
+                    // block region holds (MC + mr) x KC_MAX floats.
+                    unsafe {
+                        pack::pack_a_transposed(
+                            g,
+                            (ic, mc),
+                            (pc, kc),
+                            padded,
+                            packed_a_stride(kc),
+                            a_block,
+                        )
+                    };
+                    Some((a_block.as_ptr(), ic))
+                } else {
+                    None
+                };
                 for jr in (0..nc).step_by(nr) {
                     let nr_eff = nr.min(nc - jr);
                     for ir in (0..mc).step_by(mr) {
@@ -642,7 +679,9 @@ unsafe fn serial(
                             kernel.run
                         };
                         // SAFETY: the tile is inside C and the panel holds kc rows.
-                        unsafe { tile_step(g, kernel, run, &step, b_panel, a_edge, tile) };
+                        unsafe {
+                            tile_step(g, kernel, run, &step, (b_panel, a_rows), a_edge, tile)
+                        };
                     }
                 }
                 if last_k && !per_tile && !g.epilogue.is_identity() {
@@ -709,7 +748,7 @@ unsafe fn packed_few_rows(
                 // SAFETY: rows pc..pc+kc of the panel; the tile is inside C.
                 let b_panel = (unsafe { panel.add(pc * nr) }, nr);
                 // SAFETY: as above.
-                unsafe { tile_step(g, kernel, run, &step, b_panel, a_edge, tile) };
+                unsafe { tile_step(g, kernel, run, &step, (b_panel, None), a_edge, tile) };
             }
             pc += kc;
         }
@@ -742,17 +781,21 @@ struct TileStep {
 /// Multiplies rows `step.at.0..` of `A` over the step's `K` range by `b_panel`
 /// (`(first row, row stride)`) into the tile of `C` at `step.at`: full row panels of
 /// `A` are read in place and a short one is copied into zero-padded rows; a partial
-/// tile goes through `tile`; the epilogue follows the last `K` range.
+/// tile goes through `tile`; the epilogue follows the last `K` range. `a_rows`, when
+/// given, is a block of `A` already packed into rows of the step's `kc` values,
+/// starting at the given row and padded with zero rows to whole tiles (a transposed
+/// `A`), and is read instead of `A`.
 ///
 /// # Safety
 /// As [`serial`]; the panel holds the step's `kc` rows of `nr` values and the tile
-/// lies inside `C`.
+/// lies inside `C`; a packed block holds the tile's rows.
+#[allow(clippy::type_complexity)]
 unsafe fn tile_step(
     g: &Gemm,
     kernel: MicroKernel,
     run: KernelFn,
     step: &TileStep,
-    (b_panel, ldb): (*const f32, usize),
+    ((b_panel, ldb), a_rows): ((*const f32, usize), Option<(*const f32, usize)>),
     a_edge: &mut [f32],
     tile: &mut [f32],
 ) {
@@ -762,7 +805,11 @@ unsafe fn tile_step(
     let row_edge = (mr_eff < mr && nr_eff == nr)
         .then(|| kernel.row_edges.get(mr_eff - 1).copied())
         .flatten();
-    let (a_panel, lda) = if mr_eff == mr || row_edge.is_some() {
+    let (a_panel, lda) = if let Some((block, first_row)) = a_rows {
+        // SAFETY: the block holds rows first_row.. of A's K range, padded to tiles.
+        let stride = packed_a_stride(kc);
+        (unsafe { block.add((ci - first_row) * stride) }, stride)
+    } else if mr_eff == mr || row_edge.is_some() {
         // SAFETY: rows ci..ci+mr_eff (all the kernel reads), columns pc.., lie inside A.
         (unsafe { g.a.add(ci * g.lda + pc) }, g.lda)
     } else {
@@ -972,9 +1019,15 @@ mod tests {
         ];
         for kernel in available_kernels() {
             for &(m, n, k) in &shapes {
-                for bt in [false, true] {
+                for (at, bt) in [(false, false), (false, true), (true, false), (true, true)] {
                     let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
                     let b: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed)).collect();
+                    // A transposed A is stored as [k, m]: the same values moved.
+                    let stored: Vec<f32> = if at {
+                        (0..k * m).map(|q| a[(q % m) * k + q / m]).collect()
+                    } else {
+                        a.clone()
+                    };
                     let want = reference(m, n, k, &a, &b, bt);
                     for threads in [1, 3] {
                         let mut c = vec![f32::NAN; m * n];
@@ -982,10 +1035,11 @@ mod tests {
                             m,
                             n,
                             k,
-                            a: a.as_ptr(),
-                            lda: k,
+                            a: stored.as_ptr(),
+                            lda: if at { m } else { k },
                             b: b.as_ptr(),
                             ldb: if bt { k } else { n },
+                            a_transposed: at,
                             b_transposed: bt,
                             b_format: BFormat::F32,
                             c: c.as_mut_ptr(),
@@ -1000,7 +1054,7 @@ mod tests {
                             let tol = 1e-5 * (k as f64).sqrt().max(1.0) * 4.0;
                             assert!(
                                 (f64::from(got) - w).abs() <= tol,
-                                "{} {m}x{n}x{k} bt={bt} threads={threads} at {idx}: {got} vs {w}",
+                                "{} {m}x{n}x{k} at={at} bt={bt} threads={threads} at {idx}: {got} vs {w}",
                                 kernel.name
                             );
                         }
@@ -1058,6 +1112,7 @@ mod tests {
                             lda: k,
                             b: packed.as_ptr(),
                             ldb: n,
+                            a_transposed: false,
                             b_transposed: false,
                             b_format: BFormat::Packed {
                                 nr: kernel.nr,
@@ -1159,6 +1214,7 @@ mod tests {
                 lda: k,
                 b: bytes.as_ptr().cast::<f32>(),
                 ldb: n,
+                a_transposed: false,
                 b_transposed: false,
                 b_format: format,
                 c: c.as_mut_ptr(),
@@ -1250,6 +1306,7 @@ mod tests {
             lda: k,
             b: packed.as_ptr(),
             ldb: n,
+            a_transposed: false,
             b_transposed: false,
             b_format: BFormat::Packed { nr, streamed: true },
             c: std::ptr::null_mut(),
@@ -1322,6 +1379,7 @@ mod tests {
                         lda: k,
                         b: ptr,
                         ldb,
+                        a_transposed: false,
                         b_transposed: bt,
                         b_format: format,
                         c: c.as_mut_ptr(),
@@ -1376,6 +1434,7 @@ mod tests {
                     lda: k,
                     b: b.as_ptr(),
                     ldb: n,
+                    a_transposed: false,
                     b_transposed: false,
                     b_format: BFormat::F32,
                     c: c.as_mut_ptr(),

@@ -30,6 +30,68 @@ pub(super) unsafe fn pack_a_rows(
     }
 }
 
+/// Copies `rows` rows of a transposed `A` (`A[i, p] = a[p * lda + i]`), `A[i0..,
+/// pc..pc+kc]`, into `out` as rows of `kc` values `ld` apart, then zero rows up to
+/// `padded`: 8 x 8
+/// blocks are transposed in registers where the CPU has AVX, the rest value by value.
+///
+/// # Safety
+/// The block must lie inside `A`; `out` holds at least `padded * ld` floats,
+/// `padded >= rows` and `ld >= kc`.
+pub(super) unsafe fn pack_a_transposed(
+    g: &Gemm,
+    (i0, rows): (usize, usize),
+    (pc, kc): (usize, usize),
+    padded: usize,
+    ld: usize,
+    out: &mut [f32],
+) {
+    assert!(
+        out.len() >= padded * ld && padded >= rows && ld >= kc,
+        "A block out of bounds"
+    );
+    let at = |i: usize, p: usize| (pc + p) * g.lda + i0 + i;
+    let (mut full_rows, mut full_k) = (0, 0);
+    #[cfg(target_arch = "x86_64")]
+    if crate::vmath::simd_level() >= 1 {
+        (full_rows, full_k) = (rows / 8 * 8, kc / 8 * 8);
+        // Sixteen output rows at a time, written along: every line of them is filled
+        // in order, and each 8-row step reads whole 64-byte lines of the stored
+        // matrix. (Down the output instead, each step touches one line of every
+        // output row, `kc` floats apart: the same cache set when `kc` is a multiple of
+        // 1024.)
+        for first in (0..full_rows).step_by(16) {
+            for p in (0..full_k).step_by(8) {
+                for i in (first..(first + 16).min(full_rows)).step_by(8) {
+                    // SAFETY: AVX is available (level 1 has AVX2); the 8 x 8 block of
+                    // the stored matrix (8 of its rows from `pc + p`, 8 columns from
+                    // `i0 + i`) lies inside A, and its transpose inside `out` (checked
+                    // above).
+                    unsafe {
+                        x86::transpose_8x8(
+                            g.a.add(at(i, p)),
+                            g.lda,
+                            out[i * ld + p..].as_mut_ptr(),
+                            ld,
+                        )
+                    };
+                }
+            }
+        }
+    }
+    for i in 0..rows {
+        let row = &mut out[i * ld..i * ld + kc];
+        let first = if i < full_rows { full_k } else { 0 };
+        for (p, d) in row.iter_mut().enumerate().skip(first) {
+            // SAFETY: row i0 + i, column pc + p of A lies inside it.
+            *d = unsafe { *g.a.add(at(i, p)) };
+        }
+    }
+    for i in rows..padded {
+        out[i * ld..i * ld + kc].fill(0.0);
+    }
+}
+
 /// Packs `B[pc..pc+kc, jc..jc+nc]`: panel `q` holds columns `jc + q*nr ..`, stored as
 /// `kc` groups of `nr` values, converted to `f32` from `B`'s storage format.
 ///

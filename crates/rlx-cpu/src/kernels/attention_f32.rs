@@ -276,6 +276,7 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
             lda: q_stride,
             b: unsafe { k_ptr.add(k_at) },
             ldb: k_stride,
+            a_transposed: false,
             b_transposed: true,
             b_format: BFormat::F32,
             c: scores.as_mut_ptr(),
@@ -306,6 +307,7 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
             // SAFETY: keys j0.. of this key head of V.
             b: unsafe { v_ptr.add(v_at) },
             ldb: v_stride,
+            a_transposed: false,
             b_transposed: false,
             b_format: BFormat::F32,
             c: acc.as_mut_ptr(),

@@ -589,6 +589,7 @@ impl BlockTask<'_> {
             lda: cg,
             b: planes.as_ptr(),
             ldb: plane_len,
+            a_transposed: false,
             b_transposed: false,
             b_format: BFormat::F32,
             c: c_ptr,

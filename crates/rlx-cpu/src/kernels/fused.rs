@@ -23,19 +23,20 @@ pub(crate) fn gemm_activation(op: UnaryOp) -> Option<Activation> {
     }
 }
 
-/// `act(alpha * (a @ b) + bias) + residual`; operands as in `Op::FusedMatMul`.
+/// `act(alpha * (a @ b) + bias) + residual`; operands as in `Op::FusedMatMul`, each
+/// with whether it is stored transposed.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fused_matmul(
     alpha: f64,
     activation: Option<UnaryOp>,
-    a: Src,
-    b: Src,
+    (a, a_transposed): (Src, bool),
+    (b, b_transposed): (Src, bool),
     bias: Option<Src>,
     residual: Option<Src>,
     out: Dst,
     ctx: &Ctx,
 ) -> Result<()> {
-    let (m, k, n, a_batch, b_batch) = super::matmul::geometry(&a, &b);
+    let (m, k, n, a_batch, b_batch) = geometry(&a, &b, [a_transposed, b_transposed]);
     let batch_rank = a_batch.len().max(b_batch.len());
     let out_batch = &out.shape.dims()[..batch_rank];
     let sa = broadcast_strides(a_batch, out_batch);
@@ -44,8 +45,7 @@ pub(crate) fn fused_matmul(
         generic(
             alpha,
             activation,
-            a,
-            b,
+            (a, b, [a_transposed, b_transposed]),
             bias,
             residual,
             out,
@@ -55,14 +55,22 @@ pub(crate) fn fused_matmul(
         );
         return Ok(());
     }
-    let (m, a_batch, b_batch, out_batch) =
-        super::matmul::batch_plan(m, a_batch, b_batch, out_batch);
+    // A transposed A's batch elements are not rows of one taller matrix.
+    let (m, a_batch, b_batch, out_batch) = if a_transposed {
+        (m, a_batch, b_batch, out_batch)
+    } else {
+        super::matmul::batch_plan(m, a_batch, b_batch, out_batch)
+    };
     let sa = broadcast_strides(a_batch, out_batch);
     let sb = broadcast_strides(b_batch, out_batch);
     let in_gemm = activation.and_then(gemm_activation);
     // Half-precision weights are converted as they are packed.
     // Weights packed ahead are read as they are (B is then one 2-D matrix).
-    let packed = crate::prepack::operand_for(ctx.packed_b, &b);
+    let packed = if b_transposed {
+        None
+    } else {
+        crate::prepack::operand_for(ctx.packed_b, &b)
+    };
     let b_format = match (packed, b.shape.dtype()) {
         (Some((_, format)), _) => format,
         (None, DType::F16) => BFormat::F16,
@@ -84,10 +92,11 @@ pub(crate) fn fused_matmul(
                 n,
                 k,
                 a: a.ptr.cast::<f32>().add(ab as usize * m * k),
-                lda: k,
+                lda: if a_transposed { m } else { k },
                 b: b_base.add(bb as usize * k * n * b_size).cast::<f32>(),
-                ldb: n,
-                b_transposed: false,
+                ldb: if b_transposed { k } else { n },
+                a_transposed,
+                b_transposed,
                 b_format,
                 c: out.ptr.cast::<f32>().add(c_off),
                 ldc: n,
@@ -123,13 +132,29 @@ pub(crate) fn fused_matmul(
     result
 }
 
+/// `(m, k, n)` and the batch dims of A and B, with transposed operands read as
+/// [`geometry`](super::matmul::geometry) reads plain ones (both have rank 2 or more).
+fn geometry<'a>(
+    a: &Src<'a>,
+    b: &Src<'a>,
+    [a_transposed, b_transposed]: [bool; 2],
+) -> (usize, usize, usize, &'a [usize], &'a [usize]) {
+    let (m, k, n, a_batch, b_batch) = super::matmul::geometry(a, b);
+    let (m, k) = if a_transposed { (k, m) } else { (m, k) };
+    let n = if b_transposed {
+        b.shape.dims()[b.shape.rank() - 2]
+    } else {
+        n
+    };
+    (m, k, n, a_batch, b_batch)
+}
+
 /// Any float dtype: the product in `f64`, then each epilogue step rounded to the dtype.
 #[allow(clippy::too_many_arguments)]
 fn generic(
     alpha: f64,
     activation: Option<UnaryOp>,
-    a: Src,
-    b: Src,
+    (a, b, [a_transposed, b_transposed]): (Src, Src, [bool; 2]),
     bias: Option<Src>,
     residual: Option<Src>,
     out: Dst,
@@ -144,8 +169,10 @@ fn generic(
                 for j in 0..n {
                     let mut acc = 0.0;
                     for p in 0..k {
-                        acc += a.f64::<T>(ab as usize * m * k + i * k + p)
-                            * b.f64::<T>(bb as usize * k * n + p * n + j);
+                        let ai = if a_transposed { p * m + i } else { i * k + p };
+                        let bi = if b_transposed { j * k + p } else { p * n + j };
+                        acc += a.f64::<T>(ab as usize * m * k + ai)
+                            * b.f64::<T>(bb as usize * k * n + bi);
                     }
                     let mut v = round(acc);
                     if alpha != 1.0 {

@@ -69,6 +69,7 @@ pub(crate) fn matmul(a: Src, b: Src, out: Dst, ctx: &Ctx) -> Result<()> {
                 lda: k,
                 b: unsafe { b_ptr.add(bb as usize * k * n) },
                 ldb: n,
+                a_transposed: false,
                 b_transposed: false,
                 b_format,
                 c: unsafe { out.ptr.cast::<f32>().add(bi * m * n) },

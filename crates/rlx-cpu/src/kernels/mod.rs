@@ -400,6 +400,8 @@ pub(crate) fn run<'a>(
         Op::WriteAt { axis } => state::write_at(*axis, src(1), src(2), out)?,
         Op::FusedMatMul {
             alpha,
+            transpose_a,
+            transpose_b,
             bias,
             activation,
             residual,
@@ -409,8 +411,8 @@ pub(crate) fn run<'a>(
             fused::fused_matmul(
                 alpha.get(),
                 *activation,
-                src(0),
-                src(1),
+                (src(0), *transpose_a),
+                (src(1), *transpose_b),
                 bias_src,
                 residual_src,
                 out,

@@ -71,6 +71,7 @@ pub(crate) fn quant_matmul(format: QuantFormat, a: Src, w: Src, out: Dst, ctx: &
         lda: k,
         b: w.ptr.cast::<f32>(),
         ldb: k,
+        a_transposed: false,
         b_transposed: true,
         b_format: BFormat::Quant(format),
         c: out.ptr.cast::<f32>(),

@@ -255,6 +255,7 @@ pub(crate) fn conv2d(
                 lda: cg,
                 b: weights[p * per_point..].as_ptr(),
                 ldb: og,
+                a_transposed: false,
                 b_transposed: false,
                 b_format: BFormat::Packed { nr, streamed: true },
                 c: products[p * cap * og..].as_mut_ptr(),

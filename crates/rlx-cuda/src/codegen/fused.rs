@@ -89,8 +89,13 @@ impl Epilogue {
                 activation: None,
                 residual: false,
             }),
+            // This backend never asks for transposed operands (the planner forms
+            // them only for backends that declare them): one built by hand has no
+            // epilogue here, and so no kernel.
             Op::FusedMatMul {
                 alpha,
+                transpose_a: false,
+                transpose_b: false,
                 bias,
                 activation,
                 residual,

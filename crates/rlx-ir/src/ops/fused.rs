@@ -43,15 +43,36 @@ pub fn fusable_unary(op: UnaryOp) -> bool {
 }
 
 pub(crate) fn infer_fused_matmul(
+    transposed: [bool; 2],
     bias: bool,
     residual: bool,
     activation: Option<UnaryOp>,
     inputs: &[&Shape],
 ) -> Result<Shape> {
     let expected = operand_count("fused_matmul", bias, residual, inputs)?;
+    // Transposed operands are checked as the product reads them.
+    let read_as = |s: &Shape, swap: bool| -> Result<Shape> {
+        if !swap {
+            return Ok(s.clone());
+        }
+        if s.rank() < 2 {
+            return Err(Error::invalid(
+                "fused_matmul",
+                format!("a transposed operand needs two axes or more, got {s}"),
+            ));
+        }
+        let mut dims = s.dims().to_vec();
+        let r = dims.len();
+        dims.swap(r - 2, r - 1);
+        Ok(Shape::new(&dims, s.dtype()))
+    };
+    let (a_read, b_read) = (
+        read_as(inputs[0], transposed[0])?,
+        read_as(inputs[1], transposed[1])?,
+    );
     // A half-precision `b` with an `f32` `a` is read as `f32` (the weights stay stored
     // as they are; the kernel converts while it packs).
-    let (a, b) = (inputs[0], inputs[1]);
+    let (a, b) = (&a_read, &b_read);
     let b_as_a;
     let b = if b.dtype() != a.dtype()
         && a.dtype() == DType::F32
@@ -125,13 +146,26 @@ fn check_epilogue(
 
 pub(crate) fn eval_fused_matmul(
     alpha: f64,
-    bias: bool,
-    activation: Option<UnaryOp>,
-    residual: bool,
+    transposed: [bool; 2],
+    (bias, activation, residual): (bool, Option<UnaryOp>, bool),
     inputs: &[&HostTensor],
     out: &Shape,
 ) -> Result<HostTensor> {
-    let mut t = eval_matmul(inputs[0], inputs[1], out)?;
+    let read_as = |x: &HostTensor, swap: bool| -> HostTensor {
+        if !swap {
+            return x.clone();
+        }
+        let r = x.shape.rank();
+        let mut perm: Vec<usize> = (0..r).collect();
+        perm.swap(r - 2, r - 1);
+        let dims: Vec<usize> = perm.iter().map(|&p| x.shape.dim(p)).collect();
+        super::shape_ops::eval_permute(&perm, x, &Shape::new(&dims, x.shape.dtype()))
+    };
+    let (a, b) = (
+        read_as(inputs[0], transposed[0]),
+        read_as(inputs[1], transposed[1]),
+    );
+    let mut t = eval_matmul(&a, &b, out)?;
     let dtype = out.dtype();
     let n = out.dims().last().copied().unwrap_or(1).max(1);
     for (i, v) in t.data.iter_mut().enumerate() {
