@@ -383,10 +383,24 @@ fn vjp(
                 }
                 BinaryOp::Mod => {
                     // x mod y = x - q y with q the integer the op rounded x / y to: taken
-                    // from the result, and rounded so that it is exact.
-                    let quotient =
-                        graph.binary(BinaryOp::Div, graph.binary(BinaryOp::Sub, x, out)?, y)?;
-                    let q = graph.unary(UnaryOp::Round, quotient)?;
+                    // from the result and rounded, which is exact while q fits the
+                    // mantissa (half precision works in f32 for that).
+                    let wide = |t: NodeId| -> Result<NodeId> {
+                        if matches!(dtype, DType::F16 | DType::BF16) {
+                            graph.cast(t, DType::F32)
+                        } else {
+                            Ok(t)
+                        }
+                    };
+                    let quotient = graph.binary(
+                        BinaryOp::Div,
+                        graph.binary(BinaryOp::Sub, wide(x)?, wide(out)?)?,
+                        wide(y)?,
+                    )?;
+                    let mut q = graph.unary(UnaryOp::Round, quotient)?;
+                    if graph.shape(q)?.dtype() != dtype {
+                        q = graph.cast(q, dtype)?;
+                    }
                     (g, graph.unary(UnaryOp::Neg, mul(g, q)?)?)
                 }
                 _ => return no_rule("has no gradient (its result is not a float)"),
@@ -860,7 +874,7 @@ fn matmul_vjp(graph: &Graph, operands: &[NodeId], g: NodeId) -> Result<Vec<Optio
         // short products).
         let k = a_shape.dim(a_shape.rank() - 1);
         let n = b_shape.dim(1);
-        let rows = a_shape.num_elements() / k.max(1);
+        let rows: usize = a_shape.dims()[..a_shape.rank() - 1].iter().product();
         let a_rows = graph.reshape(a2, &[rows, k])?;
         let g_rows = graph.reshape(g2, &[rows, n])?;
         graph.matmul(graph.transpose(a_rows, 0, 1)?, g_rows)?
@@ -1012,28 +1026,67 @@ fn pad_vjp(
             .collect();
         return graph.slice_axes(g, &middle);
     }
-    let mut dims = graph.shape(g)?.dims().to_vec();
     let mut dx = g;
     for (axis, &(before, after)) in pads.iter().enumerate() {
         if before == 0 && after == 0 {
             continue;
         }
-        let d = x_dims[axis] as i64;
-        let sources: Vec<i64> = (0..before + x_dims[axis] + after)
-            .map(|o| {
-                let p = o as i64 - before as i64;
-                match mode {
-                    _ if (0..d).contains(&p) => p,
-                    PadMode::Edge => p.clamp(0, d - 1),
-                    _ if p < 0 => -p,
-                    _ => 2 * (d - 1) - p,
-                }
-            })
-            .collect();
-        let len = sources.len();
-        let indices = graph.constant(rlx_ir::TensorData::I64(sources), &[len])?;
-        dims[axis] = x_dims[axis];
-        dx = gather_vjp(graph, &dims, axis, indices, dx)?;
+        dx = unpad_axis(graph, dx, axis, (before, x_dims[axis], after), mode)?;
+    }
+    Ok(dx)
+}
+
+/// `g` taken back through an edge or reflect pad of `(before, d, after)` along `axis`:
+/// the middle, plus each border's gradient added where its values came from. An edge
+/// border repeats the end value, so its sum goes there; a reflect border mirrors the
+/// values next to the end, so it goes back reversed, one away from the end.
+fn unpad_axis(
+    graph: &Graph,
+    g: NodeId,
+    axis: usize,
+    (before, d, after): (usize, usize, usize),
+    mode: PadMode,
+) -> Result<NodeId> {
+    let a = axis as isize;
+    let (b, e) = (before as isize, (before + d) as isize);
+    let mut dx = graph.slice(g, a, b, e, 1)?;
+    let rank = graph.shape(g)?.rank();
+    // `t` (`len` long along the axis) placed at `at` in a length-`d` axis.
+    let place = |t: NodeId, at: usize, len: usize| -> Result<NodeId> {
+        let mut pads = vec![(0, 0); rank];
+        pads[axis] = (at, d - at - len);
+        graph.pad(t, &pads, PadMode::Constant(rlx_ir::F64Bits::new(0.0)))
+    };
+    let mut add = |t: NodeId| -> Result<()> {
+        dx = graph.binary(BinaryOp::Add, dx, t)?;
+        Ok(())
+    };
+    match mode {
+        PadMode::Edge => {
+            if before > 0 {
+                let border = graph.sum(graph.slice(g, a, 0, b, 1)?, &[a], true)?;
+                add(place(border, 0, 1)?)?;
+            }
+            if after > 0 {
+                let end = (before + d + after) as isize;
+                let border = graph.sum(graph.slice(g, a, e, end, 1)?, &[a], true)?;
+                add(place(border, d - 1, 1)?)?;
+            }
+        }
+        _ => {
+            // Reflect (the forward keeps each border shorter than the axis): output
+            // `before - 1 - t` came from `t + 1`, output `e + u` from `d - 2 - u`.
+            if before > 0 {
+                // Down to index 0 (a negative end would count from the end).
+                let border = graph.slice(g, a, b - 1, isize::MIN, -1)?;
+                add(place(border, 1, before)?)?;
+            }
+            if after > 0 {
+                let end = (before + d + after) as isize;
+                let border = graph.slice(g, a, end - 1, e - 1, -1)?;
+                add(place(border, d - 1 - after, after)?)?;
+            }
+        }
     }
     Ok(dx)
 }
@@ -1042,10 +1095,14 @@ fn pad_vjp(
 /// time (split into `[repetitions, length]`).
 fn tile_vjp(graph: &Graph, reps: &[usize], x: NodeId, g: NodeId) -> Result<NodeId> {
     let x_dims = graph.shape(x)?.dims().to_vec();
+    if reps.contains(&0) {
+        // Nothing of `x` reaches the (empty) result.
+        return zeros_like(graph, x);
+    }
     let mut dims = graph.shape(g)?.dims().to_vec();
     let mut dx = g;
     for (axis, &r) in reps.iter().enumerate() {
-        if r <= 1 {
+        if r == 1 {
             continue;
         }
         let before: usize = dims[..axis].iter().product();
@@ -1394,10 +1451,9 @@ fn tiles(window: &rlx_ir::Window2d, x: &rlx_ir::Shape) -> bool {
 
 /// The VJP of a max pool whose windows tile the NCHW input `x`: to each window's
 /// maximum, shared evenly between ties. In the view `[n, c, oh, kh, ow, kw]` of the
-/// input, the pooled values broadcast over their windows, and a hit is `1 -
-/// sign(max - x)` (1 at the maximum, 0 below it): float ops on broadcast operands, so
-/// the rule runs as a reduction and two elementwise regions, with no copies of the
-/// spread maxima and no comparisons.
+/// input the pooled values broadcast over their windows: a comparison and ops on
+/// broadcast operands, with no copies of the spread maxima. (A float form such as
+/// `1 - sign(max - x)` would be NaN at an infinite maximum.)
 fn tiled_max_pool_vjp(
     graph: &Graph,
     [kh, kw]: [usize; 2],
@@ -1410,12 +1466,10 @@ fn tiled_max_pool_vjp(
     let (oh, ow) = (h / kh, w / kw);
     let windows = graph.reshape(x, &[n, c, oh, kh, ow, kw])?;
     let pooled = |t: NodeId| graph.reshape(t, &[n, c, oh, 1, ow, 1]);
-    let one = graph.scalar(1.0, xs.dtype());
-    let below = graph.unary(
-        UnaryOp::Sign,
-        graph.binary(BinaryOp::Sub, pooled(out)?, windows)?,
+    let hit = graph.cast(
+        graph.binary(BinaryOp::Eq, windows, pooled(out)?)?,
+        xs.dtype(),
     )?;
-    let hit = graph.binary(BinaryOp::Sub, one, below)?;
     let ties = sum_in_runs(graph, hit, &[3, 5])?;
     let share = graph.binary(BinaryOp::Div, pooled(g)?, ties)?;
     let dx = graph.binary(BinaryOp::Mul, hit, share)?;
@@ -1965,6 +2019,53 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn edge_cases_give_exact_gradients_not_errors_or_nan() {
+        let run = |graph: &Graph, feed: Vec<(&str, Shape, Vec<f64>)>| -> Vec<Vec<f64>> {
+            let mut feed: HashMap<String, HostTensor> = feed
+                .into_iter()
+                .map(|(n, s, d)| (n.to_string(), HostTensor::new(s, d)))
+                .collect();
+            evaluate(graph, &mut feed)
+                .unwrap()
+                .into_iter()
+                .map(|t| t.data)
+                .collect()
+        };
+        // A tiling max pool whose maxima are infinite: the gradient goes to them.
+        let graph = Graph::new("infinite maxima");
+        let shape = Shape::new(&[1, 1, 2, 4], DType::F64);
+        let x = graph.input("x", shape.clone()).unwrap();
+        let pooled = graph.max_pool2d(x, [2, 2], [2, 2], [0; 4]).unwrap();
+        let loss = graph.sum(pooled, &[], false).unwrap();
+        graph.set_outputs(grad(&graph, loss, &[x]).unwrap());
+        let inf = f64::INFINITY;
+        let data = vec![inf, 0.0, -inf, -inf, 1.0, 2.0, -inf, -inf];
+        let got = run(&graph, vec![("x", shape, data)]);
+        assert_eq!(got[0], vec![1.0, 0.0, 0.25, 0.25, 0.0, 0.0, 0.25, 0.25]);
+        // A product over an empty K, shared by a batch: zeros of the operands' shapes.
+        let graph = Graph::new("empty k");
+        let (sa, sb) = (
+            Shape::new(&[2, 3, 0], DType::F64),
+            Shape::new(&[0, 4], DType::F64),
+        );
+        let a = graph.input("a", sa.clone()).unwrap();
+        let b = graph.input("b", sb.clone()).unwrap();
+        let loss = graph.sum(graph.matmul(a, b).unwrap(), &[], false).unwrap();
+        graph.set_outputs(grad(&graph, loss, &[a, b]).unwrap());
+        let got = run(&graph, vec![("a", sa, vec![]), ("b", sb, vec![])]);
+        assert!(got.iter().all(Vec::is_empty));
+        // A tile repeated zero times: nothing of the input reaches the loss.
+        let graph = Graph::new("zero repetitions");
+        let shape = Shape::new(&[3, 2], DType::F64);
+        let x = graph.input("x", shape.clone()).unwrap();
+        let tiled = graph.tile(x, &[0, 2]).unwrap();
+        let loss = graph.sum(tiled, &[], false).unwrap();
+        graph.set_outputs(grad(&graph, loss, &[x]).unwrap());
+        let got = run(&graph, vec![("x", shape, vec![1.0; 6])]);
+        assert_eq!(got[0], vec![0.0; 6]);
     }
 
     #[test]

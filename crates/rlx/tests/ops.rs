@@ -468,8 +468,10 @@ fn unary_integer_and_bool_ops() {
 
 /// Broadcasting operand shape pairs: equal, size-1 dims on both sides, rank
 /// differences, scalars, an empty dimension.
-const BROADCAST: [(&[usize], &[usize]); 7] = [
+const BROADCAST: [(&[usize], &[usize]); 8] = [
     (&[3, 5, 7], &[3, 5, 7]),
+    // A value per 2x2 window against the window's elements.
+    (&[2, 3, 4, 2, 5, 2], &[2, 3, 4, 1, 5, 1]),
     (&[3, 1, 7], &[5, 1]),
     (&[7], &[3, 5, 7]),
     (&[], &[4, 3]),

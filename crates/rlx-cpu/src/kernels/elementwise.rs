@@ -31,13 +31,20 @@ pub(crate) fn binary(op: BinaryOp, a: Src, b: Src, out: Dst) {
     with_dtype!(in_dtype, T => with_dtype!(out_dtype, U => binary_typed::<T, U>(op, a, b, out)))
 }
 
-/// An `f32` comparison of an operand of the output's dims with one of the same dims
-/// or a single value, as one loop; false (nothing done) for other broadcasts.
+/// An `f32` comparison with any broadcast, as rows of the coalesced walk (a value per
+/// window compared with the window's elements is one row per window), each one loop.
 fn compare_f32(op: BinaryOp, a: Src, b: Src, out: Dst) -> bool {
     let dims = out.shape.dims();
-    if a.shape.dims() != dims || !(b.shape.dims() == dims || b.len == 1) {
-        return false;
+    if dims.contains(&0) {
+        return true;
     }
+    let (sa, sb) = (
+        broadcast_strides(a.shape.dims(), dims),
+        broadcast_strides(b.shape.dims(), dims),
+    );
+    let (rank, merged, [sa, sb]) = crate::tensor::coalesce(dims, [&sa, &sb]);
+    let inner = merged[rank - 1];
+    let (ka, kb) = (sa[rank - 1], sb[rank - 1]);
     let (x, y) = (a.as_slice::<f32>(), b.as_slice::<f32>());
     // SAFETY: the output is `out.len` bools of one byte each.
     let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr, out.len) };
@@ -49,15 +56,35 @@ fn compare_f32(op: BinaryOp, a: Src, b: Src, out: Dst) -> bool {
         BinaryOp::Gt => p > q,
         _ => p >= q,
     };
-    if y.len() == 1 {
-        for (d, &p) in dst.iter_mut().zip(x) {
-            *d = u8::from(test(p, y[0]));
+    for_each_strided(&merged[..rank - 1], [&sa, &sb], [0, 0], |row, [oa, ob]| {
+        let (oa, ob) = (oa as usize, ob as usize);
+        let d = &mut dst[row * inner..(row + 1) * inner];
+        match (ka, kb) {
+            (1, 1) => {
+                for ((d, &p), &q) in d.iter_mut().zip(&x[oa..oa + inner]).zip(&y[ob..ob + inner]) {
+                    *d = u8::from(test(p, q));
+                }
+            }
+            (1, 0) => {
+                let q = y[ob];
+                for (d, &p) in d.iter_mut().zip(&x[oa..oa + inner]) {
+                    *d = u8::from(test(p, q));
+                }
+            }
+            (0, 1) => {
+                let p = x[oa];
+                for (d, &q) in d.iter_mut().zip(&y[ob..ob + inner]) {
+                    *d = u8::from(test(p, q));
+                }
+            }
+            _ => {
+                for (j, d) in d.iter_mut().enumerate() {
+                    let (p, q) = (x[oa + j * ka as usize], y[ob + j * kb as usize]);
+                    *d = u8::from(test(p, q));
+                }
+            }
         }
-    } else {
-        for ((d, &p), &q) in dst.iter_mut().zip(x).zip(y) {
-            *d = u8::from(test(p, q));
-        }
-    }
+    });
     true
 }
 
@@ -177,6 +204,17 @@ unsafe fn select_rows<T: Copy>(
 
 pub(crate) fn cast(x: Src, out: Dst) {
     let (from, to) = (x.shape.dtype(), out.shape.dtype());
+    if from == rlx_ir::DType::Bool && to == rlx_ir::DType::F32 {
+        // A mask as weights: one loop.
+        let flags = x.as_slice::<crate::elem::Bool8>();
+        // SAFETY: the output holds `out.len` floats and does not overlap the flags
+        // (a cast changes the element size, so it never runs in place).
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr.cast::<f32>(), out.len) };
+        for (d, f) in dst.iter_mut().zip(flags) {
+            *d = if f.0 != 0 { 1.0 } else { 0.0 };
+        }
+        return;
+    }
     with_dtype!(from, T => with_dtype!(to, U => {
         for i in 0..out.shape.num_elements() {
             let v: T = x.get(i);
