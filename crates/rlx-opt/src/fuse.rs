@@ -1,7 +1,8 @@
 //! Fusion: rewrites groups of ops into the fused ops a backend runs as one kernel.
 //!
-//! - Matmul epilogues: `matmul` followed by a bias add (`[N]`), an activation (gelu,
-//!   gelu_tanh, relu, silu) and a residual add (same shape), each only when the
+//! - Matmul epilogues: `matmul` followed by a multiply by a constant scalar (its
+//!   `alpha`), a bias add (`[N]`), an activation (gelu, gelu_tanh, relu, silu) and a
+//!   residual add (same shape), each only when the
 //!   intermediate value has no other reader, become one `FusedMatMul`; a cast of
 //!   `f16`/`bf16` weights to `f32` feeding the matmul is absorbed too (the kernel reads
 //!   the stored weights), and so (where the backend reads transposed operands) is a
@@ -416,6 +417,8 @@ struct Epilogue {
     b_cast: Option<usize>,
     /// Permutes swapping the last two axes of `a` and of `b`, read transposed instead.
     swaps: [Option<usize>; 2],
+    /// The scale of the product (a multiply by a constant scalar right after it).
+    alpha: f64,
     last: usize,
     bias: Option<NodeId>,
     activation: Option<UnaryOp>,
@@ -554,6 +557,7 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
             matmul: i,
             b_cast,
             swaps,
+            alpha: 1.0,
             last: i,
             bias: None,
             activation: None,
@@ -579,6 +583,17 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
             }
         };
         let only_reader = |i: usize| only_reader(i).filter(|&j| !claimed[j]);
+        if let Some(j) = only_reader(e.last)
+            && is_matmul
+            && nodes[j].op == Op::Binary(BinaryOp::Mul)
+            && nodes[j].shape == *shape
+            && let Some(s) = other_operand(j, e.last)
+            && let Some(alpha) = scalar_constant(graph, &nodes[s.index()])
+        {
+            e.alpha = alpha;
+            e.absorbed.push(j);
+            e.last = j;
+        }
         if let Some(j) = only_reader(e.last)
             && is_matmul
             && nodes[j].op == Op::Binary(BinaryOp::Add)
@@ -694,7 +709,7 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
                         },
                     },
                     _ => Op::FusedMatMul {
-                        alpha: F64Bits::new(1.0),
+                        alpha: F64Bits::new(e.alpha),
                         transpose_a: e.swaps[0].is_some(),
                         transpose_b: e.swaps[1].is_some(),
                         bias: e.bias.is_some(),

@@ -204,6 +204,10 @@ fn matmul_epilogues_fuse_and_match() {
         let a = g.input("a", Shape::new(&a_dims, DType::F32)).unwrap();
         let w = g.param("w", Shape::new(&[k, n], DType::F32)).unwrap();
         let mut y = g.matmul(a, w).unwrap();
+        // A constant scale (attention's `1/sqrt(d)`): the product's alpha.
+        if rng.below(3) == 0 {
+            y = g.mul(y, g.scalar(0.125, DType::F32)).unwrap();
+        }
         let with_bias = rng.below(3) > 0;
         if with_bias {
             let b = g.param("b", Shape::new(&[n], DType::F32)).unwrap();
@@ -234,6 +238,24 @@ fn matmul_epilogues_fuse_and_match() {
         fused_total += fused;
     }
     assert!(fused_total >= 30, "only {fused_total} fusions formed");
+    // The scale becomes the alpha, with nothing left of the multiply.
+    let g = Graph::new("scaled");
+    let a = g.input("a", Shape::new(&[6, 5], DType::F32)).unwrap();
+    let b = g.input("b", Shape::new(&[5, 7], DType::F32)).unwrap();
+    let y = g
+        .mul(g.matmul(a, b).unwrap(), g.scalar(0.25, DType::F32))
+        .unwrap();
+    g.set_outputs(vec![y]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    let nodes = plan.graph.nodes();
+    assert!(
+        nodes.iter().any(|n| matches!(
+            n.op,
+            rlx::ir::Op::FusedMatMul { alpha, .. } if alpha.get() == 0.25
+        )) && nodes.iter().all(|n| n.op.name() != "mul"),
+        "{}",
+        plan.graph
+    );
 }
 
 /// On a GPU a product's bias and residual (and a ReLU with no residual after it)
