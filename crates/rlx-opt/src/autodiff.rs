@@ -30,8 +30,10 @@ use rlx_ir::{
 /// `topk_values` (to the picked positions); `conv2d` (any stride, padding, dilation
 /// and groups), `max_pool2d` and `avg_pool2d` (any window, padding and dilation; the
 /// max to each window's maximum, ties sharing evenly); `quant_matmul` (to its float
-/// activations) and float casts. Other composites (layer and RMS norm, attention,
-/// rope, the fused forms) go through their decomposition into primitives.
+/// activations) and float casts. Layer and RMS norm and attention (in `f32` and
+/// `f64`) have closed-form rules of their own; other composites (rope, the fused
+/// forms, half-precision norms and attention) go through their decomposition into
+/// primitives.
 ///
 /// No rule: comparisons, argmax and argmin, `one_hot`, integer and bool ops, index
 /// results (`topk_indices`), `random_uniform` (whose operand is an integer key),
@@ -1362,8 +1364,9 @@ fn avg_pool_vjp(
 /// The VJP of a max pool of any geometry: each output's gradient goes to the input
 /// elements equal to it in its window, shared evenly between ties, added back through
 /// every tap's strided slice, then the padding cropped off. The padding is NaN here,
-/// which equals nothing, so it never takes a share (the forward pads with -inf,
-/// which never wins: every window holds an input element).
+/// which equals nothing, so it never takes a share. (With dilation a window can hold
+/// padding alone; its output is -inf, its share `g / 0` lands only on padding, and
+/// the crop drops it.)
 fn max_pool_vjp(
     graph: &Graph,
     window: &rlx_ir::Window2d,

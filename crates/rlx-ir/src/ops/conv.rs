@@ -159,8 +159,9 @@ pub(crate) fn infer_pool(op: &str, win: &Window2d, x: &Shape) -> Result<Shape> {
     } else {
         require_float(op, x)?;
     }
-    // Padding narrower than the window keeps every window on at least one input
-    // element, so a max never sees only padding and an average never divides by 0.
+    // Padding narrower than the window keeps every undilated window on at least one
+    // input element (a dilated one can hold padding alone: a max pool gives -inf
+    // there, and an average counts at least one element).
     let span = |a: usize| {
         win.dilation[a]
             .saturating_mul(win.kernel[a].max(1) - 1)
