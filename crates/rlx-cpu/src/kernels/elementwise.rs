@@ -34,9 +34,26 @@ pub(crate) fn binary(op: BinaryOp, a: Src, b: Src, out: Dst) {
 /// An `f32` comparison with any broadcast, as rows of the coalesced walk (a value per
 /// window compared with the window's elements is one row per window), each one loop.
 fn compare_f32(op: BinaryOp, a: Src, b: Src, out: Dst) -> bool {
+    // One instance per comparison, so the loops hold no branch on the op and
+    // vectorize.
+    match op {
+        BinaryOp::Eq => compare_rows(|p, q| p == q, a, b, out),
+        BinaryOp::Ne => compare_rows(|p, q| p != q, a, b, out),
+        BinaryOp::Lt => compare_rows(|p, q| p < q, a, b, out),
+        BinaryOp::Le => compare_rows(|p, q| p <= q, a, b, out),
+        BinaryOp::Gt => compare_rows(|p, q| p > q, a, b, out),
+        _ => compare_rows(|p, q| p >= q, a, b, out),
+    }
+    true
+}
+
+/// [`compare_f32`] with the comparison `test`. Rows shorter than 16 (a 2-wide
+/// window's) go two axes per walk step, so the walk is paid once per block of rows.
+#[inline(always)]
+fn compare_rows(test: impl Fn(f32, f32) -> bool, a: Src, b: Src, out: Dst) {
     let dims = out.shape.dims();
     if dims.contains(&0) {
-        return true;
+        return;
     }
     let (sa, sb) = (
         broadcast_strides(a.shape.dims(), dims),
@@ -45,47 +62,51 @@ fn compare_f32(op: BinaryOp, a: Src, b: Src, out: Dst) -> bool {
     let (rank, merged, [sa, sb]) = crate::tensor::coalesce(dims, [&sa, &sb]);
     let inner = merged[rank - 1];
     let (ka, kb) = (sa[rank - 1], sb[rank - 1]);
+    let (rows, ra, rb, walked) = if rank >= 2 && inner < 16 {
+        (merged[rank - 2], sa[rank - 2], sb[rank - 2], rank - 2)
+    } else {
+        (1, 0, 0, rank - 1)
+    };
     let (x, y) = (a.as_slice::<f32>(), b.as_slice::<f32>());
     // SAFETY: the output is `out.len` bools of one byte each.
     let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr, out.len) };
-    let test = |p: f32, q: f32| match op {
-        BinaryOp::Eq => p == q,
-        BinaryOp::Ne => p != q,
-        BinaryOp::Lt => p < q,
-        BinaryOp::Le => p <= q,
-        BinaryOp::Gt => p > q,
-        _ => p >= q,
-    };
-    for_each_strided(&merged[..rank - 1], [&sa, &sb], [0, 0], |row, [oa, ob]| {
-        let (oa, ob) = (oa as usize, ob as usize);
-        let d = &mut dst[row * inner..(row + 1) * inner];
-        match (ka, kb) {
-            (1, 1) => {
-                for ((d, &p), &q) in d.iter_mut().zip(&x[oa..oa + inner]).zip(&y[ob..ob + inner]) {
-                    *d = u8::from(test(p, q));
+    let block = rows * inner;
+    for_each_strided(&merged[..walked], [&sa, &sb], [0, 0], |at, [oa, ob]| {
+        let d = &mut dst[at * block..(at + 1) * block];
+        for (r, d) in d.chunks_exact_mut(inner).enumerate() {
+            let (oa, ob) = (
+                (oa + r as isize * ra) as usize,
+                (ob + r as isize * rb) as usize,
+            );
+            match (ka, kb) {
+                (1, 1) => {
+                    for ((d, &p), &q) in
+                        d.iter_mut().zip(&x[oa..oa + inner]).zip(&y[ob..ob + inner])
+                    {
+                        *d = u8::from(test(p, q));
+                    }
                 }
-            }
-            (1, 0) => {
-                let q = y[ob];
-                for (d, &p) in d.iter_mut().zip(&x[oa..oa + inner]) {
-                    *d = u8::from(test(p, q));
+                (1, 0) => {
+                    let q = y[ob];
+                    for (d, &p) in d.iter_mut().zip(&x[oa..oa + inner]) {
+                        *d = u8::from(test(p, q));
+                    }
                 }
-            }
-            (0, 1) => {
-                let p = x[oa];
-                for (d, &q) in d.iter_mut().zip(&y[ob..ob + inner]) {
-                    *d = u8::from(test(p, q));
+                (0, 1) => {
+                    let p = x[oa];
+                    for (d, &q) in d.iter_mut().zip(&y[ob..ob + inner]) {
+                        *d = u8::from(test(p, q));
+                    }
                 }
-            }
-            _ => {
-                for (j, d) in d.iter_mut().enumerate() {
-                    let (p, q) = (x[oa + j * ka as usize], y[ob + j * kb as usize]);
-                    *d = u8::from(test(p, q));
+                _ => {
+                    for (j, d) in d.iter_mut().enumerate() {
+                        let (p, q) = (x[oa + j * ka as usize], y[ob + j * kb as usize]);
+                        *d = u8::from(test(p, q));
+                    }
                 }
             }
         }
     });
-    true
 }
 
 fn binary_typed<T: Elem, U: Elem>(op: BinaryOp, a: Src, b: Src, out: Dst) {
