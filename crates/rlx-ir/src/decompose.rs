@@ -26,6 +26,41 @@ pub fn is_composite(op: &Op) -> bool {
     )
 }
 
+/// An attention's scores before the softmax, `q kᵀ scale` for head-major `q` and `k`
+/// (`k` with as many heads as `q`), with a bool mask's false entries and (if
+/// `causal`) the keys after each query's position at -inf, or a float mask added.
+/// Query `i` sees key `j` when `j <= i + (sk - sq)`. Shared by the decomposition and
+/// the gradient rule, which recomputes the probabilities.
+pub fn attention_scores(
+    g: &Graph,
+    (q, k, scale): (NodeId, NodeId, f64),
+    mask: Option<NodeId>,
+    causal: bool,
+) -> Result<NodeId> {
+    let dtype = g.shape(q)?.dtype();
+    let (sq, sk) = (g.shape(q)?.dim(2), g.shape(k)?.dim(2));
+    let mut s = g.mul(
+        g.matmul(q, g.permute(k, &[0, 1, 3, 2])?)?,
+        g.scalar(scale, dtype),
+    )?;
+    let neg = g.scalar(f64::NEG_INFINITY, dtype);
+    if let Some(mask) = mask {
+        s = if g.shape(mask)?.dtype() == DType::Bool {
+            g.select(mask, s, neg)?
+        } else {
+            g.add(s, mask)?
+        };
+    }
+    if causal {
+        let keep: Vec<bool> = (0..sq)
+            .flat_map(|i| (0..sk).map(move |j| j + sq <= i + sk))
+            .collect();
+        let keep = g.constant(crate::TensorData::Bool(keep), &[sq, sk])?;
+        s = g.select(keep, s, neg)?;
+    }
+    Ok(s)
+}
+
 /// Builds `op` applied to `inputs` out of primitives in `g`, or `None` when `op` is a
 /// primitive. The result has the shape and dtype the composite would have.
 pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>> {
@@ -245,10 +280,7 @@ fn attention(
         head_major(inputs[1])?,
         head_major(inputs[2])?,
     );
-    let qs = g.shape(q)?;
-    let dtype = qs.dtype();
-    let (hq, sq) = (qs.dim(1), qs.dim(2));
-    let (hkv, sk) = (g.shape(k)?.dim(1), g.shape(k)?.dim(2));
+    let (hq, hkv) = (g.shape(q)?.dim(1), g.shape(k)?.dim(1));
     if hq != hkv {
         // Each key/value head serves `hq / hkv` query heads.
         let group = hq / hkv.max(1);
@@ -257,26 +289,7 @@ fn attention(
         k = g.gather(k, idx, 1)?;
         v = g.gather(v, idx, 1)?;
     }
-    let mut s = g.mul(
-        g.matmul(q, g.permute(k, &[0, 1, 3, 2])?)?,
-        g.scalar(scale, dtype),
-    )?;
-    let neg = g.scalar(f64::NEG_INFINITY, dtype);
-    if let Some(&mask) = inputs.get(3) {
-        s = if g.shape(mask)?.dtype() == DType::Bool {
-            g.select(mask, s, neg)?
-        } else {
-            g.add(s, mask)?
-        };
-    }
-    if causal {
-        // Query i sees keys j <= i + (sk - sq).
-        let keep: Vec<bool> = (0..sq)
-            .flat_map(|i| (0..sk).map(move |j| j + sq <= i + sk))
-            .collect();
-        let keep = g.constant(crate::TensorData::Bool(keep), &[sq, sk])?;
-        s = g.select(keep, s, neg)?;
-    }
+    let s = attention_scores(g, (q, k, scale), inputs.get(3).copied(), causal)?;
     let p = softmax(g, s, 3, false)?;
     let out = g.matmul(p, v)?;
     if seq_major {

@@ -660,23 +660,8 @@ fn attention_vjp(
     let mul = |a, b| graph.binary(BinaryOp::Mul, a, b);
     let scale_node = graph.scalar(scale, dtype);
     let neg = graph.scalar(f64::NEG_INFINITY, dtype);
-    let mut scores = mul(graph.matmul(q, transpose(k_full)?)?, scale_node)?;
     let mask = operands.get(3).copied();
-    if let Some(m) = mask {
-        scores = if graph.shape(m)?.dtype() == DType::Bool {
-            graph.select(m, scores, neg)?
-        } else {
-            graph.binary(BinaryOp::Add, scores, m)?
-        };
-    }
-    if causal {
-        // Query i sees keys j <= i + (sk - sq), as the forward does.
-        let keep: Vec<bool> = (0..sq)
-            .flat_map(|i| (0..sk).map(move |j| j + sq <= i + sk))
-            .collect();
-        let keep = graph.constant(rlx_ir::TensorData::Bool(keep), &[sq, sk])?;
-        scores = graph.select(keep, scores, neg)?;
-    }
+    let scores = rlx_ir::decompose::attention_scores(graph, (q, k_full, scale), mask, causal)?;
     let mut p = graph.softmax(scores, -1)?;
     if mask.is_some() || (causal && sq > sk) {
         // A query with every key masked gives zeros, as the forward does (a plain
