@@ -50,43 +50,9 @@ pub(super) unsafe fn pack_a_transposed(
         out.len() >= padded * ld && padded >= rows && ld >= kc,
         "A block out of bounds"
     );
-    let at = |i: usize, p: usize| (pc + p) * g.lda + i0 + i;
-    let (mut full_rows, mut full_k) = (0, 0);
-    #[cfg(target_arch = "x86_64")]
-    if crate::vmath::simd_level() >= 1 {
-        (full_rows, full_k) = (rows / 8 * 8, kc / 8 * 8);
-        // Sixteen output rows at a time, written along: every line of them is filled
-        // in order, and each 8-row step reads whole 64-byte lines of the stored
-        // matrix. (Down the output instead, each step touches one line of every
-        // output row, `kc` floats apart: the same cache set when `kc` is a multiple of
-        // 1024.)
-        for first in (0..full_rows).step_by(16) {
-            for p in (0..full_k).step_by(8) {
-                for i in (first..(first + 16).min(full_rows)).step_by(8) {
-                    // SAFETY: AVX is available (level 1 has AVX2); the 8 x 8 block of
-                    // the stored matrix (8 of its rows from `pc + p`, 8 columns from
-                    // `i0 + i`) lies inside A, and its transpose inside `out` (checked
-                    // above).
-                    unsafe {
-                        x86::transpose_8x8(
-                            g.a.add(at(i, p)),
-                            g.lda,
-                            out[i * ld + p..].as_mut_ptr(),
-                            ld,
-                        )
-                    };
-                }
-            }
-        }
-    }
-    for i in 0..rows {
-        let row = &mut out[i * ld..i * ld + kc];
-        let first = if i < full_rows { full_k } else { 0 };
-        for (p, d) in row.iter_mut().enumerate().skip(first) {
-            // SAFETY: row i0 + i, column pc + p of A lies inside it.
-            *d = unsafe { *g.a.add(at(i, p)) };
-        }
-    }
+    // SAFETY: the block's `kc` stored rows from `pc`, `rows` values from `i0` each,
+    // lie inside A; `out` holds `rows` rows of `ld >= kc` floats (checked above).
+    unsafe { transpose_into(g.a.add(pc * g.lda + i0), g.lda, out, ld, (rows, kc)) };
     for i in rows..padded {
         out[i * ld..i * ld + kc].fill(0.0);
     }
@@ -206,29 +172,61 @@ unsafe fn transposed_f32_panel(
     nr: usize,
     dst: &mut [f32],
 ) {
-    let at = |j: usize, p: usize| (c0 + j) * g.ldb + pc + p;
-    let (mut full_cols, mut full_rows) = (0, 0);
+    // SAFETY: columns c0..c0 + valid, rows pc..pc + kc, lie inside B; `dst` holds
+    // `kc` rows of `nr >= valid` floats.
+    unsafe { transpose_into(g.b.add(c0 * g.ldb + pc), g.ldb, dst, nr, (kc, valid)) };
+    for row in dst[..kc * nr].chunks_exact_mut(nr) {
+        row[valid..].fill(0.0);
+    }
+}
+
+/// Writes `rows x cols` values to `dst` (row stride `ldd`) as the transpose of the
+/// `cols x rows` block at `src` (row stride `lds`): `dst[r * ldd + c] = src[c * lds +
+/// r]`. 8 x 8 blocks go through registers where the CPU has AVX, sixteen output rows
+/// at a time, so every line of them is filled in order and each step reads whole
+/// 64-byte lines of the source (down the output instead, each step touches one line
+/// of every output row, `ldd` floats apart: the same cache set when that is a
+/// multiple of 1024); the edges go value by value.
+///
+/// # Safety
+/// The source block lies inside its matrix; `dst` holds `rows` rows of `ldd >= cols`
+/// floats.
+unsafe fn transpose_into(
+    src: *const f32,
+    lds: usize,
+    dst: &mut [f32],
+    ldd: usize,
+    (rows, cols): (usize, usize),
+) {
+    let (mut full_rows, mut full_cols) = (0, 0);
     #[cfg(target_arch = "x86_64")]
     if crate::vmath::simd_level() >= 1 {
-        (full_cols, full_rows) = (valid / 8 * 8, kc / 8 * 8);
-        for j in (0..full_cols).step_by(8) {
-            for p in (0..full_rows).step_by(8) {
-                // SAFETY: AVX is available (level 1 has AVX2); the 8 x 8 block lies
-                // inside B and inside the panel.
-                unsafe {
-                    x86::transpose_8x8(g.b.add(at(j, p)), g.ldb, dst[p * nr + j..].as_mut_ptr(), nr)
-                };
+        (full_rows, full_cols) = (rows / 8 * 8, cols / 8 * 8);
+        for first in (0..full_rows).step_by(16) {
+            for c in (0..full_cols).step_by(8) {
+                for r in (first..(first + 16).min(full_rows)).step_by(8) {
+                    // SAFETY: AVX is available (level 1 has AVX2); the 8 x 8 source
+                    // block (rows c.., columns r..) and its transpose in `dst` lie
+                    // inside them, per the contract.
+                    unsafe {
+                        x86::transpose_8x8(
+                            src.add(c * lds + r),
+                            lds,
+                            dst[r * ldd + c..].as_mut_ptr(),
+                            ldd,
+                        )
+                    };
+                }
             }
         }
     }
-    for p in 0..kc {
-        let row = &mut dst[p * nr..(p + 1) * nr];
-        let first = if p < full_rows { full_cols } else { 0 };
-        for (j, d) in row.iter_mut().enumerate().take(valid).skip(first) {
-            // SAFETY: column c0 + j, row pc + p, lies inside B.
-            *d = unsafe { *g.b.add(at(j, p)) };
+    for r in 0..rows {
+        let row = &mut dst[r * ldd..r * ldd + cols];
+        let first = if r < full_rows { full_cols } else { 0 };
+        for (c, d) in row.iter_mut().enumerate().skip(first) {
+            // SAFETY: source row c, column r, lies inside the block.
+            *d = unsafe { *src.add(c * lds + r) };
         }
-        row[valid..].fill(0.0);
     }
 }
 
