@@ -47,6 +47,11 @@ pub struct GemmArgs {
     /// compiled graph runs a product whose `B` is a weight.
     #[arg(long)]
     packed: bool,
+    /// Round the operands to bfloat16 and sum the products in `f32` on AMX tiles (as a
+    /// program compiled with bf16 products allowed does; `f32` where the CPU has no
+    /// AMX). Not with `--packed`.
+    #[arg(long, conflicts_with = "packed")]
+    bf16: bool,
     /// Cycle through copies of `B` that together exceed the last-level cache (64 MB), so
     /// every product reads `B` from memory, as a model whose weights do not fit in cache
     /// does.
@@ -430,6 +435,8 @@ fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
             let product = |c: &mut [f32], copy: usize| {
                 if args.packed {
                     rlx::cpu::matmul_f32_packed(a, &packed[copy], c, m, threads)
+                } else if args.bf16 {
+                    rlx::cpu::matmul_bf16_products(a, &plain[copy], c, (m, n, k), threads)
                 } else {
                     rlx::cpu::matmul_f32(a, &plain[copy], c, (m, n, k), threads)
                 }
@@ -466,7 +473,11 @@ fn gemm(args: &GemmArgs) -> anyhow::Result<()> {
         })
         .collect();
     let report = GemmReport {
-        kernel: rlx::cpu::gemm_kernel_name(),
+        kernel: if args.bf16 && rlx::cpu::has_amx() {
+            "amx-bf16"
+        } else {
+            rlx::cpu::gemm_kernel_name()
+        },
         packed: args.packed,
         cold: args.cold,
         threads,

@@ -2,7 +2,8 @@
 //! want a fast matrix product without building a graph.
 
 use crate::gemm::{
-    BFormat, Epilogue, Gemm, GemmScratch, best_kernel, pack_b_panels, packed_len, sgemm,
+    BFormat, Epilogue, Gemm, GemmScratch, amx_available, best_kernel, pack_b_panels, packed_len,
+    sgemm_with_precision,
 };
 use crate::pool::ThreadPool;
 use rlx_ir::{Error, Result};
@@ -14,8 +15,39 @@ pub fn matmul_f32(
     a: &[f32],
     b: &[f32],
     c: &mut [f32],
+    dims: (usize, usize, usize),
+    threads: usize,
+) -> Result<()> {
+    product(a, b, c, dims, threads, false)
+}
+
+/// [`matmul_f32`] with the operands rounded to bfloat16 and the products summed in
+/// `f32`, on AMX tiles where the CPU has them ([`has_amx`]); elsewhere the same as
+/// [`matmul_f32`].
+pub fn matmul_bf16_products(
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    dims: (usize, usize, usize),
+    threads: usize,
+) -> Result<()> {
+    product(a, b, c, dims, threads, true)
+}
+
+/// Whether this CPU has AMX tiles for bfloat16 products (and the OS lets RLX use
+/// them): where [`matmul_bf16_products`] and programs compiled with bf16 products
+/// allowed run faster than in `f32`.
+pub fn has_amx() -> bool {
+    amx_available()
+}
+
+fn product(
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
     (m, n, k): (usize, usize, usize),
     threads: usize,
+    bf16_products: bool,
 ) -> Result<()> {
     check_lengths(&[
         ("a", a.len(), m * k),
@@ -39,7 +71,7 @@ pub fn matmul_f32(
         epilogue: Epilogue::NONE,
     };
     // SAFETY: the lengths were checked above; `c` is a distinct mutable borrow.
-    unsafe { run_with_thread_scratch(&g, threads) }
+    unsafe { run_with_thread_scratch(&g, threads, bf16_products) }
 }
 
 /// A row-major `[k, n]` matrix packed once into the GEMM kernel's panel layout, for
@@ -98,7 +130,7 @@ pub fn matmul_f32_packed(
         epilogue: Epilogue::NONE,
     };
     // SAFETY: the lengths were checked above and `b` holds its packed panels.
-    unsafe { run_with_thread_scratch(&g, threads) }
+    unsafe { run_with_thread_scratch(&g, threads, false) }
 }
 
 fn check_lengths(operands: &[(&str, usize, usize)]) -> Result<()> {
@@ -122,7 +154,7 @@ fn check_lengths(operands: &[(&str, usize, usize)]) -> Result<()> {
 ///
 /// # Safety
 /// As [`sgemm`].
-unsafe fn run_with_thread_scratch(g: &Gemm, threads: usize) -> Result<()> {
+unsafe fn run_with_thread_scratch(g: &Gemm, threads: usize, bf16_products: bool) -> Result<()> {
     thread_local! {
         static SCRATCH: std::cell::RefCell<Option<GemmScratch>> = const { std::cell::RefCell::new(None) };
     }
@@ -136,7 +168,7 @@ unsafe fn run_with_thread_scratch(g: &Gemm, threads: usize) -> Result<()> {
             .as_ref()
             .ok_or_else(|| Error::runtime("matmul_f32", "no scratch"))?;
         // SAFETY: forwarded contract.
-        unsafe { sgemm(g, ThreadPool::global(), scratch) }
+        unsafe { sgemm_with_precision(g, ThreadPool::global(), scratch, bf16_products) }
     })
 }
 

@@ -15,7 +15,10 @@ mod tensor;
 mod vmath;
 
 pub use backend::CpuBackend;
-pub use blas::{PackedMatrix, gemm_kernel_name, matmul_f32, matmul_f32_packed, peak_fma_gflops};
+pub use blas::{
+    PackedMatrix, gemm_kernel_name, has_amx, matmul_bf16_products, matmul_f32, matmul_f32_packed,
+    peak_fma_gflops,
+};
 use gemm::GemmScratch;
 use kernels::ReduceGeometry;
 use pool::ThreadPool;

@@ -9,12 +9,14 @@
 //! by columns (or rows, for tall-thin problems); every thread packs into its own
 //! scratch, so nothing is allocated per call.
 
+mod amx;
 mod blocking;
 mod epilogue;
 pub(crate) use epilogue::{RowAffine, activate_and_add, affine_scatter_row};
 mod kernels;
 mod pack;
 
+pub(crate) use amx::available as amx_available;
 use kernels::KernelFn;
 #[cfg(test)]
 use kernels::available as available_kernels;
@@ -262,7 +264,12 @@ fn packed_a_stride(kc: usize) -> usize {
 }
 
 fn scratch_floats() -> usize {
-    scratch_regions().iter().sum()
+    let f32_path: usize = scratch_regions().iter().sum();
+    if amx::available() {
+        f32_path.max(amx::scratch_floats())
+    } else {
+        f32_path
+    }
 }
 
 /// Runs `g` with the best kernel for this CPU on up to `threads` threads of `pool`.
@@ -285,6 +292,26 @@ pub(crate) unsafe fn sgemm(g: &Gemm, pool: &ThreadPool, scratch: &GemmScratch) -
     }
     // SAFETY: forwarded contract.
     unsafe { sgemm_with(g, kernel, pool, scratch) }
+}
+
+/// [`sgemm`], or with `bf16_products` on a CPU with AMX and `B` in `f32`, the
+/// product of the operands rounded to bfloat16, summed in `f32` on AMX tiles.
+///
+/// # Safety
+/// As [`sgemm`].
+pub(crate) unsafe fn sgemm_with_precision(
+    g: &Gemm,
+    pool: &ThreadPool,
+    scratch: &GemmScratch,
+    bf16_products: bool,
+) -> Result<()> {
+    if bf16_products && g.b_format == BFormat::F32 && amx::available() {
+        // SAFETY: forwarded contract; AMX is available and B is f32.
+        unsafe { amx::sgemm(g, pool, scratch) }
+    } else {
+        // SAFETY: forwarded contract.
+        unsafe { sgemm(g, pool, scratch) }
+    }
 }
 
 /// Bytes of L2 cache per core, as the blocking uses it.

@@ -1,0 +1,826 @@
+//! `C = epilogue(A · B)` on Intel AMX tiles, the operands rounded to bfloat16 and the
+//! products summed in `f32`: the reduced-precision path a program compiled with
+//! bf16 products allowed takes on CPUs that have AMX (about sixteen times the
+//! multiply-adds per cycle of AVX-512 in `f32`).
+//!
+//! Blocks of `A` and `B` are converted as they are packed (round to nearest even,
+//! NaN kept quiet) into the tiles' layouts: a block of `A` as 16-row tiles of 32
+//! values, a block of `B` as 16-column tiles in pairs of rows (each 32-bit lane holds
+//! `B[2p, j]` and `B[2p + 1, j]`). Both are padded with zeros to whole 32 x 32 output
+//! blocks and 32-deep steps. Each output block is four accumulator tiles, loaded from
+//! `C` (or zeroed) before a `K` block and stored after it; edge tiles go through a
+//! buffer. The epilogue then runs over each finished block of `C` while it is in
+//! cache, as on the `f32` path.
+
+use super::{Gemm, GemmScratch, Trapezoid, epilogue};
+use crate::pool::ThreadPool;
+use rlx_ir::Result;
+
+/// Depth of one packed `K` block (a multiple of 32).
+const KC: usize = 512;
+/// Columns of `B` packed at once (a multiple of 32).
+const NC: usize = 512;
+/// Rows of `A` packed at once (a multiple of 32).
+const MC: usize = 128;
+/// `u16` values in one tile (16 rows of 64 bytes).
+const TILE_U16: usize = 512;
+/// Bytes from one 32-deep step of a packed panel to the next.
+const STEP_BYTES: usize = TILE_U16 * 2;
+
+/// Floats of per-thread scratch the AMX path needs: the packed `B` and `A` blocks and
+/// four edge tiles of `C`.
+pub(super) const fn scratch_floats() -> usize {
+    (KC * NC + MC * KC) / 2 + 4 * 256
+}
+
+/// Whether this CPU has AMX with bfloat16 and the OS lets this process use its
+/// tiles (asked for once, on the first call).
+pub(crate) fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(detect)
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn detect() -> bool {
+    use std::arch::x86_64::{__cpuid_count, _xgetbv};
+    if std::env::var_os("RLX_NO_AMX").is_some() || !std::arch::is_x86_feature_detected!("avx512f") {
+        return false;
+    }
+    // CPUID leaf 7 exists on every CPU with AVX-512.
+    let leaf7 = __cpuid_count(7, 0);
+    let (amx_bf16, amx_tile) = (leaf7.edx >> 22 & 1 == 1, leaf7.edx >> 24 & 1 == 1);
+    if !(amx_bf16 && amx_tile && std::arch::is_x86_feature_detected!("xsave")) {
+        return false;
+    }
+    // SAFETY: XGETBV is available where XSAVE is (checked above).
+    let xcr0 = unsafe { _xgetbv(0) };
+    const TILE_STATE: u64 = 0b11 << 17; // XTILECFG and XTILEDATA
+    if xcr0 & TILE_STATE != TILE_STATE {
+        return false;
+    }
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: a permission request; it touches no memory of ours.
+    unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn detect() -> bool {
+    false
+}
+
+/// Runs `g` on AMX tiles on up to `threads` threads of `pool`.
+///
+/// # Safety
+/// As [`super::sgemm`]; [`available`] must be true, and `g.b_format` must be `F32`.
+pub(super) unsafe fn sgemm(g: &Gemm, pool: &ThreadPool, scratch: &GemmScratch) -> Result<()> {
+    if g.m == 0 || g.n == 0 {
+        return Ok(());
+    }
+    let threads = scratch.threads().min(pool.threads());
+    let (split_cols, extent) = if g.n >= g.m {
+        (true, g.n)
+    } else {
+        (false, g.m)
+    };
+    let unit = 32;
+    let units = extent.div_ceil(unit);
+    let schedule = if threads > 1 && g.m * g.n * g.k.max(1) >= 1 << 18 {
+        Trapezoid::new(units, threads)
+    } else {
+        Trapezoid::single(units)
+    };
+    let task = |t: usize, thread: usize| {
+        let (first, last) = schedule.range(t);
+        let (lo, hi) = (first * unit, (last * unit).min(extent));
+        if lo >= hi {
+            return;
+        }
+        let (rows, cols) = if split_cols {
+            (0..g.m, lo..hi)
+        } else {
+            (lo..hi, 0..g.n)
+        };
+        // SAFETY: each thread index runs one task at a time and owns its buffer; tasks
+        // write disjoint row or column ranges of C.
+        unsafe { x86::serial(g, rows, cols, scratch.parts(thread).0) };
+    };
+    if schedule.tasks == 1 {
+        task(0, 0);
+        return Ok(());
+    }
+    pool.run(schedule.tasks, threads, &task)
+}
+
+/// `x` rounded to the nearest bfloat16, ties to even, NaN kept a (quiet) NaN: the
+/// conversion the packing does, for tests and references.
+#[cfg(test)]
+pub(crate) fn round_to_bf16(x: f32) -> f32 {
+    f32::from_bits(u32::from(bf16_bits(x)) << 16)
+}
+
+#[cfg(test)]
+fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if x.is_nan() {
+        return (bits >> 16) as u16 | 0x40;
+    }
+    (bits.wrapping_add(0x7fff + (bits >> 16 & 1)) >> 16) as u16
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+
+    /// The tile configuration (palette 1): tiles 0-3 accumulate a 32 x 32 block of
+    /// `C`, 4-5 hold two 16-row tiles of `A`, 6-7 two 16-column tiles of `B`; all 16
+    /// rows of 64 bytes.
+    #[repr(C, align(64))]
+    struct TileConfig([u8; 64]);
+
+    impl TileConfig {
+        fn new() -> TileConfig {
+            let mut bytes = [0u8; 64];
+            bytes[0] = 1;
+            for t in 0..8 {
+                bytes[16 + 2 * t] = 64;
+                bytes[48 + t] = 16;
+            }
+            TileConfig(bytes)
+        }
+    }
+
+    /// Where a 16 x 16 dword tile's lines come from: `Direct` lines are its rows,
+    /// `Transposed` lines its columns.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Lines {
+        Direct,
+        Transposed,
+    }
+
+    /// The operand's element `(row, col)` (of the logical `rows x cols` matrix)
+    /// lies at `base + row * row_stride + col * col_stride`.
+    #[derive(Clone, Copy)]
+    struct View {
+        base: *const f32,
+        row_stride: usize,
+        col_stride: usize,
+        rows: usize,
+        cols: usize,
+    }
+
+    impl View {
+        fn a(g: &Gemm) -> View {
+            let (row_stride, col_stride) = if g.a_transposed {
+                (1, g.lda)
+            } else {
+                (g.lda, 1)
+            };
+            View {
+                base: g.a,
+                row_stride,
+                col_stride,
+                rows: g.m,
+                cols: g.k,
+            }
+        }
+
+        fn b(g: &Gemm) -> View {
+            let (row_stride, col_stride) = if g.b_transposed {
+                (1, g.ldb)
+            } else {
+                (g.ldb, 1)
+            };
+            View {
+                base: g.b,
+                row_stride,
+                col_stride,
+                rows: g.k,
+                cols: g.n,
+            }
+        }
+    }
+
+    /// Sixteen `f32` values from `ptr` on (the first `count`, zeros after), rounded
+    /// to bfloat16, one per 32-bit lane's low half.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn bf16_lanes(ptr: *const f32, count: usize) -> __m512i {
+        let x = if count >= 16 {
+            // SAFETY: the caller's sixteen values are readable.
+            unsafe { _mm512_loadu_ps(ptr) }
+        } else if count == 0 {
+            return _mm512_setzero_si512();
+        } else {
+            // SAFETY: the first `count` values are readable; masked lanes are not read.
+            unsafe { _mm512_maskz_loadu_ps((1u16 << count) - 1, ptr) }
+        };
+        let bits = _mm512_castps_si512(x);
+        let high = _mm512_srli_epi32::<16>(bits);
+        let odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+        let bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+        let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+        _mm512_mask_mov_epi32(rounded, nan, quiet)
+    }
+
+    /// Sixteen values sixteen apart in memory would be slow; these read `count`
+    /// values `stride` apart into a buffer first.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn bf16_lanes_strided(ptr: *const f32, stride: usize, count: usize) -> __m512i {
+        if stride == 1 {
+            // SAFETY: forwarded.
+            return unsafe { bf16_lanes(ptr, count) };
+        }
+        let mut values = [0.0f32; 16];
+        for (i, v) in values.iter_mut().enumerate().take(count.min(16)) {
+            // SAFETY: the caller's `count` values are readable.
+            *v = unsafe { *ptr.add(i * stride) };
+        }
+        // SAFETY: `values` holds sixteen floats.
+        unsafe { bf16_lanes(values.as_ptr(), 16) }
+    }
+
+    /// One line of 16 dwords made of 32 consecutive values along the operand's
+    /// columns from `(row, col)`: dword `q` holds columns `col + 2q` (low half) and
+    /// `col + 2q + 1`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pairs_along(v: &View, row: usize, col: usize) -> __m512i {
+        if row >= v.rows || col >= v.cols {
+            return _mm512_setzero_si512();
+        }
+        let count = (v.cols - col).min(32);
+        // SAFETY: row `row`, columns col..col+count, lie inside the operand.
+        unsafe {
+            let at = v.base.add(row * v.row_stride + col * v.col_stride);
+            let low = bf16_lanes_strided(at, v.col_stride, count);
+            let high = bf16_lanes_strided(
+                at.wrapping_add(16 * v.col_stride),
+                v.col_stride,
+                count.saturating_sub(16),
+            );
+            let low = _mm512_cvtepi32_epi16(low);
+            let high = _mm512_cvtepi32_epi16(high);
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high)
+        }
+    }
+
+    /// One line of 16 dwords pairing rows `row` (low halves) and `row + 1` (high),
+    /// each read along 16 columns from `col`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pairs_across(v: &View, row: usize, col: usize) -> __m512i {
+        if row >= v.rows || col >= v.cols {
+            return _mm512_setzero_si512();
+        }
+        let count = (v.cols - col).min(16);
+        // SAFETY: rows row and row+1 (when it exists), columns col..col+count, lie
+        // inside the operand.
+        unsafe {
+            let at = v.base.add(row * v.row_stride + col * v.col_stride);
+            let low = bf16_lanes_strided(at, v.col_stride, count);
+            if row + 1 >= v.rows {
+                return low;
+            }
+            let high = bf16_lanes_strided(at.add(v.row_stride), v.col_stride, count);
+            _mm512_or_si512(low, _mm512_slli_epi32::<16>(high))
+        }
+    }
+
+    /// Writes 16 lines as a tile's rows or (transposed) columns.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store_tile(lines: &[__m512i; 16], how: Lines, out: *mut u16) {
+        let out = out.cast::<u32>();
+        match how {
+            Lines::Direct => {
+                for (r, line) in lines.iter().enumerate() {
+                    // SAFETY: the tile holds 16 rows of 16 dwords.
+                    unsafe { _mm512_storeu_si512(out.add(16 * r).cast(), *line) };
+                }
+            }
+            Lines::Transposed => {
+                let mut words = [[0u32; 16]; 16];
+                for (w, line) in words.iter_mut().zip(lines) {
+                    // SAFETY: `w` holds 16 dwords.
+                    unsafe { _mm512_storeu_si512(w.as_mut_ptr().cast(), *line) };
+                }
+                for r in 0..16 {
+                    let mut row = [0u32; 16];
+                    for (c, v) in row.iter_mut().enumerate() {
+                        *v = words[c][r];
+                    }
+                    // SAFETY: as above.
+                    unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.add(16 * r), 16) };
+                }
+            }
+        }
+    }
+
+    /// Packs the `A` tile of rows `i..i + 16`, depth `p..p + 32`: row `r` of the tile
+    /// holds `A[i + r, p..p + 32]`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pack_a_tile(a: &View, i: usize, p: usize, out: *mut u16) {
+        let mut lines = [_mm512_setzero_si512(); 16];
+        let how = if a.col_stride == 1 {
+            for (r, line) in lines.iter_mut().enumerate() {
+                // SAFETY: reads inside A (checked by pairs_along).
+                *line = unsafe { pairs_along(a, i + r, p) };
+            }
+            Lines::Direct
+        } else {
+            // Column pairs along rows: line q holds columns p + 2q and p + 2q + 1 of
+            // the 16 rows, transposed into the tile.
+            let t = View {
+                base: a.base,
+                row_stride: a.col_stride,
+                col_stride: a.row_stride,
+                rows: a.cols,
+                cols: a.rows,
+            };
+            for (q, line) in lines.iter_mut().enumerate() {
+                // SAFETY: as above, on the transposed view.
+                *line = unsafe { pairs_across(&t, p + 2 * q, i) };
+            }
+            Lines::Transposed
+        };
+        // SAFETY: `out` holds one tile.
+        unsafe { store_tile(&lines, how, out) };
+    }
+
+    /// Packs the `B` tile of depth `p..p + 32`, columns `j..j + 16`: row `q` of the
+    /// tile holds the pairs `(B[p + 2q, j + c], B[p + 2q + 1, j + c])`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pack_b_tile(b: &View, p: usize, j: usize, out: *mut u16) {
+        let mut lines = [_mm512_setzero_si512(); 16];
+        let how = if b.col_stride == 1 {
+            for (q, line) in lines.iter_mut().enumerate() {
+                // SAFETY: reads inside B (checked by pairs_across).
+                *line = unsafe { pairs_across(b, p + 2 * q, j) };
+            }
+            Lines::Direct
+        } else {
+            // A transposed B: each column of B is a row in memory, read along.
+            let t = View {
+                base: b.base,
+                row_stride: b.col_stride,
+                col_stride: b.row_stride,
+                rows: b.cols,
+                cols: b.rows,
+            };
+            for (c, line) in lines.iter_mut().enumerate() {
+                // SAFETY: as above, on the transposed view.
+                *line = unsafe { pairs_along(&t, j + c, p) };
+            }
+            Lines::Transposed
+        };
+        // SAFETY: `out` holds one tile.
+        unsafe { store_tile(&lines, how, out) };
+    }
+
+    /// A 16 x 16 tile of `C` at `(i, j)`: where it is read and written, and how
+    /// much of it lies inside the task's rectangle.
+    struct CTile {
+        ptr: *mut f32,
+        stride_bytes: usize,
+        edge: Option<(*mut f32, usize, usize)>,
+    }
+
+    impl CTile {
+        /// The tile at `(i, j)` of `C`, through `buffer` when it is not whole.
+        fn new(
+            g: &Gemm,
+            (i, j): (usize, usize),
+            (rows_end, cols_end): (usize, usize),
+            buffer: *mut f32,
+        ) -> CTile {
+            let (valid_rows, valid_cols) = (
+                rows_end.saturating_sub(i).min(16),
+                cols_end.saturating_sub(j).min(16),
+            );
+            if valid_rows == 16 && valid_cols == 16 {
+                return CTile {
+                    // SAFETY: (i, j) is inside C.
+                    ptr: unsafe { g.c.add(i * g.ldc + j) },
+                    stride_bytes: g.ldc * 4,
+                    edge: None,
+                };
+            }
+            let origin = if valid_rows > 0 && valid_cols > 0 {
+                // SAFETY: as above.
+                unsafe { g.c.add(i * g.ldc + j) }
+            } else {
+                std::ptr::null_mut()
+            };
+            CTile {
+                ptr: buffer,
+                stride_bytes: 64,
+                edge: Some((origin, valid_rows, valid_cols)),
+            }
+        }
+
+        /// Before an edge tile is loaded: its part of `C` (or zeros) into the buffer.
+        unsafe fn stage(&self, g: &Gemm, from_c: bool) {
+            if let Some((origin, rows, cols)) = self.edge {
+                for r in 0..16 {
+                    for c in 0..16 {
+                        let v = if from_c && r < rows && c < cols {
+                            // SAFETY: inside the valid part of C.
+                            unsafe { *origin.add(r * g.ldc + c) }
+                        } else {
+                            0.0
+                        };
+                        // SAFETY: the buffer holds 256 floats.
+                        unsafe { *self.ptr.add(r * 16 + c) = v };
+                    }
+                }
+            }
+        }
+
+        /// After an edge tile is stored: its valid part back into `C`.
+        unsafe fn unstage(&self, g: &Gemm) {
+            if let Some((origin, rows, cols)) = self.edge {
+                for r in 0..rows {
+                    for c in 0..cols {
+                        // SAFETY: as in `stage`.
+                        unsafe { *origin.add(r * g.ldc + c) = *self.ptr.add(r * 16 + c) };
+                    }
+                }
+            }
+        }
+    }
+
+    macro_rules! tile_io {
+        ($load:ident, $store:ident, $tmm:literal) => {
+            /// Loads one accumulator tile, or zeroes it (`ptr` unread) when `zero`.
+            #[inline(always)]
+            unsafe fn $load(ptr: *const f32, stride: usize, zero: bool) {
+                if zero {
+                    // SAFETY: touches the tile only.
+                    unsafe { asm!(concat!("tilezero tmm", $tmm), options(nostack, nomem)) };
+                    return;
+                }
+                // SAFETY: 16 rows of 64 bytes from ptr, `stride` bytes apart.
+                unsafe {
+                    asm!(concat!("tileloadd tmm", $tmm, ", [{p} + {s}*1]"),
+                        p = in(reg) ptr, s = in(reg) stride, options(nostack, readonly))
+                }
+            }
+            /// Stores one accumulator tile.
+            #[inline(always)]
+            unsafe fn $store(ptr: *mut f32, stride: usize) {
+                // SAFETY: as above, written.
+                unsafe {
+                    asm!(concat!("tilestored [{p} + {s}*1], tmm", $tmm),
+                        p = in(reg) ptr, s = in(reg) stride, options(nostack))
+                }
+            }
+        };
+    }
+    tile_io!(load0, store0, "0");
+    tile_io!(load1, store1, "1");
+    tile_io!(load2, store2, "2");
+    tile_io!(load3, store3, "3");
+
+    /// `kq` steps of the 32 x 32 block: tiles 0-3 += two 16-row tiles of `A` (from
+    /// `a` and `a2`) times two 16-column tiles of `B` (from `b` and `b2`), each step's
+    /// tiles [`STEP_BYTES`] after the last.
+    #[inline(always)]
+    unsafe fn multiply(a: [*const u16; 2], b: [*const u16; 2], kq: usize) {
+        // SAFETY: `kq` steps of two A and two B tiles lie at the pointers.
+        unsafe {
+            asm!(
+                "2:",
+                "tileloadd tmm4, [{a} + {s}*1]",
+                "tileloadd tmm6, [{b} + {s}*1]",
+                "tileloadd tmm5, [{a2} + {s}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{b2} + {s}*1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "add {a}, {step}",
+                "add {a2}, {step}",
+                "add {b}, {step}",
+                "add {b2}, {step}",
+                "dec {n}",
+                "jnz 2b",
+                a = inout(reg) a[0] => _,
+                a2 = inout(reg) a[1] => _,
+                b = inout(reg) b[0] => _,
+                b2 = inout(reg) b[1] => _,
+                n = inout(reg) kq => _,
+                s = in(reg) 64usize,
+                step = const STEP_BYTES,
+                options(nostack, readonly),
+            )
+        }
+    }
+
+    /// The blocked loops over one rectangle of `C`.
+    ///
+    /// # Safety
+    /// As [`super::sgemm`]; `buf` holds at least [`scratch_floats`] floats.
+    pub(super) unsafe fn serial(
+        g: &Gemm,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        buf: &mut [f32],
+    ) {
+        assert!(buf.len() >= scratch_floats(), "AMX scratch too small");
+        let base = buf.as_mut_ptr();
+        let b_pack = base.cast::<u16>();
+        // SAFETY: the three regions lie inside `buf` (scratch_floats).
+        let (a_pack, edges) = unsafe {
+            let a = base.add(KC * NC / 2).cast::<u16>();
+            (a, base.add((KC * NC + MC * KC) / 2))
+        };
+        let (a_view, b_view) = (View::a(g), View::b(g));
+        let config = TileConfig::new();
+        // SAFETY: AMX is available (the caller checked) and the OS granted the tiles.
+        unsafe { asm!("ldtilecfg [{0}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
+        if g.k == 0 {
+            for i in rows.clone() {
+                for j in cols.clone() {
+                    // SAFETY: (i, j) is inside C.
+                    unsafe {
+                        let c = g.c.add(i * g.ldc + j);
+                        *c = if g.accumulate { *c } else { 0.0 };
+                    }
+                }
+            }
+        }
+        let mut jc = cols.start;
+        while jc < cols.end {
+            let nc = NC.min(cols.end - jc);
+            let col_tiles = nc.div_ceil(32) * 2;
+            let mut pc = 0;
+            while pc < g.k {
+                let kc = KC.min(g.k - pc);
+                let kq = kc.div_ceil(32);
+                for ct in 0..col_tiles {
+                    for q in 0..kq {
+                        // SAFETY: tile (ct, q) of the B block lies in b_pack.
+                        unsafe {
+                            pack_b_tile(
+                                &b_view,
+                                pc + 32 * q,
+                                jc + 16 * ct,
+                                b_pack.add((ct * kq + q) * TILE_U16),
+                            )
+                        };
+                    }
+                }
+                let from_c = pc > 0 || g.accumulate;
+                let mut ic = rows.start;
+                while ic < rows.end {
+                    let mc = MC.min(rows.end - ic);
+                    let row_tiles = mc.div_ceil(32) * 2;
+                    for rt in 0..row_tiles {
+                        for q in 0..kq {
+                            // SAFETY: tile (rt, q) of the A block lies in a_pack.
+                            unsafe {
+                                pack_a_tile(
+                                    &a_view,
+                                    ic + 16 * rt,
+                                    pc + 32 * q,
+                                    a_pack.add((rt * kq + q) * TILE_U16),
+                                )
+                            };
+                        }
+                    }
+                    let ends = (rows.end, cols.end);
+                    for rt in (0..row_tiles).step_by(2) {
+                        for ct in (0..col_tiles).step_by(2) {
+                            let (i, j) = (ic + 16 * rt, jc + 16 * ct);
+                            // SAFETY: each edge buffer holds 256 floats.
+                            let tiles = unsafe {
+                                [
+                                    CTile::new(g, (i, j), ends, edges),
+                                    CTile::new(g, (i, j + 16), ends, edges.add(256)),
+                                    CTile::new(g, (i + 16, j), ends, edges.add(512)),
+                                    CTile::new(g, (i + 16, j + 16), ends, edges.add(768)),
+                                ]
+                            };
+                            // SAFETY: tiles address C or their buffers; the packed
+                            // panels hold kq steps.
+                            unsafe {
+                                for t in &tiles {
+                                    t.stage(g, from_c);
+                                }
+                                // Whole tiles start from zero without reading
+                                // C; edge tiles from their staged buffers.
+                                let zero = |t: &CTile| !from_c && t.edge.is_none();
+                                let [t0, t1, t2, t3] = &tiles;
+                                load0(t0.ptr, t0.stride_bytes, zero(t0));
+                                load1(t1.ptr, t1.stride_bytes, zero(t1));
+                                load2(t2.ptr, t2.stride_bytes, zero(t2));
+                                load3(t3.ptr, t3.stride_bytes, zero(t3));
+                                multiply(
+                                    [
+                                        a_pack.add(rt * kq * TILE_U16),
+                                        a_pack.add((rt + 1) * kq * TILE_U16),
+                                    ],
+                                    [
+                                        b_pack.add(ct * kq * TILE_U16),
+                                        b_pack.add((ct + 1) * kq * TILE_U16),
+                                    ],
+                                    kq,
+                                );
+                                store0(tiles[0].ptr, tiles[0].stride_bytes);
+                                store1(tiles[1].ptr, tiles[1].stride_bytes);
+                                store2(tiles[2].ptr, tiles[2].stride_bytes);
+                                store3(tiles[3].ptr, tiles[3].stride_bytes);
+                                for t in &tiles {
+                                    t.unstage(g);
+                                }
+                            }
+                        }
+                    }
+                    if pc + kc == g.k && !g.epilogue.is_identity() {
+                        // SAFETY: rows ic..ic+mc, columns jc..jc+nc, lie inside C.
+                        unsafe { epilogue::apply(g, ic..ic + mc, jc..jc + nc) };
+                    }
+                    ic += mc;
+                }
+                pc += kc;
+            }
+            if g.k == 0 && !g.epilogue.is_identity() {
+                // SAFETY: as above.
+                unsafe { epilogue::apply(g, rows.clone(), jc..jc + nc) };
+            }
+            jc += nc;
+        }
+        // SAFETY: returns the tiles to their initial state (cheaper context switches).
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod x86 {
+    use super::Gemm;
+
+    pub(super) unsafe fn serial(
+        _g: &Gemm,
+        _rows: std::ops::Range<usize>,
+        _cols: std::ops::Range<usize>,
+        _buf: &mut [f32],
+    ) {
+        unreachable!("AMX is only detected on x86_64");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Activation, BFormat, Epilogue, Gemm, GemmScratch};
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn rounding_to_bf16_is_to_nearest_even() {
+        let one = 1.0f32.to_bits();
+        // Halfway between 1 and the next bfloat16 goes to 1 (even); above, up.
+        assert_eq!(round_to_bf16(f32::from_bits(one + 0x8000)), 1.0);
+        assert_eq!(
+            round_to_bf16(f32::from_bits(one + 0x8001)).to_bits(),
+            one + 0x1_0000
+        );
+        // Halfway above an odd bfloat16 goes up to the even one.
+        let odd = one + 0x1_0000;
+        assert_eq!(
+            round_to_bf16(f32::from_bits(odd + 0x8000)).to_bits(),
+            odd + 0x1_0000
+        );
+        assert_eq!(round_to_bf16(f32::MAX), f32::INFINITY);
+        assert_eq!(round_to_bf16(-0.0).to_bits(), (-0.0f32).to_bits());
+        assert!(round_to_bf16(f32::from_bits(0x7f80_0001)).is_nan());
+        assert_eq!(round_to_bf16(f32::NEG_INFINITY), f32::NEG_INFINITY);
+    }
+
+    /// `C = epilogue(A · B)` in f64 from operands rounded to bfloat16 (element `(i,
+    /// p)` of A is `a[i * k + p]`, of B `b[p * n + j]`), with each entry's sum of
+    /// absolute terms (the scale of its rounding error).
+    fn reference(m: usize, n: usize, k: usize, a: &[f32], b: &[f32]) -> (Vec<f64>, Vec<f64>) {
+        let mut c = vec![0.0; m * n];
+        let mut scale = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                for p in 0..k {
+                    let t = f64::from(round_to_bf16(a[i * k + p]))
+                        * f64::from(round_to_bf16(b[p * n + j]));
+                    c[i * n + j] += t;
+                    scale[i * n + j] += t.abs();
+                }
+            }
+        }
+        (c, scale)
+    }
+
+    fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        (0..rows * cols)
+            .map(|t| x[(t % rows) * cols + t / rows])
+            .collect()
+    }
+
+    #[test]
+    fn tiles_match_the_rounded_reference_on_awkward_shapes() {
+        if !available() {
+            eprintln!("skipped: this CPU (or OS) has no AMX");
+            return;
+        }
+        let pool = ThreadPool::new(2);
+        let scratch = GemmScratch::new(2, 0);
+        let mut seed = 7u64;
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (16, 16, 32),
+            (17, 33, 31),
+            (100, 70, 65),
+            (40, 600, 700),
+            (530, 45, 1100),
+            (64, 48, 0),
+        ] {
+            let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+            let b: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed)).collect();
+            let bias: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
+            let old: Vec<f32> = (0..m * n).map(|_| lcg(&mut seed)).collect();
+            let (want, scale) = reference(m, n, k, &a, &b);
+            let (at, bt) = (transpose(&a, m, k), transpose(&b, k, n));
+            for (a_transposed, b_transposed, accumulate, epilogue) in [
+                (false, false, false, false),
+                (true, false, false, false),
+                (false, true, true, false),
+                (true, true, false, true),
+            ] {
+                let mut c = old.clone();
+                let g = Gemm {
+                    m,
+                    n,
+                    k,
+                    a: if a_transposed {
+                        at.as_ptr()
+                    } else {
+                        a.as_ptr()
+                    },
+                    lda: if a_transposed { m } else { k },
+                    a_transposed,
+                    b: if b_transposed {
+                        bt.as_ptr()
+                    } else {
+                        b.as_ptr()
+                    },
+                    ldb: if b_transposed { k } else { n },
+                    b_transposed,
+                    b_format: BFormat::F32,
+                    c: c.as_mut_ptr(),
+                    ldc: n,
+                    accumulate,
+                    epilogue: if epilogue {
+                        Epilogue {
+                            alpha: 0.5,
+                            bias: Some(bias.as_ptr()),
+                            activation: Some(Activation::Relu),
+                            ..Epilogue::NONE
+                        }
+                    } else {
+                        Epilogue::NONE
+                    },
+                };
+                // SAFETY: the buffers match the stated sizes; AMX is available.
+                unsafe { sgemm(&g, &pool, &scratch) }.unwrap();
+                for i in 0..m {
+                    for j in 0..n {
+                        let at = i * n + j;
+                        let mut w = want[at];
+                        if accumulate {
+                            w += f64::from(old[at]);
+                        }
+                        if epilogue {
+                            w = (w * 0.5 + f64::from(bias[j])).max(0.0);
+                        }
+                        // f32 sums: at most k roundings of partial sums.
+                        let tol = (k as f64 + 2.0) * 1.2e-7 * (scale[at] + w.abs() + 1e-3);
+                        let got = f64::from(c[at]);
+                        assert!(
+                            (got - w).abs() <= tol,
+                            "{m}x{n}x{k} at=({i},{j}) transposed {a_transposed}/{b_transposed}: \
+                             {got} vs {w} (tol {tol:e})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
