@@ -35,6 +35,10 @@ pub struct BackendOptions {
     /// Whether f32 products may round their operands to TF32 on tensor cores
     /// (faster, about 3e-4 relative error); off by default.
     pub allow_tf32: bool,
+    /// Whether f32 products on a CPU with AMX may round their operands to bfloat16
+    /// and sum in f32 on its tiles (about 4e-3 relative error per operand); off by
+    /// default.
+    pub allow_bf16: bool,
 }
 
 /// One compiled plan on one device, with its memory.

@@ -52,6 +52,11 @@ struct Common {
     /// Time every kernel of the steps and print the totals (on stderr with --json).
     #[arg(long)]
     profile: bool,
+    /// Round the operands of the f32 matrix products to bfloat16, summing in f32, on a
+    /// CPU with AMX tiles (PyTorch's bf16 autocast, for the products); the weights,
+    /// gradients and optimizer stay f32. Ignored on other CPUs and on the GPU.
+    #[arg(long)]
+    bf16: bool,
 }
 
 #[derive(clap::Args)]
@@ -171,6 +176,7 @@ fn charlm(args: &CharLmArgs) -> anyhow::Result<()> {
         device: c.device,
         threads: c.threads,
         profile: c.profile,
+        bf16_products: c.bf16,
         dropout: args.dropout,
         init: args.init.clone(),
         fixed_batches: match &args.batches {
@@ -195,6 +201,7 @@ fn charlm(args: &CharLmArgs) -> anyhow::Result<()> {
         "batch": config.batch,
         "lr": config.lr,
         "dropout": config.dropout,
+        "bf16_products": bf16_in_effect(config.bf16_products, config.device),
         "seed": config.seed,
         "train_bytes": corpus.train.len(),
         "val_bytes": corpus.val.len(),
@@ -219,6 +226,7 @@ fn digits(args: &DigitsArgs) -> anyhow::Result<()> {
         device: c.device,
         threads: c.threads,
         profile: c.profile,
+        bf16_products: c.bf16,
     };
     let name = match config.model {
         DigitsModel::Mlp => "digits-mlp",
@@ -238,10 +246,16 @@ fn digits(args: &DigitsArgs) -> anyhow::Result<()> {
         "batch": config.batch,
         "lr": config.lr,
         "seed": config.seed,
+        "bf16_products": bf16_in_effect(config.bf16_products, config.device),
         "train_images": data.train_y.len(),
         "test_images": data.test_y.len(),
     });
     finish("digits", &trainer, &report, settings, c)
+}
+
+/// Whether `--bf16` changes the products: on the CPU, and only where it has AMX.
+fn bf16_in_effect(asked: bool, device: rlx::Device) -> bool {
+    asked && device == rlx::Device::Cpu && rlx::cpu::has_amx()
 }
 
 /// Writes the checkpoint, the loss curve and the summary, and prints the summary.

@@ -20,7 +20,9 @@ impl Backend for CpuBackend {
     }
 
     fn compile(&self, plan: Arc<Plan>, options: &BackendOptions) -> Result<Box<dyn Executable>> {
-        Ok(Box::new(CpuProgram::new(plan, options.threads)?))
+        let mut program = CpuProgram::new(plan, options.threads)?;
+        program.set_bf16_products(options.allow_bf16);
+        Ok(Box::new(program))
     }
 }
 

@@ -75,6 +75,8 @@ pub struct CpuProgram {
     /// Nanoseconds spent in each step over all runs, when profiling.
     step_nanos: Option<Vec<u64>>,
     profiled_runs: u64,
+    /// Whether `f32` products may round their operands to bfloat16 (on AMX).
+    bf16_products: bool,
 }
 
 impl CpuProgram {
@@ -198,6 +200,7 @@ impl CpuProgram {
             gemm,
             handle_addrs: vec![0; plan_handles],
             step_nanos: None,
+            bf16_products: false,
             profiled_runs: 0,
         })
     }
@@ -482,6 +485,13 @@ impl CpuProgram {
         })
     }
 
+    /// Lets the `f32` matrix products round their operands to bfloat16 and sum in
+    /// `f32` on AMX tiles, where the CPU has them (off by default; without AMX it
+    /// changes nothing).
+    pub fn set_bf16_products(&mut self, on: bool) {
+        self.bf16_products = on;
+    }
+
     /// Runs every step in order. Allocation-free.
     pub fn execute(&mut self) -> Result<()> {
         let CpuProgram {
@@ -497,6 +507,7 @@ impl CpuProgram {
             handle_addrs,
             step_nanos,
             profiled_runs,
+            bf16_products,
             ..
         } = self;
         if let Some(i) = handles
@@ -520,6 +531,7 @@ impl CpuProgram {
             gemm,
             pool: ThreadPool::global(),
             packed_b: None,
+            bf16_products: *bf16_products,
         };
         let arena_base = arena.as_mut_ptr();
         for (addr, h) in handle_addrs.iter_mut().zip(handles.iter_mut()) {

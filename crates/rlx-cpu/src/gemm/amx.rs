@@ -13,6 +13,10 @@
 //! cache, as on the `f32` path.
 
 use super::{Gemm, GemmScratch, Trapezoid, epilogue};
+// SAFETY: the tiles are only read while the product that packed them runs.
+unsafe impl Send for Prepacked {}
+// SAFETY: as above.
+unsafe impl Sync for Prepacked {}
 use crate::pool::ThreadPool;
 use rlx_ir::Result;
 
@@ -75,6 +79,27 @@ fn detect() -> bool {
     false
 }
 
+/// Bytes of the buffer the threads of one product share: the operand every task
+/// reads (all of `A` when the tasks split the columns, all of `B` when they split the
+/// rows) is packed there once, when it fits, instead of once per task.
+pub(super) const SHARED_BYTES: usize = 4 << 20;
+
+/// An operand packed whole, shared by every task: its 16-wide panels lie `steps`
+/// tiles apart, each holding its 32-deep steps in order.
+#[derive(Clone, Copy)]
+pub(super) struct Prepacked {
+    tiles: *const u16,
+    steps: usize,
+}
+
+/// Which operand, if any, is packed once for all tasks.
+#[derive(Clone, Copy)]
+pub(super) enum Shared {
+    None,
+    A(Prepacked),
+    B(Prepacked),
+}
+
 /// Runs `g` on AMX tiles on up to `threads` threads of `pool`.
 ///
 /// # Safety
@@ -96,6 +121,43 @@ pub(super) unsafe fn sgemm(g: &Gemm, pool: &ThreadPool, scratch: &GemmScratch) -
     } else {
         Trapezoid::single(units)
     };
+    // The operand every task reads whole is packed once, in parallel, when it fits.
+    let steps = g.k.div_ceil(32);
+    let panels = if split_cols { g.m } else { g.n }.div_ceil(32) * 2;
+    let (shared_ptr, shared_len) = scratch.shared();
+    let shared = if schedule.tasks > 1 && g.k > 0 && panels * steps * TILE_U16 * 2 <= shared_len {
+        let tiles = shared_ptr.cast::<u16>() as usize;
+        let pack_panels = |first: usize, last: usize| {
+            let tiles = tiles as *mut u16;
+            // SAFETY: panels first..last lie inside the shared buffer (checked above),
+            // and no other task writes them.
+            unsafe {
+                x86::pack_panels(
+                    g,
+                    split_cols,
+                    (first..last, 0..steps),
+                    tiles.add(first * steps * TILE_U16),
+                    steps,
+                )
+            }
+        };
+        let per_task = panels.div_ceil(2 * threads).max(1);
+        let tasks = panels.div_ceil(per_task);
+        pool.run(tasks, threads, &|t, _| {
+            pack_panels(t * per_task, ((t + 1) * per_task).min(panels))
+        })?;
+        let packed = Prepacked {
+            tiles: tiles as *const u16,
+            steps,
+        };
+        if split_cols {
+            Shared::A(packed)
+        } else {
+            Shared::B(packed)
+        }
+    } else {
+        Shared::None
+    };
     let task = |t: usize, thread: usize| {
         let (first, last) = schedule.range(t);
         let (lo, hi) = (first * unit, (last * unit).min(extent));
@@ -108,8 +170,8 @@ pub(super) unsafe fn sgemm(g: &Gemm, pool: &ThreadPool, scratch: &GemmScratch) -
             (lo..hi, 0..g.n)
         };
         // SAFETY: each thread index runs one task at a time and owns its buffer; tasks
-        // write disjoint row or column ranges of C.
-        unsafe { x86::serial(g, rows, cols, scratch.parts(thread).0) };
+        // write disjoint row or column ranges of C and only read the shared operand.
+        unsafe { x86::serial(g, rows, cols, shared, scratch.parts(thread).0) };
     };
     if schedule.tasks == 1 {
         task(0, 0);
@@ -306,21 +368,45 @@ mod x86 {
                 }
             }
             Lines::Transposed => {
-                let mut words = [[0u32; 16]; 16];
-                for (w, line) in words.iter_mut().zip(lines) {
-                    // SAFETY: `w` holds 16 dwords.
-                    unsafe { _mm512_storeu_si512(w.as_mut_ptr().cast(), *line) };
-                }
-                for r in 0..16 {
-                    let mut row = [0u32; 16];
-                    for (c, v) in row.iter_mut().enumerate() {
-                        *v = words[c][r];
-                    }
+                let rows = transpose_16x16(lines);
+                for (r, row) in rows.iter().enumerate() {
                     // SAFETY: as above.
-                    unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.add(16 * r), 16) };
+                    unsafe { _mm512_storeu_si512(out.add(16 * r).cast(), *row) };
                 }
             }
         }
+    }
+
+    /// The 16 x 16 dword matrix whose rows are `r` (row `i` is `r[i]`), transposed:
+    /// pairs of rows interleaved by dwords, then by quadwords (so 128-bit lane `L`
+    /// of the second stage's vector `4i + j` holds column `4L + j` of rows `4i..4i +
+    /// 4`), then those lanes transposed as a 4 x 4 matrix.
+    #[target_feature(enable = "avx512f")]
+    fn transpose_16x16(r: &[__m512i; 16]) -> [__m512i; 16] {
+        let mut t = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_si512(); 16];
+        for i in 0..4 {
+            u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        let mut out = [_mm512_setzero_si512(); 16];
+        for j in 0..4 {
+            let v0 = _mm512_shuffle_i32x4::<0b01_00_01_00>(u[j], u[4 + j]);
+            let v1 = _mm512_shuffle_i32x4::<0b11_10_11_10>(u[j], u[4 + j]);
+            let v2 = _mm512_shuffle_i32x4::<0b01_00_01_00>(u[8 + j], u[12 + j]);
+            let v3 = _mm512_shuffle_i32x4::<0b11_10_11_10>(u[8 + j], u[12 + j]);
+            out[j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(v0, v2);
+            out[4 + j] = _mm512_shuffle_i32x4::<0b11_01_11_01>(v0, v2);
+            out[8 + j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(v1, v3);
+            out[12 + j] = _mm512_shuffle_i32x4::<0b11_01_11_01>(v1, v3);
+        }
+        out
     }
 
     /// Packs the `A` tile of rows `i..i + 16`, depth `p..p + 32`: row `r` of the tile
@@ -382,6 +468,35 @@ mod x86 {
         };
         // SAFETY: `out` holds one tile.
         unsafe { store_tile(&lines, how, out) };
+    }
+
+    /// Packs tiles `(panel, step)` of `A` (16-row panels; `is_a`) or `B` (16-column
+    /// panels) for the panels and 32-deep steps given, tile `(p, q)` at `out + ((p -
+    /// first panel) * panel_stride + q - first step) * 512`.
+    ///
+    /// # Safety
+    /// `out` must hold every tile so addressed; AVX-512 must be available.
+    pub(super) unsafe fn pack_panels(
+        g: &Gemm,
+        is_a: bool,
+        (panels, steps): (std::ops::Range<usize>, std::ops::Range<usize>),
+        out: *mut u16,
+        panel_stride: usize,
+    ) {
+        let view = if is_a { View::a(g) } else { View::b(g) };
+        for (pi, panel) in panels.enumerate() {
+            for (qi, step) in steps.clone().enumerate() {
+                // SAFETY: the tile lies inside `out` (the caller's contract).
+                unsafe {
+                    let tile = out.add((pi * panel_stride + qi) * TILE_U16);
+                    if is_a {
+                        pack_a_tile(&view, 16 * panel, 32 * step, tile);
+                    } else {
+                        pack_b_tile(&view, 32 * step, 16 * panel, tile);
+                    }
+                }
+            }
+        }
     }
 
     /// A 16 x 16 tile of `C` at `(i, j)`: where it is read and written, and how
@@ -531,6 +646,7 @@ mod x86 {
         g: &Gemm,
         rows: std::ops::Range<usize>,
         cols: std::ops::Range<usize>,
+        shared: Shared,
         buf: &mut [f32],
     ) {
         assert!(buf.len() >= scratch_floats(), "AMX scratch too small");
@@ -541,7 +657,6 @@ mod x86 {
             let a = base.add(KC * NC / 2).cast::<u16>();
             (a, base.add((KC * NC + MC * KC) / 2))
         };
-        let (a_view, b_view) = (View::a(g), View::b(g));
         let config = TileConfig::new();
         // SAFETY: AMX is available (the caller checked) and the OS granted the tiles.
         unsafe { asm!("ldtilecfg [{0}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
@@ -563,38 +678,37 @@ mod x86 {
             let mut pc = 0;
             while pc < g.k {
                 let kc = KC.min(g.k - pc);
-                let kq = kc.div_ceil(32);
-                for ct in 0..col_tiles {
-                    for q in 0..kq {
-                        // SAFETY: tile (ct, q) of the B block lies in b_pack.
-                        unsafe {
-                            pack_b_tile(
-                                &b_view,
-                                pc + 32 * q,
-                                jc + 16 * ct,
-                                b_pack.add((ct * kq + q) * TILE_U16),
-                            )
-                        };
+                let (q0, kq) = (pc / 32, kc.div_ceil(32));
+                // Tiles of the B block: (first tile, tiles from one panel to the next).
+                let (b_tiles, b_stride) = match shared {
+                    // SAFETY: the shared B holds every panel and step.
+                    Shared::B(p) => unsafe {
+                        (p.tiles.add((jc / 16 * p.steps + q0) * TILE_U16), p.steps)
+                    },
+                    _ => {
+                        let panels = jc / 16..jc / 16 + col_tiles;
+                        // SAFETY: b_pack holds col_tiles x kq tiles (NC x KC).
+                        unsafe { pack_panels(g, false, (panels, q0..q0 + kq), b_pack, kq) };
+                        (b_pack.cast_const(), kq)
                     }
-                }
+                };
                 let from_c = pc > 0 || g.accumulate;
                 let mut ic = rows.start;
                 while ic < rows.end {
                     let mc = MC.min(rows.end - ic);
                     let row_tiles = mc.div_ceil(32) * 2;
-                    for rt in 0..row_tiles {
-                        for q in 0..kq {
-                            // SAFETY: tile (rt, q) of the A block lies in a_pack.
-                            unsafe {
-                                pack_a_tile(
-                                    &a_view,
-                                    ic + 16 * rt,
-                                    pc + 32 * q,
-                                    a_pack.add((rt * kq + q) * TILE_U16),
-                                )
-                            };
+                    let (a_tiles, a_stride) = match shared {
+                        // SAFETY: the shared A holds every panel and step.
+                        Shared::A(p) => unsafe {
+                            (p.tiles.add((ic / 16 * p.steps + q0) * TILE_U16), p.steps)
+                        },
+                        _ => {
+                            let panels = ic / 16..ic / 16 + row_tiles;
+                            // SAFETY: a_pack holds row_tiles x kq tiles (MC x KC).
+                            unsafe { pack_panels(g, true, (panels, q0..q0 + kq), a_pack, kq) };
+                            (a_pack.cast_const(), kq)
                         }
-                    }
+                    };
                     let ends = (rows.end, cols.end);
                     for rt in (0..row_tiles).step_by(2) {
                         for ct in (0..col_tiles).step_by(2) {
@@ -624,12 +738,12 @@ mod x86 {
                                 load3(t3.ptr, t3.stride_bytes, zero(t3));
                                 multiply(
                                     [
-                                        a_pack.add(rt * kq * TILE_U16),
-                                        a_pack.add((rt + 1) * kq * TILE_U16),
+                                        a_tiles.add(rt * a_stride * TILE_U16),
+                                        a_tiles.add((rt + 1) * a_stride * TILE_U16),
                                     ],
                                     [
-                                        b_pack.add(ct * kq * TILE_U16),
-                                        b_pack.add((ct + 1) * kq * TILE_U16),
+                                        b_tiles.add(ct * b_stride * TILE_U16),
+                                        b_tiles.add((ct + 1) * b_stride * TILE_U16),
                                     ],
                                     kq,
                                 );
@@ -670,7 +784,18 @@ mod x86 {
         _g: &Gemm,
         _rows: std::ops::Range<usize>,
         _cols: std::ops::Range<usize>,
+        _shared: super::Shared,
         _buf: &mut [f32],
+    ) {
+        unreachable!("AMX is only detected on x86_64");
+    }
+
+    pub(super) unsafe fn pack_panels(
+        _g: &Gemm,
+        _is_a: bool,
+        _ranges: (std::ops::Range<usize>, std::ops::Range<usize>),
+        _out: *mut u16,
+        _panel_stride: usize,
     ) {
         unreachable!("AMX is only detected on x86_64");
     }

@@ -158,6 +158,9 @@ pub(crate) struct GemmScratch {
     /// Each thread's floats (cache-line aligned; huge pages where they are large).
     per_thread: Vec<UnsafeCell<rlx_driver::AlignedBytes>>,
     extra: usize,
+    /// One buffer all threads of a product share: the operand every task reads,
+    /// packed once ([`amx::SHARED_BYTES`] where the CPU has AMX, else empty).
+    shared: UnsafeCell<rlx_driver::AlignedBytes>,
 }
 
 // SAFETY: thread `t` of a pool job only touches `per_thread[t]`, and the pool gives each
@@ -182,6 +185,7 @@ impl GemmScratch {
                 .map(|_| UnsafeCell::new(rlx_driver::AlignedBytes::zeroed(len * 4)))
                 .collect(),
             extra,
+            shared: UnsafeCell::new(rlx_driver::AlignedBytes::zeroed(shared_bytes())),
         }
     }
 
@@ -207,12 +211,27 @@ impl GemmScratch {
                 .map_err(|_| out_of_memory(Some(len)))?;
             per_thread.push(UnsafeCell::new(buf));
         }
-        Ok(GemmScratch { per_thread, extra })
+        let shared = rlx_driver::AlignedBytes::try_zeroed(shared_bytes(), "gemm scratch")
+            .map_err(|_| out_of_memory(Some(len)))?;
+        Ok(GemmScratch {
+            per_thread,
+            extra,
+            shared: UnsafeCell::new(shared),
+        })
     }
 
     /// Floats each thread has beyond its GEMM buffer.
     pub fn extra(&self) -> usize {
         self.extra
+    }
+
+    /// The buffer every thread of a product shares, and its length in bytes. Only
+    /// one product at a time may use it; its threads write disjoint parts of it, and
+    /// read it only after the writes are done.
+    fn shared(&self) -> (*mut u8, usize) {
+        // SAFETY: only the pointer is taken; the contract governs its use.
+        let bytes = unsafe { &mut *self.shared.get() };
+        (bytes.as_mut_ptr(), bytes.len())
     }
 
     /// Threads it has buffers for.
@@ -261,6 +280,14 @@ fn scratch_regions() -> [usize; 4] {
 /// more, so that rows a multiple of 1 KiB long do not all fall into one cache set.
 fn packed_a_stride(kc: usize) -> usize {
     kc.next_multiple_of(LINE_FLOATS) + LINE_FLOATS
+}
+
+fn shared_bytes() -> usize {
+    if amx::available() {
+        amx::SHARED_BYTES
+    } else {
+        0
+    }
 }
 
 fn scratch_floats() -> usize {

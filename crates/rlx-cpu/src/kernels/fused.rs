@@ -4,7 +4,7 @@
 
 use super::Ctx;
 use crate::elem::{Elem, with_dtype};
-use crate::gemm::{Activation, BFormat, Epilogue, Gemm, sgemm};
+use crate::gemm::{Activation, BFormat, Epilogue, Gemm, sgemm_with_precision};
 use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
 use crate::vmath;
 use rlx_ir::scalar::{binary_f64, unary_f64};
@@ -116,7 +116,7 @@ pub(crate) fn fused_matmul(
             }
         };
         // SAFETY: the plan never places this output over its operands.
-        result = unsafe { sgemm(&g, ctx.pool, ctx.gemm) };
+        result = unsafe { sgemm_with_precision(&g, ctx.pool, ctx.gemm, ctx.bf16_products) };
         if let (Some(act), None) = (activation, in_gemm) {
             // An activation the GEMM does not apply: finish here.
             for i in c_off..c_off + m * n {

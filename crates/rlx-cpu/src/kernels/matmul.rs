@@ -2,7 +2,7 @@
 
 use super::Ctx;
 use crate::elem::{Elem, with_dtype};
-use crate::gemm::{BFormat, Epilogue, Gemm, sgemm};
+use crate::gemm::{BFormat, Epilogue, Gemm, sgemm_with_precision};
 use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
 use rlx_ir::{DType, Result};
 
@@ -78,7 +78,7 @@ pub(crate) fn matmul(a: Src, b: Src, out: Dst, ctx: &Ctx) -> Result<()> {
                 epilogue: Epilogue::NONE,
             };
             // SAFETY: the plan never places a matmul's output over its operands.
-            result = unsafe { sgemm(&g, ctx.pool, ctx.gemm) };
+            result = unsafe { sgemm_with_precision(&g, ctx.pool, ctx.gemm, ctx.bf16_products) };
         });
         return result;
     }

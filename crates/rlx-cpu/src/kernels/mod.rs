@@ -182,6 +182,8 @@ pub(crate) struct Ctx<'a> {
     pub pool: &'static ThreadPool,
     /// This step's right operand packed ahead, if it has one.
     pub packed_b: Option<&'a crate::prepack::PackedParam>,
+    /// Products may round their operands to bfloat16 on AMX tiles.
+    pub bf16_products: bool,
 }
 
 /// Runs one step. `src(k)` gives operand `k`; `n_inputs` is how many there are.
@@ -316,6 +318,7 @@ pub(crate) fn run<'a>(
                 gemm: ctx.gemm,
                 pool: ctx.pool,
                 packed_b: ctx.packed_b,
+                bf16_products: ctx.bf16_products,
             };
             if f.has_prologue()
                 && !conv_f32::prologue_while_packing(window, x.shape, f.input_activation)

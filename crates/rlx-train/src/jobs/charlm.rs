@@ -140,6 +140,9 @@ pub struct CharLmConfig {
     pub dropout: f64,
     /// Time every kernel of the steps ([`Trainer::profile`]).
     pub profile: bool,
+    /// Let the f32 products round their operands to bfloat16 on a CPU with AMX
+    /// ([`CompileOptions::allow_bf16`]).
+    pub bf16_products: bool,
     /// Initial params from a safetensors file (names as [`charlm_network`] gives
     /// them) instead of the seeded draw.
     pub init: Option<PathBuf>,
@@ -164,6 +167,7 @@ impl Default for CharLmConfig {
             device: Device::Cpu,
             threads: 0,
             profile: false,
+            bf16_products: false,
             val_batches: 8,
             sample_bytes: 300,
             dropout: 0.0,
@@ -328,7 +332,11 @@ pub fn train_charlm(
             total: config.steps,
         })
         .clip_norm(1.0)
-        .compile_options(CompileOptions::new().threads(config.threads));
+        .compile_options(
+            CompileOptions::new()
+                .threads(config.threads)
+                .allow_bf16(config.bf16_products),
+        );
     let mut trainer = Trainer::new(&session, &net.graph, loss, options)?;
     trainer.set_profiling(config.profile);
     match &config.init {

@@ -131,6 +131,9 @@ pub struct DigitsConfig {
     pub threads: usize,
     /// Time every kernel of the steps ([`Trainer::profile`]).
     pub profile: bool,
+    /// Let the f32 products round their operands to bfloat16 on a CPU with AMX
+    /// ([`CompileOptions::allow_bf16`]).
+    pub bf16_products: bool,
 }
 
 impl Default for DigitsConfig {
@@ -144,6 +147,7 @@ impl Default for DigitsConfig {
             device: Device::Cpu,
             threads: 0,
             profile: false,
+            bf16_products: false,
         }
     }
 }
@@ -222,7 +226,11 @@ pub fn train_digits(
             warmup: (total / 20).min(100),
             total,
         })
-        .compile_options(CompileOptions::new().threads(config.threads));
+        .compile_options(
+            CompileOptions::new()
+                .threads(config.threads)
+                .allow_bf16(config.bf16_products),
+        );
     let mut trainer = Trainer::new(&session, &g, loss, options)?;
     trainer.set_profiling(config.profile);
     for (name, values) in &init {
