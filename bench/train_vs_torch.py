@@ -261,7 +261,14 @@ def torch_worker(args):
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = batch(step)
-        loss = F.cross_entropy(step_fn_model(x), y)
+        if args.autocast:
+            # Mixed precision as PyTorch recommends it: the products (and the ops
+            # autocast lists) in bfloat16, the weights and the optimizer in f32.
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = step_fn_model(x)
+            loss = F.cross_entropy(logits.float(), y)
+        else:
+            loss = F.cross_entropy(step_fn_model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if args.job == "charlm":
@@ -312,13 +319,15 @@ def run_rlx(args, work, steps, tag):
     else:
         cmd = [args.rlx, "train", "digits", "--model", "cnn", "--epochs", str(steps), "--batch", str(DIGITS_BATCH)]
     cmd += ["--device", args.device, "--threads", str(args.threads), "--out", str(out), "--json", "-q"]
+    if args.bf16:
+        cmd.append("--bf16")
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"rlx failed: {' '.join(cmd)}\n{result.stderr}")
     return json.loads(result.stdout), out
 
 
-def run_torch(args, work, steps, tag, compile_=False, params_out=None):
+def run_torch(args, work, steps, tag, compile_=False, params_out=None, autocast=False):
     out = Path(work) / f"torch-{tag}.json"
     cmd = [sys.executable, __file__, "worker", "--job", args.job, "--steps", str(steps), "--out", str(out),
            "--threads", str(args.threads), "--device", args.device, "--schedule-steps", str(args.schedule_steps)]
@@ -326,6 +335,8 @@ def run_torch(args, work, steps, tag, compile_=False, params_out=None):
         cmd += ["--init", str(Path(work) / "init.safetensors"), "--batches", str(Path(work) / "batches.bin")]
     if compile_:
         cmd.append("--compile")
+    if autocast:
+        cmd.append("--autocast")
     if getattr(args, "float64", False):
         cmd.append("--float64")
     if params_out:
@@ -377,7 +388,7 @@ def parity(args):
 
 
 def speed(args):
-    sides = ["rlx", "torch"] + (["compile"] if args.compile else [])
+    sides = ["rlx", "torch"] + (["compile"] if args.compile else []) + (["torch-f32"] if args.bf16 else [])
     times = {s: [] for s in sides}
     memory = {s: [] for s in sides}
     with tempfile.TemporaryDirectory() as work:
@@ -394,7 +405,8 @@ def speed(args):
                 else:
                     # The digits run of rlx is one epoch (44 steps); time as many.
                     steps = args.steps if args.job == "charlm" else 1437 // DIGITS_BATCH
-                    res = run_torch(args, work, steps, f"speed{r}", compile_=(side == "compile"))
+                    res = run_torch(args, work, steps, f"speed{r}", compile_=(side == "compile"),
+                                    autocast=args.bf16 and side != "torch-f32")
                     # Leave out the first steps (compilation, warm-up).
                     times[side].append(statistics.median(res["step_seconds"][3:]))
                     memory[side].append(res["peak_rss_bytes"])
@@ -403,7 +415,8 @@ def speed(args):
     report = {}
     for s in sides[1:]:
         ratios = [a / b for a, b in zip(times["rlx"], times[s])]
-        name = "torch eager" if s == "torch" else "torch.compile"
+        name = {"torch": "torch eager (bf16 autocast)" if args.bf16 else "torch eager",
+                "compile": "torch.compile", "torch-f32": "torch eager (f32)"}[s]
         report[s] = statistics.median(ratios)
         print(f"rlx / {name}: median ratio {statistics.median(ratios):.3f} "
               f"(rounds {min(ratios):.3f}-{max(ratios):.3f}); step {statistics.median(times['rlx']) * 1e3:.2f} ms "
@@ -433,6 +446,10 @@ def main():
     p.add_argument("--batches")
     p.add_argument("--out")
     p.add_argument("--params-out")
+    p.add_argument("--bf16", action="store_true",
+                   help="speed: RLX with --bf16 (products in bfloat16 on AMX) against PyTorch under "
+                        "torch.autocast(bfloat16), and PyTorch in f32 as a third side")
+    p.add_argument("--autocast", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--float64", action="store_true",
                    help="parity: compare both against PyTorch in float64 (how far f32 rounding alone drifts)")
     args = p.parse_args()
