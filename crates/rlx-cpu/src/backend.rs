@@ -20,9 +20,11 @@ impl Backend for CpuBackend {
     }
 
     fn compile(&self, plan: Arc<Plan>, options: &BackendOptions) -> Result<Box<dyn Executable>> {
-        let mut program = CpuProgram::new(plan, options.threads)?;
-        program.set_bf16_products(options.allow_bf16);
-        Ok(Box::new(program))
+        Ok(Box::new(CpuProgram::with_bf16_products(
+            plan,
+            options.threads,
+            options.allow_bf16,
+        )?))
     }
 }
 

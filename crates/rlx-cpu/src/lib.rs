@@ -90,6 +90,21 @@ impl CpuProgram {
     /// [`Error::OutOfMemory`] naming the param, handle, constant, arena or scratch
     /// whose allocation failed (never an abort).
     pub fn new(plan: Arc<Plan>, threads: usize) -> Result<CpuProgram> {
+        Self::with_bf16_products(plan, threads, false)
+    }
+
+    /// [`CpuProgram::new`], with the `f32` matrix products allowed to round their
+    /// operands to bfloat16 and sum in `f32` on AMX tiles where the CPU has them
+    /// (weights are then packed into tiles per product instead of ahead).
+    ///
+    /// # Errors
+    /// As [`CpuProgram::new`].
+    pub fn with_bf16_products(
+        plan: Arc<Plan>,
+        threads: usize,
+        bf16_products: bool,
+    ) -> Result<CpuProgram> {
+        let products_on_amx = bf16_products && gemm::amx_available();
         let graph = &plan.graph;
         let nodes = graph.nodes();
         let mut steps = Vec::with_capacity(plan.schedule.len());
@@ -121,12 +136,14 @@ impl CpuProgram {
                 .map(|(x, s)| (plan.locations[x.index()], s.clone()))
                 .collect();
             let packed_b =
-                prepack::packed_operand(&node.op, &inputs, &param_shapes).map(|(index, spec)| {
-                    // A param two kinds of step read is packed for the first; the
-                    // other finds the form does not fit and reads the param.
-                    packable[index].get_or_insert(spec);
-                    index
-                });
+                prepack::packed_operand(&node.op, &inputs, &param_shapes, products_on_amx).map(
+                    |(index, spec)| {
+                        // A param two kinds of step read is packed for the first; the
+                        // other finds the form does not fit and reads the param.
+                        packable[index].get_or_insert(spec);
+                        index
+                    },
+                );
             let geometry = match &node.op {
                 Op::Reduce { axes, .. } => Some(ReduceGeometry::new(in_shapes[0].dims(), axes)),
                 _ => None,
@@ -137,7 +154,7 @@ impl CpuProgram {
             steps.push(Step {
                 node: id,
                 op: node.op.clone(),
-                kernel: kernels::kernel_name(&node.op, &in_shapes, &node.shape),
+                kernel: kernels::kernel_name(&node.op, &in_shapes, &node.shape, products_on_amx),
                 inputs,
                 output: (plan.locations[id.index()], node.shape.clone()),
                 geometry,
@@ -200,7 +217,7 @@ impl CpuProgram {
             gemm,
             handle_addrs: vec![0; plan_handles],
             step_nanos: None,
-            bf16_products: false,
+            bf16_products,
             profiled_runs: 0,
         })
     }
@@ -483,13 +500,6 @@ impl CpuProgram {
             runs: self.profiled_runs,
             kernels,
         })
-    }
-
-    /// Lets the `f32` matrix products round their operands to bfloat16 and sum in
-    /// `f32` on AMX tiles, where the CPU has them (off by default; without AMX it
-    /// changes nothing).
-    pub fn set_bf16_products(&mut self, on: bool) {
-        self.bf16_products = on;
     }
 
     /// Runs every step in order. Allocation-free.

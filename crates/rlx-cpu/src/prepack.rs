@@ -202,6 +202,7 @@ pub(crate) fn packed_operand(
     op: &Op,
     inputs: &[(Location, Shape)],
     params: &[Shape],
+    products_on_amx: bool,
 ) -> Option<(usize, PackSpec)> {
     if inputs.len() < 2 {
         return None;
@@ -215,10 +216,11 @@ pub(crate) fn packed_operand(
         return None;
     }
     let spec = match op {
+        // Products on AMX tiles pack their weights per call, into tiles.
         Op::MatMul
         | Op::FusedMatMul {
             transpose_b: false, ..
-        } if b.rank() == 2 => PackSpec::Panels {
+        } if b.rank() == 2 && !products_on_amx => PackSpec::Panels {
             k: b.dim(0),
             n: b.dim(1),
         },

@@ -56,13 +56,17 @@ fn prologue_scratch(op: &Op, x: &Shape) -> usize {
     }
 }
 
-/// Name of the kernel that runs `op` producing `out`, as shown by `rlx inspect`.
-pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
+/// Name of the kernel that runs `op` producing `out`, as shown by `rlx inspect`
+/// (`products_on_amx`: `f32` products with an `f32` `B` run on AMX tiles).
+pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bool) -> String {
     let dtype = inputs.first().map_or(out.dtype(), |s| s.dtype());
+    let gemm = if products_on_amx && inputs.get(1).is_some_and(|b| b.dtype() == DType::F32) {
+        "amx-bf16"
+    } else {
+        crate::gemm::best_kernel().name
+    };
     match op {
-        Op::MatMul if dtype == DType::F32 => {
-            format!("cpu.gemm.{}.matmul.f32", crate::gemm::best_kernel().name)
-        }
+        Op::MatMul if dtype == DType::F32 => format!("cpu.gemm.{gemm}.matmul.f32"),
         Op::Attention { .. } if dtype == DType::F32 => "cpu.flash.attention.f32".into(),
         Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
             if dtype == DType::F32 =>
@@ -97,10 +101,7 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape) -> String {
         Op::QuantMatMul { format } => format!("cpu.quant.{format}.matmul"),
         Op::Dequantize { format } => format!("cpu.quant.{format}.dequantize"),
         Op::FusedMatMul { .. } if dtype == DType::F32 => {
-            format!(
-                "cpu.gemm.{}.matmul+epilogue.f32",
-                crate::gemm::best_kernel().name
-            )
+            format!("cpu.gemm.{gemm}.matmul+epilogue.f32")
         }
         Op::Elementwise { steps } => format!("cpu.region{}.{}", steps.len(), out.dtype()),
         Op::Binary(b) if fast_binary(*b, &inputs[0], out) => {
