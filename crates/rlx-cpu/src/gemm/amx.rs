@@ -926,14 +926,14 @@ mod tests {
                 // SAFETY: the buffers match the stated sizes; AMX is available.
                 unsafe { sgemm(&g, &pool, &scratch) }.unwrap();
                 for i in 0..m {
-                    for j in 0..n {
+                    for (j, &bias_j) in bias.iter().enumerate() {
                         let at = i * n + j;
                         let mut w = want[at];
                         if accumulate {
                             w += f64::from(old[at]);
                         }
                         if epilogue {
-                            w = (w * 0.5 + f64::from(bias[j])).max(0.0);
+                            w = (w * 0.5 + f64::from(bias_j)).max(0.0);
                         }
                         // f32 sums: at most k roundings of partial sums.
                         let tol = (k as f64 + 2.0) * 1.2e-7 * (scale[at] + w.abs() + 1e-3);
