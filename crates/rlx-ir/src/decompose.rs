@@ -17,6 +17,8 @@ pub fn is_composite(op: &Op) -> bool {
             | Op::LogSoftmax { .. }
             | Op::LayerNorm { .. }
             | Op::RmsNorm { .. }
+            | Op::NormGrad { .. }
+            | Op::NormScaleGrad { .. }
             | Op::Attention { .. }
             | Op::Rope { .. }
             | Op::FusedMatMul { .. }
@@ -24,6 +26,22 @@ pub fn is_composite(op: &Op) -> bool {
             | Op::Elementwise { .. }
             | Op::Unary(UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu)
     )
+}
+
+/// A norm's normalized input `x̂` and the reciprocal `r` of its root (one per row,
+/// kept as a last axis of 1): `x̂ = (x - mean) r` when `centered`, else `x r`, with
+/// `r = 1 / sqrt(var + eps)` (the mean square without centering). Shared by the
+/// decompositions of the norm gradients and by the gradient rule of the norms.
+pub fn norm_statistics(g: &Graph, x: NodeId, eps: f64, centered: bool) -> Result<(NodeId, NodeId)> {
+    let dtype = g.shape(x)?.dtype();
+    let centred = if centered {
+        g.sub(x, g.mean(x, &[-1], true)?)?
+    } else {
+        x
+    };
+    let variance = g.mean(g.mul(centred, centred)?, &[-1], true)?;
+    let r = g.unary(UnaryOp::Rsqrt, g.add(variance, g.scalar(eps, dtype))?)?;
+    Ok((g.mul(centred, r)?, r))
 }
 
 /// An attention's scores before the softmax, `q kᵀ scale` for head-major `q` and `k`
@@ -111,6 +129,24 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
             let ms = g.mean(g.mul(x, x)?, &[-1], true)?;
             let inv = g.unary(UnaryOp::Rsqrt, g.add(ms, c(eps.get()))?)?;
             g.mul(g.mul(x, inv)?, inputs[1])?
+        }
+        Op::NormGrad { eps, centered } => {
+            let (x, gamma, dy) = (inputs[0], inputs[1], inputs[2]);
+            let (normed, r) = norm_statistics(g, x, eps.get(), *centered)?;
+            let scaled = g.mul(dy, gamma)?;
+            let mean = |a| g.mean(a, &[-1], true);
+            let mut inner = g.sub(scaled, g.mul(normed, mean(g.mul(scaled, normed)?)?)?)?;
+            if *centered {
+                inner = g.sub(inner, mean(scaled)?)?;
+            }
+            g.mul(r, inner)?
+        }
+        Op::NormScaleGrad { eps, centered } => {
+            let (x, dy) = (inputs[0], inputs[1]);
+            let (normed, _) = norm_statistics(g, x, eps.get(), *centered)?;
+            let rank = g.shape(x)?.rank();
+            let rows: Vec<isize> = (0..rank as isize - 1).collect();
+            g.sum(g.mul(dy, normed)?, &rows, false)?
         }
         Op::Unary(u @ (UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu)) => {
             activation(g, *u, inputs[0])?

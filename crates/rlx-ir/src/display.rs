@@ -20,6 +20,13 @@ pub fn op_attributes(op: &Op) -> String {
             format!("axis={axis}")
         }
         Op::LayerNorm { eps } | Op::RmsNorm { eps } => format!("eps={}", eps.get()),
+        Op::NormGrad { eps, centered } | Op::NormScaleGrad { eps, centered } => {
+            format!(
+                "eps={} {}",
+                eps.get(),
+                if *centered { "layer" } else { "rms" }
+            )
+        }
         Op::Reshape { dims } | Op::Expand { dims } => format!("dims={dims:?}"),
         Op::Permute { perm } => format!("perm={perm:?}"),
         Op::Slice { axes } => {

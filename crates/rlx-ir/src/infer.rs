@@ -9,8 +9,16 @@ use crate::{Error, Op, Result, Shape};
 fn arity(op: &Op) -> (usize, usize) {
     match op {
         Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } | Op::Range { .. } => (0, 0),
-        Op::Binary(_) | Op::MatMul | Op::Gather { .. } | Op::RmsNorm { .. } => (2, 2),
-        Op::Where | Op::LayerNorm { .. } | Op::Rope { .. } | Op::WriteAt { .. } => (3, 3),
+        Op::Binary(_)
+        | Op::MatMul
+        | Op::Gather { .. }
+        | Op::RmsNorm { .. }
+        | Op::NormScaleGrad { .. } => (2, 2),
+        Op::Where
+        | Op::LayerNorm { .. }
+        | Op::Rope { .. }
+        | Op::WriteAt { .. }
+        | Op::NormGrad { .. } => (3, 3),
         Op::Conv2d { .. } => (2, 3),
         Op::Attention { .. } => (3, 4),
         Op::QuantMatMul { .. } => (2, 2),
@@ -49,6 +57,8 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
         Op::MatMul => matmul::infer_matmul(inputs[0], inputs[1]),
         Op::LayerNorm { .. } => norm::infer_norm("layer_norm", x(), &inputs[1..]),
         Op::RmsNorm { .. } => norm::infer_norm("rms_norm", x(), &inputs[1..]),
+        Op::NormGrad { .. } => norm::infer_norm_grad(inputs[0], inputs[1], inputs[2]),
+        Op::NormScaleGrad { .. } => norm::infer_norm_scale_grad(inputs[0], inputs[1]),
         Op::Reshape { dims } => shape_ops::infer_reshape(dims, x()),
         Op::Permute { perm } => shape_ops::infer_permute(perm, x()),
         Op::Slice { axes } => shape_ops::infer_slice(axes, x()),

@@ -484,6 +484,25 @@ pub enum Op {
         /// Added to the mean square.
         eps: F64Bits,
     },
+    /// The gradient of a layer norm's (`centered`) or RMS norm's input, from its
+    /// operands `x`, `gamma` and the output's gradient `g`: `r (gγ - mean(gγ) - x̂
+    /// mean(gγ x̂))` over the last axis (no first mean for RMS), with `x̂ = (x -
+    /// mean) r` (`x r` for RMS) and `r = 1 / sqrt(var + eps)` (the mean square for
+    /// RMS). A composite: one pass over the rows where a backend runs it natively.
+    NormGrad {
+        /// The norm's epsilon.
+        eps: F64Bits,
+        /// A layer norm (`true`) or an RMS norm.
+        centered: bool,
+    },
+    /// The gradient of a norm's scale, `Σ g x̂` over every axis but the last, from
+    /// `x` and the output's gradient `g` (`x̂` as in [`Op::NormGrad`]): shape `[D]`.
+    NormScaleGrad {
+        /// The norm's epsilon.
+        eps: F64Bits,
+        /// A layer norm (`true`) or an RMS norm.
+        centered: bool,
+    },
     /// Same data, new dimensions (a view: no copy).
     Reshape {
         /// The new dimensions.
@@ -712,6 +731,8 @@ impl Op {
             Op::MatMul => "matmul".into(),
             Op::LayerNorm { .. } => "layer_norm".into(),
             Op::RmsNorm { .. } => "rms_norm".into(),
+            Op::NormGrad { .. } => "norm_grad".into(),
+            Op::NormScaleGrad { .. } => "norm_scale_grad".into(),
             Op::Reshape { .. } => "reshape".into(),
             Op::Permute { .. } => "permute".into(),
             Op::Slice { .. } => "slice".into(),

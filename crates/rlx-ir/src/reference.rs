@@ -80,6 +80,12 @@ pub fn eval_node(
         Op::MatMul => matmul::eval_matmul(inputs[0], inputs[1], out)?,
         Op::LayerNorm { eps } => norm::eval_layer_norm(x(), inputs[1], Some(inputs[2]), eps.get()),
         Op::RmsNorm { eps } => norm::eval_layer_norm(x(), inputs[1], None, eps.get()),
+        Op::NormGrad { eps, centered } => {
+            norm::eval_norm_grad(x(), Some(inputs[1]), inputs[2], eps.get(), *centered, out)
+        }
+        Op::NormScaleGrad { eps, centered } => {
+            norm::eval_norm_grad(x(), None, inputs[1], eps.get(), *centered, out)
+        }
         Op::Reshape { .. } => HostTensor::new(out.clone(), x().data.clone()),
         Op::Permute { perm } => shape_ops::eval_permute(perm, x(), out),
         Op::Slice { axes } => shape_ops::eval_slice(axes, x(), out),

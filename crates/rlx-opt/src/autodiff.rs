@@ -580,7 +580,8 @@ fn vjp(
 /// The VJP of a layer norm (`centered`: `x̂ = (x - mean) r`, `y = x̂ γ + β`) or an RMS
 /// norm (`x̂ = x r`, `y = x̂ γ`) over the last axis, `r = 1 / sqrt(var + eps)` (the
 /// mean square for RMS): `dx = r (gγ - mean(gγ) - x̂ mean(gγ x̂))` (no first mean for
-/// RMS), `dγ = Σ g x̂`, `dβ = Σ g`, the sums over every axis but the last.
+/// RMS) as one [`Op::NormGrad`], `dγ = Σ g x̂` as one [`Op::NormScaleGrad`] (composites
+/// a backend runs in a pass over the rows, or decomposes), `dβ = Σ g`.
 fn norm_vjp(
     graph: &Graph,
     operands: &[NodeId],
@@ -589,24 +590,8 @@ fn norm_vjp(
     centered: bool,
 ) -> Result<Vec<Option<NodeId>>> {
     let (x, gamma) = (operands[0], operands[1]);
-    let dtype = graph.shape(x)?.dtype();
-    let mul = |a, b| graph.binary(BinaryOp::Mul, a, b);
-    let sub = |a, b| graph.binary(BinaryOp::Sub, a, b);
-    let mean = |a| graph.mean(a, &[-1], true);
-    let centred = if centered { sub(x, mean(x)?)? } else { x };
-    let variance = mean(mul(centred, centred)?)?;
-    let r = graph.unary(
-        UnaryOp::Rsqrt,
-        graph.binary(BinaryOp::Add, variance, graph.scalar(eps, dtype))?,
-    )?;
-    let normed = mul(centred, r)?;
-    let scaled = mul(g, gamma)?;
-    let mut inner = sub(scaled, mul(normed, mean(mul(scaled, normed)?)?)?)?;
-    if centered {
-        inner = sub(inner, mean(scaled)?)?;
-    }
-    let dx = mul(r, inner)?;
-    let dgamma = unbroadcast(graph, mul(g, normed)?, gamma)?;
+    let dx = graph.norm_grad(x, gamma, g, eps, centered)?;
+    let dgamma = graph.norm_scale_grad(x, g, eps, centered)?;
     let mut contributions = vec![Some(dx), Some(dgamma)];
     if centered {
         contributions.push(Some(unbroadcast(graph, g, operands[2])?));

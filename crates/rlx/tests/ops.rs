@@ -1266,6 +1266,64 @@ fn layer_norm_and_rms_norm() {
 }
 
 #[test]
+fn norm_gradients() {
+    let mut s = Suite::new(0x3B);
+    // Rows narrower and wider than 16 lanes with ragged tails, fewer rows than the
+    // scale gradient's row blocks, and the character GPT's 2048 x 256.
+    let shapes: [&[usize]; 7] = [
+        &[3, 5, 16],
+        &[7],
+        &[4, 1],
+        &[0, 8],
+        &[5, 33],
+        &[2, 1000],
+        &[16, 128, 256],
+    ];
+    for dt in FLOATS {
+        for dims in shapes {
+            let d = dims[dims.len() - 1];
+            let ins = [
+                inp("x", dims, dt).dist(Dist::Uniform(-3.0, 3.0)),
+                inp("gamma", &[d], dt),
+                inp("dy", dims, dt),
+            ];
+            let rows: usize = dims[..dims.len() - 1].iter().product();
+            s.check(
+                &format!("norm gradients {dt} {dims:?}"),
+                &ins,
+                acc(d.max(rows)),
+                |g, x| {
+                    Ok(vec![
+                        g.norm_grad(x[0], x[1], x[2], 1e-5, true)?,
+                        g.norm_grad(x[0], x[1], x[2], 1e-6, false)?,
+                        g.norm_scale_grad(x[0], x[2], 1e-5, true)?,
+                        g.norm_scale_grad(x[0], x[2], 0.25, false)?,
+                    ])
+                },
+            );
+        }
+    }
+}
+
+#[test]
+fn norm_gradients_reject_mismatched_shapes() {
+    let g = Graph::new("norm_grad_errors");
+    let x = g.input("x", Shape::new(&[4, 8], DType::F32)).unwrap();
+    let gamma = g.input("gamma", Shape::new(&[8], DType::F32)).unwrap();
+    let short = g.input("short", Shape::new(&[4, 7], DType::F32)).unwrap();
+    let wide = g.input("wide", Shape::new(&[7], DType::F32)).unwrap();
+    let err = g.norm_grad(x, gamma, short, 1e-5, true).unwrap_err();
+    assert!(err.to_string().contains("norm_grad"), "{err}");
+    let err = g.norm_grad(x, wide, x, 1e-5, true).unwrap_err();
+    assert!(err.to_string().contains("[8]"), "{err}");
+    let err = g.norm_scale_grad(x, short, 1e-5, false).unwrap_err();
+    assert!(err.to_string().contains("norm_scale_grad"), "{err}");
+    // The graph still builds after the rejected calls.
+    let ok = g.norm_scale_grad(x, x, 1e-5, false).unwrap();
+    assert_eq!(g.shape(ok).unwrap().dims(), &[8]);
+}
+
+#[test]
 fn matmul_shapes() {
     let mut s = Suite::new(0x0C);
     let shapes: [(&[usize], &[usize]); 14] = [

@@ -38,6 +38,9 @@ pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
             conv_f32::scratch_f64(window, &inputs[0], &inputs[1]) + prologue_scratch(op, &inputs[0])
         }
         Op::FusedConv2d { .. } => prologue_scratch(op, &inputs[0]),
+        Op::NormScaleGrad { .. } => {
+            norm_f32::SCALE_GRAD_PARTS * inputs[0].dims().last().copied().unwrap_or(1)
+        }
         _ => 0,
     }
 }
@@ -135,7 +138,10 @@ fn consecutive(axes: &[usize]) -> Option<(usize, usize)> {
 fn fast_rows(op: &Op, x: &Shape) -> bool {
     x.dtype() == DType::F32
         && match op {
-            Op::LayerNorm { .. } | Op::RmsNorm { .. } => true,
+            Op::LayerNorm { .. }
+            | Op::RmsNorm { .. }
+            | Op::NormGrad { .. }
+            | Op::NormScaleGrad { .. } => true,
             Op::Softmax { axis } | Op::LogSoftmax { axis } => *axis + 1 == x.rank(),
             _ => false,
         }
@@ -244,6 +250,18 @@ pub(crate) fn run<'a>(
             norm_f32::norm(src(0), src(1), None, eps.get(), out, ctx)?
         }
         Op::MatMul => matmul::matmul(src(0), src(1), out, ctx)?,
+        Op::NormGrad { eps, centered } if fast_rows(op, src(0).shape) => {
+            norm_f32::norm_grad(src(0), src(1), src(2), (eps.get(), *centered), out, ctx)?
+        }
+        Op::NormScaleGrad { eps, centered } if fast_rows(op, src(0).shape) => {
+            norm_f32::norm_scale_grad(src(0), src(1), (eps.get(), *centered), out, ctx)?
+        }
+        Op::NormGrad { eps, centered } => {
+            norm::norm_grad(src(0), Some(src(1)), src(2), eps.get(), *centered, out)
+        }
+        Op::NormScaleGrad { eps, centered } => {
+            norm::norm_grad(src(0), None, src(1), eps.get(), *centered, out)
+        }
         Op::LayerNorm { eps } => norm::norm(src(0), src(1), Some(src(2)), eps.get(), out),
         Op::RmsNorm { eps } => norm::norm(src(0), src(1), None, eps.get(), out),
         // The planner makes every reshape a view; run as a copy if one ever is not.

@@ -281,3 +281,162 @@ multiversion! {
         }
     }
 }
+
+/// Row blocks (and partial sums) of [`norm_scale_grad`]: a fixed count, so the sums
+/// do not depend on the number of threads.
+pub(crate) const SCALE_GRAD_PARTS: usize = 8;
+
+/// Operands of the norm-gradient row tasks.
+struct GradRows {
+    x: usize,
+    dy: usize,
+    out: usize,
+}
+
+/// `Op::NormGrad` in `f32`: per row, the statistics, `Σ gγ` and `Σ gγ x̂`, then the
+/// input's gradient, in one pass over the row (a second from L1).
+pub(crate) fn norm_grad(
+    x: Src,
+    gamma: Src,
+    dy: Src,
+    (eps, centered): (f64, bool),
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    let width = x.shape.dims().last().copied().unwrap_or(1);
+    if width == 0 || x.len == 0 {
+        return Ok(());
+    }
+    let rows = GradRows {
+        x: x.ptr as usize,
+        dy: dy.ptr as usize,
+        out: out.ptr as usize,
+    };
+    let gamma = gamma.as_slice::<f32>();
+    let count = x.len / width;
+    let threads = if x.len >= 1 << 14 {
+        ctx.gemm.threads()
+    } else {
+        1
+    };
+    let task = |t: usize, _thread: usize| {
+        let first = t * ROWS_PER_TASK;
+        let last = (first + ROWS_PER_TASK).min(count);
+        for r in first..last {
+            // SAFETY: row `r` of `x`, `dy` and the output (`count * width` floats each);
+            // each task writes only its rows of the output, which may share `dy`'s
+            // bytes: the row kernel reads `dy[j]` before it writes `out[j]`.
+            let (x, dy, out) = unsafe {
+                (
+                    std::slice::from_raw_parts((rows.x as *const f32).add(r * width), width),
+                    std::slice::from_raw_parts((rows.dy as *const f32).add(r * width), width),
+                    std::slice::from_raw_parts_mut((rows.out as *mut f32).add(r * width), width),
+                )
+            };
+            norm_grad_row(x, gamma, dy, eps as f32, centered, out);
+        }
+    };
+    ctx.pool.run(count.div_ceil(ROWS_PER_TASK), threads, &task)
+}
+
+/// `(Σ a b, Σ a b (c - shift))` in 16 lanes.
+#[inline(always)]
+fn dot_pair(a: &[f32], b: &[f32], c: &[f32], shift: f32) -> (f32, f32) {
+    let (mut plain, mut weighted) = ([0.0f32; 16], [0.0f32; 16]);
+    let blocks = a.len() / 16 * 16;
+    for ((a, b), c) in a[..blocks]
+        .chunks_exact(16)
+        .zip(b[..blocks].chunks_exact(16))
+        .zip(c[..blocks].chunks_exact(16))
+    {
+        for l in 0..16 {
+            let ab = a[l] * b[l];
+            plain[l] += ab;
+            weighted[l] += ab * (c[l] - shift);
+        }
+    }
+    let (mut p, mut w) = (plain.iter().sum::<f32>(), weighted.iter().sum::<f32>());
+    for j in blocks..a.len() {
+        let ab = a[j] * b[j];
+        p += ab;
+        w += ab * (c[j] - shift);
+    }
+    (p, w)
+}
+
+multiversion! {
+    /// One row of a norm's input gradient.
+    fn norm_grad_row(x: &[f32], gamma: &[f32], dy: &[f32], eps: f32, centered: bool, out: &mut [f32]) {
+        let n = x.len() as f32;
+        let mean = if centered { sum16(x, |v| v) / n } else { 0.0 };
+        let inv = 1.0 / (sum16(x, |v| (v - mean) * (v - mean)) / n + eps).sqrt();
+        let (sum_scaled, sum_dot) = dot_pair(dy, gamma, x, mean);
+        let centre = if centered { sum_scaled / n } else { 0.0 };
+        // Σ gγ x̂ / n, with x̂ = (x - mean) inv.
+        let mean_dot = sum_dot * inv / n;
+        for (((o, &v), &g), &s) in out.iter_mut().zip(x).zip(dy).zip(gamma) {
+            *o = inv * (g * s - centre - (v - mean) * inv * mean_dot);
+        }
+    }
+}
+
+/// `Op::NormScaleGrad` in `f32`: [`SCALE_GRAD_PARTS`] blocks of rows each sum `g x̂`
+/// into their own `f64` partial (in `ctx.scratch`), then the partials are added in
+/// order.
+pub(crate) fn norm_scale_grad(
+    x: Src,
+    dy: Src,
+    (eps, centered): (f64, bool),
+    out: Dst,
+    ctx: &mut Ctx,
+) -> Result<()> {
+    let width = x.shape.dims().last().copied().unwrap_or(1);
+    let count = x.len.checked_div(width).unwrap_or(0);
+    let partials = &mut ctx.scratch[..SCALE_GRAD_PARTS * width];
+    partials.fill(0.0);
+    let rows = GradRows {
+        x: x.ptr as usize,
+        dy: dy.ptr as usize,
+        out: partials.as_mut_ptr() as usize,
+    };
+    let per_part = count.div_ceil(SCALE_GRAD_PARTS);
+    let threads = if x.len >= 1 << 14 {
+        ctx.gemm.threads()
+    } else {
+        1
+    };
+    let task = |t: usize, _thread: usize| {
+        // SAFETY: partial `t` (`width` values of the scratch) belongs to this task.
+        let acc =
+            unsafe { std::slice::from_raw_parts_mut((rows.out as *mut f64).add(t * width), width) };
+        for r in t * per_part..((t + 1) * per_part).min(count) {
+            // SAFETY: row `r` of `x` and `dy` (`count * width` floats each).
+            let (x, dy) = unsafe {
+                (
+                    std::slice::from_raw_parts((rows.x as *const f32).add(r * width), width),
+                    std::slice::from_raw_parts((rows.dy as *const f32).add(r * width), width),
+                )
+            };
+            scale_grad_row(x, dy, eps as f32, centered, acc);
+        }
+    };
+    ctx.pool.run(SCALE_GRAD_PARTS, threads, &task)?;
+    let partials = &ctx.scratch[..SCALE_GRAD_PARTS * width];
+    for j in 0..width {
+        let sum: f64 = (0..SCALE_GRAD_PARTS).map(|t| partials[t * width + j]).sum();
+        out.set(j, sum as f32);
+    }
+    Ok(())
+}
+
+multiversion! {
+    /// Adds one row's `g x̂` to `acc`.
+    fn scale_grad_row(x: &[f32], dy: &[f32], eps: f32, centered: bool, acc: &mut [f64]) {
+        let n = x.len() as f32;
+        let mean = if centered { sum16(x, |v| v) / n } else { 0.0 };
+        let inv = 1.0 / (sum16(x, |v| (v - mean) * (v - mean)) / n + eps).sqrt();
+        for ((a, &v), &g) in acc.iter_mut().zip(x).zip(dy) {
+            *a += f64::from(g * ((v - mean) * inv));
+        }
+    }
+}

@@ -37,6 +37,45 @@ impl Graph {
             &[x, gamma],
         )
     }
+
+    /// The gradient of the input of `layer_norm(x, gamma, _, eps)` (`centered`) or
+    /// `rms_norm(x, gamma, eps)`, given the gradient `dy` of its output
+    /// ([`Op::NormGrad`]); `dy` has `x`'s shape.
+    pub fn norm_grad(
+        &self,
+        x: NodeId,
+        gamma: NodeId,
+        dy: NodeId,
+        eps: f64,
+        centered: bool,
+    ) -> Result<NodeId> {
+        self.push(
+            Op::NormGrad {
+                eps: F64Bits::new(eps),
+                centered,
+            },
+            &[x, gamma, dy],
+        )
+    }
+
+    /// The gradient of the scale `gamma` of `layer_norm(x, gamma, _, eps)`
+    /// (`centered`) or `rms_norm(x, gamma, eps)`, given the gradient `dy` of its
+    /// output ([`Op::NormScaleGrad`]): shape `[D]`, `D` the last axis of `x`.
+    pub fn norm_scale_grad(
+        &self,
+        x: NodeId,
+        dy: NodeId,
+        eps: f64,
+        centered: bool,
+    ) -> Result<NodeId> {
+        self.push(
+            Op::NormScaleGrad {
+                eps: F64Bits::new(eps),
+                centered,
+            },
+            &[x, dy],
+        )
+    }
 }
 
 pub(crate) fn infer_softmax(name: &str, axis: usize, x: &Shape) -> Result<Shape> {
@@ -71,6 +110,32 @@ pub(crate) fn infer_norm(name: &str, x: &Shape, params: &[&Shape]) -> Result<Sha
         }
     }
     Ok(x.clone())
+}
+
+pub(crate) fn infer_norm_grad(x: &Shape, gamma: &Shape, dy: &Shape) -> Result<Shape> {
+    infer_norm("norm_grad", x, &[gamma])?;
+    if dy != x {
+        return Err(mismatch(
+            "norm_grad",
+            x,
+            dy,
+            "the output gradient must have the input's shape",
+        ));
+    }
+    Ok(x.clone())
+}
+
+pub(crate) fn infer_norm_scale_grad(x: &Shape, dy: &Shape) -> Result<Shape> {
+    infer_norm("norm_scale_grad", x, &[])?;
+    if dy != x {
+        return Err(mismatch(
+            "norm_scale_grad",
+            x,
+            dy,
+            "the output gradient must have the input's shape",
+        ));
+    }
+    Ok(Shape::new(&[x.dim(x.rank() - 1)], x.dtype()))
 }
 
 /// Calls `f` with the flat positions of each lane along `axis`.
@@ -109,6 +174,54 @@ pub(crate) fn eval_softmax(x: &HostTensor, axis: usize, log: bool) -> HostTensor
         }
     });
     HostTensor::new(x.shape.clone(), data)
+}
+
+/// [`Op::NormGrad`] (with `gamma`) or [`Op::NormScaleGrad`] (without), in `f64`,
+/// rounded to the dtype at the end.
+pub(crate) fn eval_norm_grad(
+    x: &HostTensor,
+    gamma: Option<&HostTensor>,
+    dy: &HostTensor,
+    eps: f64,
+    centered: bool,
+    out: &Shape,
+) -> HostTensor {
+    let d = x.shape.dim(x.shape.rank() - 1);
+    let dt = x.shape.dtype();
+    let mut data = vec![0.0; out.num_elements()];
+    if d > 0 {
+        for (r, (row, g)) in x.data.chunks(d).zip(dy.data.chunks(d)).enumerate() {
+            let mean = if centered {
+                row.iter().sum::<f64>() / d as f64
+            } else {
+                0.0
+            };
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d as f64;
+            let inv = 1.0 / (var + eps).sqrt();
+            let normed: Vec<f64> = row.iter().map(|v| (v - mean) * inv).collect();
+            match gamma {
+                Some(gamma) => {
+                    let scaled: Vec<f64> = g.iter().zip(&gamma.data).map(|(g, s)| g * s).collect();
+                    let mean_scaled = scaled.iter().sum::<f64>() / d as f64;
+                    let mean_dot =
+                        scaled.iter().zip(&normed).map(|(s, n)| s * n).sum::<f64>() / d as f64;
+                    for j in 0..d {
+                        let centre = if centered { mean_scaled } else { 0.0 };
+                        data[r * d + j] = inv * (scaled[j] - centre - normed[j] * mean_dot);
+                    }
+                }
+                None => {
+                    for j in 0..d {
+                        data[j] += g[j] * normed[j];
+                    }
+                }
+            }
+        }
+    }
+    for v in &mut data {
+        *v = dt.round_value(*v);
+    }
+    HostTensor::new(out.clone(), data)
 }
 
 pub(crate) fn eval_layer_norm(
