@@ -21,16 +21,19 @@ pub(crate) fn write_at(axis: usize, update: Src, pos: Src, target: Dst) -> Resul
     }
     let outer: usize = td[..axis].iter().product();
     let inner: usize = td[axis + 1..].iter().product();
-    with_dtype!(target.shape.dtype(), T => {
-        for o in 0..outer {
-            for r in 0..len {
-                for e in 0..inner {
-                    let src = (o * len + r) * inner + e;
-                    let dst = (o * td[axis] + p as usize + r) * inner + e;
-                    target.set::<T>(dst, update.get(src));
-                }
-            }
-        }
-    });
+    // Each outer index writes one contiguous block: `len` rows of `inner` values.
+    let size = target.shape.dtype().size_in_bytes();
+    let block = len * inner * size;
+    assert!(
+        update.len * size >= outer * block && target.len * size >= outer * td[axis] * inner * size,
+        "write_at block out of bounds"
+    );
+    for o in 0..outer {
+        let from = o * block;
+        let to = (o * td[axis] + p as usize) * inner * size;
+        // SAFETY: both blocks lie inside their tensors (checked above); `copy` allows
+        // the update to share the target's bytes.
+        unsafe { std::ptr::copy(update.ptr.add(from), target.ptr.add(to), block) };
+    }
     Ok(())
 }
