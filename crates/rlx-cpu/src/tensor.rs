@@ -122,6 +122,23 @@ pub(crate) fn coalesce<const N: usize>(
 
 /// Walks every index of `dims` in row-major order, calling `f(flat, offsets)` where
 /// `offsets[k] = base[k] + sum(idx * strides[k])`. No allocation.
+/// The offsets [`for_each_strided`] gives flat index `flat` (without walking there).
+pub(crate) fn strided_offsets<const N: usize>(
+    dims: &[usize],
+    strides: [&[isize; MAX_RANK]; N],
+    mut flat: usize,
+) -> [isize; N] {
+    let mut offs = [0isize; N];
+    for axis in (0..dims.len()).rev() {
+        let i = flat % dims[axis].max(1);
+        flat /= dims[axis].max(1);
+        for k in 0..N {
+            offs[k] += i as isize * strides[k][axis];
+        }
+    }
+    offs
+}
+
 pub(crate) fn for_each_strided<const N: usize>(
     dims: &[usize],
     strides: [&[isize; MAX_RANK]; N],

@@ -180,6 +180,15 @@ pub(super) unsafe fn sgemm(g: &Gemm, pool: &ThreadPool, scratch: &GemmScratch) -
     pool.run(schedule.tasks, threads, &task)
 }
 
+/// All of `g` on the calling thread, packing both operands itself.
+///
+/// # Safety
+/// As [`sgemm`]; `buf` is the thread's buffer from [`GemmScratch::parts`].
+pub(super) unsafe fn serial(g: &Gemm, buf: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe { x86::serial(g, 0..g.m, 0..g.n, Shared::None, buf) }
+}
+
 /// `x` rounded to the nearest bfloat16, ties to even, NaN kept a (quiet) NaN: the
 /// conversion the packing does, for tests and references.
 #[cfg(test)]

@@ -4,8 +4,8 @@
 
 use super::Ctx;
 use crate::elem::{Elem, with_dtype};
-use crate::gemm::{Activation, BFormat, Epilogue, Gemm, sgemm_with_precision};
-use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
+use crate::gemm::{Activation, BFormat, Epilogue, Gemm, sgemm_batch};
+use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided, strided_offsets};
 use crate::vmath;
 use rlx_ir::scalar::{binary_f64, unary_f64};
 use rlx_ir::{
@@ -79,57 +79,62 @@ pub(crate) fn fused_matmul(
     };
     let b_base = packed.map_or(b.ptr, |(panels, _)| panels.cast::<u8>());
     let b_size = b.shape.dtype().size_in_bytes();
-    let mut result = Ok(());
-    for_each_strided(out_batch, [&sa, &sb], [0, 0], |bi, [ab, bb]| {
-        if result.is_err() {
-            return;
-        }
+    let (a_base, b_base, c_base) = (a.ptr as usize, b_base as usize, out.ptr as usize);
+    let (bias_ptr, residual_ptr) = (
+        bias.map(|s| s.ptr as usize),
+        residual.map(|r| r.ptr as usize),
+    );
+    let count: usize = out_batch.iter().product();
+    let product = |bi: usize| {
+        let [ab, bb] = strided_offsets(out_batch, [&sa, &sb], bi);
         let c_off = bi * m * n;
         // SAFETY: batch elements of A, B, the output and the residual lie inside them.
-        let g = unsafe {
+        unsafe {
             Gemm {
                 m,
                 n,
                 k,
-                a: a.ptr.cast::<f32>().add(ab as usize * m * k),
+                a: (a_base as *const f32).add(ab as usize * m * k),
                 lda: if a_transposed { m } else { k },
-                b: b_base.add(bb as usize * k * n * b_size).cast::<f32>(),
+                b: (b_base as *const u8)
+                    .add(bb as usize * k * n * b_size)
+                    .cast::<f32>(),
                 ldb: if b_transposed { k } else { n },
                 a_transposed,
                 b_transposed,
                 b_format,
-                c: out.ptr.cast::<f32>().add(c_off),
+                c: (c_base as *mut f32).add(c_off),
                 ldc: n,
                 accumulate: false,
                 epilogue: Epilogue {
                     alpha: alpha as f32,
-                    bias: bias.map(|s| s.ptr.cast::<f32>()),
+                    bias: bias_ptr.map(|p| p as *const f32),
                     row_bias: None,
                     row_affine: None,
                     activation: in_gemm,
                     residual: if activation.is_some() && in_gemm.is_none() {
                         None
                     } else {
-                        residual.map(|r| (r.ptr.cast::<f32>().add(c_off), n))
+                        residual_ptr.map(|r| ((r as *const f32).add(c_off), n))
                     },
                 },
             }
-        };
-        // SAFETY: the plan never places this output over its operands.
-        result = unsafe { sgemm_with_precision(&g, ctx.pool, ctx.gemm, ctx.bf16_products) };
-        if let (Some(act), None) = (activation, in_gemm) {
-            // An activation the GEMM does not apply: finish here.
-            for i in c_off..c_off + m * n {
-                let mut v = f64::from(out.get::<f32>(i));
-                v = f64::from(unary_f64(act, v) as f32);
-                if let Some(r) = residual {
-                    v += f64::from(r.get::<f32>(i));
-                }
-                out.set(i, v as f32);
-            }
         }
-    });
-    result
+    };
+    // SAFETY: the plan never places this output over its operands.
+    unsafe { sgemm_batch(count, &product, ctx.pool, ctx.gemm, ctx.bf16_products)? };
+    if let (Some(act), None) = (activation, in_gemm) {
+        // An activation the GEMM does not apply: finish here.
+        for i in 0..count * m * n {
+            let mut v = f64::from(out.get::<f32>(i));
+            v = f64::from(unary_f64(act, v) as f32);
+            if let Some(r) = residual {
+                v += f64::from(r.get::<f32>(i));
+            }
+            out.set(i, v as f32);
+        }
+    }
+    Ok(())
 }
 
 /// `(m, k, n)` and the batch dims of A and B, with transposed operands read as

@@ -2,8 +2,8 @@
 
 use super::Ctx;
 use crate::elem::{Elem, with_dtype};
-use crate::gemm::{BFormat, Epilogue, Gemm, sgemm_with_precision};
-use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided};
+use crate::gemm::{BFormat, Epilogue, Gemm, sgemm_batch};
+use crate::tensor::{Dst, Src, broadcast_strides, for_each_strided, strided_offsets};
 use rlx_ir::{DType, Result};
 
 /// `(m, k, n)` and the batch dims of the output, from operand ranks (1-D promoted).
@@ -54,33 +54,33 @@ pub(crate) fn matmul(a: Src, b: Src, out: Dst, ctx: &Ctx) -> Result<()> {
             Some(packed) => packed,
             None => (b.ptr.cast::<f32>(), BFormat::F32),
         };
-        let mut result = Ok(());
-        for_each_strided(out_batch, [&sa, &sb], [0, 0], |bi, [ab, bb]| {
-            if result.is_err() {
-                return;
+        let (a_base, b_base, c_base) = (a.ptr as usize, b_ptr as usize, out.ptr as usize);
+        let count: usize = out_batch.iter().product();
+        let product = |bi: usize| {
+            let [ab, bb] = strided_offsets(out_batch, [&sa, &sb], bi);
+            // SAFETY: batch element `ab` of A holds m*k floats inside A; likewise for B
+            // and the output.
+            unsafe {
+                Gemm {
+                    m,
+                    n,
+                    k,
+                    a: (a_base as *const f32).add(ab as usize * m * k),
+                    lda: k,
+                    b: (b_base as *const f32).add(bb as usize * k * n),
+                    ldb: n,
+                    a_transposed: false,
+                    b_transposed: false,
+                    b_format,
+                    c: (c_base as *mut f32).add(bi * m * n),
+                    ldc: n,
+                    accumulate: false,
+                    epilogue: Epilogue::NONE,
+                }
             }
-            let g = Gemm {
-                m,
-                n,
-                k,
-                // SAFETY: batch element `ab` of A holds m*k floats inside A; likewise
-                // for B and the output.
-                a: unsafe { a.ptr.cast::<f32>().add(ab as usize * m * k) },
-                lda: k,
-                b: unsafe { b_ptr.add(bb as usize * k * n) },
-                ldb: n,
-                a_transposed: false,
-                b_transposed: false,
-                b_format,
-                c: unsafe { out.ptr.cast::<f32>().add(bi * m * n) },
-                ldc: n,
-                accumulate: false,
-                epilogue: Epilogue::NONE,
-            };
-            // SAFETY: the plan never places a matmul's output over its operands.
-            result = unsafe { sgemm_with_precision(&g, ctx.pool, ctx.gemm, ctx.bf16_products) };
-        });
-        return result;
+        };
+        // SAFETY: the plan never places a matmul's output over its operands.
+        return unsafe { sgemm_batch(count, &product, ctx.pool, ctx.gemm, ctx.bf16_products) };
     }
     let sa = broadcast_strides(a_batch, out_batch);
     let sb = broadcast_strides(b_batch, out_batch);
