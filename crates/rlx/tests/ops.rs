@@ -836,6 +836,20 @@ fn select_where() {
             );
         }
     }
+    // A guarded update over a megabyte, which the CPU copies on several threads; the
+    // two rounds draw the condition afresh, so both branches are likely taken.
+    for dt in [DType::F32, DType::I64] {
+        s.check(
+            &format!("large guarded where {dt}"),
+            &[
+                inp("c", &[], DType::Bool),
+                inp("a", &[600, 500], dt),
+                inp("b", &[600, 500], dt),
+            ],
+            EW,
+            |g, x| one(g.select(x[0], x[1], x[2])?),
+        );
+    }
     s.check(
         "where with NaN branches",
         &[
@@ -1502,6 +1516,21 @@ fn permute_and_transpose() {
         ] {
             s.check(
                 &format!("tiled transpose {dt} {dims:?} {perm:?}"),
+                &[inp("x", dims, dt)],
+                EW,
+                |g, x| one(g.permute(x[0], perm)?),
+            );
+        }
+    }
+    // Over a megabyte: the CPU splits the copy's blocks between threads (the head
+    // swap of an attention's gradient, and a rotation with short rows).
+    for dt in [DType::F32, DType::F16, DType::I64] {
+        for (dims, perm) in [
+            (&[16usize, 130, 4, 66][..], &[0usize, 2, 1, 3][..]),
+            (&[9, 7, 2500, 3][..], &[2, 0, 3, 1][..]),
+        ] {
+            s.check(
+                &format!("large permute {dt} {dims:?} {perm:?}"),
                 &[inp("x", dims, dt)],
                 EW,
                 |g, x| one(g.permute(x[0], perm)?),
@@ -3042,6 +3071,20 @@ fn write_at_persistent_state() {
         0x1D05,
         &handle_graph(1, DType::I32, &[2, 8, 4], &[2, 2, 4], true),
         &[0, 6, 3],
+    );
+    // Blocks of a megabyte and more, which the CPU copies on several threads: the
+    // whole handle at once, and two outer blocks of rows.
+    check_write_at(
+        "write_at large whole",
+        0x1D06,
+        &handle_graph(0, DType::I64, &[700, 400], &[700, 400], false),
+        &[0, 0],
+    );
+    check_write_at(
+        "write_at large blocks",
+        0x1D07,
+        &handle_graph(1, DType::I32, &[2, 900, 300], &[2, 880, 300], false),
+        &[20, 0, 7],
     );
 }
 

@@ -124,7 +124,7 @@ fn binary_typed<T: Elem, U: Elem>(op: BinaryOp, a: Src, b: Src, out: Dst) {
     });
 }
 
-pub(crate) fn select(c: Src, a: Src, b: Src, out: Dst) {
+pub(crate) fn select(c: Src, a: Src, b: Src, out: Dst, ctx: &super::Ctx) -> rlx_ir::Result<()> {
     // One condition for the whole tensor (a guarded update): copy the chosen operand
     // when it already has the output's dims.
     if c.len == 1 {
@@ -134,17 +134,14 @@ pub(crate) fn select(c: Src, a: Src, b: Src, out: Dst) {
             b
         };
         if chosen.shape.dims() == out.shape.dims() {
-            // SAFETY: both hold `out.len` elements of the output's dtype; `copy`
-            // allows the two to be the same bytes (an in-place select).
-            unsafe {
-                std::ptr::copy(chosen.ptr, out.ptr, out.shape.byte_size());
-            }
-            return;
+            // SAFETY: both hold `out.len` elements of the output's dtype (an in-place
+            // select, the same bytes, copies nothing).
+            return unsafe { super::copy_bytes(out.ptr, chosen.ptr, out.shape.byte_size(), ctx) };
         }
     }
     let dims = out.shape.dims();
     if dims.contains(&0) {
-        return;
+        return Ok(());
     }
     let (sc, sa, sb) = (
         broadcast_strides(c.shape.dims(), dims),
@@ -166,6 +163,7 @@ pub(crate) fn select(c: Src, a: Src, b: Src, out: Dst) {
             });
         }),
     }
+    Ok(())
 }
 
 /// [`select`] on elements of `T`'s size, copied as bits: the walk coalesced into rows

@@ -30,47 +30,145 @@ fn copy_strided(x: Src, out: Dst, strides: &[isize; MAX_RANK], base: isize) {
 /// Every selected offset lies inside `x`; `out` holds its shape's elements and does
 /// not overlap `x`.
 unsafe fn copy_rows<T: Copy>(x: Src, out: Dst, strides: &[isize; MAX_RANK], base: isize) {
-    let (src, dst) = (x.ptr.cast::<T>(), out.ptr.cast::<T>());
     if out.shape.dims().contains(&0) {
         return;
     }
-    // Axes the source walks as one are merged first (a permute that keeps inner axes
-    // together copies whole blocks).
-    let (rank, dims, [steps]) = crate::tensor::coalesce(out.shape.dims(), [strides]);
-    let (inner, step) = (dims[rank - 1], steps[rank - 1]);
-    // Short rows (an expand over a 2-wide window) are copied two axes per walk step,
-    // so the walk's per-row cost is paid once per block of rows.
-    let (block_rows, row_step, walked) = if rank >= 2 && inner < 16 {
-        (dims[rank - 2], steps[rank - 2], rank - 2)
-    } else {
-        (1, 0, rank - 1)
-    };
-    let block = block_rows * inner;
-    for_each_strided(&dims[..walked], [&steps], [base], |at, [offset]| {
-        // SAFETY: block `at` of the output, and the elements of `x` it selects.
-        unsafe {
-            let d = dst.add(at * block);
-            for r in 0..block_rows {
-                let (from, to) = (offset + r as isize * row_step, d.add(r * inner));
-                if step == 1 {
-                    std::ptr::copy_nonoverlapping(src.offset(from), to, inner);
-                } else {
-                    for j in 0..inner {
-                        *to.add(j) = *src.offset(from + j as isize * step);
+    let walk = RowWalk::new(out.shape.dims(), strides);
+    // SAFETY: forwarded contract.
+    unsafe { walk.copy::<T>(x, out, base, 0..walk.blocks) };
+}
+
+/// A copy's operands, shared by the tasks that split it.
+#[derive(Clone, Copy)]
+struct Shared<'a> {
+    x: Src<'a>,
+    out: Dst<'a>,
+}
+
+// SAFETY: the tasks only read `x` and write disjoint blocks of `out`.
+unsafe impl Sync for Shared<'_> {}
+
+impl<'a> Shared<'a> {
+    fn get(&self) -> (Src<'a>, Dst<'a>) {
+        (self.x, self.out)
+    }
+}
+
+/// How a strided copy walks its output: blocks of `block_rows` rows of `inner`
+/// elements, one walk step each.
+struct RowWalk {
+    dims: [usize; MAX_RANK],
+    steps: [isize; MAX_RANK],
+    inner: usize,
+    step: isize,
+    block_rows: usize,
+    row_step: isize,
+    walked: usize,
+    blocks: usize,
+}
+
+impl RowWalk {
+    fn new(out_dims: &[usize], strides: &[isize; MAX_RANK]) -> RowWalk {
+        // Axes the source walks as one are merged first (a permute that keeps inner
+        // axes together copies whole blocks).
+        let (rank, dims, [steps]) = crate::tensor::coalesce(out_dims, [strides]);
+        let (inner, step) = (dims[rank - 1], steps[rank - 1]);
+        // Short rows (an expand over a 2-wide window) are copied two axes per walk
+        // step, so the walk's per-row cost is paid once per block of rows.
+        let (block_rows, row_step, walked) = if rank >= 2 && inner < 16 {
+            (dims[rank - 2], steps[rank - 2], rank - 2)
+        } else {
+            (1, 0, rank - 1)
+        };
+        RowWalk {
+            dims,
+            steps,
+            inner,
+            step,
+            block_rows,
+            row_step,
+            walked,
+            blocks: dims[..walked].iter().product(),
+        }
+    }
+
+    /// Copies blocks `range` of the walk.
+    ///
+    /// # Safety
+    /// As [`copy_rows`].
+    unsafe fn copy<T: Copy>(&self, x: Src, out: Dst, base: isize, range: std::ops::Range<usize>) {
+        let (src, dst) = (x.ptr.cast::<T>(), out.ptr.cast::<T>());
+        let (inner, step, block_rows, row_step) =
+            (self.inner, self.step, self.block_rows, self.row_step);
+        let block = block_rows * inner;
+        let dims = &self.dims[..self.walked];
+        // The odometer starts at block `range.start`.
+        let mut idx = [0usize; MAX_RANK];
+        let mut rest = range.start;
+        for axis in (0..dims.len()).rev() {
+            idx[axis] = rest % dims[axis];
+            rest /= dims[axis];
+        }
+        let mut offset = base + crate::tensor::strided_offsets(dims, [&self.steps], range.start)[0];
+        for at in range {
+            // SAFETY: block `at` of the output, and the elements of `x` it selects.
+            unsafe {
+                let d = dst.add(at * block);
+                for r in 0..block_rows {
+                    let (from, to) = (offset + r as isize * row_step, d.add(r * inner));
+                    if step == 1 {
+                        std::ptr::copy_nonoverlapping(src.offset(from), to, inner);
+                    } else {
+                        for j in 0..inner {
+                            *to.add(j) = *src.offset(from + j as isize * step);
+                        }
                     }
                 }
             }
+            let mut axis = dims.len();
+            while axis > 0 {
+                axis -= 1;
+                idx[axis] += 1;
+                offset += self.steps[axis];
+                if idx[axis] < dims[axis] {
+                    break;
+                }
+                offset -= self.steps[axis] * dims[axis] as isize;
+                idx[axis] = 0;
+            }
         }
-    });
+    }
 }
 
-pub(crate) fn permute(perm: &[usize], x: Src, out: Dst) {
+pub(crate) fn permute(perm: &[usize], x: Src, out: Dst, ctx: &super::Ctx) -> Result<()> {
     let src = strides_of(x.shape.dims());
     let mut strides = [0isize; MAX_RANK];
     for (o, &p) in perm.iter().enumerate() {
         strides[o] = src[p];
     }
-    copy_strided(x, out, &strides, 0);
+    let threads = ctx.gemm.threads();
+    if out.shape.byte_size() < super::PARALLEL_COPY_BYTES || threads < 2 {
+        copy_strided(x, out, &strides, 0);
+        return Ok(());
+    }
+    // A large permute: blocks of the walk split between the threads.
+    let walk = RowWalk::new(out.shape.dims(), &strides);
+    let tasks = (4 * threads).min(walk.blocks.max(1));
+    let per_task = walk.blocks.div_ceil(tasks);
+    let size = x.shape.dtype().size_in_bytes();
+    let operands = Shared { x, out };
+    ctx.pool.run(tasks, threads, &|t, _| {
+        let (x, out) = operands.get();
+        let range = (t * per_task).min(walk.blocks)..((t + 1) * per_task).min(walk.blocks);
+        // SAFETY (all arms): the strides come from the input's dims, so every offset
+        // lies inside it; tasks write disjoint blocks of the output.
+        match size {
+            1 => unsafe { walk.copy::<u8>(x, out, 0, range) },
+            2 => unsafe { walk.copy::<u16>(x, out, 0, range) },
+            4 => unsafe { walk.copy::<u32>(x, out, 0, range) },
+            _ => unsafe { walk.copy::<u64>(x, out, 0, range) },
+        }
+    })
 }
 
 pub(crate) fn slice(axes: &[SliceAxis], x: Src, out: Dst) {

@@ -28,6 +28,43 @@ use rlx_ir::{
 
 pub(crate) use reduce::ReduceGeometry;
 
+/// Bytes from which [`copy_bytes`] splits a copy between threads.
+pub(crate) const PARALLEL_COPY_BYTES: usize = 1 << 20;
+
+/// Copies `bytes` bytes from `src` to `dst` (a no-op when they are the same bytes);
+/// large copies that do not overlap are split between the pool's threads.
+///
+/// # Safety
+/// Both ranges must be valid for `bytes` bytes.
+pub(crate) unsafe fn copy_bytes(
+    dst: *mut u8,
+    src: *const u8,
+    bytes: usize,
+    ctx: &Ctx,
+) -> Result<()> {
+    if std::ptr::eq(dst.cast_const(), src) || bytes == 0 {
+        return Ok(());
+    }
+    let (d, s) = (dst as usize, src as usize);
+    let overlap = d < s + bytes && s < d + bytes;
+    let threads = ctx.gemm.threads();
+    if overlap || bytes < PARALLEL_COPY_BYTES || threads < 2 {
+        // SAFETY: the caller's ranges; `copy` allows overlap.
+        unsafe { std::ptr::copy(src, dst, bytes) };
+        return Ok(());
+    }
+    let tasks = 4 * threads;
+    let piece = bytes.div_ceil(tasks).next_multiple_of(64);
+    ctx.pool.run(tasks, threads, &|t, _| {
+        let start = (t * piece).min(bytes);
+        let len = piece.min(bytes - start);
+        // SAFETY: disjoint pieces of the caller's non-overlapping ranges.
+        unsafe {
+            std::ptr::copy_nonoverlapping((s + start) as *const u8, (d + start) as *mut u8, len)
+        };
+    })
+}
+
 /// `f64` scratch values a step needs (attention keeps one row of scores).
 pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
     match op {
@@ -213,7 +250,7 @@ pub(crate) fn run<'a>(
             fused::elementwise(&[EwStep::Binary(*b, 0, 1)], &[src(0), src(1)], out, ctx)?
         }
         Op::Binary(b) => elementwise::binary(*b, src(0), src(1), out),
-        Op::Where => elementwise::select(src(0), src(1), src(2), out),
+        Op::Where => elementwise::select(src(0), src(1), src(2), out, ctx)?,
         Op::Cast(_) => elementwise::cast(src(0), out),
         Op::Reduce {
             op: op @ (ReduceOp::Sum | ReduceOp::Mean),
@@ -268,7 +305,7 @@ pub(crate) fn run<'a>(
         Op::Reshape { .. } => layout::copy_flat(src(0), out),
         Op::Permute { perm } => match transpose::as_batched_transpose(src(0).shape.dims(), perm) {
             Some(geometry) => transpose::batched_transpose(geometry, src(0), out, ctx)?,
-            None => layout::permute(perm, src(0), out),
+            None => layout::permute(perm, src(0), out, ctx)?,
         },
         Op::Slice { axes } => layout::slice(axes, src(0), out),
         Op::Concat { axis } => {
@@ -419,7 +456,7 @@ pub(crate) fn run<'a>(
             ctx.scratch,
         ),
         Op::Rope { style } => attention::rope(*style, src(0), src(1), src(2), out),
-        Op::WriteAt { axis } => state::write_at(*axis, src(1), src(2), out)?,
+        Op::WriteAt { axis } => state::write_at(*axis, src(1), src(2), out, ctx)?,
         Op::FusedMatMul {
             alpha,
             transpose_a,

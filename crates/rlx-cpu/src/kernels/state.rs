@@ -6,7 +6,13 @@ use rlx_ir::{Error, Result};
 
 /// Copies `update` into `target` along `axis` from the position in `pos`. The target
 /// is the output (the handle); the position is checked before anything is written.
-pub(crate) fn write_at(axis: usize, update: Src, pos: Src, target: Dst) -> Result<()> {
+pub(crate) fn write_at(
+    axis: usize,
+    update: Src,
+    pos: Src,
+    target: Dst,
+    ctx: &super::Ctx,
+) -> Result<()> {
     let p = with_dtype!(pos.shape.dtype(), I => pos.get::<I>(0).to_i64());
     let (td, ud) = (target.shape.dims(), update.shape.dims());
     let len = ud[axis];
@@ -31,9 +37,9 @@ pub(crate) fn write_at(axis: usize, update: Src, pos: Src, target: Dst) -> Resul
     for o in 0..outer {
         let from = o * block;
         let to = (o * td[axis] + p as usize) * inner * size;
-        // SAFETY: both blocks lie inside their tensors (checked above); `copy` allows
-        // the update to share the target's bytes.
-        unsafe { std::ptr::copy(update.ptr.add(from), target.ptr.add(to), block) };
+        // SAFETY: both blocks lie inside their tensors (checked above); the update may
+        // share the target's bytes.
+        unsafe { super::copy_bytes(target.ptr.add(to), update.ptr.add(from), block, ctx)? };
     }
     Ok(())
 }
