@@ -20,8 +20,9 @@ unsafe impl Sync for Prepacked {}
 use crate::pool::ThreadPool;
 use rlx_ir::Result;
 
-/// Depth of one packed `K` block (a multiple of 32).
-const KC: usize = 512;
+/// Depth of one packed `K` block (a multiple of 32): a weight gradient's 2048 rows
+/// in one block, so `C` is loaded and stored once.
+const KC: usize = 2048;
 /// Columns of `B` packed at once (a multiple of 32).
 const NC: usize = 512;
 /// Rows of `A` packed at once (a multiple of 32).
@@ -493,16 +494,35 @@ mod x86 {
         panel_stride: usize,
     ) {
         let view = if is_a { View::a(g) } else { View::b(g) };
-        for (pi, panel) in panels.enumerate() {
-            for (qi, step) in steps.clone().enumerate() {
-                // SAFETY: the tile lies inside `out` (the caller's contract).
-                unsafe {
-                    let tile = out.add((pi * panel_stride + qi) * TILE_U16);
-                    if is_a {
-                        pack_a_tile(&view, 16 * panel, 32 * step, tile);
-                    } else {
-                        pack_b_tile(&view, 32 * step, 16 * panel, tile);
-                    }
+        let tile = |pi: usize, panel: usize, qi: usize, step: usize| {
+            // SAFETY: the tile lies inside `out` (the caller's contract).
+            unsafe {
+                let tile = out.add((pi * panel_stride + qi) * TILE_U16);
+                if is_a {
+                    pack_a_tile(&view, 16 * panel, 32 * step, tile);
+                } else {
+                    pack_b_tile(&view, 32 * step, 16 * panel, tile);
+                }
+            }
+        };
+        // Where the depth runs down the rows of memory (a row-major B, a transposed
+        // A), a tile reads 64 bytes of each of 32 rows: the steps go outermost, so the
+        // panels of one step read those rows whole, in order.
+        let depth_along_rows = if is_a {
+            view.col_stride != 1
+        } else {
+            view.col_stride == 1
+        };
+        if depth_along_rows {
+            for (qi, step) in steps.enumerate() {
+                for (pi, panel) in panels.clone().enumerate() {
+                    tile(pi, panel, qi, step);
+                }
+            }
+        } else {
+            for (pi, panel) in panels.enumerate() {
+                for (qi, step) in steps.clone().enumerate() {
+                    tile(pi, panel, qi, step);
                 }
             }
         }
@@ -884,6 +904,8 @@ mod tests {
             (100, 70, 65),
             (40, 600, 700),
             (530, 45, 1100),
+            // Deeper than one K block: C is stored and reloaded between blocks.
+            (33, 40, 2100),
             (64, 48, 0),
         ] {
             let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
