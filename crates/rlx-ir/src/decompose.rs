@@ -145,8 +145,14 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
             let (x, dy) = (inputs[0], inputs[1]);
             let (normed, _) = norm_statistics(g, x, eps.get(), *centered)?;
             let rank = g.shape(x)?.rank();
-            let rows: Vec<isize> = (0..rank as isize - 1).collect();
-            g.sum(g.mul(dy, normed)?, &rows, false)?
+            let terms = g.mul(dy, normed)?;
+            if rank == 1 {
+                // One row: nothing to sum (a sum over no axes would sum them all).
+                terms
+            } else {
+                let rows: Vec<isize> = (0..rank as isize - 1).collect();
+                g.sum(terms, &rows, false)?
+            }
         }
         Op::Unary(u @ (UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu)) => {
             activation(g, *u, inputs[0])?
