@@ -162,7 +162,8 @@ unsafe fn run_with_thread_scratch(g: &Gemm, threads: usize, bf16_products: bool)
     SCRATCH.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.as_ref().is_none_or(|s| s.threads() != threads) {
-            *slot = Some(GemmScratch::new(threads, 0));
+            // Sized for the AMX path too: the same thread may ask for either.
+            *slot = Some(GemmScratch::with_amx(threads, 0));
         }
         let scratch = slot
             .as_ref()

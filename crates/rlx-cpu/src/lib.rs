@@ -201,6 +201,7 @@ impl CpuProgram {
                 threads.min(ThreadPool::global().threads())
             },
             thread_scratch,
+            products_on_amx,
         )?;
         let plan_handles = plan.handles.len();
         drop(nodes);

@@ -895,7 +895,7 @@ mod tests {
             return;
         }
         let pool = ThreadPool::new(2);
-        let scratch = GemmScratch::new(2, 0);
+        let scratch = GemmScratch::with_amx(2, 0);
         let mut seed = 7u64;
         for &(m, n, k) in &[
             (1, 1, 1),

@@ -157,9 +157,13 @@ unsafe impl Sync for Gemm {}
 pub(crate) struct GemmScratch {
     /// Each thread's floats (cache-line aligned; huge pages where they are large).
     per_thread: Vec<UnsafeCell<rlx_driver::AlignedBytes>>,
+    /// Floats of each thread's GEMM buffer (before `extra`).
+    gemm_floats: usize,
     extra: usize,
+    /// Whether the buffers are sized for the AMX path (only where the CPU has it).
+    amx: bool,
     /// One buffer all threads of a product share: the operand every task reads,
-    /// packed once ([`amx::SHARED_BYTES`] where the CPU has AMX, else empty).
+    /// packed once ([`amx::SHARED_BYTES`] with the AMX path, else empty).
     shared: UnsafeCell<rlx_driver::AlignedBytes>,
 }
 
@@ -169,7 +173,7 @@ unsafe impl Sync for GemmScratch {}
 
 impl Clone for GemmScratch {
     fn clone(&self) -> Self {
-        GemmScratch::new(self.per_thread.len(), self.extra)
+        GemmScratch::build(self.per_thread.len(), self.extra, self.amx)
     }
 }
 
@@ -177,23 +181,42 @@ impl Clone for GemmScratch {
 const LINE_FLOATS: usize = 16;
 
 impl GemmScratch {
-    /// Buffers for `threads` threads, each with `extra` more floats.
+    /// Buffers for `threads` threads, each with `extra` more floats, for `f32`
+    /// products.
+    #[cfg(test)]
     pub fn new(threads: usize, extra: usize) -> GemmScratch {
-        let len = scratch_floats() + extra;
+        Self::build(threads, extra, false)
+    }
+
+    /// As [`GemmScratch::new`], with room for bfloat16 products on AMX tiles where
+    /// the CPU has them.
+    pub fn with_amx(threads: usize, extra: usize) -> GemmScratch {
+        Self::build(threads, extra, true)
+    }
+
+    fn build(threads: usize, extra: usize, amx: bool) -> GemmScratch {
+        let amx = amx && amx::available();
+        let gemm_floats = scratch_floats(amx);
+        let len = gemm_floats + extra;
         GemmScratch {
             per_thread: (0..threads.max(1))
                 .map(|_| UnsafeCell::new(rlx_driver::AlignedBytes::zeroed(len * 4)))
                 .collect(),
+            gemm_floats,
             extra,
-            shared: UnsafeCell::new(rlx_driver::AlignedBytes::zeroed(shared_bytes())),
+            amx,
+            shared: UnsafeCell::new(rlx_driver::AlignedBytes::zeroed(shared_bytes(amx))),
         }
     }
 
-    /// As [`GemmScratch::new`], but a size that overflows or an allocation that fails
-    /// is an [`rlx_ir::Error::OutOfMemory`] ("gemm scratch") instead of an abort.
-    pub fn try_new(threads: usize, extra: usize) -> rlx_ir::Result<GemmScratch> {
+    /// As [`GemmScratch::new`] (or [`GemmScratch::with_amx`] when `amx`), but a size
+    /// that overflows or an allocation that fails is an
+    /// [`rlx_ir::Error::OutOfMemory`] ("gemm scratch") instead of an abort.
+    pub fn try_new(threads: usize, extra: usize, amx: bool) -> rlx_ir::Result<GemmScratch> {
         let threads = threads.max(1);
-        let len = scratch_floats().checked_add(extra);
+        let amx = amx && amx::available();
+        let gemm_floats = scratch_floats(amx);
+        let len = gemm_floats.checked_add(extra);
         let out_of_memory = |floats: Option<usize>| rlx_ir::Error::OutOfMemory {
             tensor: format!("gemm scratch ({threads} threads)"),
             bytes: floats
@@ -211,13 +234,20 @@ impl GemmScratch {
                 .map_err(|_| out_of_memory(Some(len)))?;
             per_thread.push(UnsafeCell::new(buf));
         }
-        let shared = rlx_driver::AlignedBytes::try_zeroed(shared_bytes(), "gemm scratch")
+        let shared = rlx_driver::AlignedBytes::try_zeroed(shared_bytes(amx), "gemm scratch")
             .map_err(|_| out_of_memory(Some(len)))?;
         Ok(GemmScratch {
             per_thread,
+            gemm_floats,
             extra,
+            amx,
             shared: UnsafeCell::new(shared),
         })
+    }
+
+    /// Whether the buffers have room for the AMX path.
+    fn has_amx(&self) -> bool {
+        self.amx
     }
 
     /// Floats each thread has beyond its GEMM buffer.
@@ -248,17 +278,16 @@ impl GemmScratch {
     pub unsafe fn parts(&self, t: usize) -> (&mut [f32], &mut [f32]) {
         // SAFETY: per the contract, no other reference to this buffer exists.
         let bytes = unsafe { &mut *self.per_thread[t].get() };
-        // SAFETY: the buffer holds `scratch_floats() + extra` floats' bytes, starts on
-        // a cache line (so packed panels read with full-width vector loads never
+        // SAFETY: the buffer holds `gemm_floats + extra` floats' bytes, starts on a
+        // cache line (so packed panels read with full-width vector loads never
         // straddle two lines), and any bytes are a valid f32.
         let all = unsafe {
             std::slice::from_raw_parts_mut(
                 bytes.as_mut_ptr().cast::<f32>(),
-                scratch_floats() + self.extra,
+                self.gemm_floats + self.extra,
             )
         };
-        let split = all.len() - self.extra;
-        all.split_at_mut(split)
+        all.split_at_mut(self.gemm_floats)
     }
 }
 
@@ -282,17 +311,15 @@ fn packed_a_stride(kc: usize) -> usize {
     kc.next_multiple_of(LINE_FLOATS) + LINE_FLOATS
 }
 
-fn shared_bytes() -> usize {
-    if amx::available() {
-        amx::SHARED_BYTES
-    } else {
-        0
-    }
+fn shared_bytes(amx: bool) -> usize {
+    if amx { amx::SHARED_BYTES } else { 0 }
 }
 
-fn scratch_floats() -> usize {
+/// Floats of a thread's GEMM buffer: the `f32` path's regions, or the AMX path's
+/// if it needs more.
+fn scratch_floats(amx: bool) -> usize {
     let f32_path: usize = scratch_regions().iter().sum();
-    if amx::available() {
+    if amx {
         f32_path.max(amx::scratch_floats())
     } else {
         f32_path
@@ -332,8 +359,9 @@ pub(crate) unsafe fn sgemm_with_precision(
     scratch: &GemmScratch,
     bf16_products: bool,
 ) -> Result<()> {
-    if bf16_products && g.b_format == BFormat::F32 && amx::available() {
-        // SAFETY: forwarded contract; AMX is available and B is f32.
+    if bf16_products && g.b_format == BFormat::F32 && scratch.has_amx() {
+        // SAFETY: forwarded contract; AMX is available (the scratch was sized for it)
+        // and B is f32.
         unsafe { amx::sgemm(g, pool, scratch) }
     } else {
         // SAFETY: forwarded contract.
@@ -381,7 +409,7 @@ pub(crate) unsafe fn sgemm_batch(
         // products write disjoint outputs.
         unsafe {
             let buf = scratch.parts(thread).0;
-            if bf16_products && g.b_format == BFormat::F32 && amx::available() {
+            if bf16_products && g.b_format == BFormat::F32 && scratch.has_amx() {
                 amx::serial(&g, buf);
             } else {
                 serial(&g, kernels::for_width(g.n), 0..g.m, 0..g.n, buf);
