@@ -36,7 +36,7 @@ pub struct BackendOptions {
     /// (faster, about 3e-4 relative error); off by default.
     pub allow_tf32: bool,
     /// Whether f32 products on a CPU with AMX may round their operands to bfloat16
-    /// and sum in f32 on its tiles (about 4e-3 relative error per operand); off by
+    /// and sum in f32 on its tiles (each operand off by up to 2^-9 relative); off by
     /// default.
     pub allow_bf16: bool,
 }

@@ -120,8 +120,6 @@ pub(crate) fn coalesce<const N: usize>(
     (rank.max(1), merged, steps)
 }
 
-/// Walks every index of `dims` in row-major order, calling `f(flat, offsets)` where
-/// `offsets[k] = base[k] + sum(idx * strides[k])`. No allocation.
 /// The offsets [`for_each_strided`] gives flat index `flat` (without walking there).
 pub(crate) fn strided_offsets<const N: usize>(
     dims: &[usize],
@@ -139,6 +137,8 @@ pub(crate) fn strided_offsets<const N: usize>(
     offs
 }
 
+/// Walks every index of `dims` in row-major order, calling `f(flat, offsets)` where
+/// `offsets[k] = base[k] + sum(idx * strides[k])`. No allocation.
 pub(crate) fn for_each_strided<const N: usize>(
     dims: &[usize],
     strides: [&[isize; MAX_RANK]; N],

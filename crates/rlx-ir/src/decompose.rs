@@ -31,7 +31,7 @@ pub fn is_composite(op: &Op) -> bool {
 /// A norm's normalized input `x̂` and the reciprocal `r` of its root (one per row,
 /// kept as a last axis of 1): `x̂ = (x - mean) r` when `centered`, else `x r`, with
 /// `r = 1 / sqrt(var + eps)` (the mean square without centering). Shared by the
-/// decompositions of the norm gradients and by the gradient rule of the norms.
+/// decompositions of the two norm gradients.
 pub fn norm_statistics(g: &Graph, x: NodeId, eps: f64, centered: bool) -> Result<(NodeId, NodeId)> {
     let dtype = g.shape(x)?.dtype();
     let centred = if centered {

@@ -103,8 +103,9 @@ impl CompileOptions {
 
     /// Lets f32 matrix products on a CPU with AMX round their operands to bfloat16 and
     /// sum the products in f32 on its tiles: PyTorch's "medium" matmul precision
-    /// (several times faster; each operand off by up to 2^-9 relative). Off by
-    /// default, so f32 stays f32; a CPU without AMX, and the GPU, ignore it.
+    /// (several times faster; each operand off by up to 2^-9 relative, and operands
+    /// and products below about 1.2e-38 counted as zero). Off by default, so f32 stays f32; a CPU
+    /// without AMX, and the GPU, ignore it.
     pub fn allow_bf16(mut self, on: bool) -> CompileOptions {
         self.allow_bf16 = on;
         self

@@ -10,7 +10,9 @@
 //! blocks and 32-deep steps. Each output block is four accumulator tiles, loaded from
 //! `C` (or zeroed) before a `K` block and stored after it; edge tiles go through a
 //! buffer. The epilogue then runs over each finished block of `C` while it is in
-//! cache, as on the `f32` path.
+//! cache, as on the `f32` path. The tiles count denormal operands and products
+//! (magnitudes below about 1.2e-38) as zero (measured on this CPU: a bfloat16 of
+//! 9.2e-40 times 1 gives 0, and 1e-20 times 1e-20 gives 0).
 
 use super::{Gemm, GemmScratch, Trapezoid, epilogue};
 // SAFETY: the tiles are only read while the product that packed them runs.

@@ -168,7 +168,8 @@ pub(crate) struct GemmScratch {
 }
 
 // SAFETY: thread `t` of a pool job only touches `per_thread[t]`, and the pool gives each
-// thread index to one thread at a time.
+// thread index to one thread at a time; the shared buffer serves one product at a
+// time, whose threads write disjoint parts of it before any reads it.
 unsafe impl Sync for GemmScratch {}
 
 impl Clone for GemmScratch {
@@ -235,7 +236,10 @@ impl GemmScratch {
             per_thread.push(UnsafeCell::new(buf));
         }
         let shared = rlx_driver::AlignedBytes::try_zeroed(shared_bytes(amx), "gemm scratch")
-            .map_err(|_| out_of_memory(Some(len)))?;
+            .map_err(|_| rlx_ir::Error::OutOfMemory {
+                tensor: "gemm scratch (shared)".into(),
+                bytes: shared_bytes(amx),
+            })?;
         Ok(GemmScratch {
             per_thread,
             gemm_floats,
@@ -391,6 +395,18 @@ pub(crate) unsafe fn sgemm_batch(
         return Ok(());
     }
     let first = product(0);
+    if let BFormat::Packed { nr, .. } | BFormat::PackedI8 { nr, .. } = first.b_format
+        && nr != kernels::for_width(first.n).nr
+    {
+        return Err(rlx_ir::Error::runtime(
+            "matmul",
+            format!(
+                "B was packed for {nr}-column panels, the kernel for {} columns uses {}",
+                first.n,
+                kernels::for_width(first.n).nr
+            ),
+        ));
+    }
     let threads = scratch.threads().min(pool.threads());
     let work = first.m * first.n * first.k.max(1);
     if count < 2 || threads < 2 || work > BATCH_PARALLEL_MAX {
@@ -674,7 +690,7 @@ pub(crate) unsafe fn sgemm_serial(g: &Gemm, buf: &mut [f32]) {
 /// The blocked loops over one rectangle of `C`.
 ///
 /// # Safety
-/// As [`sgemm`]; `buf` holds at least `scratch_floats()` floats.
+/// As [`sgemm`]; `buf` holds at least `scratch_floats(false)` floats.
 unsafe fn serial(
     g: &Gemm,
     kernel: MicroKernel,

@@ -324,8 +324,8 @@ pub(crate) fn norm_grad(
         let last = (first + ROWS_PER_TASK).min(count);
         for r in first..last {
             // SAFETY: row `r` of `x`, `dy` and the output (`count * width` floats each);
-            // each task writes only its rows of the output, which may share `dy`'s
-            // bytes: the row kernel reads `dy[j]` before it writes `out[j]`.
+            // each task writes only its rows of the output, which never shares bytes
+            // with `x` or `dy` (only elementwise ops run in place).
             let (x, dy, out) = unsafe {
                 (
                     std::slice::from_raw_parts((rows.x as *const f32).add(r * width), width),
