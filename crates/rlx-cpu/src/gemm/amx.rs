@@ -267,6 +267,17 @@ mod x86 {
             }
         }
 
+        /// The same elements with rows and columns swapped.
+        fn transposed(&self) -> View {
+            View {
+                base: self.base,
+                row_stride: self.col_stride,
+                col_stride: self.row_stride,
+                rows: self.cols,
+                cols: self.rows,
+            }
+        }
+
         fn b(g: &Gemm) -> View {
             let (row_stride, col_stride) = if g.b_transposed {
                 (1, g.ldb)
@@ -421,65 +432,80 @@ mod x86 {
         out
     }
 
-    /// Packs the `A` tile of rows `i..i + 16`, depth `p..p + 32`: row `r` of the tile
-    /// holds `A[i + r, p..p + 32]`.
+    /// How a tile's 16 lines are read: each from one row (32 values along it, in
+    /// pairs) or from two rows (16 values of each, paired lane by lane).
+    #[derive(Clone, Copy)]
+    enum Pairs {
+        /// Line `l` is [`pairs_along`] row `first + l`.
+        Along,
+        /// Line `l` is [`pairs_across`] rows `first + 2l` and `first + 2l + 1`.
+        Across,
+    }
+
+    /// Packs one tile of 16 lines of `v`, starting at row `first` and column `at`,
+    /// stored `how`.
     #[target_feature(enable = "avx512f")]
-    unsafe fn pack_a_tile(a: &View, i: usize, p: usize, out: *mut u16) {
+    unsafe fn pack_tile(
+        v: &View,
+        (first, at): (usize, usize),
+        pairs: Pairs,
+        how: Lines,
+        out: *mut u16,
+    ) {
         let mut lines = [_mm512_setzero_si512(); 16];
-        let how = if a.col_stride == 1 {
-            for (r, line) in lines.iter_mut().enumerate() {
-                // SAFETY: reads inside A (checked by pairs_along).
-                *line = unsafe { pairs_along(a, i + r, p) };
-            }
-            Lines::Direct
-        } else {
-            // Column pairs along rows: line q holds columns p + 2q and p + 2q + 1 of
-            // the 16 rows, transposed into the tile.
-            let t = View {
-                base: a.base,
-                row_stride: a.col_stride,
-                col_stride: a.row_stride,
-                rows: a.cols,
-                cols: a.rows,
+        for (l, line) in lines.iter_mut().enumerate() {
+            // SAFETY: reads inside the operand (checked by the pair readers).
+            *line = unsafe {
+                match pairs {
+                    Pairs::Along => pairs_along(v, first + l, at),
+                    Pairs::Across => pairs_across(v, first + 2 * l, at),
+                }
             };
-            for (q, line) in lines.iter_mut().enumerate() {
-                // SAFETY: as above, on the transposed view.
-                *line = unsafe { pairs_across(&t, p + 2 * q, i) };
-            }
-            Lines::Transposed
-        };
+        }
         // SAFETY: `out` holds one tile.
         unsafe { store_tile(&lines, how, out) };
     }
 
+    /// Packs the `A` tile of rows `i..i + 16`, depth `p..p + 32`: row `r` of the tile
+    /// holds `A[i + r, p..p + 32]`. A transposed `A` is read as column pairs along
+    /// its rows in memory, transposed into the tile.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pack_a_tile(a: &View, i: usize, p: usize, out: *mut u16) {
+        // SAFETY (both): forwarded.
+        if a.col_stride == 1 {
+            unsafe { pack_tile(a, (i, p), Pairs::Along, Lines::Direct, out) }
+        } else {
+            unsafe {
+                pack_tile(
+                    &a.transposed(),
+                    (p, i),
+                    Pairs::Across,
+                    Lines::Transposed,
+                    out,
+                )
+            }
+        }
+    }
+
     /// Packs the `B` tile of depth `p..p + 32`, columns `j..j + 16`: row `q` of the
-    /// tile holds the pairs `(B[p + 2q, j + c], B[p + 2q + 1, j + c])`.
+    /// tile holds the pairs `(B[p + 2q, j + c], B[p + 2q + 1, j + c])`. A transposed
+    /// `B` has each column as a row in memory, read along.
     #[target_feature(enable = "avx512f")]
     unsafe fn pack_b_tile(b: &View, p: usize, j: usize, out: *mut u16) {
-        let mut lines = [_mm512_setzero_si512(); 16];
-        let how = if b.col_stride == 1 {
-            for (q, line) in lines.iter_mut().enumerate() {
-                // SAFETY: reads inside B (checked by pairs_across).
-                *line = unsafe { pairs_across(b, p + 2 * q, j) };
-            }
-            Lines::Direct
+        // SAFETY (both): forwarded.
+        if b.col_stride == 1 {
+            unsafe { pack_tile(b, (p, j), Pairs::Across, Lines::Direct, out) }
         } else {
-            // A transposed B: each column of B is a row in memory, read along.
-            let t = View {
-                base: b.base,
-                row_stride: b.col_stride,
-                col_stride: b.row_stride,
-                rows: b.cols,
-                cols: b.rows,
-            };
-            for (c, line) in lines.iter_mut().enumerate() {
-                // SAFETY: as above, on the transposed view.
-                *line = unsafe { pairs_along(&t, j + c, p) };
+            unsafe {
+                pack_tile(
+                    &b.transposed(),
+                    (j, p),
+                    Pairs::Along,
+                    Lines::Transposed,
+                    out,
+                )
             }
-            Lines::Transposed
-        };
-        // SAFETY: `out` holds one tile.
-        unsafe { store_tile(&lines, how, out) };
+        }
     }
 
     /// Packs tiles `(panel, step)` of `A` (16-row panels; `is_a`) or `B` (16-column
@@ -834,15 +860,9 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::lcg;
     use super::super::{Activation, BFormat, Epilogue, Gemm, GemmScratch};
     use super::*;
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-    }
 
     #[test]
     fn rounding_to_bf16_is_to_nearest_even() {

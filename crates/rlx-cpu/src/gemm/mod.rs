@@ -363,7 +363,7 @@ pub(crate) unsafe fn sgemm_with_precision(
     scratch: &GemmScratch,
     bf16_products: bool,
 ) -> Result<()> {
-    if bf16_products && g.b_format == BFormat::F32 && scratch.has_amx() {
+    if on_amx(g, scratch, bf16_products) {
         // SAFETY: forwarded contract; AMX is available (the scratch was sized for it)
         // and B is f32.
         unsafe { amx::sgemm(g, pool, scratch) }
@@ -371,6 +371,12 @@ pub(crate) unsafe fn sgemm_with_precision(
         // SAFETY: forwarded contract.
         unsafe { sgemm(g, pool, scratch) }
     }
+}
+
+/// Whether `g` runs on AMX tiles: bf16 products allowed, `B` in `f32`, and a scratch
+/// sized for the AMX path (only where the CPU has it).
+fn on_amx(g: &Gemm, scratch: &GemmScratch, bf16_products: bool) -> bool {
+    bf16_products && g.b_format == BFormat::F32 && scratch.has_amx()
 }
 
 /// Multiply-adds below which one product of a batch is not split between threads:
@@ -425,7 +431,7 @@ pub(crate) unsafe fn sgemm_batch(
         // products write disjoint outputs.
         unsafe {
             let buf = scratch.parts(thread).0;
-            if bf16_products && g.b_format == BFormat::F32 && scratch.has_amx() {
+            if on_amx(&g, scratch, bf16_products) {
                 amx::serial(&g, buf);
             } else {
                 serial(&g, kernels::for_width(g.n), 0..g.m, 0..g.n, buf);
@@ -1079,7 +1085,7 @@ unsafe fn edge_tile(
 mod tests {
     use super::*;
 
-    fn lcg(seed: &mut u64) -> f32 {
+    pub(super) fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);

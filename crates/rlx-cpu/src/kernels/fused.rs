@@ -526,6 +526,31 @@ vmath::multiversion! {
     }
 }
 
+/// The match over the binary ops, each arm a loop written by the caller's `$each`
+/// macro (`each!(|x, y| expr)`), so every loop form shares one list of ops.
+macro_rules! binary_ops {
+    ($op:expr, $each:ident) => {
+        match $op {
+            BinaryOp::Add => $each!(|x, y| x + y),
+            BinaryOp::Sub => $each!(|x, y| x - y),
+            BinaryOp::Mul => $each!(|x, y| x * y),
+            BinaryOp::Div => $each!(|x, y| x / y),
+            // NaN from either operand, as the scalar definition has it.
+            BinaryOp::Max => $each!(|x, y| if x.is_nan() || y.is_nan() {
+                f32::NAN
+            } else {
+                x.max(y)
+            }),
+            BinaryOp::Min => $each!(|x, y| if x.is_nan() || y.is_nan() {
+                f32::NAN
+            } else {
+                x.min(y)
+            }),
+            other => $each!(|x, y| binary_f64(other, f64::from(x), f64::from(y)) as f32),
+        }
+    };
+}
+
 vmath::multiversion! {
     /// `out = op(a, s)`, or `op(s, a)` when `scalar_first`, over one chunk.
     fn binary_scalar_chunk(op: BinaryOp, a: &[f32], s: f32, scalar_first: bool, out: &mut [f32]) {
@@ -555,23 +580,7 @@ fn binary_scalar_body(
             }
         };
     }
-    match op {
-        BinaryOp::Add => each!(|x, y| x + y),
-        BinaryOp::Sub => each!(|x, y| x - y),
-        BinaryOp::Mul => each!(|x, y| x * y),
-        BinaryOp::Div => each!(|x, y| x / y),
-        BinaryOp::Max => each!(|x, y| if x.is_nan() || y.is_nan() {
-            f32::NAN
-        } else {
-            x.max(y)
-        }),
-        BinaryOp::Min => each!(|x, y| if x.is_nan() || y.is_nan() {
-            f32::NAN
-        } else {
-            x.min(y)
-        }),
-        other => each!(|x, y| binary_f64(other, f64::from(x), f64::from(y)) as f32),
-    }
+    binary_ops!(op, each)
 }
 
 #[inline(always)]
@@ -583,24 +592,7 @@ fn binary_body(op: BinaryOp, a: &[f32], b: &[f32], out: &mut [f32]) {
             }
         };
     }
-    match op {
-        BinaryOp::Add => each!(|x, y| x + y),
-        BinaryOp::Sub => each!(|x, y| x - y),
-        BinaryOp::Mul => each!(|x, y| x * y),
-        BinaryOp::Div => each!(|x, y| x / y),
-        // NaN from either operand, as the scalar definition has it.
-        BinaryOp::Max => each!(|x, y| if x.is_nan() || y.is_nan() {
-            f32::NAN
-        } else {
-            x.max(y)
-        }),
-        BinaryOp::Min => each!(|x, y| if x.is_nan() || y.is_nan() {
-            f32::NAN
-        } else {
-            x.min(y)
-        }),
-        other => each!(|x, y| binary_f64(other, f64::from(x), f64::from(y)) as f32),
-    }
+    binary_ops!(op, each)
 }
 
 /// Any float dtype, element by element in `f64` with each step rounded.
