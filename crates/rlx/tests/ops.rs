@@ -1012,6 +1012,31 @@ fn reductions() {
                 },
             );
         }
+        // Few outputs from thousands of values each (a block per output on CUDA): a
+        // whole tensor into one value, column sums, and a middle axis.
+        for dt in [DType::F32, DType::F64, DType::I64] {
+            if op == ReduceOp::Mean && dt == DType::I64 {
+                continue;
+            }
+            let dims = [3, 1500, 50];
+            s.check(
+                &format!("reduce_{} {dt} few outputs", op.name()),
+                &[inp("x", &dims, dt)],
+                if dt == DType::I64 {
+                    EW
+                } else {
+                    acc(3 * 1500 * 50)
+                },
+                |g, x| {
+                    Ok(vec![
+                        g.reduce(op, x[0], &[], false)?,
+                        g.reduce(op, x[0], &[0, 1], false)?,
+                        g.reduce(op, x[0], &[1], true)?,
+                        g.reduce(op, x[0], &[-1, 1], false)?,
+                    ])
+                },
+            );
+        }
         // Consecutive axes run as one: column sums over leading axes and row sums over
         // trailing ones, both large enough to be split between threads.
         if matches!(op, ReduceOp::Sum | ReduceOp::Mean) {

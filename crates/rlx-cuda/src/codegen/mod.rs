@@ -541,6 +541,13 @@ pub(crate) fn kernel_for(
             let _ = writeln!(s, "    out[i] = {};", store(odt, &value));
         }
         Op::Reduce { op: rop, axes, .. }
+            if axes.iter().map(|&a| inputs[0].dims()[a]).product::<usize>()
+                >= BLOCK_REDUCE_FROM
+                && n <= BLOCK_REDUCE_OUTPUTS =>
+        {
+            return reduce_by_blocks(name, *rop, axes, &inputs[0], output).map(Some);
+        }
+        Op::Reduce { op: rop, axes, .. }
             if axes.iter().map(|&a| inputs[0].dims()[a]).product::<usize>() >= WARP_REDUCE_FROM =>
         {
             return reduce_by_warps(name, *rop, axes, &inputs[0], output).map(Some);
@@ -637,6 +644,17 @@ pub(crate) fn kernel_for(
 /// Reductions over at least this many elements take a warp per output.
 const WARP_REDUCE_FROM: usize = 64;
 
+/// Reductions over at least this many elements into at most
+/// [`BLOCK_REDUCE_OUTPUTS`] values take a block per output: a gradient norm's sum of
+/// squares over a whole weight (one output), or a bias gradient's column sums (a few
+/// hundred), would leave a warp per output with thousands of values in each lane and
+/// most of the GPU idle.
+const BLOCK_REDUCE_FROM: usize = 1024;
+
+/// The most outputs of a reduction that takes a block for each (past it, a warp
+/// each already fills the GPU).
+const BLOCK_REDUCE_OUTPUTS: usize = 2048;
+
 /// The accumulator type of a reduction over `dt`.
 fn accumulator(dt: DType) -> &'static str {
     if dt == DType::F64 {
@@ -718,6 +736,100 @@ fn reduce_by_warps(
     Ok(Kernel {
         source: s,
         grid: Grid::Warps(outputs),
+        check: None,
+    })
+}
+
+/// A reduction with one block per output: the threads stride over the reduced
+/// elements, each warp combines its lanes through shuffles, and the first warp
+/// combines the warps' partials, always in the same order (the result does not
+/// depend on timing).
+fn reduce_by_blocks(
+    name: &str,
+    rop: ReduceOp,
+    axes: &[usize],
+    input: &Shape,
+    output: &Shape,
+) -> Result<Kernel> {
+    let src = input.dims();
+    let src_strides = strides(src);
+    let kept: Vec<usize> = (0..src.len()).filter(|a| !axes.contains(a)).collect();
+    let count: usize = axes.iter().map(|&a| src[a]).product();
+    // Every thread starts from an element of its own (count >= BLOCK_REDUCE_FROM).
+    let threads: usize = match count {
+        65536.. => 1024,
+        8192.. => 512,
+        _ => 256,
+    };
+    debug_assert!(count >= threads);
+    let warps = threads / 32;
+    let (idt, odt) = (input.dtype(), output.dtype());
+    let acc_t = accumulator(idt);
+    let outputs = output.num_elements();
+    let mut s = header(name, odt, &[idt]);
+    let _ = writeln!(s, "  __shared__ {acc_t} part[{warps}];");
+    let _ = writeln!(
+        s,
+        "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;"
+    );
+    let _ = writeln!(
+        s,
+        "  for (long long b = blockIdx.x; b < {outputs}LL; b += gridDim.x) {{"
+    );
+    let _ = writeln!(s, "    long long base = 0;");
+    offset_over_axes(&mut s, "    ", "base", "b", &kept, src, &src_strides);
+    let _ = writeln!(s, "    long long first = base;");
+    offset_over_axes(
+        &mut s,
+        "    ",
+        "first",
+        "threadIdx.x",
+        axes,
+        src,
+        &src_strides,
+    );
+    let _ = writeln!(s, "    {acc_t} acc = {};", load(idt, "in0", "first"));
+    let _ = writeln!(
+        s,
+        "    for (long long j = threadIdx.x + {threads}; j < {count}LL; j += {threads}) {{"
+    );
+    let _ = writeln!(s, "      long long off = base;");
+    offset_over_axes(&mut s, "      ", "off", "j", axes, src, &src_strides);
+    let _ = writeln!(s, "      {}", combine(rop, acc_t, &load(idt, "in0", "off")));
+    let _ = writeln!(s, "    }}");
+    let shuffle = |s: &mut String, from: usize| {
+        let other = if acc_t == "long long" {
+            "__shfl_xor_sync(0xffffffffu, acc, o)".to_string()
+        } else {
+            format!("({acc_t})__shfl_xor_sync(0xffffffffu, acc, o)")
+        };
+        let _ = writeln!(
+            s,
+            "    for (int o = {from}; o > 0; o >>= 1) {{ {acc_t} other = {other}; {} }}",
+            combine(rop, acc_t, "other")
+        );
+    };
+    shuffle(&mut s, 16);
+    let _ = writeln!(s, "    if (lane == 0) part[warp] = acc;");
+    let _ = writeln!(s, "    __syncthreads();");
+    // Lanes past the warp count read a partial they then never combine into lane 0
+    // (an xor below `warps` stays among the first `warps` lanes).
+    let _ = writeln!(s, "    if (warp == 0) {{");
+    let _ = writeln!(s, "      acc = part[lane < {warps} ? lane : 0];");
+    shuffle(&mut s, warps / 2);
+    if rop == ReduceOp::Mean {
+        let _ = writeln!(s, "      acc = acc / ({acc_t}){count};");
+    }
+    let _ = writeln!(s, "      if (lane == 0) out[b] = {};", store(odt, "acc"));
+    let _ = writeln!(s, "    }}");
+    let _ = writeln!(s, "    __syncthreads();");
+    s.push_str("  }\n}\n");
+    Ok(Kernel {
+        source: s,
+        grid: Grid::Blocks {
+            count: outputs,
+            threads: threads as u32,
+        },
         check: None,
     })
 }

@@ -371,7 +371,7 @@ fn samples() -> Vec<(Op, Vec<Shape>, Shape)> {
             o,
         ));
     }
-    // Long reductions take a warp per output, over inner and outer axes.
+    // Long reductions take a warp or a block per output, over inner and outer axes.
     for (rop, dt) in [
         (ReduceOp::Mean, DType::F32),
         (ReduceOp::Max, DType::F16),
@@ -385,6 +385,16 @@ fn samples() -> Vec<(Op, Vec<Shape>, Shape)> {
             },
             vec![Shape::new(&[2, 9, 3, 70], dt)],
             Shape::new(&[2, 3], dt),
+        ));
+        // Few outputs from many values each: a block per output.
+        v.push((
+            Op::Reduce {
+                op: rop,
+                axes: vec![0, 2],
+                keepdims: false,
+            },
+            vec![Shape::new(&[300, 5, 40], dt)],
+            Shape::new(&[5], dt),
         ));
     }
     for dt in [DType::F32, DType::BF16] {
