@@ -19,6 +19,7 @@ pub fn is_composite(op: &Op) -> bool {
             | Op::RmsNorm { .. }
             | Op::NormGrad { .. }
             | Op::NormScaleGrad { .. }
+            | Op::TiledMaxPoolGrad { .. }
             | Op::Attention { .. }
             | Op::Rope { .. }
             | Op::FusedMatMul { .. }
@@ -154,6 +155,9 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
                 g.sum(terms, &rows, false)?
             }
         }
+        Op::TiledMaxPoolGrad { kernel } => {
+            tiled_max_pool_grad(g, *kernel, (inputs[0], inputs[1], inputs[2]))?
+        }
         Op::Unary(u @ (UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu)) => {
             activation(g, *u, inputs[0])?
         }
@@ -256,6 +260,28 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
 }
 
 /// `u(x)`, the activations with a definition in primitives written out.
+/// [`Op::TiledMaxPoolGrad`] in primitives: in the view `[n, c, oh, kh, ow, kw]` of
+/// the input the pooled values broadcast over their windows, so the hits, their
+/// count and the shares are a comparison and ops on broadcast operands, with no
+/// copies of the spread maxima. (A float form such as `1 - sign(max - x)` would be
+/// NaN at an infinite maximum.)
+fn tiled_max_pool_grad(
+    g: &Graph,
+    [kh, kw]: [usize; 2],
+    (x, y, dy): (NodeId, NodeId, NodeId),
+) -> Result<NodeId> {
+    let xs = g.shape(x)?;
+    let (n, c, h, w) = (xs.dim(0), xs.dim(1), xs.dim(2), xs.dim(3));
+    let (oh, ow) = (h / kh, w / kw);
+    let windows = g.reshape(x, &[n, c, oh, kh, ow, kw])?;
+    let pooled = |t: NodeId| g.reshape(t, &[n, c, oh, 1, ow, 1]);
+    let hit = g.cast(g.binary(BinaryOp::Eq, windows, pooled(y)?)?, xs.dtype())?;
+    let ties = g.sum(g.sum(hit, &[5], true)?, &[3], true)?;
+    let share = g.binary(BinaryOp::Div, pooled(dy)?, ties)?;
+    let dx = g.mul(hit, share)?;
+    g.reshape(dx, &[n, c, h, w])
+}
+
 fn activation(g: &Graph, u: UnaryOp, x: NodeId) -> Result<NodeId> {
     let dtype = g.shape(x)?.dtype();
     let c = |v: f64| g.scalar(v, dtype);

@@ -55,6 +55,7 @@ pub fn op_attributes(op: &Op) -> String {
             "stride={:?} pad={:?} dilation={:?} groups={groups}",
             window.stride, window.padding, window.dilation
         ),
+        Op::TiledMaxPoolGrad { kernel } => format!("kernel={kernel:?}"),
         Op::MaxPool2d { window } => format!(
             "kernel={:?} stride={:?} pad={:?}",
             window.kernel, window.stride, window.padding

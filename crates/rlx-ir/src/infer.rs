@@ -18,7 +18,8 @@ fn arity(op: &Op) -> (usize, usize) {
         | Op::LayerNorm { .. }
         | Op::Rope { .. }
         | Op::WriteAt { .. }
-        | Op::NormGrad { .. } => (3, 3),
+        | Op::NormGrad { .. }
+        | Op::TiledMaxPoolGrad { .. } => (3, 3),
         Op::Conv2d { .. } => (2, 3),
         Op::Attention { .. } => (3, 4),
         Op::QuantMatMul { .. } => (2, 2),
@@ -90,6 +91,9 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
         Op::OneHot { depth, dtype } => misc::infer_one_hot(*depth, *dtype, x()),
         Op::Conv2d { window, groups } => conv::infer_conv2d(window, *groups, inputs),
         Op::MaxPool2d { window } => conv::infer_pool("max_pool2d", window, x()),
+        Op::TiledMaxPoolGrad { kernel } => {
+            conv::infer_tiled_max_pool_grad(*kernel, inputs[0], inputs[1], inputs[2])
+        }
         Op::AvgPool2d { window, .. } => conv::infer_pool("avg_pool2d", window, x()),
         Op::Attention { seq_major, .. } => attention::infer_attention(inputs, *seq_major),
         Op::FusedMatMul {

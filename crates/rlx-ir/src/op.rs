@@ -610,6 +610,16 @@ pub enum Op {
         /// Window geometry.
         window: Window2d,
     },
+    /// The gradient of a max pool whose windows tile its NCHW input (stride equal to
+    /// the kernel, no padding or dilation, the kernel dividing the height and
+    /// width), from the input `x`, the pool's output `y` and `y`'s gradient `g`:
+    /// each window's gradient shared evenly among its inputs equal to the maximum
+    /// (`hit * (g / ties)`, so a window whose maximum is NaN is NaN throughout). A
+    /// composite: one pass over the input where a backend runs it natively.
+    TiledMaxPoolGrad {
+        /// The window `[kh, kw]`, which is also the stride.
+        kernel: [usize; 2],
+    },
     /// 2-D average pooling over NCHW.
     AvgPool2d {
         /// Window geometry.
@@ -755,6 +765,7 @@ impl Op {
             Op::OneHot { .. } => "one_hot".into(),
             Op::Conv2d { .. } => "conv2d".into(),
             Op::MaxPool2d { .. } => "max_pool2d".into(),
+            Op::TiledMaxPoolGrad { .. } => "tiled_max_pool_grad".into(),
             Op::AvgPool2d { .. } => "avg_pool2d".into(),
             Op::Attention { .. } => "attention".into(),
             Op::Rope { .. } => "rope".into(),

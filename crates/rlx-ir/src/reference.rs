@@ -110,6 +110,9 @@ pub fn eval_node(
         Op::OneHot { depth, .. } => misc::eval_one_hot(*depth, x(), out),
         Op::Conv2d { window, groups } => conv::eval_conv2d(window, *groups, inputs, out),
         Op::MaxPool2d { window } => conv::eval_pool(window, true, false, x(), out),
+        Op::TiledMaxPoolGrad { kernel } => {
+            conv::eval_tiled_max_pool_grad(*kernel, x(), inputs[1], inputs[2])
+        }
         Op::AvgPool2d {
             window,
             count_include_pad,

@@ -513,12 +513,12 @@ fn vjp(
             vec![Some(mul(spread, constant(1.0 / (kh * kw) as f64))?)]
         }
         Op::MaxPool2d { window } if tiles(window, &graph.shape(operands[0])?) => {
-            vec![Some(tiled_max_pool_vjp(
-                graph,
-                window.kernel,
+            // One composite (a pass over the input where a backend runs it natively).
+            vec![Some(graph.tiled_max_pool_grad(
                 operands[0],
                 out,
                 g,
+                window.kernel,
             )?)]
         }
         Op::AvgPool2d {
@@ -1420,33 +1420,6 @@ fn tiles(window: &rlx_ir::Window2d, x: &rlx_ir::Shape) -> bool {
         && window.dilation == [1, 1]
         && x.dim(2).is_multiple_of(window.kernel[0])
         && x.dim(3).is_multiple_of(window.kernel[1])
-}
-
-/// The VJP of a max pool whose windows tile the NCHW input `x`: to each window's
-/// maximum, shared evenly between ties. In the view `[n, c, oh, kh, ow, kw]` of the
-/// input the pooled values broadcast over their windows: a comparison and ops on
-/// broadcast operands, with no copies of the spread maxima. (A float form such as
-/// `1 - sign(max - x)` would be NaN at an infinite maximum.)
-fn tiled_max_pool_vjp(
-    graph: &Graph,
-    [kh, kw]: [usize; 2],
-    x: NodeId,
-    out: NodeId,
-    g: NodeId,
-) -> Result<NodeId> {
-    let xs = graph.shape(x)?;
-    let (n, c, h, w) = (xs.dim(0), xs.dim(1), xs.dim(2), xs.dim(3));
-    let (oh, ow) = (h / kh, w / kw);
-    let windows = graph.reshape(x, &[n, c, oh, kh, ow, kw])?;
-    let pooled = |t: NodeId| graph.reshape(t, &[n, c, oh, 1, ow, 1]);
-    let hit = graph.cast(
-        graph.binary(BinaryOp::Eq, windows, pooled(out)?)?,
-        xs.dtype(),
-    )?;
-    let ties = sum_in_runs(graph, hit, &[3, 5])?;
-    let share = graph.binary(BinaryOp::Div, pooled(g)?, ties)?;
-    let dx = graph.binary(BinaryOp::Mul, hit, share)?;
-    graph.reshape(dx, &[n, c, h, w])
 }
 
 /// A pooled NCHW tensor `t` spread back over windows of `[kh, kw]` that tile the

@@ -1634,6 +1634,25 @@ fn composites_decompose_into_primitives_that_match() {
         g.rms_norm(x, gamma, 1e-6).unwrap(),
     ]);
     check_decomposed(&g, &mut rng, "norms");
+    // The norms' gradients.
+    let g = Graph::new("norm gradients");
+    let x = f32s(&g, "x", &[4, 6, 16]);
+    let dy = f32s(&g, "dy", &[4, 6, 16]);
+    let gamma = f32s(&g, "gamma", &[16]);
+    g.set_outputs(vec![
+        g.norm_grad(x, gamma, dy, 1e-5, true).unwrap(),
+        g.norm_grad(x, gamma, dy, 1e-6, false).unwrap(),
+        g.norm_scale_grad(x, dy, 1e-5, true).unwrap(),
+        g.norm_scale_grad(x, dy, 1e-6, false).unwrap(),
+    ]);
+    check_decomposed(&g, &mut rng, "norm gradients");
+    // A tiling max pool's gradient.
+    let g = Graph::new("max pool gradient");
+    let x = f32s(&g, "x", &[2, 3, 6, 4]);
+    let dy = f32s(&g, "dy", &[2, 3, 2, 2]);
+    let y = g.max_pool2d(x, [3, 2], [3, 2], [0; 4]).unwrap();
+    g.set_outputs(vec![g.tiled_max_pool_grad(x, y, dy, [3, 2]).unwrap()]);
+    check_decomposed(&g, &mut rng, "tiled max pool gradient");
     // Activations.
     let g = Graph::new("activations");
     let x = f32s(&g, "x", &[33]);

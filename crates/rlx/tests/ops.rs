@@ -2470,6 +2470,117 @@ fn pooling() {
     assert!(g.max_pool2d(x, [2, 2], [1, 1], [2, 0, 0, 0]).is_err());
 }
 
+/// `max_pool2d(x)` over windows that tile `x`, then the input's gradient from `g`.
+fn pool_then_gradient(kernel: [usize; 2]) -> impl Fn(&Graph, &[NodeId]) -> Result<Vec<NodeId>> {
+    move |g: &Graph, x: &[NodeId]| {
+        let y = g.max_pool2d(x[0], kernel, kernel, [0; 4])?;
+        Ok(vec![g.tiled_max_pool_grad(x[0], y, x[1], kernel)?])
+    }
+}
+
+#[test]
+fn tiled_max_pool_gradient() {
+    let mut s = Suite::new(0x3C);
+    // The usual 2x2, a 3x2 and a 1x3; few planes and the digits CNN's 32 x 32 planes
+    // of 8 x 8 (on threads); values with many ties, plain, and NaN and infinities.
+    let cases: [(&[usize], [usize; 2]); 4] = [
+        (&[2, 3, 4, 6], [2, 2]),
+        (&[1, 2, 6, 4], [3, 2]),
+        (&[3, 1, 2, 9], [1, 3]),
+        (&[32, 32, 8, 8], [2, 2]),
+    ];
+    let pooled = |d: &[usize], [kh, kw]: [usize; 2]| [d[0], d[1], d[2] / kh, d[3] / kw];
+    for dt in FLOATS {
+        for (dims, kernel) in cases {
+            for dist in [Dist::Ties, Dist::Default, Dist::Special] {
+                s.check(
+                    &format!("tiled_max_pool_grad {dt} {dims:?} k{kernel:?} {dist:?}"),
+                    &[
+                        inp("x", dims, dt).dist(dist),
+                        inp("g", &pooled(dims, kernel), dt),
+                    ],
+                    EW,
+                    pool_then_gradient(kernel),
+                );
+            }
+        }
+    }
+    // The decomposition, which a backend without the kernel runs, on the CPU.
+    for (dims, kernel) in cases {
+        for dist in [Dist::Ties, Dist::Special] {
+            let g = Graph::new("tiled max pool gradient decomposed");
+            let ins = [
+                inp("x", dims, DType::F32).dist(dist),
+                inp("g", &pooled(dims, kernel), DType::F32),
+            ];
+            let ids: Vec<NodeId> = ins
+                .iter()
+                .map(|i| g.input(i.name.clone(), i.shape.clone()).unwrap())
+                .collect();
+            g.set_outputs(pool_then_gradient(kernel)(&g, &ids).unwrap());
+            let options = CompileOptions::new().primitives_only(true);
+            let mut model = Session::new(Device::Cpu)
+                .compile_with(&g, &options)
+                .unwrap();
+            let mut rng = Rng::new(mix(0x3C00 + dims[3] as u64));
+            let mut values = HashMap::new();
+            let mut data = Vec::new();
+            for i in &ins {
+                let t = random_tensor(&mut rng, &i.shape, i.dist);
+                data.push((i.name.as_str(), t.to_data()));
+                values.insert(i.name.clone(), t);
+            }
+            let want = evaluate(&g, &mut values).unwrap();
+            let feed: Vec<(&str, TensorRef<'_>)> =
+                data.iter().map(|(n, d)| (*n, d.as_ref())).collect();
+            let got = model.run_typed(&feed).unwrap();
+            let names = model.kernels();
+            assert!(
+                !names.iter().any(|(_, k)| k.contains("tiled_max_pool_grad")),
+                "decomposed: {names:?}"
+            );
+            compare(
+                &format!("decomposed {dims:?} {dist:?}"),
+                "dx",
+                &got[0],
+                &want[0],
+                EW,
+            );
+        }
+    }
+}
+
+#[test]
+fn tiled_max_pool_gradient_rejects_bad_operands() {
+    let g = Graph::new("tiled_max_pool_grad errors");
+    let f = |name: &str, dims: &[usize], dt: DType| g.input(name, Shape::new(dims, dt)).unwrap();
+    let x = f("x", &[2, 3, 4, 6], DType::F32);
+    let y = f("y", &[2, 3, 2, 3], DType::F32);
+    let wrong = f("wrong", &[2, 3, 2, 2], DType::F32);
+    let half = f("half", &[2, 3, 2, 3], DType::F16);
+    let ints = f("ints", &[2, 3, 4, 6], DType::I32);
+    let flat = f("flat", &[6, 4, 6], DType::F32);
+    let cases = [
+        (g.tiled_max_pool_grad(x, y, y, [3, 2]), "tile"),
+        (g.tiled_max_pool_grad(x, y, y, [0, 2]), "tile"),
+        (g.tiled_max_pool_grad(x, wrong, y, [2, 2]), "pooled output"),
+        (
+            g.tiled_max_pool_grad(x, y, wrong, [2, 2]),
+            "output gradient",
+        ),
+        (g.tiled_max_pool_grad(x, y, half, [2, 2]), "f16"),
+        (g.tiled_max_pool_grad(ints, y, y, [2, 2]), "float"),
+        (g.tiled_max_pool_grad(flat, y, y, [2, 2]), "rank 4"),
+    ];
+    for (result, needle) in cases {
+        let err = result.unwrap_err().to_string();
+        assert!(err.contains(needle), "{needle:?} not in {err:?}");
+    }
+    // The graph still builds after the rejected calls.
+    let ok = g.tiled_max_pool_grad(x, y, y, [2, 2]).unwrap();
+    assert_eq!(g.shape(ok).unwrap(), Shape::new(&[2, 3, 4, 6], DType::F32));
+}
+
 // ---------------------------------------------------------------------------------------
 // Attention and rotary embedding
 // ---------------------------------------------------------------------------------------

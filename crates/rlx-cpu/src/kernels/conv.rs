@@ -195,6 +195,134 @@ pub(crate) fn pool_f32(
         .run(planes.div_ceil(per_task), threads, &plane_task)
 }
 
+/// `Op::TiledMaxPoolGrad` in `f32`: per window, the inputs equal to the pooled value
+/// (`y`) each take `g / ties`, the others zero, runs of planes on the threads. (The
+/// same arithmetic as the decomposition: a window with no hit, its maximum NaN,
+/// gets `0 * (g / 0)`, NaN.)
+pub(crate) fn tiled_max_pool_grad_f32(
+    [kh, kw]: [usize; 2],
+    (x, y, g): (Src, Src, Src),
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    let [n, c, h, w] = nchw(x.shape);
+    let (oh, ow) = (h / kh, w / kw);
+    let planes = n * c;
+    // SAFETY: f32 tensors of the shapes read above (shape inference checked them);
+    // the output is written through its own pointer, one plane per task.
+    let (xs, ys, gs) = unsafe {
+        (
+            std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len),
+            std::slice::from_raw_parts(y.ptr.cast::<f32>(), y.len),
+            std::slice::from_raw_parts(g.ptr.cast::<f32>(), g.len),
+        )
+    };
+    let out_addr = out.ptr as usize;
+    // Output rows (of windows) across all planes: row `r` reads input rows `r kh` to
+    // `r kh + kh - 1`, so a run of output rows is one contiguous block of the input.
+    let (rows, block) = (planes * oh, kh * w);
+    let run = |from: usize, to: usize| {
+        // SAFETY: output rows `from..to` are written by this call alone (the plan never
+        // runs the op in place: the output has the input's size, not its data).
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                (out_addr as *mut f32).add(from * block),
+                (to - from) * block,
+            )
+        };
+        let src = &xs[from * block..to * block];
+        let (maxes, grads) = (&ys[from * ow..to * ow], &gs[from * ow..to * ow]);
+        // Constant windows let the compiler unroll the taps (2x2 is the usual pool).
+        match (kh, kw) {
+            (2, 2) => window_grads(2, 2, w, ow, src, dst, (maxes, grads)),
+            (3, 3) => window_grads(3, 3, w, ow, src, dst, (maxes, grads)),
+            _ => window_grads(kh, kw, w, ow, src, dst, (maxes, grads)),
+        }
+    };
+    let threads = ctx.gemm.threads();
+    // Small tensors (a few thousand values a thread) stay on the calling thread.
+    if threads <= 1 || planes * h * w < GRAD_THREADING_FROM {
+        run(0, rows);
+        return Ok(());
+    }
+    let tasks = threads * PLANE_RUNS_PER_THREAD;
+    let per_task = rows.div_ceil(tasks).max(1);
+    let task = |task: usize, _thread: usize| {
+        let from = task * per_task;
+        if from < rows {
+            run(from, (from + per_task).min(rows))
+        }
+    };
+    ctx.pool.run(rows.div_ceil(per_task), threads, &task)
+}
+
+/// The gradients of rows of `kh x kw` windows: `src` and `dst` hold `kh` input rows
+/// of `w` values per output row, `maxes` and `grads` `ow` values per output row.
+#[inline(always)]
+fn window_grads(
+    kh: usize,
+    kw: usize,
+    w: usize,
+    ow: usize,
+    src: &[f32],
+    dst: &mut [f32],
+    (maxes, grads): (&[f32], &[f32]),
+) {
+    let block = kh * w;
+    let rows = src.chunks_exact(block).zip(dst.chunks_exact_mut(block));
+    for ((src, dst), (maxes, grads)) in rows.zip(maxes.chunks_exact(ow).zip(grads.chunks_exact(ow)))
+    {
+        for ox in 0..ow {
+            let max = maxes[ox];
+            let mut ties = 0f32;
+            for i in 0..kh {
+                for j in 0..kw {
+                    ties += if src[i * w + ox * kw + j] == max {
+                        1.0
+                    } else {
+                        0.0
+                    };
+                }
+            }
+            let share = grads[ox] / ties;
+            for i in 0..kh {
+                for j in 0..kw {
+                    let at = i * w + ox * kw + j;
+                    dst[at] = if src[at] == max { 1.0 } else { 0.0 } * share;
+                }
+            }
+        }
+    }
+}
+
+/// Values from which a pooling gradient runs on the threads.
+const GRAD_THREADING_FROM: usize = 1 << 14;
+
+/// `Op::TiledMaxPoolGrad` in any float type, computed in `f64` and rounded as the
+/// decomposition rounds: the share once, then `hit * share` exactly.
+pub(crate) fn tiled_max_pool_grad([kh, kw]: [usize; 2], (x, y, g): (Src, Src, Src), out: Dst) {
+    let [n, c, h, w] = nchw(x.shape);
+    let (oh, ow) = (h / kh, w / kw);
+    with_dtype!(x.shape.dtype(), T => {
+        for plane in 0..n * c {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let o = (plane * oh + oy) * ow + ox;
+                    let max = y.f64::<T>(o);
+                    let at = |i: usize, j: usize| (plane * h + oy * kh + i) * w + ox * kw + j;
+                    let taps = || (0..kh).flat_map(|i| (0..kw).map(move |j| (i, j)));
+                    let ties = taps().filter(|&(i, j)| x.f64::<T>(at(i, j)) == max).count();
+                    let share = T::from_f64(g.f64::<T>(o) / ties as f64).to_f64();
+                    for (i, j) in taps() {
+                        let hit = if x.f64::<T>(at(i, j)) == max { 1.0 } else { 0.0 };
+                        out.set(at(i, j), T::from_f64(hit * share));
+                    }
+                }
+            }
+        }
+    })
+}
+
 /// Tasks per thread that pooling cuts its planes into (a few, so that a thread slowed
 /// by another process leaves work to the others).
 const PLANE_RUNS_PER_THREAD: usize = 4;

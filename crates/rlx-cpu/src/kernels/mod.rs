@@ -135,7 +135,9 @@ pub(crate) fn kernel_name(op: &Op, inputs: &[Shape], out: &Shape, products_on_am
         {
             format!("cpu.tiles.transpose.{dtype}")
         }
-        Op::MaxPool2d { .. } | Op::AvgPool2d { .. } if dtype == DType::F32 => {
+        Op::MaxPool2d { .. } | Op::AvgPool2d { .. } | Op::TiledMaxPoolGrad { .. }
+            if dtype == DType::F32 =>
+        {
             format!("cpu.planes.{}.f32", op.name())
         }
         Op::QuantMatMul { format } => format!("cpu.quant.{format}.matmul"),
@@ -420,6 +422,12 @@ pub(crate) fn run<'a>(
             return conv::pool_f32(window, false, *count_include_pad, src(0), out, ctx);
         }
         Op::MaxPool2d { window } => conv::pool(window, true, false, src(0), out),
+        Op::TiledMaxPoolGrad { kernel } if src(0).shape.dtype() == DType::F32 => {
+            return conv::tiled_max_pool_grad_f32(*kernel, (src(0), src(1), src(2)), out, ctx);
+        }
+        Op::TiledMaxPoolGrad { kernel } => {
+            conv::tiled_max_pool_grad(*kernel, (src(0), src(1), src(2)), out)
+        }
         Op::AvgPool2d {
             window,
             count_include_pad,

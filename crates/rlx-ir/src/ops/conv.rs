@@ -48,6 +48,20 @@ impl Graph {
         self.push(Op::MaxPool2d { window }, &[x])
     }
 
+    /// The gradient of the input of `max_pool2d(x, kernel, kernel, [0; 4])` whose
+    /// windows tile `x` (the kernel divides its height and width), from the pool's
+    /// output `y` and its gradient `g` ([`Op::TiledMaxPoolGrad`]): ties share a
+    /// window's gradient evenly.
+    pub fn tiled_max_pool_grad(
+        &self,
+        x: NodeId,
+        y: NodeId,
+        g: NodeId,
+        kernel: [usize; 2],
+    ) -> Result<NodeId> {
+        self.push(Op::TiledMaxPoolGrad { kernel }, &[x, y, g])
+    }
+
     /// 2-D average pooling; `count_include_pad` divides by the whole window.
     pub fn avg_pool2d(
         &self,
@@ -178,6 +192,76 @@ pub(crate) fn infer_pool(op: &str, win: &Window2d, x: &Shape) -> Result<Shape> {
     }
     let [oh, ow] = window_output(op, win, x.dim(2), x.dim(3))?;
     Ok(x.with_dims(&[x.dim(0), x.dim(1), oh, ow]))
+}
+
+/// The shape of [`Op::TiledMaxPoolGrad`]: `x`'s, once `x` is a float NCHW tensor
+/// that `kernel` tiles and `y` and `g` are its pooled shape, all of one dtype.
+pub(crate) fn infer_tiled_max_pool_grad(
+    kernel: [usize; 2],
+    x: &Shape,
+    y: &Shape,
+    g: &Shape,
+) -> Result<Shape> {
+    const OP: &str = "tiled_max_pool_grad";
+    require_rank(OP, "input", x, 4)?;
+    require_float(OP, x)?;
+    same_dtype(OP, x, y)?;
+    same_dtype(OP, x, g)?;
+    let [kh, kw] = kernel;
+    if kh == 0 || kw == 0 || !x.dim(2).is_multiple_of(kh) || !x.dim(3).is_multiple_of(kw) {
+        return Err(Error::invalid(
+            OP,
+            format!("the window {kernel:?} must tile the input {x} (divide its height and width)"),
+        ));
+    }
+    let pooled = x.with_dims(&[x.dim(0), x.dim(1), x.dim(2) / kh, x.dim(3) / kw]);
+    for (what, s) in [("pooled output", y), ("output gradient", g)] {
+        if s.dims() != pooled.dims() {
+            return Err(mismatch(
+                OP,
+                x,
+                s,
+                format!("the {what} must have the pooled shape {pooled}"),
+            ));
+        }
+    }
+    Ok(x.clone())
+}
+
+/// [`Op::TiledMaxPoolGrad`] in `f64`: `hit * (g / ties)` at every input element.
+pub(crate) fn eval_tiled_max_pool_grad(
+    [kh, kw]: [usize; 2],
+    x: &HostTensor,
+    y: &HostTensor,
+    g: &HostTensor,
+) -> HostTensor {
+    let (h, w) = (x.shape.dim(2), x.shape.dim(3));
+    let (oh, ow) = (h / kh, w / kw);
+    let planes = x.shape.dim(0) * x.shape.dim(1);
+    let mut data = vec![0.0; x.shape.num_elements()];
+    let at = |plane: usize, iy: usize, ix: usize| (plane * h + iy) * w + ix;
+    for plane in 0..planes {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                let o = (plane * oh + oy) * ow + ox;
+                let window =
+                    || (0..kh).flat_map(move |i| (0..kw).map(move |j| (oy * kh + i, ox * kw + j)));
+                let ties = window()
+                    .filter(|&(iy, ix)| x.data[at(plane, iy, ix)] == y.data[o])
+                    .count();
+                let share = x.shape.dtype().round_value(g.data[o] / ties as f64);
+                for (iy, ix) in window() {
+                    let hit = if x.data[at(plane, iy, ix)] == y.data[o] {
+                        1.0
+                    } else {
+                        0.0
+                    };
+                    data[at(plane, iy, ix)] = x.shape.dtype().round_value(hit * share);
+                }
+            }
+        }
+    }
+    HostTensor::new(x.shape.clone(), data)
 }
 
 /// Input coordinate of window tap `k` at output position `o`, if inside the input.
