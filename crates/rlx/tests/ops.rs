@@ -992,50 +992,51 @@ fn reductions() {
                 },
             );
         }
-        // Long reductions (a warp per output on CUDA), over inner, middle and outer
-        // axes, and with NaN and infinities among many values.
-        for dt in [DType::F32, DType::F16, DType::I64] {
-            if op == ReduceOp::Mean && dt == DType::I64 {
-                continue;
+        // Long reductions over inner, middle and outer axes: a warp per output on
+        // CUDA, and a block per output for few outputs from thousands of values each
+        // (a whole tensor into one value, column sums, a middle axis).
+        // (label, dims, dtypes, reductions, the count the tolerance allows for)
+        type Long = (
+            &'static str,
+            [usize; 3],
+            [DType; 3],
+            &'static [&'static [isize]],
+            usize,
+        );
+        let longs: [Long; 2] = [
+            (
+                "long",
+                [2, 100, 3],
+                [DType::F32, DType::F16, DType::I64],
+                &[&[1], &[-1, 1], &[]],
+                300,
+            ),
+            (
+                "few outputs",
+                [3, 1500, 50],
+                [DType::F32, DType::F64, DType::I64],
+                &[&[], &[0, 1], &[1], &[-1, 1]],
+                3 * 1500 * 50,
+            ),
+        ];
+        for (what, dims, dtypes, axes_sets, count) in longs {
+            for dt in dtypes {
+                if op == ReduceOp::Mean && dt == DType::I64 {
+                    continue;
+                }
+                s.check(
+                    &format!("reduce_{} {dt} {what}", op.name()),
+                    &[inp("x", &dims, dt)],
+                    if dt == DType::I64 { EW } else { acc(count) },
+                    |g, x| {
+                        axes_sets
+                            .iter()
+                            .enumerate()
+                            .map(|(k, axes)| g.reduce(op, x[0], axes, k % 2 == 1))
+                            .collect()
+                    },
+                );
             }
-            let long = [2, 100, 3];
-            s.check(
-                &format!("reduce_{} {dt} long", op.name()),
-                &[inp("x", &long, dt)],
-                if dt == DType::I64 { EW } else { acc(300) },
-                |g, x| {
-                    Ok(vec![
-                        g.reduce(op, x[0], &[1], false)?,
-                        g.reduce(op, x[0], &[-1, 1], true)?,
-                        g.reduce(op, x[0], &[], false)?,
-                    ])
-                },
-            );
-        }
-        // Few outputs from thousands of values each (a block per output on CUDA): a
-        // whole tensor into one value, column sums, and a middle axis.
-        for dt in [DType::F32, DType::F64, DType::I64] {
-            if op == ReduceOp::Mean && dt == DType::I64 {
-                continue;
-            }
-            let dims = [3, 1500, 50];
-            s.check(
-                &format!("reduce_{} {dt} few outputs", op.name()),
-                &[inp("x", &dims, dt)],
-                if dt == DType::I64 {
-                    EW
-                } else {
-                    acc(3 * 1500 * 50)
-                },
-                |g, x| {
-                    Ok(vec![
-                        g.reduce(op, x[0], &[], false)?,
-                        g.reduce(op, x[0], &[0, 1], false)?,
-                        g.reduce(op, x[0], &[1], true)?,
-                        g.reduce(op, x[0], &[-1, 1], false)?,
-                    ])
-                },
-            );
         }
         // Consecutive axes run as one: column sums over leading axes and row sums over
         // trailing ones, both large enough to be split between threads.

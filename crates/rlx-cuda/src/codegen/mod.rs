@@ -545,12 +545,20 @@ pub(crate) fn kernel_for(
                 >= BLOCK_REDUCE_FROM
                 && n <= BLOCK_REDUCE_OUTPUTS =>
         {
-            return reduce_by_blocks(name, *rop, axes, &inputs[0], output).map(Some);
+            let count: usize = axes.iter().map(|&a| inputs[0].dims()[a]).product();
+            let threads = match count {
+                65536.. => 1024,
+                8192.. => 512,
+                _ => 256,
+            };
+            let shapes = (&inputs[0], output);
+            return reduce_long(name, *rop, axes, shapes, Reducer::Block(threads)).map(Some);
         }
         Op::Reduce { op: rop, axes, .. }
             if axes.iter().map(|&a| inputs[0].dims()[a]).product::<usize>() >= WARP_REDUCE_FROM =>
         {
-            return reduce_by_warps(name, *rop, axes, &inputs[0], output).map(Some);
+            let shapes = (&inputs[0], output);
+            return reduce_long(name, *rop, axes, shapes, Reducer::Warp).map(Some);
         }
         Op::Reduce { op: rop, axes, .. } => {
             let src = inputs[0].dims();
@@ -680,15 +688,27 @@ fn combine(rop: ReduceOp, acc_t: &str, v: &str) -> String {
     }
 }
 
-/// A reduction with one warp per output: the lanes stride over the reduced
-/// elements (adjacent lanes read adjacent elements when the reduced axes are the
-/// innermost), then combine through shuffles.
-fn reduce_by_warps(
+/// Who reduces one output of a long reduction.
+#[derive(Clone, Copy)]
+enum Reducer {
+    /// A warp: the lanes stride over the reduced elements (adjacent lanes read
+    /// adjacent elements when the reduced axes are the innermost), then combine
+    /// through shuffles.
+    Warp,
+    /// A block of this many threads (a multiple of 32, at most 1024): each warp
+    /// combines its lanes through shuffles, then the first warp combines the warps'
+    /// partials, always in the same order (the result does not depend on timing).
+    Block(usize),
+}
+
+/// A reduction with a warp or a block per output (`count >= 32`, or the block's
+/// thread count: every thread starts from an element of its own).
+fn reduce_long(
     name: &str,
     rop: ReduceOp,
     axes: &[usize],
-    input: &Shape,
-    output: &Shape,
+    (input, output): (&Shape, &Shape),
+    reducer: Reducer,
 ) -> Result<Kernel> {
     let src = input.dims();
     let src_strides = strides(src);
@@ -696,24 +716,85 @@ fn reduce_by_warps(
     let count: usize = axes.iter().map(|&a| src[a]).product();
     let (idt, odt) = (input.dtype(), output.dtype());
     let acc_t = accumulator(idt);
-    let mut s = header(name, odt, &[idt]);
     let outputs = output.num_elements();
-    let _ = writeln!(s, "  const int lane = threadIdx.x & 31;");
-    let _ = writeln!(s, "  RLX_WARP_LOOP({outputs}LL) {{");
+    let mut s = header(name, odt, &[idt]);
+    let (index, thread, stride) = match reducer {
+        Reducer::Warp => {
+            let _ = writeln!(s, "  const int lane = threadIdx.x & 31;");
+            let _ = writeln!(s, "  RLX_WARP_LOOP({outputs}LL) {{");
+            ("w", "lane", 32)
+        }
+        Reducer::Block(threads) => {
+            debug_assert!(count >= threads && threads.is_multiple_of(32));
+            let _ = writeln!(s, "  __shared__ {acc_t} part[{}];", threads / 32);
+            let _ = writeln!(
+                s,
+                "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;"
+            );
+            let _ = writeln!(
+                s,
+                "  for (long long b = blockIdx.x; b < {outputs}LL; b += gridDim.x) {{"
+            );
+            ("b", "threadIdx.x", threads)
+        }
+    };
     let _ = writeln!(s, "    long long base = 0;");
-    offset_over_axes(&mut s, "    ", "base", "w", &kept, src, &src_strides);
-    // Every lane has at least one element (count >= 32): it starts from its first.
+    offset_over_axes(&mut s, "    ", "base", index, &kept, src, &src_strides);
     let _ = writeln!(s, "    long long first = base;");
-    offset_over_axes(&mut s, "    ", "first", "lane", axes, src, &src_strides);
+    offset_over_axes(&mut s, "    ", "first", thread, axes, src, &src_strides);
     let _ = writeln!(s, "    {acc_t} acc = {};", load(idt, "in0", "first"));
     let _ = writeln!(
         s,
-        "    for (long long j = lane + 32; j < {count}LL; j += 32) {{"
+        "    for (long long j = {thread} + {stride}; j < {count}LL; j += {stride}) {{"
     );
     let _ = writeln!(s, "      long long off = base;");
     offset_over_axes(&mut s, "      ", "off", "j", axes, src, &src_strides);
     let _ = writeln!(s, "      {}", combine(rop, acc_t, &load(idt, "in0", "off")));
     let _ = writeln!(s, "    }}");
+    shuffle_combine(&mut s, rop, acc_t, 16);
+    let mean = if rop == ReduceOp::Mean {
+        format!("acc = acc / ({acc_t}){count}; ")
+    } else {
+        String::new()
+    };
+    let store_acc = format!(
+        "if (lane == 0) {{ {mean}out[{index}] = {}; }}",
+        store(odt, "acc")
+    );
+    let grid = match reducer {
+        Reducer::Warp => {
+            let _ = writeln!(s, "    {store_acc}");
+            Grid::Warps(outputs)
+        }
+        Reducer::Block(threads) => {
+            let warps = threads / 32;
+            let _ = writeln!(s, "    if (lane == 0) part[warp] = acc;");
+            let _ = writeln!(s, "    __syncthreads();");
+            // Lanes past the warp count read a partial they never combine into lane 0
+            // (an xor below `warps` stays among the first `warps` lanes).
+            let _ = writeln!(s, "    if (warp == 0) {{");
+            let _ = writeln!(s, "    acc = part[lane < {warps} ? lane : 0];");
+            shuffle_combine(&mut s, rop, acc_t, warps / 2);
+            let _ = writeln!(s, "    {store_acc}");
+            let _ = writeln!(s, "    }}");
+            let _ = writeln!(s, "    __syncthreads();");
+            Grid::Blocks {
+                count: outputs,
+                threads: threads as u32,
+            }
+        }
+    };
+    s.push_str("  }\n}\n");
+    Ok(Kernel {
+        source: s,
+        grid,
+        check: None,
+    })
+}
+
+/// Combines `acc` across lanes `o` apart for `o = from, from / 2, ..., 1` (a
+/// butterfly: lane 0 ends with the combination of lanes `0..2 from`).
+fn shuffle_combine(s: &mut String, rop: ReduceOp, acc_t: &str, from: usize) {
     let other = if acc_t == "long long" {
         "__shfl_xor_sync(0xffffffffu, acc, o)".to_string()
     } else {
@@ -721,117 +802,9 @@ fn reduce_by_warps(
     };
     let _ = writeln!(
         s,
-        "    for (int o = 16; o > 0; o >>= 1) {{ {acc_t} other = {other}; {} }}",
+        "    for (int o = {from}; o > 0; o >>= 1) {{ {acc_t} other = {other}; {} }}",
         combine(rop, acc_t, "other")
     );
-    if rop == ReduceOp::Mean {
-        let _ = writeln!(s, "    acc = acc / ({acc_t}){count};");
-    }
-    let _ = writeln!(s, "    if (lane == 0) out[w] = {};", store(odt, "acc"));
-    s.push_str(
-        "  }
-}
-",
-    );
-    Ok(Kernel {
-        source: s,
-        grid: Grid::Warps(outputs),
-        check: None,
-    })
-}
-
-/// A reduction with one block per output: the threads stride over the reduced
-/// elements, each warp combines its lanes through shuffles, and the first warp
-/// combines the warps' partials, always in the same order (the result does not
-/// depend on timing).
-fn reduce_by_blocks(
-    name: &str,
-    rop: ReduceOp,
-    axes: &[usize],
-    input: &Shape,
-    output: &Shape,
-) -> Result<Kernel> {
-    let src = input.dims();
-    let src_strides = strides(src);
-    let kept: Vec<usize> = (0..src.len()).filter(|a| !axes.contains(a)).collect();
-    let count: usize = axes.iter().map(|&a| src[a]).product();
-    // Every thread starts from an element of its own (count >= BLOCK_REDUCE_FROM).
-    let threads: usize = match count {
-        65536.. => 1024,
-        8192.. => 512,
-        _ => 256,
-    };
-    debug_assert!(count >= threads);
-    let warps = threads / 32;
-    let (idt, odt) = (input.dtype(), output.dtype());
-    let acc_t = accumulator(idt);
-    let outputs = output.num_elements();
-    let mut s = header(name, odt, &[idt]);
-    let _ = writeln!(s, "  __shared__ {acc_t} part[{warps}];");
-    let _ = writeln!(
-        s,
-        "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;"
-    );
-    let _ = writeln!(
-        s,
-        "  for (long long b = blockIdx.x; b < {outputs}LL; b += gridDim.x) {{"
-    );
-    let _ = writeln!(s, "    long long base = 0;");
-    offset_over_axes(&mut s, "    ", "base", "b", &kept, src, &src_strides);
-    let _ = writeln!(s, "    long long first = base;");
-    offset_over_axes(
-        &mut s,
-        "    ",
-        "first",
-        "threadIdx.x",
-        axes,
-        src,
-        &src_strides,
-    );
-    let _ = writeln!(s, "    {acc_t} acc = {};", load(idt, "in0", "first"));
-    let _ = writeln!(
-        s,
-        "    for (long long j = threadIdx.x + {threads}; j < {count}LL; j += {threads}) {{"
-    );
-    let _ = writeln!(s, "      long long off = base;");
-    offset_over_axes(&mut s, "      ", "off", "j", axes, src, &src_strides);
-    let _ = writeln!(s, "      {}", combine(rop, acc_t, &load(idt, "in0", "off")));
-    let _ = writeln!(s, "    }}");
-    let shuffle = |s: &mut String, from: usize| {
-        let other = if acc_t == "long long" {
-            "__shfl_xor_sync(0xffffffffu, acc, o)".to_string()
-        } else {
-            format!("({acc_t})__shfl_xor_sync(0xffffffffu, acc, o)")
-        };
-        let _ = writeln!(
-            s,
-            "    for (int o = {from}; o > 0; o >>= 1) {{ {acc_t} other = {other}; {} }}",
-            combine(rop, acc_t, "other")
-        );
-    };
-    shuffle(&mut s, 16);
-    let _ = writeln!(s, "    if (lane == 0) part[warp] = acc;");
-    let _ = writeln!(s, "    __syncthreads();");
-    // Lanes past the warp count read a partial they then never combine into lane 0
-    // (an xor below `warps` stays among the first `warps` lanes).
-    let _ = writeln!(s, "    if (warp == 0) {{");
-    let _ = writeln!(s, "      acc = part[lane < {warps} ? lane : 0];");
-    shuffle(&mut s, warps / 2);
-    if rop == ReduceOp::Mean {
-        let _ = writeln!(s, "      acc = acc / ({acc_t}){count};");
-    }
-    let _ = writeln!(s, "      if (lane == 0) out[b] = {};", store(odt, "acc"));
-    let _ = writeln!(s, "    }}");
-    let _ = writeln!(s, "    __syncthreads();");
-    s.push_str("  }\n}\n");
-    Ok(Kernel {
-        source: s,
-        grid: Grid::Blocks {
-            count: outputs,
-            threads: threads as u32,
-        },
-        check: None,
-    })
 }
 
 /// Adds to `long long {target}` the offset of linear index `index` counted over
