@@ -850,6 +850,27 @@ fn select_where() {
             |g, x| one(g.select(x[0], x[1], x[2])?),
         );
     }
+    // Large masked selects, which the CPU runs in pieces of rows on its threads: a
+    // causal mask broadcast over batch and heads with one value for the hidden
+    // entries (either side), rows longer than a piece, and a mask along columns.
+    type LargeWhere = (&'static [usize], &'static [usize], &'static [usize]);
+    let large: [LargeWhere; 5] = [
+        (&[128, 128], &[3, 4, 128, 128], &[]),
+        (&[128, 128], &[], &[3, 4, 128, 128]),
+        (&[1, 40000], &[3, 40000], &[1]),
+        (&[300, 1], &[300, 400], &[300, 400]),
+        (&[2, 1, 300, 200], &[2, 3, 300, 200], &[3, 1, 200]),
+    ];
+    for dt in [DType::F32, DType::F16, DType::I64] {
+        for (c, a, b) in large {
+            s.check(
+                &format!("large where {dt} {c:?} {a:?} {b:?}"),
+                &[inp("c", c, DType::Bool), inp("a", a, dt), inp("b", b, dt)],
+                EW,
+                |g, x| one(g.select(x[0], x[1], x[2])?),
+            );
+        }
+    }
     s.check(
         "where with NaN branches",
         &[

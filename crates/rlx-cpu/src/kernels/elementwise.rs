@@ -151,10 +151,10 @@ pub(crate) fn select(c: Src, a: Src, b: Src, out: Dst, ctx: &super::Ctx) -> rlx_
     // SAFETY (all arms): the strides come from the operands' own dims broadcast to the
     // output's, so every offset lies inside its operand.
     match out.shape.dtype().size_in_bytes() {
-        1 => unsafe { select_rows::<u8>(c, a, b, out, [&sc, &sa, &sb]) },
-        2 => unsafe { select_rows::<u16>(c, a, b, out, [&sc, &sa, &sb]) },
-        4 => unsafe { select_rows::<u32>(c, a, b, out, [&sc, &sa, &sb]) },
-        8 => unsafe { select_rows::<u64>(c, a, b, out, [&sc, &sa, &sb]) },
+        1 => unsafe { select_rows::<u8>((c, a, b, out), [&sc, &sa, &sb], ctx)? },
+        2 => unsafe { select_rows::<u16>((c, a, b, out), [&sc, &sa, &sb], ctx)? },
+        4 => unsafe { select_rows::<u32>((c, a, b, out), [&sc, &sa, &sb], ctx)? },
+        8 => unsafe { select_rows::<u64>((c, a, b, out), [&sc, &sa, &sb], ctx)? },
         _ => with_dtype!(out.shape.dtype(), T => {
             for_each_strided(dims, [&sc, &sa, &sb], [0, 0, 0], |i, [oc, oa, ob]| {
                 let keep = c.get::<crate::elem::Bool8>(oc as usize).0 != 0;
@@ -168,58 +168,127 @@ pub(crate) fn select(c: Src, a: Src, b: Src, out: Dst, ctx: &super::Ctx) -> rlx_
 
 /// [`select`] on elements of `T`'s size, copied as bits: the walk coalesced into rows
 /// (a mask broadcast over leading axes makes one row of its whole size), each row one
-/// loop, which vectorizes where all three operands are contiguous along it.
+/// loop, which vectorizes where every operand is contiguous along it or one value (a
+/// causal mask's `-inf`). Large selects run in pieces of rows on the threads.
 ///
 /// # Safety
 /// `strides` are the condition's, `a`'s and `b`'s strides over the output's dims, each
 /// keeping its offsets inside its operand; the output holds its shape's elements of
 /// `T`'s size.
 unsafe fn select_rows<T: Copy>(
-    c: Src,
-    a: Src,
-    b: Src,
-    out: Dst,
+    (c, a, b, out): (Src, Src, Src, Dst),
     strides: [&[isize; rlx_ir::MAX_RANK]; 3],
-) {
+    ctx: &super::Ctx,
+) -> rlx_ir::Result<()> {
     let (rank, dims, steps) = crate::tensor::coalesce(out.shape.dims(), strides);
     let inner = dims[rank - 1];
-    let [kc, ka, kb] = [steps[0][rank - 1], steps[1][rank - 1], steps[2][rank - 1]];
-    let (cp, ap, bp, dst) = (
-        c.ptr,
-        a.ptr.cast::<T>(),
-        b.ptr.cast::<T>(),
-        out.ptr.cast::<T>(),
-    );
+    let along = [steps[0][rank - 1], steps[1][rank - 1], steps[2][rank - 1]];
+    let addresses = [
+        c.ptr as usize,
+        a.ptr as usize,
+        b.ptr as usize,
+        out.ptr as usize,
+    ];
     let outer = &dims[..rank - 1];
     let [sc, sa, sb] = &steps;
-    for_each_strided(outer, [sc, sa, sb], [0, 0, 0], |row, [oc, oa, ob]| {
-        // SAFETY: row `row` of the output and the elements of each operand it reads
-        // (the caller's contract); an in-place operand is read at `j` before `j` is
-        // written.
-        unsafe {
-            let d = dst.add(row * inner);
-            if [kc, ka, kb] == [1, 1, 1] {
-                let (cs, xs, ys) = (cp.offset(oc), ap.offset(oa), bp.offset(ob));
-                for j in 0..inner {
+    let threads = ctx.gemm.threads();
+    if threads < 2 || out.len < PARALLEL_SELECT_FROM {
+        for_each_strided(outer, [sc, sa, sb], [0, 0, 0], |row, offsets| {
+            // SAFETY: row `row` of the output and the elements of each operand it
+            // reads (the caller's contract).
+            unsafe { select_run::<T>(addresses, offsets, along, row * inner..(row + 1) * inner) }
+        });
+        return Ok(());
+    }
+    // Pieces of at most `SELECT_PIECE` elements of one row, a run of them per task.
+    let pieces_per_row = inner.div_ceil(SELECT_PIECE);
+    let pieces = outer.iter().product::<usize>() * pieces_per_row;
+    let per_task = pieces.div_ceil(4 * threads);
+    ctx.pool
+        .run(pieces.div_ceil(per_task), threads, &|task, _| {
+            for piece in task * per_task..((task + 1) * per_task).min(pieces) {
+                let (row, part) = (piece / pieces_per_row, piece % pieces_per_row);
+                // The row's offsets in each operand, from its coordinates over `outer`.
+                let mut offsets = [0isize; 3];
+                let mut rest = row;
+                for axis in (0..outer.len()).rev() {
+                    let coordinate = (rest % outer[axis]) as isize;
+                    rest /= outer[axis];
+                    for (o, s) in offsets.iter_mut().zip(&steps) {
+                        *o += coordinate * s[axis];
+                    }
+                }
+                let start = part * SELECT_PIECE;
+                let range = row * inner + start..row * inner + (start + SELECT_PIECE).min(inner);
+                for (o, k) in offsets.iter_mut().zip(along) {
+                    *o += start as isize * k;
+                }
+                // SAFETY: as above; the pieces are disjoint parts of the output, and an
+                // in-place operand (the output's own shape) is read only in its piece.
+                unsafe { select_run::<T>(addresses, offsets, along, range) }
+            }
+        })
+}
+
+/// Selects from a condition and two operands whose elements in the output range
+/// `range` begin at `offsets` (condition, `a`, `b`) and step by `along` (each 0, 1
+/// or any stride); `addresses` are the condition's, `a`'s, `b`'s and the output's.
+///
+/// # Safety
+/// Every element read lies inside its operand and `range` inside the output.
+#[inline(always)]
+unsafe fn select_run<T: Copy>(
+    [cp, ap, bp, dst]: [usize; 4],
+    [oc, oa, ob]: [isize; 3],
+    along: [isize; 3],
+    range: std::ops::Range<usize>,
+) {
+    let n = range.len();
+    // SAFETY (all arms): the caller's contract.
+    unsafe {
+        let d = (dst as *mut T).add(range.start);
+        let cs = (cp as *const u8).offset(oc);
+        let (xs, ys) = ((ap as *const T).offset(oa), (bp as *const T).offset(ob));
+        match along {
+            [1, 1, 1] => {
+                for j in 0..n {
                     *d.add(j) = if *cs.add(j) != 0 {
                         *xs.add(j)
                     } else {
                         *ys.add(j)
                     };
                 }
-            } else {
-                for j in 0..inner as isize {
-                    let keep = *cp.offset(oc + j * kc) != 0;
-                    *d.offset(j) = if keep {
-                        *ap.offset(oa + j * ka)
+            }
+            [1, 1, 0] => {
+                let y = *ys;
+                for j in 0..n {
+                    *d.add(j) = if *cs.add(j) != 0 { *xs.add(j) } else { y };
+                }
+            }
+            [1, 0, 1] => {
+                let x = *xs;
+                for j in 0..n {
+                    *d.add(j) = if *cs.add(j) != 0 { x } else { *ys.add(j) };
+                }
+            }
+            [kc, ka, kb] => {
+                for j in 0..n as isize {
+                    *d.offset(j) = if *cs.offset(j * kc) != 0 {
+                        *xs.offset(j * ka)
                     } else {
-                        *bp.offset(ob + j * kb)
+                        *ys.offset(j * kb)
                     };
                 }
             }
         }
-    });
+    }
 }
+
+/// Elements from which a select runs on the threads.
+const PARALLEL_SELECT_FROM: usize = 1 << 16;
+
+/// The longest run of one row a select task takes at a time.
+const SELECT_PIECE: usize = 1 << 14;
 
 pub(crate) fn cast(x: Src, out: Dst) {
     let (from, to) = (x.shape.dtype(), out.shape.dtype());
