@@ -259,12 +259,16 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
         // No key block runs (no keys, or all masked): the output rows are zeros.
         acc[..rows * dv].fill(0.0);
     }
-    while j0 < sk {
-        let kb = KB.min(sk - j0);
-        // With a causal mask, query i sees key j when j + sq <= i + sk.
-        if p.causal && j0 + sq > q0 + rows - 1 + sk {
-            break;
-        }
+    // With a causal mask, query i sees key j when j + sq <= i + sk: the block's last
+    // query sees the keys below `q0 + rows + sk - sq`, and none of its queries any
+    // key past them, so the score and value products stop there.
+    let keys = if p.causal {
+        (q0 + rows + sk).saturating_sub(sq).min(sk)
+    } else {
+        sk
+    };
+    while j0 < keys {
+        let kb = KB.min(keys - j0);
         let (q_at, q_stride) = p.row(bi, h, q0, hq, sq, d);
         let (k_at, k_stride) = p.row(bi, kh, j0, hkv, p.stored, d);
         let scores_gemm = Gemm {
