@@ -757,6 +757,82 @@ fn region_member(node: &Node) -> bool {
         }
 }
 
+/// Whether a region member is cheap enough to compute again in every reader's region
+/// rather than once into memory: a sign, absolute value or arithmetic other than a
+/// division or power.
+fn cheap_to_repeat(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Unary(UnaryOp::Neg | UnaryOp::Abs)
+            | Op::Binary(
+                BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Max | BinaryOp::Min
+            )
+    )
+}
+
+/// Gives every elementwise reader of a cheap shared elementwise op a copy of its own
+/// (a gradient scaled by the clipping factor, read by both of Adam's moment updates),
+/// so that region fusion takes a copy into each reader's region and the shared value
+/// is never written out and read back. Only an op with at most one operand of its
+/// own size (the others broadcast: a scalar, a row) is copied, so the copies read no
+/// more than the readers would have: that one operand instead of the shared value.
+pub fn duplicate_shared_leaves(graph: &Graph) -> Fused {
+    let readers = consumers(graph);
+    let outputs: BTreeSet<usize> = graph.outputs().iter().map(|o| o.index()).collect();
+    let nodes = graph.nodes();
+    let copied: Vec<bool> = (0..nodes.len())
+        .map(|i| {
+            let n = &nodes[i];
+            let full =
+                |x: &&NodeId| nodes[x.index()].shape.num_elements() == n.shape.num_elements();
+            let distinct: BTreeSet<usize> = readers[i].iter().copied().collect();
+            cheap_to_repeat(&n.op)
+                && region_member(n)
+                && !outputs.contains(&i)
+                && distinct.len() >= 2
+                && n.inputs.iter().filter(full).count() <= 1
+                && distinct
+                    .iter()
+                    .all(|&r| region_member(&nodes[r]) && nodes[r].shape == n.shape)
+        })
+        .collect();
+    let mut w = Rewriter::new(nodes.len());
+    for (i, node) in nodes.iter().enumerate() {
+        if !node.inputs.iter().any(|x| copied[x.index()]) {
+            w.place(i, node.clone());
+            continue;
+        }
+        // One copy per reader, however many of its operands read the shared value.
+        let mut copies: Vec<(NodeId, NodeId)> = Vec::new();
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for &x in &node.inputs {
+            if !copied[x.index()] {
+                inputs.push(w.map(x));
+                continue;
+            }
+            let copy = match copies.iter().find(|(shared, _)| *shared == x) {
+                Some(&(_, copy)) => copy,
+                None => {
+                    let copy = w.insert(nodes[x.index()].clone());
+                    copies.push((x, copy));
+                    copy
+                }
+            };
+            inputs.push(copy);
+        }
+        w.place_with_new_inputs(
+            i,
+            Node {
+                inputs,
+                ..node.clone()
+            },
+        );
+    }
+    // No records: the readers are region members, which the region pass absorbs (its
+    // records name the copies among their members).
+    finish(graph, w, Vec::new())
+}
+
 /// Merges connected elementwise ops into `Elementwise` regions.
 pub fn fuse_elementwise_regions(graph: &Graph) -> Fused {
     let uses = use_counts(graph);

@@ -186,7 +186,7 @@ impl Plan {
 /// The graph-to-graph stages of the compile pipeline, in the order they run. A stage
 /// that `PlanOptions` turns off leaves the graph as it is. After them come the
 /// schedule and the memory plan.
-pub const STAGES: [&str; 11] = [
+pub const STAGES: [&str; 12] = [
     "decompose",
     "fold",
     "cse",
@@ -196,6 +196,7 @@ pub const STAGES: [&str; 11] = [
     "fuse.activations",
     "fuse.hoist",
     "fuse.epilogue",
+    "fuse.share",
     "fuse.regions",
     "dce.fused",
 ];
@@ -268,6 +269,9 @@ fn run_stages(
                     f.conv_epilogue,
                     f.transposed_operands,
                 ))
+            }
+            "fuse.share" if f.elementwise_regions => {
+                Some(crate::fuse::duplicate_shared_leaves(&graph))
             }
             "fuse.regions" if f.elementwise_regions => {
                 Some(crate::fuse::fuse_elementwise_regions(&graph))

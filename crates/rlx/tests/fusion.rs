@@ -748,6 +748,72 @@ fn elementwise_regions_fuse_with_broadcasts_and_match() {
 }
 
 #[test]
+fn a_cheap_value_read_by_two_regions_is_computed_in_each() {
+    let mut rng = Rng(37);
+    let f32s = |g: &Graph, name: &str, dims: &[usize]| {
+        g.input(name, Shape::new(dims, DType::F32)).unwrap()
+    };
+    // Adam's moments from one clipped gradient: the scaled gradient is read by both
+    // updates, and both take a copy of the scaling instead of reading it back.
+    let g = Graph::new("moments");
+    let (grad, m, v) = (
+        f32s(&g, "g", &[48, 33]),
+        f32s(&g, "m", &[48, 33]),
+        f32s(&g, "v", &[48, 33]),
+    );
+    let clip = f32s(&g, "clip", &[1]);
+    let c = |x: f64| g.scalar(x, DType::F32);
+    let clipped = g.mul(grad, clip).unwrap();
+    let m_next = g
+        .add(g.mul(m, c(0.9)).unwrap(), g.mul(clipped, c(0.1)).unwrap())
+        .unwrap();
+    let square = g.mul(clipped, clipped).unwrap();
+    let v_next = g
+        .add(
+            g.mul(v, c(0.999)).unwrap(),
+            g.mul(square, c(0.001)).unwrap(),
+        )
+        .unwrap();
+    g.set_outputs(vec![m_next, v_next]);
+    assert_eq!(check(&g, &mut rng, "moments"), 2);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+    assert_eq!(
+        ops.iter().filter(|o| *o == "elementwise").count(),
+        2,
+        "{}",
+        plan.graph
+    );
+    assert!(!ops.iter().any(|o| o == "mul"), "{}", plan.graph);
+    // Left shared: a value of two full-size operands read by two regions (a copy
+    // would read both in each), one that is costly (exp), and a graph output.
+    for case in 0..3 {
+        let g = Graph::new("kept");
+        let (a, b) = (f32s(&g, "a", &[20, 30]), f32s(&g, "b", &[20, 30]));
+        let shared = match case {
+            0 => g.add(a, b).unwrap(),
+            _ => g.exp(a).unwrap(),
+        };
+        let first = g.tanh(g.mul(shared, b).unwrap()).unwrap();
+        let second = g.sigmoid(g.sub(shared, a).unwrap()).unwrap();
+        let mut outputs = vec![first, second];
+        if case == 2 {
+            outputs.push(shared);
+        }
+        g.set_outputs(outputs);
+        check(&g, &mut rng, &format!("kept {case}"));
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let standalone = plan
+            .graph
+            .nodes()
+            .iter()
+            .filter(|n| matches!(n.op.name().as_str(), "add" | "exp"))
+            .count();
+        assert_eq!(standalone, 1, "case {case}: {}", plan.graph);
+    }
+}
+
+#[test]
 fn constants_fold_and_duplicates_merge() {
     let g = Graph::new("simplify");
     let x = g.input("x", Shape::new(&[3, 5], DType::F32)).unwrap();
