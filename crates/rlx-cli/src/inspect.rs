@@ -30,7 +30,7 @@ pub struct InspectArgs {
     no_optimize: bool,
     /// Print only the graph after this pipeline stage: `import` or `specialize` (as
     /// built, or imported with its symbolic dims bound by `--shape`/`--input`) or one of the compiler's stages (decompose, fold, cse, dce, fuse.attention,
-    /// fuse.attention_layout, fuse.activations, fuse.hoist, fuse.epilogue, fuse.regions, dce.fused).
+    /// fuse.attention_layout, fuse.activations, fuse.hoist, fuse.epilogue, fuse.share, fuse.regions, dce.fused).
     /// `RLX_DUMP_AFTER=STAGE` prints the same to stderr during any compile.
     #[arg(long, value_name = "STAGE")]
     after: Option<String>,
