@@ -259,7 +259,6 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
     }))
 }
 
-/// `u(x)`, the activations with a definition in primitives written out.
 /// [`Op::TiledMaxPoolGrad`] in primitives: in the view `[n, c, oh, kh, ow, kw]` of
 /// the input the pooled values broadcast over their windows, so the hits, their
 /// count and the shares are a comparison and ops on broadcast operands, with no
@@ -282,6 +281,7 @@ fn tiled_max_pool_grad(
     g.reshape(dx, &[n, c, h, w])
 }
 
+/// `u(x)`, the activations with a definition in primitives written out.
 fn activation(g: &Graph, u: UnaryOp, x: NodeId) -> Result<NodeId> {
     let dtype = g.shape(x)?.dtype();
     let c = |v: f64| g.scalar(v, dtype);

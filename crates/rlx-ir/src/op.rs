@@ -614,8 +614,10 @@ pub enum Op {
     /// the kernel, no padding or dilation, the kernel dividing the height and
     /// width), from the input `x`, the pool's output `y` and `y`'s gradient `g`:
     /// each window's gradient shared evenly among its inputs equal to the maximum
-    /// (`hit * (g / ties)`, so a window whose maximum is NaN is NaN throughout). A
-    /// composite: one pass over the input where a backend runs it natively.
+    /// (`hit * (g / ties)`, so a window whose maximum is NaN is NaN throughout, and
+    /// an infinite `g` makes the window's other inputs NaN, `0 * inf`, where PyTorch
+    /// gives them zero). A composite: one pass over the input where a backend runs
+    /// it natively.
     TiledMaxPoolGrad {
         /// The window `[kh, kw]`, which is also the stride.
         kernel: [usize; 2],

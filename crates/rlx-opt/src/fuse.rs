@@ -758,8 +758,8 @@ fn region_member(node: &Node) -> bool {
 }
 
 /// Whether a region member is cheap enough to compute again in every reader's region
-/// rather than once into memory: a sign, absolute value or arithmetic other than a
-/// division or power.
+/// rather than once into memory: a negation, an absolute value, or arithmetic other
+/// than a division or power.
 fn cheap_to_repeat(op: &Op) -> bool {
     matches!(
         op,
@@ -776,6 +776,8 @@ fn cheap_to_repeat(op: &Op) -> bool {
 /// is never written out and read back. Only an op with at most one operand of its
 /// own size (the others broadcast: a scalar, a row) is copied, so the copies read no
 /// more than the readers would have: that one operand instead of the shared value.
+/// (A reader whose region is already at its input or step limit leaves its copy
+/// outside, written out like the shared value was; regions that large are rare.)
 pub fn duplicate_shared_leaves(graph: &Graph) -> Fused {
     let readers = consumers(graph);
     let outputs: BTreeSet<usize> = graph.outputs().iter().map(|o| o.index()).collect();
@@ -783,14 +785,18 @@ pub fn duplicate_shared_leaves(graph: &Graph) -> Fused {
     let copied: Vec<bool> = (0..nodes.len())
         .map(|i| {
             let n = &nodes[i];
-            let full =
-                |x: &&NodeId| nodes[x.index()].shape.num_elements() == n.shape.num_elements();
+            let full: BTreeSet<usize> = n
+                .inputs
+                .iter()
+                .map(|x| x.index())
+                .filter(|&x| nodes[x].shape.num_elements() == n.shape.num_elements())
+                .collect();
             let distinct: BTreeSet<usize> = readers[i].iter().copied().collect();
             cheap_to_repeat(&n.op)
                 && region_member(n)
                 && !outputs.contains(&i)
                 && distinct.len() >= 2
-                && n.inputs.iter().filter(full).count() <= 1
+                && full.len() <= 1
                 && distinct
                     .iter()
                     .all(|&r| region_member(&nodes[r]) && nodes[r].shape == n.shape)

@@ -861,7 +861,7 @@ fn select_where() {
         (&[300, 1], &[300, 400], &[300, 400]),
         (&[2, 1, 300, 200], &[2, 3, 300, 200], &[3, 1, 200]),
     ];
-    for dt in [DType::F32, DType::F16, DType::I64] {
+    for dt in [DType::F32, DType::F16, DType::I64, DType::U8] {
         for (c, a, b) in large {
             s.check(
                 &format!("large where {dt} {c:?} {a:?} {b:?}"),
@@ -1059,6 +1059,14 @@ fn reductions() {
                 );
             }
         }
+        // NaN and infinities among tens of thousands of values per output (a block of
+        // 512 threads per output on CUDA, combining its warps' partials).
+        s.check(
+            &format!("reduce_{} special few outputs", op.name()),
+            &[inp("x", &[4, 20000], DType::F32).dist(Dist::Special)],
+            acc(20000),
+            |g, x| one(g.reduce(op, x[0], &[1], false)?),
+        );
         // Consecutive axes run as one: column sums over leading axes and row sums over
         // trailing ones, both large enough to be split between threads.
         if matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
@@ -2527,6 +2535,17 @@ fn tiled_max_pool_gradient() {
             }
         }
     }
+    // No windows: a zero width (which the pool itself refuses, but the op accepts).
+    s.check(
+        "tiled_max_pool_grad zero width",
+        &[
+            inp("x", &[1, 2, 4, 0], DType::F32),
+            inp("y", &[1, 2, 2, 0], DType::F32),
+            inp("g", &[1, 2, 2, 0], DType::F32),
+        ],
+        EW,
+        |g, x| one(g.tiled_max_pool_grad(x[0], x[1], x[2], [2, 2])?),
+    );
     // The decomposition, which a backend without the kernel runs, on the CPU.
     for (dims, kernel) in cases {
         for dist in [Dist::Ties, Dist::Special] {

@@ -254,11 +254,6 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
     let q_ptr = p.q.ptr.cast::<f32>();
     let k_ptr = p.k.ptr.cast::<f32>();
     let v_ptr = p.v.ptr.cast::<f32>();
-    let mut j0 = 0;
-    if sk == 0 || (p.causal && sq > q0 + rows - 1 + sk) {
-        // No key block runs (no keys, or all masked): the output rows are zeros.
-        acc[..rows * dv].fill(0.0);
-    }
     // With a causal mask, query i sees key j when j + sq <= i + sk: the block's last
     // query sees the keys below `q0 + rows + sk - sq`, and none of its queries any
     // key past them, so the score and value products stop there.
@@ -267,6 +262,11 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
     } else {
         sk
     };
+    if keys == 0 {
+        // No key block runs (no keys, or all masked): the output rows are zeros.
+        acc[..rows * dv].fill(0.0);
+    }
+    let mut j0 = 0;
     while j0 < keys {
         let kb = KB.min(keys - j0);
         let (q_at, q_stride) = p.row(bi, h, q0, hq, sq, d);

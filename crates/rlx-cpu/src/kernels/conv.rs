@@ -196,7 +196,8 @@ pub(crate) fn pool_f32(
 }
 
 /// `Op::TiledMaxPoolGrad` in `f32`: per window, the inputs equal to the pooled value
-/// (`y`) each take `g / ties`, the others zero, runs of planes on the threads. (The
+/// (`y`) each take `g / ties`, the others zero, runs of output rows (across planes)
+/// on the threads. (The
 /// same arithmetic as the decomposition: a window with no hit, its maximum NaN,
 /// gets `0 * (g / 0)`, NaN.)
 pub(crate) fn tiled_max_pool_grad_f32(
@@ -208,8 +209,12 @@ pub(crate) fn tiled_max_pool_grad_f32(
     let [n, c, h, w] = nchw(x.shape);
     let (oh, ow) = (h / kh, w / kw);
     let planes = n * c;
+    if out.len == 0 {
+        // No windows (rows of no width would be chunks of no length).
+        return Ok(());
+    }
     // SAFETY: f32 tensors of the shapes read above (shape inference checked them);
-    // the output is written through its own pointer, one plane per task.
+    // the output is written through its own pointer, by runs of output rows.
     let (xs, ys, gs) = unsafe {
         (
             std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len),
@@ -240,7 +245,7 @@ pub(crate) fn tiled_max_pool_grad_f32(
         }
     };
     let threads = ctx.gemm.threads();
-    // Small tensors (a few thousand values a thread) stay on the calling thread.
+    // Small tensors (under `GRAD_THREADING_FROM` values) stay on the calling thread.
     if threads <= 1 || planes * h * w < GRAD_THREADING_FROM {
         run(0, rows);
         return Ok(());

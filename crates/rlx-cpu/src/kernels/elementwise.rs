@@ -235,7 +235,9 @@ unsafe fn select_rows<T: Copy>(
 /// or any stride); `addresses` are the condition's, `a`'s, `b`'s and the output's.
 ///
 /// # Safety
-/// Every element read lies inside its operand and `range` inside the output.
+/// Every element read lies inside its operand and `range` inside the output; no
+/// other thread writes `range`, and an operand that overlaps the output has the
+/// output's layout (it is read at an element only before that element is written).
 #[inline(always)]
 unsafe fn select_run<T: Copy>(
     [cp, ap, bp, dst]: [usize; 4],

@@ -695,7 +695,7 @@ enum Reducer {
     /// adjacent elements when the reduced axes are the innermost), then combine
     /// through shuffles.
     Warp,
-    /// A block of this many threads (a multiple of 32, at most 1024): each warp
+    /// A block of this many threads (a power of two from 64 to 1024): each warp
     /// combines its lanes through shuffles, then the first warp combines the warps'
     /// partials, always in the same order (the result does not depend on timing).
     Block(usize),
@@ -725,7 +725,13 @@ fn reduce_long(
             ("w", "lane", 32)
         }
         Reducer::Block(threads) => {
-            debug_assert!(count >= threads && threads.is_multiple_of(32));
+            // The partials' butterfly needs a power-of-two warp count.
+            debug_assert!(count >= threads && threads.is_power_of_two() && threads >= 64);
+            s = s.replacen(
+                "__global__ void ",
+                &format!("__global__ void __launch_bounds__({threads}) "),
+                1,
+            );
             let _ = writeln!(s, "  __shared__ {acc_t} part[{}];", threads / 32);
             let _ = writeln!(
                 s,
