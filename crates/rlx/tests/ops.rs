@@ -1374,37 +1374,58 @@ fn norm_gradients() {
     }
     // The decompositions, which a backend without the row kernels runs, on the CPU.
     for dims in shapes {
-        let g = Graph::new("norm gradients decomposed");
-        let ins = inputs(dims, DType::F32);
-        let ids: Vec<NodeId> = ins
-            .iter()
-            .map(|i| g.input(i.name.clone(), i.shape.clone()).unwrap())
-            .collect();
-        g.set_outputs(build(&g, &ids).unwrap());
-        let options = CompileOptions::new().primitives_only(true);
-        let mut model = Session::new(Device::Cpu)
-            .compile_with(&g, &options)
-            .unwrap();
-        let mut rng = Rng::new(mix(0x3B00 + dims.len() as u64));
-        let mut values = HashMap::new();
-        let mut data = Vec::new();
-        for i in &ins {
-            let t = random_tensor(&mut rng, &i.shape, i.dist);
-            data.push((i.name.as_str(), t.to_data()));
-            values.insert(i.name.clone(), t);
-        }
-        let want = evaluate(&g, &mut values).unwrap();
-        let feed: Vec<(&str, TensorRef<'_>)> = data.iter().map(|(n, d)| (*n, d.as_ref())).collect();
-        let got = model.run_typed(&feed).unwrap();
-        for (k, (a, w)) in got.iter().zip(&want).enumerate() {
-            compare(
-                &format!("decomposed {dims:?}"),
-                &format!("output {k}"),
-                a,
-                w,
-                tol(dims),
-            );
-        }
+        check_decomposed_on_cpu(
+            &format!("norm gradients decomposed {dims:?}"),
+            mix(0x3B00 + dims.len() as u64),
+            &inputs(dims, DType::F32),
+            tol(dims),
+            build,
+        );
+    }
+}
+
+/// Runs `build` over `inputs` on the CPU compiled as a primitives-only backend
+/// (every composite decomposed: none may name a kernel) and compares each output
+/// with the reference evaluator on fresh random data drawn from `seed`.
+fn check_decomposed_on_cpu(
+    label: &str,
+    seed: u64,
+    inputs: &[In],
+    tol: Tol,
+    build: impl Fn(&Graph, &[NodeId]) -> Result<Vec<NodeId>>,
+) {
+    let g = Graph::new(label);
+    let ids: Vec<NodeId> = inputs
+        .iter()
+        .map(|i| g.input(i.name.clone(), i.shape.clone()).unwrap())
+        .collect();
+    g.set_outputs(build(&g, &ids).unwrap());
+    let options = CompileOptions::new().primitives_only(true);
+    let mut model = Session::new(Device::Cpu)
+        .compile_with(&g, &options)
+        .unwrap();
+    let composites: Vec<String> = model
+        .plan()
+        .graph
+        .nodes()
+        .iter()
+        .filter(|n| rlx::ir::decompose::is_composite(&n.op))
+        .map(|n| n.op.name())
+        .collect();
+    assert!(composites.is_empty(), "{label}: left {composites:?}");
+    let mut rng = Rng::new(seed);
+    let mut values = HashMap::new();
+    let mut data = Vec::new();
+    for i in inputs {
+        let t = random_tensor(&mut rng, &i.shape, i.dist);
+        data.push((i.name.as_str(), t.to_data()));
+        values.insert(i.name.clone(), t);
+    }
+    let want = evaluate(&g, &mut values).unwrap();
+    let feed: Vec<(&str, TensorRef<'_>)> = data.iter().map(|(n, d)| (*n, d.as_ref())).collect();
+    let got = model.run_typed(&feed).unwrap();
+    for (k, (a, w)) in got.iter().zip(&want).enumerate() {
+        compare(label, &format!("output {k}"), a, w, tol);
     }
 }
 
@@ -2549,43 +2570,15 @@ fn tiled_max_pool_gradient() {
     // The decomposition, which a backend without the kernel runs, on the CPU.
     for (dims, kernel) in cases {
         for dist in [Dist::Ties, Dist::Special] {
-            let g = Graph::new("tiled max pool gradient decomposed");
-            let ins = [
-                inp("x", dims, DType::F32).dist(dist),
-                inp("g", &pooled(dims, kernel), DType::F32),
-            ];
-            let ids: Vec<NodeId> = ins
-                .iter()
-                .map(|i| g.input(i.name.clone(), i.shape.clone()).unwrap())
-                .collect();
-            g.set_outputs(pool_then_gradient(kernel)(&g, &ids).unwrap());
-            let options = CompileOptions::new().primitives_only(true);
-            let mut model = Session::new(Device::Cpu)
-                .compile_with(&g, &options)
-                .unwrap();
-            let mut rng = Rng::new(mix(0x3C00 + dims[3] as u64));
-            let mut values = HashMap::new();
-            let mut data = Vec::new();
-            for i in &ins {
-                let t = random_tensor(&mut rng, &i.shape, i.dist);
-                data.push((i.name.as_str(), t.to_data()));
-                values.insert(i.name.clone(), t);
-            }
-            let want = evaluate(&g, &mut values).unwrap();
-            let feed: Vec<(&str, TensorRef<'_>)> =
-                data.iter().map(|(n, d)| (*n, d.as_ref())).collect();
-            let got = model.run_typed(&feed).unwrap();
-            let names = model.kernels();
-            assert!(
-                !names.iter().any(|(_, k)| k.contains("tiled_max_pool_grad")),
-                "decomposed: {names:?}"
-            );
-            compare(
-                &format!("decomposed {dims:?} {dist:?}"),
-                "dx",
-                &got[0],
-                &want[0],
+            check_decomposed_on_cpu(
+                &format!("tiled max pool gradient decomposed {dims:?} {dist:?}"),
+                mix(0x3C00 + dims[3] as u64),
+                &[
+                    inp("x", dims, DType::F32).dist(dist),
+                    inp("g", &pooled(dims, kernel), DType::F32),
+                ],
                 EW,
+                pool_then_gradient(kernel),
             );
         }
     }

@@ -208,16 +208,7 @@ unsafe fn select_rows<T: Copy>(
         .run(pieces.div_ceil(per_task), threads, &|task, _| {
             for piece in task * per_task..((task + 1) * per_task).min(pieces) {
                 let (row, part) = (piece / pieces_per_row, piece % pieces_per_row);
-                // The row's offsets in each operand, from its coordinates over `outer`.
-                let mut offsets = [0isize; 3];
-                let mut rest = row;
-                for axis in (0..outer.len()).rev() {
-                    let coordinate = (rest % outer[axis]) as isize;
-                    rest /= outer[axis];
-                    for (o, s) in offsets.iter_mut().zip(&steps) {
-                        *o += coordinate * s[axis];
-                    }
-                }
+                let mut offsets = crate::tensor::strided_offsets(outer, [sc, sa, sb], row);
                 let start = part * SELECT_PIECE;
                 let range = row * inner + start..row * inner + (start + SELECT_PIECE).min(inner);
                 for (o, k) in offsets.iter_mut().zip(along) {
