@@ -305,6 +305,31 @@ pub(crate) fn print_profile(profile: &rlx::driver::Profile, to_stderr: bool) {
     }
 }
 
+/// A profile as JSON: `[{"kernel", "ms" (per run), "percent", "launches"}]`, the
+/// kernels' totals slowest first.
+pub(crate) fn profile_json(profile: &rlx::driver::Profile) -> serde_json::Value {
+    let runs = profile.runs.max(1) as f64;
+    let mut by_kernel: Vec<(String, f64, usize)> = Vec::new();
+    for k in &profile.kernels {
+        let ms = k.total.as_secs_f64() / runs * 1e3;
+        match by_kernel.iter_mut().find(|e| e.0 == k.kernel) {
+            Some(e) => {
+                e.1 += ms;
+                e.2 += 1;
+            }
+            None => by_kernel.push((k.kernel.clone(), ms, 1)),
+        }
+    }
+    by_kernel.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total: f64 = by_kernel.iter().map(|k| k.1).sum::<f64>().max(1e-12);
+    by_kernel
+        .into_iter()
+        .map(|(kernel, ms, launches)| {
+            serde_json::json!({"kernel": kernel, "ms": ms, "percent": 100.0 * ms / total, "launches": launches})
+        })
+        .collect()
+}
+
 /// How many single launches the profile lists after the per-kernel totals.
 const SLOWEST_LAUNCHES: usize = 40;
 

@@ -34,7 +34,8 @@ pub struct OnnxBenchArgs {
     /// Untimed runs first.
     #[arg(long, default_value_t = 3)]
     warmup: u32,
-    /// Print one JSON object: `{"median_ms", "runs", "threads"}` and more.
+    /// Print one JSON object: `{"median_ms", "runs", "threads"}` and more (with
+    /// `--profile`, `"profile"`: the time per kernel, slowest first).
     #[arg(long)]
     json: bool,
     /// After timing, run as many times again with per-kernel timing and print where
@@ -129,10 +130,12 @@ pub fn run(args: &OnnxBenchArgs) -> Result<()> {
         None
     };
     if args.json {
-        println!(
-            "{}",
-            serde_json::json!({"median_ms": median, "runs": n, "threads": threads, "min_ms": sorted[0], "prepare_ms": prepare_ms, "times_ms": times})
-        );
+        let mut report = serde_json::json!({"median_ms": median, "runs": n, "threads": threads, "min_ms": sorted[0], "prepare_ms": prepare_ms, "times_ms": times});
+        if let Some(p) = &profile {
+            report["profile"] = crate::bench::profile_json(p);
+        }
+        println!("{report}");
+        return Ok(());
     } else {
         let shapes: Vec<String> = compiled
             .inputs

@@ -73,7 +73,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             },
             ..Default::default()
         };
-        let after = rlx::opt::graph_after(&graph, &plan_options, stage)?;
+        let after = rlx::opt::graph_after(&graph, &plan_options, stage.parse()?)?;
         println!("after {stage}: {after}");
         return Ok(());
     }

@@ -20,10 +20,15 @@ use clap::{Parser, Subcommand};
 /// RLX: an ML compiler and runtime. Build or import a model, compile it once, run it
 /// many times.
 #[derive(Parser)]
-#[command(name = "rlx", version, about, long_about = None)]
+#[command(name = "rlx", version, about, long_about = None, after_help = environment_help())]
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+/// The environment switches, for the end of `rlx --help`.
+fn environment_help() -> String {
+    format!("Environment:\n{}", rlx::ir::env::Switch::help_text())
 }
 
 #[derive(Subcommand)]

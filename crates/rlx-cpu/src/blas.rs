@@ -213,11 +213,12 @@ fn single_core_peak(millis: u64) -> f64 {
 fn fma_burst(iters: usize) -> (f64, f32) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") {
+        let isa = crate::isa::isa();
+        if isa.avx512f {
             // SAFETY: AVX-512F is available.
             return unsafe { x86::burst_avx512(iters) };
         }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        if isa.avx2_fma {
             // SAFETY: AVX2 and FMA are available.
             return unsafe { x86::burst_avx2(iters) };
         }

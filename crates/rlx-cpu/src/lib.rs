@@ -6,6 +6,7 @@ mod backend;
 mod blas;
 mod elem;
 mod gemm;
+pub mod isa;
 mod kernels;
 pub mod pool;
 mod prefetch;
@@ -37,7 +38,7 @@ struct Step {
     inputs: Vec<(Location, Shape)>,
     output: (Location, Shape),
     geometry: Option<ReduceGeometry>,
-    kernel: String,
+    kernel: kernels::Kernel,
     /// The param this step reads packed ahead as its right operand.
     packed_b: Option<usize>,
 }
@@ -154,7 +155,7 @@ impl CpuProgram {
             steps.push(Step {
                 node: id,
                 op: node.op.clone(),
-                kernel: kernels::kernel_name(&node.op, &in_shapes, &node.shape, products_on_amx),
+                kernel: kernels::select(&node.op, &in_shapes, &node.shape, products_on_amx),
                 inputs,
                 output: (plan.locations[id.index()], node.shape.clone()),
                 geometry,
@@ -252,6 +253,7 @@ impl CpuProgram {
         for (i, shape) in shapes.iter().enumerate() {
             plan.check_range(&format!("%{i}"), plan.locations[i], shape)?;
         }
+        let products_on_amx = self.bf16_products && gemm::amx_available();
         let mut steps = self.steps.clone();
         for step in &mut steps {
             let node = &nodes[step.node.index()];
@@ -272,6 +274,8 @@ impl CpuProgram {
                 *shape = new.clone();
             }
             step.output.1 = shapes[step.node.index()].clone();
+            // Some kernel families are chosen by shape.
+            step.kernel = kernels::select(&node.op, &in_shapes, &step.output.1, products_on_amx);
             if let Op::Reduce { axes, .. } = &node.op {
                 step.geometry = Some(ReduceGeometry::new(in_shapes[0].dims(), axes));
             }
@@ -290,7 +294,7 @@ impl CpuProgram {
     pub fn kernels(&self) -> Vec<(NodeId, String)> {
         self.steps
             .iter()
-            .map(|s| (s.node, s.kernel.clone()))
+            .map(|s| (s.node, s.kernel.name.clone()))
             .collect()
     }
 
@@ -493,7 +497,7 @@ impl CpuProgram {
             .zip(nanos)
             .map(|(s, &n)| KernelTime {
                 node: s.node,
-                kernel: s.kernel.clone(),
+                kernel: s.kernel.name.clone(),
                 total: std::time::Duration::from_nanos(n),
             })
             .collect();
@@ -576,14 +580,14 @@ impl CpuProgram {
                 len: shape.num_elements(),
             };
             ctx.packed_b = step.packed_b.and_then(|i| packed[i].as_ref());
-            kernels::run(
-                &step.op,
-                step.inputs.len(),
-                &src,
+            let args = kernels::Args {
+                op: &step.op,
+                n_inputs: step.inputs.len(),
+                src: &src,
                 out,
-                step.geometry.as_ref(),
-                &mut ctx,
-            )?;
+                geometry: step.geometry.as_ref(),
+            };
+            (step.kernel.run)(&args, &mut ctx)?;
             if let (Some(nanos), Some(t)) = (step_nanos.as_mut(), started) {
                 nanos[k] += t.elapsed().as_nanos() as u64;
             }

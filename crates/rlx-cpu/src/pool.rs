@@ -244,8 +244,8 @@ fn worker(s: &Shared, index: usize) {
 }
 
 fn default_threads() -> usize {
-    std::env::var("RLX_NUM_THREADS")
-        .ok()
+    rlx_ir::env::Switch::NumThreads
+        .value()
         .and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|&n| n >= 1)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))

@@ -359,7 +359,7 @@ unsafe fn exp_shifted_sum_avx512(v: &mut [f32], shift: f32) -> f32 {
 pub(crate) fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("f16c") {
+        if crate::isa::isa().f16c {
             // SAFETY: F16C (with AVX, which it implies) is available.
             return unsafe { f16_to_f32_f16c(src, dst) };
         }
@@ -388,22 +388,17 @@ unsafe fn f16_to_f32_f16c(src: &[half::f16], dst: &mut [f32]) {
     }
 }
 
-/// 2 with AVX-512F, 1 with AVX2+FMA, 0 otherwise (detected once).
+/// 2 with AVX-512F, 1 with AVX2+FMA, 0 otherwise ([`crate::isa`]).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn simd_level() -> u8 {
-    static LEVEL: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
-    *LEVEL.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx512f") {
-                return 2;
-            }
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                return 1;
-            }
-        }
+    let isa = crate::isa::isa();
+    if isa.avx512f {
+        2
+    } else if isa.avx2_fma {
+        1
+    } else {
         0
-    })
+    }
 }
 
 #[cfg(test)]

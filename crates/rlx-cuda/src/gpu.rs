@@ -100,8 +100,7 @@ impl Gpu {
             lt: crate::lt_matmul::LtHandle::open(),
             multiprocessors,
             tensor_cores: major >= 8,
-            programmatic_launch: major >= 9
-                && std::env::var("RLX_CUDA_PDL").map_or(true, |v| v.trim() != "0"),
+            programmatic_launch: major >= 9 && rlx_ir::env::Switch::CudaPdl.enabled(),
             stream_lock: std::sync::Mutex::new(()),
             workspace_buffer: workspace,
         })

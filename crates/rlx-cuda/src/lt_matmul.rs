@@ -36,7 +36,7 @@ impl LtHandle {
     /// A handle when the library loads (dynamic loading: a machine may lack it) and
     /// `RLX_CUDA_LT` is not `0`; `None` leaves every product to cuBLAS.
     pub fn open() -> Option<LtHandle> {
-        if std::env::var("RLX_CUDA_LT").is_ok_and(|v| v.trim() == "0") {
+        if !rlx_ir::env::Switch::CudaLt.enabled() {
             return None;
         }
         // SAFETY: only probes for the library file.

@@ -18,7 +18,8 @@ pub static COMPILES: AtomicUsize = AtomicUsize::new(0);
 /// Where PTX is cached: `$RLX_CACHE/cuda`, else `$XDG_CACHE_HOME/rlx/cuda`, else
 /// `~/.cache/rlx/cuda`.
 pub fn cache_dir() -> Option<PathBuf> {
-    let base = std::env::var_os("RLX_CACHE")
+    let base = rlx_ir::env::Switch::Cache
+        .value()
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("rlx")))
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rlx")))?;

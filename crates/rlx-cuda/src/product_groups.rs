@@ -19,7 +19,7 @@ use std::collections::HashSet;
 /// groups and [`crate::rope_writes`] (`RLX_CUDA_GROUPS=0` turns both off, to
 /// measure what they save).
 pub(crate) fn enabled() -> bool {
-    std::env::var("RLX_CUDA_GROUPS").map_or(true, |v| v != "0")
+    rlx_ir::env::Switch::CudaGroups.enabled()
 }
 
 /// The most products in one group (each takes up to three operands).

@@ -436,7 +436,7 @@ impl CudaProgram {
             checks: Arc::new(checks),
             workspace,
             captured: None,
-            use_graphs: std::env::var("RLX_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            use_graphs: rlx_ir::env::Switch::CudaGraphs.enabled(),
             timer: None,
         })
     }

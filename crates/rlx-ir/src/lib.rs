@@ -21,6 +21,7 @@
 pub mod decompose;
 mod display;
 mod dtype;
+pub mod env;
 mod error;
 mod graph;
 mod infer;

@@ -96,7 +96,7 @@ impl ModelStore {
             )
         })?;
         let mut store = ModelStore::new(cache);
-        if let Some(python) = non_empty_env("RLX_PYTHON") {
+        if let Some(python) = rlx_ir::env::Switch::Python.value() {
             store.python = python;
         }
         Ok(store)
@@ -357,7 +357,7 @@ fn default_python() -> String {
 }
 
 fn default_cache_dir() -> Option<PathBuf> {
-    if let Some(dir) = non_empty_env("RLX_CACHE") {
+    if let Some(dir) = rlx_ir::env::Switch::Cache.value() {
         return Some(PathBuf::from(dir));
     }
     if cfg!(windows) {

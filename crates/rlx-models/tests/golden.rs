@@ -21,9 +21,10 @@ struct Case {
 }
 
 fn golden() -> Golden {
-    let dir = std::env::var("RLX_GOLDEN_DIR")
+    let dir = rlx_ir::env::Switch::GoldenDir
+        .value()
         .map(PathBuf::from)
-        .unwrap_or_else(|_| {
+        .unwrap_or_else(|| {
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden")
         });
     let path = dir.join("minilm_embeddings.json");

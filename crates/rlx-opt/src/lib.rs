@@ -21,5 +21,5 @@ pub mod schedule;
 pub use fuse::{FusionOptions, FusionRecord};
 pub use lifetimes::{Lifetime, OffsetAssignment, assign_offsets};
 pub use plan::{
-    Location, MemoryStats, Plan, PlanOptions, Region, STAGES, Source, graph_after, plan_graph,
+    Location, MemoryStats, Plan, PlanOptions, Region, Source, Stage, graph_after, plan_graph,
 };

@@ -183,75 +183,146 @@ impl Plan {
     }
 }
 
-/// The graph-to-graph stages of the compile pipeline, in the order they run. A stage
-/// that `PlanOptions` turns off leaves the graph as it is. After them come the
-/// schedule and the memory plan.
-pub const STAGES: [&str; 12] = [
-    "decompose",
-    "fold",
-    "cse",
-    "dce",
-    "fuse.attention",
-    "fuse.attention_layout",
-    "fuse.activations",
-    "fuse.hoist",
-    "fuse.epilogue",
-    "fuse.share",
-    "fuse.regions",
-    "dce.fused",
-];
+/// A graph-to-graph stage of the compile pipeline. [`Stage::ALL`] lists them in
+/// the order they run; a stage that `PlanOptions` turns off leaves the graph as it
+/// is. After them come the schedule and the memory plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// Composites the backend does not run natively become primitives.
+    Decompose,
+    /// Nodes of constant operands are evaluated once.
+    Fold,
+    /// Equal nodes merge.
+    Cse,
+    /// Nodes no output needs are removed.
+    Dce,
+    /// `softmax(q kᵀ c + mask) v` written out in ops becomes one attention.
+    FuseAttention,
+    /// Head transposes around attention fold into its layout.
+    FuseAttentionLayout,
+    /// Activations spelled out in ops (GELU, SiLU, ...) become one op.
+    FuseActivations,
+    /// Products of gathered or sliced rows become one product.
+    FuseHoist,
+    /// Product and convolution epilogues (bias, activation, residual, ...).
+    FuseEpilogue,
+    /// Cheap shared elementwise values are copied into each reader.
+    FuseShare,
+    /// Connected elementwise ops become one region.
+    FuseRegions,
+    /// Nodes that fusion left unread are removed.
+    DceFused,
+}
 
-/// The graph as it stands after pipeline stage `stage` (one of [`STAGES`]).
-pub fn graph_after(graph: &Graph, options: &PlanOptions, stage: &str) -> Result<Graph> {
-    if !STAGES.contains(&stage) {
-        return Err(Error::invalid(
-            "pipeline stage",
-            format!("'{stage}' is not one of {}", STAGES.join(", ")),
-        ));
+impl Stage {
+    /// Every stage, in the order the pipeline runs them.
+    pub const ALL: [Stage; 12] = [
+        Stage::Decompose,
+        Stage::Fold,
+        Stage::Cse,
+        Stage::Dce,
+        Stage::FuseAttention,
+        Stage::FuseAttentionLayout,
+        Stage::FuseActivations,
+        Stage::FuseHoist,
+        Stage::FuseEpilogue,
+        Stage::FuseShare,
+        Stage::FuseRegions,
+        Stage::DceFused,
+    ];
+
+    /// The stage's name, as `rlx inspect --after` and `RLX_DUMP_AFTER` take it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Decompose => "decompose",
+            Stage::Fold => "fold",
+            Stage::Cse => "cse",
+            Stage::Dce => "dce",
+            Stage::FuseAttention => "fuse.attention",
+            Stage::FuseAttentionLayout => "fuse.attention_layout",
+            Stage::FuseActivations => "fuse.activations",
+            Stage::FuseHoist => "fuse.hoist",
+            Stage::FuseEpilogue => "fuse.epilogue",
+            Stage::FuseShare => "fuse.share",
+            Stage::FuseRegions => "fuse.regions",
+            Stage::DceFused => "dce.fused",
+        }
     }
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Stage {
+    type Err = Error;
+
+    /// A stage by its name; an unknown name is an error listing them all.
+    fn from_str(name: &str) -> Result<Stage> {
+        Stage::ALL
+            .into_iter()
+            .find(|s| s.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Stage::ALL.iter().map(|s| s.name()).collect();
+                Error::invalid(
+                    "pipeline stage",
+                    format!("'{name}' is not one of {}", names.join(", ")),
+                )
+            })
+    }
+}
+
+/// The graph as it stands after pipeline stage `stage`.
+pub fn graph_after(graph: &Graph, options: &PlanOptions, stage: Stage) -> Result<Graph> {
     Ok(run_stages(graph, options, Some(stage))?.0)
 }
 
-/// Runs the stages (up to and including `stop`, if given). With `RLX_DUMP_AFTER`
-/// set to a stage name, the graph after that stage is printed to stderr.
+/// Runs the stages (up to and including `stop`, if given), verifying the graph
+/// after each one in debug builds. With `RLX_DUMP_AFTER` set to a stage name, the
+/// graph after that stage is printed to stderr.
 fn run_stages(
     graph: &Graph,
     options: &PlanOptions,
-    stop: Option<&str>,
+    stop: Option<Stage>,
 ) -> Result<(Graph, Vec<FusionRecord>)> {
     graph.verify()?;
-    let dump = std::env::var("RLX_DUMP_AFTER").ok();
+    let dump = match rlx_ir::env::Switch::DumpAfter.value() {
+        Some(name) => Some(name.trim().parse::<Stage>()?),
+        None => None,
+    };
     let mut graph = graph.clone();
     let mut fusions: Vec<FusionRecord> = Vec::new();
     let f = &options.fusion;
-    for stage in STAGES {
+    for stage in Stage::ALL {
         let fused = match stage {
-            "decompose" if options.native != rlx_ir::decompose::NativeOps::All => {
+            Stage::Decompose if options.native != rlx_ir::decompose::NativeOps::All => {
                 graph = rlx_ir::decompose::decompose_graph(&graph, &|op| options.native.runs(op))?;
                 None
             }
-            "fold" if options.simplify => {
+            Stage::Fold if options.simplify => {
                 graph = crate::cse::fold_constants(&graph);
                 None
             }
-            "cse" if options.simplify => {
+            Stage::Cse if options.simplify => {
                 graph = crate::cse::eliminate_common_subexpressions(&graph);
                 None
             }
-            "dce" => {
+            Stage::Dce => {
                 graph = crate::dce::eliminate_dead_code(&graph).0;
                 None
             }
-            "fuse.attention" if f.attention_pattern => {
+            Stage::FuseAttention if f.attention_pattern => {
                 Some(crate::fuse::fuse_attention_pattern(&graph))
             }
-            "fuse.attention_layout" if f.attention_layout => {
+            Stage::FuseAttentionLayout if f.attention_layout => {
                 Some(crate::fuse::fuse_attention_layout(&graph))
             }
-            "fuse.activations" if f.activations => {
+            Stage::FuseActivations if f.activations => {
                 Some(crate::recognize::recognize_activations(&graph))
             }
-            "fuse.hoist" if f.hoist_gathered_matmuls => {
+            Stage::FuseHoist if f.hoist_gathered_matmuls => {
                 // Gathered products first: the product they hoist may read a slice.
                 absorb(
                     crate::hoist::hoist_gathered_matmuls(&graph),
@@ -262,7 +333,7 @@ fn run_stages(
                 drop_dead(&mut graph, &mut fusions);
                 Some(crate::hoist::hoist_sliced_matmuls(&graph))
             }
-            "fuse.epilogue" if f.matmul_epilogue || f.conv_epilogue => {
+            Stage::FuseEpilogue if f.matmul_epilogue || f.conv_epilogue => {
                 Some(crate::fuse::fuse_epilogues(
                     &graph,
                     f.matmul_epilogue,
@@ -270,13 +341,13 @@ fn run_stages(
                     f.transposed_operands,
                 ))
             }
-            "fuse.share" if f.elementwise_regions => {
+            Stage::FuseShare if f.elementwise_regions => {
                 Some(crate::fuse::duplicate_shared_leaves(&graph))
             }
-            "fuse.regions" if f.elementwise_regions => {
+            Stage::FuseRegions if f.elementwise_regions => {
                 Some(crate::fuse::fuse_elementwise_regions(&graph))
             }
-            "dce.fused" => {
+            Stage::DceFused => {
                 // Transposes whose only reader was fused away are dead now.
                 drop_dead(&mut graph, &mut fusions);
                 None
@@ -286,7 +357,15 @@ fn run_stages(
         if let Some(fused) = fused {
             absorb(fused, &mut graph, &mut fusions);
         }
-        if dump.as_deref() == Some(stage) {
+        if cfg!(debug_assertions) {
+            graph.verify().map_err(|e| {
+                Error::invalid(
+                    "pipeline",
+                    format!("the graph after stage {stage} does not verify: {e}"),
+                )
+            })?;
+        }
+        if dump == Some(stage) {
             eprintln!("after {stage}: {graph}");
         }
         if stop == Some(stage) {

@@ -1621,22 +1621,26 @@ fn the_graph_after_each_named_stage() {
     g.set_outputs(vec![y]);
     let options = all_passes();
     let names = |g: &Graph| -> Vec<String> { g.nodes().iter().map(|n| n.op.name()).collect() };
-    let before = rlx::opt::graph_after(&g, &options, "dce").unwrap();
+    use rlx::opt::Stage;
+    let before = rlx::opt::graph_after(&g, &options, Stage::Dce).unwrap();
     assert!(names(&before).contains(&"matmul".to_string()));
-    let fused = rlx::opt::graph_after(&g, &options, "fuse.epilogue").unwrap();
+    let fused = rlx::opt::graph_after(&g, &options, Stage::FuseEpilogue).unwrap();
     assert!(
         names(&fused).contains(&"fused_matmul".to_string())
             && !names(&fused).contains(&"relu".to_string()),
         "{fused}"
     );
     // The last stage's graph is the planned one.
-    let last = rlx::opt::STAGES[rlx::opt::STAGES.len() - 1];
+    let last = Stage::ALL[Stage::ALL.len() - 1];
     let plan = plan_graph(&g, &options).unwrap();
     assert_eq!(
         names(&rlx::opt::graph_after(&g, &options, last).unwrap()),
         names(&plan.graph)
     );
-    let e = rlx::opt::graph_after(&g, &options, "fuse.everything").unwrap_err();
+    for stage in Stage::ALL {
+        assert_eq!(stage.name().parse::<Stage>().unwrap(), stage);
+    }
+    let e = "fuse.everything".parse::<Stage>().unwrap_err();
     assert!(e.to_string().contains("fuse.everything") && e.to_string().contains("fuse.regions"));
 }
 

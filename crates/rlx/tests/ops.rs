@@ -295,8 +295,7 @@ fn check(
         let (mut fast, mut plain) = match compiled {
             Ok(pair) => pair,
             Err(Error::Unsupported { what, .. })
-                if device != Device::Cpu
-                    && std::env::var_os("RLX_TEST_STRICT_DEVICES").is_none() =>
+                if device != Device::Cpu && !rlx::ir::env::Switch::TestStrictDevices.is_set() =>
             {
                 eprintln!("SKIP {label} on {device}: {what}");
                 continue;

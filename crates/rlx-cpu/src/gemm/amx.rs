@@ -40,46 +40,10 @@ pub(super) const fn scratch_floats() -> usize {
     (KC * NC + MC * KC) / 2 + 4 * 256
 }
 
-/// Whether this CPU has AMX with bfloat16 and the OS lets this process use its
-/// tiles (asked for once, on the first call).
+/// Whether the products may use AMX tiles ([`crate::isa`]: the CPU has them, the OS
+/// lets this process use them, and no switch turned them off).
 pub(crate) fn available() -> bool {
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(detect)
-}
-
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-fn detect() -> bool {
-    use std::arch::x86_64::{__cpuid_count, _xgetbv};
-    if std::env::var_os("RLX_NO_AMX").is_some() || !std::arch::is_x86_feature_detected!("avx512f") {
-        return false;
-    }
-    // CPUID leaf 7 exists on every CPU with AVX-512.
-    let leaf7 = __cpuid_count(7, 0);
-    let (amx_bf16, amx_tile) = (leaf7.edx >> 22 & 1 == 1, leaf7.edx >> 24 & 1 == 1);
-    if !(amx_bf16 && amx_tile && std::arch::is_x86_feature_detected!("xsave")) {
-        return false;
-    }
-    // SAFETY: XGETBV is available where XSAVE is (checked above).
-    let xcr0 = unsafe { _xgetbv(0) };
-    const TILE_STATE: u64 = 0b11 << 17; // XTILECFG and XTILEDATA
-    if xcr0 & TILE_STATE != TILE_STATE {
-        return false;
-    }
-    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
-    const XFEATURE_XTILEDATA: libc::c_long = 18;
-    // SAFETY: a permission request; it touches no memory of ours.
-    unsafe {
-        libc::syscall(
-            libc::SYS_arch_prctl,
-            ARCH_REQ_XCOMP_PERM,
-            XFEATURE_XTILEDATA,
-        ) == 0
-    }
-}
-
-#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-fn detect() -> bool {
-    false
+    crate::isa::isa().amx_bf16
 }
 
 /// Bytes of the buffer the threads of one product share: the operand every task

@@ -45,24 +45,21 @@ pub(crate) fn best() -> MicroKernel {
 fn detect() -> MicroKernel {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::env::var("RLX_CPU_KERNEL").as_deref() != Ok("generic") {
-            if std::is_x86_feature_detected!("avx512f")
-                && std::env::var("RLX_CPU_KERNEL").as_deref() != Ok("avx2")
-            {
-                return x86::AVX512_WIDE;
-            }
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                return MicroKernel {
-                    run: x86::kernel_avx2::<{ x86::AVX2_MR }, false>,
-                    stream: x86::kernel_avx2::<{ x86::AVX2_MR }, false>,
-                    strided: x86::kernel_avx2::<{ x86::AVX2_MR }, true>,
-                    partial: &[],
-                    row_edges: x86::AVX2_ROW_EDGES,
-                    mr: x86::AVX2_MR,
-                    nr: x86::AVX2_NR,
-                    name: "avx2",
-                };
-            }
+        let isa = crate::isa::isa();
+        if isa.avx512f {
+            return x86::AVX512_WIDE;
+        }
+        if isa.avx2_fma {
+            return MicroKernel {
+                run: x86::kernel_avx2::<{ x86::AVX2_MR }, false>,
+                stream: x86::kernel_avx2::<{ x86::AVX2_MR }, false>,
+                strided: x86::kernel_avx2::<{ x86::AVX2_MR }, true>,
+                partial: &[],
+                row_edges: x86::AVX2_ROW_EDGES,
+                mr: x86::AVX2_MR,
+                nr: x86::AVX2_NR,
+                name: "avx2",
+            };
         }
     }
     generic_kernel()
@@ -142,7 +139,8 @@ pub(crate) fn available() -> Vec<MicroKernel> {
     let mut all = vec![generic_kernel()];
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        let hardware = crate::isa::Isa::hardware();
+        if hardware.avx2_fma {
             all.push(MicroKernel {
                 run: x86::kernel_avx2::<{ x86::AVX2_MR }, false>,
                 stream: x86::kernel_avx2::<{ x86::AVX2_MR }, false>,
@@ -154,7 +152,7 @@ pub(crate) fn available() -> Vec<MicroKernel> {
                 name: "avx2",
             });
         }
-        if std::is_x86_feature_detected!("avx512f") {
+        if hardware.avx512f {
             all.push(x86::AVX512_WIDE);
             all.push(x86::AVX512_NARROW);
         }

@@ -56,17 +56,11 @@ pub(crate) fn applies(win: &Window2d, groups: usize, x: &Shape) -> bool {
 
 fn enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("RLX_CONV_PIXELS").as_deref() != Ok("0"))
+    *ENABLED.get_or_init(|| rlx_ir::env::Switch::ConvPixels.enabled())
 }
 
-#[cfg(target_arch = "x86_64")]
 fn supported() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn supported() -> bool {
-    false
+    crate::isa::isa().avx2_fma
 }
 
 /// Floats of the packed weights of `o` filters of `k` values: `Wᵀ` in panels of
@@ -412,14 +406,11 @@ fn step_offsets(win: &Window2d, geo: &Geometry, staged_rows: usize, offsets: &mu
 
 /// Panels per micro-kernel call on this CPU: [`MAX_GROUP`] with AVX-512, else one.
 fn panel_group() -> usize {
-    static GROUP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *GROUP.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx512f") {
-            return MAX_GROUP;
-        }
+    if crate::isa::isa().avx512f {
+        MAX_GROUP
+    } else {
         1
-    })
+    }
 }
 
 /// Runs every tile of a block against panels `q0 .. q0 + count` of the packed weights

@@ -63,7 +63,7 @@ pub(crate) fn applies(win: &Window2d, groups: usize, cg: usize, og: usize) -> bo
 
 fn enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("RLX_WINOGRAD").as_deref() != Ok("0"))
+    *ENABLED.get_or_init(|| rlx_ir::env::Switch::Winograd.enabled())
 }
 
 /// Floats of the transformed weights: one packed `cg x og` GEMM operand per point.

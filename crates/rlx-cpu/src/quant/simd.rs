@@ -74,10 +74,8 @@ mod avx512 {
 
     /// AVX-512F and F16C, detected once.
     pub(super) fn available() -> bool {
-        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *OK.get_or_init(|| {
-            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("f16c")
-        })
+        let isa = crate::isa::isa();
+        isa.avx512f && isa.f16c
     }
 
     /// Dispatches on the row count so the accumulators stay in registers.

@@ -651,7 +651,7 @@ fn generated_kernels_parse_as_cxx() {
         "the generated source does not parse ({}):\n{errors}",
         file.display()
     );
-    if let Some(keep) = std::env::var_os("RLX_KEEP_SOURCE") {
+    if let Some(keep) = rlx_ir::env::Switch::KeepSource.value() {
         std::fs::copy(&file, keep).unwrap();
     }
     let _ = std::fs::remove_dir_all(&dir);

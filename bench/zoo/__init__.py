@@ -1,0 +1,1 @@
+"""The model zoo's definitions (`models.py`); `bench/zoo.py` runs them."""

@@ -1,0 +1,732 @@
+//! The CPU's kernel table: [`select`] resolves a step (its op, operand shapes and
+//! output) to one [`Kernel`] when a program is compiled, after one detection of the
+//! CPU's features ([`crate::isa`]); running a step is a call through the resolved
+//! function with no matching. Adding a kernel is one function here (or in its
+//! family's file) and one arm of [`select`].
+
+use super::{
+    Ctx, ReduceGeometry, attention, attention_f32, conv, conv_f32, conv_pixels_f32, elementwise,
+    fused, layout, matmul, misc, norm, norm_f32, quant, reduce, state, transpose, winograd_f32,
+};
+use crate::tensor::{Dst, Src};
+use rlx_ir::{
+    BinaryOp, DType, Error, EwStep, MAX_REGION_INPUTS, Op, ReduceOp, Result, Shape, fusable_binary,
+    fusable_unary,
+};
+
+/// What a kernel is called with: the step's op, its operands and its output.
+pub(crate) struct Args<'s, 'a> {
+    /// The step's op (its attributes).
+    pub op: &'s Op,
+    /// How many operands the step has.
+    pub n_inputs: usize,
+    /// Operand `k`.
+    pub src: &'s dyn Fn(usize) -> Src<'a>,
+    /// Where the result goes.
+    pub out: Dst<'a>,
+    /// A reduction's geometry, prepared at compile time.
+    pub geometry: Option<&'s ReduceGeometry>,
+}
+
+impl<'a> Args<'_, 'a> {
+    /// Operand `k`.
+    fn src(&self, k: usize) -> Src<'a> {
+        (self.src)(k)
+    }
+
+    /// Operand `k` when the step has it.
+    fn opt(&self, k: usize) -> Option<Src<'a>> {
+        (k < self.n_inputs).then(|| self.src(k))
+    }
+
+    /// The error for a kernel called with an op it was not chosen for (a bug).
+    fn wrong_op(&self, kernel: &str) -> Error {
+        Error::runtime(
+            "cpu kernel",
+            format!("{kernel} was called for op {}", self.op.name()),
+        )
+    }
+}
+
+/// A kernel's entry point.
+pub(crate) type KernelFn = for<'s, 'a, 'c> fn(&Args<'s, 'a>, &mut Ctx<'c>) -> Result<()>;
+
+/// A step's resolved kernel: its name (as `rlx inspect` and profiles show it) and
+/// the function that runs it.
+#[derive(Clone, Debug)]
+pub(crate) struct Kernel {
+    /// `cpu.<method>.<op>.<dtype>`; `cpu.ref.*` names the scalar reference kernels.
+    pub name: String,
+    /// Runs the step.
+    pub run: KernelFn,
+}
+
+impl Kernel {
+    fn new(name: String, run: KernelFn) -> Kernel {
+        Kernel { name, run }
+    }
+
+    /// A scalar reference kernel.
+    fn reference(op: &Op, dtype: DType, run: KernelFn) -> Kernel {
+        Kernel::new(format!("cpu.ref.{}.{}", op.name(), dtype), run)
+    }
+}
+
+/// The kernel that runs `op` on operands of `inputs` into `out` (`products_on_amx`:
+/// `f32` products with an `f32` `B` run on AMX tiles). The kernel families that
+/// have code per instruction set read [`crate::isa::isa`], detected once.
+pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bool) -> Kernel {
+    let dtype = inputs.first().map_or(out.dtype(), |s| s.dtype());
+    let f32_in = dtype == DType::F32;
+    let gemm = if products_on_amx && inputs.get(1).is_some_and(|b| b.dtype() == DType::F32) {
+        "amx-bf16"
+    } else {
+        crate::gemm::best_kernel().name
+    };
+    match op {
+        Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => {
+            Kernel::new(format!("cpu.source.{}", op.name()), nothing)
+        }
+        Op::Unary(u) if f32_in && fusable_unary(*u) => {
+            Kernel::new(format!("cpu.region1.{}.f32", u.name()), unary_region)
+        }
+        Op::Unary(_) => Kernel::reference(op, dtype, unary),
+        Op::Binary(b) if fast_binary(*b, dtype, out) => {
+            Kernel::new(format!("cpu.region1.{}.f32", b.name()), binary_region)
+        }
+        Op::Binary(_) => Kernel::reference(op, dtype, binary),
+        Op::Where => Kernel::reference(op, dtype, select_values),
+        Op::Cast(_) => Kernel::reference(op, dtype, cast),
+        Op::Reduce {
+            op: ReduceOp::Sum | ReduceOp::Mean,
+            axes,
+            ..
+        } if f32_in && consecutive(axes).is_some() => {
+            Kernel::new(format!("cpu.axis.{}.f32", op.name()), sum_axes)
+        }
+        Op::Reduce { .. } => Kernel::reference(op, dtype, reduce_any),
+        Op::ArgReduce { .. } => Kernel::reference(op, dtype, arg_reduce),
+        Op::Softmax { axis } | Op::LogSoftmax { axis }
+            if f32_in && *axis + 1 == inputs[0].rank() =>
+        {
+            Kernel::new(format!("cpu.rows.{}.f32", op.name()), softmax_rows)
+        }
+        Op::Softmax { .. } | Op::LogSoftmax { .. } => Kernel::reference(op, dtype, softmax),
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } if f32_in => {
+            Kernel::new(format!("cpu.rows.{}.f32", op.name()), norm_rows)
+        }
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } => Kernel::reference(op, dtype, norm_any),
+        Op::NormGrad { .. } | Op::NormScaleGrad { .. } if f32_in => {
+            Kernel::new(format!("cpu.rows.{}.f32", op.name()), norm_grad_rows)
+        }
+        Op::NormGrad { .. } | Op::NormScaleGrad { .. } => {
+            Kernel::reference(op, dtype, norm_grad_any)
+        }
+        Op::MatMul if f32_in => Kernel::new(format!("cpu.gemm.{gemm}.matmul.f32"), matmul),
+        Op::MatMul => Kernel::reference(op, dtype, matmul),
+        Op::FusedMatMul { .. } if f32_in => {
+            Kernel::new(format!("cpu.gemm.{gemm}.matmul+epilogue.f32"), fused_matmul)
+        }
+        Op::FusedMatMul { .. } => Kernel::reference(op, dtype, fused_matmul),
+        Op::Reshape { .. } => Kernel::new(format!("cpu.copy.reshape.{dtype}"), reshape),
+        Op::Permute { perm }
+            if transpose::as_batched_transpose(inputs[0].dims(), perm).is_some() =>
+        {
+            Kernel::new(format!("cpu.tiles.transpose.{dtype}"), batched_transpose)
+        }
+        Op::Permute { .. } => Kernel::reference(op, dtype, permute),
+        Op::Slice { .. } => Kernel::reference(op, dtype, slice),
+        Op::Concat { .. } => Kernel::reference(op, dtype, concat),
+        Op::Gather { .. } => Kernel::reference(op, dtype, gather),
+        Op::Expand { .. } => Kernel::reference(op, dtype, expand),
+        Op::Pad { .. } => Kernel::reference(op, dtype, pad),
+        Op::Tile { .. } => Kernel::reference(op, dtype, tile),
+        Op::Range { .. } => Kernel::reference(op, out.dtype(), range),
+        Op::RandomUniform { .. } => Kernel::reference(op, out.dtype(), random_uniform),
+        Op::Cumsum { .. } => Kernel::reference(op, dtype, cumsum),
+        Op::TopK { .. } => Kernel::reference(op, dtype, topk),
+        Op::OneHot { .. } => Kernel::reference(op, dtype, one_hot),
+        Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. } if f32_in => {
+            let w = &inputs[1];
+            let method = if winograd_f32::applies(window, *groups, w.dim(1), w.dim(0) / groups) {
+                "winograd"
+            } else if conv_pixels_f32::applies(window, *groups, &inputs[0]) {
+                "pixels"
+            } else {
+                "gemm"
+            };
+            let fused = if matches!(op, Op::FusedConv2d { .. }) {
+                "+epilogue"
+            } else {
+                ""
+            };
+            let name = format!(
+                "cpu.{method}.{}.conv2d{fused}.f32",
+                crate::gemm::best_kernel().name
+            );
+            Kernel::new(name, conv2d)
+        }
+        Op::Conv2d { .. } | Op::FusedConv2d { .. } => Kernel::reference(op, dtype, conv2d),
+        Op::MaxPool2d { .. } | Op::AvgPool2d { .. } if f32_in => {
+            Kernel::new(format!("cpu.planes.{}.f32", op.name()), pool_planes)
+        }
+        Op::MaxPool2d { .. } | Op::AvgPool2d { .. } => Kernel::reference(op, dtype, pool_any),
+        Op::TiledMaxPoolGrad { .. } if f32_in => {
+            Kernel::new(format!("cpu.planes.{}.f32", op.name()), tiled_max_pool_grad)
+        }
+        Op::TiledMaxPoolGrad { .. } => Kernel::reference(op, dtype, tiled_max_pool_grad),
+        Op::Attention { .. } if f32_in => {
+            Kernel::new("cpu.flash.attention.f32".into(), attention_flash)
+        }
+        Op::Attention { .. } => Kernel::reference(op, dtype, attention_any),
+        Op::CachedAttention { .. } => {
+            Kernel::new("cpu.flash.cached_attention.f32".into(), cached_attention)
+        }
+        Op::Rope { .. } => Kernel::reference(op, dtype, rope),
+        Op::WriteAt { .. } => Kernel::new(format!("cpu.copy.write_at.{dtype}"), write_at),
+        Op::Elementwise { steps } => {
+            Kernel::new(format!("cpu.region{}.{}", steps.len(), out.dtype()), region)
+        }
+        Op::QuantMatMul { format } => {
+            Kernel::new(format!("cpu.quant.{format}.matmul"), quant_matmul)
+        }
+        Op::Dequantize { format } => {
+            Kernel::new(format!("cpu.quant.{format}.dequantize"), dequantize)
+        }
+    }
+}
+
+/// The first and last of `axes` when they are consecutive (sorted, as reductions
+/// keep them) and not empty.
+pub(crate) fn consecutive(axes: &[usize]) -> Option<(usize, usize)> {
+    let (&first, &last) = (axes.first()?, axes.last()?);
+    (last - first + 1 == axes.len()).then_some((first, last))
+}
+
+/// Whether a binary op runs on the vectorized region kernel: `f32` arithmetic.
+pub(crate) fn fast_binary(op: BinaryOp, dtype: DType, out: &Shape) -> bool {
+    dtype == DType::F32 && out.dtype() == DType::F32 && fusable_binary(op)
+}
+
+fn nothing(_: &Args, _: &mut Ctx) -> Result<()> {
+    Ok(())
+}
+
+fn unary_region(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::Unary(u) = a.op else {
+        return Err(a.wrong_op("unary_region"));
+    };
+    fused::elementwise(&[EwStep::Unary(*u, 0)], &[a.src(0)], a.out, ctx)
+}
+
+fn unary(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::Unary(u) = a.op else {
+        return Err(a.wrong_op("unary"));
+    };
+    elementwise::unary(*u, a.src(0), a.out);
+    Ok(())
+}
+
+fn binary_region(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::Binary(b) = a.op else {
+        return Err(a.wrong_op("binary_region"));
+    };
+    // One arithmetic op on f32: the region kernel, with a one-step program.
+    fused::elementwise(
+        &[EwStep::Binary(*b, 0, 1)],
+        &[a.src(0), a.src(1)],
+        a.out,
+        ctx,
+    )
+}
+
+fn binary(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::Binary(b) = a.op else {
+        return Err(a.wrong_op("binary"));
+    };
+    elementwise::binary(*b, a.src(0), a.src(1), a.out);
+    Ok(())
+}
+
+fn select_values(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    elementwise::select(a.src(0), a.src(1), a.src(2), a.out, ctx)
+}
+
+fn cast(a: &Args, _: &mut Ctx) -> Result<()> {
+    elementwise::cast(a.src(0), a.out);
+    Ok(())
+}
+
+fn sum_axes(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::Reduce { op, axes, .. } = a.op else {
+        return Err(a.wrong_op("sum_axes"));
+    };
+    let span = consecutive(axes).ok_or_else(|| a.wrong_op("sum_axes"))?;
+    norm_f32::sum_axes(*op == ReduceOp::Mean, a.src(0), span, a.out, ctx)
+}
+
+fn reduce_any(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::Reduce { op, .. } = a.op else {
+        return Err(a.wrong_op("reduce"));
+    };
+    let fallback;
+    let geometry = match a.geometry {
+        Some(g) => g,
+        None => {
+            fallback = ReduceGeometry::new(a.src(0).shape.dims(), &[]);
+            &fallback
+        }
+    };
+    reduce::reduce(*op, geometry, a.src(0), a.out);
+    Ok(())
+}
+
+fn arg_reduce(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::ArgReduce { op, axis, .. } = a.op else {
+        return Err(a.wrong_op("arg_reduce"));
+    };
+    reduce::arg_reduce(*op, *axis, a.src(0), a.out);
+    Ok(())
+}
+
+fn softmax_rows(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    norm_f32::softmax_last(matches!(a.op, Op::LogSoftmax { .. }), a.src(0), a.out, ctx)
+}
+
+fn softmax(a: &Args, _: &mut Ctx) -> Result<()> {
+    match a.op {
+        Op::Softmax { axis } => norm::softmax(*axis, false, a.src(0), a.out),
+        Op::LogSoftmax { axis } => norm::softmax(*axis, true, a.src(0), a.out),
+        _ => return Err(a.wrong_op("softmax")),
+    }
+    Ok(())
+}
+
+fn norm_rows(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    match a.op {
+        Op::LayerNorm { eps } => {
+            norm_f32::norm(a.src(0), a.src(1), Some(a.src(2)), eps.get(), a.out, ctx)
+        }
+        Op::RmsNorm { eps } => norm_f32::norm(a.src(0), a.src(1), None, eps.get(), a.out, ctx),
+        _ => Err(a.wrong_op("norm_rows")),
+    }
+}
+
+fn norm_any(a: &Args, _: &mut Ctx) -> Result<()> {
+    match a.op {
+        Op::LayerNorm { eps } => norm::norm(a.src(0), a.src(1), Some(a.src(2)), eps.get(), a.out),
+        Op::RmsNorm { eps } => norm::norm(a.src(0), a.src(1), None, eps.get(), a.out),
+        _ => return Err(a.wrong_op("norm")),
+    }
+    Ok(())
+}
+
+fn norm_grad_rows(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    match a.op {
+        Op::NormGrad { eps, centered } => norm_f32::norm_grad(
+            a.src(0),
+            a.src(1),
+            a.src(2),
+            (eps.get(), *centered),
+            a.out,
+            ctx,
+        ),
+        Op::NormScaleGrad { eps, centered } => {
+            norm_f32::norm_scale_grad(a.src(0), a.src(1), (eps.get(), *centered), a.out, ctx)
+        }
+        _ => Err(a.wrong_op("norm_grad_rows")),
+    }
+}
+
+fn norm_grad_any(a: &Args, _: &mut Ctx) -> Result<()> {
+    match a.op {
+        Op::NormGrad { eps, centered } => norm::norm_grad(
+            a.src(0),
+            Some(a.src(1)),
+            a.src(2),
+            eps.get(),
+            *centered,
+            a.out,
+        ),
+        Op::NormScaleGrad { eps, centered } => {
+            norm::norm_grad(a.src(0), None, a.src(1), eps.get(), *centered, a.out)
+        }
+        _ => return Err(a.wrong_op("norm_grad")),
+    }
+    Ok(())
+}
+
+fn matmul(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    matmul::matmul(a.src(0), a.src(1), a.out, ctx)
+}
+
+fn fused_matmul(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::FusedMatMul {
+        alpha,
+        transpose_a,
+        transpose_b,
+        bias,
+        activation,
+        residual,
+    } = a.op
+    else {
+        return Err(a.wrong_op("fused_matmul"));
+    };
+    let bias_src = bias.then(|| a.src(2));
+    let residual_src = residual.then(|| a.src(a.n_inputs - 1));
+    fused::fused_matmul(
+        alpha.get(),
+        *activation,
+        (a.src(0), *transpose_a),
+        (a.src(1), *transpose_b),
+        bias_src,
+        residual_src,
+        a.out,
+        ctx,
+    )
+}
+
+/// The planner makes every reshape a view; run as a copy if one ever is not.
+fn reshape(a: &Args, _: &mut Ctx) -> Result<()> {
+    layout::copy_flat(a.src(0), a.out);
+    Ok(())
+}
+
+fn batched_transpose(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::Permute { perm } = a.op else {
+        return Err(a.wrong_op("batched_transpose"));
+    };
+    let x = a.src(0);
+    match transpose::as_batched_transpose(x.shape.dims(), perm) {
+        Some(geometry) => transpose::batched_transpose(geometry, x, a.out, ctx),
+        None => layout::permute(perm, x, a.out, ctx),
+    }
+}
+
+fn permute(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::Permute { perm } = a.op else {
+        return Err(a.wrong_op("permute"));
+    };
+    layout::permute(perm, a.src(0), a.out, ctx)
+}
+
+fn slice(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::Slice { axes } = a.op else {
+        return Err(a.wrong_op("slice"));
+    };
+    layout::slice(axes, a.src(0), a.out);
+    Ok(())
+}
+
+fn concat(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::Concat { axis } = a.op else {
+        return Err(a.wrong_op("concat"));
+    };
+    let mut start = 0;
+    for k in 0..a.n_inputs {
+        let x = a.src(k);
+        layout::concat_one(*axis, x, start, a.out);
+        start += x.shape.dim(*axis);
+    }
+    Ok(())
+}
+
+fn gather(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::Gather { axis } = a.op else {
+        return Err(a.wrong_op("gather"));
+    };
+    layout::gather(*axis, a.src(0), a.src(1), a.out)
+}
+
+fn expand(a: &Args, _: &mut Ctx) -> Result<()> {
+    layout::expand(a.src(0), a.out);
+    Ok(())
+}
+
+fn pad(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::Pad { pads, mode } = a.op else {
+        return Err(a.wrong_op("pad"));
+    };
+    layout::pad(pads, *mode, a.src(0), a.out);
+    Ok(())
+}
+
+fn tile(a: &Args, _: &mut Ctx) -> Result<()> {
+    layout::tile(a.src(0), a.out);
+    Ok(())
+}
+
+fn range(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::Range { start, step, .. } = a.op else {
+        return Err(a.wrong_op("range"));
+    };
+    misc::range(start.get(), step.get(), a.out);
+    Ok(())
+}
+
+fn random_uniform(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::RandomUniform { seed, .. } = a.op else {
+        return Err(a.wrong_op("random_uniform"));
+    };
+    misc::random_uniform(*seed, a.src(0), a.out, ctx)
+}
+
+fn cumsum(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::Cumsum {
+        axis,
+        exclusive,
+        reverse,
+    } = a.op
+    else {
+        return Err(a.wrong_op("cumsum"));
+    };
+    misc::cumsum(*axis, *exclusive, *reverse, a.src(0), a.out);
+    Ok(())
+}
+
+fn topk(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::TopK {
+        k,
+        axis,
+        largest,
+        output,
+    } = a.op
+    else {
+        return Err(a.wrong_op("topk"));
+    };
+    misc::topk(*k, *axis, *largest, *output, a.src(0), a.out);
+    Ok(())
+}
+
+fn one_hot(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::OneHot { depth, .. } = a.op else {
+        return Err(a.wrong_op("one_hot"));
+    };
+    misc::one_hot(*depth, a.src(0), a.out);
+    Ok(())
+}
+
+fn conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    match a.op {
+        Op::Conv2d { window, groups } if a.src(0).shape.dtype() == DType::F32 => {
+            let epilogue = conv::ConvEpilogue::default();
+            conv_f32::conv2d(
+                window,
+                *groups,
+                [a.src(0), a.src(1)],
+                a.opt(2),
+                epilogue,
+                a.out,
+                ctx,
+            )
+        }
+        Op::Conv2d { window, groups } => {
+            conv::conv2d(window, *groups, a.src(0), a.src(1), a.opt(2), a.out);
+            Ok(())
+        }
+        Op::FusedConv2d { .. } => fused_conv2d(a, ctx),
+        _ => Err(a.wrong_op("conv2d")),
+    }
+}
+
+fn fused_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::FusedConv2d {
+        window,
+        groups,
+        fusion: f,
+    } = a.op
+    else {
+        return Err(a.wrong_op("fused_conv2d"));
+    };
+    let pair = |at: usize| (a.src(at), a.src(at + 1));
+    let mut epilogue = conv::ConvEpilogue {
+        activation: f.activation,
+        residual: f.residual.then(|| a.src(f.residual_at())),
+        channel_affine: f.channel_affine.then(|| pair(f.scale_at())),
+        post_activation: f.post_activation,
+        input_affine: f.input_affine.then(|| pair(f.input_scale_at())),
+        input_activation: f.input_activation,
+    };
+    let bias = f.bias.then(|| a.src(2));
+    let mut x = a.src(0);
+    // The convolution's own scratch first, then room for the changed input.
+    let own_scratch = if x.shape.dtype() == DType::F32 {
+        conv_f32::scratch_f64(window, x.shape, a.src(1).shape)
+    } else {
+        0
+    };
+    let (scratch, copy) = ctx.scratch.split_at_mut(own_scratch);
+    let mut inner = Ctx {
+        scratch,
+        gemm: ctx.gemm,
+        pool: ctx.pool,
+        packed_b: ctx.packed_b,
+        bf16_products: ctx.bf16_products,
+    };
+    if f.has_prologue() && !conv_f32::prologue_while_packing(window, x.shape, f.input_activation) {
+        // Anything but the f32 1x1 convolution (which applies it while packing its
+        // input): the changed input into scratch first.
+        // SAFETY: `prologue_scratch` asked for room for all of `x`.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(copy.as_mut_ptr().cast::<u8>(), copy.len() * 8)
+        };
+        conv::apply_prologue(&epilogue, x, bytes);
+        x = Src {
+            ptr: bytes.as_ptr(),
+            shape: x.shape,
+            len: x.len,
+        };
+        epilogue.input_affine = None;
+        epilogue.input_activation = None;
+    }
+    if x.shape.dtype() == DType::F32 {
+        conv_f32::conv2d(
+            window,
+            *groups,
+            [x, a.src(1)],
+            bias,
+            epilogue,
+            a.out,
+            &mut inner,
+        )
+    } else {
+        conv::conv2d(window, *groups, x, a.src(1), bias, a.out);
+        conv::apply_epilogue(epilogue, a.out);
+        Ok(())
+    }
+}
+
+fn pool_planes(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    match a.op {
+        Op::MaxPool2d { window } => conv::pool_f32(window, true, false, a.src(0), a.out, ctx),
+        Op::AvgPool2d {
+            window,
+            count_include_pad,
+        } => conv::pool_f32(window, false, *count_include_pad, a.src(0), a.out, ctx),
+        _ => Err(a.wrong_op("pool_planes")),
+    }
+}
+
+fn pool_any(a: &Args, _: &mut Ctx) -> Result<()> {
+    match a.op {
+        Op::MaxPool2d { window } => conv::pool(window, true, false, a.src(0), a.out),
+        Op::AvgPool2d {
+            window,
+            count_include_pad,
+        } => conv::pool(window, false, *count_include_pad, a.src(0), a.out),
+        _ => return Err(a.wrong_op("pool")),
+    }
+    Ok(())
+}
+
+fn tiled_max_pool_grad(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::TiledMaxPoolGrad { kernel } = a.op else {
+        return Err(a.wrong_op("tiled_max_pool_grad"));
+    };
+    let operands = (a.src(0), a.src(1), a.src(2));
+    if operands.0.shape.dtype() == DType::F32 {
+        conv::tiled_max_pool_grad_f32(*kernel, operands, a.out, ctx)
+    } else {
+        conv::tiled_max_pool_grad(*kernel, operands, a.out);
+        Ok(())
+    }
+}
+
+fn attention_flash(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::Attention {
+        scale,
+        causal,
+        seq_major,
+    } = a.op
+    else {
+        return Err(a.wrong_op("attention_flash"));
+    };
+    attention_f32::attention(
+        scale.get(),
+        *causal,
+        *seq_major,
+        a.src(0),
+        a.src(1),
+        a.src(2),
+        a.opt(3),
+        None,
+        a.out,
+        ctx,
+    )
+}
+
+fn attention_any(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::Attention {
+        scale,
+        causal,
+        seq_major,
+    } = a.op
+    else {
+        return Err(a.wrong_op("attention"));
+    };
+    attention::attention(
+        scale.get(),
+        *causal,
+        *seq_major,
+        a.src(0),
+        a.src(1),
+        a.src(2),
+        a.opt(3),
+        a.out,
+        ctx.scratch,
+    );
+    Ok(())
+}
+
+fn cached_attention(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::CachedAttention { scale } = a.op else {
+        return Err(a.wrong_op("cached_attention"));
+    };
+    attention_f32::cached_attention(
+        scale.get(),
+        [a.src(0), a.src(1), a.src(2)],
+        a.src(3),
+        a.out,
+        ctx,
+    )
+}
+
+fn rope(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::Rope { style } = a.op else {
+        return Err(a.wrong_op("rope"));
+    };
+    attention::rope(*style, a.src(0), a.src(1), a.src(2), a.out);
+    Ok(())
+}
+
+fn write_at(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::WriteAt { axis } = a.op else {
+        return Err(a.wrong_op("write_at"));
+    };
+    state::write_at(*axis, a.src(1), a.src(2), a.out, ctx)
+}
+
+fn region(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::Elementwise { steps } = a.op else {
+        return Err(a.wrong_op("region"));
+    };
+    let mut inputs = [a.src(0); MAX_REGION_INPUTS];
+    for (k, slot) in inputs.iter_mut().enumerate().take(a.n_inputs).skip(1) {
+        *slot = a.src(k);
+    }
+    fused::elementwise(steps, &inputs[..a.n_inputs], a.out, ctx)
+}
+
+fn quant_matmul(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::QuantMatMul { format } = a.op else {
+        return Err(a.wrong_op("quant_matmul"));
+    };
+    quant::quant_matmul(*format, a.src(0), a.src(1), a.out, ctx)
+}
+
+fn dequantize(a: &Args, _: &mut Ctx) -> Result<()> {
+    let Op::Dequantize { format } = a.op else {
+        return Err(a.wrong_op("dequantize"));
+    };
+    quant::dequantize(*format, a.src(0), a.out)
+}
