@@ -20,6 +20,7 @@ pub fn is_composite(op: &Op) -> bool {
             | Op::NormGrad { .. }
             | Op::NormScaleGrad { .. }
             | Op::TiledMaxPoolGrad { .. }
+            | Op::Interpolate { .. }
             | Op::Attention { .. }
             | Op::Rope { .. }
             | Op::FusedMatMul { .. }
@@ -158,6 +159,11 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
         Op::TiledMaxPoolGrad { kernel } => {
             tiled_max_pool_grad(g, *kernel, (inputs[0], inputs[1], inputs[2]))?
         }
+        Op::Interpolate { axis } => crate::ops::resample::decompose_interpolate(
+            g,
+            *axis,
+            (inputs[0], inputs[1], inputs[2]),
+        )?,
         Op::Unary(u @ (UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu)) => {
             activation(g, *u, inputs[0])?
         }

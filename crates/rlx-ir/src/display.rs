@@ -16,6 +16,7 @@ pub fn op_attributes(op: &Op) -> String {
         | Op::LogSoftmax { axis }
         | Op::Concat { axis }
         | Op::Gather { axis }
+        | Op::Interpolate { axis }
         | Op::WriteAt { axis } => {
             format!("axis={axis}")
         }

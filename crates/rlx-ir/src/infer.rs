@@ -1,7 +1,8 @@
 //! Shape and dtype inference: the one dispatch from an op to its family's rule.
 
 use crate::ops::{
-    attention, conv, elementwise, fused, matmul, misc, norm, quant, reduce, shape_ops, state,
+    attention, conv, elementwise, fused, matmul, misc, norm, quant, reduce, resample, shape_ops,
+    state,
 };
 use crate::{Error, Op, Result, Shape};
 
@@ -19,7 +20,8 @@ fn arity(op: &Op) -> (usize, usize) {
         | Op::Rope { .. }
         | Op::WriteAt { .. }
         | Op::NormGrad { .. }
-        | Op::TiledMaxPoolGrad { .. } => (3, 3),
+        | Op::TiledMaxPoolGrad { .. }
+        | Op::Interpolate { .. } => (3, 3),
         Op::Conv2d { .. } => (2, 3),
         Op::Attention { .. } => (3, 4),
         Op::QuantMatMul { .. } => (2, 2),
@@ -65,6 +67,9 @@ pub fn infer_shape(op: &Op, inputs: &[&Shape]) -> Result<Shape> {
         Op::Slice { axes } => shape_ops::infer_slice(axes, x()),
         Op::Concat { axis } => shape_ops::infer_concat(*axis, inputs),
         Op::Gather { axis } => shape_ops::infer_gather(*axis, inputs[0], inputs[1]),
+        Op::Interpolate { axis } => {
+            resample::infer_interpolate(*axis, inputs[0], inputs[1], inputs[2])
+        }
         Op::Expand { dims } => shape_ops::infer_expand(dims, x()),
         Op::Pad { pads, mode } => shape_ops::infer_pad(pads, *mode, x()),
         Op::Tile { reps } => shape_ops::infer_tile(reps, x()),

@@ -529,6 +529,15 @@ pub enum Op {
         /// The axis of `data`.
         axis: usize,
     },
+    /// Resampling along an axis, from `x`, an integer `index [taps, out]` and a
+    /// `weight [taps, out]` of `x`'s dtype: `y[.., o, ..] = Σ_k weight[k, o]
+    /// x[.., index[k, o], ..]` (interpolation with one, two or four taps; negative
+    /// indices count from the end, out of range is a run-time error). A composite:
+    /// one pass over the output where a backend runs it natively.
+    Interpolate {
+        /// The resampled axis of `x`.
+        axis: usize,
+    },
     /// Broadcasts to larger dimensions (numpy `broadcast_to`).
     Expand {
         /// Target dimensions.
@@ -750,6 +759,7 @@ impl Op {
             Op::Slice { .. } => "slice".into(),
             Op::Concat { .. } => "concat".into(),
             Op::Gather { .. } => "gather".into(),
+            Op::Interpolate { .. } => "interpolate".into(),
             Op::Expand { .. } => "expand".into(),
             Op::Pad { .. } => "pad".into(),
             Op::Tile { .. } => "tile".into(),

@@ -4,7 +4,8 @@
 //! freely and is slow by design.
 
 use crate::ops::{
-    attention, conv, elementwise, fused, matmul, misc, norm, quant, reduce, shape_ops, state,
+    attention, conv, elementwise, fused, matmul, misc, norm, quant, reduce, resample, shape_ops,
+    state,
 };
 use crate::{Error, Graph, Op, Result, Shape, TensorData};
 use std::collections::HashMap;
@@ -91,6 +92,9 @@ pub fn eval_node(
         Op::Slice { axes } => shape_ops::eval_slice(axes, x(), out),
         Op::Concat { axis } => shape_ops::eval_concat(*axis, inputs, out),
         Op::Gather { axis } => shape_ops::eval_gather(*axis, inputs[0], inputs[1], out)?,
+        Op::Interpolate { axis } => {
+            resample::eval_interpolate(*axis, inputs[0], inputs[1], inputs[2], out)?
+        }
         Op::Expand { .. } => shape_ops::eval_expand(x(), out),
         Op::Pad { pads, mode } => shape_ops::eval_pad(pads, *mode, x(), out),
         Op::Tile { .. } => shape_ops::eval_tile(x(), out),

@@ -3443,6 +3443,116 @@ fn handle_outputs_overwritten_by_write_at_are_refused() {
 }
 
 #[test]
+fn interpolate_along_every_axis() {
+    let mut s = Suite::new(0x1F);
+    // (x dims, axis, taps, outputs): rows resized (inner > 1), the last axis (each
+    // output gathers its taps), no taps, one tap, and outputs large enough to be
+    // split between threads.
+    let cases: [(&[usize], isize, usize, usize); 8] = [
+        (&[2, 3, 5, 7], 2, 2, 9),
+        (&[2, 3, 5, 7], -1, 2, 13),
+        (&[4, 6], 0, 4, 11),
+        (&[3, 5], 1, 1, 10),
+        (&[3, 5], 1, 0, 4),
+        (&[6], 0, 3, 6),
+        (&[2, 8, 32, 64], 2, 2, 64),
+        (&[2, 8, 64, 32], 3, 2, 64),
+    ];
+    for (dims, axis, taps, width) in cases {
+        let n = dims[if axis < 0 {
+            dims.len() - 1
+        } else {
+            axis as usize
+        }] as i64;
+        for dt in [DType::F32, DType::F64, DType::F16] {
+            for idx_dt in [DType::I64, DType::I32] {
+                let inputs = [
+                    inp("x", dims, dt).dist(Dist::Special),
+                    inp("index", &[taps, width], idx_dt).dist(Dist::Int(-n, n - 1)),
+                    inp("weight", &[taps, width], dt),
+                ];
+                s.check(
+                    &format!("interpolate {dt} {dims:?} axis {axis} taps {taps} by {idx_dt}"),
+                    &inputs,
+                    acc(taps.max(1)),
+                    |g, x| one(g.interpolate(x[0], x[1], x[2], axis)?),
+                );
+            }
+        }
+        check_decomposed_on_cpu(
+            &format!("interpolate decomposed {dims:?} axis {axis} taps {taps}"),
+            mix(0x1F00 + taps as u64 + width as u64),
+            &[
+                inp("x", dims, DType::F32),
+                inp("index", &[taps, width], DType::I64).dist(Dist::Int(-n, n - 1)),
+                inp("weight", &[taps, width], DType::F32),
+            ],
+            acc(taps.max(1)),
+            |g, x| one(g.interpolate(x[0], x[1], x[2], axis)?),
+        );
+    }
+}
+
+#[test]
+fn interpolate_rejects_bad_operands_and_indices() {
+    let g = Graph::new("interpolate errors");
+    let x = g.input("x", Shape::new(&[2, 5, 3], DType::F32)).unwrap();
+    let idx = g.input("idx", Shape::new(&[2, 4], DType::I64)).unwrap();
+    let w = g.input("w", Shape::new(&[2, 4], DType::F32)).unwrap();
+    let flat = g.input("flat", Shape::new(&[4], DType::I64)).unwrap();
+    let w64 = g.input("w64", Shape::new(&[2, 4], DType::F64)).unwrap();
+    let ints = g.input("ints", Shape::new(&[2, 5], DType::I32)).unwrap();
+    for (what, result) in [
+        ("a flat index", g.interpolate(x, flat, w, 1)),
+        ("weights of another dtype", g.interpolate(x, idx, w64, 1)),
+        ("an integer input", g.interpolate(ints, idx, idx, 1)),
+        ("float indices", g.interpolate(x, w, w, 1)),
+        ("an axis past the rank", g.interpolate(x, idx, w, 3)),
+    ] {
+        let err = result.unwrap_err();
+        assert!(err.to_string().contains("interpolate"), "{what}: {err}");
+    }
+    // The graph still builds, and indices past the axis fail at run time.
+    let y = g.interpolate(x, idx, w, 1).unwrap();
+    g.set_outputs(vec![y]);
+    let xs = vec![1.0f32; 30];
+    let ws = vec![0.5f32; 8];
+    for device in test_devices() {
+        let mut compiled = Session::new(device).compile(&g).unwrap();
+        for bad in [[0i64, 5, 1, 2, 0, 0, 0, 0], [0, 0, 0, 0, -6, 0, 0, 0]] {
+            let err = compiled.run_typed(&[
+                ("x", TensorRef::F32(&xs)),
+                ("idx", TensorRef::I64(&bad)),
+                ("w", TensorRef::F32(&ws)),
+                ("flat", TensorRef::I64(&[0; 4])),
+                ("w64", TensorRef::F64(&[0.0; 8])),
+                ("ints", TensorRef::I32(&[0; 10])),
+            ]);
+            assert!(
+                matches!(err, Err(Error::Runtime { .. })),
+                "{device}: {err:?}"
+            );
+        }
+        let good = [0i64, 4, -1, 2, 1, 1, 1, 1];
+        let out = compiled
+            .run_typed(&[
+                ("x", TensorRef::F32(&xs)),
+                ("idx", TensorRef::I64(&good)),
+                ("w", TensorRef::F32(&ws)),
+                ("flat", TensorRef::I64(&[0; 4])),
+                ("w64", TensorRef::F64(&[0.0; 8])),
+                ("ints", TensorRef::I32(&[0; 10])),
+            ])
+            .unwrap();
+        assert!(
+            out[0].as_ref().to_f64_vec().iter().all(|&v| v == 1.0),
+            "{device}: {:?}",
+            out[0]
+        );
+    }
+}
+
+#[test]
 fn gather_out_of_range_is_an_error() {
     let g = Graph::new("gather oob");
     let data = g.input("data", Shape::new(&[5, 3], DType::F32)).unwrap();

@@ -16,6 +16,7 @@ mod norm;
 mod norm_f32;
 mod quant;
 mod reduce;
+mod resample;
 mod state;
 mod table;
 mod transpose;

@@ -6,7 +6,8 @@
 
 use super::{
     Ctx, ReduceGeometry, attention, attention_f32, conv, conv_f32, conv_pixels_f32, elementwise,
-    fused, layout, matmul, misc, norm, norm_f32, quant, reduce, state, transpose, winograd_f32,
+    fused, layout, matmul, misc, norm, norm_f32, quant, reduce, resample, state, transpose,
+    winograd_f32,
 };
 use crate::tensor::{Dst, Src};
 use rlx_ir::{
@@ -138,6 +139,10 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
         Op::Slice { .. } => Kernel::reference(op, dtype, slice),
         Op::Concat { .. } => Kernel::reference(op, dtype, concat),
         Op::Gather { .. } => Kernel::reference(op, dtype, gather),
+        Op::Interpolate { .. } if f32_in && inputs[1].dtype() == DType::I64 => {
+            Kernel::new("cpu.rows.interpolate.f32".into(), interpolate)
+        }
+        Op::Interpolate { .. } => Kernel::reference(op, dtype, interpolate),
         Op::Expand { .. } => Kernel::reference(op, dtype, expand),
         Op::Pad { .. } => Kernel::reference(op, dtype, pad),
         Op::Tile { .. } => Kernel::reference(op, dtype, tile),
@@ -436,6 +441,13 @@ fn gather(a: &Args, _: &mut Ctx) -> Result<()> {
         return Err(a.wrong_op("gather"));
     };
     layout::gather(*axis, a.src(0), a.src(1), a.out)
+}
+
+fn interpolate(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::Interpolate { axis } = a.op else {
+        return Err(a.wrong_op("interpolate"));
+    };
+    resample::interpolate(*axis, a.src(0), a.src(1), a.src(2), a.out, ctx)
 }
 
 fn expand(a: &Args, _: &mut Ctx) -> Result<()> {

@@ -14,6 +14,7 @@ pub mod norm;
 pub mod optim;
 pub mod quant;
 pub mod reduce;
+pub mod resample;
 pub mod shape_ops;
 pub mod state;
 

@@ -437,6 +437,37 @@ fn apply(
         d[a] = out;
         let n: usize = d.iter().product();
         cx.g.constant(TensorData::from_f64(dt, &vec![extrapolation; n]), &d)?
+    } else if dt.is_float() {
+        // Every tap in one pass: positions and weights as `[taps, out]` constants
+        // (a nearest pick is one tap of weight 1, exact).
+        let (mut index, mut weight) = (Vec::new(), Vec::new());
+        let mut count = 0;
+        let single;
+        let rows: Vec<(&Vec<i64>, &Vec<f64>)> =
+            if taps.weight.len() == 2 && is_selection(&taps.weight) {
+                single = (
+                    (0..out)
+                        .map(|o| taps.index[usize::from(taps.weight[1][o] > 0.5)][o])
+                        .collect::<Vec<i64>>(),
+                    vec![1.0; out],
+                );
+                vec![(&single.0, &single.1)]
+            } else {
+                taps.index
+                    .iter()
+                    .zip(&taps.weight)
+                    .filter(|(_, w)| w.iter().any(|&v| v != 0.0))
+                    .collect()
+            };
+        for (i, w) in rows {
+            index.extend_from_slice(i);
+            weight.extend_from_slice(w);
+            count += 1;
+        }
+        let index = cx.g.constant(TensorData::I64(index), &[count, out])?;
+        let weight =
+            cx.g.constant(TensorData::from_f64(dt, &weight), &[count, out])?;
+        cx.g.interpolate(x, index, weight, a as isize)?
     } else if matches!(taps.weight.len(), 2) && is_selection(&taps.weight) {
         // Nearest: one of the two taps has weight 1 at every output.
         let pick: Vec<i64> = (0..out)

@@ -1,0 +1,178 @@
+//! `Op::Interpolate`: each output position along the axis is a weighted sum of a
+//! few input positions. With elements after the axis (`inner > 1`, a resize of an
+//! image's rows) every output row is a weighted sum of whole input rows, a
+//! vectorized loop; along the last axis each output value gathers its taps. Output
+//! rows are split between the pool's threads.
+
+use super::Ctx;
+use crate::elem::{Elem, with_dtype};
+use crate::tensor::{Dst, Src};
+use rlx_ir::{DType, Error, Result};
+
+/// Output values from which the work is split between threads.
+const PARALLEL_VALUES: usize = 1 << 15;
+
+/// The index at `at`, any integer dtype.
+fn index_at(index: &Src, at: usize) -> i64 {
+    with_dtype!(index.shape.dtype(), I => index.get::<I>(at).to_i64())
+}
+
+/// Errors naming the first index outside an axis of length `n`.
+fn check_indices(index: &Src, n: usize) -> Result<()> {
+    let n = n as i64;
+    for at in 0..index.len {
+        let k = index_at(index, at);
+        if k < -n || k >= n {
+            return Err(Error::runtime(
+                "interpolate",
+                format!("index {k} at position {at} is out of range for an axis of length {n}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Geometry of one resampling: `outer` blocks of `n` input rows of `inner` values
+/// become blocks of `width` output rows, each from `taps` input rows.
+#[derive(Clone, Copy)]
+struct Geometry {
+    outer: usize,
+    n: usize,
+    inner: usize,
+    width: usize,
+    taps: usize,
+}
+
+/// Runs `Op::Interpolate` on `axis` (indices checked first; nothing is written when
+/// one is out of range).
+pub(crate) fn interpolate(
+    axis: usize,
+    x: Src,
+    index: Src,
+    weight: Src,
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    let dims = x.shape.dims();
+    let g = Geometry {
+        outer: dims[..axis].iter().product(),
+        n: dims[axis],
+        inner: dims[axis + 1..].iter().product(),
+        width: index.shape.dim(1),
+        taps: index.shape.dim(0),
+    };
+    check_indices(&index, g.n)?;
+    if out.len == 0 {
+        return Ok(());
+    }
+    if x.shape.dtype() == DType::F32 && index.shape.dtype() == DType::I64 {
+        return interpolate_f32(g, x, index, weight, out, ctx);
+    }
+    with_dtype!(x.shape.dtype(), T => {
+        let position = |at: usize| {
+            let k = index_at(&index, at);
+            (if k < 0 { k + g.n as i64 } else { k }) as usize
+        };
+        for o in 0..g.outer {
+            for j in 0..g.width {
+                for i in 0..g.inner {
+                    let term = |k: usize| {
+                        let at = k * g.width + j;
+                        weight.f64::<T>(at) * x.f64::<T>((o * g.n + position(at)) * g.inner + i)
+                    };
+                    let first = if g.taps == 0 { 0.0 } else { term(0) };
+                    let sum = (1..g.taps).fold(first, |s, k| s + term(k));
+                    out.set::<T>((o * g.width + j) * g.inner + i, T::from_f64(sum));
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+/// The `f32` kernel with `i64` indices: output rows (`inner` values each) in
+/// ranges on the threads.
+fn interpolate_f32(
+    g: Geometry,
+    x: Src,
+    index: Src,
+    weight: Src,
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    // SAFETY: the plan sized every operand for its shape; the output is a value of
+    // its own (this op never runs in place), so it overlaps no operand.
+    let (xs, idx, w) = unsafe {
+        (
+            std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len),
+            std::slice::from_raw_parts(index.ptr.cast::<i64>(), index.len),
+            std::slice::from_raw_parts(weight.ptr.cast::<f32>(), weight.len),
+        )
+    };
+    let rows = g.outer * g.width;
+    let out_addr = out.ptr as usize;
+    let out_len = out.len;
+    let run_rows = |first: usize, last: usize| {
+        // SAFETY: each call writes output rows `first..last` only, disjoint from
+        // every other call's.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                (out_addr as *mut f32).add(first * g.inner),
+                (last - first) * g.inner,
+            )
+        };
+        debug_assert!(last * g.inner <= out_len);
+        rows_f32(g, xs, idx, w, first, dst);
+    };
+    let threads = ctx.gemm.threads();
+    if threads < 2 || out_len < PARALLEL_VALUES {
+        run_rows(0, rows);
+        return Ok(());
+    }
+    let tasks = (4 * threads).min(rows);
+    ctx.pool.run(tasks, threads, &|t, _| {
+        run_rows(t * rows / tasks, (t + 1) * rows / tasks)
+    })
+}
+
+/// Output rows `first..` into `dst` (whole rows of `inner` values).
+fn rows_f32(g: Geometry, x: &[f32], idx: &[i64], w: &[f32], first: usize, dst: &mut [f32]) {
+    let position = |at: usize| {
+        let k = idx[at];
+        (if k < 0 { k + g.n as i64 } else { k }) as usize
+    };
+    if g.inner == 1 {
+        for (r, y) in dst.iter_mut().enumerate() {
+            let (o, j) = ((first + r) / g.width, (first + r) % g.width);
+            let src = &x[o * g.n..(o + 1) * g.n];
+            let term = |k: usize| {
+                let at = k * g.width + j;
+                w[at] * src[position(at)]
+            };
+            let first = if g.taps == 0 { 0.0 } else { term(0) };
+            *y = (1..g.taps).fold(first, |s, k| s + term(k));
+        }
+        return;
+    }
+    for (r, y) in dst.chunks_exact_mut(g.inner).enumerate() {
+        let (o, j) = ((first + r) / g.width, (first + r) % g.width);
+        if g.taps == 0 {
+            y.fill(0.0);
+        }
+        for k in 0..g.taps {
+            let at = k * g.width + j;
+            let (wk, p) = (w[at], position(at));
+            let start = (o * g.n + p) * g.inner;
+            let src = &x[start..start + g.inner];
+            if k == 0 {
+                for (v, &s) in y.iter_mut().zip(src) {
+                    *v = wk * s;
+                }
+            } else {
+                for (v, &s) in y.iter_mut().zip(src) {
+                    *v += wk * s;
+                }
+            }
+        }
+    }
+}
