@@ -15,7 +15,7 @@
 use crate::gemm::{
     BFormat, pack_b_panels, packed_len, packed_panel_width, quantize_b_panels, quantized_len,
 };
-use crate::kernels::conv_f32::{by_tap, regroup_by_tap};
+use crate::kernels::conv_f32::{self, ConvMethod, by_tap, regroup_by_tap};
 use crate::kernels::{conv_pixels_f32, winograd_f32};
 use crate::tensor::Src;
 use rlx_driver::Buffer;
@@ -225,8 +225,7 @@ pub(crate) fn packed_operand(
             n: b.dim(1),
         },
         Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
-            if b.rank() == 4
-                && winograd_f32::applies(window, *groups, b.dim(1), b.dim(0) / groups) =>
+            if b.rank() == 4 && conv_f32::method(window, *groups, a, b) == ConvMethod::Winograd =>
         {
             PackSpec::Winograd {
                 cg: b.dim(1),
@@ -234,7 +233,7 @@ pub(crate) fn packed_operand(
             }
         }
         Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
-            if b.rank() == 4 && conv_pixels_f32::applies(window, *groups, a) =>
+            if b.rank() == 4 && conv_f32::method(window, *groups, a, b) == ConvMethod::Pixels =>
         {
             PackSpec::ConvPixels {
                 o: b.dim(0),

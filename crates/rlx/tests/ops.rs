@@ -2289,7 +2289,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 22] = [
+    let cases: [ConvCase; 26] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
         // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
         // of several images in one task.
@@ -2410,6 +2410,42 @@ fn conv2d_variants() {
         ([2, 3, 5, 5], [5, 3, 1, 1], [1, 1], [0, 0, 0, 0], [1, 1], 1),
         ([1, 2, 4, 4], [3, 2, 4, 4], [1, 1], [0, 0, 0, 0], [1, 1], 1),
         ([1, 6, 6, 7], [6, 2, 2, 3], [3, 2], [2, 1, 0, 2], [2, 2], 3),
+        // Depthwise (one input channel per group): a stencil per plane over a staged
+        // copy split by stride phase. MobileNet's strided 3x3 on a large plane, a
+        // ConvNeXt-like 7x7, a 5x5 with stride 2 on odd sizes and a multiplier of 2
+        // with asymmetric padding and dilation.
+        (
+            [1, 16, 57, 60],
+            [16, 1, 3, 3],
+            [2, 2],
+            [0, 0, 1, 1],
+            [1, 1],
+            16,
+        ),
+        (
+            [2, 24, 14, 13],
+            [24, 1, 7, 7],
+            [1, 1],
+            [3, 3, 3, 3],
+            [1, 1],
+            24,
+        ),
+        (
+            [1, 12, 11, 9],
+            [12, 1, 5, 5],
+            [2, 2],
+            [2, 2, 2, 2],
+            [1, 1],
+            12,
+        ),
+        (
+            [1, 5, 10, 12],
+            [10, 1, 3, 3],
+            [1, 2],
+            [2, 0, 1, 3],
+            [2, 3],
+            5,
+        ),
     ];
     for dt in FLOATS {
         for (xd, wd, stride, padding, dilation, groups) in cases {
@@ -2439,6 +2475,22 @@ fn conv2d_variants() {
             acc(46),
             |g, x| {
                 let y = g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [1, 1, 1, 1], [1, 1], 1)?;
+                one(g.add(g.relu(y)?, x[3])?)
+            },
+        );
+    }
+    for dt in [DType::F32, DType::F64] {
+        s.check(
+            &format!("depthwise conv2d + bias + relu + residual {dt}"),
+            &[
+                inp("x", &[2, 8, 9, 10], dt),
+                inp("w", &[8, 1, 3, 3], dt),
+                inp("b", &[8], dt),
+                inp("r", &[2, 8, 9, 10], dt),
+            ],
+            acc(10),
+            |g, x| {
+                let y = g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [1, 1, 1, 1], [1, 1], 8)?;
                 one(g.add(g.relu(y)?, x[3])?)
             },
         );

@@ -24,7 +24,7 @@
 //! is sized so the input rows it reads take about half of L2.
 
 use super::conv::{ConvEpilogue, extent, nchw};
-use super::{Ctx, conv_pixels_f32, winograd_f32};
+use super::{Ctx, conv_pixels_f32, depthwise_f32, winograd_f32};
 use crate::gemm::{Activation, BFormat, Epilogue, Gemm, sgemm_serial};
 use crate::tensor::{Dst, Src};
 use crate::vmath::multiversion;
@@ -176,17 +176,72 @@ fn phase_mask(win: &Window2d) -> u64 {
     mask
 }
 
+/// How an `f32` convolution runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ConvMethod {
+    /// Winograd's F(4x4, 3x3) (`winograd_f32`).
+    Winograd,
+    /// Output pixels as GEMM rows over `(in, ky, kx)` (`conv_pixels_f32`).
+    Pixels,
+    /// A GEMM per tap over phase planes (this file).
+    Gemm,
+    /// A stencil per plane, one input channel per group (`depthwise_f32`).
+    Depthwise,
+}
+
+impl ConvMethod {
+    /// The name kernel names use.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            ConvMethod::Winograd => "winograd",
+            ConvMethod::Pixels => "pixels",
+            ConvMethod::Gemm => "gemm",
+            ConvMethod::Depthwise => "depthwise",
+        }
+    }
+}
+
+/// Winograd tiles (4 x 4 outputs, over the whole batch) below which its weights,
+/// 4 times a 3x3 filter's and read once per block of tiles, cost more than its
+/// products save: ResNet-18's last 3x3 layers (7 x 7 outputs, 4 tiles, 512
+/// channels) took 5.6 ms each this way and 1.2 ms as pixel rows.
+const WINOGRAD_MIN_TILES: usize = 32;
+
+/// The one choice of how an `f32` convolution of `x` by `w` runs, for the
+/// kernel, its scratch, its packed weights and its name. With AVX-512 the pixel-row
+/// kernel takes 6 pixels by 64 channels a step and ran every stride-1 3x3 layer of
+/// ResNet-18 as fast as Winograd or faster (0.85-1.2 ms against 0.8-5.6 ms, and the
+/// per-tap GEMMs 1.3-2.9 ms), so it runs every multi-tap single-group window there;
+/// with AVX2 (4 times fewer channels a step) it runs the strided ones, and Winograd
+/// the 3x3 ones with enough tiles.
+pub(crate) fn method(win: &Window2d, groups: usize, x: &Shape, w: &Shape) -> ConvMethod {
+    if depthwise_f32::applies(groups, x, w) {
+        return ConvMethod::Depthwise;
+    }
+    let (cg, og) = (w.dim(1), w.dim(0) / groups.max(1));
+    let pixels = conv_pixels_f32::applies(win, groups, x);
+    if pixels && (crate::isa::isa().avx512f || win.stride != [1, 1]) {
+        return ConvMethod::Pixels;
+    }
+    let tiles =
+        x.dim(0) * extent(win, 0, x.dim(2)).div_ceil(4) * extent(win, 1, x.dim(3)).div_ceil(4);
+    if winograd_f32::applies(win, groups, cg, og) && tiles >= WINOGRAD_MIN_TILES {
+        return ConvMethod::Winograd;
+    }
+    ConvMethod::Gemm
+}
+
 /// Per-thread floats an f32 convolution needs, from its input and weight shapes: the
 /// phase planes of a block, its packed panels (when it packs) and its product before the junk
 /// columns are dropped; for a Winograd convolution, its staged rows, transformed
 /// patches and products.
 pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     let (oh, ow) = (extent(win, 0, x.dim(2)), extent(win, 1, x.dim(3)));
-    if winograd_f32::applies(win, groups_of(x, w), w.dim(1), w.dim(0) / groups_of(x, w)) {
-        return winograd_f32::thread_floats(x, w, [oh, ow]);
-    }
-    if conv_pixels_f32::applies(win, groups_of(x, w), x) {
-        return conv_pixels_f32::thread_floats(win, x, w, [oh, ow]);
+    match method(win, groups_of(x, w), x, w) {
+        ConvMethod::Winograd => return winograd_f32::thread_floats(x, w, [oh, ow]),
+        ConvMethod::Pixels => return conv_pixels_f32::thread_floats(win, x, w, [oh, ow]),
+        ConvMethod::Depthwise => return depthwise_f32::thread_floats(win, x),
+        ConvMethod::Gemm => {}
     }
     let geo = Geometry::new(win, w.dim(1), [x.dim(2), x.dim(3)], ow);
     // The largest block any thread count gives.
@@ -233,15 +288,13 @@ pub(crate) fn by_tap(win: &Window2d, cg: usize) -> bool {
 /// `f64` scratch an f32 convolution needs: its weights regrouped by tap (or
 /// transformed for Winograd), for when the step has no copy made ahead.
 pub(crate) fn scratch_f64(win: &Window2d, x: &Shape, w: &Shape) -> usize {
-    let groups = groups_of(x, w);
-    if winograd_f32::applies(win, groups, w.dim(1), w.dim(0) / groups) {
-        winograd_f32::weights_len(w.dim(1), w.dim(0)).div_ceil(2)
-    } else if conv_pixels_f32::applies(win, groups, x) {
-        conv_pixels_f32::weights_len(w.dim(0), w.num_elements() / w.dim(0).max(1)).div_ceil(2)
-    } else if by_tap(win, w.dim(1)) {
-        w.num_elements().div_ceil(2)
-    } else {
-        0
+    match method(win, groups_of(x, w), x, w) {
+        ConvMethod::Winograd => winograd_f32::weights_len(w.dim(1), w.dim(0)).div_ceil(2),
+        ConvMethod::Pixels => {
+            conv_pixels_f32::weights_len(w.dim(0), w.num_elements() / w.dim(0).max(1)).div_ceil(2)
+        }
+        ConvMethod::Gemm if by_tap(win, w.dim(1)) => w.num_elements().div_ceil(2),
+        ConvMethod::Gemm | ConvMethod::Depthwise => 0,
     }
 }
 
@@ -317,12 +370,13 @@ pub(crate) fn conv2d(
         .input_activation
         .and_then(super::fused::gemm_activation);
     let has_prologue = epilogue.has_prologue();
-    if winograd_f32::applies(win, groups, cg, og) {
+    let chosen = method(win, groups, x.shape, w.shape);
+    if chosen == ConvMethod::Winograd {
         debug_assert!(!has_prologue, "only a packing convolution takes a prologue");
         let finish = (activation, epilogue.residual, affine);
         return winograd(win, [x, w], bias, finish, out, ctx);
     }
-    if conv_pixels_f32::applies(win, groups, x.shape) {
+    if chosen == ConvMethod::Pixels {
         debug_assert!(!has_prologue, "only a packing convolution takes a prologue");
         let finish = conv_pixels_f32::Finish {
             // SAFETY: an f32 tensor of `o` values.
@@ -332,6 +386,16 @@ pub(crate) fn conv2d(
             affine,
         };
         return pixels(win, [x, w], finish, out, ctx);
+    }
+    if chosen == ConvMethod::Depthwise && !has_prologue {
+        let finish = conv_pixels_f32::Finish {
+            // SAFETY: an f32 tensor of `o` values.
+            bias: bias.map(|b| unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), b.len) }),
+            activation,
+            residual: epilogue.residual,
+            affine,
+        };
+        return depthwise_f32::conv2d(win, [x, w], finish, out, (ctx.gemm, ctx.pool));
     }
     let geo = Geometry::new(win, cg, [h, wd], ow);
     let threads = ctx.gemm.threads();

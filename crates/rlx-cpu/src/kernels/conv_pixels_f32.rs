@@ -41,13 +41,13 @@ const TILE: usize = MR * NR;
 /// multiply-adds instead of 12.
 const MAX_GROUP: usize = 4;
 
-/// Whether a convolution runs here: `f32` on a CPU with AVX2 and FMA, one group, a
-/// stride other than 1 x 1 and more than one tap, with offsets that fit 32 bits.
-/// `RLX_CONV_PIXELS=0` in the environment turns it off.
+/// Whether a convolution can run here: `f32` on a CPU with AVX2 and FMA, one group
+/// and more than one tap, with offsets that fit 32 bits. `RLX_CONV_PIXELS=0` in the
+/// environment turns it off. ([`super::conv_f32::method`] chooses among the
+/// convolution kernels that can run one.)
 pub(crate) fn applies(win: &Window2d, groups: usize, x: &Shape) -> bool {
     let geo = Geometry::new(win, x, [1, 1]);
     groups == 1
-        && win.stride != [1, 1]
         && win.kernel[0] * win.kernel[1] > 1
         && geo.staged_len(geo.h + win.padding[0] + win.padding[2]) < u32::MAX as usize
         && supported()

@@ -7,6 +7,7 @@ pub(crate) mod attention_f32;
 mod conv;
 pub(crate) mod conv_f32;
 pub(crate) mod conv_pixels_f32;
+pub(crate) mod depthwise_f32;
 mod elementwise;
 mod fused;
 mod layout;

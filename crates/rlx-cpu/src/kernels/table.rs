@@ -5,9 +5,8 @@
 //! family's file) and one arm of [`select`].
 
 use super::{
-    Ctx, ReduceGeometry, attention, attention_f32, conv, conv_f32, conv_pixels_f32, elementwise,
-    fused, layout, matmul, misc, norm, norm_f32, quant, reduce, resample, state, transpose,
-    winograd_f32,
+    Ctx, ReduceGeometry, attention, attention_f32, conv, conv_f32, elementwise, fused, layout,
+    matmul, misc, norm, norm_f32, quant, reduce, resample, state, transpose,
 };
 use crate::tensor::{Dst, Src};
 use rlx_ir::{
@@ -152,14 +151,7 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
         Op::TopK { .. } => Kernel::reference(op, dtype, topk),
         Op::OneHot { .. } => Kernel::reference(op, dtype, one_hot),
         Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. } if f32_in => {
-            let w = &inputs[1];
-            let method = if winograd_f32::applies(window, *groups, w.dim(1), w.dim(0) / groups) {
-                "winograd"
-            } else if conv_pixels_f32::applies(window, *groups, &inputs[0]) {
-                "pixels"
-            } else {
-                "gemm"
-            };
+            let method = conv_f32::method(window, *groups, &inputs[0], &inputs[1]).name();
             let fused = if matches!(op, Op::FusedConv2d { .. }) {
                 "+epilogue"
             } else {
