@@ -2,9 +2,9 @@
 //! EfficientNet's 3x3 and 5x5 layers, ConvNeXt's 7x7, any stride, dilation and
 //! padding, any channel multiplier). A GEMM has nothing to reuse here (each output
 //! channel reads one plane with a handful of weights), so each plane is a stencil:
-//! its padded input is staged once per thread with the columns split by stride
-//! phase (so that every tap reads a contiguous run), and each output row is a sum of
-//! shifted input rows scaled by the tap's weight, vectorized along the row. Pool
+//! its padded input is staged once per thread, and each output row is a sum of
+//! shifted input rows scaled by the tap's weight, vectorized along the row (strided
+//! rows are computed at every column and their outputs picked). Pool
 //! tasks take runs of output planes; the epilogue (bias, activation, residual, channel
 //! affine) runs over the plane while it is in cache.
 
@@ -21,35 +21,52 @@ pub(crate) fn applies(groups: usize, x: &Shape, w: &Shape) -> bool {
     groups > 1 && x.rank() == 4 && w.rank() == 4 && w.dim(1) == 1 && x.dim(1) == groups
 }
 
-/// The staged plane of one input channel: `sx` phase planes of `hp` rows by `wq`
-/// columns, phase `q` holding the padded input's columns `q, q + sx, ..`.
+/// The staged plane of one input channel: the padded input, `hp` rows of `wp`,
+/// and room for the sums before they are stored (`full` values).
+///
+/// At unit stride the whole plane is one stencil over the padded plane read as one
+/// long row: output `(y, x)` sums the staged values at `y * wp + x` plus each tap's
+/// offset, so every tap is one long vectorized loop (the `wp - ow` sums past each
+/// row's end are dropped when the rows are stored), however narrow the rows are
+/// (a 7 x 7 plane is 7 rows of 7). Strided windows are computed a row at a time at
+/// every column and the outputs' columns picked: twice the multiply-adds at stride
+/// 2, all vectorized, instead of reading the input two columns apart.
 #[derive(Clone, Copy)]
 struct Staging {
     hp: usize,
-    wq: usize,
-    sx: usize,
+    wp: usize,
+    /// Sums computed before the outputs are picked or stored.
+    full: usize,
 }
 
 impl Staging {
     fn new(win: &Window2d, x: &Shape, ow: usize) -> Staging {
         let [top, left, bottom, _] = win.padding;
         let sx = win.stride[1].max(1);
+        let oh = extent(win, 0, x.dim(2));
+        let wp_min = left + x.dim(3);
         // Every column a tap reads: the last output's last tap.
         let span_w = (ow.max(1) - 1) * sx + (win.kernel[1] - 1) * win.dilation[1] + 1;
-        let wp = span_w.max(left + x.dim(3));
+        let wp = span_w.max(wp_min);
+        let full = if win.stride == [1, 1] {
+            (oh.max(1) - 1) * wp + ow
+        } else {
+            (ow.max(1) - 1) * sx + 1
+        };
         Staging {
             hp: top + x.dim(2) + bottom,
-            wq: wp.div_ceil(sx),
-            sx,
+            wp,
+            full,
         }
     }
 
     fn len(&self) -> usize {
-        self.sx * self.hp * self.wq
+        self.hp * self.wp + self.full
     }
 }
 
-/// Per-thread floats a depthwise convolution of `x` needs (its staged plane).
+/// Per-thread floats a depthwise convolution of `x` needs (its staged plane and
+/// one unstrided row).
 pub(crate) fn thread_floats(win: &Window2d, x: &Shape) -> usize {
     let ow = extent(win, 1, x.dim(3));
     Staging::new(win, x, ow).len()
@@ -58,27 +75,61 @@ pub(crate) fn thread_floats(win: &Window2d, x: &Shape) -> usize {
 multiversion! {
     /// Output rows of one plane: `out[y][..] = Σ taps weight * staged row`, the taps
     /// in row-major order (each multiply-add rounded, the first tap a product).
-    fn plane(out: &mut [f32], staged: &[f32], weights: &[f32], geo: PlaneGeometry) {
-        let PlaneGeometry { oh, ow, kh, kw, sy, dy, dx, stage } = geo;
+    /// `staged` is the padded plane followed by room for one unstrided row.
+    fn plane(out: &mut [f32], staged: &mut [f32], weights: &[f32], geo: PlaneGeometry) {
+        let PlaneGeometry { oh, ow, kh, kw, sy, sx, dy, dx, stage } = geo;
+        let (staged, full) = staged.split_at_mut(stage.hp * stage.wp);
+        if sx == 1 && sy == 1 {
+            let acc = &mut full[..stage.full];
+            let width = acc.len();
+            for ky in 0..kh {
+                for kx in 0..kw {
+                    let start = ky * dy * stage.wp + kx * dx;
+                    let src = &staged[start..start + width];
+                    let weight = weights[ky * kw + kx];
+                    if ky == 0 && kx == 0 {
+                        for (v, &s) in acc.iter_mut().zip(src) {
+                            *v = weight * s;
+                        }
+                    } else {
+                        for (v, &s) in acc.iter_mut().zip(src) {
+                            *v += weight * s;
+                        }
+                    }
+                }
+            }
+            for y in 0..oh {
+                out[y * ow..(y + 1) * ow].copy_from_slice(&acc[y * stage.wp..y * stage.wp + ow]);
+            }
+            return;
+        }
         for y in 0..oh {
-            let row = &mut out[y * ow..(y + 1) * ow];
+            let acc: &mut [f32] = if sx == 1 {
+                &mut out[y * ow..(y + 1) * ow]
+            } else {
+                &mut full[..stage.full]
+            };
+            let width = acc.len();
             for ky in 0..kh {
                 let r = y * sy + ky * dy;
                 for kx in 0..kw {
-                    let c = kx * dx;
-                    let (q, off) = (c % stage.sx, c / stage.sx);
-                    let start = (q * stage.hp + r) * stage.wq + off;
-                    let src = &staged[start..start + ow];
-                    let wt = weights[ky * kw + kx];
+                    let start = r * stage.wp + kx * dx;
+                    let src = &staged[start..start + width];
+                    let weight = weights[ky * kw + kx];
                     if ky == 0 && kx == 0 {
-                        for (v, &s) in row.iter_mut().zip(src) {
-                            *v = wt * s;
+                        for (v, &s) in acc.iter_mut().zip(src) {
+                            *v = weight * s;
                         }
                     } else {
-                        for (v, &s) in row.iter_mut().zip(src) {
-                            *v += wt * s;
+                        for (v, &s) in acc.iter_mut().zip(src) {
+                            *v += weight * s;
                         }
                     }
+                }
+            }
+            if sx != 1 {
+                for (v, &f) in out[y * ow..(y + 1) * ow].iter_mut().zip(full.iter().step_by(sx)) {
+                    *v = f;
                 }
             }
         }
@@ -93,42 +144,24 @@ struct PlaneGeometry {
     kh: usize,
     kw: usize,
     sy: usize,
+    sx: usize,
     dy: usize,
     dx: usize,
     stage: Staging,
 }
 
-/// Copies one input plane (`h x w`) into `staged`, zero where the padding is.
-fn stage_plane(
-    src: &[f32],
-    (h, w): (usize, usize),
-    win: &Window2d,
-    stage: Staging,
-    staged: &mut [f32],
-) {
+/// Copies one input plane (`h x w`) into the padded plane `staged`, zero in the
+/// padding (only the padding is cleared).
+fn stage_plane(src: &[f32], (h, w): (usize, usize), win: &Window2d, stage: Staging, staged: &mut [f32]) {
     let [top, left, _, _] = win.padding;
-    staged.fill(0.0);
-    let sx = stage.sx;
+    let wp = stage.wp;
+    staged[..top * wp].fill(0.0);
+    staged[(top + h) * wp..stage.hp * wp].fill(0.0);
     for (i, row) in src.chunks_exact(w).take(h).enumerate() {
-        let r = top + i;
-        if sx == 1 {
-            let at = r * stage.wq + left;
-            staged[at..at + w].copy_from_slice(row);
-            continue;
-        }
-        // Phase `q` takes the padded columns `c ≡ q (mod sx)`: input columns from
-        // the first such `c` at or after `left`, every `sx`-th one.
-        for q in 0..sx {
-            let first = left + (q + sx - left % sx) % sx;
-            if first >= left + w {
-                continue;
-            }
-            let at = (q * stage.hp + r) * stage.wq + first / sx;
-            let values = row[first - left..].iter().step_by(sx);
-            for (d, &v) in staged[at..].iter_mut().zip(values) {
-                *d = v;
-            }
-        }
+        let dst = &mut staged[(top + i) * wp..(top + i + 1) * wp];
+        dst[..left].fill(0.0);
+        dst[left..left + w].copy_from_slice(row);
+        dst[left + w..].fill(0.0);
     }
 }
 
@@ -161,6 +194,7 @@ pub(crate) fn conv2d(
         kh: win.kernel[0],
         kw: win.kernel[1],
         sy: win.stride[0],
+        sx: win.stride[1],
         dy: win.dilation[0],
         dx: win.dilation[1],
         stage,
@@ -181,7 +215,7 @@ pub(crate) fn conv2d(
         // SAFETY: one task per thread index at a time.
         let staged = &mut unsafe { gemm.parts(thread) }.1[..stage.len()];
         let src = &xs[(image * c + ic) * h * wd..][..h * wd];
-        stage_plane(src, (h, wd), win, stage, staged);
+        stage_plane(src, (h, wd), win, stage, &mut staged[..stage.hp * stage.wp]);
         let at = plane_index * pixels;
         // SAFETY: output plane `plane_index` (and the residual's, of the same
         // shape); only this task writes it.
