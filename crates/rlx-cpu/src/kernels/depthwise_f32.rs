@@ -152,7 +152,13 @@ struct PlaneGeometry {
 
 /// Copies one input plane (`h x w`) into the padded plane `staged`, zero in the
 /// padding (only the padding is cleared).
-fn stage_plane(src: &[f32], (h, w): (usize, usize), win: &Window2d, stage: Staging, staged: &mut [f32]) {
+fn stage_plane(
+    src: &[f32],
+    (h, w): (usize, usize),
+    win: &Window2d,
+    stage: Staging,
+    staged: &mut [f32],
+) {
     let [top, left, _, _] = win.padding;
     let wp = stage.wp;
     staged[..top * wp].fill(0.0);

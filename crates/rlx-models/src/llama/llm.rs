@@ -7,6 +7,7 @@
 
 use super::config::LlamaConfig;
 use super::graph::{cache_handles, rope_tables, symbolic_graph};
+use super::recommended::RecommendedSampling;
 use super::sample::{Sampler, SamplingOptions};
 use super::tokenizer::LlmTokenizer;
 use super::weights::LlamaWeights;
@@ -121,6 +122,8 @@ pub struct Llm {
     graphs: BucketedCompileCache,
     /// Tokens in the cache, in order.
     history: Vec<u32>,
+    /// Sampling settings the model recommends.
+    recommended: RecommendedSampling,
 }
 
 impl std::fmt::Debug for Llm {
@@ -190,13 +193,23 @@ impl Llm {
             None => ModelStore::from_env()?,
         };
         let source = locate(&store, name_or_path)?;
-        let (config, weights, tokenizer) = if source.is_dir() {
+        // The packaged model's curated settings first, then the file's own.
+        let packaged = crate::fetch::packaged_model(name_or_path)
+            .filter(|_| !Path::new(name_or_path).is_file())
+            .map_or_else(RecommendedSampling::default, |m| {
+                RecommendedSampling::from_pairs(m.generation)
+            });
+        let (config, weights, tokenizer, recommended) = if source.is_dir() {
             let config = LlamaConfig::from_hf_json(&source.join("config.json"))?;
             let weights =
                 LlamaWeights::from_safetensors(&source.join("model.safetensors"), &config)?;
-            (config, weights, None)
+            let own = RecommendedSampling::from_generation_config(
+                &source.join("generation_config.json"),
+            )?;
+            (config, weights, None, own)
         } else {
             let file = GgufFile::open(&source)?;
+            let own = RecommendedSampling::from_gguf(&file)?;
             let config = LlamaConfig::from_gguf(&file)?;
             // A file without tokenizer metadata (as `write_gguf` makes) takes token
             // ids; one with a broken tokenizer is still an error.
@@ -205,9 +218,21 @@ impl Llm {
                 None => None,
             };
             let weights = LlamaWeights::from_gguf(file, &config)?;
-            (config, weights, tokenizer)
+            (config, weights, tokenizer, own)
         };
-        Llm::from_parts(source, config, weights, tokenizer, options)
+        let mut llm = Llm::from_parts(source, config, weights, tokenizer, options)?;
+        llm.recommended = packaged.or(recommended);
+        Ok(llm)
+    }
+
+    /// The sampling settings the model recommends (from the packaged-model table,
+    /// the GGUF `general.sampling.*` metadata or `generation_config.json`; empty for
+    /// a model built from parts): lay them over [`GENERAL_SAMPLING`] with
+    /// [`RecommendedSampling::to_options`].
+    ///
+    /// [`GENERAL_SAMPLING`]: super::GENERAL_SAMPLING
+    pub fn recommended_sampling(&self) -> RecommendedSampling {
+        self.recommended
     }
 
     /// Compiles a model from already loaded parts (tests build tiny models this way).
@@ -241,6 +266,7 @@ impl Llm {
             max_seq,
             graphs,
             history: Vec::new(),
+            recommended: RecommendedSampling::default(),
         })
     }
 

@@ -7,6 +7,7 @@ mod config;
 mod convert;
 mod graph;
 mod llm;
+mod recommended;
 mod sample;
 mod tokenizer;
 mod weights;
@@ -17,6 +18,7 @@ pub use graph::{
     build_graph, cache_handles, k_cache_name, rope_tables, symbolic_graph, v_cache_name,
 };
 pub use llm::{GenerateOptions, Generation, Llm, LlmOptions, StopReason};
+pub use recommended::{GENERAL_SAMPLING, RecommendedSampling};
 pub use sample::{Sampler, SamplingOptions, argmax};
 pub use tokenizer::LlmTokenizer;
 pub use weights::{LlamaWeights, WeightEntry};

@@ -21,6 +21,7 @@ pub const ONNX_NODE_TESTS: PackagedModel = PackagedModel {
     dir_in_wheel: "onnx/backend/test/data/node",
     required: &["test_abs/model.onnx", "test_add/test_data_set_0/input_0.pb"],
     description: "the ONNX backend node tests of onnx 1.22.0",
+    generation: &[],
 };
 
 /// How one test ended.

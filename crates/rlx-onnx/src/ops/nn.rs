@@ -238,7 +238,8 @@ fn conv(cx: &mut Cx) -> Result<Vec<NodeId>> {
     Ok(vec![conv_nodes(cx, x, w, bias)?])
 }
 
-/// A convolution of `x` by `w` with the node's `Conv` attributes (1-D or 2-D).
+/// A convolution of `x` by `w` with the node's `Conv` attributes (1-D, 2-D or
+/// 3-D).
 pub(super) fn conv_nodes(
     cx: &Cx,
     mut x: NodeId,
@@ -247,9 +248,9 @@ pub(super) fn conv_nodes(
 ) -> Result<NodeId> {
     let xd = cx.g.shape(x)?.dims().to_vec();
     let wd = cx.g.shape(w)?.dims().to_vec();
-    if xd.len() != wd.len() || !(3..=4).contains(&xd.len()) {
+    if xd.len() != wd.len() || !(3..=5).contains(&xd.len()) {
         return Err(unsupported(format!(
-            "Conv of a {}-D input with a {}-D weight (1-D and 2-D convolutions are supported)",
+            "Conv of a {}-D input with a {}-D weight (1-D, 2-D and 3-D convolutions are supported)",
             xd.len(),
             wd.len()
         )));
@@ -268,6 +269,15 @@ pub(super) fn conv_nodes(
     let dilations = attr_sizes(cx, "dilations", n, 1)?;
     let pads = spatial_pads(cx, &xd[2..], &kernel, &strides, &dilations)?;
     let groups = size(cx.attr_i("group", 1), "group")?;
+    if n == 3 {
+        let window = Window3d {
+            kernel: [kernel[0], kernel[1], kernel[2]],
+            strides: [strides[0], strides[1], strides[2]],
+            dilations: [dilations[0], dilations[1], dilations[2]],
+            pads: [pads[0], pads[1], pads[2]],
+        };
+        return conv_3d(cx, x, w, bias, window, groups);
+    }
     let (stride, dilation, padding) = if n == 1 {
         x = lift_1d(cx, x)?;
         w = lift_1d(cx, w)?;
@@ -285,6 +295,90 @@ pub(super) fn conv_nodes(
     };
     let y = cx.g.conv2d(x, w, bias, stride, padding, dilation, groups)?;
     if n == 1 { cx.g.squeeze(y, &[2]) } else { Ok(y) }
+}
+
+/// The geometry of a 3-D convolution: per axis `(D, H, W)` the kernel, stride,
+/// dilation and `(begin, end)` padding.
+struct Window3d {
+    kernel: [usize; 3],
+    strides: [usize; 3],
+    dilations: [usize; 3],
+    pads: [(usize, usize); 3],
+}
+
+/// A 3-D convolution as 2-D ones: the depth axis is padded and moved next to the
+/// batch, and each depth tap `k` is a 2-D convolution of the frames it reads
+/// (frames `t * stride + k * dilation`, a strided slice, folded into the batch) by
+/// the weights' `k`-th depth slice; the taps' results add up (each sum after the
+/// first is the next convolution's residual, which the convolution epilogue fuses).
+fn conv_3d(
+    cx: &Cx,
+    x: NodeId,
+    w: NodeId,
+    bias: Option<NodeId>,
+    win: Window3d,
+    groups: usize,
+) -> Result<NodeId> {
+    let xd = cx.g.shape(x)?.dims().to_vec();
+    let wd = cx.g.shape(w)?.dims().to_vec();
+    let [n, c, _, h, wi] = [xd[0], xd[1], xd[2], xd[3], xd[4]];
+    let o = wd[0];
+    let (pd0, pd1) = win.pads[0];
+    let x = if pd0 + pd1 > 0 {
+        let mut pads = vec![(0, 0); 5];
+        pads[2] = (pd0, pd1);
+        cx.g.pad(
+            x,
+            &pads,
+            rlx_ir::PadMode::Constant(rlx_ir::F64Bits::new(0.0)),
+        )?
+    } else {
+        x
+    };
+    let depth = cx.g.shape(x)?.dim(2);
+    let span = window_span(win.kernel[0], win.dilations[0])?;
+    if depth < span {
+        return Err(Error::invalid(
+            "Conv",
+            format!("a depth window of {span} over {depth} padded frames"),
+        ));
+    }
+    let od = (depth - span) / win.strides[0] + 1;
+    // [N, D, C, H, W]: a run of frames is a run of whole images.
+    let frames = cx.g.permute(x, &[0, 2, 1, 3, 4])?;
+    let padding = [win.pads[1].0, win.pads[2].0, win.pads[1].1, win.pads[2].1];
+    let mut sum: Option<NodeId> = None;
+    for k in 0..win.kernel[0] {
+        let start = k * win.dilations[0];
+        let end = start + (od - 1) * win.strides[0] + 1;
+        let taken = cx.g.slice(
+            frames,
+            1,
+            start as isize,
+            end as isize,
+            win.strides[0] as isize,
+        )?;
+        let images = cx.g.reshape(taken, &[n * od, c, h, wi])?;
+        let wk = cx.g.slice(w, 2, k as isize, k as isize + 1, 1)?;
+        let wk = cx.g.reshape(wk, &[o, wd[1], wd[3], wd[4]])?;
+        let y = cx.g.conv2d(
+            images,
+            wk,
+            if k == 0 { bias } else { None },
+            [win.strides[1], win.strides[2]],
+            padding,
+            [win.dilations[1], win.dilations[2]],
+            groups,
+        )?;
+        sum = Some(match sum {
+            Some(s) => cx.g.add(y, s)?,
+            None => y,
+        });
+    }
+    let y = sum.ok_or_else(|| Error::invalid("Conv", "a depth kernel of 0"))?;
+    let yd = cx.g.shape(y)?.dims().to_vec();
+    let y = cx.g.reshape(y, &[n, od, o, yd[2], yd[3]])?;
+    cx.g.permute(y, &[0, 2, 1, 3, 4])
 }
 
 /// `ConvTranspose` as a convolution: the input with `stride - 1` zeros between its
