@@ -274,7 +274,7 @@ fn bias_and_residual_are_added_by_the_library_product() {
         ("bias gelu residual", false),
     ];
     // With `RLX_CUDA_LT=0` (or no cuBLASLt) the products stay with cuBLAS.
-    let library_on = std::env::var("RLX_CUDA_LT").map_or(true, |v| v.trim() != "0");
+    let library_on = rlx::ir::env::Switch::CudaLt.enabled();
     // A weight param is stored `[N, K]` on a GPU (read transposed); a weight input
     // stays `[K, N]`.
     for (batch, m, k, n, weight_param) in [

@@ -1703,6 +1703,26 @@ fn slices() {
             );
         }
     }
+    // Slices of a megabyte or more: the rows split between the threads, from an
+    // offset start, with a step across rows and a reversed axis.
+    for (label, axes) in [
+        (
+            "rows from an offset",
+            vec![(1isize, 7isize, 290isize, 1isize)],
+        ),
+        (
+            "every other plane, reversed rows",
+            vec![(0, 0, 4, 2), (1, 299, 0, -1)],
+        ),
+        ("a column window", vec![(2, 13, 270, 1), (1, 2, 298, 1)]),
+    ] {
+        s.check(
+            &format!("large slice {label}"),
+            &[inp("x", &[4, 300, 300], DType::F32)],
+            EW,
+            move |g, x| one(g.slice_axes(x[0], &axes)?),
+        );
+    }
     // Several axes at once, and contiguous slices (views) feeding elementwise ops.
     s.check(
         "slice_axes",

@@ -146,13 +146,29 @@ pub(crate) fn permute(perm: &[usize], x: Src, out: Dst, ctx: &super::Ctx) -> Res
     for (o, &p) in perm.iter().enumerate() {
         strides[o] = src[p];
     }
+    copy_strided_threaded(x, out, &strides, 0, ctx)
+}
+
+/// [`copy_strided`], with the walk's blocks split between the threads from
+/// [`super::PARALLEL_COPY_BYTES`] of output.
+fn copy_strided_threaded(
+    x: Src,
+    out: Dst,
+    strides: &[isize; MAX_RANK],
+    base: isize,
+    ctx: &super::Ctx,
+) -> Result<()> {
     let threads = ctx.gemm.threads();
-    if out.shape.byte_size() < super::PARALLEL_COPY_BYTES || threads < 2 {
-        copy_strided(x, out, &strides, 0);
+    if out.shape.byte_size() < super::PARALLEL_COPY_BYTES
+        || threads < 2
+        || x.shape.dtype().size_in_bytes() > 8
+        || out.shape.dims().contains(&0)
+    {
+        copy_strided(x, out, strides, base);
         return Ok(());
     }
     // A large permute: blocks of the walk split between the threads.
-    let walk = RowWalk::new(out.shape.dims(), &strides);
+    let walk = RowWalk::new(out.shape.dims(), strides);
     let tasks = (4 * threads).min(walk.blocks.max(1));
     let per_task = walk.blocks.div_ceil(tasks);
     let size = x.shape.dtype().size_in_bytes();
@@ -163,15 +179,16 @@ pub(crate) fn permute(perm: &[usize], x: Src, out: Dst, ctx: &super::Ctx) -> Res
         // SAFETY (all arms): the strides come from the input's dims, so every offset
         // lies inside it; tasks write disjoint blocks of the output.
         match size {
-            1 => unsafe { walk.copy::<u8>(x, out, 0, range) },
-            2 => unsafe { walk.copy::<u16>(x, out, 0, range) },
-            4 => unsafe { walk.copy::<u32>(x, out, 0, range) },
-            _ => unsafe { walk.copy::<u64>(x, out, 0, range) },
+            1 => unsafe { walk.copy::<u8>(x, out, base, range) },
+            2 => unsafe { walk.copy::<u16>(x, out, base, range) },
+            4 => unsafe { walk.copy::<u32>(x, out, base, range) },
+            _ => unsafe { walk.copy::<u64>(x, out, base, range) },
         }
     })
 }
 
-pub(crate) fn slice(axes: &[SliceAxis], x: Src, out: Dst) {
+/// A slice: a strided copy of rows, split between the threads when large.
+pub(crate) fn slice(axes: &[SliceAxis], x: Src, out: Dst, ctx: &super::Ctx) -> Result<()> {
     let src = strides_of(x.shape.dims());
     let mut strides = [0isize; MAX_RANK];
     let mut base = 0isize;
@@ -179,7 +196,7 @@ pub(crate) fn slice(axes: &[SliceAxis], x: Src, out: Dst) {
         strides[a] = src[a] * s.step;
         base += src[a] * s.start as isize;
     }
-    copy_strided(x, out, &strides, base);
+    copy_strided_threaded(x, out, &strides, base, ctx)
 }
 
 pub(crate) fn expand(x: Src, out: Dst) {
@@ -318,9 +335,9 @@ pub(crate) fn pad(pads: &[(usize, usize)], mode: PadMode, x: Src, out: Dst) {
 fn pad_constant(pads: &[(usize, usize)], value: f64, x: Src, out: Dst) {
     with_dtype!(x.shape.dtype(), T => {
         let fill = T::from_f64(value);
-        for i in 0..out.shape.num_elements() {
-            out.set::<T>(i, fill);
-        }
+        // SAFETY: the output holds `out.len` values of `T` and aliases no operand.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr.cast::<T>(), out.len) };
+        dst.fill(fill);
         let (xd, od) = (x.shape.dims(), out.shape.dims());
         if xd.contains(&0) {
             return;
@@ -329,10 +346,12 @@ fn pad_constant(pads: &[(usize, usize)], value: f64, x: Src, out: Dst) {
         let os = strides_of(od);
         let base: isize = pads.iter().zip(os.iter()).map(|(p, s)| p.0 as isize * s).sum();
         let inner = xd[rank - 1];
+        // SAFETY: the input holds `x.len` values of `T`.
+        let src = unsafe { std::slice::from_raw_parts(x.ptr.cast::<T>(), x.len) };
+        // Each input row lands whole in its padded row.
         for_each_strided(&xd[..rank - 1], [&os], [base], |row, [o]| {
-            for j in 0..inner {
-                out.set::<T>(o as usize + j, x.get(row * inner + j));
-            }
+            let o = o as usize;
+            dst[o..o + inner].copy_from_slice(&src[row * inner..(row + 1) * inner]);
         });
     })
 }

@@ -10,8 +10,8 @@ use super::{
 };
 use crate::tensor::{Dst, Src};
 use rlx_ir::{
-    BinaryOp, DType, Error, EwStep, MAX_REGION_INPUTS, Op, ReduceOp, Result, Shape, fusable_binary,
-    fusable_unary,
+    BinaryOp, DType, Error, EwStep, MAX_REGION_INPUTS, Op, PadMode, ReduceOp, Result, Shape,
+    fusable_binary, fusable_unary,
 };
 
 /// What a kernel is called with: the step's op, its operands and its output.
@@ -134,15 +134,32 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
         {
             Kernel::new(format!("cpu.tiles.transpose.{dtype}"), batched_transpose)
         }
+        Op::Permute { perm } if perm.last() == Some(&(perm.len() - 1)) => {
+            // The last axis stays: whole rows copied, threaded when large.
+            Kernel::new(format!("cpu.rows.permute.{dtype}"), permute)
+        }
         Op::Permute { .. } => Kernel::reference(op, dtype, permute),
+        Op::Slice { axes } if axes.last().is_none_or(|a| a.step == 1) => {
+            Kernel::new(format!("cpu.rows.slice.{dtype}"), slice)
+        }
         Op::Slice { .. } => Kernel::reference(op, dtype, slice),
+        Op::Concat { axis } if concat_block(inputs, *axis) >= ROW_COPY_MIN => {
+            Kernel::new(format!("cpu.rows.concat.{dtype}"), concat)
+        }
         Op::Concat { .. } => Kernel::reference(op, dtype, concat),
+        Op::Gather { axis } if inner_len(&inputs[0], *axis) >= ROW_COPY_MIN => {
+            Kernel::new(format!("cpu.rows.gather.{dtype}"), gather)
+        }
         Op::Gather { .. } => Kernel::reference(op, dtype, gather),
         Op::Interpolate { .. } if f32_in && inputs[1].dtype() == DType::I64 => {
             Kernel::new("cpu.rows.interpolate.f32".into(), interpolate)
         }
         Op::Interpolate { .. } => Kernel::reference(op, dtype, interpolate),
         Op::Expand { .. } => Kernel::reference(op, dtype, expand),
+        Op::Pad {
+            mode: PadMode::Constant(_),
+            ..
+        } if inputs[0].rank() > 0 => Kernel::new(format!("cpu.rows.pad.{dtype}"), pad),
         Op::Pad { .. } => Kernel::reference(op, dtype, pad),
         Op::Tile { .. } => Kernel::reference(op, dtype, tile),
         Op::Range { .. } => Kernel::reference(op, out.dtype(), range),
@@ -191,6 +208,24 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
             Kernel::new(format!("cpu.quant.{format}.dequantize"), dequantize)
         }
     }
+}
+
+/// Elements a copy kernel moves at once from which it counts as a row copy (one
+/// `memcpy` of a vector's worth or more) rather than an element loop.
+const ROW_COPY_MIN: usize = 16;
+
+/// Elements after `axis` in `shape`.
+fn inner_len(shape: &Shape, axis: usize) -> usize {
+    shape.dims()[axis + 1..].iter().product()
+}
+
+/// The smallest contiguous block a concatenation along `axis` copies.
+fn concat_block(inputs: &[Shape], axis: usize) -> usize {
+    inputs
+        .iter()
+        .map(|s| s.dim(axis) * inner_len(s, axis))
+        .min()
+        .unwrap_or(0)
 }
 
 /// The first and last of `axes` when they are consecutive (sorted, as reductions
@@ -407,12 +442,11 @@ fn permute(a: &Args, ctx: &mut Ctx) -> Result<()> {
     layout::permute(perm, a.src(0), a.out, ctx)
 }
 
-fn slice(a: &Args, _: &mut Ctx) -> Result<()> {
+fn slice(a: &Args, ctx: &mut Ctx) -> Result<()> {
     let Op::Slice { axes } = a.op else {
         return Err(a.wrong_op("slice"));
     };
-    layout::slice(axes, a.src(0), a.out);
-    Ok(())
+    layout::slice(axes, a.src(0), a.out, ctx)
 }
 
 fn concat(a: &Args, _: &mut Ctx) -> Result<()> {

@@ -518,6 +518,10 @@ fn conv_transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
             [pads[0], pads[1]],
         )
     };
+    if dl == [1, 1] && st != [1, 1] {
+        let y = conv_transpose_phases(cx, [x, w], bias, [kk, st, ex], pd, groups)?;
+        return Ok(vec![if n == 1 { cx.g.squeeze(y, &[2])? } else { y }]);
+    }
     // Zeros between the input's elements along each spatial axis.
     for (a, &s) in st.iter().enumerate() {
         if s == 1 {
@@ -590,6 +594,135 @@ fn conv_transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
         y = cx.g.squeeze(y, &[2])?;
     }
     Ok(vec![y])
+}
+
+/// An undilated, strided 2-D `ConvTranspose` by output phase: output rows `q * sy +
+/// ry` and columns `q * sx + rx` take only the kernel taps `ry, ry + sy, ..` and `rx,
+/// rx + sx, ..`, so phase `(ry, rx)` is a unit-stride convolution of the input
+/// itself with those taps (flipped, channel axes swapped per group), and no product
+/// meets the zeros a spaced-out input would have (a stride-2 transpose did four
+/// times the products that way). The phases, each with the bias, are stacked,
+/// interleaved by a permute, and cropped by the padding. `geometry` is
+/// `[kernel, strides, output padding]`.
+fn conv_transpose_phases(
+    cx: &Cx,
+    [x, w]: [NodeId; 2],
+    bias: Option<NodeId>,
+    [kk, st, ex]: [[usize; 2]; 3],
+    pd: [(usize, usize); 2],
+    groups: usize,
+) -> Result<NodeId> {
+    let xd = cx.g.shape(x)?.dims().to_vec();
+    let wd = cx.g.shape(w)?.dims().to_vec();
+    let (n, c, m_per) = (xd[0], xd[1], wd[1]);
+    let (cg, o) = (c / groups, groups * m_per);
+    let input = [xd[2], xd[3]];
+    // The uncropped output (the output padding included) and rows per phase.
+    let full: [usize; 2] = std::array::from_fn(|a| (input[a] - 1) * st[a] + kk[a] + ex[a]);
+    let q: [usize; 2] = std::array::from_fn(|a| full[a].div_ceil(st[a]));
+    let dtype = cx.g.shape(x)?.dtype();
+    // The weights of phase `r`: its taps, flipped, channel axes swapped per group.
+    let phase_weights = |r: [usize; 2], taps: [usize; 2]| -> Result<NodeId> {
+        let mut wr = w;
+        for a in 0..2 {
+            let axis = (2 + a) as isize;
+            wr =
+                cx.g.slice(wr, axis, r[a] as isize, kk[a] as isize, st[a] as isize)?;
+            let rev: Vec<i64> = (0..taps[a] as i64).rev().collect();
+            let idx = cx.g.constant(rlx_ir::TensorData::I64(rev), &[taps[a]])?;
+            wr = cx.g.gather(wr, idx, axis)?;
+        }
+        let wr = cx.g.reshape(wr, &[groups, cg, m_per, taps[0], taps[1]])?;
+        let wr = cx.g.permute(wr, &[0, 2, 1, 3, 4])?;
+        cx.g.reshape(wr, &[o, cg, taps[0], taps[1]])
+    };
+    let woven = if groups == 1 && kk[0] % st[0] == 0 && kk[1] % st[1] == 0 {
+        // Every phase has the same taps: one convolution computes them all, its
+        // output channels phase-major.
+        let taps = [kk[0] / st[0], kk[1] / st[1]];
+        let mut ws = Vec::with_capacity(st[0] * st[1]);
+        for ry in 0..st[0] {
+            for rx in 0..st[1] {
+                ws.push(phase_weights([ry, rx], taps)?);
+            }
+        }
+        let all = cx.g.concat(&ws, 0)?;
+        let biases = match bias {
+            Some(b) => Some(cx.g.concat(&vec![b; st[0] * st[1]], 0)?),
+            None => None,
+        };
+        let pad = [taps[0] - 1, taps[1] - 1, q[0] - input[0], q[1] - input[1]];
+        let y = cx.g.conv2d(x, all, biases, [1, 1], pad, [1, 1], 1)?;
+        let y = cx.g.reshape(y, &[n, st[0], st[1], o, q[0], q[1]])?;
+        cx.g.permute(y, &[0, 3, 4, 1, 5, 2])?
+    } else {
+        phase_by_phase(
+            cx,
+            x,
+            bias,
+            &phase_weights,
+            [kk, st, q],
+            [n, o, groups],
+            dtype,
+        )?
+    };
+    let mut y = cx.g.reshape(woven, &[n, o, q[0] * st[0], q[1] * st[1]])?;
+    for a in 0..2 {
+        let (begin, end) = pd[a];
+        let len = full[a];
+        if begin + end >= len {
+            return Err(Error::invalid(
+                "pads",
+                format!("padding {begin} + {end} leaves nothing of an output of {len}"),
+            ));
+        }
+        if begin > 0 || len - end < q[a] * st[a] {
+            y =
+                cx.g.slice(y, (2 + a) as isize, begin as isize, (len - end) as isize, 1)?;
+        }
+    }
+    Ok(y)
+}
+
+/// [`conv_transpose_phases`] with one convolution per phase (phases with different
+/// taps, or groups), stacked and woven into `[n, o, q0, s0, q1, s1]`.
+fn phase_by_phase(
+    cx: &Cx,
+    x: NodeId,
+    bias: Option<NodeId>,
+    phase_weights: &dyn Fn([usize; 2], [usize; 2]) -> Result<NodeId>,
+    [kk, st, q]: [[usize; 2]; 3],
+    [n, o, groups]: [usize; 3],
+    dtype: rlx_ir::DType,
+) -> Result<NodeId> {
+    let input = {
+        let d = cx.g.shape(x)?;
+        [d.dim(2), d.dim(3)]
+    };
+    let mut phases = Vec::with_capacity(st[0] * st[1]);
+    for ry in 0..st[0] {
+        for rx in 0..st[1] {
+            let r = [ry, rx];
+            let taps: [usize; 2] =
+                std::array::from_fn(|a| kk[a].saturating_sub(r[a]).div_ceil(st[a]));
+            let y = if taps.contains(&0) {
+                // No tap lands here: the bias alone.
+                let zeros = cx.g.expand(cx.g.scalar(0.0, dtype), &[n, o, q[0], q[1]])?;
+                match bias {
+                    Some(b) => cx.g.add(zeros, cx.g.reshape(b, &[1, o, 1, 1])?)?,
+                    None => zeros,
+                }
+            } else {
+                let wr = phase_weights(r, taps)?;
+                let pad = [taps[0] - 1, taps[1] - 1, q[0] - input[0], q[1] - input[1]];
+                cx.g.conv2d(x, wr, bias, [1, 1], pad, [1, 1], groups)?
+            };
+            phases.push(cx.g.reshape(y, &[1, n, o, q[0], q[1]])?);
+        }
+    }
+    let stacked = cx.g.concat(&phases, 0)?;
+    let stacked = cx.g.reshape(stacked, &[st[0], st[1], n, o, q[0], q[1]])?;
+    cx.g.permute(stacked, &[2, 3, 4, 0, 5, 1])
 }
 
 #[derive(Clone, Copy, PartialEq)]
