@@ -134,12 +134,18 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
         {
             Kernel::new(format!("cpu.tiles.transpose.{dtype}"), batched_transpose)
         }
-        Op::Permute { perm } if perm.last() == Some(&(perm.len() - 1)) => {
+        Op::Permute { perm }
+            if perm.last() == Some(&(perm.len() - 1))
+                && out.dims().last().is_none_or(|&d| d >= ROW_COPY_MIN) =>
+        {
             // The last axis stays: whole rows copied, threaded when large.
             Kernel::new(format!("cpu.rows.permute.{dtype}"), permute)
         }
         Op::Permute { .. } => Kernel::reference(op, dtype, permute),
-        Op::Slice { axes } if axes.last().is_none_or(|a| a.step == 1) => {
+        Op::Slice { axes }
+            if axes.last().is_none_or(|a| a.step == 1)
+                && out.dims().last().is_none_or(|&d| d >= ROW_COPY_MIN) =>
+        {
             Kernel::new(format!("cpu.rows.slice.{dtype}"), slice)
         }
         Op::Slice { .. } => Kernel::reference(op, dtype, slice),

@@ -293,8 +293,78 @@ pub(super) fn conv_nodes(
             [pads[0].0, pads[1].0, pads[0].1, pads[1].1],
         )
     };
+    let (w, padding) = drop_dead_taps(cx, x, w, [stride, dilation], padding)?;
     let y = cx.g.conv2d(x, w, bias, stride, padding, dilation, groups)?;
     if n == 1 { cx.g.squeeze(y, &[2]) } else { Ok(y) }
+}
+
+/// The taps `first..=last` along an axis of `n` input positions that some output
+/// reads inside the input (a tap that only ever lands in the padding adds zeros).
+fn live_taps(
+    n: usize,
+    kernel: usize,
+    [stride, dilation]: [usize; 2],
+    (begin, end): (usize, usize),
+) -> Option<(usize, usize)> {
+    let span = (kernel - 1) * dilation + 1;
+    let padded = n + begin + end;
+    if padded < span {
+        return None;
+    }
+    let out = (padded - span) / stride + 1;
+    let live = |k: usize| {
+        // Outputs `y` with `0 <= y * stride + k * dilation - begin < n`.
+        let offset = k as i64 * dilation as i64 - begin as i64;
+        let lo = ((-offset).max(0) as usize).div_ceil(stride);
+        let hi_reach = n as i64 - offset;
+        let hi = if hi_reach <= 0 {
+            0
+        } else {
+            (hi_reach as usize).div_ceil(stride)
+        };
+        lo < hi.min(out)
+    };
+    let first = (0..kernel).find(|&k| live(k))?;
+    let last = (0..kernel).rev().find(|&k| live(k))?;
+    Some((first, last))
+}
+
+/// A 2-D convolution's weights and padding without the taps that only read
+/// padding: a dilated window larger than its input (the wide rates of an atrous
+/// pyramid: dilation 36 over 16 rows leaves only the middle tap) would otherwise
+/// multiply zeros and stage a plane mostly of padding. The weights are sliced to the
+/// live taps and the padding shrunk by the dead taps' reach, when that leaves it
+/// non-negative; anything else is returned as it was.
+fn drop_dead_taps(
+    cx: &Cx,
+    x: NodeId,
+    w: NodeId,
+    [stride, dilation]: [[usize; 2]; 2],
+    padding: [usize; 4],
+) -> Result<(NodeId, [usize; 4])> {
+    let xd = cx.g.shape(x)?.dims().to_vec();
+    let wd = cx.g.shape(w)?.dims().to_vec();
+    let mut keep: Vec<(isize, isize, isize, isize)> = Vec::new();
+    let mut pads = padding;
+    for a in 0..2 {
+        let (k, d) = (wd[2 + a], dilation[a]);
+        let (begin, end) = (padding[a], padding[a + 2]);
+        let Some((first, last)) = live_taps(xd[2 + a], k, [stride[a], d], (begin, end)) else {
+            continue;
+        };
+        let (cut_begin, cut_end) = (first * d, (k - 1 - last) * d);
+        if (first, last) == (0, k - 1) || cut_begin > begin || cut_end > end {
+            continue;
+        }
+        keep.push(((2 + a) as isize, first as isize, last as isize + 1, 1));
+        pads[a] = begin - cut_begin;
+        pads[a + 2] = end - cut_end;
+    }
+    if keep.is_empty() {
+        return Ok((w, padding));
+    }
+    // One slice over both axes (weights that are params are sliced on each run).
+    Ok((cx.g.slice_axes(w, &keep)?, pads))
 }
 
 /// The geometry of a 3-D convolution: per axis `(D, H, W)` the kernel, stride,

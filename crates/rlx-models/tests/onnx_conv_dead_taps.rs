@@ -1,0 +1,109 @@
+//! 2-D `Conv` with dilated windows wider than their input (an atrous pyramid's wide
+//! rates), where some taps only ever read padding and the importer drops them:
+//! the result must equal the full window's, cell by cell.
+
+mod common;
+
+use common::onnx::{FLOAT, floats, model, node, value};
+use common::values;
+use rlx_ir::TensorData;
+use rlx_models::onnx::OnnxSession;
+use rlx_onnx::proto::AttributeProto;
+use rlx_onnx::{OnnxModel, Tensor};
+use rlx_runtime::CompileOptions;
+use std::collections::BTreeMap;
+
+fn ints(name: &str, v: &[usize]) -> AttributeProto {
+    AttributeProto {
+        name: Some(name.into()),
+        ints: v.iter().map(|&x| x as i64).collect(),
+        r#type: Some(7),
+        ..Default::default()
+    }
+}
+
+/// `x [1, c, h, w]` by `w [o, c, k, k]` with the given dilation and padding
+/// `[top, left, bottom, right]`, window cell by window cell.
+fn reference(
+    (x, [c, h, wd]): (&[f32], [usize; 3]),
+    (w, o, k): (&[f32], usize, usize),
+    dilation: usize,
+    pads: [usize; 4],
+) -> Vec<f32> {
+    let span = (k - 1) * dilation + 1;
+    let oh = h + pads[0] + pads[2] - span + 1;
+    let ow = wd + pads[1] + pads[3] - span + 1;
+    let mut y = Vec::new();
+    for oc in 0..o {
+        for r in 0..oh {
+            for q in 0..ow {
+                let mut acc = 0.0f64;
+                for ic in 0..c {
+                    for ky in 0..k {
+                        for kx in 0..k {
+                            let pr = (r + ky * dilation) as i64 - pads[0] as i64;
+                            let pq = (q + kx * dilation) as i64 - pads[1] as i64;
+                            if pr < 0 || pq < 0 || pr >= h as i64 || pq >= wd as i64 {
+                                continue;
+                            }
+                            let xi = (ic * h + pr as usize) * wd + pq as usize;
+                            let wi = ((oc * c + ic) * k + ky) * k + kx;
+                            acc += f64::from(x[xi]) * f64::from(w[wi]);
+                        }
+                    }
+                }
+                y.push(acc as f32);
+            }
+        }
+    }
+    y
+}
+
+#[test]
+fn dilated_windows_wider_than_the_input_match_the_full_window() {
+    // (channels, h, w, out channels, kernel, dilation, pads): only the middle tap
+    // lives; the middle row but every column lives; asymmetric padding where the
+    // first tap dies on one axis only; a window that keeps every tap.
+    let cases: [(usize, usize, usize, usize, usize, usize, [usize; 4]); 4] = [
+        (6, 5, 6, 4, 3, 8, [8, 8, 8, 8]),
+        (3, 4, 12, 5, 3, 6, [6, 1, 6, 1]),
+        (4, 7, 7, 3, 3, 5, [5, 2, 1, 2]),
+        (2, 9, 9, 2, 3, 2, [2, 2, 2, 2]),
+    ];
+    for (i, (c, h, wd, o, k, d, pads)) in cases.into_iter().enumerate() {
+        let x = values(c * h * wd, 90 + i as u64);
+        let w = values(o * c * k * k, 190 + i as u64);
+        let want = reference((&x, [c, h, wd]), (&w, o, k), d, pads);
+        let attrs = vec![
+            ints("kernel_shape", &[k, k]),
+            ints("dilations", &[d, d]),
+            ints("pads", &[pads[0], pads[1], pads[2], pads[3]]),
+        ];
+        let wdims = [o as i64, c as i64, k as i64, k as i64];
+        let bytes = model(
+            17,
+            vec![node("Conv", &["x", "w"], &["y"], attrs)],
+            vec![floats("w", &wdims, &w)],
+            vec![value("x", FLOAT, Some(&[1, c as i64, h as i64, wd as i64]))],
+            vec![value("y", FLOAT, None)],
+        );
+        let model = OnnxModel::from_bytes(&bytes, None, "conv.onnx").unwrap();
+        let mut s = OnnxSession::new(model, CompileOptions::new());
+        let t = Tensor {
+            dims: vec![1, c, h, wd],
+            data: TensorData::F32(x),
+        };
+        let out = s.run(&[("x", &t)], &BTreeMap::new()).unwrap();
+        let TensorData::F32(got) = &out[0].1.data else {
+            panic!("f32 output expected")
+        };
+        assert_eq!(got.len(), want.len(), "case {i}: output size");
+        let tol = 1e-5 * ((c * k * k) as f32).sqrt();
+        for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= tol * (1.0 + w.abs()),
+                "case {i}: value {j} is {g}, want {w}"
+            );
+        }
+    }
+}
