@@ -64,7 +64,8 @@ fn dilated_windows_wider_than_the_input_match_the_full_window() {
     // (channels, h, w, out channels, kernel, dilation, pads): only the middle tap
     // lives; the middle row but every column lives; asymmetric padding where the
     // first tap dies on one axis only; a window that keeps every tap.
-    let cases: [(usize, usize, usize, usize, usize, usize, [usize; 4]); 4] = [
+    type Case = (usize, usize, usize, usize, usize, usize, [usize; 4]);
+    let cases: [Case; 4] = [
         (6, 5, 6, 4, 3, 8, [8, 8, 8, 8]),
         (3, 4, 12, 5, 3, 6, [6, 1, 6, 1]),
         (4, 7, 7, 3, 3, 5, [5, 2, 1, 2]),
