@@ -135,7 +135,7 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
             Kernel::new(format!("cpu.tiles.transpose.{dtype}"), batched_transpose)
         }
         Op::Permute { perm }
-            if perm.last() == Some(&(perm.len() - 1))
+            if perm.last().is_some_and(|&last| last + 1 == perm.len())
                 && out.dims().last().is_none_or(|&d| d >= ROW_COPY_MIN) =>
         {
             // The last axis stays: whole rows copied, threaded when large.

@@ -300,21 +300,26 @@ pub(super) fn conv_nodes(
 
 /// The taps `first..=last` along an axis of `n` input positions that some output
 /// reads inside the input (a tap that only ever lands in the padding adds zeros).
+/// `None` for sizes the convolution itself rejects (zero, or too large to compute).
 fn live_taps(
     n: usize,
     kernel: usize,
     [stride, dilation]: [usize; 2],
     (begin, end): (usize, usize),
 ) -> Option<(usize, usize)> {
-    let span = (kernel - 1) * dilation + 1;
-    let padded = n + begin + end;
-    if padded < span {
+    if stride == 0 {
+        return None;
+    }
+    let span = window_span(kernel, dilation).ok()?;
+    let padded = n.checked_add(begin)?.checked_add(end)?;
+    if padded < span || i64::try_from(padded).is_err() {
         return None;
     }
     let out = (padded - span) / stride + 1;
     let live = |k: usize| {
-        // Outputs `y` with `0 <= y * stride + k * dilation - begin < n`.
-        let offset = k as i64 * dilation as i64 - begin as i64;
+        // Outputs `y` with `0 <= y * stride + k * dilation - begin < n` (every
+        // value is at most `padded`, so it fits `i64`).
+        let offset = (k * dilation) as i64 - begin as i64;
         let lo = ((-offset).max(0) as usize).div_ceil(stride);
         let hi_reach = n as i64 - offset;
         let hi = if hi_reach <= 0 {
