@@ -2499,6 +2499,26 @@ fn conv2d_variants() {
             },
         );
     }
+    // A per-channel affine in front of a 1x1 depthwise convolution that only the
+    // convolution reads (the fused convolution's input prologue), its source read
+    // by another op too.
+    for xd in [[1, 8, 1, 1], [2, 8, 6, 5]] {
+        s.check(
+            &format!("affine then 1x1 depthwise conv2d x{xd:?}"),
+            &[
+                inp("x", &xd, DType::F32),
+                inp("scale", &[1, 8, 1, 1], DType::F32),
+                inp("shift", &[1, 8, 1, 1], DType::F32),
+                inp("w", &[8, 1, 1, 1], DType::F32),
+            ],
+            acc(2),
+            |g, x| {
+                let y = g.add(g.mul(x[0], x[1])?, x[2])?;
+                let c = g.conv2d(y, x[3], None, [1, 1], [0, 0, 0, 0], [1, 1], 8)?;
+                Ok(vec![c, g.add(x[0], x[0])?])
+            },
+        );
+    }
     for dt in [DType::F32, DType::F64] {
         s.check(
             &format!("depthwise conv2d + bias + relu + residual {dt}"),

@@ -261,13 +261,16 @@ pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
 /// Whether a fused convolution's input prologue (`pre(x * in_scale + in_shift)`) is
 /// applied while its input is packed into panels: an `f32` 1x1 unit-stride, unpadded
 /// convolution (it reads each input value once) whose activation the GEMM epilogue
-/// has. Other convolutions get a copy of the input with the prologue applied.
+/// has, and that runs on the per-tap GEMMs (not a depthwise one, whose kernel reads
+/// its input as it is). Other convolutions get a copy of the input with the
+/// prologue applied.
 pub(crate) fn prologue_while_packing(
     win: &Window2d,
-    x: &Shape,
+    (x, w): (&Shape, &Shape),
     activation: Option<rlx_ir::UnaryOp>,
 ) -> bool {
     x.dtype() == rlx_ir::DType::F32
+        && !depthwise_f32::applies(groups_of(x, w), x, w)
         && win.kernel == [1, 1]
         && win.stride == [1, 1]
         && win.padding == [0; 4]

@@ -2,7 +2,8 @@
 //! EfficientNet's 3x3 and 5x5 layers, ConvNeXt's 7x7, any stride, dilation and
 //! padding, any channel multiplier). A GEMM has nothing to reuse here (each output
 //! channel reads one plane with a handful of weights), so each plane is a stencil:
-//! its padded input is staged once per thread, and each output row is a sum of
+//! its padded input is staged in the thread's scratch for each output plane, and
+//! each output row is a sum of
 //! shifted input rows scaled by the tap's weight, vectorized along the row (strided
 //! rows are computed at every column and their outputs picked). Pool
 //! tasks take runs of output planes; the epilogue (bias, activation, residual, channel
@@ -66,7 +67,7 @@ impl Staging {
 }
 
 /// Per-thread floats a depthwise convolution of `x` needs (its staged plane and
-/// one unstrided row).
+/// the sums before they are stored).
 pub(crate) fn thread_floats(win: &Window2d, x: &Shape) -> usize {
     let ow = extent(win, 1, x.dim(3));
     Staging::new(win, x, ow).len()
@@ -75,7 +76,8 @@ pub(crate) fn thread_floats(win: &Window2d, x: &Shape) -> usize {
 multiversion! {
     /// Output rows of one plane: `out[y][..] = Σ taps weight * staged row`, the taps
     /// in row-major order (each multiply-add rounded, the first tap a product).
-    /// `staged` is the padded plane followed by room for one unstrided row.
+    /// `staged` is the padded plane followed by room for the sums (`Staging::full`:
+    /// the whole plane's at unit stride, one unstrided row's otherwise).
     fn plane(out: &mut [f32], staged: &mut [f32], weights: &[f32], geo: PlaneGeometry) {
         let PlaneGeometry { oh, ow, kh, kw, sy, sx, dy, dx, stage } = geo;
         let (staged, full) = staged.split_at_mut(stage.hp * stage.wp);

@@ -74,9 +74,10 @@ pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
         Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }
             if inputs[0].dtype() == DType::F32 =>
         {
-            conv_f32::scratch_f64(window, &inputs[0], &inputs[1]) + prologue_scratch(op, &inputs[0])
+            conv_f32::scratch_f64(window, &inputs[0], &inputs[1])
+                + prologue_scratch(op, &inputs[0], &inputs[1])
         }
-        Op::FusedConv2d { .. } => prologue_scratch(op, &inputs[0]),
+        Op::FusedConv2d { .. } => prologue_scratch(op, &inputs[0], &inputs[1]),
         Op::NormScaleGrad { .. } => {
             norm_f32::SCALE_GRAD_PARTS * inputs[0].dims().last().copied().unwrap_or(1)
         }
@@ -86,11 +87,11 @@ pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
 
 /// `f64` scratch a fused convolution needs for a copy of its input with the prologue
 /// applied (none when it has no prologue, or applies it while packing).
-fn prologue_scratch(op: &Op, x: &Shape) -> usize {
+fn prologue_scratch(op: &Op, x: &Shape, w: &Shape) -> usize {
     match op {
         Op::FusedConv2d { window, fusion, .. }
             if fusion.has_prologue()
-                && !conv_f32::prologue_while_packing(window, x, fusion.input_activation) =>
+                && !conv_f32::prologue_while_packing(window, (x, w), fusion.input_activation) =>
         {
             (x.num_elements() * x.dtype().size_in_bytes()).div_ceil(8)
         }

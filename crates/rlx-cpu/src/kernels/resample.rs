@@ -17,11 +17,12 @@ fn index_at(index: &Src, at: usize) -> i64 {
     with_dtype!(index.shape.dtype(), I => index.get::<I>(at).to_i64())
 }
 
-/// Errors naming the first index outside an axis of length `n`.
+/// Errors naming the first index outside an axis of length `n` (compared as `f64`,
+/// so an unsigned index past `i64::MAX` is out of range, not wrapped).
 fn check_indices(index: &Src, n: usize) -> Result<()> {
-    let n = n as i64;
+    let n = n as f64;
     for at in 0..index.len {
-        let k = index_at(index, at);
+        let k = with_dtype!(index.shape.dtype(), I => index.get::<I>(at).to_f64());
         if k < -n || k >= n {
             return Err(Error::runtime(
                 "interpolate",

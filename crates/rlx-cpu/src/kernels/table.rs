@@ -55,7 +55,10 @@ pub(crate) type KernelFn = for<'s, 'a, 'c> fn(&Args<'s, 'a>, &mut Ctx<'c>) -> Re
 /// the function that runs it.
 #[derive(Clone, Debug)]
 pub(crate) struct Kernel {
-    /// `cpu.<method>.<op>.<dtype>`; `cpu.ref.*` names the scalar reference kernels.
+    /// `cpu.<method>.<op>.<dtype>`; `cpu.ref.*` names kernels that work element by
+    /// element at the step's shapes: the scalar reference kernels, and copies whose
+    /// contiguous runs are shorter than a vector's worth (a permute that moves the
+    /// last axis, rows of fewer than 16 values).
     pub name: String,
     /// Runs the step.
     pub run: KernelFn,
@@ -607,7 +610,9 @@ fn fused_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
         packed_b: ctx.packed_b,
         bf16_products: ctx.bf16_products,
     };
-    if f.has_prologue() && !conv_f32::prologue_while_packing(window, x.shape, f.input_activation) {
+    if f.has_prologue()
+        && !conv_f32::prologue_while_packing(window, (x.shape, a.src(1).shape), f.input_activation)
+    {
         // Anything but the f32 1x1 convolution (which applies it while packing its
         // input): the changed input into scratch first.
         // SAFETY: `prologue_scratch` asked for room for all of `x`.

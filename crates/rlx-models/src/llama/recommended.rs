@@ -99,19 +99,25 @@ impl RecommendedSampling {
     }
 
     /// A Hugging Face `generation_config.json` (`temperature`, `top_k`, `top_p`,
-    /// `repetition_penalty`; `do_sample: false` means greedy). A missing file says
-    /// nothing.
+    /// `repetition_penalty`; `do_sample: false` means greedy). Without `do_sample`
+    /// the file's sampling values are taken as they are (transformers would decode
+    /// greedily, but a file that gives a temperature means it, as llama.cpp's
+    /// converter and serving tools read it). A missing file says nothing.
     ///
     /// # Errors
     /// [`Error::Format`] naming the file when it is not a JSON object or a value is
     /// not a number.
     pub fn from_generation_config(path: &Path) -> Result<RecommendedSampling> {
-        let Ok(text) = std::fs::read_to_string(path) else {
-            return Ok(RecommendedSampling::default());
-        };
         let bad = |message: String| Error::Format {
             path: path.display().to_string(),
             message,
+        };
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(RecommendedSampling::default());
+            }
+            Err(e) => return Err(bad(format!("cannot be read: {e}"))),
         };
         let json: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;

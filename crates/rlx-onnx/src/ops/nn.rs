@@ -300,7 +300,8 @@ pub(super) fn conv_nodes(
 
 /// The taps `first..=last` along an axis of `n` input positions that some output
 /// reads inside the input (a tap that only ever lands in the padding adds zeros).
-/// `None` for sizes the convolution itself rejects (zero, or too large to compute).
+/// `None` when no tap is live, and for sizes the convolution itself rejects (zero,
+/// or too large to compute).
 fn live_taps(
     n: usize,
     kernel: usize,
@@ -339,7 +340,9 @@ fn live_taps(
 /// pyramid: dilation 36 over 16 rows leaves only the middle tap) would otherwise
 /// multiply zeros and stage a plane mostly of padding. The weights are sliced to the
 /// live taps and the padding shrunk by the dead taps' reach, when that leaves it
-/// non-negative; anything else is returned as it was.
+/// non-negative; anything else is returned as it was. (A dropped tap's product was
+/// a weight times a padding zero, so the sums are the same, except that an infinite
+/// or NaN weight no longer turns them into NaN.)
 fn drop_dead_taps(
     cx: &Cx,
     x: NodeId,
@@ -593,7 +596,9 @@ fn conv_transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
             [pads[0], pads[1]],
         )
     };
-    if dl == [1, 1] && st != [1, 1] {
+    // By phase when every phase has a tap (a stride past the kernel would make
+    // stride^2 branches, most of them the bias alone).
+    if dl == [1, 1] && st != [1, 1] && st[0] <= kk[0] && st[1] <= kk[1] {
         let y = conv_transpose_phases(cx, [x, w], bias, [kk, st, ex], pd, groups)?;
         return Ok(vec![if n == 1 { cx.g.squeeze(y, &[2])? } else { y }]);
     }
@@ -677,8 +682,8 @@ fn conv_transpose(cx: &mut Cx) -> Result<Vec<NodeId>> {
 /// itself with those taps (flipped, channel axes swapped per group), and no product
 /// meets the zeros a spaced-out input would have (a stride-2 transpose did four
 /// times the products that way). The phases, each with the bias, are stacked,
-/// interleaved by a permute, and cropped by the padding. `geometry` is
-/// `[kernel, strides, output padding]`.
+/// interleaved by a permute, and cropped by the padding `pd`. The window is `[kernel,
+/// strides, output padding]`.
 fn conv_transpose_phases(
     cx: &Cx,
     [x, w]: [NodeId; 2],
