@@ -13,12 +13,8 @@ use rlx_runtime::CompileOptions;
 use std::collections::BTreeMap;
 
 fn ints(name: &str, v: &[usize]) -> AttributeProto {
-    AttributeProto {
-        name: Some(name.into()),
-        ints: v.iter().map(|&x| x as i64).collect(),
-        r#type: Some(7),
-        ..Default::default()
-    }
+    let v: Vec<i64> = v.iter().map(|&x| x as i64).collect();
+    common::onnx::attr_ints(name, &v)
 }
 
 /// One 3-D convolution: `x [n, c, d, h, w]`, `w [o, c / groups, kd, kh, kw]`.

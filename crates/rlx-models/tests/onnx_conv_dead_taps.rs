@@ -14,12 +14,8 @@ use rlx_runtime::CompileOptions;
 use std::collections::BTreeMap;
 
 fn ints(name: &str, v: &[usize]) -> AttributeProto {
-    AttributeProto {
-        name: Some(name.into()),
-        ints: v.iter().map(|&x| x as i64).collect(),
-        r#type: Some(7),
-        ..Default::default()
-    }
+    let v: Vec<i64> = v.iter().map(|&x| x as i64).collect();
+    common::onnx::attr_ints(name, &v)
 }
 
 /// `x [1, c, h, w]` by `w [o, c, k, k]` with the given dilation and padding

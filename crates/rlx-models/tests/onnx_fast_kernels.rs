@@ -13,12 +13,7 @@ use rlx_onnx::{ImportOptions, OnnxModel};
 use rlx_runtime::CompileOptions;
 
 fn ints(name: &str, v: &[i64]) -> AttributeProto {
-    AttributeProto {
-        name: Some(name.into()),
-        ints: v.to_vec(),
-        r#type: Some(7),
-        ..Default::default()
-    }
+    common::onnx::attr_ints(name, v)
 }
 
 fn string(name: &str, v: &str) -> AttributeProto {

@@ -88,16 +88,7 @@ multiversion! {
                 for kx in 0..kw {
                     let start = ky * dy * stage.wp + kx * dx;
                     let src = &staged[start..start + width];
-                    let weight = weights[ky * kw + kx];
-                    if ky == 0 && kx == 0 {
-                        for (v, &s) in acc.iter_mut().zip(src) {
-                            *v = weight * s;
-                        }
-                    } else {
-                        for (v, &s) in acc.iter_mut().zip(src) {
-                            *v += weight * s;
-                        }
-                    }
+                    tap(acc, src, weights[ky * kw + kx], ky == 0 && kx == 0);
                 }
             }
             for y in 0..oh {
@@ -117,16 +108,7 @@ multiversion! {
                 for kx in 0..kw {
                     let start = r * stage.wp + kx * dx;
                     let src = &staged[start..start + width];
-                    let weight = weights[ky * kw + kx];
-                    if ky == 0 && kx == 0 {
-                        for (v, &s) in acc.iter_mut().zip(src) {
-                            *v = weight * s;
-                        }
-                    } else {
-                        for (v, &s) in acc.iter_mut().zip(src) {
-                            *v += weight * s;
-                        }
-                    }
+                    tap(acc, src, weights[ky * kw + kx], ky == 0 && kx == 0);
                 }
             }
             if sx != 1 {
@@ -134,6 +116,21 @@ multiversion! {
                     *v = f;
                 }
             }
+        }
+    }
+}
+
+/// Adds `weight * src` into `acc`, or stores it for the first tap (inlined into
+/// [`plane`]'s per-instruction-set copies).
+#[inline(always)]
+fn tap(acc: &mut [f32], src: &[f32], weight: f32, first: bool) {
+    if first {
+        for (v, &s) in acc.iter_mut().zip(src) {
+            *v = weight * s;
+        }
+    } else {
+        for (v, &s) in acc.iter_mut().zip(src) {
+            *v += weight * s;
         }
     }
 }

@@ -64,6 +64,16 @@ pub mod onnx {
         }
     }
 
+    /// An integer-list attribute.
+    pub fn attr_ints(name: &str, v: &[i64]) -> AttributeProto {
+        AttributeProto {
+            name: Some(name.into()),
+            ints: v.to_vec(),
+            r#type: Some(7),
+            ..Default::default()
+        }
+    }
+
     /// A float attribute.
     pub fn attr_float(name: &str, v: f32) -> AttributeProto {
         AttributeProto {
