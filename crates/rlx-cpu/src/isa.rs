@@ -63,17 +63,6 @@ impl Isa {
         }
         isa
     }
-
-    /// The widest vector code this set allows, as kernel names spell it.
-    pub fn widest(&self) -> &'static str {
-        if self.avx512f {
-            "avx512"
-        } else if self.avx2_fma {
-            "avx2"
-        } else {
-            "generic"
-        }
-    }
 }
 
 /// Whether this CPU has AMX with bfloat16 and the OS lets this process use its
@@ -143,9 +132,6 @@ mod tests {
         assert_eq!(all.narrowed(Some("something else"), false), all);
         assert!(!all.narrowed(None, true).amx_bf16);
         assert_eq!(Isa::GENERIC.narrowed(Some("avx2"), false), Isa::GENERIC);
-        assert_eq!(all.widest(), "avx512");
-        assert_eq!(avx2.widest(), "avx2");
-        assert_eq!(Isa::GENERIC.widest(), "generic");
     }
 
     #[test]

@@ -250,7 +250,8 @@ pub(crate) fn concat_one(axis: usize, x: Src, start: usize, out: Dst) {
     }
 }
 
-fn index_at(idx: &Src, i: usize) -> i64 {
+/// Index `i` of an integer tensor of any integer dtype.
+pub(crate) fn index_at(idx: &Src, i: usize) -> i64 {
     with_dtype!(idx.shape.dtype(), I => idx.get::<I>(i).to_i64())
 }
 

@@ -5,17 +5,13 @@
 //! rows are split between the pool's threads.
 
 use super::Ctx;
+use super::layout::index_at;
 use crate::elem::{Elem, with_dtype};
 use crate::tensor::{Dst, Src};
 use rlx_ir::{DType, Error, Result};
 
 /// Output values from which the work is split between threads.
 const PARALLEL_VALUES: usize = 1 << 15;
-
-/// The index at `at`, any integer dtype.
-fn index_at(index: &Src, at: usize) -> i64 {
-    with_dtype!(index.shape.dtype(), I => index.get::<I>(at).to_i64())
-}
 
 /// Errors naming the first index outside an axis of length `n` (compared as `f64`,
 /// so an unsigned index past `i64::MAX` is out of range, not wrapped).
