@@ -1,7 +1,9 @@
 //! Recognizing activations that exported models spell out in primitives, so the
 //! fusions that follow see the activation: `x * 0.5 * (1 + erf(x / sqrt(2)))`, in any
 //! grouping of the product and with `x * (1 / sqrt(2))` for the division, becomes
-//! `gelu(x)`, which then joins the matmul that feeds it as its epilogue.
+//! `gelu(x)`, which then joins the matmul that feeds it as its epilogue; and
+//! `x * sigmoid(x)` (in either order) becomes `silu(x)`, which joins a convolution
+//! or matmul the same way.
 
 use crate::fuse::Fused;
 use crate::rewrite::{Rewriter, use_counts};
@@ -133,21 +135,45 @@ fn match_gelu(
     Some((x, replaced))
 }
 
-/// Replaces every spelled-out exact GELU by one `gelu` node.
+/// Matches `x * sigmoid(x)` (either order) ending at product `end`, the sigmoid
+/// read only there: returns `x` and the nodes the match replaces.
+fn match_silu(nodes: &[Node], uses: &[usize], end: usize) -> Option<(NodeId, Vec<usize>)> {
+    let node = &nodes[end];
+    if node.op != Op::Binary(BinaryOp::Mul) || !node.shape.dtype().is_float() {
+        return None;
+    }
+    let [a, b] = [*node.inputs.first()?, *node.inputs.get(1)?];
+    [(a, b), (b, a)].into_iter().find_map(|(x, s)| {
+        let sigmoid = &nodes[s.index()];
+        (sigmoid.op == Op::Unary(UnaryOp::Sigmoid)
+            && sigmoid.inputs.first() == Some(&x)
+            && uses[s.index()] == 1
+            && nodes[x.index()].shape == node.shape)
+            .then(|| (x, vec![s.index(), end]))
+    })
+}
+
+/// Replaces every spelled-out exact GELU by one `gelu` node, and every
+/// `x * sigmoid(x)` by one `silu` node.
 pub fn recognize_activations(graph: &Graph) -> Fused {
     let nodes = graph.nodes();
     let uses = use_counts(graph);
-    let mut at_end: Vec<Option<NodeId>> = vec![None; nodes.len()];
+    let mut at_end: Vec<Option<(NodeId, UnaryOp)>> = vec![None; nodes.len()];
     let mut absorbed = vec![false; nodes.len()];
     let mut records = Vec::new();
     for (end, slot) in at_end.iter_mut().enumerate() {
-        if let Some((x, replaced)) = match_gelu(graph, &nodes, &uses, end)
+        let found = match_gelu(graph, &nodes, &uses, end)
+            .map(|(x, replaced)| (x, replaced, UnaryOp::Gelu))
+            .or_else(|| {
+                match_silu(&nodes, &uses, end).map(|(x, replaced)| (x, replaced, UnaryOp::Silu))
+            });
+        if let Some((x, replaced, activation)) = found
             && replaced.iter().all(|&n| !absorbed[n])
         {
             for &n in &replaced {
                 absorbed[n] = true;
             }
-            *slot = Some(x);
+            *slot = Some((x, activation));
             let mut sorted = replaced.clone();
             sorted.sort_unstable();
             records.push((
@@ -161,11 +187,11 @@ pub fn recognize_activations(graph: &Graph) -> Fused {
     }
     let mut w = Rewriter::new(nodes.len());
     for (i, node) in nodes.iter().enumerate() {
-        if let Some(x) = at_end[i] {
+        if let Some((x, activation)) = at_end[i] {
             w.place(
                 i,
                 Node {
-                    op: Op::Unary(UnaryOp::Gelu),
+                    op: Op::Unary(activation),
                     inputs: vec![x],
                     shape: node.shape.clone(),
                 },

@@ -1949,6 +1949,62 @@ fn gelu_spelled_with_erf_becomes_one_activation() {
 }
 
 #[test]
+fn silu_spelled_with_sigmoid_joins_the_convolution() {
+    let mut rng = Rng(63);
+    for sigmoid_first in [false, true] {
+        let g = Graph::new("spelled silu");
+        let x = g.input("x", Shape::new(&[2, 6, 9, 7], DType::F32)).unwrap();
+        let w = g
+            .param("w", Shape::new(&[10, 6, 3, 3], DType::F32))
+            .unwrap();
+        let b = g.param("b", Shape::new(&[10], DType::F32)).unwrap();
+        let y = g
+            .conv2d(x, w, Some(b), [1, 1], [1, 1, 1, 1], [1, 1], 1)
+            .unwrap();
+        let s = g.sigmoid(y).unwrap();
+        let out = if sigmoid_first {
+            g.mul(s, y)
+        } else {
+            g.mul(y, s)
+        }
+        .unwrap();
+        g.set_outputs(vec![out]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+        assert!(
+            ops.contains(&"fused_conv2d".to_string())
+                && !ops
+                    .iter()
+                    .any(|o| o == "sigmoid" || o == "elementwise" || o == "mul"),
+            "sigmoid first {sigmoid_first}: {}",
+            plan.graph
+        );
+        check(
+            &g,
+            &mut rng,
+            &format!("spelled silu, sigmoid first {sigmoid_first}"),
+        );
+    }
+    // A sigmoid read again, or of another value, stays as it is.
+    let g = Graph::new("not silu");
+    let x = g.input("x", Shape::new(&[4, 5], DType::F32)).unwrap();
+    let z = g.input("z", Shape::new(&[4, 5], DType::F32)).unwrap();
+    let s = g.sigmoid(x).unwrap();
+    let shared = g.mul(x, s).unwrap();
+    let other = g.mul(z, g.sigmoid(x).unwrap()).unwrap();
+    g.set_outputs(vec![shared, s, other]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    assert!(
+        plan.fusions
+            .iter()
+            .all(|f| !f.replaced.iter().any(|r| r.starts_with("sigmoid"))),
+        "{:?}",
+        plan.fusions
+    );
+    check(&g, &mut rng, "not silu");
+}
+
+#[test]
 fn a_fused_convolution_with_misshapen_operands_is_an_error() {
     let g = Graph::new("bad fused conv");
     let x = g.input("x", Shape::new(&[1, 8, 5, 5], DType::F32)).unwrap();

@@ -2309,7 +2309,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 26] = [
+    let cases: [ConvCase; 29] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
         // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
         // of several images in one task.
@@ -2465,6 +2465,33 @@ fn conv2d_variants() {
             [2, 0, 1, 3],
             [2, 3],
             5,
+        ),
+        // Rows of several vectors with a partial last one (eight vectors at a time
+        // then span rows), a stride of 3 (three column phases), and a 9x9 window,
+        // past the taps the phase kernel keeps offsets for.
+        (
+            [1, 3, 13, 150],
+            [3, 1, 3, 3],
+            [1, 1],
+            [1, 1, 1, 1],
+            [1, 1],
+            3,
+        ),
+        (
+            [2, 4, 11, 70],
+            [8, 1, 5, 3],
+            [2, 3],
+            [2, 1, 2, 1],
+            [1, 2],
+            4,
+        ),
+        (
+            [1, 2, 12, 12],
+            [2, 1, 9, 9],
+            [1, 1],
+            [4, 4, 4, 4],
+            [1, 1],
+            2,
         ),
     ];
     for dt in FLOATS {

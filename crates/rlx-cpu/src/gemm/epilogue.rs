@@ -300,11 +300,7 @@ fn activate(out: &mut [f32], activation: Option<Activation>) {
                 *x = vmath::gelu_tanh(*x);
             }
         }
-        Some(Activation::Silu) => {
-            for x in out.iter_mut() {
-                *x = vmath::silu(*x);
-            }
-        }
+        Some(Activation::Silu) => vmath::silu_in_place(out),
     }
 }
 

@@ -1,13 +1,18 @@
 //! `f32` depthwise convolutions: one input channel per group (MobileNet's and
 //! EfficientNet's 3x3 and 5x5 layers, ConvNeXt's 7x7, any stride, dilation and
 //! padding, any channel multiplier). A GEMM has nothing to reuse here (each output
-//! channel reads one plane with a handful of weights), so each plane is a stencil:
-//! its padded input is staged in the thread's scratch for each output plane, and
-//! each output row is a sum of
-//! shifted input rows scaled by the tap's weight, vectorized along the row (strided
-//! rows are computed at every column and their outputs picked). Pool
-//! tasks take runs of output planes; the epilogue (bias, activation, residual, channel
-//! affine) runs over the plane while it is in cache.
+//! channel reads one plane with a handful of weights), so each plane is a stencil
+//! over a padded copy of its input staged in the thread's scratch. Pool tasks take
+//! runs of output planes; the epilogue (bias, activation, residual, channel affine)
+//! runs over the plane while it is in cache.
+//!
+//! With AVX-512 the copy is split by column stride phase (at stride 2, the even
+//! columns then the odd ones), so that every tap of every output vector is one
+//! contiguous load, and eight output vectors at a time keep their sums in registers
+//! across all taps: one load and one multiply-add per tap and vector, one store per
+//! vector. Elsewhere each output row is a sum of shifted staged rows scaled by the
+//! tap's weight, vectorized along the row (strided rows are computed at every column
+//! and their outputs picked).
 
 use super::conv::extent;
 use super::conv_pixels_f32::Finish;
@@ -70,7 +75,201 @@ impl Staging {
 /// the sums before they are stored).
 pub(crate) fn thread_floats(win: &Window2d, x: &Shape) -> usize {
     let ow = extent(win, 1, x.dim(3));
-    Staging::new(win, x, ow).len()
+    Staging::new(win, x, ow)
+        .len()
+        .max(Phased::new(win, x, ow).len())
+}
+
+/// The input plane split by column stride phase, for [`plane_avx512`]: phase `px`
+/// holds the padded plane's columns `px, px + sx, px + 2 sx, ...`, `hp` rows of `wq`,
+/// so output column `x`'s tap at padded column `x sx + kx dx` is column
+/// `x + kx dx / sx` of phase `kx dx % sx`: contiguous across a vector of outputs.
+#[derive(Clone, Copy)]
+struct Phased {
+    hp: usize,
+    wq: usize,
+    sx: usize,
+}
+
+impl Phased {
+    fn new(win: &Window2d, x: &Shape, ow: usize) -> Phased {
+        let [top, left, bottom, _] = win.padding;
+        let sx = win.stride[1].max(1);
+        let span_w = (ow.max(1) - 1) * sx + (win.kernel[1].max(1) - 1) * win.dilation[1] + 1;
+        let wp = span_w.max(left + x.dim(3));
+        Phased {
+            hp: top + x.dim(2) + bottom,
+            wq: wp.div_ceil(sx),
+            sx,
+        }
+    }
+
+    fn plane_len(&self) -> usize {
+        self.hp * self.wq
+    }
+
+    fn len(&self) -> usize {
+        self.sx * self.plane_len()
+    }
+
+    /// Offset of tap `(ky, kx)` from its output row's first staged value.
+    fn tap_offset(&self, win: &Window2d, ky: usize, kx: usize) -> usize {
+        let (col, sx) = (kx * win.dilation[1], self.sx);
+        (col % sx) * self.plane_len() + ky * win.dilation[0] * self.wq + col / sx
+    }
+}
+
+/// Copies one input plane (`h x w`) into its column phases (see [`Phased`]), zero
+/// in the padding.
+fn stage_phases(
+    src: &[f32],
+    (h, w): (usize, usize),
+    win: &Window2d,
+    ph: Phased,
+    staged: &mut [f32],
+) {
+    let [top, left, _, _] = win.padding;
+    let (sx, wq) = (ph.sx, ph.wq);
+    for (px, plane) in staged.chunks_exact_mut(ph.plane_len()).take(sx).enumerate() {
+        plane[..top * wq].fill(0.0);
+        plane[(top + h) * wq..].fill(0.0);
+        // Phase columns `first..end` hold input columns (padded column `j sx + px`
+        // inside `left..left + w`).
+        let end = (left + w).saturating_sub(px).div_ceil(sx).min(wq);
+        let first = left.saturating_sub(px).div_ceil(sx).min(end);
+        for (i, row) in src.chunks_exact(w).take(h).enumerate() {
+            let dst = &mut plane[(top + i) * wq..(top + i + 1) * wq];
+            dst[..first].fill(0.0);
+            dst[end..].fill(0.0);
+            if first < end {
+                let from = first * sx + px - left;
+                strided_copy(&row[from..], sx, &mut dst[first..end]);
+            }
+        }
+    }
+}
+
+/// `dst[j] = src[j * step]`.
+fn strided_copy(src: &[f32], step: usize, dst: &mut [f32]) {
+    if step == 1 {
+        dst.copy_from_slice(&src[..dst.len()]);
+        return;
+    }
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if step == 2 && crate::isa::isa().avx512f {
+        // SAFETY: AVX-512F was detected.
+        done = unsafe { every_other_avx512(src, dst) };
+    }
+    for (j, v) in dst.iter_mut().enumerate().skip(done) {
+        *v = src[j * step];
+    }
+}
+
+/// `dst[j] = src[2 j]` for the leading vectors of 16 whose 32 sources lie inside
+/// `src`; returns how many values it wrote.
+///
+/// # Safety
+/// AVX-512F must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn every_other_avx512(src: &[f32], dst: &mut [f32]) -> usize {
+    use std::arch::x86_64::*;
+    let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let mut j = 0;
+    while j + 16 <= dst.len() && 2 * j + 32 <= src.len() {
+        // SAFETY: the bounds were checked above.
+        unsafe {
+            let lo = _mm512_loadu_ps(src.as_ptr().add(2 * j));
+            let hi = _mm512_loadu_ps(src.as_ptr().add(2 * j + 16));
+            _mm512_storeu_ps(
+                dst.as_mut_ptr().add(j),
+                _mm512_permutex2var_ps(lo, evens, hi),
+            );
+        }
+        j += 16;
+    }
+    j
+}
+
+/// The most taps [`plane_avx512`] takes (their offsets live on the stack); larger
+/// windows take the row-sum path.
+const MAX_PHASED_TAPS: usize = 64;
+
+/// Output vectors [`plane_avx512`] sums at once, each in its own register.
+#[cfg(target_arch = "x86_64")]
+const VECTORS_AT_ONCE: usize = 8;
+
+/// One output plane from its staged phases: every output row is cut into vectors of
+/// 16 (the last one masked), and eight vectors at a time, from one row or several,
+/// sum all taps in registers before one store each.
+///
+/// # Safety
+/// AVX-512F must be available; `staged` holds the phases of [`Phased`] for this
+/// window, `offsets` one [`Phased::tap_offset`] per weight, and `out` `oh x ow`
+/// values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn plane_avx512(
+    out: &mut [f32],
+    staged: &[f32],
+    weights: &[f32],
+    offsets: &[usize],
+    (oh, ow, row_pitch): (usize, usize, usize),
+) {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(weights.len(), offsets.len());
+    let per_row = ow.div_ceil(16);
+    let vectors = oh * per_row;
+    let (base, dst) = (staged.as_ptr(), out.as_mut_ptr());
+    let mut v = 0;
+    while v < vectors {
+        // Where each vector reads (from its row's first staged value) and writes,
+        // and its lanes; missing vectors load and store nothing.
+        let mut src = [0usize; VECTORS_AT_ONCE];
+        let mut at = [0usize; VECTORS_AT_ONCE];
+        let mut mask = [0u16; VECTORS_AT_ONCE];
+        for i in 0..VECTORS_AT_ONCE.min(vectors - v) {
+            let (y, x) = ((v + i) / per_row, (v + i) % per_row * 16);
+            src[i] = y * row_pitch + x;
+            at[i] = y * ow + x;
+            let lanes = (ow - x).min(16);
+            mask[i] = if lanes == 16 {
+                u16::MAX
+            } else {
+                (1u16 << lanes) - 1
+            };
+        }
+        let mut acc = [_mm512_setzero_ps(); VECTORS_AT_ONCE];
+        if mask == [u16::MAX; VECTORS_AT_ONCE] {
+            for (&weight, &offset) in weights.iter().zip(offsets) {
+                let wv = _mm512_set1_ps(weight);
+                let at = base.wrapping_add(offset);
+                for i in 0..VECTORS_AT_ONCE {
+                    // SAFETY: every vector's 16 values lie inside the staged phase
+                    // row the tap reads (see `Phased`).
+                    let values = unsafe { _mm512_loadu_ps(at.add(src[i])) };
+                    acc[i] = _mm512_fmadd_ps(values, wv, acc[i]);
+                }
+            }
+        } else {
+            for (&weight, &offset) in weights.iter().zip(offsets) {
+                let wv = _mm512_set1_ps(weight);
+                for i in 0..VECTORS_AT_ONCE {
+                    // SAFETY: masked lanes lie inside the staged phase row the tap
+                    // reads (see `Phased`); unmasked lanes are not read.
+                    let values =
+                        unsafe { _mm512_maskz_loadu_ps(mask[i], base.add(src[i] + offset)) };
+                    acc[i] = _mm512_fmadd_ps(values, wv, acc[i]);
+                }
+            }
+        }
+        for i in 0..VECTORS_AT_ONCE {
+            // SAFETY: the lanes of `mask[i]` lie inside output row `y`.
+            unsafe { _mm512_mask_storeu_ps(dst.add(at[i]), mask[i], acc[i]) };
+        }
+        v += VECTORS_AT_ONCE;
+    }
 }
 
 multiversion! {
@@ -214,24 +413,57 @@ pub(crate) fn conv2d(
     };
     let out_addr = out.ptr as usize;
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
-    let one_plane = |plane_index: usize, thread: usize| {
+    let phased = Phased::new(win, x.shape, ow);
+    let mut offsets = [0usize; MAX_PHASED_TAPS];
+    let use_phased = crate::isa::isa().avx512f && taps <= MAX_PHASED_TAPS;
+    for ky in 0..win.kernel[0] {
+        for kx in 0..win.kernel[1] {
+            if let Some(slot) = offsets.get_mut(ky * win.kernel[1] + kx) {
+                *slot = phased.tap_offset(win, ky, kx);
+            }
+        }
+    }
+    let offsets = &offsets[..taps.min(MAX_PHASED_TAPS)];
+    // `restage`: whether the plane's input channel is not already staged (with a
+    // channel multiplier, consecutive output planes read the same input).
+    let one_plane = |plane_index: usize, thread: usize, restage: bool| {
         let (image, oc) = (plane_index / o, plane_index % o);
         let ic = oc / multiplier.max(1);
-        // SAFETY: one task per thread index at a time.
-        let staged = &mut unsafe { gemm.parts(thread) }.1[..stage.len()];
         let src = &xs[(image * c + ic) * h * wd..][..h * wd];
-        stage_plane(src, (h, wd), win, stage, &mut staged[..stage.hp * stage.wp]);
         let at = plane_index * pixels;
-        // SAFETY: output plane `plane_index` (and the residual's, of the same
-        // shape); only this task writes it.
-        let (values, residual) = unsafe {
-            (
-                std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), pixels),
-                residual_addr
-                    .map(|a| std::slice::from_raw_parts((a as *const f32).add(at), pixels)),
-            )
-        };
-        plane(values, staged, &ws[oc * taps..(oc + 1) * taps], geo);
+        // SAFETY: output plane `plane_index`; only this task writes it.
+        let values =
+            unsafe { std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), pixels) };
+        let plane_weights = &ws[oc * taps..(oc + 1) * taps];
+        // SAFETY: one task per thread index at a time.
+        let scratch = unsafe { gemm.parts(thread) }.1;
+        if use_phased {
+            let staged = &mut scratch[..phased.len()];
+            if restage {
+                stage_phases(src, (h, wd), win, phased, staged);
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512F was detected; the phases were staged for this window
+            // and the offsets computed from them.
+            unsafe {
+                plane_avx512(
+                    values,
+                    staged,
+                    plane_weights,
+                    offsets,
+                    (oh, ow, geo.sy * phased.wq),
+                )
+            };
+        } else {
+            let staged = &mut scratch[..stage.len()];
+            if restage {
+                stage_plane(src, (h, wd), win, stage, &mut staged[..stage.hp * stage.wp]);
+            }
+            plane(values, staged, plane_weights, geo);
+        }
+        // SAFETY: the residual has the output's shape.
+        let residual = residual_addr
+            .map(|a| unsafe { std::slice::from_raw_parts((a as *const f32).add(at), pixels) });
         let shift = finish.bias.map_or(0.0, |b| b[oc]);
         let affine = finish
             .affine
@@ -249,8 +481,10 @@ pub(crate) fn conv2d(
     // About eight tasks per thread, so small planes are not one task each.
     let tasks = planes.min(8 * threads);
     let task = |t: usize, thread: usize| {
-        for plane_index in t * planes / tasks..(t + 1) * planes / tasks {
-            one_plane(plane_index, thread);
+        let range = t * planes / tasks..(t + 1) * planes / tasks;
+        for plane_index in range.clone() {
+            let restage = plane_index == range.start || (plane_index % o) % multiplier.max(1) == 0;
+            one_plane(plane_index, thread, restage);
         }
     };
     pool.run(tasks, threads, &task)

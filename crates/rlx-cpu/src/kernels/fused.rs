@@ -496,12 +496,18 @@ fn unary_body(op: UnaryOp, a: &[f32], out: &mut [f32]) {
         UnaryOp::Rsqrt => each!(|x| 1.0 / x.sqrt()),
         UnaryOp::Reciprocal => each!(|x| 1.0 / x),
         UnaryOp::Tanh => each!(|x| vmath::tanh(x)),
-        UnaryOp::Sigmoid => each!(|x| 1.0 / (1.0 + vmath::exp(-x))),
+        UnaryOp::Sigmoid => {
+            out.copy_from_slice(a);
+            vmath::sigmoid_in_place(out);
+        }
         // NaN passes through, as the scalar definition has it.
         UnaryOp::Relu => each!(|x| if x < 0.0 { 0.0 } else { x }),
         UnaryOp::Gelu => each!(|x| vmath::gelu(x)),
         UnaryOp::GeluTanh => each!(|x| vmath::gelu_tanh(x)),
-        UnaryOp::Silu => each!(|x| vmath::silu(x)),
+        UnaryOp::Silu => {
+            out.copy_from_slice(a);
+            vmath::silu_in_place(out);
+        }
         UnaryOp::Erf => each!(|x| vmath::erf(x)),
         // Zero (of either sign) and NaN pass through, as the scalar definition has it.
         UnaryOp::Sign => each!(|x| if x > 0.0 {
