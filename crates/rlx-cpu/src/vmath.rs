@@ -176,6 +176,24 @@ pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))
 }
 
+/// `min(max(x, 0), 6)`, NaN passing through (inlined into vectorized loops).
+#[inline(always)]
+pub(crate) fn relu6(x: f32) -> f32 {
+    if x < 0.0 {
+        0.0
+    } else if x > 6.0 {
+        6.0
+    } else {
+        x
+    }
+}
+
+/// `x relu6(x + 3) / 6`, NaN passing through.
+#[inline(always)]
+pub(crate) fn hard_swish(x: f32) -> f32 {
+    x * relu6(x + 3.0) * (1.0 / 6.0)
+}
+
 /// [`silu`] over `v` in place; with AVX-512 without a division (see
 /// [`logistic_avx512`]), within 3e-7 of the exact value times `1 + |x|`.
 pub(crate) fn silu_in_place(v: &mut [f32]) {

@@ -26,7 +26,13 @@ pub fn is_composite(op: &Op) -> bool {
             | Op::FusedMatMul { .. }
             | Op::FusedConv2d { .. }
             | Op::Elementwise { .. }
-            | Op::Unary(UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu)
+            | Op::Unary(
+                UnaryOp::Gelu
+                    | UnaryOp::GeluTanh
+                    | UnaryOp::Silu
+                    | UnaryOp::Relu6
+                    | UnaryOp::HardSwish
+            )
     )
 }
 
@@ -164,9 +170,13 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
             *axis,
             (inputs[0], inputs[1], inputs[2]),
         )?,
-        Op::Unary(u @ (UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu)) => {
-            activation(g, *u, inputs[0])?
-        }
+        Op::Unary(
+            u @ (UnaryOp::Gelu
+            | UnaryOp::GeluTanh
+            | UnaryOp::Silu
+            | UnaryOp::Relu6
+            | UnaryOp::HardSwish),
+        ) => activation(g, *u, inputs[0])?,
         Op::FusedMatMul {
             alpha,
             transpose_a,
@@ -241,9 +251,11 @@ pub fn decompose(g: &Graph, op: &Op, inputs: &[NodeId]) -> Result<Option<NodeId>
                     EwStep::Unary(u, a) => {
                         let x = regs[usize::from(a)];
                         match u {
-                            UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Silu => {
-                                activation(g, u, x)?
-                            }
+                            UnaryOp::Gelu
+                            | UnaryOp::GeluTanh
+                            | UnaryOp::Silu
+                            | UnaryOp::Relu6
+                            | UnaryOp::HardSwish => activation(g, u, x)?,
                             other => g.unary(other, x)?,
                         }
                     }
@@ -303,6 +315,11 @@ fn activation(g: &Graph, u: UnaryOp, x: NodeId) -> Result<NodeId> {
             g.mul(g.mul(x, c(0.5))?, g.add(t, c(1.0))?)
         }
         UnaryOp::Silu => g.mul(x, g.unary(UnaryOp::Sigmoid, x)?),
+        UnaryOp::Relu6 => g.binary(BinaryOp::Min, g.binary(BinaryOp::Max, x, c(0.0))?, c(6.0)),
+        UnaryOp::HardSwish => {
+            let gate = activation(g, UnaryOp::Relu6, g.add(x, c(3.0))?)?;
+            g.mul(x, g.div(gate, c(6.0))?)
+        }
         other => g.unary(other, x),
     }
 }

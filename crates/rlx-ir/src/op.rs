@@ -56,6 +56,10 @@ pub enum UnaryOp {
     GeluTanh,
     /// `x * sigmoid(x)` (swish).
     Silu,
+    /// `min(max(x, 0), 6)` (MobileNet's ReLU6; NaN passes through).
+    Relu6,
+    /// `x * relu6(x + 3) / 6` (MobileNetV3's hard swish).
+    HardSwish,
     /// The error function.
     Erf,
     /// Sine.
@@ -80,7 +84,7 @@ pub enum UnaryOp {
 
 impl UnaryOp {
     /// Every unary op.
-    pub const ALL: [UnaryOp; 23] = [
+    pub const ALL: [UnaryOp; 25] = [
         UnaryOp::Neg,
         UnaryOp::Abs,
         UnaryOp::Exp,
@@ -94,6 +98,8 @@ impl UnaryOp {
         UnaryOp::Gelu,
         UnaryOp::GeluTanh,
         UnaryOp::Silu,
+        UnaryOp::Relu6,
+        UnaryOp::HardSwish,
         UnaryOp::Erf,
         UnaryOp::Sin,
         UnaryOp::Cos,
@@ -122,6 +128,8 @@ impl UnaryOp {
             UnaryOp::Gelu => "gelu",
             UnaryOp::GeluTanh => "gelu_tanh",
             UnaryOp::Silu => "silu",
+            UnaryOp::Relu6 => "relu6",
+            UnaryOp::HardSwish => "hard_swish",
             UnaryOp::Erf => "erf",
             UnaryOp::Sin => "sin",
             UnaryOp::Cos => "cos",

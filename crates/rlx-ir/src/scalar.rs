@@ -29,6 +29,8 @@ pub fn unary_f64(op: UnaryOp, x: f64) -> f64 {
         UnaryOp::Gelu => 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)),
         UnaryOp::GeluTanh => 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh()),
         UnaryOp::Silu => x * sigmoid(x),
+        UnaryOp::Relu6 => relu6(x),
+        UnaryOp::HardSwish => x * relu6(x + 3.0) / 6.0,
         UnaryOp::Erf => libm::erf(x),
         UnaryOp::Sin => x.sin(),
         UnaryOp::Cos => x.cos(),
@@ -48,6 +50,11 @@ pub fn unary_f64(op: UnaryOp, x: f64) -> f64 {
         UnaryOp::Atan => x.atan(),
         UnaryOp::BitNot => !(x as i64) as f64,
     }
+}
+
+/// `min(max(x, 0), 6)`, NaN passing through.
+fn relu6(x: f64) -> f64 {
+    if x.is_nan() { x } else { x.clamp(0.0, 6.0) }
 }
 
 /// A unary op on an integer or bool value (only the ops defined on integers).

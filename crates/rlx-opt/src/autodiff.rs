@@ -310,6 +310,29 @@ fn vjp(
                         )?,
                     )?
                 }
+                UnaryOp::Relu6 => {
+                    // 1 strictly inside (0, 6), 0 elsewhere (as PyTorch gives).
+                    let inside = graph.binary(
+                        BinaryOp::And,
+                        graph.binary(BinaryOp::Gt, x, constant(0.0))?,
+                        graph.binary(BinaryOp::Lt, x, constant(6.0))?,
+                    )?;
+                    mul(g, graph.cast(inside, dtype)?)?
+                }
+                UnaryOp::HardSwish => {
+                    // 0 below -3, 1 above 3, (2x + 3) / 6 between (as PyTorch gives,
+                    // with the ramp's value at both ends).
+                    let ramp =
+                        graph.binary(BinaryOp::Add, mul(x, constant(1.0 / 3.0))?, constant(0.5))?;
+                    let below = graph.binary(BinaryOp::Lt, x, constant(-3.0))?;
+                    let above = graph.binary(BinaryOp::Gt, x, constant(3.0))?;
+                    let slope = graph.select(
+                        below,
+                        constant(0.0),
+                        graph.select(above, constant(1.0), ramp)?,
+                    )?;
+                    mul(g, slope)?
+                }
                 // Steps: flat almost everywhere (as PyTorch gives).
                 UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Sign => {
                     zeros_like(graph, x)?
@@ -1561,6 +1584,8 @@ mod tests {
             UnaryOp::Sigmoid,
             UnaryOp::Relu,
             UnaryOp::Silu,
+            UnaryOp::Relu6,
+            UnaryOp::HardSwish,
             UnaryOp::Gelu,
             UnaryOp::GeluTanh,
             UnaryOp::Erf,
@@ -1570,6 +1595,14 @@ mod tests {
         for u in unary {
             check(u.name(), &[("x", &[3, 4])], |g, x| {
                 let y = g.unary(u, x[0])?;
+                g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
+            });
+        }
+        // The clamped activations past their corners too: operands in [-8, 8).
+        for u in [UnaryOp::Relu6, UnaryOp::HardSwish] {
+            check(u.name(), &[("x", &[4, 5])], |g, x| {
+                let wide = g.binary(BinaryOp::Mul, x[0], g.scalar(8.0, DType::F64))?;
+                let y = g.unary(u, wide)?;
                 g.sum(g.binary(BinaryOp::Mul, y, y)?, &[], false)
             });
         }

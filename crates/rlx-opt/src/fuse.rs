@@ -1,7 +1,7 @@
 //! Fusion: rewrites groups of ops into the fused ops a backend runs as one kernel.
 //!
 //! - Matmul epilogues: `matmul` followed by a multiply by a constant scalar (its
-//!   `alpha`), a bias add (`[N]`), an activation (gelu, gelu_tanh, relu, silu) and a
+//!   `alpha`), a bias add (`[N]`), an activation (gelu, gelu_tanh, relu, silu, relu6, hard_swish) and a
 //!   residual add (same shape), each only when the
 //!   intermediate value has no other reader, become one `FusedMatMul`; a cast of
 //!   `f16`/`bf16` weights to `f32` feeding the matmul is absorbed too (the kernel reads
@@ -403,9 +403,14 @@ const MAX_REGION_STEPS: usize = MAX_REGION_REGISTERS - MAX_REGION_INPUTS;
 
 fn epilogue_activation(op: &Op) -> Option<UnaryOp> {
     match op {
-        Op::Unary(u @ (UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Relu | UnaryOp::Silu)) => {
-            Some(*u)
-        }
+        Op::Unary(
+            u @ (UnaryOp::Gelu
+            | UnaryOp::GeluTanh
+            | UnaryOp::Relu
+            | UnaryOp::Silu
+            | UnaryOp::Relu6
+            | UnaryOp::HardSwish),
+        ) => Some(*u),
         _ => None,
     }
 }

@@ -3,7 +3,8 @@
 //! grouping of the product and with `x * (1 / sqrt(2))` for the division, becomes
 //! `gelu(x)`, which then joins the matmul that feeds it as its epilogue; and
 //! `x * sigmoid(x)` (in either order) becomes `silu(x)`, which joins a convolution
-//! or matmul the same way.
+//! or matmul the same way; `min(max(x, 0), 6)` (ONNX's `Clip` to `[0, 6]`)
+//! becomes `relu6(x)`.
 
 use crate::fuse::Fused;
 use crate::rewrite::{Rewriter, use_counts};
@@ -153,8 +154,57 @@ fn match_silu(nodes: &[Node], uses: &[usize], end: usize) -> Option<(NodeId, Vec
     })
 }
 
-/// Replaces every spelled-out exact GELU by one `gelu` node, and every
-/// `x * sigmoid(x)` by one `silu` node.
+/// The operand of a binary `op` node beside a one-element constant equal to `want`
+/// (either side).
+fn beside_scalar(
+    graph: &Graph,
+    nodes: &[Node],
+    node: &Node,
+    op: BinaryOp,
+    want: f64,
+) -> Option<NodeId> {
+    if node.op != Op::Binary(op) {
+        return None;
+    }
+    let [a, b] = [*node.inputs.first()?, *node.inputs.get(1)?];
+    let is_want = |id: NodeId| scalar(graph, &nodes[id.index()]).is_some_and(|v| v == want);
+    if is_want(b) {
+        Some(a)
+    } else if is_want(a) {
+        Some(b)
+    } else {
+        None
+    }
+}
+
+/// Matches a clamp to `[0, 6]` ending at `end`: `min(max(x, 0), 6)` or
+/// `max(min(x, 6), 0)` (operands in either order, the inner node read only here), as
+/// ONNX `Clip` imports. Returns `x` and the nodes the match replaces.
+fn match_relu6(
+    graph: &Graph,
+    nodes: &[Node],
+    uses: &[usize],
+    end: usize,
+) -> Option<(NodeId, Vec<usize>)> {
+    let node = &nodes[end];
+    if !node.shape.dtype().is_float() {
+        return None;
+    }
+    [
+        (BinaryOp::Min, 6.0, BinaryOp::Max, 0.0),
+        (BinaryOp::Max, 0.0, BinaryOp::Min, 6.0),
+    ]
+    .into_iter()
+    .find_map(|(outer, outer_bound, inner, inner_bound)| {
+        let mid = beside_scalar(graph, nodes, node, outer, outer_bound)?;
+        let x = beside_scalar(graph, nodes, &nodes[mid.index()], inner, inner_bound)?;
+        (uses[mid.index()] == 1 && nodes[x.index()].shape == node.shape)
+            .then(|| (x, vec![mid.index(), end]))
+    })
+}
+
+/// Replaces every spelled-out exact GELU by one `gelu` node, every
+/// `x * sigmoid(x)` by one `silu` node, and every clamp to `[0, 6]` by one `relu6`.
 pub fn recognize_activations(graph: &Graph) -> Fused {
     let nodes = graph.nodes();
     let uses = use_counts(graph);
@@ -166,6 +216,10 @@ pub fn recognize_activations(graph: &Graph) -> Fused {
             .map(|(x, replaced)| (x, replaced, UnaryOp::Gelu))
             .or_else(|| {
                 match_silu(&nodes, &uses, end).map(|(x, replaced)| (x, replaced, UnaryOp::Silu))
+            })
+            .or_else(|| {
+                match_relu6(graph, &nodes, &uses, end)
+                    .map(|(x, replaced)| (x, replaced, UnaryOp::Relu6))
             });
         if let Some((x, replaced, activation)) = found
             && replaced.iter().all(|&n| !absorbed[n])

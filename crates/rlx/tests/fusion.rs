@@ -2005,6 +2005,50 @@ fn silu_spelled_with_sigmoid_joins_the_convolution() {
 }
 
 #[test]
+fn a_clamp_to_relu6_joins_the_convolution() {
+    let mut rng = Rng(64);
+    for (form, bounds) in [(0, (0.0, 6.0)), (1, (0.0, 6.0)), (2, (0.0, 5.0))] {
+        let g = Graph::new("clamped conv");
+        // 64 channels deep, so that both bounds clip some values.
+        let x = g
+            .input("x", Shape::new(&[1, 64, 8, 9], DType::F32))
+            .unwrap();
+        let w = g
+            .param("w", Shape::new(&[7, 64, 1, 1], DType::F32))
+            .unwrap();
+        let b = g.param("b", Shape::new(&[7], DType::F32)).unwrap();
+        let y = g
+            .conv2d(x, w, Some(b), [1, 1], [0, 0, 0, 0], [1, 1], 1)
+            .unwrap();
+        let (lo, hi) = (
+            g.scalar(bounds.0, DType::F32),
+            g.scalar(bounds.1, DType::F32),
+        );
+        let clamped = match form {
+            // As ONNX's Clip imports, and the other nesting with operands swapped.
+            0 => g.binary(BinaryOp::Min, g.binary(BinaryOp::Max, y, lo).unwrap(), hi),
+            _ => g.binary(BinaryOp::Max, lo, g.binary(BinaryOp::Min, hi, y).unwrap()),
+        }
+        .unwrap();
+        g.set_outputs(vec![clamped]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let relu6 = plan.graph.nodes().iter().any(|n| match &n.op {
+            rlx::ir::Op::FusedConv2d { fusion, .. } => {
+                fusion.activation == Some(rlx::ir::UnaryOp::Relu6)
+            }
+            _ => false,
+        });
+        assert_eq!(
+            relu6,
+            bounds.1 == 6.0,
+            "form {form} {bounds:?}: {}",
+            plan.graph
+        );
+        check(&g, &mut rng, &format!("clamp form {form} to {bounds:?}"));
+    }
+}
+
+#[test]
 fn a_fused_convolution_with_misshapen_operands_is_an_error() {
     let g = Graph::new("bad fused conv");
     let x = g.input("x", Shape::new(&[1, 8, 5, 5], DType::F32)).unwrap();

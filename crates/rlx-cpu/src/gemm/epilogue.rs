@@ -301,6 +301,16 @@ fn activate(out: &mut [f32], activation: Option<Activation>) {
             }
         }
         Some(Activation::Silu) => vmath::silu_in_place(out),
+        Some(Activation::Relu6) => {
+            for x in out.iter_mut() {
+                *x = vmath::relu6(*x);
+            }
+        }
+        Some(Activation::HardSwish) => {
+            for x in out.iter_mut() {
+                *x = vmath::hard_swish(*x);
+            }
+        }
     }
 }
 
@@ -325,6 +335,8 @@ mod tests {
             Some(Activation::GeluTanh),
             Some(Activation::Relu),
             Some(Activation::Silu),
+            Some(Activation::Relu6),
+            Some(Activation::HardSwish),
         ];
         for (act, alpha) in acts.into_iter().flat_map(|a| [(a, 0.75), (a, 1.0)]) {
             for with_bias in [false, true] {
@@ -345,6 +357,10 @@ mod tests {
                                 Some(Activation::GeluTanh) => vmath::gelu_tanh(want),
                                 Some(Activation::Relu) => want.max(0.0),
                                 Some(Activation::Silu) => vmath::silu(want),
+                                Some(Activation::Relu6) => want.clamp(0.0, 6.0),
+                                Some(Activation::HardSwish) => {
+                                    want * (want + 3.0).clamp(0.0, 6.0) / 6.0
+                                }
                             };
                             want += if with_residual { residual[j] } else { 0.0 };
                             assert!(

@@ -45,6 +45,10 @@ pub(crate) enum Activation {
     Relu,
     /// `x σ(x)`.
     Silu,
+    /// `min(max(x, 0), 6)`.
+    Relu6,
+    /// `x relu6(x + 3) / 6`.
+    HardSwish,
 }
 
 /// What happens to each output value `v = (A·B)[i, j]` before it is stored:

@@ -19,6 +19,8 @@ pub(crate) fn gemm_activation(op: UnaryOp) -> Option<Activation> {
         UnaryOp::GeluTanh => Some(Activation::GeluTanh),
         UnaryOp::Relu => Some(Activation::Relu),
         UnaryOp::Silu => Some(Activation::Silu),
+        UnaryOp::Relu6 => Some(Activation::Relu6),
+        UnaryOp::HardSwish => Some(Activation::HardSwish),
         _ => None,
     }
 }
@@ -508,6 +510,8 @@ fn unary_body(op: UnaryOp, a: &[f32], out: &mut [f32]) {
             out.copy_from_slice(a);
             vmath::silu_in_place(out);
         }
+        UnaryOp::Relu6 => each!(|x| vmath::relu6(x)),
+        UnaryOp::HardSwish => each!(|x| vmath::hard_swish(x)),
         UnaryOp::Erf => each!(|x| vmath::erf(x)),
         // Zero (of either sign) and NaN pass through, as the scalar definition has it.
         UnaryOp::Sign => each!(|x| if x > 0.0 {

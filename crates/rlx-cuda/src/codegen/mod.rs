@@ -226,6 +226,13 @@ fn unary_expr(op: UnaryOp, dt: DType, x: &str) -> Result<String> {
                 f("tanh", dt)
             ),
             UnaryOp::Silu => format!("({x} / (({c})1 + {}(-{x})))", f("exp", dt)),
+            // NaN passes through (fmin/fmax would drop it).
+            UnaryOp::Relu6 => format!(
+                "(({x}) != ({x}) ? ({x}) : (({x}) < 0 ? ({c})0 : (({x}) > 6 ? ({c})6 : ({x}))))"
+            ),
+            UnaryOp::HardSwish => format!(
+                "(({x}) != ({x}) ? ({x}) : ({x}) * (({x}) < -3 ? ({c})0 : (({x}) > 3 ? ({c})6 : ({x}) + ({c})3)) / ({c})6)"
+            ),
             UnaryOp::Erf => format!("{}({x})", f("erf", dt)),
             UnaryOp::Sin => format!("{}({x})", f("sin", dt)),
             UnaryOp::Cos => format!("{}({x})", f("cos", dt)),

@@ -184,6 +184,9 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         },
         "HardSwish" => |cx| {
             let x = cx.input(0)?;
+            if cx.dtype(0)?.is_float() {
+                return Ok(vec![cx.g.unary(UnaryOp::HardSwish, x)?]);
+            }
             let h = hard_sigmoid(cx, x, 1.0 / 6.0, 0.5)?;
             Ok(vec![cx.g.mul(x, h)?])
         },
