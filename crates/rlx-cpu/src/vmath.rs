@@ -179,13 +179,7 @@ pub(crate) fn silu(x: f32) -> f32 {
 /// `min(max(x, 0), 6)`, NaN passing through (inlined into vectorized loops).
 #[inline(always)]
 pub(crate) fn relu6(x: f32) -> f32 {
-    if x < 0.0 {
-        0.0
-    } else if x > 6.0 {
-        6.0
-    } else {
-        x
-    }
+    x.clamp(0.0, 6.0)
 }
 
 /// `x relu6(x + 3) / 6`, NaN passing through.
