@@ -163,11 +163,7 @@ impl TensorData {
         macro_rules! get {
             ($t:ty) => {{
                 #[cfg(target_endian = "little")]
-                let values = {
-                    let mut out = vec![<$t>::default(); bytes.len() / size];
-                    pod_bytes_mut(&mut out).copy_from_slice(bytes);
-                    out
-                };
+                let values = values_from_le_bytes::<$t>(bytes);
                 #[cfg(not(target_endian = "little"))]
                 let values = bytes
                     .chunks_exact(size)
@@ -338,16 +334,21 @@ fn pod_bytes<T: Copy>(values: &[T]) -> &[u8] {
     }
 }
 
-/// [`pod_bytes`], writable: any bytes written form valid numbers.
+/// The values of `T` whose little-endian bytes `bytes` holds (a whole number of
+/// them), copied once into a new vector: not zeroed first, which for a large output
+/// was a second pass over memory on every run.
 #[cfg(target_endian = "little")]
-fn pod_bytes_mut<T: Copy>(values: &mut [T]) -> &mut [u8] {
-    // SAFETY: as `pod_bytes`; every bit pattern is a valid value of `T`.
+fn values_from_le_bytes<T: Copy>(bytes: &[u8]) -> Vec<T> {
+    let len = bytes.len() / std::mem::size_of::<T>();
+    let mut out = Vec::<T>::with_capacity(len);
+    // SAFETY: the vector has room for `len` values, which is `bytes.len()` bytes;
+    // every bit pattern is a valid value of the number types this is used for, so
+    // the copied values are initialized.
     unsafe {
-        std::slice::from_raw_parts_mut(
-            values.as_mut_ptr().cast::<u8>(),
-            std::mem::size_of_val(values),
-        )
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr().cast::<u8>(), bytes.len());
+        out.set_len(len);
     }
+    out
 }
 
 #[cfg(test)]

@@ -2309,7 +2309,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 29] = [
+    let cases: [ConvCase; 31] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
         // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
         // of several images in one task.
@@ -2493,6 +2493,24 @@ fn conv2d_variants() {
             [1, 1],
             2,
         ),
+        // Few pixels, many output channels: threads split the channels (a 1x1 with
+        // a last panel one column wide, and a grouped 3x3 multiplied per tap).
+        (
+            [1, 40, 7, 7],
+            [72, 40, 1, 1],
+            [1, 1],
+            [0, 0, 0, 0],
+            [1, 1],
+            1,
+        ),
+        (
+            [1, 64, 9, 9],
+            [64, 32, 3, 3],
+            [1, 1],
+            [1, 1, 1, 1],
+            [1, 1],
+            2,
+        ),
     ];
     for dt in FLOATS {
         for (xd, wd, stride, padding, dilation, groups) in cases {
@@ -2526,6 +2544,21 @@ fn conv2d_variants() {
             },
         );
     }
+    // Output channels split between threads, with a bias, ReLU and residual.
+    s.check(
+        "conv2d 1x1 by channel parts + relu + residual",
+        &[
+            inp("x", &[1, 24, 5, 6], DType::F32),
+            inp("w", &[40, 24, 1, 1], DType::F32),
+            inp("b", &[40], DType::F32),
+            inp("r", &[1, 40, 5, 6], DType::F32),
+        ],
+        acc(25),
+        |g, x| {
+            let y = g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [0, 0, 0, 0], [1, 1], 1)?;
+            one(g.add(g.relu(y)?, x[3])?)
+        },
+    );
     // A per-channel affine in front of a 1x1 depthwise convolution that only the
     // convolution reads (the fused convolution's input prologue), its source read
     // by another op too.

@@ -1075,8 +1075,17 @@ unsafe fn edge_tile(
             };
         }
     }
-    // SAFETY: `tile` is MR x NR with stride NR.
-    unsafe { (kernel.run)(kc, a, lda, b, ldb, tile.as_mut_ptr(), nr, accumulate) };
+    // The narrowest kernel that covers the valid columns: a 49-wide product's last
+    // panel of one column then costs one vector of multiply-adds per row, not three.
+    let run = kernel
+        .partial
+        .iter()
+        .filter(|&&(width, _)| width >= nr_eff)
+        .min_by_key(|&&(width, _)| width)
+        .map_or(kernel.run, |&(_, narrow)| narrow);
+    // SAFETY: `tile` is MR x NR with stride NR; a narrower kernel reads and writes
+    // its leading columns.
+    unsafe { run(kc, a, lda, b, ldb, tile.as_mut_ptr(), nr, accumulate) };
     for i in 0..mr_eff {
         for j in 0..nr_eff {
             // SAFETY: inside the valid region of C.

@@ -30,6 +30,12 @@ use crate::tensor::{Dst, Src};
 use crate::vmath::multiversion;
 use rlx_ir::{Result, Shape, Window2d};
 
+/// Below this many output pixels per thread, a convolution of one image splits its
+/// output channels between threads instead of its pixels (four panels of the widest
+/// kernel): a 7 x 7 layer cut in two by pixels gave each thread 25 columns, half of
+/// every 48-wide panel wasted.
+const NARROW_PIXELS: usize = 192;
+
 /// Below this many input channels per group, a convolution with several taps packs
 /// its `(channel, tap)` rows into panels instead of multiplying per tap.
 const PER_TAP_MIN_CHANNELS: usize = 32;
@@ -318,7 +324,8 @@ pub(crate) fn regroup_by_tap(ws: &[f32], [groups, og, cg, taps]: [usize; 4], out
     }
 }
 
-/// The convolution: one pool task per image, group and block of output pixels.
+/// The convolution: one pool task per image, group, block of output pixels and
+/// part of the output channels.
 pub(crate) fn conv2d(
     win: &Window2d,
     groups: usize,
@@ -404,13 +411,21 @@ pub(crate) fn conv2d(
     let threads = ctx.gemm.threads();
     let images = n * groups;
     let fit = pixel_block(geo.per_pixel(), p, block_budget(images >= threads));
-    // Cut so that every thread has a block.
-    let block = if images >= threads {
+    // Cut so that every thread has a block: by pixels, or by output channels where
+    // a thread's share of the pixels would be only a few kernel panels wide.
+    let parts = threads.div_ceil(images);
+    let by_channels = images < threads && p.div_ceil(parts) < NARROW_PIXELS && og >= 16 * parts;
+    let block = if images >= threads || by_channels {
         fit
     } else {
-        fit.min(p.div_ceil(threads.div_ceil(images)))
+        fit.min(p.div_ceil(parts))
     };
     let blocks = p.div_ceil(block);
+    let (channel_parts, part_channels) = if by_channels {
+        (parts, og.div_ceil(parts).next_multiple_of(8))
+    } else {
+        (1, og)
+    };
     let (wide_max, _) = geo.max_span(block);
     // SAFETY: the operands are f32 tensors of the shapes read above, and the plan
     // never places the output over an input.
@@ -447,18 +462,25 @@ pub(crate) fn conv2d(
     // SAFETY: an f32 tensor of `o` values.
     let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), b.len) });
     let task = |u: usize, thread: usize| {
+        let (u, part) = (u / channel_parts, u % channel_parts);
+        let c0 = part * part_channels;
+        let rows = part_channels.min(og.saturating_sub(c0));
+        if rows == 0 {
+            return;
+        }
         let (image, rest) = (u / (groups * blocks), u % (groups * blocks));
         let (g, j0) = (rest / blocks, (rest % blocks) * block);
         let width = block.min(p - j0);
-        let first_channel = (image * o + g * og) * p;
+        let first_channel = (image * o + g * og + c0) * p;
+        let channels = g * og + c0..g * og + c0 + rows;
         let dst = BlockOut {
             // SAFETY: rows `g * og ..` of image `image`'s output: inside `out`.
             out: unsafe { (out_addr as *mut f32).add(first_channel) },
             // SAFETY: the residual has the output's shape.
             residual: residual_addr.map(|r| unsafe { (r as *const f32).add(first_channel) }),
-            bias: bias.map(|b| &b[g * og..(g + 1) * og]),
+            bias: bias.map(|b| &b[channels.clone()]),
             activation,
-            affine: affine.map(|(s, t, a)| (&s[g * og..(g + 1) * og], &t[g * og..(g + 1) * og], a)),
+            affine: affine.map(|(s, t, a)| (&s[channels.clone()], &t[channels.clone()], a)),
             pixels: p,
         };
         // SAFETY: one task per thread index at a time.
@@ -467,8 +489,15 @@ pub(crate) fn conv2d(
             win,
             geo: &geo,
             src: &xs[(image * c + g * cg) * h * wd..][..cg * h * wd],
-            weights: &weights[g * og * cg * geo.taps..][..og * cg * geo.taps],
-            og,
+            // By tap, tap t's rows start `og * cg` after tap 0's; as stored, a
+            // channel's row is `cg * taps` long.
+            weights: if by_tap(win, cg) {
+                &weights[(g * og * geo.taps + c0) * cg..][..((geo.taps - 1) * og + rows) * cg]
+            } else {
+                &weights[(g * og + c0) * cg * geo.taps..][..rows * cg * geo.taps]
+            },
+            og: rows,
+            tap_stride: og * cg,
             first: j0,
             width,
             wide_max,
@@ -480,7 +509,8 @@ pub(crate) fn conv2d(
         };
         block_task.run(dst, gemm_buf, extra);
     };
-    ctx.pool.run(n * groups * blocks, threads, &task)
+    ctx.pool
+        .run(n * groups * blocks * channel_parts, threads, &task)
 }
 
 /// The convolution by [`winograd_f32`], with the weights transformed ahead (a param)
@@ -581,7 +611,10 @@ struct BlockTask<'a> {
     /// The group's weights: by tap when it multiplies per tap, else as stored
     /// (`[og][cg * taps]`).
     weights: &'a [f32],
+    /// Output channels the block computes (the group's, or a part of them).
     og: usize,
+    /// By tap, floats from one tap's weights to the next's.
+    tap_stride: usize,
     first: usize,
     width: usize,
     /// The widest block the scratch was sized for.
@@ -692,7 +725,7 @@ impl BlockTask<'_> {
             debug_assert!(self.prologue.is_none(), "B is read in place: no prologue");
             for t in 0..geo.taps {
                 let gemm = Gemm {
-                    a: self.weights[t * self.og * cg..].as_ptr(),
+                    a: self.weights[t * self.tap_stride..].as_ptr(),
                     b: planes[tap_offset(win, geo, place, t)..].as_ptr(),
                     accumulate: t > 0,
                     epilogue: if t + 1 == geo.taps {
