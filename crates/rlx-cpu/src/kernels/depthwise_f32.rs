@@ -130,13 +130,48 @@ fn stage_phases(
 ) {
     let [top, left, _, _] = win.padding;
     let (sx, wq) = (ph.sx, ph.wq);
-    for (px, plane) in staged.chunks_exact_mut(ph.plane_len()).take(sx).enumerate() {
-        plane[..top * wq].fill(0.0);
-        plane[(top + h) * wq..].fill(0.0);
-        // Phase columns `first..end` hold input columns (padded column `j sx + px`
-        // inside `left..left + w`).
+    let plane_len = ph.plane_len();
+    // Phase `px`'s columns `first..end` hold input columns (padded column `j sx + px`
+    // inside `left..left + w`), from input column `first sx + px - left` on.
+    let span = |px: usize| {
         let end = (left + w).saturating_sub(px).div_ceil(sx).min(wq);
         let first = left.saturating_sub(px).div_ceil(sx).min(end);
+        (first, end)
+    };
+    for plane in staged.chunks_exact_mut(plane_len).take(sx) {
+        plane[..top * wq].fill(0.0);
+        plane[(top + h) * wq..].fill(0.0);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if sx == 2 && crate::isa::isa().avx512f {
+        // Input column 0 sits at padded column `left`: the even input columns go to
+        // phase `left % 2`, the odd ones to the other, both from one read of the row.
+        let (p0, p1) = staged.split_at_mut(plane_len);
+        let p1 = &mut p1[..plane_len];
+        let (even_px, odd_px) = (left % 2, 1 - left % 2);
+        let (even_plane, odd_plane) = if even_px == 0 { (p0, p1) } else { (p1, p0) };
+        let (even_span, odd_span) = (span(even_px), span(odd_px));
+        for (i, row) in src.chunks_exact(w).take(h).enumerate() {
+            let at = (top + i) * wq;
+            let evens = &mut even_plane[at..at + wq];
+            let odds = &mut odd_plane[at..at + wq];
+            evens[..even_span.0].fill(0.0);
+            evens[even_span.1..].fill(0.0);
+            odds[..odd_span.0].fill(0.0);
+            odds[odd_span.1..].fill(0.0);
+            // SAFETY: AVX-512F was detected.
+            unsafe {
+                split_pairs_avx512(
+                    row,
+                    &mut evens[even_span.0..even_span.1],
+                    &mut odds[odd_span.0..odd_span.1],
+                )
+            };
+        }
+        return;
+    }
+    for (px, plane) in staged.chunks_exact_mut(plane_len).take(sx).enumerate() {
+        let (first, end) = span(px);
         for (i, row) in src.chunks_exact(w).take(h).enumerate() {
             let dst = &mut plane[(top + i) * wq..(top + i + 1) * wq];
             dst[..first].fill(0.0);
@@ -149,47 +184,62 @@ fn stage_phases(
     }
 }
 
-/// `dst[j] = src[j * step]`.
-fn strided_copy(src: &[f32], step: usize, dst: &mut [f32]) {
-    if step == 1 {
-        dst.copy_from_slice(&src[..dst.len()]);
-        return;
-    }
-    let mut done = 0;
-    #[cfg(target_arch = "x86_64")]
-    if step == 2 && crate::isa::isa().avx512f {
-        // SAFETY: AVX-512F was detected.
-        done = unsafe { every_other_avx512(src, dst) };
-    }
-    for (j, v) in dst.iter_mut().enumerate().skip(done) {
-        *v = src[j * step];
-    }
-}
-
-/// `dst[j] = src[2 j]` for the leading vectors of 16 whose 32 sources lie inside
-/// `src`; returns how many values it wrote.
+/// `evens[t] = row[2 t]` and `odds[t] = row[2 t + 1]`, as many as each holds (and
+/// `row` has), from one pass over `row` in vectors of 32.
 ///
 /// # Safety
 /// AVX-512F must be available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn every_other_avx512(src: &[f32], dst: &mut [f32]) -> usize {
+unsafe fn split_pairs_avx512(row: &[f32], evens: &mut [f32], odds: &mut [f32]) {
     use std::arch::x86_64::*;
-    let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let mut j = 0;
-    while j + 16 <= dst.len() && 2 * j + 32 <= src.len() {
-        // SAFETY: the bounds were checked above.
+    let even_index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd_index = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    let n_even = evens.len().min(row.len().div_ceil(2));
+    let n_odd = odds.len().min(row.len() / 2);
+    let mut t = 0;
+    while t < n_even.max(n_odd) {
+        // `t < ceil(len / 2)`, so `2 t` is inside the row.
+        let have = (row.len() - 2 * t).min(32);
+        // SAFETY: the masks cover values inside the slices only.
         unsafe {
-            let lo = _mm512_loadu_ps(src.as_ptr().add(2 * j));
-            let hi = _mm512_loadu_ps(src.as_ptr().add(2 * j + 16));
-            _mm512_storeu_ps(
-                dst.as_mut_ptr().add(j),
-                _mm512_permutex2var_ps(lo, evens, hi),
+            let lo = _mm512_maskz_loadu_ps(lanes_mask(have), row.as_ptr().add(2 * t));
+            let hi = _mm512_maskz_loadu_ps(
+                lanes_mask(have.saturating_sub(16)),
+                row.as_ptr().wrapping_add(2 * t + 16),
+            );
+            let even_mask = lanes_mask(n_even.saturating_sub(t));
+            let odd_mask = lanes_mask(n_odd.saturating_sub(t));
+            _mm512_mask_storeu_ps(
+                evens.as_mut_ptr().wrapping_add(t),
+                even_mask,
+                _mm512_permutex2var_ps(lo, even_index, hi),
+            );
+            _mm512_mask_storeu_ps(
+                odds.as_mut_ptr().wrapping_add(t),
+                odd_mask,
+                _mm512_permutex2var_ps(lo, odd_index, hi),
             );
         }
-        j += 16;
+        t += 16;
     }
-    j
+}
+
+/// `dst[j] = src[j * step]`.
+fn strided_copy(src: &[f32], step: usize, dst: &mut [f32]) {
+    if step == 1 {
+        dst.copy_from_slice(&src[..dst.len()]);
+    } else {
+        for (j, v) in dst.iter_mut().enumerate() {
+            *v = src[j * step];
+        }
+    }
+}
+
+/// The first `n` (at most 16) lanes.
+#[cfg(target_arch = "x86_64")]
+fn lanes_mask(n: usize) -> u16 {
+    if n >= 16 { u16::MAX } else { (1u16 << n) - 1 }
 }
 
 /// The most taps [`plane_avx512`] takes (their offsets live on the stack); larger
@@ -233,12 +283,7 @@ unsafe fn plane_avx512(
             let (y, x) = ((v + i) / per_row, (v + i) % per_row * 16);
             src[i] = y * row_pitch + x;
             at[i] = y * ow + x;
-            let lanes = (ow - x).min(16);
-            mask[i] = if lanes == 16 {
-                u16::MAX
-            } else {
-                (1u16 << lanes) - 1
-            };
+            mask[i] = lanes_mask(ow - x);
         }
         let mut acc = [_mm512_setzero_ps(); VECTORS_AT_ONCE];
         if mask == [u16::MAX; VECTORS_AT_ONCE] {
