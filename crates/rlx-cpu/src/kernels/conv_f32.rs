@@ -48,7 +48,10 @@ fn pixel_block(per_pixel: usize, pixels: usize, budget: usize) -> usize {
     let nr = crate::gemm::packed_panel_width(pixels);
     let fit = budget / 4 / per_pixel.max(1);
     let fit = (fit / nr * nr).max(nr);
-    let blocks = pixels.div_ceil(fit).max(1);
+    // Up to an eighth over the budget rather than one more block: 49 pixels at 48 per
+    // block made a second block of one pixel that packed and multiplied all the
+    // weights again.
+    let blocks = pixels.div_ceil(fit + fit / 8).max(1);
     (pixels.div_ceil(blocks).div_ceil(nr) * nr).min(pixels.max(1))
 }
 
@@ -288,10 +291,17 @@ pub(crate) fn groups_of(x: &Shape, w: &Shape) -> usize {
     (x.dim(1) / w.dim(1).max(1)).max(1)
 }
 
+/// Past this many taps a convolution packs its `(channel, tap)` rows even with many
+/// channels: per tap, every tap's product reads and writes the whole output block
+/// again for a depth of only `cg` (wav2vec2's 128-tap grouped positional
+/// convolution took 15.6 ms per tap, 6.8 ms packed).
+const PER_TAP_MAX_TAPS: usize = 25;
+
 /// Whether a convolution with `cg` input channels per group multiplies per tap and
 /// so reads its weights regrouped by tap.
 pub(crate) fn by_tap(win: &Window2d, cg: usize) -> bool {
-    win.kernel[0] * win.kernel[1] > 1 && cg >= PER_TAP_MIN_CHANNELS
+    let taps = win.kernel[0] * win.kernel[1];
+    taps > 1 && taps <= PER_TAP_MAX_TAPS && cg >= PER_TAP_MIN_CHANNELS
 }
 
 /// `f64` scratch an f32 convolution needs: its weights regrouped by tap (or
