@@ -2309,7 +2309,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 31] = [
+    let cases: [ConvCase; 32] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
         // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
         // of several images in one task.
@@ -2508,6 +2508,16 @@ fn conv2d_variants() {
             [64, 32, 3, 3],
             [1, 1],
             [1, 1, 1, 1],
+            [1, 1],
+            2,
+        ),
+        // Many taps over many channels (a positional convolution's): packed rows, not
+        // a product per tap; 49 pixels in one block.
+        (
+            [1, 64, 1, 49],
+            [64, 32, 1, 30],
+            [1, 1],
+            [0, 15, 0, 14],
             [1, 1],
             2,
         ),
