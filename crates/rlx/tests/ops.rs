@@ -2309,7 +2309,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 32] = [
+    let cases: [ConvCase; 33] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
         // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
         // of several images in one task.
@@ -2511,6 +2511,16 @@ fn conv2d_variants() {
             [1, 1],
             2,
         ),
+        // Weights far larger than one image's input: threads split the output
+        // channels (250: a partial last panel).
+        (
+            [1, 8, 6, 5],
+            [250, 8, 3, 3],
+            [1, 1],
+            [1, 1, 1, 1],
+            [1, 1],
+            1,
+        ),
         // Many taps over many channels (a positional convolution's): packed rows, not
         // a product per tap; 49 pixels in one block.
         (
@@ -2554,7 +2564,22 @@ fn conv2d_variants() {
             },
         );
     }
-    // Output channels split between threads, with a bias, ReLU and residual.
+    // Output channels split between threads, with a bias, ReLU and residual: by the
+    // per-pixel kernel, then by the GEMM.
+    s.check(
+        "conv2d 3x3 by channel parts + relu + residual",
+        &[
+            inp("x", &[1, 6, 5, 4], DType::F32),
+            inp("w", &[200, 6, 3, 3], DType::F32),
+            inp("b", &[200], DType::F32),
+            inp("r", &[1, 200, 5, 4], DType::F32),
+        ],
+        acc(55),
+        |g, x| {
+            let y = g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [1, 1, 1, 1], [1, 1], 1)?;
+            one(g.add(g.relu(y)?, x[3])?)
+        },
+    );
     s.check(
         "conv2d 1x1 by channel parts + relu + residual",
         &[

@@ -205,8 +205,19 @@ pub(crate) fn conv2d(
         return Ok(());
     }
     let threads = gemm.threads();
-    let blocking = Blocking::new(win, &geo, n, threads);
     let k = geo.cg * win.kernel[0] * win.kernel[1];
+    let panels = o.div_ceil(NR);
+    let group = panel_group();
+    // With fewer images than threads, threads split the output channels instead of
+    // the rows where the weights outweigh the image's staged input (a 14 x 14 layer
+    // of 256 channels: cut by rows, each thread streamed all 2.4 MB of weights for 7
+    // rows).
+    let by_channels = n < threads
+        && o * k >= geo.staged_len(geo.rows_read(win, geo.oh))
+        && panels >= 2 * group * threads.div_ceil(n);
+    let parts = if by_channels { threads.div_ceil(n) } else { 1 };
+    let part_panels = panels.div_ceil(group).div_ceil(parts) * group;
+    let blocking = Blocking::new(win, &geo, n * parts, threads);
     // SAFETY: an f32 tensor of `x.len` values.
     let xs = unsafe { std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len) };
     let out_addr = out.ptr as usize;
@@ -217,6 +228,11 @@ pub(crate) fn conv2d(
         && finish.affine.is_none()
         && matches!(finish.activation, None | Some(Activation::Relu));
     let task = |u: usize, thread: usize| {
+        let (u, part) = (u / parts, u % parts);
+        let part_range = part * part_panels..((part + 1) * part_panels).min(panels);
+        if part_range.is_empty() {
+            return;
+        }
         let (image, block) = (u / blocking.blocks, u % blocking.blocks);
         let y0 = block * blocking.rows;
         let rows = blocking.rows.min(geo.oh - y0);
@@ -244,10 +260,8 @@ pub(crate) fn conv2d(
             last: block_pixels - 1,
         };
         let step_offsets: &[u32] = as_offsets(offsets);
-        let panels = o.div_ceil(NR);
-        let group = panel_group();
-        for q0 in (0..panels).step_by(group) {
-            let count = group.min(panels - q0);
+        for q0 in part_range.clone().step_by(group) {
+            let count = group.min(part_range.end - q0);
             let stored: [Option<StoreFinish>; MAX_GROUP] = std::array::from_fn(|v| {
                 in_store.then(|| StoreFinish {
                     bias: std::array::from_fn(|j| {
@@ -309,7 +323,7 @@ pub(crate) fn conv2d(
             }
         }
     };
-    pool.run(n * blocking.blocks, threads, &task)
+    pool.run(n * blocking.blocks * parts, threads, &task)
 }
 
 /// Reads `f32` scratch as the `u32` offsets stored in it.
