@@ -144,6 +144,8 @@ fn native_ops() -> NativeOps {
         "gelu",
         "gelu_tanh",
         "silu",
+        "relu6",
+        "hard_swish",
         "where",
         "cast",
         "matmul",

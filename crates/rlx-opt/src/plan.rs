@@ -320,7 +320,9 @@ fn run_stages(
                 Some(crate::fuse::fuse_attention_layout(&graph))
             }
             Stage::FuseActivations if f.activations => {
-                Some(crate::recognize::recognize_activations(&graph))
+                Some(crate::recognize::recognize_activations(&graph, &|op| {
+                    options.native.runs(op)
+                }))
             }
             Stage::FuseHoist if f.hoist_gathered_matmuls => {
                 // Gathered products first: the product they hoist may read a slice.

@@ -204,8 +204,10 @@ fn match_relu6(
 }
 
 /// Replaces every spelled-out exact GELU by one `gelu` node, every
-/// `x * sigmoid(x)` by one `silu` node, and every clamp to `[0, 6]` by one `relu6`.
-pub fn recognize_activations(graph: &Graph) -> Fused {
+/// `x * sigmoid(x)` by one `silu` node, and every clamp to `[0, 6]` by one `relu6`,
+/// each only where `runs` says the backend runs the activation natively (the
+/// decompositions ran before this).
+pub fn recognize_activations(graph: &Graph, runs: &dyn Fn(&Op) -> bool) -> Fused {
     let nodes = graph.nodes();
     let uses = use_counts(graph);
     let mut at_end: Vec<Option<(NodeId, UnaryOp)>> = vec![None; nodes.len()];
@@ -222,6 +224,7 @@ pub fn recognize_activations(graph: &Graph) -> Fused {
                     .map(|(x, replaced)| (x, replaced, UnaryOp::Relu6))
             });
         if let Some((x, replaced, activation)) = found
+            && runs(&Op::Unary(activation))
             && replaced.iter().all(|&n| !absorbed[n])
         {
             for &n in &replaced {

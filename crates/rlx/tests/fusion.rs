@@ -2045,6 +2045,20 @@ fn a_clamp_to_relu6_joins_the_convolution() {
             plan.graph
         );
         check(&g, &mut rng, &format!("clamp form {form} to {bounds:?}"));
+        // A backend without relu6 keeps the clamp as it is.
+        let names = ["conv2d", "fused_conv2d", "max", "min", "elementwise"];
+        let without = PlanOptions {
+            native: rlx::ir::decompose::NativeOps::Only(
+                names.iter().map(|s| s.to_string()).collect(),
+            ),
+            ..all_passes()
+        };
+        let plan = plan_graph(&g, &without).unwrap();
+        assert!(
+            !plan.graph.nodes().iter().any(|n| n.op.name() == "relu6"),
+            "{}",
+            plan.graph
+        );
     }
 }
 
