@@ -1723,6 +1723,16 @@ fn slices() {
             move |g, x| one(g.slice_axes(x[0], &axes)?),
         );
     }
+    // One depth tap of 3x3x3 filters: rows of nine values (copied under a mask with
+    // AVX-512), in four-byte and other element sizes.
+    for dt in [DType::F32, DType::I32, DType::F64] {
+        s.check(
+            &format!("slice of short rows {dt}"),
+            &[inp("x", &[7, 5, 3, 3, 3], dt)],
+            EW,
+            |g, x| one(g.slice(x[0], 2, 1, 2, 1)?),
+        );
+    }
     // Several axes at once, and contiguous slices (views) feeding elementwise ops.
     s.check(
         "slice_axes",

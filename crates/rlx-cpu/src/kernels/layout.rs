@@ -101,6 +101,14 @@ impl RowWalk {
         let (inner, step, block_rows, row_step) =
             (self.inner, self.step, self.block_rows, self.row_step);
         let block = block_rows * inner;
+        // Rows of fewer than 16 four-byte values (a 3x3 filter's nine weights) under a
+        // mask on AVX-512: a `memcpy` call per row cost more than the copy (3.5 ms for
+        // a 512-channel 3x3x3 filter's depth tap).
+        #[cfg(target_arch = "x86_64")]
+        let short_rows =
+            step == 1 && inner < 16 && std::mem::size_of::<T>() == 4 && crate::isa::isa().avx512f;
+        #[cfg(not(target_arch = "x86_64"))]
+        let short_rows = false;
         let dims = &self.dims[..self.walked];
         // The odometer starts at block `range.start`.
         let mut idx = [0usize; MAX_RANK];
@@ -114,7 +122,16 @@ impl RowWalk {
             // SAFETY: block `at` of the output, and the elements of `x` it selects.
             unsafe {
                 let d = dst.add(at * block);
-                for r in 0..block_rows {
+                #[cfg(target_arch = "x86_64")]
+                if short_rows {
+                    copy_short_rows_avx512(
+                        src.cast::<u32>(),
+                        (offset, row_step),
+                        d.cast::<u32>(),
+                        (block_rows, inner),
+                    );
+                }
+                for r in (0..block_rows).filter(|_| !short_rows) {
                     let (from, to) = (offset + r as isize * row_step, d.add(r * inner));
                     if step == 1 {
                         std::ptr::copy_nonoverlapping(src.offset(from), to, inner);
@@ -136,6 +153,34 @@ impl RowWalk {
                 offset -= self.steps[axis] * dims[axis] as isize;
                 idx[axis] = 0;
             }
+        }
+    }
+}
+
+/// Copies `rows` rows of `inner` (< 16) values, row `r` from `src + offset + r *
+/// row_step`, to `dst` one after another, each under a mask.
+///
+/// # Safety
+/// AVX-512F must be available; every row read lies inside the source and the rows
+/// written inside the destination.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn copy_short_rows_avx512(
+    src: *const u32,
+    (offset, row_step): (isize, isize),
+    dst: *mut u32,
+    (rows, inner): (usize, usize),
+) {
+    use std::arch::x86_64::{_mm512_mask_storeu_epi32, _mm512_maskz_loadu_epi32};
+    let mask = ((1u32 << inner) - 1) as u16;
+    for r in 0..rows {
+        // SAFETY: the masked lanes are the row's values (see the contract).
+        unsafe {
+            let values = _mm512_maskz_loadu_epi32(
+                mask,
+                src.offset(offset + r as isize * row_step).cast::<i32>(),
+            );
+            _mm512_mask_storeu_epi32(dst.add(r * inner).cast::<i32>(), mask, values);
         }
     }
 }
