@@ -21,6 +21,7 @@ Usage:
     python3 bench/zoo.py [--models a,b,...] [--threads 2] [--rounds 3]
                          [--json FILE] [--plot FILE.png] [--export-only] [--list]
     python3 bench/zoo.py --check [--models ...]   # outputs and RLX's profile only
+    python3 bench/zoo.py --ort-profile [--models ...]  # ONNX Runtime's per-node profile
 
 It makes its own virtual environment in the cache ($RLX_CACHE or ~/.cache/rlx) with
 pinned PyTorch, torchvision, transformers, onnx, onnxscript and ONNX Runtime, and
@@ -162,6 +163,49 @@ def difference(rlx, model, files, tmp):
     return worst
 
 
+def ort_profile(name, threads, runs=20, top=12):
+    """ONNX Runtime's own per-node profile of one model: time per op type, then the
+    slowest nodes, per run (what ORT fused into what shows in the node names)."""
+    import collections
+    import tempfile
+
+    import numpy as np
+    import onnxruntime as ort
+
+    model, files = ensure_export(name)
+    feeds = {k: np.load(p) for k, p in files.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(Path(tmp) / "ort")
+        session = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
+        for _ in range(3 + runs):
+            session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    by_op, by_node, seen, order = collections.Counter(), collections.Counter(), collections.Counter(), {}
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            node = e["name"][: -len("_kernel_time")]
+            seen[node] += 1
+            order.setdefault(node, (e["args"]["op_name"], e["args"].get("output_type_shape")))
+            # Each node's first three runs are warm-up.
+            if seen[node] > 3:
+                by_op[e["args"]["op_name"]] += e["dur"]
+                by_node[node] += e["dur"]
+    scale = 1.0 / (1000.0 * runs)
+    print(f"{name}: ONNX Runtime, {threads} threads, {sum(by_op.values()) * scale:.3f} ms a run in kernels")
+    for op, us in by_op.most_common():
+        print(f"  {op:<28} {us * scale:8.3f} ms")
+    print("  slowest nodes:")
+    for node, us in by_node.most_common(top):
+        op, shape = order[node]
+        print(f"    {us * scale:8.3f} ms  {op:<16} {str(shape)[:48]:<48} {node[-60:]}")
+
+
 def compare(rlx, name, args):
     import tempfile
 
@@ -257,6 +301,8 @@ def main():
     parser.add_argument("--check", action="store_true",
                         help="compare outputs and print RLX's kernel profile; time nothing side by side")
     parser.add_argument("--top", type=int, default=8, help="with --check, kernels of the profile to print")
+    parser.add_argument("--ort-profile", action="store_true",
+                        help="print ONNX Runtime's own per-node profile of each model and stop")
     args = parser.parse_args()
     if args.list:
         for m in MODELS:
@@ -282,6 +328,10 @@ def main():
             failures.append({"model": name, "error": f"export failed: {e}"})
             names.remove(name)
     if args.export_only:
+        sys.exit(1 if failures else 0)
+    if args.ort_profile:
+        for name in names:
+            ort_profile(name, args.threads, top=args.top)
         sys.exit(1 if failures else 0)
     rlx = rlx_binary()
     for name in names:
