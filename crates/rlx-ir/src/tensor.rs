@@ -339,13 +339,18 @@ fn pod_bytes<T: Copy>(values: &[T]) -> &[u8] {
 /// was a second pass over memory on every run.
 #[cfg(target_endian = "little")]
 fn values_from_le_bytes<T: Copy>(bytes: &[u8]) -> Vec<T> {
+    debug_assert!(bytes.len().is_multiple_of(std::mem::size_of::<T>()));
     let len = bytes.len() / std::mem::size_of::<T>();
     let mut out = Vec::<T>::with_capacity(len);
-    // SAFETY: the vector has room for `len` values, which is `bytes.len()` bytes;
-    // every bit pattern is a valid value of the number types this is used for, so
-    // the copied values are initialized.
+    // SAFETY: the vector has room for `len` values, `len * size_of::<T>()` bytes,
+    // all of them copied; every bit pattern is a valid value of the number types
+    // this is used for (not bool), so the copied values are initialized.
     unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr().cast::<u8>(), bytes.len());
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            out.as_mut_ptr().cast::<u8>(),
+            len * std::mem::size_of::<T>(),
+        );
         out.set_len(len);
     }
     out

@@ -2574,6 +2574,20 @@ fn conv2d_variants() {
             },
         );
     }
+    // A depthwise convolution of rows with no values: all padding, the output its
+    // bias.
+    for stride in [[1, 1], [1, 2]] {
+        s.check(
+            &format!("depthwise conv2d of zero-width rows, stride {stride:?}"),
+            &[
+                inp("x", &[1, 2, 3, 0], DType::F32),
+                inp("w", &[2, 1, 1, 3], DType::F32),
+                inp("b", &[2], DType::F32),
+            ],
+            acc(4),
+            move |g, x| one(g.conv2d(x[0], x[1], Some(x[2]), stride, [0, 2, 0, 2], [1, 1], 2)?),
+        );
+    }
     // Output channels split between threads, with a bias, ReLU and residual: by the
     // per-pixel kernel, then by the GEMM.
     s.check(

@@ -131,6 +131,11 @@ fn stage_phases(
     let [top, left, _, _] = win.padding;
     let (sx, wq) = (ph.sx, ph.wq);
     let plane_len = ph.plane_len();
+    if w == 0 {
+        // All padding (an empty input row has no chunks to walk).
+        staged[..sx * plane_len].fill(0.0);
+        return;
+    }
     // Phase `px`'s columns `first..end` hold input columns (padded column `j sx + px`
     // inside `left..left + w`), from input column `first sx + px - left` on.
     let span = |px: usize| {
@@ -404,6 +409,11 @@ fn stage_plane(
 ) {
     let [top, left, _, _] = win.padding;
     let wp = stage.wp;
+    if w == 0 {
+        // All padding (an empty input row has no chunks to walk).
+        staged[..stage.hp * wp].fill(0.0);
+        return;
+    }
     staged[..top * wp].fill(0.0);
     staged[(top + h) * wp..stage.hp * wp].fill(0.0);
     for (i, row) in src.chunks_exact(w).take(h).enumerate() {
