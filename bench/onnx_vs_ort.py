@@ -136,7 +136,9 @@ def time_rlx(rlx, model, bindings, files, runs, warmup, threads):
     return json.loads(subprocess.check_output(cmd, text=True))["times_ms"]
 
 
-def ort_session(model, threads):
+def ort_session(model, threads, profile_prefix=None):
+    """An ONNX Runtime session with all graph optimizations, sequential, `threads`
+    intra-op threads; with `profile_prefix`, profiling into files of that prefix."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -144,6 +146,9 @@ def ort_session(model, threads):
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if profile_prefix is not None:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(profile_prefix)
     return ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
 
 

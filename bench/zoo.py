@@ -170,19 +170,12 @@ def ort_profile(name, threads, runs=20, top=12):
     import tempfile
 
     import numpy as np
-    import onnxruntime as ort
+    from onnx_vs_ort import ort_session
 
     model, files = ensure_export(name)
     feeds = {k: np.load(p) for k, p in files.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.enable_profiling = True
-        opts.profile_file_prefix = str(Path(tmp) / "ort")
-        session = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
+        session = ort_session(model, threads, profile_prefix=Path(tmp) / "ort")
         for _ in range(3 + runs):
             session.run(None, feeds)
         events = json.loads(Path(session.end_profiling()).read_text())
