@@ -10,8 +10,8 @@
 #   FUZZ_EXTRA_SEEDS="D.." more seed directories (read, never written)
 #   FUZZ_ARGS="..."        more libFuzzer flags
 #
-# The onnx target also seeds from the ONNX backend node tests when the model cache
-# holds them (the onnx_node_suite test fetches them into $RLX_CACHE, else
+# The onnx target also seeds from the ONNX backend tests when the model cache
+# holds them (the onnx_backend_suite test fetches them into $RLX_CACHE, else
 # $XDG_CACHE_HOME/rlx or ~/.cache/rlx): their model.onnx files under 64 KiB are
 # copied to fuzz/node-seeds/ (ignored by git).
 #
@@ -45,7 +45,7 @@ for t in $targets; do
     if [ "$t" = onnx ]; then
         cache=${RLX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rlx}
         node_seeds="$root/fuzz/node-seeds"
-        for d in "$cache"/models/onnx-node-tests-*/*/; do
+        for d in "$cache"/models/onnx-backend-tests-*/*/*/; do
             [ -f "$d/model.onnx" ] || continue
             [ "$(stat -c %s "$d/model.onnx")" -lt 65536 ] || continue
             mkdir -p "$node_seeds"

@@ -93,8 +93,8 @@ build)
     cp target/release/rlx .device/tools/rlx
     strip .device/tools/rlx
     # The node suite, fetched by its test the way CI fetches it.
-    suite=${RLX_CACHE:-$HOME/.cache/rlx}/models/onnx-node-tests-1.22.0
-    [ -d "$suite" ] || cargo test -p rlx-models --test onnx_node_suite >/dev/null
+    suite=${RLX_CACHE:-$HOME/.cache/rlx}/models/onnx-backend-tests-1.22.0
+    [ -d "$suite" ] || cargo test -p rlx-models --test onnx_backend_suite >/dev/null
     tar czf .device/node-tests.tgz -C "$suite" .
     du -sh .device/*
     ;;
@@ -153,9 +153,9 @@ models)
     suite=/tmp/rlx-node-tests
     mkdir -p "$suite"
     tar xzf .device/node-tests.tgz -C "$suite"
-    ls -d "$suite"/test_* | xargs -P 8 -n 120 "$rlx" onnx-test --device cuda >"$out/nodes-cuda.log" 2>&1
+    ls -d "$suite"/*/test_* | xargs -P 8 -n 120 "$rlx" onnx-test --device cuda >"$out/nodes-cuda.log" 2>&1
     grep -E '^(PASS|FAIL|UNSUPPORTED) ' "$out/nodes-cuda.log" | sort >"$out/nodes-cuda-lines.txt"
-    expected=crates/rlx-models/tests/data/onnx_node_expected_pass.txt
+    expected=crates/rlx-models/tests/data/onnx_backend_expected_pass.txt
     passed=$(grep -c '^PASS ' "$out/nodes-cuda-lines.txt")
     grep '^PASS ' "$out/nodes-cuda-lines.txt" | awk '{print $2}' | sort >"$out/nodes-cuda-pass.txt"
     grep -v '^#' "$expected" | sed '/^$/d' | sort >"$out/nodes-cpu-pass.txt"

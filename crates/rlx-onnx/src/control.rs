@@ -49,6 +49,7 @@ fn slot_of(imp: &Importer, id: NodeId) -> Result<Slot> {
         shape: imp.graph().shape(id)?,
         known: None,
         node: Some(id),
+        items: None,
     })
 }
 
@@ -123,7 +124,7 @@ fn known_scalar(imp: &mut Importer, name: &str, slot: &Slot) -> Option<i64> {
         .and_then(|t| t.to_i64_vec().first().copied())
 }
 
-fn scalar_slot(v: i64, dtype: DType) -> Slot {
+pub(crate) fn scalar_slot(v: i64, dtype: DType) -> Slot {
     let data = TensorData::from_f64(dtype, &[v as f64]);
     Slot {
         shape: Shape::scalar(dtype),
@@ -132,6 +133,7 @@ fn scalar_slot(v: i64, dtype: DType) -> Slot {
             data,
         })),
         node: None,
+        items: None,
     }
 }
 

@@ -157,6 +157,21 @@ pub(crate) struct Slot {
     pub shape: Shape,
     pub known: Option<Rc<Tensor>>,
     pub node: Option<NodeId>,
+    /// For a sequence value, its elements (a sequence's length is known at import);
+    /// `shape`, `known` and `node` then describe nothing.
+    pub items: Option<Rc<Vec<Slot>>>,
+}
+
+impl Slot {
+    /// A sequence of `items`.
+    pub fn sequence(items: Vec<Slot>) -> Slot {
+        Slot {
+            shape: Shape::scalar(DType::F32),
+            known: None,
+            node: None,
+            items: Some(Rc::new(items)),
+        }
+    }
 }
 
 /// Where a converter's known operands become nodes.
@@ -534,6 +549,16 @@ impl<'m> Importer<'m> {
         let mut names = Vec::new();
         for out in &gp.output {
             let name = out.name.clone().unwrap_or_default();
+            let items = self.lookup(&name).and_then(|s| s.items.clone());
+            if let Some(items) = items {
+                // A sequence output is returned as one output per element.
+                for (i, item) in items.iter().enumerate() {
+                    let item_name = crate::model::sequence_item_name(&name, i);
+                    outputs.push(self.node_of(&item_name, item)?);
+                    names.push(item_name);
+                }
+                continue;
+            }
             let id = self.output_node(&name)?;
             check_declared(&self.graph, id, &value_info(out), "output")?;
             outputs.push(id);
@@ -575,6 +600,7 @@ impl<'m> Importer<'m> {
                     shape,
                     known: Some(Rc::new(tensor)),
                     node: None,
+                    items: None,
                 },
             );
         }
@@ -601,6 +627,11 @@ impl<'m> Importer<'m> {
                     kind: "input",
                     name: info.name,
                 });
+            }
+            if let Some(dtype) = info.sequence_of {
+                let items = self.add_sequence_input(&info.name, dtype, &mut seen)?;
+                self.define(&info.name, Slot::sequence(items));
+                continue;
             }
             let dtype = info.dtype.ok_or_else(|| {
                 unsupported(format!("input '{}' of type {}", info.name, info.type_name))
@@ -630,6 +661,7 @@ impl<'m> Importer<'m> {
                     shape,
                     known: None,
                     node: Some(id),
+                    items: None,
                 },
             );
         }
@@ -643,6 +675,49 @@ impl<'m> Importer<'m> {
             }
         }
         Ok(())
+    }
+
+    /// The elements of the sequence input `name`: one graph input per element given
+    /// as `name[0]`, `name[1]`, ... (none given: the empty sequence).
+    fn add_sequence_input(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        seen: &mut HashSet<String>,
+    ) -> Result<Vec<Slot>> {
+        let mut items = Vec::new();
+        loop {
+            let item = crate::model::sequence_item_name(name, items.len());
+            let Some(dims) = self.options.input_dims.get(&item).cloned() else {
+                break;
+            };
+            crate::tensor::checked_dims(
+                &dims.iter().map(|&d| d as i64).collect::<Vec<_>>(),
+                dtype,
+                &format!("input '{item}'"),
+            )?;
+            let shape = Shape::new(&dims, dtype);
+            let id = self.graph.input(item.clone(), shape.clone())?;
+            if let Some(v) = self.options.input_values.get(&item) {
+                if v.data.dtype() != dtype {
+                    return Err(Error::dtype(
+                        format!("input '{item}'"),
+                        dtype.name(),
+                        v.data.dtype(),
+                    ));
+                }
+                self.hints.insert(id, v.clone());
+            }
+            self.inputs.push((item.clone(), shape.clone()));
+            seen.insert(item);
+            items.push(Slot {
+                shape,
+                known: None,
+                node: Some(id),
+                items: None,
+            });
+        }
+        Ok(items)
     }
 
     fn input_dims(&self, info: &ValueInfo) -> Result<Vec<usize>> {
@@ -737,6 +812,7 @@ impl<'m> Importer<'m> {
         }
         let outputs = match op_type {
             "If" | "Loop" | "Scan" | "FlexAttention" => crate::control::import(self, node)?,
+            _ if crate::sequence::handles(self, node) => crate::sequence::import(self, node)?,
             _ => {
                 let conv = ops::converter(op_type)
                     .ok_or_else(|| unsupported(format!("operator {op_type}")))?;
@@ -793,6 +869,12 @@ impl<'m> Importer<'m> {
     pub(crate) fn convert(&mut self, node: &NodeProto, conv: Converter) -> Result<Vec<Slot>> {
         let operands = self.operands(node)?;
         let op_type = node.op_type.as_deref().unwrap_or("");
+        if let Some(o) = operands.iter().flatten().find(|o| o.slot.items.is_some()) {
+            return Err(unsupported(format!(
+                "'{}', a sequence, as an operand of {op_type}",
+                o.name
+            )));
+        }
         let all_known = operands.iter().flatten().all(|o| o.slot.known.is_some());
         let known_elems: usize = operands
             .iter()
@@ -841,7 +923,7 @@ impl<'m> Importer<'m> {
     }
 
     /// The slot of a node just built; a constant node's value is known.
-    fn slot_for(&self, id: NodeId) -> Result<Slot> {
+    pub(crate) fn slot_for(&self, id: NodeId) -> Result<Slot> {
         let node = self.graph.node(id)?;
         let known = match node.op {
             rlx_ir::Op::Constant { id: c } => self.graph.constants().get(c).map(|data| {
@@ -856,6 +938,7 @@ impl<'m> Importer<'m> {
             shape: node.shape,
             known,
             node: Some(id),
+            items: None,
         })
     }
 
@@ -950,6 +1033,11 @@ impl<'m> Importer<'m> {
 
     /// Materializes a slot as a node of the graph.
     pub(crate) fn node_of(&mut self, name: &str, slot: &Slot) -> Result<NodeId> {
+        if slot.items.is_some() {
+            return Err(unsupported(format!(
+                "'{name}', a sequence, where a tensor is expected"
+            )));
+        }
         if let Some(id) = slot.node {
             return Ok(id);
         }
@@ -1010,6 +1098,7 @@ fn known_slot_from(shape: Shape, t: Tensor) -> Slot {
         shape,
         known: Some(Rc::new(t)),
         node: None,
+        items: None,
     }
 }
 

@@ -23,10 +23,11 @@ mod import;
 mod model;
 mod ops;
 pub mod proto;
+mod sequence;
 mod tensor;
 
 pub use import::{ImportOptions, ImportedGraph};
-pub use model::{Dim, OnnxModel, ValueInfo};
+pub use model::{Dim, OnnxModel, ValueInfo, sequence_item_name};
 pub use ops::supported_ops;
 pub use tensor::{
     Tensor, checked_dims, decode_tensor, dtype_from_onnx, dtype_to_onnx, onnx_type_name,

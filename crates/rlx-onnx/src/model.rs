@@ -42,6 +42,16 @@ pub struct ValueInfo {
     pub type_name: String,
     /// The declared dims, when a shape is declared.
     pub dims: Option<Vec<Dim>>,
+    /// For a sequence of tensors: the tensors' element type, when RLX supports it.
+    /// Such a value is given and returned as one tensor per element, named
+    /// `name[0]`, `name[1]`, ... (see [`sequence_item_name`]).
+    pub sequence_of: Option<DType>,
+}
+
+/// The name under which element `index` of the sequence input or output `name` is
+/// given to or returned from a run: `name[index]`.
+pub fn sequence_item_name(name: &str, index: usize) -> String {
+    format!("{name}[{index}]")
 }
 
 impl fmt::Display for ValueInfo {
@@ -57,6 +67,7 @@ impl fmt::Display for ValueInfo {
 
 pub(crate) fn value_info(v: &ValueInfoProto) -> ValueInfo {
     let name = v.name.clone().unwrap_or_default();
+    let mut sequence_of = None;
     let (dtype, type_name, dims) = match v.r#type.as_ref().and_then(|t| t.value.as_ref()) {
         Some(type_proto::Value::TensorType(t)) => {
             let code = t.elem_type.unwrap_or(0);
@@ -81,7 +92,22 @@ pub(crate) fn value_info(v: &ValueInfoProto) -> ValueInfo {
                 dims,
             )
         }
-        Some(type_proto::Value::SequenceType(_)) => (None, "sequence".to_string(), None),
+        Some(type_proto::Value::SequenceType(seq)) => {
+            let elem = seq
+                .elem_type
+                .as_ref()
+                .and_then(|t| t.value.as_ref())
+                .and_then(|v| match v {
+                    type_proto::Value::TensorType(t) => Some(t.elem_type.unwrap_or(0)),
+                    _ => None,
+                });
+            sequence_of = elem.and_then(|code| dtype_from_onnx(code, &name).ok());
+            let inner = match elem {
+                Some(code) => format!("tensor({})", onnx_type_name(code).to_lowercase()),
+                None => "?".to_string(),
+            };
+            (None, format!("seq({inner})"), None)
+        }
         Some(type_proto::Value::MapType(_)) => (None, "map".to_string(), None),
         Some(type_proto::Value::OptionalType(_)) => (None, "optional".to_string(), None),
         Some(type_proto::Value::SparseTensorType(_)) => (None, "sparse_tensor".to_string(), None),
@@ -92,6 +118,7 @@ pub(crate) fn value_info(v: &ValueInfoProto) -> ValueInfo {
         dtype,
         type_name,
         dims,
+        sequence_of,
     }
 }
 

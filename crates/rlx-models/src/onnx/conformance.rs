@@ -1,26 +1,37 @@
 //! The ONNX backend-test format: a directory with `model.onnx` and
-//! `test_data_set_*/input_*.pb` + `output_*.pb` (serialized `TensorProto`s). Each test
-//! is imported with its inputs' shapes, run on the CPU and compared with the expected
-//! outputs (rtol 1e-3, atol 1e-7, unless the test's `data.json` says otherwise).
+//! `test_data_set_*/input_*.pb` + `output_*.pb` (serialized `TensorProto`s, or
+//! `SequenceProto`s for sequence values). Each test is imported with its inputs'
+//! shapes, run on the CPU and compared with the expected outputs (rtol 1e-3, atol
+//! 1e-7, unless the test's `data.json` says otherwise). A sequence is given and
+//! returned one tensor per element (`name[0]`, `name[1]`, ...).
 
 use super::OnnxSession;
 use crate::PackagedModel;
 use prost::Message;
 use rlx_ir::{Error, Result, TensorData};
-use rlx_onnx::proto::TensorProto;
-use rlx_onnx::{OnnxModel, Tensor, decode_tensor};
+use rlx_onnx::proto::{SequenceProto, TensorProto};
+use rlx_onnx::{OnnxModel, Tensor, ValueInfo, decode_tensor, sequence_item_name};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// The ONNX backend node tests: the `onnx` package's `backend/test/data/node`
-/// directory (1765 tests in this version), fetched into the cache like a model.
-pub const ONNX_NODE_TESTS: PackagedModel = PackagedModel {
-    name: "onnx-node-tests",
+/// The ONNX backend tests: the `onnx` package's `backend/test/data` directory,
+/// fetched into the cache like a model. It holds the node tests (`node/`, 1765 in
+/// this version), models converted from PyTorch modules (`pytorch-converted/`,
+/// `pytorch-operator/`) and small multi-node models (`simple/`); `discover` over it
+/// finds them all.
+pub const ONNX_BACKEND_TESTS: PackagedModel = PackagedModel {
+    name: "onnx-backend-tests",
     package: "onnx",
     version: "1.22.0",
-    dir_in_wheel: "onnx/backend/test/data/node",
-    required: &["test_abs/model.onnx", "test_add/test_data_set_0/input_0.pb"],
-    description: "the ONNX backend node tests of onnx 1.22.0",
+    dir_in_wheel: "onnx/backend/test/data",
+    required: &[
+        "node/test_abs/model.onnx",
+        "node/test_add/test_data_set_0/input_0.pb",
+        "pytorch-converted/test_Conv3d/model.onnx",
+        "pytorch-operator/test_operator_add_broadcast/model.onnx",
+        "simple/test_sequence_model1/model.onnx",
+    ],
+    description: "the ONNX backend tests of onnx 1.22.0",
     generation: &[],
 };
 
@@ -122,6 +133,43 @@ fn read_tensor(path: &Path) -> Result<Tensor> {
     decode_tensor(&proto, path.parent(), &path.display().to_string())
 }
 
+/// The elements of a serialized `SequenceProto` of tensors.
+fn read_sequence(path: &Path) -> Result<Vec<Tensor>> {
+    let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+    let proto = SequenceProto::decode(bytes.as_slice()).map_err(|e| Error::Format {
+        path: path.display().to_string(),
+        message: format!("not a SequenceProto: {e}"),
+    })?;
+    if !matches!(proto.elem_type, None | Some(0) | Some(1)) {
+        return Err(Error::Unsupported {
+            device: "onnx import".into(),
+            what: format!("a sequence of element kind {:?}", proto.elem_type),
+        });
+    }
+    proto
+        .tensor_values
+        .iter()
+        .enumerate()
+        .map(|(i, t)| decode_tensor(t, path.parent(), &format!("{}[{i}]", path.display())))
+        .collect()
+}
+
+/// The values in `files` for the declared `values` (in order), named as a run takes
+/// and returns them: a tensor by its name, a sequence's elements as `name[i]`.
+fn read_values(values: &[ValueInfo], files: &[PathBuf]) -> Result<Vec<(String, Tensor)>> {
+    let mut out = Vec::new();
+    for (v, file) in values.iter().zip(files) {
+        if v.sequence_of.is_some() {
+            for (i, t) in read_sequence(file)?.into_iter().enumerate() {
+                out.push((sequence_item_name(&v.name, i), t));
+            }
+        } else {
+            out.push((v.name.clone(), read_tensor(file)?));
+        }
+    }
+    Ok(out)
+}
+
 /// The numbered files `prefix_0.pb`, `prefix_1.pb`, ... in `dir`.
 fn numbered(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     (0..)
@@ -154,13 +202,15 @@ pub fn run_case_on(dir: &Path, device: rlx_driver::Device) -> CaseResult {
 fn try_case(dir: &Path, device: rlx_driver::Device) -> Result<Option<String>> {
     let model = OnnxModel::load(dir.join("model.onnx"))?;
     let declared = model.inputs();
-    if let Some(v) = declared.iter().find(|v| v.dtype.is_none()) {
+    let declared_outputs = model.outputs();
+    let supported = |v: &&ValueInfo| v.dtype.is_some() || v.sequence_of.is_some();
+    if let Some(v) = declared.iter().find(|v| !supported(v)) {
         return Err(Error::Unsupported {
             device: "onnx import".into(),
             what: format!("input '{}' of type {}", v.name, v.type_name),
         });
     }
-    if let Some(v) = model.outputs().iter().find(|v| v.dtype.is_none()) {
+    if let Some(v) = declared_outputs.iter().find(|v| !supported(v)) {
         return Err(Error::Unsupported {
             device: "onnx import".into(),
             what: format!("output '{}' of type {}", v.name, v.type_name),
@@ -185,29 +235,31 @@ fn try_case(dir: &Path, device: rlx_driver::Device) -> Result<Option<String>> {
     }
     let mut session = OnnxSession::on_device(model, device, rlx_runtime::CompileOptions::new());
     for set in sets {
-        let inputs: Vec<Tensor> = numbered(&set, "input")
-            .iter()
-            .map(|p| read_tensor(p))
-            .collect::<Result<_>>()?;
-        let expected: Vec<Tensor> = numbered(&set, "output")
-            .iter()
-            .map(|p| read_tensor(p))
-            .collect::<Result<_>>()?;
-        if inputs.len() != declared.len() {
+        let input_files = numbered(&set, "input");
+        let output_files = numbered(&set, "output");
+        if input_files.len() != declared.len() {
             return Err(Error::invalid(
                 set.display().to_string(),
                 format!(
                     "{} input files for {} model inputs",
-                    inputs.len(),
+                    input_files.len(),
                     declared.len()
                 ),
             ));
         }
-        let named: Vec<(&str, &Tensor)> = declared
-            .iter()
-            .map(|v| v.name.as_str())
-            .zip(inputs.iter())
-            .collect();
+        if output_files.len() != declared_outputs.len() {
+            return Err(Error::invalid(
+                set.display().to_string(),
+                format!(
+                    "{} output files for {} model outputs",
+                    output_files.len(),
+                    declared_outputs.len()
+                ),
+            ));
+        }
+        let inputs = read_values(&declared, &input_files)?;
+        let expected = read_values(&declared_outputs, &output_files)?;
+        let named: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let got = session.run(&named, &BTreeMap::new())?;
         if got.len() != expected.len() {
             return Ok(Some(format!(
@@ -216,7 +268,12 @@ fn try_case(dir: &Path, device: rlx_driver::Device) -> Result<Option<String>> {
                 expected.len()
             )));
         }
-        for (k, ((name, g), e)) in got.iter().zip(&expected).enumerate() {
+        for (k, ((name, g), (want_name, e))) in got.iter().zip(&expected).enumerate() {
+            if name != want_name {
+                return Ok(Some(format!(
+                    "output {k} is '{name}', expected '{want_name}'"
+                )));
+            }
             if let Some(why) = compare(g, e, rtol, atol) {
                 return Ok(Some(format!("output {k} ('{name}'): {why}")));
             }

@@ -362,8 +362,16 @@ fn negative_slope(cx: &mut Cx, alpha: f64) -> Result<Vec<NodeId>> {
 }
 
 fn prelu(cx: &mut Cx) -> Result<Vec<NodeId>> {
-    let (x, slope) = (cx.input(0)?, cx.input(1)?);
+    let (x, mut slope) = (cx.input(0)?, cx.input(1)?);
     let dt = cx.dtype(0)?;
+    let (x_dims, slope_dims) = (cx.dims(0)?, cx.dims(1)?);
+    // Before opset 7 there was no numpy broadcasting: a 1-D slope with one value per
+    // channel applies along axis 1 (as older exporters wrote per-channel PReLU).
+    if cx.opset < 7 && x_dims.len() >= 2 && slope_dims.len() == 1 && slope_dims[0] == x_dims[1] {
+        let mut dims = vec![1; x_dims.len() - 1];
+        dims[0] = x_dims[1];
+        slope = cx.g.reshape(slope, &dims)?;
+    }
     let neg = cx.g.lt(x, scalar(cx, 0.0, dt))?;
     Ok(vec![cx.g.select(neg, cx.g.mul(x, slope)?, x)?])
 }

@@ -61,6 +61,7 @@ pub fn supported_ops() -> Vec<&'static str> {
         grid::NAMES,
         spectral::NAMES,
         rearrange::NAMES,
+        crate::sequence::NAMES,
         &["If", "Loop", "Scan"],
     ]
     .concat();
