@@ -565,10 +565,12 @@ impl<'m> Importer<'m> {
             names.push(name);
         }
         self.graph.set_outputs(outputs);
-        self.graph.verify()?;
+        let (graph, params) =
+            crate::weight_views::fold_weight_views(self.graph, self.params, FOLD_LIMIT)?;
+        graph.verify()?;
         Ok(ImportedGraph {
-            graph: self.graph,
-            params: self.params,
+            graph,
+            params,
             inputs: self.inputs,
             outputs: names,
             specialized: self.specialized.into_iter().collect(),

@@ -25,6 +25,7 @@ mod ops;
 pub mod proto;
 mod sequence;
 mod tensor;
+mod weight_views;
 
 pub use import::{ImportOptions, ImportedGraph};
 pub use model::{Dim, OnnxModel, ValueInfo, sequence_item_name};
