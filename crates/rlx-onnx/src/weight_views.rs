@@ -7,18 +7,23 @@
 //! are known at import, so once the graph is built, every reshape, permute, slice or
 //! concat computed from params and constants alone becomes a param holding its value,
 //! and the params nothing reads any more are dropped: the same bytes in memory, moved
-//! once.
+//! once. (Gathers at constant positions count too: exporters flip a kernel that way.)
 
 use rlx_ir::reference::{HostTensor, eval_node};
 use rlx_ir::{Graph, Node, NodeId, Op, Result, TensorData};
 use std::collections::{HashMap, HashSet};
 
-/// Whether `op` only moves values (so its result is no larger than its operands).
-fn moves_values(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Reshape { .. } | Op::Permute { .. } | Op::Slice { .. } | Op::Concat { .. }
-    )
+/// Whether node `i` only moves values and makes no more of them than it reads (a
+/// gather's positions are constants then, as it reads only views and constants).
+fn moves_values(nodes: &[Node], i: usize) -> bool {
+    let node = &nodes[i];
+    match node.op {
+        Op::Reshape { .. } | Op::Permute { .. } | Op::Slice { .. } | Op::Concat { .. } => true,
+        Op::Gather { .. } => {
+            node.shape.num_elements() <= nodes[node.inputs[0].index()].shape.num_elements()
+        }
+        _ => false,
+    }
 }
 
 /// Which nodes are views of weights (data movement over params in `known` and
@@ -47,7 +52,7 @@ fn weight_views(
     loop {
         let mut view = vec![false; n];
         for (i, node) in nodes.iter().enumerate() {
-            if !moves_values(&node.op)
+            if !moves_values(nodes, i)
                 || node.inputs.is_empty()
                 || node.shape.num_elements() > limit
             {

@@ -138,17 +138,13 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
             Kernel::new(format!("cpu.tiles.transpose.{dtype}"), batched_transpose)
         }
         Op::Permute { perm }
-            if perm.last().is_some_and(|&last| last + 1 == perm.len())
-                && out.dims().last().is_none_or(|&d| d >= ROW_COPY_MIN) =>
+            if perm.last().is_some_and(|&last| last + 1 == perm.len()) && row_copies(out) =>
         {
             // The last axis stays: whole rows copied, threaded when large.
             Kernel::new(format!("cpu.rows.permute.{dtype}"), permute)
         }
         Op::Permute { .. } => Kernel::reference(op, dtype, permute),
-        Op::Slice { axes }
-            if axes.last().is_none_or(|a| a.step == 1)
-                && out.dims().last().is_none_or(|&d| d >= ROW_COPY_MIN) =>
-        {
+        Op::Slice { axes } if axes.last().is_none_or(|a| a.step == 1) && row_copies(out) => {
             Kernel::new(format!("cpu.rows.slice.{dtype}"), slice)
         }
         Op::Slice { .. } => Kernel::reference(op, dtype, slice),
@@ -222,6 +218,14 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
 /// Elements a copy kernel moves at once from which it counts as a row copy (one
 /// `memcpy` of a vector's worth or more) rather than an element loop.
 const ROW_COPY_MIN: usize = 16;
+
+/// Whether a strided copy into `out` whose rows are contiguous in the source copies
+/// whole rows: rows of a vector's worth or more, or shorter rows of 4-byte values,
+/// which AVX-512 copies one row per masked load and store.
+fn row_copies(out: &Shape) -> bool {
+    out.dims().last().is_none_or(|&d| d >= ROW_COPY_MIN)
+        || (out.dtype().size_in_bytes() == 4 && crate::isa::isa().avx512f)
+}
 
 /// Elements after `axis` in `shape`.
 fn inner_len(shape: &Shape, axis: usize) -> usize {
