@@ -1,6 +1,8 @@
 //! 2-D `Conv` with dilated windows wider than their input (an atrous pyramid's wide
-//! rates), where some taps only ever read padding and the importer drops them:
-//! the result must equal the full window's, cell by cell.
+//! rates), where some taps only ever read padding and the importer drops them, or
+//! where most products read padding and the importer splits the output into regions
+//! that each read their live taps: the result must equal the full window's, cell by
+//! cell, with groups and a bias too.
 
 mod common;
 
@@ -18,14 +20,17 @@ fn ints(name: &str, v: &[usize]) -> AttributeProto {
     common::onnx::attr_ints(name, &v)
 }
 
-/// `x [1, c, h, w]` by `w [o, c, k, k]` with the given dilation and padding
-/// `[top, left, bottom, right]`, window cell by window cell.
+/// `x [1, c, h, w]` by `w [o, c / groups, k, k]` with the given dilation, padding
+/// `[top, left, bottom, right]`, groups and bias (`b[oc] = oc / 4`), window cell by
+/// window cell.
 fn reference(
     (x, [c, h, wd]): (&[f32], [usize; 3]),
     (w, o, k): (&[f32], usize, usize),
     dilation: usize,
     pads: [usize; 4],
+    groups: usize,
 ) -> Vec<f32> {
+    let (cg, og) = (c / groups, o / groups);
     let span = (k - 1) * dilation + 1;
     let oh = h + pads[0] + pads[2] - span + 1;
     let ow = wd + pads[1] + pads[3] - span + 1;
@@ -33,8 +38,9 @@ fn reference(
     for oc in 0..o {
         for r in 0..oh {
             for q in 0..ow {
-                let mut acc = 0.0f64;
-                for ic in 0..c {
+                let mut acc = bias(oc) as f64;
+                for j in 0..cg {
+                    let ic = oc / og * cg + j;
                     for ky in 0..k {
                         for kx in 0..k {
                             let pr = (r + ky * dilation) as i64 - pads[0] as i64;
@@ -43,7 +49,7 @@ fn reference(
                                 continue;
                             }
                             let xi = (ic * h + pr as usize) * wd + pq as usize;
-                            let wi = ((oc * c + ic) * k + ky) * k + kx;
+                            let wi = ((oc * cg + j) * k + ky) * k + kx;
                             acc += f64::from(x[xi]) * f64::from(w[wi]);
                         }
                     }
@@ -55,32 +61,44 @@ fn reference(
     y
 }
 
+fn bias(oc: usize) -> f32 {
+    oc as f32 / 4.0
+}
+
 #[test]
 fn dilated_windows_wider_than_the_input_match_the_full_window() {
-    // (channels, h, w, out channels, kernel, dilation, pads): only the middle tap
-    // lives; the middle row but every column lives; asymmetric padding where the
-    // first tap dies on one axis only; a window that keeps every tap.
-    type Case = (usize, usize, usize, usize, usize, usize, [usize; 4]);
-    let cases: [Case; 4] = [
-        (6, 5, 6, 4, 3, 8, [8, 8, 8, 8]),
-        (3, 4, 12, 5, 3, 6, [6, 1, 6, 1]),
-        (4, 7, 7, 3, 3, 5, [5, 2, 1, 2]),
-        (2, 9, 9, 2, 3, 2, [2, 2, 2, 2]),
+    // (channels, h, w, out channels, kernel, dilation, pads, groups): only the middle
+    // tap lives; the middle row but every column lives; asymmetric padding where the
+    // first tap dies on one axis only; a window that keeps every tap; then windows
+    // split into regions: an atrous pyramid's rate 12 over 16 x 16 (a quarter of the
+    // products live), asymmetric sizes and padding, a 5 x 5 window, groups.
+    type Case = (usize, usize, usize, usize, usize, usize, [usize; 4], usize);
+    let cases: [Case; 8] = [
+        (6, 5, 6, 4, 3, 8, [8, 8, 8, 8], 1),
+        (3, 4, 12, 5, 3, 6, [6, 1, 6, 1], 1),
+        (4, 7, 7, 3, 3, 5, [5, 2, 1, 2], 1),
+        (2, 9, 9, 2, 3, 2, [2, 2, 2, 2], 1),
+        (5, 16, 16, 4, 3, 12, [12, 12, 12, 12], 1),
+        (3, 10, 13, 5, 3, 7, [7, 3, 7, 5], 1),
+        (2, 9, 11, 3, 5, 4, [8, 8, 8, 8], 1),
+        (6, 12, 12, 4, 3, 9, [9, 9, 9, 9], 2),
     ];
-    for (i, (c, h, wd, o, k, d, pads)) in cases.into_iter().enumerate() {
+    for (i, (c, h, wd, o, k, d, pads, groups)) in cases.into_iter().enumerate() {
         let x = values(c * h * wd, 90 + i as u64);
-        let w = values(o * c * k * k, 190 + i as u64);
-        let want = reference((&x, [c, h, wd]), (&w, o, k), d, pads);
+        let w = values(o * c / groups * k * k, 190 + i as u64);
+        let b: Vec<f32> = (0..o).map(bias).collect();
+        let want = reference((&x, [c, h, wd]), (&w, o, k), d, pads, groups);
         let attrs = vec![
             ints("kernel_shape", &[k, k]),
             ints("dilations", &[d, d]),
             ints("pads", &[pads[0], pads[1], pads[2], pads[3]]),
+            common::onnx::attr_int("group", groups as i64),
         ];
-        let wdims = [o as i64, c as i64, k as i64, k as i64];
+        let wdims = [o as i64, (c / groups) as i64, k as i64, k as i64];
         let bytes = model(
             17,
-            vec![node("Conv", &["x", "w"], &["y"], attrs)],
-            vec![floats("w", &wdims, &w)],
+            vec![node("Conv", &["x", "w", "b"], &["y"], attrs)],
+            vec![floats("w", &wdims, &w), floats("b", &[o as i64], &b)],
             vec![value("x", FLOAT, Some(&[1, c as i64, h as i64, wd as i64]))],
             vec![value("y", FLOAT, None)],
         );

@@ -127,7 +127,7 @@ impl RowWalk {
                     copy_short_rows_avx512(
                         src.cast::<u32>(),
                         (offset, row_step),
-                        d.cast::<u32>(),
+                        (d.cast::<u32>(), inner),
                         (block_rows, inner),
                     );
                 }
@@ -158,7 +158,7 @@ impl RowWalk {
 }
 
 /// Copies `rows` rows of `inner` (< 16) values, row `r` from `src + offset + r *
-/// row_step`, to `dst` one after another, each under a mask.
+/// row_step` to `dst + r * dst_step`, each under a mask.
 ///
 /// # Safety
 /// AVX-512F must be available; every row read lies inside the source and the rows
@@ -168,7 +168,7 @@ impl RowWalk {
 unsafe fn copy_short_rows_avx512(
     src: *const u32,
     (offset, row_step): (isize, isize),
-    dst: *mut u32,
+    (dst, dst_step): (*mut u32, usize),
     (rows, inner): (usize, usize),
 ) {
     use std::arch::x86_64::{_mm512_mask_storeu_epi32, _mm512_maskz_loadu_epi32};
@@ -180,7 +180,7 @@ unsafe fn copy_short_rows_avx512(
                 mask,
                 src.offset(offset + r as isize * row_step).cast::<i32>(),
             );
-            _mm512_mask_storeu_epi32(dst.add(r * inner).cast::<i32>(), mask, values);
+            _mm512_mask_storeu_epi32(dst.add(r * dst_step).cast::<i32>(), mask, values);
         }
     }
 }
@@ -282,6 +282,20 @@ pub(crate) fn concat_one(axis: usize, x: Src, start: usize, out: Dst) {
         outer * len <= x.len && (outer - 1) * od[axis] * inner + start * inner + len <= out.len,
         "concat block out of bounds"
     );
+    #[cfg(target_arch = "x86_64")]
+    if len < 16 && size == 4 && crate::isa::isa().avx512f {
+        // SAFETY: AVX-512F is available; the blocks lie inside `x` and the output
+        // (checked above).
+        unsafe {
+            copy_short_rows_avx512(
+                x.ptr.cast::<u32>(),
+                (0, len as isize),
+                (out.ptr.cast::<u32>().add(start * inner), od[axis] * inner),
+                (outer, len),
+            )
+        };
+        return;
+    }
     for o in 0..outer {
         // SAFETY: the block lies inside `x` and inside the output (checked above);
         // the output never aliases an operand.

@@ -148,7 +148,9 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
             Kernel::new(format!("cpu.rows.slice.{dtype}"), slice)
         }
         Op::Slice { .. } => Kernel::reference(op, dtype, slice),
-        Op::Concat { axis } if concat_block(inputs, *axis) >= ROW_COPY_MIN => {
+        Op::Concat { axis }
+            if concat_block(inputs, *axis) >= ROW_COPY_MIN || short_rows_masked(out) =>
+        {
             Kernel::new(format!("cpu.rows.concat.{dtype}"), concat)
         }
         Op::Concat { .. } => Kernel::reference(op, dtype, concat),
@@ -223,8 +225,13 @@ const ROW_COPY_MIN: usize = 16;
 /// whole rows: rows of a vector's worth or more, or shorter rows of 4-byte values,
 /// which AVX-512 copies one row per masked load and store.
 fn row_copies(out: &Shape) -> bool {
-    out.dims().last().is_none_or(|&d| d >= ROW_COPY_MIN)
-        || (out.dtype().size_in_bytes() == 4 && crate::isa::isa().avx512f)
+    out.dims().last().is_none_or(|&d| d >= ROW_COPY_MIN) || short_rows_masked(out)
+}
+
+/// Whether rows of `out`'s elements shorter than [`ROW_COPY_MIN`] are copied one
+/// masked load and store each (4-byte values on AVX-512).
+fn short_rows_masked(out: &Shape) -> bool {
+    out.dtype().size_in_bytes() == 4 && crate::isa::isa().avx512f
 }
 
 /// Elements after `axis` in `shape`.

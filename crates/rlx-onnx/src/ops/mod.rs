@@ -3,6 +3,7 @@
 //! RLX has no primitive for are written as compositions of primitives.
 
 mod attention;
+mod conv_regions;
 mod einsum;
 mod elementwise;
 mod grid;

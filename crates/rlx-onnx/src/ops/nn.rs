@@ -294,7 +294,12 @@ pub(super) fn conv_nodes(
         )
     };
     let (w, padding) = drop_dead_taps(cx, x, w, [stride, dilation], padding)?;
-    let y = cx.g.conv2d(x, w, bias, stride, padding, dilation, groups)?;
+    let split =
+        super::conv_regions::split_conv(cx, (x, w, bias), [stride, dilation], padding, groups)?;
+    let y = match split {
+        Some(y) => y,
+        None => cx.g.conv2d(x, w, bias, stride, padding, dilation, groups)?,
+    };
     if n == 1 { cx.g.squeeze(y, &[2]) } else { Ok(y) }
 }
 
