@@ -97,7 +97,15 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
         Op::Binary(b) if fast_binary(*b, dtype, out) => {
             Kernel::new(format!("cpu.region1.{}.f32", b.name()), binary_region)
         }
+        Op::Binary(b) if dtype == DType::F32 && b.is_comparison() => {
+            // Rows of the coalesced walk, one loop each (`elementwise::compare_f32`).
+            Kernel::new(format!("cpu.rows.{}.f32", b.name()), binary)
+        }
         Op::Binary(_) => Kernel::reference(op, dtype, binary),
+        Op::Where if matches!(out.dtype().size_in_bytes(), 1 | 2 | 4 | 8) => {
+            // Rows of the coalesced walk, split between the threads when large.
+            Kernel::new(format!("cpu.rows.where.{}", out.dtype()), select_values)
+        }
         Op::Where => Kernel::reference(op, dtype, select_values),
         Op::Cast(_) => Kernel::reference(op, dtype, cast),
         Op::Reduce {
