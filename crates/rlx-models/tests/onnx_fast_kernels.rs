@@ -1,8 +1,6 @@
 //! The ops that real models use (the model zoo's, at small shapes) plan fast CPU
-//! kernels, never the scalar reference kernels (`cpu.ref.*`). Ops that still plan
-//! one are listed in `KNOWN_GAPS` with the reason; the test fails when a covered op
-//! plans a reference kernel, and when a listed gap no longer does (so the list only
-//! shrinks, with the fix).
+//! kernels, never the scalar reference kernels (`cpu.ref.*`): the test fails when one
+//! of them plans a reference kernel.
 
 mod common;
 
@@ -163,6 +161,26 @@ fn covered() -> Vec<Case> {
             x: &[1, 3, 5, 4, 20],
         },
         Case {
+            // Phases woven together by a permute that moves the last axis; the
+            // kernel flipped once, at import.
+            label: "ConvTranspose",
+            op: "ConvTranspose",
+            inputs: &["x", "w"],
+            attrs: vec![ints("strides", &[2, 2])],
+            inits: vec![weights("w", &[4, 3, 2, 2])],
+            x: &[1, 4, 6, 6],
+        },
+        Case {
+            // An atrous pyramid's branch: output regions of input slices, joined by
+            // concatenations (of rows of 16 values or more).
+            label: "dilated conv split into regions",
+            op: "Conv",
+            inputs: &["x", "w"],
+            attrs: vec![ints("dilations", &[6, 16]), ints("pads", &[6, 16, 6, 16])],
+            inits: vec![weights("w", &[4, 3, 3, 3])],
+            x: &[1, 3, 8, 64],
+        },
+        Case {
             label: "hard swish",
             op: "HardSwish",
             inputs: &["x"],
@@ -181,28 +199,44 @@ fn covered() -> Vec<Case> {
     ]
 }
 
-/// Ops a zoo model uses that still plan a reference kernel, with the reason; each
-/// is checked to still do so.
-const KNOWN_GAPS: &[(&str, &str)] = &[(
-    "ConvTranspose",
-    "its phases are woven by a permute that moves the last axis (an element loop)",
-)];
-
-fn gap_cases() -> Vec<Case> {
-    vec![Case {
-        label: "ConvTranspose",
-        op: "ConvTranspose",
-        inputs: &["x", "w"],
-        attrs: vec![ints("strides", &[2, 2])],
-        inits: vec![weights("w", &[4, 3, 2, 2])],
-        x: &[1, 4, 6, 6],
-    }]
+/// Cases whose rows are shorter than a vector: copied one masked row at a time
+/// where AVX-512 is available.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn short_row_cases() -> Vec<Case> {
+    vec![
+        Case {
+            // A channel shuffle's transpose of rows of 7 values.
+            label: "transpose of short rows",
+            op: "Transpose",
+            inputs: &["x"],
+            attrs: vec![ints("perm", &[0, 2, 1, 3, 4])],
+            inits: vec![],
+            x: &[1, 2, 3, 7, 7],
+        },
+        Case {
+            // Regions 4 and 8 outputs wide.
+            label: "dilated conv split into narrow regions",
+            op: "Conv",
+            inputs: &["x", "w"],
+            attrs: vec![
+                ints("dilations", &[12, 12]),
+                ints("pads", &[12, 12, 12, 12]),
+            ],
+            inits: vec![weights("w", &[4, 3, 3, 3])],
+            x: &[1, 3, 16, 16],
+        },
+    ]
 }
 
 #[test]
 fn zoo_ops_plan_no_reference_kernel() {
     let mut slow = Vec::new();
-    for case in covered() {
+    let mut cases = covered();
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        cases.extend(short_row_cases());
+    }
+    for case in cases {
         let kernels = planned(&case);
         assert!(!kernels.is_empty(), "{}: nothing planned", case.label);
         if let Some(k) = kernels.iter().find(|k| k.starts_with("cpu.ref.")) {
@@ -214,21 +248,4 @@ fn zoo_ops_plan_no_reference_kernel() {
         "reference kernels planned:\n{}",
         slow.join("\n")
     );
-}
-
-#[test]
-fn known_gaps_still_plan_a_reference_kernel() {
-    for case in gap_cases() {
-        let reason = KNOWN_GAPS
-            .iter()
-            .find(|(op, _)| *op == case.label)
-            .map(|(_, why)| *why)
-            .expect("every gap case is listed");
-        let kernels = planned(&case);
-        assert!(
-            kernels.iter().any(|k| k.starts_with("cpu.ref.")),
-            "{} ({reason}) now plans only fast kernels ({kernels:?}): move it to the covered cases",
-            case.label
-        );
-    }
 }

@@ -1646,6 +1646,25 @@ fn permute_and_transpose() {
             );
         }
     }
+    // The last output axis taken from an outer input axis, right after the input's
+    // last axis (phases woven together, a depth-to-space): 2 and 3 ways, 5 ways (the
+    // general loop), 4 ways past size-1 axes, and over a megabyte (threads).
+    for dt in [DType::F32, DType::F16, DType::I8, DType::I64] {
+        for (dims, perm) in [
+            (&[2usize, 2, 2, 3, 5, 17][..], &[0usize, 3, 4, 1, 5, 2][..]),
+            (&[1, 3, 3, 4, 6, 9][..], &[0, 3, 4, 1, 5, 2][..]),
+            (&[2, 2, 5, 3, 7][..], &[0, 3, 1, 4, 2][..]),
+            (&[2, 1, 4, 3, 1, 10][..], &[0, 3, 1, 4, 5, 2][..]),
+            (&[1, 2, 2, 64, 32, 128][..], &[0, 3, 4, 1, 5, 2][..]),
+        ] {
+            s.check(
+                &format!("interleave {dt} {dims:?} {perm:?}"),
+                &[inp("x", dims, dt)],
+                EW,
+                |g, x| one(g.permute(x[0], perm)?),
+            );
+        }
+    }
     s.check(
         "transpose",
         &[inp("x", &[3, 1, 6], DType::F32)],

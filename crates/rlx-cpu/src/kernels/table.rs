@@ -151,6 +151,9 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
             // The last axis stays: whole rows copied, threaded when large.
             Kernel::new(format!("cpu.rows.permute.{dtype}"), permute)
         }
+        Op::Permute { perm } if transpose::as_interleave(inputs[0].dims(), perm).is_some() => {
+            Kernel::new(format!("cpu.rows.interleave.{dtype}"), interleave)
+        }
         Op::Permute { .. } => Kernel::reference(op, dtype, permute),
         Op::Slice { axes } if axes.last().is_none_or(|a| a.step == 1) && row_copies(out) => {
             Kernel::new(format!("cpu.rows.slice.{dtype}"), slice)
@@ -450,6 +453,17 @@ fn fused_matmul(a: &Args, ctx: &mut Ctx) -> Result<()> {
 fn reshape(a: &Args, _: &mut Ctx) -> Result<()> {
     layout::copy_flat(a.src(0), a.out);
     Ok(())
+}
+
+fn interleave(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let Op::Permute { perm } = a.op else {
+        return Err(a.wrong_op("interleave"));
+    };
+    let x = a.src(0);
+    match transpose::as_interleave(x.shape.dims(), perm) {
+        Some(plan) => transpose::interleave(&plan, x, a.out, ctx),
+        None => Err(a.wrong_op("interleave")),
+    }
 }
 
 fn batched_transpose(a: &Args, ctx: &mut Ctx) -> Result<()> {

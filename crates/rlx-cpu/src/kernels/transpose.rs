@@ -116,6 +116,157 @@ unsafe fn transpose<T: Copy>(
     ctx.pool.run(batch * chunks, ctx.gemm.threads(), &task)
 }
 
+/// A permute whose last output axis is not the input's last (its values lie `stride`
+/// apart) but comes right after the input's last axis in the output (a
+/// depth-to-space or pixel shuffle, a transposed convolution's phases woven
+/// together): each output row interleaves `ways` runs of `run` contiguous input
+/// values. `blocks` lists the other output axes (merged where they stay adjacent)
+/// as `(size, input stride)`, outermost first.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Interleave {
+    blocks: [(usize, isize); MAX_RANK],
+    rank: usize,
+    run: usize,
+    ways: usize,
+    stride: isize,
+}
+
+impl Interleave {
+    /// The other output axes, outermost first.
+    fn blocks(&self) -> &[(usize, isize)] {
+        &self.blocks[..self.rank]
+    }
+
+    /// Where output row `row`'s runs start in the input.
+    fn row_offset(&self, mut row: usize) -> isize {
+        let mut offset = 0;
+        for &(size, stride) in self.blocks().iter().rev() {
+            offset += (row % size) as isize * stride;
+            row /= size;
+        }
+        offset
+    }
+}
+
+/// Most runs one output row interleaves (more go through the element walk).
+const MAX_WAYS: usize = 8;
+
+/// The [`Interleave`] that permuting `dims` by `perm` is, if it is one.
+pub(crate) fn as_interleave(dims: &[usize], perm: &[usize]) -> Option<Interleave> {
+    let strides = strides_of(dims);
+    let mut merged = [(0usize, 0isize); MAX_RANK];
+    let mut n = 0;
+    for &p in perm {
+        let (size, stride) = (dims[p], strides[p]);
+        if size == 1 {
+            continue;
+        }
+        if n > 0 && merged[n - 1].1 == stride * size as isize {
+            merged[n - 1] = (merged[n - 1].0 * size, stride);
+        } else {
+            merged[n] = (size, stride);
+            n += 1;
+        }
+    }
+    if n < 2 {
+        return None;
+    }
+    let ((run, one), (ways, stride)) = (merged[n - 2], merged[n - 1]);
+    let mut blocks = [(1usize, 0isize); MAX_RANK];
+    blocks[..n - 2].copy_from_slice(&merged[..n - 2]);
+    (one == 1 && stride != 1 && (2..=MAX_WAYS).contains(&ways)).then_some(Interleave {
+        blocks,
+        rank: n - 2,
+        run,
+        ways,
+        stride,
+    })
+}
+
+/// Copies `x` into `out` as the [`Interleave`] `plan` says, blocks of output rows
+/// split between the threads when large.
+pub(crate) fn interleave(plan: &Interleave, x: Src, out: Dst, ctx: &Ctx) -> Result<()> {
+    let rows: usize = plan.blocks().iter().map(|b| b.0).product();
+    let row_len = plan.run * plan.ways;
+    if rows == 0 || row_len == 0 {
+        return Ok(());
+    }
+    let size = x.shape.dtype().size_in_bytes();
+    let (src, dst) = (x.ptr as usize, out.ptr as usize);
+    let task = |first: usize, last: usize| {
+        for row in first..last {
+            let offsets = plan.row_offset(row);
+            // SAFETY: row `row` of the output and the runs of `x` it reads (offsets
+            // from `x`'s own strides); tasks write disjoint rows.
+            unsafe {
+                match size {
+                    1 => interleave_row::<u8>(src, dst, plan, offsets, row * row_len),
+                    2 => interleave_row::<u16>(src, dst, plan, offsets, row * row_len),
+                    4 => interleave_row::<u32>(src, dst, plan, offsets, row * row_len),
+                    _ => interleave_row::<u64>(src, dst, plan, offsets, row * row_len),
+                }
+            }
+        }
+    };
+    let threads = ctx.gemm.threads();
+    if out.shape.byte_size() < super::PARALLEL_COPY_BYTES || threads < 2 || rows < 2 {
+        task(0, rows);
+        return Ok(());
+    }
+    let tasks = (4 * threads).min(rows);
+    ctx.pool.run(tasks, threads, &|t, _| {
+        task(t * rows / tasks, (t + 1) * rows / tasks)
+    })
+}
+
+/// One output row of an [`Interleave`]: `out[at + j * ways + w] = x[offset + w *
+/// stride + j]`.
+///
+/// # Safety
+/// The row and the runs it reads lie inside the tensors, which do not overlap.
+unsafe fn interleave_row<T: Copy>(
+    src: usize,
+    dst: usize,
+    plan: &Interleave,
+    offset: isize,
+    at: usize,
+) {
+    let (run, ways) = (plan.run, plan.ways);
+    // SAFETY: the caller's contract.
+    unsafe {
+        let d = std::slice::from_raw_parts_mut((dst as *mut T).add(at), run * ways);
+        let base = (src as *const T).offset(offset);
+        let mut runs: [&[T]; MAX_WAYS] = [&[]; MAX_WAYS];
+        for (w, r) in runs.iter_mut().enumerate().take(ways) {
+            *r = std::slice::from_raw_parts(base.offset(w as isize * plan.stride), run);
+        }
+        match ways {
+            2 => weave::<T, 2>(d, &runs),
+            3 => weave::<T, 3>(d, &runs),
+            4 => weave::<T, 4>(d, &runs),
+            _ => {
+                for (j, chunk) in d.chunks_exact_mut(ways).enumerate() {
+                    for (w, v) in chunk.iter_mut().enumerate() {
+                        *v = runs[w][j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `d[j * W + w] = runs[w][j]` with `W` known, so the loop stores whole chunks.
+#[inline(always)]
+fn weave<T: Copy, const W: usize>(d: &mut [T], runs: &[&[T]; MAX_WAYS]) {
+    let runs: [&[T]; W] = std::array::from_fn(|w| runs[w]);
+    for (j, chunk) in d.chunks_exact_mut(W).enumerate() {
+        let chunk: &mut [T; W] = chunk.try_into().expect("chunks of W");
+        for w in 0..W {
+            chunk[w] = runs[w][j];
+        }
+    }
+}
+
 /// Side of the register blocks of 4-byte elements.
 const BLOCK: usize = 8;
 /// Columns of the strips the 4-byte transpose walks down (a multiple of `BLOCK`).
@@ -203,5 +354,21 @@ mod tests {
         );
         assert_eq!(as_batched_transpose(&[2, 3, 4], &[1, 0, 2]), None);
         assert_eq!(as_batched_transpose(&[2, 3, 4, 5], &[3, 1, 2, 0]), None);
+    }
+
+    #[test]
+    fn interleaves_are_recognized_after_merging_axes() {
+        // A transposed convolution's phases `[n, sy, sx, o, h, w]` woven into
+        // `[n, o, h, sy, w, sx]`: `o` and `h` merge; rows of `w` values, 2 ways.
+        let plan = as_interleave(&[1, 2, 2, 8, 5, 7], &[0, 3, 4, 1, 5, 2]).unwrap();
+        assert_eq!((plan.run, plan.ways, plan.stride), (7, 2, 8 * 5 * 7));
+        assert_eq!(plan.blocks(), [(40, 7), (2, 2 * 8 * 5 * 7)]);
+        assert_eq!(plan.row_offset(41), 20 * 7 + 2 * 8 * 5 * 7);
+        // The last axis staying, too many ways, and a last axis from the middle of
+        // the output are not interleaves.
+        assert!(as_interleave(&[2, 3, 4], &[1, 0, 2]).is_none());
+        assert!(as_interleave(&[9, 5], &[1, 0]).is_none());
+        assert!(as_interleave(&[3, 4, 5], &[1, 0, 2]).is_none());
+        assert!(as_interleave(&[3, 4, 5], &[0, 2, 1]).is_some());
     }
 }
