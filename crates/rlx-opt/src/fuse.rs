@@ -11,7 +11,8 @@
 //!   per-channel multiply and add (`[1, C, 1, 1]`: a batch norm after the residual
 //!   add) and another activation, under the same rule, become one `FusedConv2d` (the
 //!   convolution's own bias stays its bias; the affine is taken with or without a
-//!   residual before it). A 1x1 unit-stride, unpadded convolution (which reads each
+//!   residual before it, and an activation right after the residual, a ResNet
+//!   block's ReLU, rides on an identity affine of constants). A 1x1 unit-stride, unpadded convolution (which reads each
 //!   input value once) also takes in the per-channel multiply, add and activation that
 //!   make its input, when nothing else reads them.
 //! - Elementwise regions: connected float elementwise ops of one output shape whose
@@ -430,6 +431,10 @@ struct Epilogue {
     residual: Option<NodeId>,
     /// A per-channel scale and shift after the residual (convolutions only).
     channel_affine: Option<(NodeId, NodeId)>,
+    /// An activation right after the residual (no batch norm between) rides on an
+    /// identity affine (scale 1, shift 0: exact), the epilogue's one place for an
+    /// activation after the residual.
+    identity_affine: bool,
     post_activation: Option<UnaryOp>,
     /// The ops that make the input, absorbed.
     prologue: Option<InputPrologue>,
@@ -568,6 +573,7 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
             activation: None,
             residual: None,
             channel_affine: None,
+            identity_affine: false,
             post_activation: None,
             prologue: None,
             absorbed: vec![i],
@@ -654,6 +660,18 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
                 e.last = a;
             }
         }
+        if is_conv
+            && e.residual.is_some()
+            && e.channel_affine.is_none()
+            && let Some(a) = only_reader(e.last)
+            && let Some(act) = epilogue_activation(&nodes[a].op)
+        {
+            // A ReLU after a residual block's skip add.
+            e.identity_affine = true;
+            e.post_activation = Some(act);
+            e.absorbed.push(a);
+            e.last = a;
+        }
         if e.absorbed.len() > 1 || e.b_cast.is_some() || e.swaps.iter().any(Option::is_some) {
             for &a in e.absorbed.iter().chain(e.swaps.iter().flatten()) {
                 claimed[a] = true;
@@ -673,6 +691,7 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
         }
     }
     let mut w = Rewriter::new(nodes.len());
+    let mut extra_constants: Vec<rlx_ir::TensorData> = Vec::new();
     let mut records = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
         match absorbed_into[i] {
@@ -696,8 +715,26 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
                 if let Some((scale, shift)) = e.channel_affine {
                     inputs.extend([scale, shift]);
                 }
+                let mut inputs: Vec<NodeId> = inputs.iter().map(|&id| w.map(id)).collect();
+                if e.identity_affine {
+                    let dims = [1, node.shape.dims().get(1).copied().unwrap_or(1), 1, 1];
+                    for value in [1.0, 0.0] {
+                        let shape = rlx_ir::Shape::new(&dims, node.shape.dtype());
+                        let data = rlx_ir::TensorData::from_f64(
+                            node.shape.dtype(),
+                            &vec![value; shape.num_elements()],
+                        );
+                        extra_constants.push(data);
+                        let id = graph.constants().len() + extra_constants.len() - 1;
+                        inputs.push(w.insert(Node {
+                            op: Op::Constant { id },
+                            inputs: Vec::new(),
+                            shape,
+                        }));
+                    }
+                }
                 if let Some(p) = e.prologue {
-                    inputs.extend([p.scale, p.shift]);
+                    inputs.extend([w.map(p.scale), w.map(p.shift)]);
                 }
                 let op = match mm.op {
                     Op::Conv2d { window, groups } => Op::FusedConv2d {
@@ -707,7 +744,7 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
                             bias: mm.inputs.len() > 2,
                             activation: e.activation,
                             residual: e.residual.is_some(),
-                            channel_affine: e.channel_affine.is_some(),
+                            channel_affine: e.channel_affine.is_some() || e.identity_affine,
                             post_activation: e.post_activation,
                             input_affine: e.prologue.is_some(),
                             input_activation: e.prologue.and_then(|p| p.activation),
@@ -722,7 +759,7 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
                         residual: e.residual.is_some(),
                     },
                 };
-                w.place(
+                w.place_with_new_inputs(
                     i,
                     Node {
                         op,
@@ -750,7 +787,7 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
             None => w.place(i, node.clone()),
         }
     }
-    finish(graph, w, records)
+    finish_with(graph, w, records, extra_constants)
 }
 
 fn region_member(node: &Node) -> bool {
@@ -982,6 +1019,16 @@ pub struct Fused {
 }
 
 pub(crate) fn finish(graph: &Graph, w: Rewriter, records: Vec<(usize, Vec<String>)>) -> Fused {
+    finish_with(graph, w, records, Vec::new())
+}
+
+/// [`finish`] for a pass that added constants (`extra`, numbered after the graph's).
+fn finish_with(
+    graph: &Graph,
+    w: Rewriter,
+    records: Vec<(usize, Vec<String>)>,
+    extra: Vec<rlx_ir::TensorData>,
+) -> Fused {
     let records = records
         .into_iter()
         .map(|(old, replaced)| FusionRecord {
@@ -992,7 +1039,8 @@ pub(crate) fn finish(graph: &Graph, w: Rewriter, records: Vec<(usize, Vec<String
     let remap = (0..graph.len())
         .map(|i| w.map(NodeId::from_index(i)))
         .collect();
-    let constants = graph.constants().to_vec();
+    let mut constants = graph.constants().to_vec();
+    constants.extend(extra);
     Fused {
         graph: w.finish(graph, constants),
         records,

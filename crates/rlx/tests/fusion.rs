@@ -512,6 +512,68 @@ fn a_batch_norm_after_the_residual_add_folds_into_the_convolution() {
 }
 
 #[test]
+fn a_relu_after_the_residual_add_folds_into_the_convolution() {
+    // ResNet blocks without a norm after the skip add: conv -> + residual -> relu is
+    // one FusedConv2d (the relu after an identity affine), on the 1x1 packed panels,
+    // per-tap products, Winograd and a strided window; a second reader of the sum
+    // keeps the relu out.
+    let mut rng = Rng(43);
+    let cases = [
+        (2, 48, 64, 9, 10, 1, 1),
+        (1, 40, 24, 8, 11, 3, 1),
+        (2, 32, 32, 12, 9, 3, 1),
+        (1, 16, 24, 11, 13, 3, 2),
+    ];
+    for (case, (n, c, o, h, w, k, stride)) in cases.into_iter().enumerate() {
+        for shared in [false, true] {
+            let g = Graph::new("relu after add");
+            let x = g.input("x", Shape::new(&[n, c, h, w], DType::F32)).unwrap();
+            let wt = g.param("w", Shape::new(&[o, c, k, k], DType::F32)).unwrap();
+            let b = g.param("b", Shape::new(&[o], DType::F32)).unwrap();
+            let y = g
+                .conv2d(x, wt, Some(b), [stride; 2], [k / 2; 4], [1, 1], 1)
+                .unwrap();
+            let dims = g.shape(y).unwrap().dims().to_vec();
+            let r = g.input("r", Shape::new(&dims, DType::F32)).unwrap();
+            let sum = g.add(y, r).unwrap();
+            let mut outs = vec![g.relu(sum).unwrap()];
+            if shared {
+                outs.push(g.neg(sum).unwrap());
+            }
+            g.set_outputs(outs);
+            let what = format!("relu after add, case {case}, shared {shared}");
+            let plan = plan_graph(&g, &all_passes()).unwrap();
+            let fused: Vec<_> = plan
+                .graph
+                .nodes()
+                .iter()
+                .filter(|node| node.op.name() == "fused_conv2d")
+                .map(|node| node.op.clone())
+                .collect();
+            let relu_inside = matches!(
+                fused[..],
+                [rlx::ir::Op::FusedConv2d {
+                    fusion: rlx::ir::ConvFusion {
+                        residual: true,
+                        channel_affine: true,
+                        post_activation: Some(UnaryOp::Relu),
+                        ..
+                    },
+                    ..
+                }]
+            );
+            assert_eq!(relu_inside, !shared, "{what}: {fused:?}\n{}", plan.graph);
+            let tol = if case == 2 {
+                5e-6 * ((9 * c) as f64).sqrt()
+            } else {
+                2e-5
+            };
+            check_within(&g, &mut rng, &what, tol);
+        }
+    }
+}
+
+#[test]
 fn a_batch_norm_before_a_pointwise_convolution_folds_into_it() {
     // The normalized sum feeds the next block's 1x1 convolution while the residual
     // chain carries the sum itself: the multiply, add and relu become the 1x1

@@ -17,6 +17,10 @@ use rlx_ir::{NodeId, Result};
 /// At most this share of a convolution's products may be live for it to be split:
 /// every region is a launch of its own with its own slice of the weights.
 const MAX_LIVE_SHARE: f64 = 0.6;
+/// At most this many regions (a dilated window's three segments per axis): a wide
+/// window over few positions (a 128-tap positional convolution over 50 frames)
+/// would cut a segment per output, a launch each.
+const MAX_REGIONS: usize = 9;
 
 /// Outputs `start..end` along an axis, whose windows all read taps `first..=last`
 /// inside the input.
@@ -119,7 +123,8 @@ pub(super) fn split_conv(
         share *= live_share(&segs, k, out);
         axes.push(segs);
     }
-    if share > MAX_LIVE_SHARE || axes.iter().all(|segs| segs.len() == 1) {
+    let regions = axes[0].len() * axes[1].len();
+    if share > MAX_LIVE_SHARE || regions == 1 || regions > MAX_REGIONS {
         return Ok(None);
     }
     let mut rows = Vec::with_capacity(axes[0].len());
