@@ -49,6 +49,11 @@ pub struct FusionOptions {
     /// products of a reordered whole tensor into a reordering of the product (see
     /// [`hoist_sliced_matmuls`](crate::hoist::hoist_sliced_matmuls)).
     pub hoist_gathered_matmuls: bool,
+    /// Place the operands of a concatenation whose leading axes (before the joined
+    /// one) have size 1 in its output, where each is a contiguous range: their
+    /// producers write there, and the backend's concat skips an operand already in
+    /// place (see the planner).
+    pub concat_in_place: bool,
 }
 
 impl FusionOptions {
@@ -62,6 +67,7 @@ impl FusionOptions {
         attention_pattern: true,
         hoist_gathered_matmuls: true,
         activations: true,
+        concat_in_place: true,
     };
 }
 

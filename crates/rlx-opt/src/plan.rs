@@ -2,7 +2,7 @@
 
 use crate::fuse::{FusionOptions, FusionRecord};
 use crate::lifetimes::{Lifetime, assign_offsets};
-use rlx_ir::{Error, Graph, NodeId, Op, Result, Shape, SliceAxis};
+use rlx_ir::{Error, Graph, Node, NodeId, Op, Result, Shape, SliceAxis};
 
 /// Byte alignment of every value the planner places in the arena.
 pub const ARENA_ALIGN: usize = 64;
@@ -504,6 +504,19 @@ impl<'a> Planner<'a> {
             last_use[i] = last;
         }
 
+        let placed = if self.options.fusion.concat_in_place {
+            placed_in_concats(&nodes, &consumers, &is_view, &outputs)
+        } else {
+            vec![None; n]
+        };
+        // A concat with operands placed in it lives from the first one's step.
+        let mut first_write: Vec<Option<usize>> = vec![None; n];
+        for (i, p) in placed.iter().enumerate() {
+            if let Some((c, _)) = *p {
+                first_write[c] = Some(first_write[c].map_or(time[i], |t: usize| t.min(time[i])));
+            }
+        }
+
         let mut root = vec![0usize; n];
         let mut locations = vec![
             Location {
@@ -556,6 +569,16 @@ impl<'a> Planner<'a> {
                 locations[i] = locations[t];
                 continue;
             }
+            if let Some((c, offset)) = placed[i] {
+                // Written straight into its range of the concat's output.
+                root[i] = c;
+                locations[i] = Location {
+                    region: Region::Arena,
+                    offset,
+                };
+                transient = transient.saturating_add(shape.byte_size());
+                continue;
+            }
             if is_view[i] {
                 let src = node.inputs[0].index();
                 let delta = view_offset(&node.op, &nodes[src].shape).unwrap_or(0);
@@ -595,7 +618,7 @@ impl<'a> Planner<'a> {
                 }
             }
             root[i] = i;
-            group_last[i] = last_use[i];
+            group_last[i] = group_last[i].max(last_use[i]);
             transient = transient.saturating_add(shape.byte_size());
         }
 
@@ -614,7 +637,7 @@ impl<'a> Planner<'a> {
                 let start = if matches!(nodes[r].op, Op::Input { .. }) {
                     0
                 } else {
-                    time[r]
+                    first_write[r].map_or(time[r], |t| t.min(time[r]))
                 };
                 Lifetime {
                     size: nodes[r].shape.byte_size(),
@@ -669,6 +692,49 @@ impl<'a> Planner<'a> {
             arena_roots: arena_values,
         })
     }
+}
+
+/// For each node, the concat it is written straight into and its byte offset there.
+/// A concat qualifies when its axes before the joined one have size 1 (so each
+/// operand is one contiguous range of the output); an operand does when a kernel
+/// computes it (not a source, a view or another concat), the concat is its only
+/// reader (once) and it is not a graph output.
+fn placed_in_concats(
+    nodes: &[Node],
+    consumers: &[Vec<usize>],
+    is_view: &[bool],
+    outputs: &[NodeId],
+) -> Vec<Option<(usize, usize)>> {
+    let mut placed = vec![None; nodes.len()];
+    for (c, node) in nodes.iter().enumerate() {
+        let Op::Concat { axis } = node.op else {
+            continue;
+        };
+        let dims = node.shape.dims();
+        if is_view[c] || dims[..axis].iter().any(|&d| d != 1) {
+            continue;
+        }
+        let inner: usize = dims[axis + 1..].iter().product();
+        let size = node.shape.dtype().size_in_bytes();
+        let mut start = 0usize;
+        for x in &node.inputs {
+            let x = x.index();
+            let operand = &nodes[x];
+            let offset = start * inner * size;
+            start += operand.shape.dims().get(axis).copied().unwrap_or(0);
+            let fits = !operand.op.is_source()
+                && !matches!(operand.op, Op::Concat { .. } | Op::WriteAt { .. })
+                && !is_view[x]
+                && operand.shape.dtype() == node.shape.dtype()
+                && consumers[x] == [c]
+                && placed[x].is_none()
+                && !outputs.iter().any(|o| o.index() == x);
+            if fits {
+                placed[x] = Some((c, offset));
+            }
+        }
+    }
+    placed
 }
 
 /// If `op` applied to a value of `src` shape can be a view, its byte offset into the

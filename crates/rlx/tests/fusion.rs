@@ -2343,3 +2343,65 @@ fn a_run_on_the_device_leaves_outputs_unread_until_a_copying_run() {
         assert_eq!(c.read_outputs().unwrap(), got, "{device}");
     }
 }
+
+#[test]
+fn concat_operands_are_written_in_place_where_they_can_be() {
+    // Two convolutions joined along channels (a fire module's expand layers) at batch
+    // 1: both are written straight into the concat's output. At batch 2 an operand's
+    // range is not contiguous; a second reader of an operand, or an operand that is
+    // an input or a graph output, keeps that operand's copy.
+    let mut rng = Rng(47);
+    for (n, extra_reader, output_operand) in [
+        (1, false, false),
+        (2, false, false),
+        (1, true, false),
+        (1, false, true),
+    ] {
+        let g = Graph::new("fire");
+        let x = g
+            .input("x", Shape::new(&[n, 8, 9, 11], DType::F32))
+            .unwrap();
+        let w1 = g
+            .param("w1", Shape::new(&[16, 8, 1, 1], DType::F32))
+            .unwrap();
+        let w3 = g
+            .param("w3", Shape::new(&[12, 8, 3, 3], DType::F32))
+            .unwrap();
+        let a = g.conv2d(x, w1, None, [1, 1], [0; 4], [1, 1], 1).unwrap();
+        let a = g.relu(a).unwrap();
+        let b = g.conv2d(x, w3, None, [1, 1], [1; 4], [1, 1], 1).unwrap();
+        let b = g.relu(b).unwrap();
+        let joined = g.concat(&[a, b, x], 1).unwrap();
+        let mut outs = vec![g.neg(joined).unwrap()];
+        if extra_reader {
+            outs.push(g.exp(a).unwrap());
+        }
+        if output_operand {
+            outs.push(b);
+        }
+        g.set_outputs(outs);
+        let what = format!("n {n}, extra reader {extra_reader}, output operand {output_operand}");
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let nodes = plan.graph.nodes();
+        let concat = nodes
+            .iter()
+            .position(|node| matches!(node.op, rlx::ir::Op::Concat { .. }))
+            .expect("a concat");
+        let at = |id: NodeId| plan.locations[id.index()];
+        let inside: Vec<bool> = nodes[concat]
+            .inputs
+            .iter()
+            .map(|&o| {
+                let (lo, here) = (at(NodeId::from_index(concat)), at(o));
+                let size = nodes[concat].shape.byte_size();
+                here.region == lo.region
+                    && here.offset >= lo.offset
+                    && here.offset < lo.offset + size
+            })
+            .collect();
+        let want = [n == 1 && !extra_reader, n == 1 && !output_operand, false];
+        assert_eq!(inside, want, "{what}\n{}", plan.graph);
+        drop(nodes);
+        check_within(&g, &mut rng, &what, 2e-5);
+    }
+}

@@ -277,6 +277,11 @@ pub(crate) fn concat_one(axis: usize, x: Src, start: usize, out: Dst) {
     if len == 0 || outer == 0 {
         return;
     }
+    if outer == 1 && std::ptr::eq(x.ptr, out.ptr.wrapping_add(start * inner * size)) {
+        // The planner placed this operand in its range of the output: its producer
+        // wrote it there.
+        return;
+    }
     // Each outer index copies one contiguous block of `len` elements.
     assert!(
         outer * len <= x.len && (outer - 1) * od[axis] * inner + start * inner + len <= out.len,
