@@ -111,9 +111,12 @@ pub(super) fn split_conv(
     let mut share = 1.0;
     for a in 0..2 {
         let (n, k, s, d) = (xd[2 + a], wd[2 + a], stride[a], dilation[a]);
+        if k == 0 || d == 0 || s == 0 || n == 0 {
+            return Ok(None);
+        }
         let padded = n + padding[a] + padding[a + 2];
         let span = (k - 1) * d + 1;
-        if s == 0 || padded < span {
+        if padded < span {
             return Ok(None);
         }
         let out = (padded - span) / s + 1;
