@@ -139,16 +139,14 @@ fn rows_f32(g: Geometry, x: &[f32], idx: &[i64], w: &[f32], first: usize, dst: &
         (if k < 0 { k + g.n as i64 } else { k }) as usize
     };
     if g.inner == 1 {
-        // Along the last axis: every input row is resampled by the same taps, so the
-        // positions are resolved once, and each stretch of an output row is a
-        // weighted sum of gathers from its input row.
-        let positions: Vec<usize> = (0..g.taps * g.width).map(position).collect();
+        // Along the last axis: every input row is resampled by the same taps, so each
+        // stretch of an output row is a weighted sum of gathers from its input row.
         let mut r = 0;
         while r < dst.len() {
             let (o, j) = ((first + r) / g.width, (first + r) % g.width);
             let len = (g.width - j).min(dst.len() - r);
             let src = &x[o * g.n..(o + 1) * g.n];
-            gather_row_f32(src, &positions, w, [g.width, j], &mut dst[r..r + len]);
+            gather_row_f32(src, idx, w, [g.width, j], &mut dst[r..r + len]);
             r += len;
         }
         return;
@@ -177,29 +175,32 @@ fn rows_f32(g: Geometry, x: &[f32], idx: &[i64], w: &[f32], first: usize, dst: &
 }
 
 crate::vmath::multiversion! {
-    /// `y[i] = sum over taps k of w[k][j + i] * src[positions[k][j + i]]`, where the
-    /// taps' positions and weights are `[taps, width]` and `[width, j]` says where `y`
-    /// starts in the row (compiled for each vector width, so the loop gathers).
-    fn gather_row_f32(src: &[f32], positions: &[usize], w: &[f32], at: [usize; 2], y: &mut [f32]) {
+    /// `y[i] = sum over taps k of w[k][j + i] * src[idx[k][j + i]]` (a negative
+    /// index counting from the row's end), where the taps' indices and weights are
+    /// `[taps, width]` and `[width, j]` says where `y` starts in the row (compiled
+    /// for each vector width, so the loop gathers).
+    fn gather_row_f32(src: &[f32], idx: &[i64], w: &[f32], at: [usize; 2], y: &mut [f32]) {
         let [width, j] = at;
-        let taps = positions.len() / width.max(1);
+        let taps = idx.len() / width.max(1);
         let len = y.len();
+        let n = src.len() as i64;
         if taps == 0 {
             y.fill(0.0);
             return;
         }
-        let (p0, w0) = (&positions[j..j + len], &w[j..j + len]);
-        debug_assert!(positions.iter().all(|&p| p < src.len()));
-        // SAFETY (both loops): every position was checked to lie in the row (indices
-        // out of range are rejected before the kernel runs).
-        for ((v, &p), &wk) in y.iter_mut().zip(p0).zip(w0) {
-            *v = wk * unsafe { *src.get_unchecked(p) };
+        debug_assert!(idx.iter().all(|&k| -n <= k && k < n));
+        let position = |k: i64| (if k < 0 { k + n } else { k }) as usize;
+        let (i0, w0) = (&idx[j..j + len], &w[j..j + len]);
+        // SAFETY (both loops): every index was checked to lie in `-n..n` (indices out
+        // of range are rejected before the kernel runs), so every position is in the row.
+        for ((v, &k), &wk) in y.iter_mut().zip(i0).zip(w0) {
+            *v = wk * unsafe { *src.get_unchecked(position(k)) };
         }
-        for k in 1..taps {
-            let base = k * width + j;
-            let (pk, wk) = (&positions[base..base + len], &w[base..base + len]);
-            for ((v, &p), &wt) in y.iter_mut().zip(pk).zip(wk) {
-                *v += wt * unsafe { *src.get_unchecked(p) };
+        for t in 1..taps {
+            let base = t * width + j;
+            let (ik, wk) = (&idx[base..base + len], &w[base..base + len]);
+            for ((v, &k), &wt) in y.iter_mut().zip(ik).zip(wk) {
+                *v += wt * unsafe { *src.get_unchecked(position(k)) };
             }
         }
     }

@@ -20,9 +20,21 @@ pub(crate) fn as_batched_transpose(
     dims: &[usize],
     perm: &[usize],
 ) -> Option<(usize, usize, usize)> {
+    let (merged, n) = merged_output_axes(dims, perm);
+    match merged[..n] {
+        [(cols, 1), (rows, s)] if s == cols as isize => Some((1, rows, cols)),
+        [(batch, b), (cols, 1), (rows, s)] if s == cols as isize && b == (rows * cols) as isize => {
+            Some((batch, rows, cols))
+        }
+        _ => None,
+    }
+}
+
+/// The output's axes of permuting `dims` by `perm` as `(size, stride in the input)`,
+/// outermost first: size-1 axes dropped, and an axis merged into the one outside it
+/// when the two stay adjacent in the input. Returns them and their count.
+fn merged_output_axes(dims: &[usize], perm: &[usize]) -> ([(usize, isize); MAX_RANK], usize) {
     let strides = strides_of(dims);
-    // The output's axes with their strides in the input, size-1 axes dropped and an
-    // axis merged into the one outside it when the two stay adjacent in the input.
     let mut merged = [(0usize, 0isize); MAX_RANK];
     let mut n = 0;
     for &p in perm {
@@ -37,13 +49,7 @@ pub(crate) fn as_batched_transpose(
             n += 1;
         }
     }
-    match merged[..n] {
-        [(cols, 1), (rows, s)] if s == cols as isize => Some((1, rows, cols)),
-        [(batch, b), (cols, 1), (rows, s)] if s == cols as isize && b == (rows * cols) as isize => {
-            Some((batch, rows, cols))
-        }
-        _ => None,
-    }
+    (merged, n)
 }
 
 /// Copies `x` into `out` transposed as [`as_batched_transpose`] found, `(batch, rows,
@@ -153,21 +159,7 @@ const MAX_WAYS: usize = 8;
 
 /// The [`Interleave`] that permuting `dims` by `perm` is, if it is one.
 pub(crate) fn as_interleave(dims: &[usize], perm: &[usize]) -> Option<Interleave> {
-    let strides = strides_of(dims);
-    let mut merged = [(0usize, 0isize); MAX_RANK];
-    let mut n = 0;
-    for &p in perm {
-        let (size, stride) = (dims[p], strides[p]);
-        if size == 1 {
-            continue;
-        }
-        if n > 0 && merged[n - 1].1 == stride * size as isize {
-            merged[n - 1] = (merged[n - 1].0 * size, stride);
-        } else {
-            merged[n] = (size, stride);
-            n += 1;
-        }
-    }
+    let (merged, n) = merged_output_axes(dims, perm);
     if n < 2 {
         return None;
     }
@@ -259,8 +251,8 @@ unsafe fn interleave_row<T: Copy>(
 #[inline(always)]
 fn weave<T: Copy, const W: usize>(d: &mut [T], runs: &[&[T]; MAX_WAYS]) {
     let runs: [&[T]; W] = std::array::from_fn(|w| runs[w]);
-    for (j, chunk) in d.chunks_exact_mut(W).enumerate() {
-        let chunk: &mut [T; W] = chunk.try_into().expect("chunks of W");
+    let (chunks, _) = d.as_chunks_mut::<W>();
+    for (j, chunk) in chunks.iter_mut().enumerate() {
         for w in 0..W {
             chunk[w] = runs[w][j];
         }
