@@ -330,6 +330,19 @@ pub(crate) fn profile_json(profile: &rlx::driver::Profile) -> serde_json::Value 
         .collect()
 }
 
+/// Every launch of a profile in run order as JSON: `[{"node", "kernel", "ms" (per
+/// run)}]`, for comparing layer by layer against another runtime's profile.
+pub(crate) fn launches_json(profile: &rlx::driver::Profile) -> serde_json::Value {
+    let runs = profile.runs.max(1) as f64;
+    profile
+        .kernels
+        .iter()
+        .map(|k| {
+            serde_json::json!({"node": k.node.to_string(), "kernel": k.kernel, "ms": k.total.as_secs_f64() / runs * 1e3})
+        })
+        .collect()
+}
+
 /// How many single launches the profile lists after the per-kernel totals.
 const SLOWEST_LAUNCHES: usize = 40;
 

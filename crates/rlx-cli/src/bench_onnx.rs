@@ -133,6 +133,7 @@ pub fn run(args: &OnnxBenchArgs) -> Result<()> {
         let mut report = serde_json::json!({"median_ms": median, "runs": n, "threads": threads, "min_ms": sorted[0], "prepare_ms": prepare_ms, "times_ms": times});
         if let Some(p) = &profile {
             report["profile"] = crate::bench::profile_json(p);
+            report["launches"] = crate::bench::launches_json(p);
         }
         println!("{report}");
         return Ok(());

@@ -408,7 +408,8 @@ pub struct FusionRecord {
 /// inputs included).
 const MAX_REGION_STEPS: usize = MAX_REGION_REGISTERS - MAX_REGION_INPUTS;
 
-fn epilogue_activation(op: &Op) -> Option<UnaryOp> {
+/// The activation `op` is, when a matmul or convolution epilogue can apply it.
+pub(crate) fn epilogue_activation(op: &Op) -> Option<UnaryOp> {
     match op {
         Op::Unary(
             u @ (UnaryOp::Gelu

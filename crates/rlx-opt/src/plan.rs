@@ -320,9 +320,12 @@ fn run_stages(
                 Some(crate::fuse::fuse_attention_layout(&graph))
             }
             Stage::FuseActivations if f.activations => {
-                Some(crate::recognize::recognize_activations(&graph, &|op| {
-                    options.native.runs(op)
-                }))
+                absorb(
+                    crate::recognize::recognize_activations(&graph, &|op| options.native.runs(op)),
+                    &mut graph,
+                    &mut fusions,
+                );
+                Some(crate::recognize::activations_before_reshapes(&graph))
             }
             Stage::FuseHoist if f.hoist_gathered_matmuls => {
                 // Gathered products first: the product they hoist may read a slice.

@@ -1,10 +1,14 @@
 //! Recognizing activations that exported models spell out in primitives, so the
 //! fusions that follow see the activation: `x * 0.5 * (1 + erf(x / sqrt(2)))`, in any
 //! grouping of the product and with `x * (1 / sqrt(2))` for the division, becomes
-//! `gelu(x)`, which then joins the matmul that feeds it as its epilogue; and
+//! `gelu(x)`, which then joins the matmul that feeds it as its epilogue; its tanh
+//! approximation `0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))` becomes
+//! `gelu_tanh(x)` the same way; and
 //! `x * sigmoid(x)` (in either order) becomes `silu(x)`, which joins a convolution
 //! or matmul the same way; `min(max(x, 0), 6)` (ONNX's `Clip` to `[0, 6]`)
-//! becomes `relu6(x)`.
+//! becomes `relu6(x)`. An activation read through a reshape that only it reads
+//! moves before the reshape, next to the product it can join (a 2-D `Gemm` reshaped
+//! back to `[batch, tokens, features]` before its GELU).
 
 use crate::fuse::Fused;
 use crate::rewrite::{Rewriter, use_counts};
@@ -136,6 +140,126 @@ fn match_gelu(
     Some((x, replaced))
 }
 
+/// The operand of `node`, a product of two, beside a one-element constant near
+/// `want` (either side).
+fn times_scalar(graph: &Graph, nodes: &[Node], node: &Node, want: f64) -> Option<NodeId> {
+    if node.op != Op::Binary(BinaryOp::Mul) {
+        return None;
+    }
+    let [a, b] = [*node.inputs.first()?, *node.inputs.get(1)?];
+    let near_want = |id: NodeId| scalar(graph, &nodes[id.index()]).is_some_and(|v| near(v, want));
+    if near_want(b) {
+        Some(a)
+    } else if near_want(a) {
+        Some(b)
+    } else {
+        None
+    }
+}
+
+/// Whether `cube` is `x^3`: `pow(x, 3)`, or a product whose factors are `x` three
+/// times; `inner` gets the product's inner nodes.
+fn is_cube(
+    graph: &Graph,
+    nodes: &[Node],
+    uses: &[usize],
+    cube: NodeId,
+    x: NodeId,
+    inner: &mut Vec<usize>,
+) -> bool {
+    let n = &nodes[cube.index()];
+    match n.op {
+        Op::Binary(BinaryOp::Pow) => {
+            n.inputs[0] == x && scalar(graph, &nodes[n.inputs[1].index()]) == Some(3.0)
+        }
+        Op::Binary(BinaryOp::Mul) => {
+            let mut fs = Vec::new();
+            factors(nodes, uses, cube, true, &mut fs, inner);
+            fs == [x, x, x]
+        }
+        _ => false,
+    }
+}
+
+/// Matches the tanh approximation of GELU spelled out, ending at product `end`:
+/// `0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))`, the product in any
+/// grouping, each sum and product in either order, the cube as `pow(x, 3)` or `x * x
+/// * x` (GPT-2's `gelu_new`, PyTorch's tanh GELU before opset 20). Returns `x` and
+/// the nodes the match replaces.
+fn match_gelu_tanh(
+    graph: &Graph,
+    nodes: &[Node],
+    uses: &[usize],
+    end: usize,
+) -> Option<(NodeId, Vec<usize>)> {
+    if nodes[end].op != Op::Binary(BinaryOp::Mul) || !nodes[end].shape.dtype().is_float() {
+        return None;
+    }
+    let mut fs = Vec::new();
+    let mut replaced = Vec::new();
+    factors(
+        nodes,
+        uses,
+        NodeId::from_index(end),
+        true,
+        &mut fs,
+        &mut replaced,
+    );
+    if fs.len() != 3 {
+        return None;
+    }
+    let half = fs
+        .iter()
+        .position(|f| scalar(graph, &nodes[f.index()]).is_some_and(|v| near(v, 0.5)))?;
+    let once = |id: NodeId| uses[id.index()] == 1;
+    // The `1 + tanh(...)` factor, read only here.
+    let plus = fs.iter().enumerate().find_map(|(k, f)| {
+        let n = &nodes[f.index()];
+        (k != half && n.op == Op::Binary(BinaryOp::Add) && once(*f)).then_some(k)
+    })?;
+    let x = fs[(0..3).find(|&k| k != half && k != plus)?];
+    if nodes[x.index()].shape != nodes[end].shape {
+        return None;
+    }
+    let add = &nodes[fs[plus].index()];
+    let th = [add.inputs[0], add.inputs[1]].into_iter().find(|&t| {
+        nodes[t.index()].op == Op::Unary(UnaryOp::Tanh)
+            && once(t)
+            && add
+                .inputs
+                .iter()
+                .any(|&o| o != t && scalar(graph, &nodes[o.index()]).is_some_and(|v| near(v, 1.0)))
+    })?;
+    let t = nodes[th.index()].inputs[0];
+    let sum = times_scalar(
+        graph,
+        nodes,
+        &nodes[t.index()],
+        (2.0 / std::f64::consts::PI).sqrt(),
+    )?;
+    let sum_node = &nodes[sum.index()];
+    if !once(t) || !once(sum) || sum_node.op != Op::Binary(BinaryOp::Add) {
+        return None;
+    }
+    let [a, b] = [sum_node.inputs[0], sum_node.inputs[1]];
+    let scaled_cube = match (a == x, b == x) {
+        (true, false) => b,
+        (false, true) => a,
+        _ => return None,
+    };
+    let cube = times_scalar(graph, nodes, &nodes[scaled_cube.index()], 0.044715)?;
+    if !once(scaled_cube) || !once(cube) || !is_cube(graph, nodes, uses, cube, x, &mut replaced) {
+        return None;
+    }
+    replaced.extend(
+        [fs[plus], th, t, sum, scaled_cube, cube]
+            .iter()
+            .map(|n| n.index()),
+    );
+    replaced.push(end);
+    Some((x, replaced))
+}
+
 /// Matches `x * sigmoid(x)` (either order) ending at product `end`, the sigmoid
 /// read only there: returns `x` and the nodes the match replaces.
 fn match_silu(nodes: &[Node], uses: &[usize], end: usize) -> Option<(NodeId, Vec<usize>)> {
@@ -203,7 +327,8 @@ fn match_relu6(
     })
 }
 
-/// Replaces every spelled-out exact GELU by one `gelu` node, every
+/// Replaces every spelled-out exact GELU by one `gelu` node (its tanh approximation
+/// by `gelu_tanh`), every
 /// `x * sigmoid(x)` by one `silu` node, and every clamp to `[0, 6]` by one `relu6`,
 /// each only where `runs` says the backend runs the activation natively (the
 /// decompositions ran before this).
@@ -216,6 +341,10 @@ pub fn recognize_activations(graph: &Graph, runs: &dyn Fn(&Op) -> bool) -> Fused
     for (end, slot) in at_end.iter_mut().enumerate() {
         let found = match_gelu(graph, &nodes, &uses, end)
             .map(|(x, replaced)| (x, replaced, UnaryOp::Gelu))
+            .or_else(|| {
+                match_gelu_tanh(graph, &nodes, &uses, end)
+                    .map(|(x, replaced)| (x, replaced, UnaryOp::GeluTanh))
+            })
             .or_else(|| {
                 match_silu(&nodes, &uses, end).map(|(x, replaced)| (x, replaced, UnaryOp::Silu))
             })
@@ -254,6 +383,60 @@ pub fn recognize_activations(graph: &Graph, runs: &dyn Fn(&Op) -> bool) -> Fused
                 },
             );
         } else if !absorbed[i] {
+            w.place(i, node.clone());
+        }
+    }
+    crate::fuse::finish(graph, w, records)
+}
+
+/// Moves every epilogue activation whose operand is a reshape read only by it to
+/// before the reshape: `act(reshape(x))` becomes `reshape(act(x))`, the same values,
+/// with the activation now right after the node that makes `x`.
+pub fn activations_before_reshapes(graph: &Graph) -> Fused {
+    let nodes = graph.nodes();
+    let uses = use_counts(graph);
+    // The activation that takes the place of each reshape it moves before.
+    let mut moved: Vec<Option<UnaryOp>> = vec![None; nodes.len()];
+    let mut records = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        let Some(act) = crate::fuse::epilogue_activation(&node.op) else {
+            continue;
+        };
+        let r = node.inputs[0].index();
+        if matches!(nodes[r].op, Op::Reshape { .. }) && uses[r] == 1 {
+            moved[r] = Some(act);
+            records.push((
+                r,
+                vec![format!("reshape %{r}"), format!("{} %{i}", node.op.name())],
+            ));
+        }
+    }
+    let mut w = Rewriter::new(nodes.len());
+    for (i, node) in nodes.iter().enumerate() {
+        if let Some(act) = moved[i] {
+            // The activation, on the reshape's operand.
+            let x = node.inputs[0];
+            w.place(
+                i,
+                Node {
+                    op: Op::Unary(act),
+                    inputs: vec![x],
+                    shape: nodes[x.index()].shape.clone(),
+                },
+            );
+        } else if let Some(r) = node.inputs.first().filter(|r| moved[r.index()].is_some())
+            && crate::fuse::epilogue_activation(&node.op).is_some()
+        {
+            // The reshape, of the moved activation.
+            w.place(
+                i,
+                Node {
+                    op: nodes[r.index()].op.clone(),
+                    inputs: vec![*r],
+                    shape: node.shape.clone(),
+                },
+            );
+        } else {
             w.place(i, node.clone());
         }
     }

@@ -2011,6 +2011,138 @@ fn gelu_spelled_with_erf_becomes_one_activation() {
 }
 
 #[test]
+fn gelu_spelled_with_tanh_becomes_one_activation() {
+    let mut rng = Rng(64);
+    for form in 0..3 {
+        let g = Graph::new("spelled tanh gelu");
+        let a = g.input("a", Shape::new(&[6, 10], DType::F32)).unwrap();
+        let w = g.param("w", Shape::new(&[10, 12], DType::F32)).unwrap();
+        let x = g.matmul(a, w).unwrap();
+        let c = |v: f64| g.scalar(v, DType::F32);
+        // GPT-2's `gelu_new` cubes with `pow`; PyTorch's tanh GELU as products.
+        let cube = match form {
+            0 => g.pow(x, c(3.0)).unwrap(),
+            1 => g.mul(g.mul(x, x).unwrap(), x).unwrap(),
+            _ => g.mul(x, g.mul(x, x).unwrap()).unwrap(),
+        };
+        let inner = match form {
+            0 => g.add(x, g.mul(cube, c(0.044715)).unwrap()),
+            _ => g.add(g.mul(c(0.044715), cube).unwrap(), x),
+        }
+        .unwrap();
+        let t = g
+            .mul(c((2.0 / std::f64::consts::PI).sqrt()), inner)
+            .unwrap();
+        let plus = match form {
+            0 => g.add(g.tanh(t).unwrap(), c(1.0)),
+            _ => g.add(c(1.0), g.tanh(t).unwrap()),
+        }
+        .unwrap();
+        let y = match form {
+            0 => g.mul(g.mul(x, c(0.5)).unwrap(), plus),
+            1 => g.mul(x, g.mul(c(0.5), plus).unwrap()),
+            _ => g.mul(plus, g.mul(c(0.5), x).unwrap()),
+        }
+        .unwrap();
+        g.set_outputs(vec![y]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+        assert!(
+            ops.contains(&"fused_matmul".to_string())
+                && !ops
+                    .iter()
+                    .any(|o| ["tanh", "pow", "elementwise", "mul"].contains(&o.as_str())),
+            "form {form}: {}",
+            plan.graph
+        );
+        check(&g, &mut rng, &format!("spelled tanh gelu form {form}"));
+    }
+    // Another coefficient on the cube, or a cube read again, is left alone.
+    for variant in 0..2 {
+        let g = Graph::new("not tanh gelu");
+        let x = g.input("x", Shape::new(&[9], DType::F32)).unwrap();
+        let c = |v: f64| g.scalar(v, DType::F32);
+        let cube = g.pow(x, c(3.0)).unwrap();
+        let k = if variant == 0 { 0.05 } else { 0.044715 };
+        let inner = g.add(x, g.mul(cube, c(k)).unwrap()).unwrap();
+        let t = g
+            .mul(inner, c((2.0 / std::f64::consts::PI).sqrt()))
+            .unwrap();
+        let plus = g.add(g.tanh(t).unwrap(), c(1.0)).unwrap();
+        let y = g.mul(g.mul(x, c(0.5)).unwrap(), plus).unwrap();
+        let outputs = if variant == 0 { vec![y] } else { vec![y, cube] };
+        g.set_outputs(outputs);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        assert!(
+            !plan
+                .graph
+                .nodes()
+                .iter()
+                .any(|n| n.op.name() == "gelu_tanh"),
+            "variant {variant}: {}",
+            plan.graph
+        );
+        check(&g, &mut rng, &format!("not tanh gelu, variant {variant}"));
+    }
+}
+
+#[test]
+fn an_activation_after_a_reshape_joins_the_product() {
+    // A 2-D `Gemm` reshaped back to `[batch, tokens, features]` before its GELU, as
+    // exporters write GPT-2's MLP.
+    let mut rng = Rng(66);
+    let g = Graph::new("gemm, reshape, gelu");
+    let a = g.input("a", Shape::new(&[6, 10], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[10, 12], DType::F32)).unwrap();
+    let b = g.param("b", Shape::new(&[12], DType::F32)).unwrap();
+    let y = g.add(g.matmul(a, w).unwrap(), b).unwrap();
+    let r = g.reshape(y, &[2, 3, 12]).unwrap();
+    g.set_outputs(vec![g.gelu_tanh(r).unwrap()]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+    assert!(
+        ops.contains(&"fused_matmul".to_string())
+            && ops.contains(&"reshape".to_string())
+            && !ops.iter().any(|o| o == "gelu_tanh" || o == "elementwise"),
+        "{}",
+        plan.graph
+    );
+    check(&g, &mut rng, "gemm, reshape, gelu");
+    // A reshape read by something else as well stays before the activation.
+    let g = Graph::new("shared reshape");
+    let a = g.input("a", Shape::new(&[6, 10], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[10, 12], DType::F32)).unwrap();
+    let r = g.reshape(g.matmul(a, w).unwrap(), &[2, 3, 12]).unwrap();
+    g.set_outputs(vec![g.relu(r).unwrap(), r]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    assert!(
+        plan.graph.nodes().iter().any(|n| n.op.name() == "relu"),
+        "{}",
+        plan.graph
+    );
+    check(&g, &mut rng, "shared reshape");
+}
+
+#[test]
+fn small_integer_powers_match_the_reference() {
+    // Squares, cubes and fourth powers run as products; other exponents (and a
+    // power whose base is the scalar) as the general power.
+    let mut rng = Rng(65);
+    for exponent in [1.0, 2.0, 3.0, 4.0, 0.5, -2.0, 2.5] {
+        let g = Graph::new("power");
+        let x = g.input("x", Shape::new(&[3, 1000], DType::F32)).unwrap();
+        let c = g.scalar(exponent, DType::F32);
+        let base = g.abs(x).unwrap();
+        let y = g
+            .pow(if exponent.fract() != 0.0 { base } else { x }, c)
+            .unwrap();
+        let z = g.pow(g.scalar(1.5, DType::F32), x).unwrap();
+        g.set_outputs(vec![y, z]);
+        check(&g, &mut rng, &format!("x ^ {exponent}"));
+    }
+}
+
+#[test]
 fn silu_spelled_with_sigmoid_joins_the_convolution() {
     let mut rng = Rng(63);
     for sigmoid_first in [false, true] {

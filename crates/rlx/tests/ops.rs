@@ -2338,7 +2338,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 33] = [
+    let cases: [ConvCase; 34] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
         // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
         // of several images in one task.
@@ -2406,6 +2406,16 @@ fn conv2d_variants() {
         (
             [1, 64, 10, 12],
             [48, 64, 1, 1],
+            [1, 1],
+            [0, 0, 0, 0],
+            [1, 1],
+            1,
+        ),
+        // One image cut into several blocks that its threads share evenly (1600
+        // pixels, about 500 a block by L2).
+        (
+            [1, 256, 40, 40],
+            [24, 256, 1, 1],
             [1, 1],
             [0, 0, 0, 0],
             [1, 1],

@@ -142,8 +142,10 @@ impl Blocking {
         }
         let mut blocks = geo.oh.div_ceil(fit).max(1);
         if images < threads {
+            // A multiple of the threads an image is shared by, so none idles while
+            // another runs a last block.
             blocks = blocks
-                .max(threads.div_ceil(images.max(1)))
+                .next_multiple_of(threads.div_ceil(images.max(1)))
                 .min(geo.oh.max(1));
         }
         let rows = geo.oh.div_ceil(blocks).max(1);
