@@ -183,9 +183,9 @@ fn is_cube(
 
 /// Matches the tanh approximation of GELU spelled out, ending at product `end`:
 /// `0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))`, the product in any
-/// grouping, each sum and product in either order, the cube as `pow(x, 3)` or `x * x
-/// * x` (GPT-2's `gelu_new`, PyTorch's tanh GELU before opset 20). Returns `x` and
-/// the nodes the match replaces.
+/// grouping, each sum and product in either order, the cube as `pow(x, 3)` or
+/// `x * x * x` (GPT-2's `gelu_new`, PyTorch's tanh GELU before opset 20). Returns
+/// `x` and the nodes the match replaces.
 fn match_gelu_tanh(
     graph: &Graph,
     nodes: &[Node],
