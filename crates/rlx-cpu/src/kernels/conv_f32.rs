@@ -67,7 +67,7 @@ fn even_block(pixels: usize, parts: usize, fit: usize) -> usize {
     // Whole panels where that keeps the count (and stays within `fit`, which the
     // scratch is sized for); a thin last panel otherwise.
     let whole = block.next_multiple_of(nr).min(fit);
-    if pixels.div_ceil(whole) % parts.max(1) == 0
+    if pixels.div_ceil(whole).is_multiple_of(parts.max(1))
         || pixels.div_ceil(whole) == pixels.div_ceil(block)
     {
         whole
