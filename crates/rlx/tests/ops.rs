@@ -2338,7 +2338,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 34] = [
+    let cases: [ConvCase; 35] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
         // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
         // of several images in one task.
@@ -2408,6 +2408,16 @@ fn conv2d_variants() {
             [48, 64, 1, 1],
             [1, 1],
             [0, 0, 0, 0],
+            [1, 1],
+            1,
+        ),
+        // A strided 1-D convolution whose one row of staged input overflows half of
+        // L2 (512 channels x 701 samples): per-tap GEMMs, not pixel rows.
+        (
+            [1, 512, 1, 1403],
+            [24, 512, 1, 3],
+            [1, 2],
+            [0, 1, 0, 1],
             [1, 1],
             1,
         ),
