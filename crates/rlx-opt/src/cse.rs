@@ -6,12 +6,21 @@ use rlx_ir::{Graph, Node, NodeId, Op};
 use std::collections::HashMap;
 
 /// Nodes that compute the same op on the same operands become one. Sources and
-/// `write_at` (which has an effect) are never merged.
+/// `write_at` (which has an effect) are never merged. A reshape to its operand's own
+/// shape (exporters write them around attention) is its operand, unless it is a
+/// graph output.
 pub fn eliminate_common_subexpressions(graph: &Graph) -> Graph {
     let nodes = graph.nodes();
     let mut w = Rewriter::new(nodes.len());
     let mut seen: HashMap<(Op, Vec<NodeId>), NodeId> = HashMap::new();
     for (i, node) in nodes.iter().enumerate() {
+        if matches!(node.op, Op::Reshape { .. })
+            && nodes[node.inputs[0].index()].shape == node.shape
+            && !graph.outputs().contains(&NodeId::from_index(i))
+        {
+            w.alias(i, node.inputs[0]);
+            continue;
+        }
         let mergeable = !node.op.is_source() && !matches!(node.op, Op::WriteAt { .. });
         if mergeable {
             let key = (

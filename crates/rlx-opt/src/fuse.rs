@@ -75,6 +75,9 @@ impl FusionOptions {
 struct AttentionMatch {
     q: NodeId,
     k: NodeId,
+    /// Whether `k` is sequence-major (`[B, S, H, D]`, its transpose written as one
+    /// `permute(k, [0, 2, 3, 1])`): the fused node reads it through a head swap.
+    k_seq_major: bool,
     v: NodeId,
     mask: Option<NodeId>,
     scale: f64,
@@ -202,10 +205,15 @@ fn match_attention(
             *x = t;
         }
     }
-    let k = key_of_transpose(nodes, kt)?;
+    let (k, k_seq_major) = key_of_transpose(nodes, kt)?;
     if [q, k, v].iter().any(|x| node(*x).shape.rank() != 4) {
         return None;
     }
+    let k_shape = if k_seq_major {
+        head_swapped(&node(k).shape)
+    } else {
+        node(k).shape.clone()
+    };
     // The fused node must be a valid attention of the same result (batch dims that
     // the matmuls broadcast, for one, are not).
     let op = Op::Attention {
@@ -213,7 +221,7 @@ fn match_attention(
         causal: false,
         seq_major: false,
     };
-    let mut shapes = vec![&node(q).shape, &node(k).shape, &node(v).shape];
+    let mut shapes = vec![&node(q).shape, &k_shape, &node(v).shape];
     if let Some(m) = mask {
         shapes.push(&node(m).shape);
     }
@@ -225,6 +233,7 @@ fn match_attention(
     Some(AttentionMatch {
         q,
         k,
+        k_seq_major,
         v,
         mask,
         scale,
@@ -232,12 +241,24 @@ fn match_attention(
     })
 }
 
-/// The `[B, H, S, D]` key whose transpose `kt` is: `permute(k, [0, 1, 3, 2])`, or the
-/// same spelled `reshape(permute(reshape(k, [B*H, S, D]), [0, 2, 1]), [B, H, D, S])`.
-fn key_of_transpose(nodes: &[Node], kt: NodeId) -> Option<NodeId> {
+/// `[B, S, H, D]` as `[B, H, S, D]` (or back).
+fn head_swapped(shape: &rlx_ir::Shape) -> rlx_ir::Shape {
+    let d = shape.dims();
+    rlx_ir::Shape::new(&[d[0], d[2], d[1], d[3]], shape.dtype())
+}
+
+/// The key whose transpose `kt` is, and whether it is sequence-major: a `[B, H, S,
+/// D]` key as `permute(k, [0, 1, 3, 2])`, or the same spelled `reshape(permute(
+/// reshape(k, [B*H, S, D]), [0, 2, 1]), [B, H, D, S])`; a `[B, S, H, D]` key as
+/// `permute(k, [0, 2, 3, 1])` (heads split and transposed in one permute, as
+/// Whisper's export has it).
+fn key_of_transpose(nodes: &[Node], kt: NodeId) -> Option<(NodeId, bool)> {
     let node = |id: NodeId| &nodes[id.index()];
     if matches!(&node(kt).op, Op::Permute { perm } if perm.as_slice() == [0, 1, 3, 2]) {
-        return Some(node(kt).inputs[0]);
+        return Some((node(kt).inputs[0], false));
+    }
+    if matches!(&node(kt).op, Op::Permute { perm } if perm.as_slice() == [0, 2, 3, 1]) {
+        return Some((node(kt).inputs[0], true));
     }
     let Op::Reshape { .. } = node(kt).op else {
         return None;
@@ -260,7 +281,7 @@ fn key_of_transpose(nodes: &[Node], kt: NodeId) -> Option<NodeId> {
         return None;
     }
     // The chain stays for any other reader; dead-code elimination removes it otherwise.
-    Some(k)
+    Some((k, false))
 }
 
 /// Attention written out in ops (`softmax(q @ k^T * scale + mask) @ v`, as exported
@@ -285,9 +306,21 @@ pub fn fuse_attention_pattern(graph: &Graph) -> Fused {
     let mut records = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
         if let Some(m) = &at_end[i] {
-            let mut inputs = vec![m.q, m.k, m.v];
-            inputs.extend(m.mask);
-            w.place(
+            let k = if m.k_seq_major {
+                let seq_major = &nodes[m.k.index()].shape;
+                w.insert(Node {
+                    op: Op::Permute {
+                        perm: HEAD_SWAP.to_vec(),
+                    },
+                    inputs: vec![m.k],
+                    shape: head_swapped(seq_major),
+                })
+            } else {
+                w.map(m.k)
+            };
+            let mut inputs = vec![w.map(m.q), k, w.map(m.v)];
+            inputs.extend(m.mask.map(|x| w.map(x)));
+            w.place_with_new_inputs(
                 i,
                 Node {
                     op: Op::Attention {

@@ -1550,6 +1550,48 @@ fn attention_as_exporters_spell_it_becomes_one_attention() {
 }
 
 #[test]
+fn attention_with_a_sequence_major_key_transpose_becomes_one_attention() {
+    // Whisper's export: heads split from `[B, S, H * D]`, the key transposed in one
+    // `permute(k, [0, 2, 3, 1])`, scales on both operands, and a reshape to the same
+    // shape before the heads are merged again.
+    let mut rng = Rng(67);
+    let (b, s, h, d) = (1, 37, 3, 16);
+    let g = Graph::new("whisper attention");
+    let x = g
+        .input("x", Shape::new(&[b, s, h * d], DType::F32))
+        .unwrap();
+    let heads = |name: &str| {
+        let w = g
+            .param(name, Shape::new(&[h * d, h * d], DType::F32))
+            .unwrap();
+        g.reshape(g.matmul(x, w).unwrap(), &[b, s, h, d]).unwrap()
+    };
+    let (q, k, v) = (heads("wq"), heads("wk"), heads("wv"));
+    let q = g.permute(q, &[0, 2, 1, 3]).unwrap();
+    let kt = g.permute(k, &[0, 2, 3, 1]).unwrap();
+    let v = g.permute(v, &[0, 2, 1, 3]).unwrap();
+    let c = g.scalar(1.0 / (d as f64).sqrt().sqrt(), DType::F32);
+    let scores = g
+        .matmul(g.mul(q, c).unwrap(), g.mul(kt, c).unwrap())
+        .unwrap();
+    let att = g.matmul(g.softmax(scores, -1).unwrap(), v).unwrap();
+    let same = g.reshape(att, &[b, h, s, d]).unwrap();
+    let merged = g
+        .reshape(g.permute(same, &[0, 2, 1, 3]).unwrap(), &[b, s, h * d])
+        .unwrap();
+    g.set_outputs(vec![merged]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+    assert!(
+        ops.iter().any(|o| o.starts_with("attention"))
+            && !ops.iter().any(|o| o == "softmax" || o == "permute"),
+        "{}",
+        plan.graph
+    );
+    check(&g, &mut rng, "whisper attention");
+}
+
+#[test]
 fn products_of_gathered_rows_by_one_weight_become_one_product() {
     // An unrolled recurrence: each step multiplies its row of the sequence by the same
     // weight and feeds the previous step's result in.
