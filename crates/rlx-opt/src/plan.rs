@@ -325,6 +325,11 @@ fn run_stages(
                     &mut graph,
                     &mut fusions,
                 );
+                absorb(
+                    crate::recognize::recognize_rms_norms(&graph, &|op| options.native.runs(op)),
+                    &mut graph,
+                    &mut fusions,
+                );
                 Some(crate::recognize::activations_before_reshapes(&graph))
             }
             Stage::FuseHoist if f.hoist_gathered_matmuls => {

@@ -12,7 +12,7 @@
 
 use crate::fuse::Fused;
 use crate::rewrite::{Rewriter, use_counts};
-use rlx_ir::{BinaryOp, Graph, Node, NodeId, Op, UnaryOp};
+use rlx_ir::{BinaryOp, F64Bits, Graph, Node, NodeId, Op, ReduceOp, UnaryOp};
 
 /// The single value of a one-element constant.
 fn scalar(graph: &Graph, node: &Node) -> Option<f64> {
@@ -437,6 +437,183 @@ pub fn activations_before_reshapes(graph: &Graph) -> Fused {
                 },
             );
         } else {
+            w.place(i, node.clone());
+        }
+    }
+    crate::fuse::finish(graph, w, records)
+}
+
+/// `s` when `r` is `1 / sqrt(s)`: `rsqrt(s)`, `reciprocal(sqrt(s))` or `1 / sqrt(s)`,
+/// every node between read only there; `inner` gets those nodes.
+fn inverse_root(
+    graph: &Graph,
+    nodes: &[Node],
+    uses: &[usize],
+    r: NodeId,
+    inner: &mut Vec<usize>,
+) -> Option<NodeId> {
+    let n = &nodes[r.index()];
+    let root_of = |x: NodeId| -> Option<NodeId> {
+        let m = &nodes[x.index()];
+        (m.op == Op::Unary(UnaryOp::Sqrt) && uses[x.index()] == 1).then(|| m.inputs[0])
+    };
+    let s = match n.op {
+        Op::Unary(UnaryOp::Rsqrt) => n.inputs[0],
+        Op::Unary(UnaryOp::Reciprocal) => {
+            inner.push(n.inputs[0].index());
+            root_of(n.inputs[0])?
+        }
+        Op::Binary(BinaryOp::Div) if scalar(graph, &nodes[n.inputs[0].index()]) == Some(1.0) => {
+            inner.push(n.inputs[1].index());
+            root_of(n.inputs[1])?
+        }
+        _ => return None,
+    };
+    Some(s)
+}
+
+/// Matches an RMS norm spelled out, ending at product `end`: `w * (x * r)` (either
+/// order, or `x / sqrt(...)` for `x * r`) with `r = 1 / sqrt(mean(x^2, last axis) +
+/// eps)` and `w` one value per feature, the square as `pow(x, 2)` or `x * x`, as T5
+/// and Llama-family exports write it. Returns `x`, `w`, `eps` and the nodes the
+/// match replaces.
+fn match_rms_norm(
+    graph: &Graph,
+    nodes: &[Node],
+    uses: &[usize],
+    end: usize,
+) -> Option<(NodeId, NodeId, f64, Vec<usize>)> {
+    let node = &nodes[end];
+    if node.op != Op::Binary(BinaryOp::Mul) || !node.shape.dtype().is_float() {
+        return None;
+    }
+    let dims = node.shape.dims();
+    let features = *dims.last()?;
+    let once = |id: NodeId| uses[id.index()] == 1;
+    let [a, b] = [node.inputs[0], node.inputs[1]];
+    [(a, b), (b, a)].into_iter().find_map(|(w, normed)| {
+        if nodes[w.index()].shape.dims() != [features] || !once(normed) {
+            return None;
+        }
+        let mut replaced = vec![normed.index()];
+        let n = &nodes[normed.index()];
+        // `x * r` (either order) or `x / sqrt(s)`.
+        let (x, s) = match n.op {
+            Op::Binary(BinaryOp::Mul) => [(n.inputs[0], n.inputs[1]), (n.inputs[1], n.inputs[0])]
+                .into_iter()
+                .find_map(|(x, r)| {
+                    let mut inner = vec![r.index()];
+                    let s = once(r)
+                        .then(|| inverse_root(graph, nodes, uses, r, &mut inner))
+                        .flatten()?;
+                    replaced.extend(inner);
+                    Some((x, s))
+                })?,
+            Op::Binary(BinaryOp::Div) => {
+                let root = n.inputs[1];
+                let m = &nodes[root.index()];
+                if m.op != Op::Unary(UnaryOp::Sqrt) || !once(root) {
+                    return None;
+                }
+                replaced.push(root.index());
+                (n.inputs[0], m.inputs[0])
+            }
+            _ => return None,
+        };
+        if nodes[x.index()].shape != node.shape || !once(s) {
+            return None;
+        }
+        // `s = mean + eps`, either order.
+        let sum = &nodes[s.index()];
+        if sum.op != Op::Binary(BinaryOp::Add) {
+            return None;
+        }
+        let [p, q] = [sum.inputs[0], sum.inputs[1]];
+        let (mean, eps) = match (
+            scalar(graph, &nodes[p.index()]),
+            scalar(graph, &nodes[q.index()]),
+        ) {
+            (_, Some(e)) => (p, e),
+            (Some(e), None) => (q, e),
+            _ => return None,
+        };
+        if !(eps >= 0.0 && eps.is_finite() && once(mean)) {
+            return None;
+        }
+        let last = dims.len() - 1;
+        let reduce = &nodes[mean.index()];
+        let Op::Reduce {
+            op: ReduceOp::Mean,
+            axes,
+            keepdims: true,
+        } = &reduce.op
+        else {
+            return None;
+        };
+        let square = reduce.inputs[0];
+        let sq = &nodes[square.index()];
+        let squares_x = match sq.op {
+            Op::Binary(BinaryOp::Pow) => {
+                sq.inputs[0] == x && scalar(graph, &nodes[sq.inputs[1].index()]) == Some(2.0)
+            }
+            Op::Binary(BinaryOp::Mul) => sq.inputs[0] == x && sq.inputs[1] == x,
+            _ => false,
+        };
+        if axes.as_slice() != [last] || !once(square) || !squares_x {
+            return None;
+        }
+        replaced.extend([s.index(), mean.index(), square.index(), end]);
+        Some((x, w, eps, replaced))
+    })
+}
+
+/// Replaces every spelled-out RMS norm (see [`match_rms_norm`]) by one `rms_norm`
+/// node, where `runs` says the backend runs it natively: one pass over each row
+/// instead of a square, a mean, a root and two products.
+pub fn recognize_rms_norms(graph: &Graph, runs: &dyn Fn(&Op) -> bool) -> Fused {
+    let nodes = graph.nodes();
+    let uses = use_counts(graph);
+    let mut at_end: Vec<Option<(NodeId, NodeId, f64)>> = vec![None; nodes.len()];
+    let mut absorbed = vec![false; nodes.len()];
+    let mut records = Vec::new();
+    for (end, slot) in at_end.iter_mut().enumerate() {
+        let Some((x, w, eps, replaced)) = match_rms_norm(graph, &nodes, &uses, end) else {
+            continue;
+        };
+        let op = Op::RmsNorm {
+            eps: F64Bits::new(eps),
+        };
+        if !runs(&op) || replaced.iter().any(|&n| absorbed[n]) {
+            continue;
+        }
+        for &n in &replaced {
+            absorbed[n] = true;
+        }
+        *slot = Some((x, w, eps));
+        let mut sorted = replaced.clone();
+        sorted.sort_unstable();
+        records.push((
+            end,
+            sorted
+                .iter()
+                .map(|&n| format!("{} %{n}", nodes[n].op.name()))
+                .collect(),
+        ));
+    }
+    let mut w = Rewriter::new(nodes.len());
+    for (i, node) in nodes.iter().enumerate() {
+        if let Some((x, gamma, eps)) = at_end[i] {
+            w.place(
+                i,
+                Node {
+                    op: Op::RmsNorm {
+                        eps: F64Bits::new(eps),
+                    },
+                    inputs: vec![x, gamma],
+                    shape: node.shape.clone(),
+                },
+            );
+        } else if !absorbed[i] {
             w.place(i, node.clone());
         }
     }

@@ -2166,6 +2166,72 @@ fn an_activation_after_a_reshape_joins_the_product() {
 }
 
 #[test]
+fn rms_norm_spelled_out_becomes_one_op() {
+    // T5's and Llama exports' spellings: the square as a power or a product, the
+    // inverse root as rsqrt, reciprocal of sqrt, 1 / sqrt or a division by sqrt.
+    let mut rng = Rng(68);
+    for form in 0..4 {
+        let g = Graph::new("spelled rms norm");
+        let x = g.input("x", Shape::new(&[2, 5, 24], DType::F32)).unwrap();
+        let w = g.param("w", Shape::new(&[24], DType::F32)).unwrap();
+        let c = |v: f64| g.scalar(v, DType::F32);
+        let sq = if form % 2 == 0 {
+            g.pow(x, c(2.0)).unwrap()
+        } else {
+            g.mul(x, x).unwrap()
+        };
+        let s = g.add(g.mean(sq, &[-1], true).unwrap(), c(1e-6)).unwrap();
+        let normed = match form {
+            0 => g.mul(x, g.rsqrt(s).unwrap()),
+            1 => g.mul(g.reciprocal(g.sqrt(s).unwrap()).unwrap(), x),
+            2 => g.mul(x, g.div(c(1.0), g.sqrt(s).unwrap()).unwrap()),
+            _ => g.div(x, g.sqrt(s).unwrap()),
+        }
+        .unwrap();
+        let y = if form < 2 {
+            g.mul(w, normed)
+        } else {
+            g.mul(normed, w)
+        }
+        .unwrap();
+        g.set_outputs(vec![y]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+        assert!(
+            ops.contains(&"rms_norm".to_string())
+                && !ops.iter().any(|o| o == "reduce_mean" || o == "elementwise"),
+            "form {form}: {}",
+            plan.graph
+        );
+        check(&g, &mut rng, &format!("spelled rms norm form {form}"));
+    }
+    // A mean over another axis, or a root read again, is left alone.
+    for variant in 0..2 {
+        let g = Graph::new("not rms norm");
+        let x = g.input("x", Shape::new(&[4, 6, 6], DType::F32)).unwrap();
+        let w = g.param("w", Shape::new(&[6], DType::F32)).unwrap();
+        let c = |v: f64| g.scalar(v, DType::F32);
+        let axis = if variant == 0 { 1 } else { -1 };
+        let s = g
+            .add(
+                g.mean(g.mul(x, x).unwrap(), &[axis], true).unwrap(),
+                c(1e-5),
+            )
+            .unwrap();
+        let r = g.rsqrt(s).unwrap();
+        let y = g.mul(g.mul(x, r).unwrap(), w).unwrap();
+        g.set_outputs(if variant == 0 { vec![y] } else { vec![y, r] });
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        assert!(
+            !plan.graph.nodes().iter().any(|n| n.op.name() == "rms_norm"),
+            "variant {variant}: {}",
+            plan.graph
+        );
+        check(&g, &mut rng, &format!("not rms norm, variant {variant}"));
+    }
+}
+
+#[test]
 fn small_integer_powers_match_the_reference() {
     // Squares, cubes and fourth powers run as products; other exponents (and a
     // power whose base is the scalar) as the general power.
