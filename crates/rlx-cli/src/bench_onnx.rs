@@ -35,7 +35,8 @@ pub struct OnnxBenchArgs {
     #[arg(long, default_value_t = 3)]
     warmup: u32,
     /// Print one JSON object: `{"median_ms", "runs", "threads"}` and more (with
-    /// `--profile`, `"profile"`: the time per kernel, slowest first).
+    /// `--profile`, `"profile"`: the time per kernel, slowest first, and
+    /// `"launches"`: every launch in run order).
     #[arg(long)]
     json: bool,
     /// After timing, run as many times again with per-kernel timing and print where

@@ -81,6 +81,59 @@ fn scaled_input(graph: &Graph, nodes: &[Node], t: NodeId) -> Option<NodeId> {
     }
 }
 
+/// The parts of a GELU-shaped product ending at `end`: `0.5 * x * (1 + f)` in any
+/// grouping (inner products read only there), where `f` is a unary `op` of one
+/// operand read only by the sum. Returns `x`, `f`'s node and the nodes the product
+/// and sum take (`end` last).
+fn half_x_one_plus(
+    graph: &Graph,
+    nodes: &[Node],
+    uses: &[usize],
+    end: usize,
+    op: UnaryOp,
+) -> Option<(NodeId, NodeId, Vec<usize>)> {
+    if nodes[end].op != Op::Binary(BinaryOp::Mul) || !nodes[end].shape.dtype().is_float() {
+        return None;
+    }
+    let mut fs = Vec::new();
+    let mut replaced = Vec::new();
+    factors(
+        nodes,
+        uses,
+        NodeId::from_index(end),
+        true,
+        &mut fs,
+        &mut replaced,
+    );
+    if fs.len() != 3 {
+        return None;
+    }
+    let half = fs
+        .iter()
+        .position(|f| scalar(graph, &nodes[f.index()]).is_some_and(|v| near(v, 0.5)))?;
+    let once = |id: NodeId| uses[id.index()] == 1;
+    // The `1 + f` factor, read only here.
+    let plus = fs.iter().enumerate().find_map(|(k, f)| {
+        let n = &nodes[f.index()];
+        (k != half && n.op == Op::Binary(BinaryOp::Add) && once(*f)).then_some(k)
+    })?;
+    let x = fs[(0..3).find(|&k| k != half && k != plus)?];
+    if nodes[x.index()].shape != nodes[end].shape {
+        return None;
+    }
+    let add = &nodes[fs[plus].index()];
+    let f = [add.inputs[0], add.inputs[1]].into_iter().find(|&t| {
+        nodes[t.index()].op == Op::Unary(op)
+            && once(t)
+            && add
+                .inputs
+                .iter()
+                .any(|&o| o != t && scalar(graph, &nodes[o.index()]).is_some_and(|v| near(v, 1.0)))
+    })?;
+    replaced.extend([fs[plus].index(), f.index(), end]);
+    Some((x, f, replaced))
+}
+
 /// Matches a spelled-out exact GELU ending at product `end`: returns `x` and the
 /// nodes the match replaces.
 fn match_gelu(
@@ -89,54 +142,12 @@ fn match_gelu(
     uses: &[usize],
     end: usize,
 ) -> Option<(NodeId, Vec<usize>)> {
-    if nodes[end].op != Op::Binary(BinaryOp::Mul) || !nodes[end].shape.dtype().is_float() {
-        return None;
-    }
-    let mut fs = Vec::new();
-    let mut inner = Vec::new();
-    factors(
-        nodes,
-        uses,
-        NodeId::from_index(end),
-        true,
-        &mut fs,
-        &mut inner,
-    );
-    if fs.len() != 3 {
-        return None;
-    }
-    let half = fs
-        .iter()
-        .position(|f| scalar(graph, &nodes[f.index()]).is_some_and(|v| near(v, 0.5)))?;
-    // The `1 + erf(...)` factor, read only here.
-    let plus = fs.iter().enumerate().find_map(|(k, f)| {
-        let n = &nodes[f.index()];
-        (k != half && n.op == Op::Binary(BinaryOp::Add) && uses[f.index()] == 1).then_some(k)
-    })?;
-    let add = &nodes[fs[plus].index()];
-    let (e, one) = (add.inputs[0], add.inputs[1]);
-    let (e, one) = if nodes[e.index()].op == Op::Unary(UnaryOp::Erf) {
-        (e, one)
-    } else {
-        (one, e)
-    };
-    if nodes[e.index()].op != Op::Unary(UnaryOp::Erf)
-        || uses[e.index()] != 1
-        || !scalar(graph, &nodes[one.index()]).is_some_and(|v| near(v, 1.0))
-    {
-        return None;
-    }
+    let (x, e, mut replaced) = half_x_one_plus(graph, nodes, uses, end, UnaryOp::Erf)?;
     let t = nodes[e.index()].inputs[0];
-    if uses[t.index()] != 1 {
+    if uses[t.index()] != 1 || scaled_input(graph, nodes, t)? != x {
         return None;
     }
-    let x = scaled_input(graph, nodes, t)?;
-    let other = (0..3).find(|&k| k != half && k != plus)?;
-    if fs[other] != x || nodes[x.index()].shape != nodes[end].shape {
-        return None;
-    }
-    let mut replaced = inner;
-    replaced.extend([fs[plus].index(), e.index(), t.index(), end]);
+    replaced.push(t.index());
     Some((x, replaced))
 }
 
@@ -192,44 +203,8 @@ fn match_gelu_tanh(
     uses: &[usize],
     end: usize,
 ) -> Option<(NodeId, Vec<usize>)> {
-    if nodes[end].op != Op::Binary(BinaryOp::Mul) || !nodes[end].shape.dtype().is_float() {
-        return None;
-    }
-    let mut fs = Vec::new();
-    let mut replaced = Vec::new();
-    factors(
-        nodes,
-        uses,
-        NodeId::from_index(end),
-        true,
-        &mut fs,
-        &mut replaced,
-    );
-    if fs.len() != 3 {
-        return None;
-    }
-    let half = fs
-        .iter()
-        .position(|f| scalar(graph, &nodes[f.index()]).is_some_and(|v| near(v, 0.5)))?;
+    let (x, th, mut replaced) = half_x_one_plus(graph, nodes, uses, end, UnaryOp::Tanh)?;
     let once = |id: NodeId| uses[id.index()] == 1;
-    // The `1 + tanh(...)` factor, read only here.
-    let plus = fs.iter().enumerate().find_map(|(k, f)| {
-        let n = &nodes[f.index()];
-        (k != half && n.op == Op::Binary(BinaryOp::Add) && once(*f)).then_some(k)
-    })?;
-    let x = fs[(0..3).find(|&k| k != half && k != plus)?];
-    if nodes[x.index()].shape != nodes[end].shape {
-        return None;
-    }
-    let add = &nodes[fs[plus].index()];
-    let th = [add.inputs[0], add.inputs[1]].into_iter().find(|&t| {
-        nodes[t.index()].op == Op::Unary(UnaryOp::Tanh)
-            && once(t)
-            && add
-                .inputs
-                .iter()
-                .any(|&o| o != t && scalar(graph, &nodes[o.index()]).is_some_and(|v| near(v, 1.0)))
-    })?;
     let t = nodes[th.index()].inputs[0];
     let sum = times_scalar(
         graph,
@@ -251,12 +226,7 @@ fn match_gelu_tanh(
     if !once(scaled_cube) || !once(cube) || !is_cube(graph, nodes, uses, cube, x, &mut replaced) {
         return None;
     }
-    replaced.extend(
-        [fs[plus], th, t, sum, scaled_cube, cube]
-            .iter()
-            .map(|n| n.index()),
-    );
-    replaced.push(end);
+    replaced.extend([t, sum, scaled_cube, cube].iter().map(|n| n.index()));
     Some((x, replaced))
 }
 
