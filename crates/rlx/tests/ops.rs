@@ -2723,8 +2723,11 @@ fn pooling() {
     let mut s = Suite::new(0x18);
     // (kernel, stride, padding [t, l, b, r])
     type PoolCase = ([usize; 2], [usize; 2], [usize; 4]);
-    let cases: [PoolCase; 6] = [
+    let cases: [PoolCase; 8] = [
         ([2, 2], [2, 2], [0, 0, 0, 0]),
+        // 3x3 stride 2, max pooling's own path: with and without padding.
+        ([3, 3], [2, 2], [0, 0, 0, 0]),
+        ([3, 3], [2, 2], [1, 1, 1, 1]),
         ([3, 2], [2, 1], [1, 1, 1, 0]),
         ([3, 3], [1, 1], [1, 1, 1, 1]),
         ([1, 1], [1, 1], [0, 0, 0, 0]),
@@ -2759,6 +2762,21 @@ fn pooling() {
             ])
         },
     );
+    // Long rows through the 3x3 stride-2 path, NaN and infinities among the values,
+    // odd and even widths.
+    for width in [37, 40] {
+        s.check(
+            &format!("max_pool 3x3/2 special, width {width}"),
+            &[inp("x", &[1, 3, 9, width], DType::F32).dist(Dist::Special)],
+            acc(9),
+            |g, x| {
+                Ok(vec![
+                    g.max_pool2d(x[0], [3, 3], [2, 2], [1, 1, 1, 1])?,
+                    g.max_pool2d(x[0], [3, 3], [2, 2], [0, 0, 0, 0])?,
+                ])
+            },
+        );
+    }
     s.check(
         "max_pool negative values with padding",
         &[inp("x", &[1, 1, 5, 5], DType::F32).dist(Dist::Uniform(-5.0, -1.0))],

@@ -386,25 +386,9 @@ multiversion! {
                     }
                 }
             }
-            // The same along the row: `across[i]` reduces the window's taps from input
-            // column `i`, for every window that lies inside the row.
             let kw = win.kernel[1];
             let reach = (kw - 1) * dx;
             let starts = w.saturating_sub(reach);
-            let across = &mut across[..starts];
-            across.copy_from_slice(&line[..starts]);
-            for tx in 1..kw {
-                let shifted = &line[tx * dx..tx * dx + starts];
-                if max {
-                    for (acc, &t) in across.iter_mut().zip(shifted) {
-                        *acc = max_kept(*acc, t);
-                    }
-                } else {
-                    for (acc, &t) in across.iter_mut().zip(shifted) {
-                        *acc += t;
-                    }
-                }
-            }
             let (pl, sx) = (win.padding[1], win.stride[1]);
             let row = &mut dst[y * ow..(y + 1) * ow];
             // Outputs `inner` have their whole window inside the row (`origin - pl <
@@ -417,22 +401,52 @@ multiversion! {
                 (ny * kw).max(1) as f32
             };
             let first = (inner.start * sx).saturating_sub(pl);
-            if inner.is_empty() {
-                // No window lies inside the row.
-            } else if sx == 2 {
-                // Whole pairs with a fixed stride vectorize (as shuffles); the last
-                // output may lack the pair's second value.
+            if max && sx == 2 && kw == 3 && dx == 1 && !inner.is_empty() {
+                // The usual 3x3 stride-2 max pool: each output from its pair of
+                // columns and the next pair's first, with no pass over every column
+                // (the same maxima in the same order as below, so the same bits).
                 let outputs = &mut row[inner.clone()];
-                let whole = ((starts - first.min(starts)) / 2).min(outputs.len());
-                for (v, pair) in outputs.iter_mut().zip(across[first..first + 2 * whole].chunks_exact(2)) {
-                    *v = pair[0];
+                let n = outputs.len();
+                let pairs = line[first..].chunks_exact(2).zip(line[first + 2..].chunks_exact(2));
+                for (v, (p, q)) in outputs[..n - 1].iter_mut().zip(pairs) {
+                    *v = max_kept(max_kept(p[0], p[1]), q[0]);
                 }
-                if whole < outputs.len() {
-                    outputs[whole] = across[first + 2 * whole];
-                }
+                let last = first + 2 * (n - 1);
+                outputs[n - 1] = max_kept(max_kept(line[last], line[last + 1]), line[last + 2]);
             } else {
-                for (v, &value) in row[inner.clone()].iter_mut().zip(across[first..].iter().step_by(sx)) {
-                    *v = value;
+                // The same along the row: `across[i]` reduces the window's taps from
+                // input column `i`, for every window that lies inside the row.
+                let across = &mut across[..starts];
+                across.copy_from_slice(&line[..starts]);
+                for tx in 1..kw {
+                    let shifted = &line[tx * dx..tx * dx + starts];
+                    if max {
+                        for (acc, &t) in across.iter_mut().zip(shifted) {
+                            *acc = max_kept(*acc, t);
+                        }
+                    } else {
+                        for (acc, &t) in across.iter_mut().zip(shifted) {
+                            *acc += t;
+                        }
+                    }
+                }
+                if inner.is_empty() {
+                    // No window lies inside the row.
+                } else if sx == 2 {
+                    // Whole pairs with a fixed stride vectorize (as shuffles); the last
+                    // output may lack the pair's second value.
+                    let outputs = &mut row[inner.clone()];
+                    let whole = ((starts - first.min(starts)) / 2).min(outputs.len());
+                    for (v, pair) in outputs.iter_mut().zip(across[first..first + 2 * whole].chunks_exact(2)) {
+                        *v = pair[0];
+                    }
+                    if whole < outputs.len() {
+                        outputs[whole] = across[first + 2 * whole];
+                    }
+                } else {
+                    for (v, &value) in row[inner.clone()].iter_mut().zip(across[first..].iter().step_by(sx)) {
+                        *v = value;
+                    }
                 }
             }
             if !max {
