@@ -12,6 +12,7 @@
 mod amx;
 mod blocking;
 mod epilogue;
+mod gemv;
 pub(crate) use epilogue::{RowAffine, activate_and_add, affine_scatter_row};
 mod kernels;
 mod pack;
@@ -708,6 +709,11 @@ unsafe fn serial(
     cols: std::ops::Range<usize>,
     buf: &mut [f32],
 ) {
+    if gemv::applies(g, &rows, &cols, buf.len()) {
+        // SAFETY: forwarded contract; the vector fits `buf`.
+        unsafe { gemv::run(g, rows, cols, buf) };
+        return;
+    }
     let (mr, nr) = (kernel.mr, kernel.nr);
     let blocks = if g.a_transposed {
         Blocking::with_packed_a(rows.len(), cols.len(), g.k, (mr, nr))
