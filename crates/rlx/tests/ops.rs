@@ -2338,7 +2338,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 35] = [
+    let cases: [ConvCase; 39] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
         // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
         // of several images in one task.
@@ -2515,6 +2515,42 @@ fn conv2d_variants() {
             [2, 3],
             5,
         ),
+        // Depthwise over planes of at most 64 outputs: sixteen channels in the lanes
+        // of each vector. Channels past a whole block (37 = 16 + 16 + 5), two
+        // images, a 5x5 window at stride 2, a multiplier of 2 with dilation, and
+        // input rows longer than one transpose with asymmetric padding.
+        (
+            [2, 37, 7, 7],
+            [37, 1, 3, 3],
+            [1, 1],
+            [1, 1, 1, 1],
+            [1, 1],
+            37,
+        ),
+        (
+            [1, 40, 14, 13],
+            [40, 1, 5, 5],
+            [2, 2],
+            [2, 2, 2, 2],
+            [1, 1],
+            40,
+        ),
+        (
+            [1, 20, 8, 8],
+            [40, 1, 3, 3],
+            [1, 1],
+            [1, 1, 1, 1],
+            [2, 2],
+            20,
+        ),
+        (
+            [1, 17, 4, 20],
+            [17, 1, 3, 3],
+            [1, 2],
+            [1, 0, 1, 2],
+            [1, 1],
+            17,
+        ),
         // Rows of several vectors with a partial last one (eight vectors at a time
         // then span rows), a stride of 3 (three column phases), and a 9x9 window,
         // past the taps the phase kernel keeps offsets for.
@@ -2677,6 +2713,22 @@ fn conv2d_variants() {
             },
         );
     }
+    // The same on planes small enough for channels in vector lanes (35 channels:
+    // a partial last block).
+    s.check(
+        "depthwise conv2d 7x7 planes + bias + relu + residual",
+        &[
+            inp("x", &[1, 35, 7, 7], DType::F32),
+            inp("w", &[35, 1, 3, 3], DType::F32),
+            inp("b", &[35], DType::F32),
+            inp("r", &[1, 35, 7, 7], DType::F32),
+        ],
+        acc(10),
+        |g, x| {
+            let y = g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [1, 1, 1, 1], [1, 1], 35)?;
+            one(g.add(g.relu(y)?, x[3])?)
+        },
+    );
     for dt in [DType::F32, DType::F64] {
         s.check(
             &format!("depthwise conv2d + bias + relu + residual {dt}"),

@@ -74,10 +74,16 @@ impl Staging {
 /// Per-thread floats a depthwise convolution of `x` needs (its staged plane and
 /// the sums before they are stored).
 pub(crate) fn thread_floats(win: &Window2d, x: &Shape) -> usize {
-    let ow = extent(win, 1, x.dim(3));
+    let (oh, ow) = (extent(win, 0, x.dim(2)), extent(win, 1, x.dim(3)));
+    let lanes = if super::depthwise_lanes_f32::applies(win, x, [oh, ow]) {
+        super::depthwise_lanes_f32::thread_floats(win, x)
+    } else {
+        0
+    };
     Staging::new(win, x, ow)
         .len()
         .max(Phased::new(win, x, ow).len())
+        .max(lanes)
 }
 
 /// The input plane split by column stride phase, for [`plane_avx512`]: phase `px`
@@ -443,6 +449,9 @@ pub(crate) fn conv2d(
     let pixels = oh * ow;
     if n == 0 || o == 0 || pixels == 0 {
         return Ok(());
+    }
+    if super::depthwise_lanes_f32::applies(win, x.shape, [oh, ow]) {
+        return super::depthwise_lanes_f32::conv2d(win, [x, w], finish, out, (gemm, pool));
     }
     let multiplier = o / c.max(1);
     let taps = win.kernel[0] * win.kernel[1];

@@ -8,6 +8,7 @@ mod conv;
 pub(crate) mod conv_f32;
 pub(crate) mod conv_pixels_f32;
 pub(crate) mod depthwise_f32;
+pub(crate) mod depthwise_lanes_f32;
 mod elementwise;
 mod fused;
 mod layout;
