@@ -225,38 +225,8 @@ pub(crate) fn sigmoid_in_place(v: &mut [f32]) {
 #[target_feature(enable = "avx512f")]
 unsafe fn logistic_avx512<const TIMES_X: bool>(v: &mut [f32]) {
     use std::arch::x86_64::*;
-    // Below -88, e^-x overflows toward infinity: the result is then 0 (of x's sign
-    // with TIMES_X), as the scalar form gives it from about there (between -88 and
-    // -87.3 the reciprocal is subnormal, which the estimate and the Newton step
-    // compute without flushing).
-    const FLOOR: f32 = -88.0;
-    let c = _mm512_set1_ps;
-    let one = c(1.0);
-    let lanes = |x: __m512| {
-        // -x inside [-100, -FLOOR] (NaN kept: these return their second operand
-        // when one is NaN).
-        let t = _mm512_max_ps(
-            c(-100.0),
-            _mm512_min_ps(c(-FLOOR), _mm512_sub_ps(_mm512_setzero_ps(), x)),
-        );
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(t, c(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm512_fnmadd_ps(n, c(LN2_LO), _mm512_fnmadd_ps(n, c(LN2_HI), t));
-        let mut p = c(1.0 / 5040.0);
-        for k in [720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
-            p = _mm512_fmadd_ps(p, r, c(1.0 / k));
-        }
-        let d = _mm512_add_ps(one, _mm512_scalef_ps(p, n));
-        let e = _mm512_rcp14_ps(d);
-        let s = _mm512_mul_ps(e, _mm512_fnmadd_ps(d, e, c(2.0)));
-        let s = _mm512_mask_mov_ps(
-            s,
-            _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, c(FLOOR)),
-            _mm512_setzero_ps(),
-        );
-        if TIMES_X { _mm512_mul_ps(x, s) } else { s }
-    };
+    // SAFETY (all calls below): AVX-512F is available.
+    let lanes = |x: __m512| unsafe { logistic_lanes_avx512::<TIMES_X>(x) };
     let mut chunks = v.chunks_exact_mut(16);
     for chunk in &mut chunks {
         // SAFETY: 16 values.
@@ -274,6 +244,50 @@ unsafe fn logistic_avx512<const TIMES_X: bool>(v: &mut [f32]) {
             _mm512_mask_storeu_ps(rest.as_mut_ptr(), mask, lanes(x));
         }
     }
+}
+
+/// [`logistic_avx512`] on one vector: `σ(x)`, times `x` with `TIMES_X` (for kernels
+/// that apply a SiLU in registers, with the same values).
+///
+/// # Safety
+/// AVX-512F must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn logistic_lanes_avx512<const TIMES_X: bool>(
+    x: std::arch::x86_64::__m512,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // Below -88, e^-x overflows toward infinity: the result is then 0 (of x's sign
+    // with TIMES_X), as the scalar form gives it from about there (between -88 and
+    // -87.3 the reciprocal is subnormal, which the estimate and the Newton step
+    // compute without flushing).
+    const FLOOR: f32 = -88.0;
+    let c = _mm512_set1_ps;
+    let one = c(1.0);
+    // -x inside [-100, -FLOOR] (NaN kept: these return their second operand
+    // when one is NaN).
+    let t = _mm512_max_ps(
+        c(-100.0),
+        _mm512_min_ps(c(-FLOOR), _mm512_sub_ps(_mm512_setzero_ps(), x)),
+    );
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(t, c(std::f32::consts::LOG2_E)),
+    );
+    let r = _mm512_fnmadd_ps(n, c(LN2_LO), _mm512_fnmadd_ps(n, c(LN2_HI), t));
+    let mut p = c(1.0 / 5040.0);
+    for k in [720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
+        p = _mm512_fmadd_ps(p, r, c(1.0 / k));
+    }
+    let d = _mm512_add_ps(one, _mm512_scalef_ps(p, n));
+    let e = _mm512_rcp14_ps(d);
+    let s = _mm512_mul_ps(e, _mm512_fnmadd_ps(d, e, c(2.0)));
+    let s = _mm512_mask_mov_ps(
+        s,
+        _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, c(FLOOR)),
+        _mm512_setzero_ps(),
+    );
+    if TIMES_X { _mm512_mul_ps(x, s) } else { s }
 }
 
 /// Replaces every `x` by `e^(x - shift)` and returns their sum (`-inf` gives 0);

@@ -2713,8 +2713,41 @@ fn conv2d_variants() {
             },
         );
     }
-    // The same on planes small enough for channels in vector lanes (35 channels:
-    // a partial last block).
+    // Planes small enough for channels in vector lanes, the bias and activation
+    // applied to the sums in registers (35 channels: a partial last block; a zero
+    // bias among them).
+    for act in [
+        None,
+        Some(UnaryOp::Relu),
+        Some(UnaryOp::Relu6),
+        Some(UnaryOp::HardSwish),
+        Some(UnaryOp::Silu),
+    ] {
+        s.check(
+            &format!("depthwise conv2d 7x7 planes + bias + {act:?}"),
+            &[
+                inp("x", &[2, 35, 7, 7], DType::F32).dist(Dist::Uniform(-4.0, 4.0)),
+                inp("w", &[35, 1, 3, 3], DType::F32),
+                inp("b", &[35], DType::F32),
+            ],
+            acc(10),
+            move |g, x| {
+                // Channel 3's bias is zero: b * (1 - onehot(3)).
+                let keep = g.constant(
+                    TensorData::F32((0..35).map(|c| if c == 3 { 0.0 } else { 1.0 }).collect()),
+                    &[35],
+                )?;
+                let b = g.mul(x[2], keep)?;
+                let y = g.conv2d(x[0], x[1], Some(b), [1, 1], [1, 1, 1, 1], [1, 1], 35)?;
+                one(match act {
+                    Some(op) => g.unary(op, y)?,
+                    None => y,
+                })
+            },
+        );
+    }
+    // The same with a residual: the epilogue then runs per plane (35 channels: a
+    // partial last block).
     s.check(
         "depthwise conv2d 7x7 planes + bias + relu + residual",
         &[

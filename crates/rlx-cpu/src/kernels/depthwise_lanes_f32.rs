@@ -14,6 +14,7 @@
 
 use super::conv::extent;
 use super::conv_pixels_f32::Finish;
+use crate::gemm::Activation;
 use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
 use rlx_ir::{Result, Shape, Window2d};
@@ -117,6 +118,17 @@ pub(crate) fn conv2d(
         ow,
         block,
     };
+    // Without a residual or channel affine, the bias and activation are applied to
+    // the sums in registers (one vector per sixteen channels) instead of once per
+    // plane afterwards.
+    let in_registers = finish.residual.is_none()
+        && finish.affine.is_none()
+        && matches!(
+            finish.activation,
+            None | Some(
+                Activation::Relu | Activation::Relu6 | Activation::HardSwish | Activation::Silu
+            )
+        );
     let one_block = |unit: usize, thread: usize| {
         let (image, first) = (unit / groups, unit % groups * LANES);
         let lanes = LANES.min(o - first);
@@ -142,16 +154,26 @@ pub(crate) fn conv2d(
         let planes = unsafe {
             std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), lanes * pixels)
         };
+        let finish_sums = in_registers.then(|| SumsFinish {
+            bias: std::array::from_fn(|l| match finish.bias {
+                Some(b) if l < lanes => b[first + l],
+                _ => 0.0,
+            }),
+            activation: finish.activation,
+        });
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F was detected ([`applies`]); the buffers have the sizes
         // `thread_floats` gives for this window.
         unsafe {
             stage_avx512(&sources, lanes, win, geometry, staged);
-            sums_avx512(staged, &weights[..taps], win, geometry, sums);
+            sums_avx512(staged, &weights[..taps], win, geometry, finish_sums, sums);
             unstage_avx512(sums, lanes, geometry, planes);
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (&sources, &weights, staged, sums);
+        let _ = (&sources, &weights, staged, sums, finish_sums);
+        if in_registers {
+            return;
+        }
         for (l, values) in planes.chunks_exact_mut(pixels).enumerate() {
             let oc = first + l;
             // SAFETY: the residual has the output's shape.
@@ -178,6 +200,15 @@ pub(crate) fn conv2d(
         }
     };
     pool.run(tasks, threads, &task)
+}
+
+/// What [`sums_avx512`] applies to each vector of sums before storing it: the
+/// channels' biases and an activation, as the epilogue's `row` computes them (a bias
+/// of zero is not added, so a sum of -0 stays -0 before the activation).
+#[derive(Clone, Copy)]
+struct SumsFinish {
+    bias: [f32; LANES],
+    activation: Option<Activation>,
 }
 
 /// The planes' sizes and the padded block's.
@@ -306,9 +337,40 @@ unsafe fn sums_avx512(
     weights: &[[f32; LANES]],
     win: &Window2d,
     g: Geometry,
+    finish: Option<SumsFinish>,
     sums: &mut [f32],
 ) {
     use std::arch::x86_64::*;
+    let (zero, six) = (_mm512_setzero_ps(), _mm512_set1_ps(6.0));
+    // `min(6, max(0, x))` keeps a NaN (these return their second operand then), as
+    // `clamp` does.
+    let relu6 = |x: __m512| _mm512_min_ps(six, _mm512_max_ps(zero, x));
+    let (bias, with_bias) = match finish {
+        // SAFETY: 16 values.
+        Some(f) => (unsafe { _mm512_loadu_ps(f.bias.as_ptr()) }, {
+            let mut m = 0u16;
+            for (l, &b) in f.bias.iter().enumerate() {
+                m |= u16::from(b != 0.0) << l;
+            }
+            m
+        }),
+        None => (zero, 0),
+    };
+    let finished = |x: __m512| -> __m512 {
+        let Some(f) = finish else { return x };
+        let x = _mm512_mask_add_ps(x, with_bias, x, bias);
+        match f.activation {
+            None => x,
+            Some(Activation::Relu) => _mm512_max_ps(zero, _mm512_add_ps(x, zero)),
+            Some(Activation::Relu6) => relu6(x),
+            Some(Activation::HardSwish) => _mm512_mul_ps(
+                _mm512_mul_ps(x, relu6(_mm512_add_ps(x, _mm512_set1_ps(3.0)))),
+                _mm512_set1_ps(1.0 / 6.0),
+            ),
+            // SAFETY: AVX-512F is available.
+            Some(_) => unsafe { crate::vmath::logistic_lanes_avx512::<true>(x) },
+        }
+    };
     let ([sy, sx], [dy, dx]) = (win.stride, win.dilation);
     let kw = win.kernel[1];
     let wp = g.block.wp;
@@ -331,7 +393,12 @@ unsafe fn sums_avx512(
             }
             for (p, &a) in acc.iter().enumerate().take(count) {
                 // SAFETY: output pixel (oy, ox + p) lies inside `sums`.
-                unsafe { _mm512_storeu_ps(sums.as_mut_ptr().add((oy * g.ow + ox + p) * LANES), a) };
+                unsafe {
+                    _mm512_storeu_ps(
+                        sums.as_mut_ptr().add((oy * g.ow + ox + p) * LANES),
+                        finished(a),
+                    )
+                };
             }
             ox += count;
         }
