@@ -2693,6 +2693,47 @@ fn conv2d_variants() {
             one(g.add(g.relu(y)?, x[3])?)
         },
     );
+    // 1x1 convolutions over 7 x 7 outputs (49 pixels) with enough channels run on
+    // the pixel-row kernel: unit stride with a bias, ReLU and residual; stride 2 over
+    // two images; and one behind a per-channel affine and ReLU (not applied while
+    // packing there).
+    s.check(
+        "conv2d 1x1 over 7x7 + bias + relu + residual",
+        &[
+            inp("x", &[1, 96, 7, 7], DType::F32),
+            inp("w", &[80, 96, 1, 1], DType::F32),
+            inp("b", &[80], DType::F32),
+            inp("r", &[1, 80, 7, 7], DType::F32),
+        ],
+        acc(96),
+        |g, x| {
+            let y = g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [0, 0, 0, 0], [1, 1], 1)?;
+            one(g.add(g.relu(y)?, x[3])?)
+        },
+    );
+    s.check(
+        "conv2d 1x1 stride 2 to 7x7",
+        &[
+            inp("x", &[2, 64, 13, 13], DType::F32),
+            inp("w", &[40, 64, 1, 1], DType::F32),
+        ],
+        acc(64),
+        |g, x| one(g.conv2d(x[0], x[1], None, [2, 2], [0, 0, 0, 0], [1, 1], 1)?),
+    );
+    s.check(
+        "affine + relu then conv2d 1x1 over 7x7",
+        &[
+            inp("x", &[1, 72, 7, 7], DType::F32),
+            inp("scale", &[1, 72, 1, 1], DType::F32),
+            inp("shift", &[1, 72, 1, 1], DType::F32),
+            inp("w", &[33, 72, 1, 1], DType::F32),
+        ],
+        acc(72),
+        |g, x| {
+            let y = g.relu(g.add(g.mul(x[0], x[1])?, x[2])?)?;
+            one(g.conv2d(y, x[3], None, [1, 1], [0, 0, 0, 0], [1, 1], 1)?)
+        },
+    );
     // A per-channel affine in front of a 1x1 depthwise convolution that only the
     // convolution reads (the fused convolution's input prologue), its source read
     // by another op too.

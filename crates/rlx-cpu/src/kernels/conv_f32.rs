@@ -249,7 +249,9 @@ pub(crate) fn method(win: &Window2d, groups: usize, x: &Shape, w: &Shape) -> Con
         return ConvMethod::Depthwise;
     }
     let (cg, og) = (w.dim(1), w.dim(0) / groups.max(1));
-    let pixels = conv_pixels_f32::applies(win, groups, x);
+    let taps = win.kernel[0] * win.kernel[1];
+    let pixels =
+        conv_pixels_f32::applies(win, groups, x) && (taps > 1 || pointwise_by_pixels(win, x, cg));
     if pixels && (crate::isa::isa().avx512f || win.stride != [1, 1]) {
         return ConvMethod::Pixels;
     }
@@ -259,6 +261,28 @@ pub(crate) fn method(win: &Window2d, groups: usize, x: &Shape, w: &Shape) -> Con
         return ConvMethod::Winograd;
     }
     ConvMethod::Gemm
+}
+
+/// Input channels from which a 1x1 convolution's products outweigh the pixel-row
+/// kernel's transposed stores.
+const POINTWISE_PIXELS_MIN_CHANNELS: usize = 64;
+
+/// Whether a 1x1 convolution over `cg` input channels runs on the pixel-row kernel
+/// (AVX-512): where the GEMM's panels (48 columns, the last one 16 or 32 wide)
+/// would compute many more columns past the pixels than the pixel kernel's tiles
+/// of 6 do. A 7 x 7 plane is 49 pixels: 64 columns of products against 54,
+/// and ResNet-50's last 1x1 layers ran in 0.62-0.66 ms this way against 0.80-0.81
+/// as GEMMs (2048 -> 512 and 512 -> 2048 channels, alternating runs); 14 x 14
+/// planes (208 columns for 196 pixels) stay GEMMs.
+fn pointwise_by_pixels(win: &Window2d, x: &Shape, cg: usize) -> bool {
+    let p = extent(win, 0, x.dim(2)) * extent(win, 1, x.dim(3));
+    if !crate::isa::isa().avx512f || cg < POINTWISE_PIXELS_MIN_CHANNELS || p == 0 {
+        return false;
+    }
+    let nr = crate::gemm::packed_panel_width(p);
+    let gemm_columns = p / nr * nr + (p % nr).next_multiple_of(16);
+    let pixel_columns = p.next_multiple_of(conv_pixels_f32::TILE_PIXELS);
+    gemm_columns * 100 > pixel_columns * 115
 }
 
 /// Per-thread floats an f32 convolution needs, from its input and weight shapes: the
@@ -300,7 +324,7 @@ pub(crate) fn prologue_while_packing(
     activation: Option<rlx_ir::UnaryOp>,
 ) -> bool {
     x.dtype() == rlx_ir::DType::F32
-        && !depthwise_f32::applies(groups_of(x, w), x, w)
+        && method(win, groups_of(x, w), x, w) == ConvMethod::Gemm
         && win.kernel == [1, 1]
         && win.stride == [1, 1]
         && win.padding == [0; 4]

@@ -27,6 +27,8 @@ use rlx_ir::{Result, Shape, Window2d};
 
 /// Output pixels per tile (the micro-kernel's rows).
 const MR: usize = 6;
+/// [`MR`], for the choice of kernel.
+pub(crate) const TILE_PIXELS: usize = MR;
 /// Output channels per panel (the micro-kernel's columns: two AVX2 vectors).
 const NR: usize = 16;
 /// Steps per depth block (a 3x3 window over 128 channels takes one): a panel's
@@ -41,8 +43,9 @@ const TILE: usize = MR * NR;
 /// multiply-adds instead of 12.
 const MAX_GROUP: usize = 4;
 
-/// Whether a convolution can run here: `f32` on a CPU with AVX2 and FMA, one group
-/// and more than one tap, with offsets that fit 32 bits. `RLX_CONV_PIXELS=0` in the
+/// Whether a convolution can run here: `f32` on a CPU with AVX2 and FMA, one group,
+/// with offsets that fit 32 bits (a window of one tap too: [`super::conv_f32::method`]
+/// takes it here only where the GEMM would waste columns). `RLX_CONV_PIXELS=0` in the
 /// environment turns it off. ([`super::conv_f32::method`] chooses among the
 /// convolution kernels that can run one.)
 pub(crate) fn applies(win: &Window2d, groups: usize, x: &Shape) -> bool {
@@ -53,7 +56,6 @@ pub(crate) fn applies(win: &Window2d, groups: usize, x: &Shape) -> bool {
     // row) took 20.4 ms here, one block for one thread, and 14.6 ms as GEMMs.
     let row = Geometry::new(win, x, [1, super::conv::extent(win, 1, x.dim(3))]);
     groups == 1
-        && win.kernel[0] * win.kernel[1] > 1
         && geo.staged_len(geo.h + win.padding[0] + win.padding[2]) < u32::MAX as usize
         && row.staged_len(row.rows_read(win, 1)) <= stage_budget()
         && supported()
