@@ -2711,6 +2711,20 @@ fn conv2d_variants() {
             one(g.add(g.relu(y)?, x[3])?)
         },
     );
+    // Over one pixel (a squeeze-and-excitation block's): a matrix-vector product.
+    s.check(
+        "conv2d 1x1 over one pixel + bias + relu",
+        &[
+            inp("x", &[1, 96, 1, 1], DType::F32),
+            inp("w", &[40, 96, 1, 1], DType::F32),
+            inp("b", &[40], DType::F32),
+        ],
+        acc(96),
+        |g, x| {
+            let y = g.conv2d(x[0], x[1], Some(x[2]), [1, 1], [0, 0, 0, 0], [1, 1], 1)?;
+            one(g.relu(y)?)
+        },
+    );
     s.check(
         "conv2d 1x1 stride 2 to 7x7",
         &[

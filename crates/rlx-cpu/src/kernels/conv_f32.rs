@@ -276,7 +276,12 @@ const POINTWISE_PIXELS_MIN_CHANNELS: usize = 64;
 /// planes (208 columns for 196 pixels) stay GEMMs.
 fn pointwise_by_pixels(win: &Window2d, x: &Shape, cg: usize) -> bool {
     let p = extent(win, 0, x.dim(2)) * extent(win, 1, x.dim(3));
-    if !crate::isa::isa().avx512f || cg < POINTWISE_PIXELS_MIN_CHANNELS || p == 0 {
+    // Under one tile of pixels the GEMM wins: one pixel is a matrix-vector product
+    // there (`gemm::gemv`), six times fewer products than a tile.
+    if !crate::isa::isa().avx512f
+        || cg < POINTWISE_PIXELS_MIN_CHANNELS
+        || p < conv_pixels_f32::TILE_PIXELS
+    {
         return false;
     }
     let nr = crate::gemm::packed_panel_width(p);

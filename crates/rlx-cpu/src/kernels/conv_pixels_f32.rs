@@ -1,5 +1,6 @@
-//! Strided `f32` convolutions with several taps (an image model's 7x7 stride-2 stem,
-//! its 3x3 stride-2 downsampling layers), as a product with output pixels for rows:
+//! `f32` convolutions of one group as a product with output pixels for rows (an
+//! image model's 7x7 stride-2 stem, its 3x3 layers, and 1x1 layers over planes too
+//! small for the GEMM's panels; [`super::conv_f32::method`] chooses):
 //! `Cᵀ[pixel, co] = Σ_p X[pixel, p] Wᵀ[p, co]` over `p = (ci, ky, kx)`.
 //!
 //! The GEMM path ([`super::conv_f32`]) keeps pixels in vectors, so a strided window

@@ -29,6 +29,11 @@ const LANES: usize = 16;
 /// costs lose (960 planes 0.066 -> 0.040 ms).
 const MAX_OUTPUT_PIXELS: usize = 8 * 8;
 
+/// The largest padded input plane staged (its block of sixteen takes 36 KiB): a
+/// large input read by few outputs (a big stride or window) stays with the plane
+/// kernel rather than transposing all of it.
+const MAX_STAGED_PIXELS: usize = 24 * 24;
+
 /// The most taps whose weight vectors are gathered once per block (on the stack).
 const MAX_TAPS: usize = 64;
 
@@ -36,12 +41,16 @@ const MAX_TAPS: usize = 64;
 const PIXELS_AT_ONCE: usize = 8;
 
 /// Whether this kernel takes a depthwise convolution of `x` with output planes
-/// `oh x ow`: AVX-512, small planes, and a window whose weights fit.
+/// `oh x ow`: AVX-512, small planes in and out, and a window whose weights fit.
 pub(crate) fn applies(win: &Window2d, x: &Shape, [oh, ow]: [usize; 2]) -> bool {
     crate::isa::isa().avx512f
+        && x.rank() == 4
         && oh * ow <= MAX_OUTPUT_PIXELS
         && win.kernel[0] * win.kernel[1] <= MAX_TAPS
-        && x.rank() == 4
+        && {
+            let block = Block::new(win, x, ow);
+            block.hp * block.wp <= MAX_STAGED_PIXELS
+        }
 }
 
 /// The padded block: `hp` rows of `wp` pixels, sixteen channels each.
