@@ -502,6 +502,14 @@ unsafe fn f16_to_f32_f16c(src: &[half::f16], dst: &mut [f32]) {
     }
 }
 
+/// The mask of an AVX-512 vector's first `n` lanes (all 16 from `n = 16` on), for
+/// loads and stores of a row's last values.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn first_lanes(n: usize) -> u16 {
+    if n >= 16 { u16::MAX } else { (1u16 << n) - 1 }
+}
+
 /// 2 with AVX-512F, 1 with AVX2+FMA, 0 otherwise ([`crate::isa`]).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn simd_level() -> u8 {

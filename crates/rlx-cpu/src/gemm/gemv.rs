@@ -73,12 +73,6 @@ unsafe fn vector(base: *const f32, stride: usize, k: usize, buf: &mut [f32]) -> 
     }
 }
 
-/// The first `n` (at most 16) lanes.
-#[cfg(target_arch = "x86_64")]
-fn lanes(n: usize) -> u16 {
-    if n >= 16 { u16::MAX } else { (1u16 << n) - 1 }
-}
-
 /// Column `j` of `C` over `rows`: `C[i, j] = A[i, :] · B[:, j]`, four rows of `A` at
 /// a time, two chains each.
 ///
@@ -101,7 +95,7 @@ unsafe fn column_avx512(g: &Gemm, rows: Range<usize>, j: usize, buf: &mut [f32])
             vector(g.b.add(j), g.ldb, k, buf)
         }
     };
-    let (whole, tail) = (k / 16 * 16, lanes(k % 16));
+    let (whole, tail) = (k / 16 * 16, crate::vmath::first_lanes(k % 16));
     let xp = x.as_ptr();
     let store = |i: usize, sum: f32| {
         // SAFETY: (i, j) is inside C.
@@ -233,7 +227,7 @@ unsafe fn row_avx512(g: &Gemm, i: usize, cols: Range<usize>, buf: &mut [f32]) {
 unsafe fn dot(x: &[f32], y: *const f32) -> f32 {
     use std::arch::x86_64::*;
     let k = x.len();
-    let (whole, tail) = (k / 16 * 16, lanes(k % 16));
+    let (whole, tail) = (k / 16 * 16, crate::vmath::first_lanes(k % 16));
     let xp = x.as_ptr();
     let mut acc = [_mm512_setzero_ps(); 4];
     let mut p = 0;
@@ -297,7 +291,8 @@ unsafe fn rows_sum_n<const V: usize, const U: usize>(
     add: bool,
 ) {
     use std::arch::x86_64::*;
-    let masks: [u16; V] = std::array::from_fn(|v| lanes(width.saturating_sub(16 * v)));
+    let masks: [u16; V] =
+        std::array::from_fn(|v| crate::vmath::first_lanes(width.saturating_sub(16 * v)));
     let full = masks.iter().all(|&m| m == u16::MAX);
     let mut acc = [[_mm512_setzero_ps(); V]; U];
     let k = x.len();

@@ -214,13 +214,14 @@ unsafe fn split_pairs_avx512(row: &[f32], evens: &mut [f32], odds: &mut [f32]) {
         let have = (row.len() - 2 * t).min(32);
         // SAFETY: the masks cover values inside the slices only.
         unsafe {
-            let lo = _mm512_maskz_loadu_ps(lanes_mask(have), row.as_ptr().add(2 * t));
+            let lo =
+                _mm512_maskz_loadu_ps(crate::vmath::first_lanes(have), row.as_ptr().add(2 * t));
             let hi = _mm512_maskz_loadu_ps(
-                lanes_mask(have.saturating_sub(16)),
+                crate::vmath::first_lanes(have.saturating_sub(16)),
                 row.as_ptr().wrapping_add(2 * t + 16),
             );
-            let even_mask = lanes_mask(n_even.saturating_sub(t));
-            let odd_mask = lanes_mask(n_odd.saturating_sub(t));
+            let even_mask = crate::vmath::first_lanes(n_even.saturating_sub(t));
+            let odd_mask = crate::vmath::first_lanes(n_odd.saturating_sub(t));
             _mm512_mask_storeu_ps(
                 evens.as_mut_ptr().wrapping_add(t),
                 even_mask,
@@ -245,12 +246,6 @@ fn strided_copy(src: &[f32], step: usize, dst: &mut [f32]) {
             *v = src[j * step];
         }
     }
-}
-
-/// The first `n` (at most 16) lanes.
-#[cfg(target_arch = "x86_64")]
-fn lanes_mask(n: usize) -> u16 {
-    if n >= 16 { u16::MAX } else { (1u16 << n) - 1 }
 }
 
 /// The most taps [`plane_avx512`] takes (their offsets live on the stack); larger
@@ -294,7 +289,7 @@ unsafe fn plane_avx512(
             let (y, x) = ((v + i) / per_row, (v + i) % per_row * 16);
             src[i] = y * row_pitch + x;
             at[i] = y * ow + x;
-            mask[i] = lanes_mask(ow - x);
+            mask[i] = crate::vmath::first_lanes(ow - x);
         }
         let mut acc = [_mm512_setzero_ps(); VECTORS_AT_ONCE];
         if mask == [u16::MAX; VECTORS_AT_ONCE] {

@@ -230,12 +230,6 @@ struct Geometry {
     block: Block,
 }
 
-/// The first `n` (at most 16) lanes.
-#[cfg(target_arch = "x86_64")]
-fn lanes_mask(n: usize) -> u16 {
-    if n >= 16 { u16::MAX } else { (1u16 << n) - 1 }
-}
-
 /// Transposes sixteen vectors: lane `j` of output `i` is lane `i` of input `j`.
 ///
 /// # Safety
@@ -312,7 +306,7 @@ unsafe fn stage_avx512(
         let mut x = 0;
         while x < g.w {
             let count = LANES.min(g.w - x);
-            let mask = lanes_mask(count);
+            let mask = crate::vmath::first_lanes(count);
             let rows: [__m512; 16] = std::array::from_fn(|l| {
                 if l < lanes {
                     // SAFETY: columns x..x+count of row y lie inside the plane.
@@ -428,7 +422,7 @@ unsafe fn unstage_avx512(sums: &[f32], lanes: usize, g: Geometry, planes: &mut [
     let mut p = 0;
     while p < pixels {
         let count = LANES.min(pixels - p);
-        let mask = lanes_mask(count);
+        let mask = crate::vmath::first_lanes(count);
         let columns: [__m512; 16] = std::array::from_fn(|j| {
             if j < count {
                 // SAFETY: pixel p + j lies inside `sums`.
