@@ -136,27 +136,8 @@ unsafe fn column_avx512(g: &Gemm, rows: Range<usize>, j: usize, buf: &mut [f32])
         i += 4;
     }
     for i in i..rows.end {
-        let a = g.a.wrapping_add(i * g.lda);
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let mut p = 0;
-        // SAFETY: as above, for row i.
-        unsafe {
-            while p + 64 <= whole {
-                for (h, s) in acc.iter_mut().enumerate() {
-                    let q = p + 16 * h;
-                    *s = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(q)), _mm512_loadu_ps(xp.add(q)), *s);
-                }
-                p += 64;
-            }
-            while p < k {
-                let m = if p < whole { u16::MAX } else { tail };
-                let av = _mm512_maskz_loadu_ps(m, a.add(p));
-                acc[0] = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, xp.add(p)), acc[0]);
-                p += 16;
-            }
-        }
-        let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-        store(i, _mm512_reduce_add_ps(sum));
+        // SAFETY: row i of A holds k values.
+        store(i, unsafe { dot(x, g.a.add(i * g.lda)) });
     }
 }
 

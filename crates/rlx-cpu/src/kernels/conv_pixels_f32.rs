@@ -205,6 +205,45 @@ pub(crate) struct Finish<'a> {
     pub affine: Option<ChannelAffine<'a>>,
 }
 
+impl<'a> Finish<'a> {
+    /// The per-channel steps (without the residual's pointer, so that pool tasks can
+    /// share them).
+    pub(crate) fn per_channel(&self) -> ChannelFinish<'a> {
+        ChannelFinish {
+            bias: self.bias,
+            activation: self.activation,
+            affine: self.affine,
+        }
+    }
+}
+
+/// [`Finish`] less its residual, applied to one output channel at a time.
+#[derive(Clone, Copy)]
+pub(crate) struct ChannelFinish<'a> {
+    bias: Option<&'a [f32]>,
+    activation: Option<Activation>,
+    affine: Option<ChannelAffine<'a>>,
+}
+
+impl ChannelFinish<'_> {
+    /// Applies the finish to output channel `channel`'s values in place (`residual`:
+    /// the same pixels of the residual, when there is one); nothing when there is
+    /// nothing to apply.
+    pub(crate) fn apply(&self, channel: usize, values: &mut [f32], residual: Option<&[f32]>) {
+        let shift = self.bias.map_or(0.0, |b| b[channel]);
+        let affine = self
+            .affine
+            .map(|(s, t, activation)| crate::gemm::RowAffine {
+                scale: s[channel],
+                shift: t[channel],
+                activation,
+            });
+        if shift != 0.0 || self.activation.is_some() || residual.is_some() || affine.is_some() {
+            crate::gemm::activate_and_add(values, shift, self.activation, residual, affine);
+        }
+    }
+}
+
 /// The convolution, with `weights` from [`pack_weights`].
 pub(crate) fn conv2d(
     win: &Window2d,
@@ -243,6 +282,7 @@ pub(crate) fn conv2d(
     let in_store = finish.residual.is_none()
         && finish.affine.is_none()
         && matches!(finish.activation, None | Some(Activation::Relu));
+    let per_channel = finish.per_channel();
     let task = |u: usize, thread: usize| {
         let (u, part) = (u / parts, u % parts);
         let part_range = part * part_panels..((part + 1) * part_panels).min(panels);
@@ -315,27 +355,7 @@ pub(crate) fn conv2d(
                         }),
                     )
                 };
-                let shift = finish.bias.map_or(0.0, |b| b[co]);
-                let affine = finish
-                    .affine
-                    .map(|(s, t, activation)| crate::gemm::RowAffine {
-                        scale: s[co],
-                        shift: t[co],
-                        activation,
-                    });
-                if shift != 0.0
-                    || finish.activation.is_some()
-                    || residual.is_some()
-                    || affine.is_some()
-                {
-                    crate::gemm::activate_and_add(
-                        values,
-                        shift,
-                        finish.activation,
-                        residual,
-                        affine,
-                    );
-                }
+                per_channel.apply(co, values, residual);
             }
         }
     };

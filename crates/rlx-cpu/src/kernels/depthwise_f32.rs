@@ -485,6 +485,7 @@ pub(crate) fn conv2d(
     let offsets = &offsets[..taps.min(MAX_PHASED_TAPS)];
     // `restage`: whether the plane's input channel is not already staged (with a
     // channel multiplier, consecutive output planes read the same input).
+    let per_channel = finish.per_channel();
     let one_plane = |plane_index: usize, thread: usize, restage: bool| {
         let (image, oc) = (plane_index / o, plane_index % o);
         let ic = oc / multiplier.max(1);
@@ -523,17 +524,7 @@ pub(crate) fn conv2d(
         // SAFETY: the residual has the output's shape.
         let residual = residual_addr
             .map(|a| unsafe { std::slice::from_raw_parts((a as *const f32).add(at), pixels) });
-        let shift = finish.bias.map_or(0.0, |b| b[oc]);
-        let affine = finish
-            .affine
-            .map(|(s, t, activation)| crate::gemm::RowAffine {
-                scale: s[oc],
-                shift: t[oc],
-                activation,
-            });
-        if shift != 0.0 || finish.activation.is_some() || residual.is_some() || affine.is_some() {
-            crate::gemm::activate_and_add(values, shift, finish.activation, residual, affine);
-        }
+        per_channel.apply(oc, values, residual);
     };
     let planes = n * o;
     let threads = gemm.threads();

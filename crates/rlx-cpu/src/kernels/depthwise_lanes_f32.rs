@@ -138,6 +138,7 @@ pub(crate) fn conv2d(
                 Activation::Relu | Activation::Relu6 | Activation::HardSwish | Activation::Silu
             )
         );
+    let per_channel = finish.per_channel();
     let one_block = |unit: usize, thread: usize| {
         let (image, first) = (unit / groups, unit % groups * LANES);
         let lanes = LANES.min(o - first);
@@ -189,18 +190,7 @@ pub(crate) fn conv2d(
             let residual = residual_addr.map(|a| unsafe {
                 std::slice::from_raw_parts((a as *const f32).add(at + l * pixels), pixels)
             });
-            let shift = finish.bias.map_or(0.0, |b| b[oc]);
-            let affine = finish
-                .affine
-                .map(|(s, t, activation)| crate::gemm::RowAffine {
-                    scale: s[oc],
-                    shift: t[oc],
-                    activation,
-                });
-            if shift != 0.0 || finish.activation.is_some() || residual.is_some() || affine.is_some()
-            {
-                crate::gemm::activate_and_add(values, shift, finish.activation, residual, affine);
-            }
+            per_channel.apply(oc, values, residual);
         }
     };
     let task = |t: usize, thread: usize| {
