@@ -2338,7 +2338,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 39] = [
+    let cases: [ConvCase; 41] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
         // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
         // of several images in one task.
@@ -2550,6 +2550,25 @@ fn conv2d_variants() {
             [1, 0, 1, 2],
             [1, 1],
             17,
+        ),
+        // Unit column stride over rows of several vectors: padding on one side more
+        // than the other, so staged rows start mid-vector (3 x 5 taps), and no
+        // padding at all with a channel multiplier and dilation.
+        (
+            [1, 6, 30, 37],
+            [6, 1, 3, 5],
+            [1, 1],
+            [1, 2, 0, 3],
+            [1, 1],
+            6,
+        ),
+        (
+            [1, 3, 20, 33],
+            [6, 1, 3, 3],
+            [1, 1],
+            [0, 0, 0, 0],
+            [1, 2],
+            3,
         ),
         // Rows of several vectors with a partial last one (eight vectors at a time
         // then span rows), a stride of 3 (three column phases), and a 9x9 window,
