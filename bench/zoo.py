@@ -22,6 +22,7 @@ Usage:
                          [--json FILE] [--plot FILE.png] [--export-only] [--list]
     python3 bench/zoo.py --check [--models ...]   # outputs and RLX's profile only
     python3 bench/zoo.py --ort-profile [--models ...]  # ONNX Runtime's per-node profile
+    python3 bench/zoo.py --conv-layers [--models ...]  # each convolution, RLX beside ORT
 
 It makes its own virtual environment in the cache ($RLX_CACHE or ~/.cache/rlx) with
 pinned PyTorch, torchvision, transformers, onnx, onnxscript and ONNX Runtime, and
@@ -163,9 +164,9 @@ def difference(rlx, model, files, tmp):
     return worst
 
 
-def ort_profile(name, threads, runs=20, top=12):
-    """ONNX Runtime's own per-node profile of one model: time per op type, then the
-    slowest nodes, per run (what ORT fused into what shows in the node names)."""
+def ort_node_times(name, threads, runs=20):
+    """ONNX Runtime's own per-node profile of one model: `(node, op, output shape, ms
+    per run)` for every node, in the order the nodes first ran."""
     import collections
     import tempfile
 
@@ -179,7 +180,7 @@ def ort_profile(name, threads, runs=20, top=12):
         for _ in range(3 + runs):
             session.run(None, feeds)
         events = json.loads(Path(session.end_profiling()).read_text())
-    by_op, by_node, seen, order = collections.Counter(), collections.Counter(), collections.Counter(), {}
+    total, seen, order = collections.Counter(), collections.Counter(), {}
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
             node = e["name"][: -len("_kernel_time")]
@@ -187,16 +188,54 @@ def ort_profile(name, threads, runs=20, top=12):
             order.setdefault(node, (e["args"]["op_name"], e["args"].get("output_type_shape")))
             # Each node's first three runs are warm-up.
             if seen[node] > 3:
-                by_op[e["args"]["op_name"]] += e["dur"]
-                by_node[node] += e["dur"]
-    scale = 1.0 / (1000.0 * runs)
-    print(f"{name}: ONNX Runtime, {threads} threads, {sum(by_op.values()) * scale:.3f} ms a run in kernels")
-    for op, us in by_op.most_common():
-        print(f"  {op:<28} {us * scale:8.3f} ms")
+                total[node] += e["dur"]
+    return [(node, op, shape, total[node] / (1000.0 * runs)) for node, (op, shape) in order.items()]
+
+
+def ort_profile(name, threads, runs=20, top=12):
+    """Prints ONNX Runtime's per-node profile of one model: time per op type, then the
+    slowest nodes, per run (what ORT fused into what shows in the node names)."""
+    import collections
+
+    nodes = ort_node_times(name, threads, runs)
+    by_op = collections.Counter()
+    for _, op, _, ms in nodes:
+        by_op[op] += ms
+    print(f"{name}: ONNX Runtime, {threads} threads, {sum(by_op.values()):.3f} ms a run in kernels")
+    for op, ms in by_op.most_common():
+        print(f"  {op:<28} {ms:8.3f} ms")
     print("  slowest nodes:")
-    for node, us in by_node.most_common(top):
-        op, shape = order[node]
-        print(f"    {us * scale:8.3f} ms  {op:<16} {str(shape)[:48]:<48} {node[-60:]}")
+    for node, op, shape, ms in sorted(nodes, key=lambda n: -n[3])[:top]:
+        print(f"    {ms:8.3f} ms  {op:<16} {str(shape)[:48]:<48} {node[-60:]}")
+
+
+def conv_layers(rlx, name, threads, runs=200):
+    """Prints every convolution's time in the model, RLX's launch beside ONNX Runtime's
+    node, paired in run order (both run their convolutions in graph order, one
+    launch or node each), then the sums by RLX kernel family: where a model's gap to
+    ONNX Runtime lies, measured inside the model rather than one layer alone (alone,
+    ORT's time includes its layout reorders and the layer's input is not in cache).
+    Parallel branches (SqueezeNet's fire modules, Inception-style blocks) may run in
+    a different order on each side and pair crosswise: then only the totals hold."""
+    import collections
+
+    model, files = ensure_export(name)
+    report = rlx_bench(rlx, model, files, runs, 3, threads, profile=True)
+    ours = [(k["kernel"], k["ms"]) for k in report.get("launches", []) if ".conv" in k["kernel"]]
+    theirs = [n for n in ort_node_times(name, threads, runs) if n[1] in ("Conv", "FusedConv")]
+    print(f"{name}: {len(ours)} RLX convolution launches, {len(theirs)} ONNX Runtime Conv nodes"
+          + ("" if len(ours) == len(theirs) else " (counts differ: pairs past the first mismatch are suspect)"))
+    print(f"  {'#':>3} {'RLX kernel':<40} {'RLX ms':>8} {'ORT ms':>8} {'ratio':>6}  ORT output shape")
+    families = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for i, ((kernel, ms), (_, _, shape, ort_ms)) in enumerate(zip(ours, theirs)):
+        family = kernel.split(".")[1]
+        families[family][0] += ms
+        families[family][1] += ort_ms
+        families[family][2] += 1
+        dims = shape[0].get("float") if shape else None
+        print(f"  {i:3d} {kernel:<40} {ms:8.3f} {ort_ms:8.3f} {ms / max(ort_ms, 1e-9):6.2f}  {dims}")
+    for family, (ms, ort_ms, count) in families.items():
+        print(f"  {family:<12} {count:3d} layers: RLX {ms:.3f} ms, ORT {ort_ms:.3f} ms, ratio {ms / max(ort_ms, 1e-9):.2f}")
 
 
 def compare(rlx, name, args):
@@ -296,6 +335,8 @@ def main():
     parser.add_argument("--top", type=int, default=8, help="with --check, kernels of the profile to print")
     parser.add_argument("--ort-profile", action="store_true",
                         help="print ONNX Runtime's own per-node profile of each model and stop")
+    parser.add_argument("--conv-layers", action="store_true",
+                        help="print every convolution's time, RLX beside ONNX Runtime in the model, and stop")
     args = parser.parse_args()
     if args.list:
         for m in MODELS:
@@ -327,6 +368,10 @@ def main():
             ort_profile(name, args.threads, top=args.top)
         sys.exit(1 if failures else 0)
     rlx = rlx_binary()
+    if args.conv_layers:
+        for name in names:
+            conv_layers(rlx, name, args.threads)
+        sys.exit(1 if failures else 0)
     for name in names:
         print(f"{name}", file=sys.stderr)
         try:
