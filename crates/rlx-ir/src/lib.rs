@@ -46,6 +46,7 @@ pub use op::{
 };
 pub use ops::fused::{
     EwStep, MAX_REGION_INPUTS, MAX_REGION_REGISTERS, fusable_binary, fusable_unary,
+    per_channel_operand,
 };
 pub use ops::loss::CrossEntropy;
 pub use ops::matmul::{MatMulDims, matmul_dims};

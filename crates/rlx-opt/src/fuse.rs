@@ -21,7 +21,7 @@
 use crate::rewrite::{Rewriter, consumers, use_counts};
 use rlx_ir::{
     BinaryOp, ConvFusion, DType, EwStep, F64Bits, Graph, MAX_REGION_INPUTS, MAX_REGION_REGISTERS,
-    Node, NodeId, Op, UnaryOp, fusable_binary, fusable_unary,
+    Node, NodeId, Op, UnaryOp, fusable_binary, fusable_unary, per_channel_operand,
 };
 use std::collections::{BTreeSet, BinaryHeap};
 
@@ -508,7 +508,7 @@ fn input_prologue(
         return None;
     }
     let only_for = |k: usize, reader: usize| uses[k] == 1 && readers[k] == [reader] && !claimed[k];
-    let per_channel = |n: NodeId| nodes[n.index()].shape.dims() == [1, shape.dim(1), 1, 1];
+    let per_channel = |n: NodeId| per_channel_operand(&nodes[n.index()].shape, shape.dim(1));
     let mut absorbed = Vec::new();
     let (activation, add) = match epilogue_activation(&nodes[x].op) {
         Some(act) if only_for(x, conv) => {
@@ -675,7 +675,7 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
         }
         // A batch norm after the residual add: `* scale + shift`, per channel.
         let per_channel = |x: NodeId| {
-            nodes[x.index()].shape.dims() == [1, shape.dims().get(1).copied().unwrap_or(0), 1, 1]
+            shape.rank() == 4 && per_channel_operand(&nodes[x.index()].shape, shape.dim(1))
         };
         if is_conv
             && let Some(j) = only_reader(e.last)

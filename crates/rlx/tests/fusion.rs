@@ -577,25 +577,32 @@ fn a_relu_after_the_residual_add_folds_into_the_convolution() {
 fn a_batch_norm_before_a_pointwise_convolution_folds_into_it() {
     // The normalized sum feeds the next block's 1x1 convolution while the residual
     // chain carries the sum itself: the multiply, add and relu become the 1x1
-    // convolution's input prologue, applied as its input is packed.
+    // convolution's input prologue, applied as its input is packed (or, for a 1x1
+    // convolution on the pixel-row kernel, to a copy of its input). The scale and
+    // shift are `[1, C, 1, 1]`, or `[C, 1, 1]` as exporters reshape a batch norm's.
     let mut rng = Rng(41);
-    for (case, (n, c, o, h, w, groups)) in [(2, 48, 40, 9, 10, 1), (1, 64, 32, 7, 13, 2)]
-        .into_iter()
-        .enumerate()
-    {
+    let cases = [
+        (2, 48, 40, 9, 10, 1, false),
+        (1, 64, 32, 7, 13, 2, false),
+        (2, 48, 40, 9, 10, 1, true),
+        (1, 96, 40, 7, 7, 1, true),
+        (2, 128, 24, 5, 6, 1, false),
+    ];
+    for (case, (n, c, o, h, w, groups, rank3)) in cases.into_iter().enumerate() {
         let g = Graph::new("bn before 1x1");
         let sum = g
             .input("sum", Shape::new(&[n, c, h, w], DType::F32))
             .unwrap();
+        let channel_dims: &[usize] = if rank3 { &[c, 1, 1] } else { &[1, c, 1, 1] };
         let scale = g
-            .param("scale", Shape::new(&[1, c, 1, 1], DType::F32))
+            .param("scale", Shape::new(channel_dims, DType::F32))
             .unwrap();
         let shift = g
-            .param("shift", Shape::new(&[1, c, 1, 1], DType::F32))
+            .param("shift", Shape::new(channel_dims, DType::F32))
             .unwrap();
         let normalized = g.add(g.mul(sum, scale).unwrap(), shift).unwrap();
         // A relu as batch-norm blocks have, and a silu (the packing's other branch).
-        let (x, input_act) = if case == 0 {
+        let (x, input_act) = if case % 2 == 0 {
             (g.relu(normalized).unwrap(), UnaryOp::Relu)
         } else {
             (g.silu(normalized).unwrap(), UnaryOp::Silu)

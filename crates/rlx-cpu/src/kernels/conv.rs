@@ -67,6 +67,67 @@ pub(crate) fn apply_prologue(epilogue: &ConvEpilogue, x: Src, dst: &mut [u8]) {
     })
 }
 
+/// [`apply_prologue`] for `f32` with an activation the GEMM epilogue has: each
+/// channel row copied and changed in place by the epilogue's vectorized row
+/// function (the same operations in the same order, so the same values), rows
+/// shared between the pool's threads. `false` (nothing written) otherwise.
+pub(crate) fn apply_prologue_f32(
+    epilogue: &ConvEpilogue,
+    x: Src,
+    dst: &mut [f32],
+    pool: &crate::pool::ThreadPool,
+) -> Result<bool> {
+    let activation = match epilogue.input_activation {
+        None => None,
+        Some(op) => match super::fused::gemm_activation(op) {
+            Some(a) => Some(a),
+            None => return Ok(false),
+        },
+    };
+    if x.shape.dtype() != rlx_ir::DType::F32 || x.shape.rank() != 4 {
+        return Ok(false);
+    }
+    let (channels, pixels) = (x.shape.dim(1), x.shape.dim(2) * x.shape.dim(3));
+    let rows = x.shape.dim(0) * channels;
+    if rows == 0 || pixels == 0 {
+        return Ok(true);
+    }
+    // SAFETY: f32 tensors of their lengths: the input, and one value per channel.
+    let (src, affine) = unsafe {
+        (
+            std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len),
+            epilogue.input_affine.map(|(s, t)| {
+                (
+                    std::slice::from_raw_parts(s.ptr.cast::<f32>(), s.len),
+                    std::slice::from_raw_parts(t.ptr.cast::<f32>(), t.len),
+                )
+            }),
+        )
+    };
+    let dst_addr = dst[..rows * pixels].as_mut_ptr() as usize;
+    let tasks = rows.min(8 * pool.threads());
+    let task = |t: usize, _thread: usize| {
+        for r in t * rows / tasks..(t + 1) * rows / tasks {
+            // SAFETY: row `r` of `dst`; only this task writes it.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut((dst_addr as *mut f32).add(r * pixels), pixels)
+            };
+            out.copy_from_slice(&src[r * pixels..(r + 1) * pixels]);
+            let c = r % channels;
+            let affine = affine.map(|(s, t)| crate::gemm::RowAffine {
+                scale: s[c],
+                shift: t[c],
+                activation,
+            });
+            // Without an affine the activation is the only step.
+            let first = if affine.is_none() { activation } else { None };
+            crate::gemm::activate_and_add(out, 0.0, first, None, affine);
+        }
+    };
+    pool.run(tasks, pool.threads(), &task)?;
+    Ok(true)
+}
+
 /// `act(v * scale[c] + shift[c])`, each step rounded to `T` as the graph's own
 /// multiply, add and activation round: a fused convolution's channel affine (before
 /// or after the product) and the activation that follows it.

@@ -647,14 +647,21 @@ fn fused_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
         && !conv_f32::prologue_while_packing(window, (x.shape, a.src(1).shape), f.input_activation)
     {
         // Anything but the f32 1x1 convolution (which applies it while packing its
-        // input): the changed input into scratch first.
-        // SAFETY: `prologue_scratch` asked for room for all of `x`.
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(copy.as_mut_ptr().cast::<u8>(), copy.len() * 8)
+        // input): the changed input into scratch first, vectorized for f32.
+        // SAFETY: `prologue_scratch` asked for room for all of `x` (f64 storage:
+        // 8-byte aligned, twice as many f32 values).
+        let floats = unsafe {
+            std::slice::from_raw_parts_mut(copy.as_mut_ptr().cast::<f32>(), copy.len() * 2)
         };
-        conv::apply_prologue(&epilogue, x, bytes);
+        if !conv::apply_prologue_f32(&epilogue, x, floats, ctx.pool)? {
+            // SAFETY: as above, as bytes.
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut(copy.as_mut_ptr().cast::<u8>(), copy.len() * 8)
+            };
+            conv::apply_prologue(&epilogue, x, bytes);
+        }
         x = Src {
-            ptr: bytes.as_ptr(),
+            ptr: copy.as_ptr().cast::<u8>(),
             shape: x.shape,
             len: x.len,
         };

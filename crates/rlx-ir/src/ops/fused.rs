@@ -186,6 +186,19 @@ pub(crate) fn eval_fused_matmul(
 }
 
 /// Checks per-channel operands: `[1, channels, 1, 1]` of `like`'s dtype.
+/// Whether `s` holds one value per channel of an NCHW tensor with `channels`
+/// channels, broadcast over the rest: `[1, C, 1, 1]`, or a shorter shape that
+/// broadcasts the same way (`[C, 1, 1]`, as a batch norm's scale reshaped by an
+/// exporter). Either way its values are the `C` per-channel values in order.
+pub fn per_channel_operand(s: &Shape, channels: usize) -> bool {
+    let dims = s.dims();
+    dims.len() <= 4 && {
+        let mut padded = [1usize; 4];
+        padded[4 - dims.len()..].copy_from_slice(dims);
+        padded == [1, channels, 1, 1]
+    }
+}
+
 fn check_channel_operands(
     op: &str,
     like: &Shape,
@@ -194,12 +207,14 @@ fn check_channel_operands(
 ) -> Result<()> {
     for s in operands {
         same_dtype(op, like, s)?;
-        if s.dims() != [1, channels, 1, 1] {
+        if !per_channel_operand(s, channels) {
             return Err(mismatch(
                 op,
                 like,
                 s,
-                format!("a channel scale or shift must be [1, {channels}, 1, 1]"),
+                format!(
+                    "a channel scale or shift must be [1, {channels}, 1, 1] (or [{channels}, 1, 1])"
+                ),
             ));
         }
     }
