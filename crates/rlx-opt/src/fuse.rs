@@ -481,12 +481,15 @@ struct Epilogue {
     absorbed: Vec<usize>,
 }
 
-/// A convolution's input written as `activation(source * scale + shift)`.
+/// A convolution's input written as `activation(source * scale + shift)`, or
+/// `activation(source * scale)` (a squeeze-and-excitation block's channel scaling):
+/// then the shift is a constant `-0`, which adds nothing to any value, `-0`
+/// included.
 #[derive(Clone, Copy)]
 struct InputPrologue {
     source: NodeId,
     scale: NodeId,
-    shift: NodeId,
+    shift: Option<NodeId>,
     activation: Option<UnaryOp>,
 }
 
@@ -518,23 +521,32 @@ fn input_prologue(
         _ => (None, x),
     };
     let add_reader = absorbed.last().copied().unwrap_or(conv);
-    if nodes[add].op != Op::Binary(BinaryOp::Add) || !only_for(add, add_reader) {
+    if !only_for(add, add_reader) {
         return None;
     }
-    // The add's operands: the multiply and the shift, in either order.
-    let ins = &nodes[add].inputs;
-    let (mul, shift) = [(ins[0], ins[1]), (ins[1], ins[0])]
-        .into_iter()
-        .find(|&(m, s)| nodes[m.index()].op == Op::Binary(BinaryOp::Mul) && per_channel(s))?;
-    let mul = mul.index();
-    if !only_for(mul, add) || nodes[mul].shape != *shape || nodes[add].shape != *shape {
+    let (mul, shift) = if nodes[add].op == Op::Binary(BinaryOp::Add) {
+        // The add's operands: the multiply and the shift, in either order.
+        let ins = &nodes[add].inputs;
+        let (mul, shift) = [(ins[0], ins[1]), (ins[1], ins[0])]
+            .into_iter()
+            .find(|&(m, s)| nodes[m.index()].op == Op::Binary(BinaryOp::Mul) && per_channel(s))?;
+        let mul = mul.index();
+        if !only_for(mul, add) || nodes[add].shape != *shape {
+            return None;
+        }
+        absorbed.push(add);
+        (mul, Some(shift))
+    } else {
+        (add, None)
+    };
+    if nodes[mul].op != Op::Binary(BinaryOp::Mul) || nodes[mul].shape != *shape {
         return None;
     }
     let ins = &nodes[mul].inputs;
     let (source, scale) = [(ins[0], ins[1]), (ins[1], ins[0])]
         .into_iter()
         .find(|&(src, s)| per_channel(s) && nodes[src.index()].shape == *shape)?;
-    absorbed.extend([add, mul]);
+    absorbed.push(mul);
     let prologue = InputPrologue {
         source,
         scale,
@@ -774,7 +786,24 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
                     }
                 }
                 if let Some(p) = e.prologue {
-                    inputs.extend([w.map(p.scale), w.map(p.shift)]);
+                    inputs.push(w.map(p.scale));
+                    match p.shift {
+                        Some(shift) => inputs.push(w.map(shift)),
+                        None => {
+                            let scale = &nodes[p.scale.index()].shape;
+                            let data = rlx_ir::TensorData::from_f64(
+                                scale.dtype(),
+                                &vec![-0.0; scale.num_elements()],
+                            );
+                            extra_constants.push(data);
+                            let id = graph.constants().len() + extra_constants.len() - 1;
+                            inputs.push(w.insert(Node {
+                                op: Op::Constant { id },
+                                inputs: Vec::new(),
+                                shape: scale.clone(),
+                            }));
+                        }
+                    }
                 }
                 let op = match mm.op {
                     Op::Conv2d { window, groups } => Op::FusedConv2d {

@@ -640,6 +640,47 @@ fn a_batch_norm_before_a_pointwise_convolution_folds_into_it() {
 }
 
 #[test]
+fn a_channel_scaling_before_a_pointwise_convolution_folds_into_it() {
+    // A squeeze-and-excitation block scales its input's channels by values computed
+    // from the input itself and feeds a 1x1 convolution: the multiply becomes the
+    // convolution's input prologue (a scale, and a shift of -0, which changes no
+    // value), applied while the input is packed, or to a copy on the pixel-row
+    // kernel (7 x 7, 96 channels).
+    let mut rng = Rng(43);
+    for (n, c, o, h, w) in [(1, 48, 40, 9, 10), (1, 96, 24, 7, 7)] {
+        let g = Graph::new("channel scaling before 1x1");
+        let x = g.input("x", Shape::new(&[n, c, h, w], DType::F32)).unwrap();
+        let pooled = g.mean(x, &[2, 3], true).unwrap();
+        let scale = g.sigmoid(pooled).unwrap();
+        let scaled = g.mul(x, scale).unwrap();
+        let wt = g.param("w", Shape::new(&[o, c, 1, 1], DType::F32)).unwrap();
+        let b = g.param("b", Shape::new(&[o], DType::F32)).unwrap();
+        let y = g
+            .conv2d(scaled, wt, Some(b), [1, 1], [0; 4], [1, 1], 1)
+            .unwrap();
+        g.set_outputs(vec![y]);
+        let what = format!("channel scaling before 1x1, {c} channels at {h}x{w}");
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        assert!(
+            plan.graph.nodes().iter().any(|node| matches!(
+                node.op,
+                rlx::ir::Op::FusedConv2d {
+                    fusion: rlx::ir::ConvFusion {
+                        input_affine: true,
+                        input_activation: None,
+                        ..
+                    },
+                    ..
+                }
+            )),
+            "{what}:\n{}",
+            plan.graph
+        );
+        check(&g, &mut rng, &what);
+    }
+}
+
+#[test]
 fn a_fused_convolution_built_by_hand_runs_any_activation() {
     // The optimizer forms only activations the GEMM epilogue has; a graph may carry
     // others (tanh, sigmoid after a channel affine), which run after the convolution.
