@@ -573,6 +573,20 @@ fn a_relu_after_the_residual_add_folds_into_the_convolution() {
     }
 }
 
+/// Asserts that the optimized `g` has a fused convolution whose fusion `wanted`
+/// accepts.
+fn assert_fused_conv(g: &Graph, what: &str, wanted: impl Fn(&rlx::ir::ConvFusion) -> bool) {
+    let plan = plan_graph(g, &all_passes()).unwrap();
+    assert!(
+        plan.graph.nodes().iter().any(|node| matches!(
+            &node.op,
+            rlx::ir::Op::FusedConv2d { fusion, .. } if wanted(fusion)
+        )),
+        "{what}:\n{}",
+        plan.graph
+    );
+}
+
 #[test]
 fn a_batch_norm_before_a_pointwise_convolution_folds_into_it() {
     // The normalized sum feeds the next block's 1x1 convolution while the residual
@@ -618,23 +632,11 @@ fn a_batch_norm_before_a_pointwise_convolution_folds_into_it() {
         let skip = g.sum(sum, &[1], true).unwrap();
         g.set_outputs(vec![g.relu(y).unwrap(), skip]);
         let what = format!("bn before 1x1, case {case}");
-        let plan = plan_graph(&g, &all_passes()).unwrap();
-        assert!(
-            plan.graph.nodes().iter().any(|node| matches!(
-                node.op,
-                rlx::ir::Op::FusedConv2d {
-                    fusion: rlx::ir::ConvFusion {
-                        input_affine: true,
-                        input_activation: Some(a),
-                        activation: Some(UnaryOp::Relu),
-                        ..
-                    },
-                    ..
-                } if a == input_act
-            )),
-            "{what}:\n{}",
-            plan.graph
-        );
+        assert_fused_conv(&g, &what, |f| {
+            f.input_affine
+                && f.input_activation == Some(input_act)
+                && f.activation == Some(UnaryOp::Relu)
+        });
         check(&g, &mut rng, &what);
     }
 }
@@ -660,22 +662,9 @@ fn a_channel_scaling_before_a_pointwise_convolution_folds_into_it() {
             .unwrap();
         g.set_outputs(vec![y]);
         let what = format!("channel scaling before 1x1, {c} channels at {h}x{w}");
-        let plan = plan_graph(&g, &all_passes()).unwrap();
-        assert!(
-            plan.graph.nodes().iter().any(|node| matches!(
-                node.op,
-                rlx::ir::Op::FusedConv2d {
-                    fusion: rlx::ir::ConvFusion {
-                        input_affine: true,
-                        input_activation: None,
-                        ..
-                    },
-                    ..
-                }
-            )),
-            "{what}:\n{}",
-            plan.graph
-        );
+        assert_fused_conv(&g, &what, |f| {
+            f.input_affine && f.input_activation.is_none()
+        });
         check(&g, &mut rng, &what);
     }
 }
