@@ -768,42 +768,32 @@ pub fn fuse_epilogues(graph: &Graph, matmuls: bool, convs: bool, transposes: boo
                     inputs.extend([scale, shift]);
                 }
                 let mut inputs: Vec<NodeId> = inputs.iter().map(|&id| w.map(id)).collect();
+                // A constant of `shape` filled with `value`, as a new node.
+                let mut filled = |w: &mut Rewriter, value: f64, shape: rlx_ir::Shape| {
+                    extra_constants.push(rlx_ir::TensorData::from_f64(
+                        shape.dtype(),
+                        &vec![value; shape.num_elements()],
+                    ));
+                    let id = graph.constants().len() + extra_constants.len() - 1;
+                    w.insert(Node {
+                        op: Op::Constant { id },
+                        inputs: Vec::new(),
+                        shape,
+                    })
+                };
                 if e.identity_affine {
                     let dims = [1, node.shape.dims().get(1).copied().unwrap_or(1), 1, 1];
                     for value in [1.0, 0.0] {
                         let shape = rlx_ir::Shape::new(&dims, node.shape.dtype());
-                        let data = rlx_ir::TensorData::from_f64(
-                            node.shape.dtype(),
-                            &vec![value; shape.num_elements()],
-                        );
-                        extra_constants.push(data);
-                        let id = graph.constants().len() + extra_constants.len() - 1;
-                        inputs.push(w.insert(Node {
-                            op: Op::Constant { id },
-                            inputs: Vec::new(),
-                            shape,
-                        }));
+                        inputs.push(filled(&mut w, value, shape));
                     }
                 }
                 if let Some(p) = e.prologue {
                     inputs.push(w.map(p.scale));
-                    match p.shift {
-                        Some(shift) => inputs.push(w.map(shift)),
-                        None => {
-                            let scale = &nodes[p.scale.index()].shape;
-                            let data = rlx_ir::TensorData::from_f64(
-                                scale.dtype(),
-                                &vec![-0.0; scale.num_elements()],
-                            );
-                            extra_constants.push(data);
-                            let id = graph.constants().len() + extra_constants.len() - 1;
-                            inputs.push(w.insert(Node {
-                                op: Op::Constant { id },
-                                inputs: Vec::new(),
-                                shape: scale.clone(),
-                            }));
-                        }
-                    }
+                    inputs.push(match p.shift {
+                        Some(shift) => w.map(shift),
+                        None => filled(&mut w, -0.0, nodes[p.scale.index()].shape.clone()),
+                    });
                 }
                 let op = match mm.op {
                     Op::Conv2d { window, groups } => Op::FusedConv2d {

@@ -602,7 +602,7 @@ fn winograd(
     // SAFETY: the values stay in place for the call and nothing writes them.
     let transformed =
         unsafe { std::slice::from_raw_parts(transformed.as_ptr(), transformed.len()) };
-    let finish = winograd_f32::Finish {
+    let finish = conv_pixels_f32::Finish {
         // SAFETY: an f32 tensor of `og` values.
         bias: bias.map(|b| unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), b.len) }),
         activation,

@@ -196,8 +196,8 @@ fn products_len(k: usize, pixels: usize) -> usize {
     }
 }
 
-/// What a convolution here writes besides the product: bias, then activation, then
-/// residual, then the channel affine and its activation.
+/// What a convolution here (and a Winograd one) writes besides the product: bias,
+/// then activation, then residual, then the channel affine and its activation.
 pub(crate) struct Finish<'a> {
     pub bias: Option<&'a [f32]>,
     pub activation: Option<Activation>,
@@ -226,6 +226,11 @@ pub(crate) struct ChannelFinish<'a> {
 }
 
 impl ChannelFinish<'_> {
+    /// The same steps less the bias (for a kernel that adds it itself).
+    pub(crate) fn without_bias(self) -> Self {
+        ChannelFinish { bias: None, ..self }
+    }
+
     /// Applies the finish to output channel `channel`'s values in place (`residual`:
     /// the same pixels of the residual, when there is one); nothing when there is
     /// nothing to apply.

@@ -20,8 +20,9 @@
 //! the row, runs the 36 GEMMs over all its tiles, and writes the output rows with the
 //! bias, then the activation, residual and channel affine over the finished rows.
 
+use super::conv_pixels_f32::Finish;
 use crate::gemm::GemmScratch;
-use crate::gemm::{Activation, BFormat, Epilogue, Gemm, packed_len, packed_panel_width};
+use crate::gemm::{BFormat, Epilogue, Gemm, packed_len, packed_panel_width};
 use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
 use crate::vmath::multiversion;
@@ -179,15 +180,6 @@ pub(crate) fn thread_floats(x: &Shape, w: &Shape, [oh, ow]: [usize; 2]) -> usize
     Tiling::new(oh, ow).thread_floats(x.dim(1), w.dim(0))
 }
 
-/// What a Winograd convolution writes besides the product: bias, then activation,
-/// then residual, then the channel affine and its activation.
-pub(crate) struct Finish<'a> {
-    pub bias: Option<&'a [f32]>,
-    pub activation: Option<Activation>,
-    pub residual: Option<Src<'a>>,
-    pub affine: Option<super::conv_f32::ChannelAffine<'a>>,
-}
-
 /// The convolution, with `weights` from [`transform_weights`] (which may live in the
 /// step's scratch: this takes only the GEMM buffers and the pool).
 pub(crate) fn conv2d(
@@ -221,6 +213,8 @@ pub(crate) fn conv2d(
     // Addresses, so tasks on other threads can write their rows.
     let out_addr = out.ptr as usize;
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
+    // The bias goes in with the output transform; the rest over finished rows.
+    let after_bias = finish.per_channel().without_bias();
     let task = |u: usize, thread: usize| {
         let first = u * per_task;
         let count = per_task.min(units - first);
@@ -314,14 +308,7 @@ pub(crate) fn conv2d(
                             }),
                         )
                     };
-                    let affine = finish
-                        .affine
-                        .map(|(s, t, activation)| crate::gemm::RowAffine {
-                            scale: s[co],
-                            shift: t[co],
-                            activation,
-                        });
-                    crate::gemm::activate_and_add(values, 0.0, finish.activation, residual, affine);
+                    after_bias.apply(co, values, residual);
                 }
             }
         }

@@ -185,7 +185,6 @@ pub(crate) fn eval_fused_matmul(
     Ok(t)
 }
 
-/// Checks per-channel operands: `[1, channels, 1, 1]` of `like`'s dtype.
 /// Whether `s` holds one value per channel of an NCHW tensor with `channels`
 /// channels, broadcast over the rest: `[1, C, 1, 1]`, or a shorter shape that
 /// broadcasts the same way (`[C, 1, 1]`, as a batch norm's scale reshaped by an
@@ -199,6 +198,8 @@ pub fn per_channel_operand(s: &Shape, channels: usize) -> bool {
     }
 }
 
+/// Checks per-channel operands: `like`'s dtype, one value per channel
+/// ([`per_channel_operand`]).
 fn check_channel_operands(
     op: &str,
     like: &Shape,
