@@ -698,6 +698,25 @@ pub(crate) unsafe fn sgemm_serial(g: &Gemm, buf: &mut [f32]) {
     }
 }
 
+/// Columns `cols` of `g` on the calling thread only, with `buf` from
+/// [`GemmScratch::parts`]: the kernel is the one for the whole width `g.n` (so `B`
+/// packed for it is read as packed), and `cols.start` a multiple of its panel width
+/// where `B` is packed.
+///
+/// # Safety
+/// As [`sgemm`]; `cols` lies within `0..g.n`.
+pub(crate) unsafe fn sgemm_serial_columns(g: &Gemm, cols: std::ops::Range<usize>, buf: &mut [f32]) {
+    let kernel = kernels::for_width(g.n);
+    debug_assert!(cols.end <= g.n);
+    debug_assert!(
+        !matches!(g.b_format, BFormat::Packed { .. }) || cols.start.is_multiple_of(kernel.nr)
+    );
+    if g.m > 0 && !cols.is_empty() {
+        // SAFETY: forwarded contract; `buf` is a full GEMM buffer.
+        unsafe { serial(g, kernel, 0..g.m, cols, buf) }
+    }
+}
+
 /// The blocked loops over one rectangle of `C`.
 ///
 /// # Safety

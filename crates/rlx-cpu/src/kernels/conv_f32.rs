@@ -238,27 +238,32 @@ impl ConvMethod {
 const WINOGRAD_MIN_TILES: usize = 32;
 
 /// The one choice of how an `f32` convolution of `x` by `w` runs, for the
-/// kernel, its scratch, its packed weights and its name. With AVX-512 the pixel-row
-/// kernel takes 6 pixels by 64 channels a step and ran every stride-1 3x3 layer of
-/// ResNet-18 as fast as Winograd or faster (0.85-1.2 ms against 0.8-5.6 ms, and the
-/// per-tap GEMMs 1.3-2.9 ms), so it runs every multi-tap single-group window there;
-/// with AVX2 (4 times fewer channels a step) it runs the strided ones, and Winograd
-/// the 3x3 ones with enough tiles.
+/// kernel, its scratch, its packed weights and its name.
+///
+/// Winograd first, for the 3x3 stride-1 windows with enough tiles: its 4 times fewer
+/// products beat the pixel-row kernel (6 pixels by 64 channels a step with AVX-512)
+/// on every such layer measured, kernel time a run on 2 threads: 64 -> 64 channels at
+/// 112 x 112 3.2 ms against 5.1, 128 at 56 x 56 2.0 against 3.2, 256 at 28 x 28 1.7
+/// against 3.7, 512 at 28 x 28 7.7 against 12.0, 64 -> 32 at 56 x 56 0.50 against 0.80.
+/// With fewer tiles (14 x 14 at batch 1: 16) its weights dominate and it lost (256
+/// channels: 1.26 ms against 0.97). Then the pixel-row kernel, for the other
+/// multi-tap single-group windows with AVX-512, and with AVX2 (4 times fewer channels
+/// a step) the strided ones.
 pub(crate) fn method(win: &Window2d, groups: usize, x: &Shape, w: &Shape) -> ConvMethod {
     if depthwise_f32::applies(groups, x, w) {
         return ConvMethod::Depthwise;
     }
     let (cg, og) = (w.dim(1), w.dim(0) / groups.max(1));
     let taps = win.kernel[0] * win.kernel[1];
-    let pixels =
-        conv_pixels_f32::applies(win, groups, x) && (taps > 1 || pointwise_by_pixels(win, x, cg));
-    if pixels && (crate::isa::isa().avx512f || win.stride != [1, 1]) {
-        return ConvMethod::Pixels;
-    }
     let tiles =
         x.dim(0) * extent(win, 0, x.dim(2)).div_ceil(4) * extent(win, 1, x.dim(3)).div_ceil(4);
     if winograd_f32::applies(win, groups, cg, og) && tiles >= WINOGRAD_MIN_TILES {
         return ConvMethod::Winograd;
+    }
+    let pixels =
+        conv_pixels_f32::applies(win, groups, x) && (taps > 1 || pointwise_by_pixels(win, x, cg));
+    if pixels && (crate::isa::isa().avx512f || win.stride != [1, 1]) {
+        return ConvMethod::Pixels;
     }
     ConvMethod::Gemm
 }

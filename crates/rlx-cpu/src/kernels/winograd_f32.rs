@@ -203,11 +203,18 @@ pub(crate) fn conv2d(
     let tiling = Tiling::new(oh, ow);
     let threads = gemm.threads();
     let units = n * tiling.th * tiling.pieces;
-    // Fewer pieces per task when that is what gives every thread one.
-    let per_task = tiling.pieces_per_task.min(units.div_ceil(threads)).max(1);
-    let tasks = units.div_ceil(per_task);
     let (pixels, per_point) = (oh * ow, packed_len(cg, og));
     let nr = packed_panel_width(og);
+    // With few tiles, threads share the output channels, each streaming its part of
+    // the transformed weights once for all the tiles; otherwise they share the tiles
+    // (fewer pieces per task when that is what gives every thread one).
+    let split = channel_split(n * tiling.th * tiling.tw, threads, og, nr);
+    let per_task = if split.parts > 1 {
+        tiling.pieces_per_task
+    } else {
+        tiling.pieces_per_task.min(units.div_ceil(threads)).max(1)
+    };
+    let tasks = units.div_ceil(per_task) * split.parts;
     // SAFETY: an f32 tensor of `x.len` values.
     let xs = unsafe { std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len) };
     // Addresses, so tasks on other threads can write their rows.
@@ -216,6 +223,8 @@ pub(crate) fn conv2d(
     // The bias goes in with the output transform; the rest over finished rows.
     let after_bias = finish.per_channel().without_bias();
     let task = |u: usize, thread: usize| {
+        let (u, part) = (u / split.parts, u % split.parts);
+        let channels = part * split.width..((part + 1) * split.width).min(og);
         let first = u * per_task;
         let count = per_task.min(units - first);
         let cap = tiling.max_tiles();
@@ -258,8 +267,8 @@ pub(crate) fn conv2d(
                 epilogue: Epilogue::NONE,
             };
             // SAFETY: A is `tiles x cg` inside the patches, B point p's packed panels,
-            // C `tiles x og` inside the products.
-            unsafe { crate::gemm::sgemm_serial(&gemm, gemm_buf) };
+            // C `tiles x og` inside the products; the part starts on a panel.
+            unsafe { crate::gemm::sgemm_serial_columns(&gemm, channels.clone(), gemm_buf) };
         }
         let mut done = 0;
         for v in first..first + count {
@@ -280,7 +289,16 @@ pub(crate) fn conv2d(
             done += piece_tiles;
             // SAFETY: the piece's tiles' products are inside the task's; its pixels
             // are inside the output and only this task writes them.
-            unsafe { transform_outputs(products_at, og, piece_tiles, finish.bias, &dst) };
+            unsafe {
+                transform_outputs(
+                    products_at,
+                    og,
+                    channels.clone(),
+                    piece_tiles,
+                    finish.bias,
+                    &dst,
+                )
+            };
             if finish.activation.is_none() && residual_addr.is_none() && finish.affine.is_none() {
                 continue;
             }
@@ -296,7 +314,7 @@ pub(crate) fn conv2d(
                 .copied()
                 .chain(row_spans.filter(|_| spans.is_empty()))
             {
-                for co in 0..og {
+                for co in channels.clone() {
                     let at = image_at + co * pixels + start;
                     // SAFETY: pixels start..start+len of channel co: inside the output
                     // (and the residual, of the same shape); only this task writes them.
@@ -501,11 +519,12 @@ struct OutRows {
 }
 
 multiversion! {
-    /// `Aᵀ M A` plus the bias for the `tw` tiles of one tile row, stored to the valid
-    /// pixels of `dst`.
+    /// `Aᵀ M A` plus the bias for output channels `channels` of the `tw` tiles of one
+    /// tile row, stored to the valid pixels of `dst`.
     fn transform_outputs_body(
         products: (*const f32, usize),
         og: usize,
+        channels: std::ops::Range<usize>,
         tw: usize,
         bias: Option<&[f32]>,
         dst: &OutRows
@@ -519,7 +538,7 @@ multiversion! {
             let pair = tx + 1 < tw && x0 + 2 * TILE <= dst.ow;
             let tiles = if pair { 2 } else { 1 };
             let valid = TILE.min(dst.ow - x0);
-            for c0 in (0..og).step_by(LANES) {
+            for c0 in channels.clone().step_by(LANES) {
                 let b: Lanes = match bias {
                     Some(bias) => load(&bias[c0..]),
                     None => [0.0; LANES],
@@ -585,13 +604,154 @@ multiversion! {
 /// # Safety
 /// Points `0..36` of the `tw` tiles from `products.0` (point stride `products.1`,
 /// `og` values per tile) are readable; `dst` addresses the image's `og x pixels`
-/// output, of which rows `y0..y0 + rows` are this caller's alone.
+/// output, of which channels `channels` (within `0..og`, starting on a multiple of
+/// [`LANES`]) of rows `y0..y0 + rows` are this caller's alone.
 unsafe fn transform_outputs(
     products: (*const f32, usize),
     og: usize,
+    channels: std::ops::Range<usize>,
     tw: usize,
     bias: Option<&[f32]>,
     dst: &OutRows,
 ) {
-    transform_outputs_body(products, og, tw, bias, dst);
+    transform_outputs_body(products, og, channels, tw, bias, dst);
+}
+
+/// How the output channels are shared between threads: `parts` ranges of `width`
+/// channels (the last one shorter).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ChannelSplit {
+    parts: usize,
+    width: usize,
+}
+
+/// Below this many tiles per thread, threads share the output channels instead of
+/// the tiles.
+const SPLIT_TILES: usize = 16;
+
+/// The channel split for `tiles` tiles in all on `threads` threads, `og` output
+/// channels packed in panels `nr` wide: one part per thread, in whole panels, where
+/// the tiles are too few to give every thread [`SPLIT_TILES`] of them; one part
+/// otherwise.
+///
+/// Each point's GEMM streams all of its transformed weights once per task whatever
+/// its rows: at 14 x 14 (16 tiles) and 256 channels, two threads with 8 tiles each
+/// read the 9.4 MB of weights twice.
+fn channel_split(tiles: usize, threads: usize, og: usize, nr: usize) -> ChannelSplit {
+    let panels = og.div_ceil(nr);
+    let parts = threads.min(panels);
+    if parts < 2 || tiles >= threads * SPLIT_TILES {
+        return ChannelSplit {
+            parts: 1,
+            width: og,
+        };
+    }
+    let width = panels.div_ceil(parts) * nr;
+    ChannelSplit {
+        parts: og.div_ceil(width),
+        width,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plain convolution in `f64`: 3x3, unit stride, padding 1 on every side.
+    fn reference(x: &[f32], w: &[f32], bias: &[f32], [n, c, h, wd]: [usize; 4]) -> Vec<f64> {
+        let o = bias.len();
+        let mut out = vec![0.0; n * o * h * wd];
+        for (i, v) in out.iter_mut().enumerate() {
+            let (img, co, y, xx) = (i / (o * h * wd), i / (h * wd) % o, i / wd % h, i % wd);
+            let mut sum = f64::from(bias[co]);
+            for ci in 0..c {
+                for ky in 0..3 {
+                    for kx in 0..3 {
+                        let (iy, ix) = ((y + ky) as isize - 1, (xx + kx) as isize - 1);
+                        if (0..h as isize).contains(&iy) && (0..wd as isize).contains(&ix) {
+                            let at = ((img * c + ci) * h + iy as usize) * wd + ix as usize;
+                            let tap = f64::from(w[((co * c + ci) * 3 + ky) * 3 + kx]);
+                            sum += f64::from(x[at]) * tap;
+                        }
+                    }
+                }
+            }
+            *v = sum;
+        }
+        out
+    }
+
+    #[test]
+    fn channel_parts_on_many_threads_match_the_reference() {
+        // Fewer than SPLIT_TILES tiles per thread: every thread takes all the tiles
+        // and a range of output channels in whole weight panels (with three threads
+        // on two panels, one of them has none).
+        let cases = [
+            (4usize, [1usize, 32, 28, 28], 96usize),
+            (3, [1, 40, 24, 21], 200),
+            (3, [1, 32, 9, 9], 64),
+            (4, [2, 32, 13, 16], 64),
+        ];
+        let mut seed = 7u64;
+        let mut random = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        for (threads, [n, c, h, w], o) in cases {
+            let tiles = n * h.div_ceil(TILE) * w.div_ceil(TILE);
+            let split = channel_split(tiles, threads, o, packed_panel_width(o));
+            assert!(
+                split.parts > 1,
+                "{threads} threads, {tiles} tiles: {split:?}"
+            );
+            let x: Vec<f32> = (0..n * c * h * w).map(|_| random()).collect();
+            let wt: Vec<f32> = (0..o * c * 9).map(|_| random()).collect();
+            let bias: Vec<f32> = (0..o).map(|_| random()).collect();
+            let mut transformed = vec![0.0; weights_len(c, o)];
+            transform_weights(&wt, c, o, &mut transformed);
+            let mut out = vec![f32::NAN; n * o * h * w];
+            let (xs, os) = (
+                Shape::new(&[n, c, h, w], rlx_ir::DType::F32),
+                Shape::new(&[n, o, h, w], rlx_ir::DType::F32),
+            );
+            let win = Window2d {
+                kernel: [3, 3],
+                stride: [1, 1],
+                padding: [1, 1, 1, 1],
+                dilation: [1, 1],
+            };
+            let pool = ThreadPool::new(threads);
+            let scratch = GemmScratch::new(
+                threads,
+                thread_floats(&xs, &Shape::new(&[o, c, 3, 3], rlx_ir::DType::F32), [h, w]),
+            );
+            let finish = Finish {
+                bias: Some(&bias),
+                activation: None,
+                residual: None,
+                affine: None,
+            };
+            let src = Src {
+                ptr: x.as_ptr().cast(),
+                shape: &xs,
+                len: x.len(),
+            };
+            let dst = Dst {
+                ptr: out.as_mut_ptr().cast(),
+                shape: &os,
+                len: out.len(),
+            };
+            conv2d(&win, src, &transformed, finish, dst, (&scratch, &pool)).unwrap();
+            let want = reference(&x, &wt, &bias, [n, c, h, w]);
+            for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (f64::from(got) - want).abs()
+                        <= 5e-6 * ((9 * c) as f64).sqrt() * (1.0 + want.abs()),
+                    "{threads} threads x[{n},{c},{h},{w}] o{o}: output {i}: {got} vs {want}"
+                );
+            }
+        }
+    }
 }
