@@ -402,28 +402,37 @@ fn conv_epilogues_fuse_and_match() {
 
 #[test]
 fn winograd_convolutions_with_weights_transformed_ahead_match() {
-    // 3x3 unit-stride convolutions with 32 or more channels (multiples of 8) run by
-    // Winograd's F(4x4, 3x3); a param's weights are transformed when it is set.
-    // Heights and widths leave partial edge tiles; batches put several images' tile
-    // rows in one task.
+    // 3x3 unit-stride convolutions with 32 or more channels (multiples of 8) and 32
+    // or more tiles run by Winograd's F(4x4, 3x3); a param's weights are transformed
+    // when it is set. Heights and widths leave partial edge tiles; batches put
+    // several images' tile rows in one task.
     let mut rng = Rng(31);
     type Activation = fn(&Graph, NodeId) -> rlx::Result<NodeId>;
     let acts: [Option<Activation>; 3] = [None, Some(|g, x| g.relu(x)), Some(|g, x| g.gelu(x))];
     let cases = [
         (2, 32, 32, 15, 40, [1, 1, 1, 1]),
-        (3, 64, 40, 8, 20, [1, 1, 1, 1]),
-        (1, 48, 32, 7, 9, [0, 0, 0, 0]),
-        (2, 40, 56, 11, 13, [2, 0, 1, 1]),
+        (3, 64, 40, 12, 20, [1, 1, 1, 1]),
+        (4, 48, 32, 11, 18, [0, 0, 0, 0]),
+        (4, 40, 56, 11, 13, [2, 0, 1, 1]),
         // Wider than 64 tiles: rows cut into pieces (68 tiles: two of 34).
         (1, 32, 40, 5, 270, [1, 2, 0, 1]),
         (2, 32, 32, 6, 300, [1, 1, 1, 1]),
     ];
-    for (case, (n, c, o, h, w, pad)) in cases.into_iter().enumerate() {
+    // Dilated: one undilated convolution per phase of the output.
+    let dilated = [
+        (1, 32, 40, 30, 28, [2, 2, 2, 2], [2, 2]),
+        (2, 40, 32, 17, 19, [3, 1, 3, 1], [3, 1]),
+    ];
+    let cases = cases
+        .into_iter()
+        .map(|(n, c, o, h, w, pad)| (n, c, o, h, w, pad, [1, 1]))
+        .chain(dilated);
+    for (case, (n, c, o, h, w, pad, dilation)) in cases.enumerate() {
         let g = Graph::new("winograd");
         let x = g.input("x", Shape::new(&[n, c, h, w], DType::F32)).unwrap();
         let wt = g.param("w", Shape::new(&[o, c, 3, 3], DType::F32)).unwrap();
         let b = g.param("b", Shape::new(&[o], DType::F32)).unwrap();
-        let mut y = g.conv2d(x, wt, Some(b), [1, 1], pad, [1, 1], 1).unwrap();
+        let mut y = g.conv2d(x, wt, Some(b), [1, 1], pad, dilation, 1).unwrap();
         if let Some(f) = acts[case % acts.len()] {
             y = f(&g, y).unwrap();
         }
@@ -439,8 +448,13 @@ fn winograd_convolutions_with_weights_transformed_ahead_match() {
         // cases, against 2-4e-6 for the per-tap GEMMs (3-5 times theirs in absolute
         // terms). It grows like the square root of the sum's length, as the bound
         // `docs/ARCHITECTURE.md` states for it does.
-        let what = format!("winograd case {case} x[{n},{c},{h},{w}] o{o} p{pad:?}");
+        let what = format!("winograd case {case} x[{n},{c},{h},{w}] o{o} p{pad:?} d{dilation:?}");
         check_within(&g, &mut rng, &what, 5e-6 * ((9 * c) as f64).sqrt());
+        let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
+        assert!(
+            kernels.iter().any(|(_, k)| k.contains("winograd")),
+            "{what}: {kernels:?}"
+        );
     }
 }
 

@@ -2338,10 +2338,11 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 41] = [
-        // f32 3x3 unit-stride with 32 or more channels, multiples of 8: Winograd
-        // F(4x4, 3x3), with edge tiles in both directions, asymmetric padding, tiles
-        // of several images in one task.
+    let cases: [ConvCase; 42] = [
+        // f32 3x3 unit-stride with 32 or more channels, multiples of 8, and 32 or
+        // more tiles: Winograd F(4x4, 3x3), with edge tiles in both directions,
+        // asymmetric padding, tiles of several images in one task, and dilated (one
+        // undilated convolution per phase of the output).
         (
             [2, 32, 13, 18],
             [40, 32, 3, 3],
@@ -2351,7 +2352,7 @@ fn conv2d_variants() {
             1,
         ),
         (
-            [1, 48, 9, 7],
+            [4, 48, 17, 7],
             [32, 48, 3, 3],
             [1, 1],
             [0, 2, 1, 0],
@@ -2359,7 +2360,15 @@ fn conv2d_variants() {
             1,
         ),
         (
-            [3, 64, 8, 20],
+            [1, 32, 26, 30],
+            [32, 32, 3, 3],
+            [1, 1],
+            [2, 2, 2, 2],
+            [2, 2],
+            1,
+        ),
+        (
+            [3, 64, 12, 20],
             [64, 64, 3, 3],
             [1, 1],
             [1, 1, 1, 1],

@@ -255,9 +255,12 @@ pub(crate) fn method(win: &Window2d, groups: usize, x: &Shape, w: &Shape) -> Con
     }
     let (cg, og) = (w.dim(1), w.dim(0) / groups.max(1));
     let taps = win.kernel[0] * win.kernel[1];
-    let tiles =
-        x.dim(0) * extent(win, 0, x.dim(2)).div_ceil(4) * extent(win, 1, x.dim(3)).div_ceil(4);
-    if winograd_f32::applies(win, groups, cg, og) && tiles >= WINOGRAD_MIN_TILES {
+    let (oh, ow) = (extent(win, 0, x.dim(2)), extent(win, 1, x.dim(3)));
+    let tiles = winograd_f32::tiles(x.dim(0), [oh, ow], win.dilation);
+    // Tiles computed past the output (a dilation wider than a quarter of the
+    // output leaves most of each phase's tile empty) at most double the products.
+    let covered = tiles * 16 <= 2 * x.dim(0) * oh * ow;
+    if winograd_f32::applies(win, groups, cg, og) && tiles >= WINOGRAD_MIN_TILES && covered {
         return ConvMethod::Winograd;
     }
     let pixels =
@@ -302,7 +305,9 @@ fn pointwise_by_pixels(win: &Window2d, x: &Shape, cg: usize) -> bool {
 pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape) -> usize {
     let (oh, ow) = (extent(win, 0, x.dim(2)), extent(win, 1, x.dim(3)));
     match method(win, groups_of(x, w), x, w) {
-        ConvMethod::Winograd => return winograd_f32::thread_floats(x, w, [oh, ow]),
+        ConvMethod::Winograd => {
+            return winograd_f32::thread_floats(x, w, [oh, ow], win.dilation);
+        }
         ConvMethod::Pixels => return conv_pixels_f32::thread_floats(win, x, w, [oh, ow]),
         ConvMethod::Depthwise => return depthwise_f32::thread_floats(win, x),
         ConvMethod::Gemm => {}

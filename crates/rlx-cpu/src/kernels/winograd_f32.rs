@@ -1,4 +1,4 @@
-//! 3x3 stride-1 `f32` convolutions by Winograd's minimal filtering F(4x4, 3x3)
+//! 3x3 stride-1 `f32` convolutions (any dilation) by Winograd's minimal filtering F(4x4, 3x3)
 //! (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", 2015), with
 //! the interpolation points 0, 1, -1, 1/2, -2 and infinity: in `f32` these round
 //! about half as much as the more common 0, ±1, ±2 (measured on random data; the
@@ -11,10 +11,11 @@
 //! `cg x og`, whose right operands are the transformed weights (packed ahead when they
 //! are a param). The output tile is `Aᵀ M A`. That is 36 multiply-adds per 16 output
 //! pixels and channel pair instead of 144, at the cost of the transforms (a few adds
-//! per value) and a small change in rounding (see the tests for the size).
+//! per value) and a small change in rounding (see the tests for the size). A dilated
+//! window is the same undilated one over each phase of its output (see [`Tiling`]).
 //!
 //! Work is split into pool tasks of whole tile rows (a tile row is 4 output rows of
-//! one image), or of pieces of at most 32 tiles of a wider row, so the per-thread
+//! one image and row phase), or of pieces of at most 32 tiles of a wider row, so the per-thread
 //! scratch stays bounded; a task stages the 6 input rows a piece reads with the channels
 //! innermost (so 8 channels of one pixel are one vector), transforms every patch of
 //! the row, runs the 36 GEMMs over all its tiles, and writes the output rows with the
@@ -46,14 +47,13 @@ const MIN_CHANNELS: usize = 32;
 /// (64 channels, 15 x 40); 16, 24 and 48 were slower than both.
 const BLOCK_TILES: usize = 32;
 
-/// Whether a convolution runs here: a 3x3 window, unit stride and dilation, one
+/// Whether a convolution runs here: a 3x3 window, unit stride (any dilation), one
 /// group, and channel counts that are multiples of 8 and at least [`MIN_CHANNELS`].
 /// `RLX_WINOGRAD=0` in the environment turns it off (the per-tap GEMMs then run,
 /// which round like a plain sum).
 pub(crate) fn applies(win: &Window2d, groups: usize, cg: usize, og: usize) -> bool {
     win.kernel == [3, 3]
         && win.stride == [1, 1]
-        && win.dilation == [1, 1]
         && groups == 1
         && cg.is_multiple_of(LANES)
         && og.is_multiple_of(LANES)
@@ -112,59 +112,100 @@ fn filter_points([g0, g1, g2]: [f64; 3]) -> [f64; PATCH] {
     ]
 }
 
-/// How the output's tiles are cut into work: a tile row is one piece, or (wider than
-/// [`BLOCK_TILES`] tiles) several of at most that many, so a task's scratch stays
+/// How the output's tiles are cut into work.
+///
+/// With dilation `[dy, dx]`, output pixel `(y, x)` reads only input rows `y - pad +
+/// dy k` and columns `x - pad + dx k`: the outputs of one phase `(y % dy, x % dx)`
+/// form an undilated convolution of the input pixels a multiple of the dilation
+/// apart. A tile is 4 x 4 outputs of one phase (rows `y0 + dy i`, columns `x0 + dx
+/// j`), and reads a 6 x 6 patch of input pixels as far apart. (Without dilation
+/// there is one phase, and a tile is 4 x 4 adjacent outputs.)
+///
+/// A tile row is 4 rows of one row phase. It is cut into pieces, each a run of
+/// `dx * TILE * chunk` adjacent output columns: `chunk` tiles of every column phase,
+/// which read the same staged input columns. Tasks take whole tile rows up to
+/// [`BLOCK_TILES`] tiles, or one piece of a wide row, so a task's scratch stays
 /// bounded however wide the image.
 #[derive(Clone, Copy)]
 struct Tiling {
-    /// Tile rows and tiles per row of one image.
+    /// Dilation (rows, columns).
+    dy: usize,
+    dx: usize,
+    /// Tile rows of one image (every row phase's) and tiles per row phase of one
+    /// column phase.
     th: usize,
     tw: usize,
-    /// Tiles per piece of a tile row (the last piece may have fewer) and pieces per
-    /// tile row.
+    /// Tiles per column phase in a piece (the last piece may have fewer) and pieces
+    /// per tile row.
     chunk: usize,
     pieces: usize,
     /// Pieces per task (all but the last task): whole tile rows up to
     /// [`BLOCK_TILES`] tiles, or one piece of a wide row.
     pieces_per_task: usize,
-    /// Staged columns of a piece: `chunk * TILE + 2`.
+    /// Staged columns of a piece: `dx * (chunk * TILE + 2)`.
     wp: usize,
 }
 
+/// One piece of output: its image, first row and column, the tiles it holds (of
+/// each column phase) and where its rows stop.
+#[derive(Clone, Copy)]
+struct Piece {
+    image: usize,
+    y0: usize,
+    x0: usize,
+    /// Tiles per column phase.
+    per_phase: usize,
+}
+
 impl Tiling {
-    fn new(oh: usize, ow: usize) -> Tiling {
-        let (th, tw) = (oh.div_ceil(TILE), ow.div_ceil(TILE).max(1));
-        let chunk = tw.div_ceil(tw.div_ceil(BLOCK_TILES));
+    fn new(oh: usize, ow: usize, [dy, dx]: [usize; 2]) -> Tiling {
+        let (dy, dx) = (dy.max(1), dx.max(1));
+        // Every phase takes as many tiles as the first (the largest); tiles past the
+        // output are computed and not stored (the method's choice bounds that waste).
+        let th_phase = oh.div_ceil(dy).div_ceil(TILE);
+        let tw = ow.div_ceil(dx).div_ceil(TILE).max(1);
+        let per_piece = (BLOCK_TILES / dx).max(1);
+        let chunk = tw.div_ceil(tw.div_ceil(per_piece));
         let pieces = tw.div_ceil(chunk);
         Tiling {
-            th,
+            dy,
+            dx,
+            th: th_phase * dy,
             tw,
             chunk,
             pieces,
             pieces_per_task: if pieces == 1 {
-                (BLOCK_TILES / tw).max(1)
+                (BLOCK_TILES / (tw * dx)).max(1)
             } else {
                 1
             },
-            wp: chunk * TILE + 2,
+            wp: dx * (chunk * TILE + 2),
         }
+    }
+
+    /// Tiles of one image.
+    fn tiles_per_image(&self) -> usize {
+        self.th * self.tw * self.dx
     }
 
     /// The most tiles one task holds.
     fn max_tiles(&self) -> usize {
-        self.pieces_per_task * self.chunk
+        self.pieces_per_task * self.chunk * self.dx
     }
 
-    /// `(image, tile row, first tile, tiles)` of piece `v`.
-    fn piece(&self, v: usize) -> (usize, usize, usize, usize) {
+    /// Piece `v`: tile rows in order of their first output row (the row phases of
+    /// one band of `4 dy` rows side by side, so neighbours stage neighbouring rows).
+    fn piece(&self, v: usize) -> Piece {
         let (row, piece) = (v / self.pieces, v % self.pieces);
-        let tx0 = piece * self.chunk;
-        (
-            row / self.th,
-            row % self.th,
-            tx0,
-            self.chunk.min(self.tw - tx0),
-        )
+        let (image, row) = (row / self.th, row % self.th);
+        let (band, phase) = (row / self.dy, row % self.dy);
+        let t0 = piece * self.chunk;
+        Piece {
+            image,
+            y0: band * TILE * self.dy + phase,
+            x0: t0 * TILE * self.dx,
+            per_phase: self.chunk.min(self.tw - t0),
+        }
     }
 
     /// Per-thread floats: the staged input rows, the transformed patches and the
@@ -174,10 +215,21 @@ impl Tiling {
     }
 }
 
+/// Tiles (over the whole batch) a Winograd convolution computes of an output of
+/// `images x oh x ow` pixels with dilation `dilation`.
+pub(crate) fn tiles(images: usize, [oh, ow]: [usize; 2], dilation: [usize; 2]) -> usize {
+    images * Tiling::new(oh, ow, dilation).tiles_per_image()
+}
+
 /// Per-thread floats a Winograd convolution needs, from its input and weight shapes
 /// and output rows and columns.
-pub(crate) fn thread_floats(x: &Shape, w: &Shape, [oh, ow]: [usize; 2]) -> usize {
-    Tiling::new(oh, ow).thread_floats(x.dim(1), w.dim(0))
+pub(crate) fn thread_floats(
+    x: &Shape,
+    w: &Shape,
+    [oh, ow]: [usize; 2],
+    dilation: [usize; 2],
+) -> usize {
+    Tiling::new(oh, ow, dilation).thread_floats(x.dim(1), w.dim(0))
 }
 
 /// The convolution, with `weights` from [`transform_weights`] (which may live in the
@@ -200,7 +252,8 @@ pub(crate) fn conv2d(
     if n == 0 || oh == 0 || ow == 0 || og == 0 {
         return Ok(());
     }
-    let tiling = Tiling::new(oh, ow);
+    let tiling = Tiling::new(oh, ow, win.dilation);
+    let (dy, dx) = (tiling.dy, tiling.dx);
     let threads = gemm.threads();
     let units = n * tiling.th * tiling.pieces;
     let (pixels, per_point) = (oh * ow, packed_len(cg, og));
@@ -208,7 +261,7 @@ pub(crate) fn conv2d(
     // With few tiles, threads share the output channels, each streaming its part of
     // the transformed weights once for all the tiles; otherwise they share the tiles
     // (fewer pieces per task when that is what gives every thread one).
-    let split = channel_split(n * tiling.th * tiling.tw, threads, og, nr);
+    let split = channel_split(n * tiling.tiles_per_image(), threads, og, nr);
     let per_task = if split.parts > 1 {
         tiling.pieces_per_task
     } else {
@@ -235,18 +288,19 @@ pub(crate) fn conv2d(
         let products = &mut rest[..POINTS * cap * og];
         let mut tiles = 0;
         for v in first..first + count {
-            let (image, ty, tx0, piece_tiles) = tiling.piece(v);
-            let src = &xs[image * cg * h * w..][..cg * h * w];
-            let iy0 = (ty * TILE) as isize - win.padding[0] as isize;
-            let ix0 = (tx0 * TILE) as isize - win.padding[1] as isize;
-            stage_rows(src, [h, w, cg], [iy0, ix0], tiling.wp, staged);
+            let piece = tiling.piece(v);
+            let src = &xs[piece.image * cg * h * w..][..cg * h * w];
+            let iy0 = piece.y0 as isize - win.padding[0] as isize;
+            let ix0 = piece.x0 as isize - win.padding[1] as isize;
+            stage_rows(src, [h, w, cg], [iy0, ix0], [dy, tiling.wp], staged);
             let at = Patches {
                 values: patches.as_mut_ptr(),
                 point_stride: cap * cg,
                 first_tile: tiles,
             };
+            let piece_tiles = piece.per_phase * dx;
             // SAFETY: the piece's tiles lie inside the task's `cap` tiles.
-            unsafe { transform_inputs(staged, tiling.wp, cg, piece_tiles, at) };
+            unsafe { transform_inputs(staged, [tiling.wp, dx], cg, piece_tiles, at) };
             tiles += piece_tiles;
         }
         for p in 0..POINTS {
@@ -272,18 +326,23 @@ pub(crate) fn conv2d(
         }
         let mut done = 0;
         for v in first..first + count {
-            let (image, ty, tx0, piece_tiles) = tiling.piece(v);
-            let (y0, y1) = (ty * TILE, (ty * TILE + TILE).min(oh));
-            let (x0, x1) = (tx0 * TILE, ((tx0 + piece_tiles) * TILE).min(ow));
-            let image_at = image * og * pixels;
+            let piece = tiling.piece(v);
+            let (y0, x0) = (piece.y0, piece.x0);
+            let piece_tiles = piece.per_phase * dx;
+            // Output rows y0, y0 + dy, .. below oh (at most 4; none in a row phase
+            // whose last band lies past the output), and the piece's run of columns.
+            let rows = TILE.min(oh.saturating_sub(y0).div_ceil(dy));
+            let x1 = (x0 + piece.per_phase * TILE * dx).min(ow);
+            let image_at = piece.image * og * pixels;
             let dst = OutRows {
                 // SAFETY: image `image`'s output channels lie inside the output.
                 out: unsafe { (out_addr as *mut f32).add(image_at) },
                 pixels,
                 ow,
                 y0,
-                rows: y1 - y0,
+                rows,
                 x0,
+                step: [dy, dx],
             };
             let products_at = (products[done * og..].as_ptr(), cap * og);
             done += piece_tiles;
@@ -302,13 +361,14 @@ pub(crate) fn conv2d(
             if finish.activation.is_none() && residual_addr.is_none() && finish.affine.is_none() {
                 continue;
             }
-            // The piece's rows in one run per channel when it spans the width.
-            let spans: &[(usize, usize)] = if x0 == 0 && x1 == ow {
-                &[(y0 * ow, (y1 - y0) * ow)]
+            // The piece's rows in one run per channel when they are adjacent and
+            // span the width.
+            let spans: &[(usize, usize)] = if x0 == 0 && x1 == ow && dy == 1 {
+                &[(y0 * ow, rows * ow)]
             } else {
                 &[]
             };
-            let row_spans = (y0..y1).map(|y| (y * ow + x0, x1 - x0));
+            let row_spans = (0..rows).map(|i| ((y0 + i * dy) * ow + x0, x1 - x0));
             for (start, len) in spans
                 .iter()
                 .copied()
@@ -335,22 +395,22 @@ pub(crate) fn conv2d(
     pool.run(tasks, threads, &task)
 }
 
-/// Copies the `PATCH` input rows from `iy0` (some may lie in the padding) into
-/// `staged` as `[row][column][channel]`, `wp` columns from input column `ix0`, zero
-/// outside the input.
+/// Copies the `PATCH` input rows `iy0, iy0 + dy, ..` (some may lie in the padding)
+/// into `staged` as `[row][column][channel]`, `wp` columns from input column `ix0`,
+/// zero outside the input.
 fn stage_rows(
     src: &[f32],
     [h, w, cg]: [usize; 3],
     [iy0, ix0]: [isize; 2],
-    wp: usize,
+    [dy, wp]: [usize; 2],
     staged: &mut [f32],
 ) {
     // Input columns lo..hi are inside; they land from staged column lo - ix0.
     let lo = ix0.clamp(0, w as isize) as usize;
     let hi = (ix0 + wp as isize).clamp(lo as isize, w as isize) as usize;
     let at = (lo as isize - ix0) as usize;
-    for (r, line) in staged.chunks_exact_mut(wp * cg).enumerate() {
-        let iy = iy0 + r as isize;
+    for (r, line) in staged.chunks_exact_mut(wp * cg).take(PATCH).enumerate() {
+        let iy = iy0 + (r * dy) as isize;
         if !(0..h as isize).contains(&iy) || lo == hi {
             line.fill(0.0);
             continue;
@@ -468,16 +528,27 @@ fn output_points(m: &[Lanes; PATCH]) -> [Lanes; TILE] {
 }
 
 multiversion! {
-    /// Transforms the `tw` patches of one staged tile row into `at`.
-    fn transform_inputs_body(staged: &[f32], wp: usize, cg: usize, tw: usize, at: &Patches) {
+    /// Transforms the `tw` patches of one staged piece into `at`: tile `k` is tile
+    /// `k / dx` of column phase `k % dx`, whose patch is every `dx`-th staged column
+    /// from column `k % dx + dx * TILE * (k / dx)` (adjacent columns without
+    /// dilation).
+    fn transform_inputs_body(
+        staged: &[f32],
+        columns: [usize; 2],
+        cg: usize,
+        tw: usize,
+        at: &Patches
+    ) {
+        let [wp, dx] = columns;
         for tx in 0..tw {
+            let first_column = tx % dx + dx * TILE * (tx / dx);
             for c0 in (0..cg).step_by(LANES) {
                 // Bᵀ d column by column, then each row of that times B.
                 let mut cols = [[[0.0; LANES]; PATCH]; PATCH];
                 for (c, col) in cols.iter_mut().enumerate() {
                     let mut d = [[0.0; LANES]; PATCH];
                     for (r, v) in d.iter_mut().enumerate() {
-                        *v = load(&staged[(r * wp + tx * TILE + c) * cg + c0..]);
+                        *v = load(&staged[(r * wp + first_column + c * dx) * cg + c0..]);
                     }
                     *col = input_points(&d);
                 }
@@ -500,22 +571,24 @@ multiversion! {
 /// # Safety
 /// Points `0..36` of tiles `at.first_tile .. + tw` (`cg` values each) lie inside the
 /// buffer `at` addresses.
-unsafe fn transform_inputs(staged: &[f32], wp: usize, cg: usize, tw: usize, at: Patches) {
-    transform_inputs_body(staged, wp, cg, tw, &at);
+unsafe fn transform_inputs(staged: &[f32], columns: [usize; 2], cg: usize, tw: usize, at: Patches) {
+    transform_inputs_body(staged, columns, cg, tw, &at);
 }
 
-/// Output rows one tile row writes.
+/// Output rows one piece writes.
 struct OutRows {
     /// The image's first output channel.
     out: *mut f32,
     /// Pixels per channel and output columns.
     pixels: usize,
     ow: usize,
-    /// First row and how many (at most 4) lie inside the output.
+    /// First row and how many (at most 4, `step[0]` apart) lie inside the output.
     y0: usize,
     rows: usize,
-    /// The first tile's first column.
+    /// The piece's first column.
     x0: usize,
+    /// The dilation: rows and columns of one tile lie this far apart.
+    step: [usize; 2],
 }
 
 multiversion! {
@@ -530,14 +603,22 @@ multiversion! {
         dst: &OutRows
     ) {
         let (first, point_stride) = products;
+        let [dy, dx] = dst.step;
         let mut tx = 0;
         while tx < tw {
-            let x0 = dst.x0 + tx * TILE;
-            // Two whole tiles side by side give each output row 8 pixels of 8
-            // channels: one 8 x 8 transpose stores them as 8 channel runs.
-            let pair = tx + 1 < tw && x0 + 2 * TILE <= dst.ow;
+            // Tile `tx / dx` of column phase `tx % dx`: columns x0, x0 + dx, ..
+            let x0 = dst.x0 + tx % dx + dx * TILE * (tx / dx);
+            if x0 >= dst.ow {
+                // A phase's tile wholly past the output (the phases past the last
+                // column have one column fewer).
+                tx += 1;
+                continue;
+            }
+            // Two whole adjacent tiles side by side give each output row 8 pixels
+            // of 8 channels: one 8 x 8 transpose stores them as 8 channel runs.
+            let pair = dx == 1 && tx + 1 < tw && x0 + 2 * TILE <= dst.ow;
             let tiles = if pair { 2 } else { 1 };
-            let valid = TILE.min(dst.ow - x0);
+            let valid = TILE.min((dst.ow - x0).div_ceil(dx));
             for c0 in channels.clone().step_by(LANES) {
                 let b: Lanes = match bias {
                     Some(bias) => load(&bias[c0..]),
@@ -567,7 +648,7 @@ multiversion! {
                     }
                 }
                 for (i, pixels) in block.iter().enumerate().take(dst.rows) {
-                    let at = c0 * dst.pixels + (dst.y0 + i) * dst.ow + x0;
+                    let at = c0 * dst.pixels + (dst.y0 + i * dy) * dst.ow + x0;
                     if pair {
                         // SAFETY: channels c0..c0 + 8, pixels (y0 + i, x0 .. x0 + 8), lie
                         // inside the image's output (caller's guarantee); the slice
@@ -587,9 +668,9 @@ multiversion! {
                     let count = if pair { 2 * TILE } else { valid };
                     for (j, px) in pixels.iter().enumerate().take(count) {
                         for (l, &v) in px.iter().enumerate() {
-                            // SAFETY: channel c0 + l, pixel (y0 + i, x0 + j) lies inside
-                            // the image's output (caller's guarantee).
-                            unsafe { *dst.out.add(at + l * dst.pixels + j) = v };
+                            // SAFETY: channel c0 + l, pixel (y0 + i dy, x0 + j dx) lies
+                            // inside the image's output (caller's guarantee).
+                            unsafe { *dst.out.add(at + l * dst.pixels + j * dx) = v };
                         }
                     }
                 }
@@ -656,18 +737,28 @@ fn channel_split(tiles: usize, threads: usize, og: usize, nr: usize) -> ChannelS
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rlx_ir::DType;
 
-    /// A plain convolution in `f64`: 3x3, unit stride, padding 1 on every side.
-    fn reference(x: &[f32], w: &[f32], bias: &[f32], [n, c, h, wd]: [usize; 4]) -> Vec<f64> {
-        let o = bias.len();
-        let mut out = vec![0.0; n * o * h * wd];
+    /// A plain 3x3 unit-stride convolution in `f64`.
+    fn reference(
+        x: &[f32],
+        w: &[f32],
+        bias: &[f32],
+        [n, c, h, wd]: [usize; 4],
+        win: &Window2d,
+    ) -> (Vec<f64>, [usize; 2]) {
+        let (o, [dy, dx]) = (bias.len(), win.dilation);
+        let oh = h + win.padding[0] + win.padding[2] - 2 * dy;
+        let ow = wd + win.padding[1] + win.padding[3] - 2 * dx;
+        let mut out = vec![0.0; n * o * oh * ow];
         for (i, v) in out.iter_mut().enumerate() {
-            let (img, co, y, xx) = (i / (o * h * wd), i / (h * wd) % o, i / wd % h, i % wd);
+            let (img, co, y, xx) = (i / (o * oh * ow), i / (oh * ow) % o, i / ow % oh, i % ow);
             let mut sum = f64::from(bias[co]);
             for ci in 0..c {
                 for ky in 0..3 {
                     for kx in 0..3 {
-                        let (iy, ix) = ((y + ky) as isize - 1, (xx + kx) as isize - 1);
+                        let iy = (y + ky * dy) as isize - win.padding[0] as isize;
+                        let ix = (xx + kx * dx) as isize - win.padding[1] as isize;
                         if (0..h as isize).contains(&iy) && (0..wd as isize).contains(&ix) {
                             let at = ((img * c + ci) * h + iy as usize) * wd + ix as usize;
                             let tap = f64::from(w[((co * c + ci) * 3 + ky) * 3 + kx]);
@@ -678,7 +769,65 @@ mod tests {
             }
             *v = sum;
         }
-        out
+        (out, [oh, ow])
+    }
+
+    /// Runs the kernel on `threads` threads on fresh random data and compares it
+    /// with [`reference`].
+    fn check(threads: usize, [n, c, h, w]: [usize; 4], o: usize, win: Window2d, seed: u64) {
+        let mut seed = seed;
+        let mut random = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        let x: Vec<f32> = (0..n * c * h * w).map(|_| random()).collect();
+        let wt: Vec<f32> = (0..o * c * 9).map(|_| random()).collect();
+        let bias: Vec<f32> = (0..o).map(|_| random()).collect();
+        let (want, [oh, ow]) = reference(&x, &wt, &bias, [n, c, h, w], &win);
+        let mut transformed = vec![0.0; weights_len(c, o)];
+        transform_weights(&wt, c, o, &mut transformed);
+        let mut out = vec![f32::NAN; n * o * oh * ow];
+        let xs = Shape::new(&[n, c, h, w], DType::F32);
+        let os = Shape::new(&[n, o, oh, ow], DType::F32);
+        let ws = Shape::new(&[o, c, 3, 3], DType::F32);
+        let pool = ThreadPool::new(threads);
+        let scratch = GemmScratch::new(threads, thread_floats(&xs, &ws, [oh, ow], win.dilation));
+        let finish = Finish {
+            bias: Some(&bias),
+            activation: None,
+            residual: None,
+            affine: None,
+        };
+        let src = Src {
+            ptr: x.as_ptr().cast(),
+            shape: &xs,
+            len: x.len(),
+        };
+        let dst = Dst {
+            ptr: out.as_mut_ptr().cast(),
+            shape: &os,
+            len: out.len(),
+        };
+        conv2d(&win, src, &transformed, finish, dst, (&scratch, &pool)).unwrap();
+        let what = format!("{threads} threads x[{n},{c},{h},{w}] o{o} {win:?}");
+        let tol = 5e-6 * ((9 * c) as f64).sqrt();
+        for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+            assert!(
+                (f64::from(got) - want).abs() <= tol * (1.0 + want.abs()),
+                "{what}: output {i}: {got} vs {want}"
+            );
+        }
+    }
+
+    fn window(padding: [usize; 4], dilation: [usize; 2]) -> Window2d {
+        Window2d {
+            kernel: [3, 3],
+            stride: [1, 1],
+            padding,
+            dilation,
+        }
     }
 
     #[test]
@@ -687,71 +836,39 @@ mod tests {
         // and a range of output channels in whole weight panels (with three threads
         // on two panels, one of them has none).
         let cases = [
-            (4usize, [1usize, 32, 28, 28], 96usize),
+            (4, [1usize, 32, 28, 28], 96),
             (3, [1, 40, 24, 21], 200),
             (3, [1, 32, 9, 9], 64),
             (4, [2, 32, 13, 16], 64),
         ];
-        let mut seed = 7u64;
-        let mut random = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
-        for (threads, [n, c, h, w], o) in cases {
-            let tiles = n * h.div_ceil(TILE) * w.div_ceil(TILE);
+        for (case, (threads, dims, o)) in cases.into_iter().enumerate() {
+            let tiles = dims[0] * dims[2].div_ceil(TILE) * dims[3].div_ceil(TILE);
             let split = channel_split(tiles, threads, o, packed_panel_width(o));
             assert!(
                 split.parts > 1,
                 "{threads} threads, {tiles} tiles: {split:?}"
             );
-            let x: Vec<f32> = (0..n * c * h * w).map(|_| random()).collect();
-            let wt: Vec<f32> = (0..o * c * 9).map(|_| random()).collect();
-            let bias: Vec<f32> = (0..o).map(|_| random()).collect();
-            let mut transformed = vec![0.0; weights_len(c, o)];
-            transform_weights(&wt, c, o, &mut transformed);
-            let mut out = vec![f32::NAN; n * o * h * w];
-            let (xs, os) = (
-                Shape::new(&[n, c, h, w], rlx_ir::DType::F32),
-                Shape::new(&[n, o, h, w], rlx_ir::DType::F32),
-            );
-            let win = Window2d {
-                kernel: [3, 3],
-                stride: [1, 1],
-                padding: [1, 1, 1, 1],
-                dilation: [1, 1],
-            };
-            let pool = ThreadPool::new(threads);
-            let scratch = GemmScratch::new(
-                threads,
-                thread_floats(&xs, &Shape::new(&[o, c, 3, 3], rlx_ir::DType::F32), [h, w]),
-            );
-            let finish = Finish {
-                bias: Some(&bias),
-                activation: None,
-                residual: None,
-                affine: None,
-            };
-            let src = Src {
-                ptr: x.as_ptr().cast(),
-                shape: &xs,
-                len: x.len(),
-            };
-            let dst = Dst {
-                ptr: out.as_mut_ptr().cast(),
-                shape: &os,
-                len: out.len(),
-            };
-            conv2d(&win, src, &transformed, finish, dst, (&scratch, &pool)).unwrap();
-            let want = reference(&x, &wt, &bias, [n, c, h, w]);
-            for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
-                assert!(
-                    (f64::from(got) - want).abs()
-                        <= 5e-6 * ((9 * c) as f64).sqrt() * (1.0 + want.abs()),
-                    "{threads} threads x[{n},{c},{h},{w}] o{o}: output {i}: {got} vs {want}"
-                );
-            }
+            check(threads, dims, o, window([1, 1, 1, 1], [1, 1]), case as u64);
+        }
+    }
+
+    #[test]
+    fn dilated_windows_match_the_reference() {
+        // Each phase of the output an undilated convolution: dilations that divide
+        // the output and ones that leave phases of unequal size (some tiles wholly
+        // past the output), unequal in the two directions, padding smaller and larger
+        // than the dilation, pieces of a row wider than BLOCK_TILES, several images.
+        let cases = [
+            ([1, 32, 32, 32], 40, [2, 2, 2, 2], [2, 2]),
+            ([1, 32, 30, 29], 32, [4, 4, 4, 4], [4, 4]),
+            ([2, 40, 19, 23], 48, [3, 1, 0, 2], [3, 2]),
+            ([1, 32, 14, 150], 32, [2, 2, 2, 2], [2, 2]),
+            ([1, 48, 21, 17], 32, [5, 5, 5, 5], [5, 3]),
+            ([1, 32, 16, 16], 32, [1, 0, 2, 1], [1, 1]),
+        ];
+        for (case, (dims, o, padding, dilation)) in cases.into_iter().enumerate() {
+            check(2, dims, o, window(padding, dilation), 100 + case as u64);
+            check(1, dims, o, window(padding, dilation), 200 + case as u64);
         }
     }
 }
