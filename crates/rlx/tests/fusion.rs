@@ -414,6 +414,9 @@ fn winograd_convolutions_with_weights_transformed_ahead_match() {
         (3, 64, 40, 12, 20, [1, 1, 1, 1]),
         (4, 48, 32, 11, 18, [0, 0, 0, 0]),
         (4, 40, 56, 11, 13, [2, 0, 1, 1]),
+        // 16 tiles: with 2 or more threads, fewer than 16 a thread, so the threads
+        // share the output channels (96: two panels).
+        (1, 32, 96, 14, 14, [1, 1, 1, 1]),
         // Wider than 64 tiles: rows cut into pieces (68 tiles: two of 34).
         (1, 32, 40, 5, 270, [1, 2, 0, 1]),
         (2, 32, 32, 6, 300, [1, 1, 1, 1]),

@@ -231,11 +231,15 @@ impl ConvMethod {
     }
 }
 
-/// Winograd tiles (4 x 4 outputs, over the whole batch) below which its weights,
-/// 4 times a 3x3 filter's and read once per block of tiles, cost more than its
-/// products save: ResNet-18's last 3x3 layers (7 x 7 outputs, 4 tiles, 512
-/// channels) took 5.6 ms each this way and 1.2 ms as pixel rows.
-const WINOGRAD_MIN_TILES: usize = 32;
+/// Winograd tiles (4 x 4 outputs, over the whole batch) below which the pixel-row
+/// kernel wins: each point's GEMM has a row per tile, and under two row tiles of its
+/// kernel (8 rows) the products run at a fraction of its speed while the weights, 4
+/// times a 3x3 filter's, still stream in whole. Kernel time a run on 2 threads,
+/// Winograd against pixel rows: 16 tiles (14 x 14) 0.55-0.84 ms against 0.76-1.5 at
+/// 256 channels, 0.31 against 0.38 at 128, 0.067 against 0.076 at 128 -> 32; 9 tiles
+/// (10 x 10, 256 channels) 0.46 against 0.39; 4 tiles (7 x 7) 1.3 against 0.94 at
+/// 512 channels, 0.042 against 0.025 at 128 -> 32.
+const WINOGRAD_MIN_TILES: usize = 16;
 
 /// The one choice of how an `f32` convolution of `x` by `w` runs, for the
 /// kernel, its scratch, its packed weights and its name.
@@ -245,8 +249,7 @@ const WINOGRAD_MIN_TILES: usize = 32;
 /// on every such layer measured, kernel time a run on 2 threads: 64 -> 64 channels at
 /// 112 x 112 3.2 ms against 5.1, 128 at 56 x 56 2.0 against 3.2, 256 at 28 x 28 1.7
 /// against 3.7, 512 at 28 x 28 7.7 against 12.0, 64 -> 32 at 56 x 56 0.50 against 0.80.
-/// With fewer tiles (14 x 14 at batch 1: 16) its weights dominate and it lost (256
-/// channels: 1.26 ms against 0.97). Then the pixel-row kernel, for the other
+/// With few tiles it loses (see [`WINOGRAD_MIN_TILES`]). Then the pixel-row kernel, for the other
 /// multi-tap single-group windows with AVX-512, and with AVX2 (4 times fewer channels
 /// a step) the strided ones.
 pub(crate) fn method(win: &Window2d, groups: usize, x: &Shape, w: &Shape) -> ConvMethod {
