@@ -402,7 +402,7 @@ fn conv_epilogues_fuse_and_match() {
 
 #[test]
 fn winograd_convolutions_with_weights_transformed_ahead_match() {
-    // 3x3 unit-stride convolutions with 32 or more channels (multiples of 8) and 32
+    // 3x3 unit-stride convolutions with 32 or more channels (multiples of 8) and 16
     // or more tiles run by Winograd's F(4x4, 3x3); a param's weights are transformed
     // when it is set. Heights and widths leave partial edge tiles; batches put
     // several images' tile rows in one task.

@@ -2339,7 +2339,7 @@ fn conv2d_variants() {
         usize,
     );
     let cases: [ConvCase; 42] = [
-        // f32 3x3 unit-stride with 32 or more channels, multiples of 8, and 32 or
+        // f32 3x3 unit-stride with 32 or more channels, multiples of 8, and 16 or
         // more tiles: Winograd F(4x4, 3x3), with edge tiles in both directions,
         // asymmetric padding, tiles of several images in one task, and dilated (one
         // undilated convolution per phase of the output).

@@ -708,9 +708,9 @@ pub(crate) unsafe fn sgemm_serial(g: &Gemm, buf: &mut [f32]) {
 pub(crate) unsafe fn sgemm_serial_columns(g: &Gemm, cols: std::ops::Range<usize>, buf: &mut [f32]) {
     let kernel = kernels::for_width(g.n);
     debug_assert!(cols.end <= g.n);
-    debug_assert!(
-        !matches!(g.b_format, BFormat::Packed { .. }) || cols.start.is_multiple_of(kernel.nr)
-    );
+    if let BFormat::Packed { nr, .. } | BFormat::PackedI8 { nr, .. } = g.b_format {
+        debug_assert!(nr == kernel.nr && cols.start.is_multiple_of(nr));
+    }
     if g.m > 0 && !cols.is_empty() {
         // SAFETY: forwarded contract; `buf` is a full GEMM buffer.
         unsafe { serial(g, kernel, 0..g.m, cols, buf) }

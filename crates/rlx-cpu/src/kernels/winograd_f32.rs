@@ -49,8 +49,8 @@ const BLOCK_TILES: usize = 32;
 
 /// Whether a convolution runs here: a 3x3 window, unit stride (any dilation), one
 /// group, and channel counts that are multiples of 8 and at least [`MIN_CHANNELS`].
-/// `RLX_WINOGRAD=0` in the environment turns it off (the per-tap GEMMs then run,
-/// which round like a plain sum).
+/// `RLX_WINOGRAD=0` in the environment turns it off (the next method of
+/// `conv_f32::method` then runs, which rounds like a plain sum).
 pub(crate) fn applies(win: &Window2d, groups: usize, cg: usize, og: usize) -> bool {
     win.kernel == [3, 3]
         && win.stride == [1, 1]
@@ -146,8 +146,8 @@ struct Tiling {
     wp: usize,
 }
 
-/// One piece of output: its image, first row and column, the tiles it holds (of
-/// each column phase) and where its rows stop.
+/// One piece of output: its image, first row and column, and the tiles it holds of
+/// each column phase.
 #[derive(Clone, Copy)]
 struct Piece {
     image: usize,
@@ -258,9 +258,10 @@ pub(crate) fn conv2d(
     let units = n * tiling.th * tiling.pieces;
     let (pixels, per_point) = (oh * ow, packed_len(cg, og));
     let nr = packed_panel_width(og);
-    // With few tiles, threads share the output channels, each streaming its part of
-    // the transformed weights once for all the tiles; otherwise they share the tiles
-    // (fewer pieces per task when that is what gives every thread one).
+    // With few tiles, threads share the output channels, each streaming only its part
+    // of the transformed weights (once per task of up to BLOCK_TILES tiles);
+    // otherwise they share the tiles (fewer pieces per task when that is what gives
+    // every thread one).
     let split = channel_split(n * tiling.tiles_per_image(), threads, og, nr);
     let per_task = if split.parts > 1 {
         tiling.pieces_per_task
@@ -593,7 +594,7 @@ struct OutRows {
 
 multiversion! {
     /// `Aᵀ M A` plus the bias for output channels `channels` of the `tw` tiles of one
-    /// tile row, stored to the valid pixels of `dst`.
+    /// piece, stored to the valid pixels of `dst`.
     fn transform_outputs_body(
         products: (*const f32, usize),
         og: usize,
@@ -650,8 +651,8 @@ multiversion! {
                 for (i, pixels) in block.iter().enumerate().take(dst.rows) {
                     let at = c0 * dst.pixels + (dst.y0 + i * dy) * dst.ow + x0;
                     if pair {
-                        // SAFETY: channels c0..c0 + 8, pixels (y0 + i, x0 .. x0 + 8), lie
-                        // inside the image's output (caller's guarantee); the slice
+                        // SAFETY: channels c0..c0 + 8, pixels (y0 + i dy, x0 .. x0 + 8),
+                        // lie inside the image's output (caller's guarantee); the slice
                         // spans them.
                         let out = unsafe {
                             std::slice::from_raw_parts_mut(dst.out.add(at), 7 * dst.pixels + 8)
@@ -686,7 +687,8 @@ multiversion! {
 /// Points `0..36` of the `tw` tiles from `products.0` (point stride `products.1`,
 /// `og` values per tile) are readable; `dst` addresses the image's `og x pixels`
 /// output, of which channels `channels` (within `0..og`, starting on a multiple of
-/// [`LANES`]) of rows `y0..y0 + rows` are this caller's alone.
+/// [`LANES`]) of rows `y0 + i step[0]` (`i < rows`), in the columns of the piece's
+/// tiles, are this caller's alone.
 unsafe fn transform_outputs(
     products: (*const f32, usize),
     og: usize,
@@ -711,13 +713,16 @@ struct ChannelSplit {
 const SPLIT_TILES: usize = 16;
 
 /// The channel split for `tiles` tiles in all on `threads` threads, `og` output
-/// channels packed in panels `nr` wide: one part per thread, in whole panels, where
-/// the tiles are too few to give every thread [`SPLIT_TILES`] of them; one part
-/// otherwise.
+/// channels packed in panels `nr` wide: up to one part per thread (fewer where the
+/// panels do not divide evenly: 5 panels on 4 threads make 3 parts of 2), in whole
+/// panels, where the tiles are too few to give every thread [`SPLIT_TILES`] of them;
+/// one part otherwise.
 ///
 /// Each point's GEMM streams all of its transformed weights once per task whatever
 /// its rows: at 14 x 14 (16 tiles) and 256 channels, two threads with 8 tiles each
-/// read the 9.4 MB of weights twice.
+/// read the 9.4 MB of weights twice. Split, each part's task reads only its part
+/// (once per task of up to [`BLOCK_TILES`] tiles), at the cost of every part
+/// transforming the same input patches.
 fn channel_split(tiles: usize, threads: usize, og: usize, nr: usize) -> ChannelSplit {
     let panels = og.div_ceil(nr);
     let parts = threads.min(panels);
@@ -835,20 +840,27 @@ mod tests {
         // Fewer than SPLIT_TILES tiles per thread: every thread takes all the tiles
         // and a range of output channels in whole weight panels (with three threads
         // on two panels, one of them has none).
+        // (threads, x dims, output channels, dilation; padding = dilation, so the
+        // output is the input's size)
         let cases = [
-            (4, [1usize, 32, 28, 28], 96),
-            (3, [1, 40, 24, 21], 200),
-            (3, [1, 32, 9, 9], 64),
-            (4, [2, 32, 13, 16], 64),
+            (4, [1usize, 32, 28, 28], 96, 1),
+            (3, [1, 40, 24, 21], 200, 1),
+            (3, [1, 32, 9, 9], 64, 1),
+            (4, [2, 32, 13, 16], 64, 1),
+            // 160 channels in 32-wide panels split 96 + 64: the kernel must be the
+            // one for 160 columns (32 wide), not for 96 (48 wide).
+            (2, [1, 32, 14, 14], 160, 1),
+            // Dilated: 16 tiles, four phases of 2 x 2.
+            (2, [1, 32, 16, 16], 96, 2),
         ];
-        for (case, (threads, dims, o)) in cases.into_iter().enumerate() {
-            let tiles = dims[0] * dims[2].div_ceil(TILE) * dims[3].div_ceil(TILE);
+        for (case, (threads, dims, o, d)) in cases.into_iter().enumerate() {
+            let tiles = super::tiles(dims[0], [dims[2], dims[3]], [d, d]);
             let split = channel_split(tiles, threads, o, packed_panel_width(o));
             assert!(
                 split.parts > 1,
                 "{threads} threads, {tiles} tiles: {split:?}"
             );
-            check(threads, dims, o, window([1, 1, 1, 1], [1, 1]), case as u64);
+            check(threads, dims, o, window([d; 4], [d, d]), case as u64);
         }
     }
 
@@ -865,6 +877,9 @@ mod tests {
             ([1, 32, 14, 150], 32, [2, 2, 2, 2], [2, 2]),
             ([1, 48, 21, 17], 32, [5, 5, 5, 5], [5, 3]),
             ([1, 32, 16, 16], 32, [1, 0, 2, 1], [1, 1]),
+            // 17 columns at dilation 2: 9 in the even phase, 8 in the odd, so the odd
+            // phase's last tile lies wholly past the output.
+            ([1, 32, 17, 17], 32, [2, 2, 2, 2], [2, 2]),
         ];
         for (case, (dims, o, padding, dilation)) in cases.into_iter().enumerate() {
             check(2, dims, o, window(padding, dilation), 100 + case as u64);
