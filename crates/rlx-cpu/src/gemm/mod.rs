@@ -1120,10 +1120,11 @@ unsafe fn edge_tile(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    pub(super) fn lcg(seed: &mut u64) -> f32 {
+    /// A uniform value in [-1, 1) from a linear congruential step of `seed`.
+    pub(crate) fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);

@@ -742,61 +742,38 @@ fn channel_split(tiles: usize, threads: usize, og: usize, nr: usize) -> ChannelS
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gemm::tests::lcg;
+    use crate::kernels::conv::{conv2d as direct_conv2d, extent};
     use rlx_ir::DType;
 
-    /// A plain 3x3 unit-stride convolution in `f64`.
-    fn reference(
-        x: &[f32],
-        w: &[f32],
-        bias: &[f32],
-        [n, c, h, wd]: [usize; 4],
-        win: &Window2d,
-    ) -> (Vec<f64>, [usize; 2]) {
-        let (o, [dy, dx]) = (bias.len(), win.dilation);
-        let oh = h + win.padding[0] + win.padding[2] - 2 * dy;
-        let ow = wd + win.padding[1] + win.padding[3] - 2 * dx;
-        let mut out = vec![0.0; n * o * oh * ow];
-        for (i, v) in out.iter_mut().enumerate() {
-            let (img, co, y, xx) = (i / (o * oh * ow), i / (oh * ow) % o, i / ow % oh, i % ow);
-            let mut sum = f64::from(bias[co]);
-            for ci in 0..c {
-                for ky in 0..3 {
-                    for kx in 0..3 {
-                        let iy = (y + ky * dy) as isize - win.padding[0] as isize;
-                        let ix = (xx + kx * dx) as isize - win.padding[1] as isize;
-                        if (0..h as isize).contains(&iy) && (0..wd as isize).contains(&ix) {
-                            let at = ((img * c + ci) * h + iy as usize) * wd + ix as usize;
-                            let tap = f64::from(w[((co * c + ci) * 3 + ky) * 3 + kx]);
-                            sum += f64::from(x[at]) * tap;
-                        }
-                    }
-                }
-            }
-            *v = sum;
-        }
-        (out, [oh, ow])
-    }
-
     /// Runs the kernel on `threads` threads on fresh random data and compares it
-    /// with [`reference`].
+    /// with the plain direct convolution (`kernels::conv`, sums in `f64`).
     fn check(threads: usize, [n, c, h, w]: [usize; 4], o: usize, win: Window2d, seed: u64) {
         let mut seed = seed;
-        let mut random = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
-        let x: Vec<f32> = (0..n * c * h * w).map(|_| random()).collect();
-        let wt: Vec<f32> = (0..o * c * 9).map(|_| random()).collect();
-        let bias: Vec<f32> = (0..o).map(|_| random()).collect();
-        let (want, [oh, ow]) = reference(&x, &wt, &bias, [n, c, h, w], &win);
-        let mut transformed = vec![0.0; weights_len(c, o)];
-        transform_weights(&wt, c, o, &mut transformed);
-        let mut out = vec![f32::NAN; n * o * oh * ow];
+        let x: Vec<f32> = (0..n * c * h * w).map(|_| lcg(&mut seed)).collect();
+        let wt: Vec<f32> = (0..o * c * 9).map(|_| lcg(&mut seed)).collect();
+        let bias: Vec<f32> = (0..o).map(|_| lcg(&mut seed)).collect();
+        let (oh, ow) = (extent(&win, 0, h), extent(&win, 1, w));
         let xs = Shape::new(&[n, c, h, w], DType::F32);
         let os = Shape::new(&[n, o, oh, ow], DType::F32);
         let ws = Shape::new(&[o, c, 3, 3], DType::F32);
+        let bs = Shape::new(&[o], DType::F32);
+        let src = |values: &[f32], shape| Src {
+            ptr: values.as_ptr().cast(),
+            shape,
+            len: values.len(),
+        };
+        let dst = |values: &mut [f32], shape| Dst {
+            ptr: values.as_mut_ptr().cast(),
+            shape,
+            len: values.len(),
+        };
+        let mut want = vec![f32::NAN; n * o * oh * ow];
+        let (x_src, w_src, b_src) = (src(&x, &xs), src(&wt, &ws), src(&bias, &bs));
+        direct_conv2d(&win, 1, x_src, w_src, Some(b_src), dst(&mut want, &os));
+        let mut transformed = vec![0.0; weights_len(c, o)];
+        transform_weights(&wt, c, o, &mut transformed);
+        let mut out = vec![f32::NAN; n * o * oh * ow];
         let pool = ThreadPool::new(threads);
         let scratch = GemmScratch::new(threads, thread_floats(&xs, &ws, [oh, ow], win.dilation));
         let finish = Finish {
@@ -805,22 +782,22 @@ mod tests {
             residual: None,
             affine: None,
         };
-        let src = Src {
-            ptr: x.as_ptr().cast(),
-            shape: &xs,
-            len: x.len(),
-        };
-        let dst = Dst {
-            ptr: out.as_mut_ptr().cast(),
-            shape: &os,
-            len: out.len(),
-        };
-        conv2d(&win, src, &transformed, finish, dst, (&scratch, &pool)).unwrap();
+        let out_dst = dst(&mut out, &os);
+        conv2d(
+            &win,
+            x_src,
+            &transformed,
+            finish,
+            out_dst,
+            (&scratch, &pool),
+        )
+        .unwrap();
         let what = format!("{threads} threads x[{n},{c},{h},{w}] o{o} {win:?}");
         let tol = 5e-6 * ((9 * c) as f64).sqrt();
         for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+            let (got, want) = (f64::from(got), f64::from(want));
             assert!(
-                (f64::from(got) - want).abs() <= tol * (1.0 + want.abs()),
+                (got - want).abs() <= tol * (1.0 + want.abs()),
                 "{what}: output {i}: {got} vs {want}"
             );
         }
@@ -837,9 +814,10 @@ mod tests {
 
     #[test]
     fn channel_parts_on_many_threads_match_the_reference() {
-        // Fewer than SPLIT_TILES tiles per thread: every thread takes all the tiles
-        // and a range of output channels in whole weight panels (with three threads
-        // on two panels, one of them has none).
+        // Fewer than SPLIT_TILES tiles per thread: the threads share the output
+        // channels in whole weight panels, each part's tasks taking whole tile rows
+        // (at 28 x 28 on 4 threads, 7 tile rows make two tasks a part; with three
+        // threads on two panels, two parts).
         // (threads, x dims, output channels, dilation; padding = dilation, so the
         // output is the input's size)
         let cases = [
