@@ -8,6 +8,7 @@ mod elem;
 mod gemm;
 pub mod isa;
 mod kernels;
+mod layout;
 pub mod pool;
 mod prefetch;
 mod prepack;
@@ -41,6 +42,8 @@ struct Step {
     kernel: kernels::Kernel,
     /// The param this step reads packed ahead as its right operand.
     packed_b: Option<usize>,
+    /// Which operands and whether the output are channel-blocked.
+    layout: layout::StepLayout,
 }
 
 /// A param's storage as programs share it: the value and, where it is packed ahead
@@ -123,7 +126,8 @@ impl CpuProgram {
             })?;
             plan.check_range(&format!("%{i} ({})", node.op.name()), location, &node.shape)?;
         }
-        for &id in &plan.schedule {
+        let layouts = layout::assign(&plan, kernels::accepts);
+        for (&id, &layout) in plan.schedule.iter().zip(&layouts) {
             let node = &nodes[id.index()];
             let in_shapes: Vec<Shape> = node
                 .inputs
@@ -137,29 +141,29 @@ impl CpuProgram {
                 .map(|(x, s)| (plan.locations[x.index()], s.clone()))
                 .collect();
             let packed_b =
-                prepack::packed_operand(&node.op, &inputs, &param_shapes, products_on_amx).map(
-                    |(index, spec)| {
+                prepack::packed_operand(&node.op, &inputs, &param_shapes, products_on_amx, layout)
+                    .map(|(index, spec)| {
                         // A param two kinds of step read is packed for the first; the
                         // other finds the form does not fit and reads the param.
                         packable[index].get_or_insert(spec);
                         index
-                    },
-                );
+                    });
             let geometry = match &node.op {
                 Op::Reduce { axes, .. } => Some(ReduceGeometry::new(in_shapes[0].dims(), axes)),
                 _ => None,
             };
-            scratch_len = scratch_len.max(kernels::scratch_len(&node.op, &in_shapes));
+            scratch_len = scratch_len.max(kernels::scratch_len(&node.op, &in_shapes, layout));
             thread_scratch =
-                thread_scratch.max(kernels::thread_scratch_floats(&node.op, &in_shapes));
+                thread_scratch.max(kernels::thread_scratch_floats(&node.op, &in_shapes, layout));
             steps.push(Step {
                 node: id,
                 op: node.op.clone(),
-                kernel: kernels::select(&node.op, &in_shapes, &node.shape, products_on_amx),
+                kernel: kernels::select(&node.op, &in_shapes, &node.shape, products_on_amx, layout),
                 inputs,
                 output: (plan.locations[id.index()], node.shape.clone()),
                 geometry,
                 packed_b,
+                layout,
             });
         }
         let constants = graph
@@ -262,8 +266,9 @@ impl CpuProgram {
                 .iter()
                 .map(|x| shapes[x.index()].clone())
                 .collect();
-            if kernels::scratch_len(&node.op, &in_shapes) > self.scratch.len()
-                || kernels::thread_scratch_floats(&node.op, &in_shapes) > self.gemm.extra()
+            if kernels::scratch_len(&node.op, &in_shapes, step.layout) > self.scratch.len()
+                || kernels::thread_scratch_floats(&node.op, &in_shapes, step.layout)
+                    > self.gemm.extra()
             {
                 return Err(Error::invalid(
                     "set_shapes",
@@ -275,7 +280,13 @@ impl CpuProgram {
             }
             step.output.1 = shapes[step.node.index()].clone();
             // Some kernel families are chosen by shape.
-            step.kernel = kernels::select(&node.op, &in_shapes, &step.output.1, products_on_amx);
+            step.kernel = kernels::select(
+                &node.op,
+                &in_shapes,
+                &step.output.1,
+                products_on_amx,
+                step.layout,
+            );
             if let Op::Reduce { axes, .. } = &node.op {
                 step.geometry = Some(ReduceGeometry::new(in_shapes[0].dims(), axes));
             }
@@ -586,6 +597,7 @@ impl CpuProgram {
                 src: &src,
                 out,
                 geometry: step.geometry.as_ref(),
+                layout: step.layout,
             };
             (step.kernel.run)(&args, &mut ctx)?;
             if let (Some(nanos), Some(t)) = (step_nanos.as_mut(), started) {

@@ -203,6 +203,7 @@ pub(crate) fn packed_operand(
     inputs: &[(Location, Shape)],
     params: &[Shape],
     products_on_amx: bool,
+    layout: crate::layout::StepLayout,
 ) -> Option<(usize, PackSpec)> {
     if inputs.len() < 2 {
         return None;
@@ -215,7 +216,17 @@ pub(crate) fn packed_operand(
     if !whole || a.dtype() != DType::F32 || b.dtype() != DType::F32 {
         return None;
     }
+    let shapes = [a.clone(), b.clone()];
     let spec = match op {
+        Op::Conv2d { .. } | Op::FusedConv2d { .. }
+            if crate::kernels::blocked_conv(op, &shapes, layout)
+                == Some(crate::kernels::blocked_conv_f32::BlockedConv::Pointwise) =>
+        {
+            PackSpec::ConvPixels {
+                o: b.dim(0),
+                k: b.dim(1),
+            }
+        }
         // Products on AMX tiles pack their weights per call, into tiles.
         Op::MatMul
         | Op::FusedMatMul {

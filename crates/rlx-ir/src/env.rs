@@ -15,6 +15,8 @@ pub enum Switch {
     Winograd,
     /// Turns the pixel-row strided convolutions off.
     ConvPixels,
+    /// Turns the CPU's channel-blocked values off.
+    ChannelBlocks,
     /// Prints the graph after a pipeline stage.
     DumpAfter,
     /// The cache directory.
@@ -39,12 +41,13 @@ pub enum Switch {
 
 impl Switch {
     /// Every switch, in the order `rlx --help` lists them.
-    pub const ALL: [Switch; 15] = [
+    pub const ALL: [Switch; 16] = [
         Switch::NumThreads,
         Switch::CpuKernel,
         Switch::NoAmx,
         Switch::Winograd,
         Switch::ConvPixels,
+        Switch::ChannelBlocks,
         Switch::DumpAfter,
         Switch::Cache,
         Switch::Python,
@@ -65,6 +68,7 @@ impl Switch {
             Switch::NoAmx => "RLX_NO_AMX",
             Switch::Winograd => "RLX_WINOGRAD",
             Switch::ConvPixels => "RLX_CONV_PIXELS",
+            Switch::ChannelBlocks => "RLX_CHANNEL_BLOCKS",
             Switch::DumpAfter => "RLX_DUMP_AFTER",
             Switch::Cache => "RLX_CACHE",
             Switch::Python => "RLX_PYTHON",
@@ -88,6 +92,9 @@ impl Switch {
             Switch::NoAmx => "set: CPU products never use AMX tiles",
             Switch::Winograd => "0: 3x3 convolutions run without Winograd's transform",
             Switch::ConvPixels => "0: strided convolutions run without the pixel-row kernel",
+            Switch::ChannelBlocks => {
+                "0: CPU convolutions keep every value in NCHW (no 16-channel blocks)"
+            }
             Switch::DumpAfter => "STAGE: print the graph after that pipeline stage to stderr",
             Switch::Cache => "DIR: the cache (packaged models, CUDA kernels; default ~/.cache/rlx)",
             Switch::Python => "PATH: the Python interpreter that fetches packaged models",

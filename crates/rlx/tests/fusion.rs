@@ -2699,3 +2699,100 @@ fn concat_operands_are_written_in_place_where_they_can_be() {
         check_within(&g, &mut rng, &what, 2e-5);
     }
 }
+
+/// MobileNet-style inverted residual blocks (1x1 expansion, depthwise, 1x1
+/// projection, residual), with elementwise ops between: on AVX-512 the CPU keeps
+/// the values between these steps channel-blocked (`[n, c / 16, h, w, 16]`), and the
+/// results must match the reference of the original graph. Channel counts that are
+/// not whole blocks, views and the graph's output stay plain.
+#[test]
+fn channel_blocked_convolution_chains_match_the_reference() {
+    let mut rng = Rng(0xb10c);
+    let mut blocked_steps = 0;
+    for case in 0..10 {
+        let n = 1 + rng.below(2);
+        let c = [16, 24, 32][rng.below(3)];
+        let e = 16 * (1 + rng.below(4));
+        let (h, w) = (4 + rng.below(12), 4 + rng.below(12));
+        let k = [3, 5][rng.below(2)];
+        let stride = 1 + rng.below(2);
+        let dilation = if stride == 1 { 1 + rng.below(2) } else { 1 };
+        let pad = dilation * (k / 2);
+        let g = Graph::new("inverted residual");
+        let x = g.input("x", Shape::new(&[n, c, h, w], DType::F32)).unwrap();
+        let param =
+            |name: &str, dims: &[usize]| g.param(name, Shape::new(dims, DType::F32)).unwrap();
+        let expand = g
+            .conv2d(
+                x,
+                param("w1", &[e, c, 1, 1]),
+                Some(param("b1", &[e])),
+                [1, 1],
+                [0; 4],
+                [1, 1],
+                1,
+            )
+            .unwrap();
+        let expand = g.unary(UnaryOp::Relu6, expand).unwrap();
+        let depthwise = g
+            .conv2d(
+                expand,
+                param("wd", &[e, 1, k, k]),
+                Some(param("bd", &[e])),
+                [stride, stride],
+                [pad; 4],
+                [dilation, dilation],
+                e,
+            )
+            .unwrap();
+        // An elementwise op of its own (and one with a scalar operand) between
+        // blocked convolutions.
+        let depthwise = g.unary(UnaryOp::HardSwish, depthwise).unwrap();
+        let half = g.scalar(0.5, DType::F32);
+        let depthwise = g.mul(depthwise, half).unwrap();
+        let project = g
+            .conv2d(
+                depthwise,
+                param("w2", &[c, e, 1, 1]),
+                Some(param("b2", &[c])),
+                [1, 1],
+                [0; 4],
+                [1, 1],
+                1,
+            )
+            .unwrap();
+        let y = if stride == 1 {
+            g.add(project, x).unwrap()
+        } else {
+            project
+        };
+        let out = g
+            .conv2d(
+                y,
+                param("w3", &[e, c, 1, 1]),
+                None,
+                [1, 1],
+                [0; 4],
+                [1, 1],
+                1,
+            )
+            .unwrap();
+        let out = g.relu(out).unwrap();
+        g.set_outputs(vec![out]);
+        check(
+            &g,
+            &mut rng,
+            &format!("case {case} x[{n},{c},{h},{w}] e{e} k{k} s{stride} d{dilation}"),
+        );
+        blocked_steps += Session::new(Device::Cpu)
+            .compile(&g)
+            .unwrap()
+            .kernels()
+            .iter()
+            .filter(|(_, k)| k.contains("blocked"))
+            .count();
+    }
+    if rlx::cpu::isa::isa().avx512f {
+        assert!(blocked_steps >= 20, "only {blocked_steps} blocked steps");
+    }
+}

@@ -237,6 +237,56 @@ multiversion! {
     }
 }
 
+/// Per-lane steps after the residual: `post(v * scale[j] + shift[j])` for lane `j`.
+pub(crate) type LaneAffine<'a> = (&'a [f32], &'a [f32], Option<Activation>);
+
+/// The epilogue of [`activate_and_add`] over channel-blocked values: `out` holds
+/// pixels of `lanes` channels each (one block), and `shift` and `affine` hold one
+/// value per lane: `act(v + shift[j]) + residual`, then `affine`.
+pub(crate) fn activate_and_add_lanes(
+    out: &mut [f32],
+    shift: Option<&[f32]>,
+    activation: Option<Activation>,
+    residual: Option<&[f32]>,
+    affine: Option<LaneAffine>,
+) {
+    lanes(out, shift, activation, residual, affine);
+}
+
+multiversion! {
+    /// [`activate_and_add_lanes`], one version per instruction set; the steps in
+    /// the order [`row`] takes them.
+    fn lanes(
+        out: &mut [f32],
+        shift: Option<&[f32]>,
+        activation: Option<Activation>,
+        residual: Option<&[f32]>,
+        affine: Option<LaneAffine>
+    ) {
+        if let Some(shift) = shift {
+            for pixel in out.chunks_exact_mut(shift.len().max(1)) {
+                for (x, &s) in pixel.iter_mut().zip(shift) {
+                    *x += s;
+                }
+            }
+        }
+        activate(out, activation);
+        if let Some(residual) = residual {
+            for (x, &r) in out.iter_mut().zip(residual) {
+                *x += r;
+            }
+        }
+        if let Some((scale, shift, post)) = affine {
+            for pixel in out.chunks_exact_mut(scale.len().max(1)) {
+                for ((x, &a), &b) in pixel.iter_mut().zip(scale).zip(shift) {
+                    *x = *x * a + b;
+                }
+            }
+            activate(out, post);
+        }
+    }
+}
+
 /// Stores `post(v * scale + shift)` of `affine` for each value of `row` as row `r`
 /// of a `k`-row matrix packed into `nr`-column panels, zero past its end: a
 /// convolution's input prologue, applied as the input is packed (one pass).

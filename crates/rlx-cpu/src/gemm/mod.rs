@@ -13,7 +13,9 @@ mod amx;
 mod blocking;
 mod epilogue;
 mod gemv;
-pub(crate) use epilogue::{RowAffine, activate_and_add, affine_scatter_row};
+pub(crate) use epilogue::{
+    RowAffine, activate_and_add, activate_and_add_lanes, affine_scatter_row,
+};
 mod kernels;
 mod pack;
 

@@ -27,18 +27,18 @@ use crate::tensor::{Dst, Src};
 use rlx_ir::{Result, Shape, Window2d};
 
 /// Output pixels per tile (the micro-kernel's rows).
-const MR: usize = 6;
+pub(crate) const MR: usize = 6;
 /// [`MR`], for the choice of kernel.
 pub(crate) const TILE_PIXELS: usize = MR;
 /// Output channels per panel (the micro-kernel's columns: two AVX2 vectors).
-const NR: usize = 16;
+pub(crate) const NR: usize = 16;
 /// Steps per depth block (a 3x3 window over 128 channels takes one): a panel's
 /// block of weights (`KC x NR` floats, 72 KiB) stays in L2 while every tile of the
 /// block reads it. On the CRNN's 3x3 stride-2 layer at batch 32, blocks of 1152
 /// steps ran in 9.06 ms, of 576 in 9.07, of 256 in 9.22 and of 128 in 9.60.
 const KC: usize = 1152;
 /// Floats of one tile's product, as the micro-kernel leaves it (`[pixel][channel]`).
-const TILE: usize = MR * NR;
+pub(crate) const TILE: usize = MR * NR;
 /// The most panels one micro-kernel call covers: with AVX-512, a tile is 6 pixels by
 /// 4 panels (64 channels, 24 zmm accumulators), so each step's 6 broadcasts serve 24
 /// multiply-adds instead of 12.
@@ -245,6 +245,22 @@ impl ChannelFinish<'_> {
             });
         if shift != 0.0 || self.activation.is_some() || residual.is_some() || affine.is_some() {
             crate::gemm::activate_and_add(values, shift, self.activation, residual, affine);
+        }
+    }
+}
+
+impl ChannelFinish<'_> {
+    /// Applies the finish to channel-blocked values in place: `values` holds pixels
+    /// of the [`crate::layout::BLOCK`] channels from `first` (`residual`: the same
+    /// values of the residual, when there is one).
+    pub(crate) fn apply_lanes(&self, first: usize, values: &mut [f32], residual: Option<&[f32]>) {
+        let lanes = first..first + crate::layout::BLOCK;
+        let shift = self.bias.map(|b| &b[lanes.clone()]);
+        let affine = self
+            .affine
+            .map(|(s, t, activation)| (&s[lanes.clone()], &t[lanes.clone()], activation));
+        if shift.is_some() || self.activation.is_some() || residual.is_some() || affine.is_some() {
+            crate::gemm::activate_and_add_lanes(values, shift, self.activation, residual, affine);
         }
     }
 }
@@ -460,7 +476,7 @@ fn step_offsets(win: &Window2d, geo: &Geometry, staged_rows: usize, offsets: &mu
 }
 
 /// Panels per micro-kernel call on this CPU: [`MAX_GROUP`] with AVX-512, else one.
-fn panel_group() -> usize {
+pub(crate) fn panel_group() -> usize {
     if crate::isa::isa().avx512f {
         MAX_GROUP
     } else {
@@ -557,7 +573,7 @@ fn prefetch_output(out: &BlockOut, channels: std::ops::Range<usize>, pixel: usiz
 /// [`NR`] floats; `tile` holds `count` tiles; `count` is at most [`panel_group`];
 /// AVX2 and FMA are available (checked by [`applies`]).
 #[cfg(target_arch = "x86_64")]
-unsafe fn micro_kernel(
+pub(crate) unsafe fn micro_kernel(
     offsets: &[u32],
     pixel: [*const f32; MR],
     (panels, stride, count): (*const f32, usize, usize),
@@ -576,7 +592,7 @@ unsafe fn micro_kernel(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_kernel(
+pub(crate) unsafe fn micro_kernel(
     _: &[u32],
     _: [*const f32; MR],
     _: (*const f32, usize, usize),

@@ -4,6 +4,7 @@
 
 mod attention;
 pub(crate) mod attention_f32;
+pub(crate) mod blocked_conv_f32;
 mod conv;
 pub(crate) mod conv_f32;
 pub(crate) mod conv_pixels_f32;
@@ -25,11 +26,12 @@ mod transpose;
 pub(crate) mod winograd_f32;
 
 use crate::gemm::GemmScratch;
+use crate::layout::StepLayout;
 use crate::pool::ThreadPool;
 use rlx_ir::{DType, Op, Result, Shape};
 
 pub(crate) use reduce::ReduceGeometry;
-pub(crate) use table::{Args, Kernel, select};
+pub(crate) use table::{Args, Kernel, accepts, select};
 
 /// Bytes from which [`copy_bytes`] splits a copy between threads.
 pub(crate) const PARALLEL_COPY_BYTES: usize = 1 << 20;
@@ -69,7 +71,10 @@ pub(crate) unsafe fn copy_bytes(
 }
 
 /// `f64` scratch values a step needs (attention keeps one row of scores).
-pub(crate) fn scratch_len(op: &Op, inputs: &[Shape]) -> usize {
+pub(crate) fn scratch_len(op: &Op, inputs: &[Shape], layout: StepLayout) -> usize {
+    if let Some(kind) = blocked_conv(op, inputs, layout) {
+        return blocked_conv_f32::scratch_f64(kind, &inputs[1]);
+    }
     match op {
         Op::Attention { seq_major, .. } => inputs[1].dim(if *seq_major { 1 } else { 2 }),
         Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }
@@ -101,7 +106,10 @@ fn prologue_scratch(op: &Op, x: &Shape, w: &Shape) -> usize {
 }
 
 /// Per-thread `f32` scratch a step needs beyond the GEMM buffers.
-pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
+pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape], layout: StepLayout) -> usize {
+    if let Some(kind) = blocked_conv(op, inputs, layout) {
+        return blocked_conv_f32::thread_floats(kind, &inputs[1]);
+    }
     match op {
         Op::Attention { .. } | Op::CachedAttention { .. } if inputs[0].dtype() == DType::F32 => {
             attention_f32::scratch_floats(inputs[2].dim(3))
@@ -123,6 +131,20 @@ pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape]) -> usize {
             conv::pool_floats(&inputs[0])
         }
         _ => 0,
+    }
+}
+
+/// The blocked kernel of a convolution step with `layout`, if it has one.
+pub(crate) fn blocked_conv(
+    op: &Op,
+    inputs: &[Shape],
+    layout: StepLayout,
+) -> Option<blocked_conv_f32::BlockedConv> {
+    match op {
+        Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. } => {
+            blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout)
+        }
+        _ => None,
     }
 }
 

@@ -5,9 +5,11 @@
 //! family's file) and one arm of [`select`].
 
 use super::{
-    Ctx, ReduceGeometry, attention, attention_f32, conv, conv_f32, elementwise, fused, layout,
-    matmul, misc, norm, norm_f32, quant, reduce, resample, state, transpose,
+    Ctx, ReduceGeometry, attention, attention_f32, blocked_conv_f32, conv, conv_f32,
+    conv_pixels_f32, elementwise, fused, layout, matmul, misc, norm, norm_f32, quant, reduce,
+    resample, state, transpose,
 };
+use crate::layout::StepLayout;
 use crate::tensor::{Dst, Src};
 use rlx_ir::{
     BinaryOp, DType, Error, EwStep, MAX_REGION_INPUTS, Op, PadMode, ReduceOp, Result, Shape,
@@ -26,6 +28,8 @@ pub(crate) struct Args<'s, 'a> {
     pub out: Dst<'a>,
     /// A reduction's geometry, prepared at compile time.
     pub geometry: Option<&'s ReduceGeometry>,
+    /// Which operands and whether the output are channel-blocked.
+    pub layout: StepLayout,
 }
 
 impl<'a> Args<'_, 'a> {
@@ -75,10 +79,79 @@ impl Kernel {
     }
 }
 
+/// Whether a kernel runs `op` on operands of `inputs` into `out` with the operands
+/// and output blocked as `layout` says ([`crate::layout`]): every op does with
+/// nothing blocked; convolutions that [`blocked_conv_f32::kind`] takes, and `f32`
+/// elementwise ops whose full-size operands share the output's layout (other
+/// operands being single values), do with blocks.
+pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout) -> bool {
+    if !layout.any() {
+        return true;
+    }
+    match op {
+        Op::Conv2d { window, groups } => {
+            blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout).is_some()
+                && inputs.len() <= 3
+                && !layout.input(2)
+        }
+        Op::FusedConv2d {
+            window,
+            groups,
+            fusion,
+        } => {
+            let finishes = |act: Option<rlx_ir::UnaryOp>| {
+                act.is_none_or(|a| fused::gemm_activation(a).is_some())
+            };
+            let residual_at = fusion.residual.then(|| fusion.residual_at());
+            blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout).is_some()
+                && !fusion.has_prologue()
+                && finishes(fusion.activation)
+                && finishes(fusion.post_activation)
+                && (fusion.post_activation.is_none() || fusion.channel_affine)
+                && (2..inputs.len()).all(|k| {
+                    if Some(k) == residual_at {
+                        layout.input(k) == layout.output()
+                    } else {
+                        !layout.input(k)
+                    }
+                })
+        }
+        Op::Elementwise { .. } => same_layout_elementwise(inputs, out, layout),
+        Op::Unary(u) if inputs[0].dtype() == DType::F32 && fusable_unary(*u) => {
+            same_layout_elementwise(inputs, out, layout)
+        }
+        Op::Binary(b) if fast_binary(*b, inputs[0].dtype(), out) => {
+            same_layout_elementwise(inputs, out, layout)
+        }
+        _ => false,
+    }
+}
+
+/// Whether an elementwise kernel (which walks every operand in the output's order)
+/// runs with `layout`: each operand of the output's dims in the output's layout,
+/// every other a single plain value.
+fn same_layout_elementwise(inputs: &[Shape], out: &Shape, layout: StepLayout) -> bool {
+    out.dtype() == DType::F32
+        && inputs.iter().enumerate().all(|(k, s)| {
+            if s.dims() == out.dims() {
+                layout.input(k) == layout.output()
+            } else {
+                s.num_elements() == 1 && !layout.input(k)
+            }
+        })
+}
+
 /// The kernel that runs `op` on operands of `inputs` into `out` (`products_on_amx`:
-/// `f32` products with an `f32` `B` run on AMX tiles). The kernel families that
-/// have code per instruction set read [`crate::isa::isa`], detected once.
-pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bool) -> Kernel {
+/// `f32` products with an `f32` `B` run on AMX tiles; `layout`: which are
+/// channel-blocked, as [`accepts`] allowed). The kernel families that have code
+/// per instruction set read [`crate::isa::isa`], detected once.
+pub(crate) fn select(
+    op: &Op,
+    inputs: &[Shape],
+    out: &Shape,
+    products_on_amx: bool,
+    layout: StepLayout,
+) -> Kernel {
     let dtype = inputs.first().map_or(out.dtype(), |s| s.dtype());
     let f32_in = dtype == DType::F32;
     let gemm = if products_on_amx && inputs.get(1).is_some_and(|b| b.dtype() == DType::F32) {
@@ -185,6 +258,21 @@ pub(crate) fn select(op: &Op, inputs: &[Shape], out: &Shape, products_on_amx: bo
         Op::Cumsum { .. } => Kernel::reference(op, dtype, cumsum),
         Op::TopK { .. } => Kernel::reference(op, dtype, topk),
         Op::OneHot { .. } => Kernel::reference(op, dtype, one_hot),
+        Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
+            if layout.any()
+                && let Some(kind) =
+                    blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout) =>
+        {
+            let fused = if matches!(op, Op::FusedConv2d { .. }) {
+                "+epilogue"
+            } else {
+                ""
+            };
+            Kernel::new(
+                format!("cpu.{}.avx512.conv2d{fused}.f32", kind.name()),
+                blocked_conv2d,
+            )
+        }
         Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. } if f32_in => {
             let method = conv_f32::method(window, *groups, &inputs[0], &inputs[1]).name();
             let fused = if matches!(op, Op::FusedConv2d { .. }) {
@@ -606,6 +694,82 @@ fn conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
         }
         Op::FusedConv2d { .. } => fused_conv2d(a, ctx),
         _ => Err(a.wrong_op("conv2d")),
+    }
+}
+
+/// A convolution with a channel-blocked operand or output
+/// ([`blocked_conv_f32`]).
+fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let (window, groups, fusion) = match a.op {
+        Op::Conv2d { window, groups } => (
+            window,
+            *groups,
+            rlx_ir::ConvFusion {
+                bias: a.n_inputs > 2,
+                ..Default::default()
+            },
+        ),
+        Op::FusedConv2d {
+            window,
+            groups,
+            fusion,
+        } => (window, *groups, *fusion),
+        _ => return Err(a.wrong_op("blocked_conv2d")),
+    };
+    let (x, w) = (a.src(0), a.src(1));
+    let kind = blocked_conv_f32::kind(window, groups, x.shape, w.shape, a.layout)
+        .ok_or_else(|| a.wrong_op("blocked_conv2d"))?;
+    let floats = |s: Src<'_>| {
+        // SAFETY: an f32 tensor of `s.len` values, alive for the step.
+        unsafe { std::slice::from_raw_parts(s.ptr.cast::<f32>(), s.len) }
+    };
+    let finish = conv_pixels_f32::Finish {
+        bias: fusion.bias.then(|| floats(a.src(2))),
+        activation: fusion.activation.and_then(fused::gemm_activation),
+        residual: fusion.residual.then(|| a.src(fusion.residual_at())),
+        affine: fusion.channel_affine.then(|| {
+            (
+                floats(a.src(fusion.scale_at())),
+                floats(a.src(fusion.scale_at() + 1)),
+                fusion.post_activation.and_then(fused::gemm_activation),
+            )
+        }),
+    };
+    match kind {
+        blocked_conv_f32::BlockedConv::Depthwise => {
+            blocked_conv_f32::depthwise(window, [x, w], finish, a.out, (ctx.gemm, ctx.pool))
+        }
+        blocked_conv_f32::BlockedConv::Pointwise => {
+            let (o, c) = (w.shape.dim(0), w.shape.dim(1));
+            let len = conv_pixels_f32::weights_len(o, c);
+            let (weights, rest) = ctx.scratch.split_at_mut(len.div_ceil(2));
+            let spec = crate::prepack::PackSpec::ConvPixels { o, k: c };
+            let packed: &[f32] = match ctx.packed_b.filter(|p| p.fits(spec)) {
+                Some(packed) => packed.values(),
+                None => {
+                    // SAFETY: the step asked for `scratch_f64`: room for `len` f32
+                    // values here (f64 storage is aligned for f32).
+                    let values = unsafe {
+                        std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<f32>(), len)
+                    };
+                    conv_pixels_f32::pack_weights(floats(w), o, c, values);
+                    values
+                }
+            };
+            // SAFETY: and room for `c` u32 offsets after them.
+            let offsets =
+                unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<u32>(), c) };
+            let pixels = x.shape.dim(2) * x.shape.dim(3);
+            blocked_conv_f32::channel_offsets(pixels, a.layout.input(0), offsets);
+            blocked_conv_f32::pointwise(
+                x,
+                (packed, offsets),
+                finish,
+                a.out,
+                a.layout,
+                (ctx.gemm, ctx.pool),
+            )
+        }
     }
 }
 

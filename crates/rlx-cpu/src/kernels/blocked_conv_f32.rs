@@ -1,0 +1,724 @@
+//! `f32` convolutions whose input or output is channel-blocked
+//! ([`crate::layout`]: `[n, c / 16, h, w, 16]`).
+//!
+//! - **Pointwise** (1x1, unit stride, no padding, one group; input and output each
+//!   plain or blocked): output pixels are the product's rows, as in
+//!   [`super::conv_pixels_f32`], and its micro-kernel runs unchanged. Each step
+//!   broadcasts one input value per pixel from a table of channel offsets, so the
+//!   input is read in place in either layout: no packing and no staged copy. A
+//!   blocked output is stored as the micro-kernel holds it (pixels by 16 channels);
+//!   a plain one is transposed into channel rows.
+//! - **Depthwise** (one channel per group; blocked in and out; any window, stride,
+//!   dilation and padding): 16 channels per vector, each output vector the sum of
+//!   its taps' input vectors scaled by the tap's 16 weights. Runs of 8 output pixels
+//!   keep their sums in registers across all taps; the pixels whose window crosses
+//!   the left or right edge run one at a time over their taps inside the input, so
+//!   nothing is staged or padded.
+//!
+//! The epilogue (bias, activation, residual, channel affine) runs on each finished
+//! piece while it is in L1.
+
+use super::conv_pixels_f32::{self, Finish, MR, NR, TILE};
+use crate::gemm::GemmScratch;
+use crate::layout::{BLOCK, StepLayout};
+use crate::pool::ThreadPool;
+use crate::tensor::{Dst, Src};
+use rlx_ir::{DType, Result, Shape, Window2d};
+
+/// A convolution kernel for blocked values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BlockedConv {
+    /// 1x1, unit stride, unpadded, one group; any layouts.
+    Pointwise,
+    /// One input channel per output channel, blocked input and output.
+    Depthwise,
+}
+
+impl BlockedConv {
+    /// The method's name in kernel names.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            BlockedConv::Pointwise => "blocked-pointwise",
+            BlockedConv::Depthwise => "blocked-depthwise",
+        }
+    }
+}
+
+/// The blocked kernel that runs a convolution of `x` by `w` in `groups` groups with
+/// `layout` (operand 0 is `x`), if there is one. Only the operands `x`, the output
+/// (and a residual, which the caller checks has the output's layout) may be blocked.
+pub(crate) fn kind(
+    win: &Window2d,
+    groups: usize,
+    x: &Shape,
+    w: &Shape,
+    layout: StepLayout,
+) -> Option<BlockedConv> {
+    let shapes_fit = x.rank() == 4 && w.rank() == 4 && x.dtype() == DType::F32;
+    if !layout.any() || !shapes_fit || !crate::isa::isa().avx512f || layout.input(1) {
+        return None;
+    }
+    let pointwise = groups == 1
+        && w.dim(2) == 1
+        && w.dim(3) == 1
+        && win.stride == [1, 1]
+        && win.padding == [0; 4]
+        && w.dim(1) == x.dim(1)
+        // The channel offsets are 32-bit.
+        && x.num_elements() / x.dim(0).max(1) < u32::MAX as usize;
+    if pointwise {
+        return Some(BlockedConv::Pointwise);
+    }
+    let depthwise = groups > 1
+        && groups == x.dim(1)
+        && w.dim(0) == groups
+        && w.dim(1) == 1
+        && layout.input(0)
+        && layout.output();
+    depthwise.then_some(BlockedConv::Depthwise)
+}
+
+/// `f64` values of scratch a run needs: the packed weights of a pointwise
+/// convolution (when they were not packed ahead) and its table of channel offsets.
+pub(crate) fn scratch_f64(kind: BlockedConv, w: &Shape) -> usize {
+    match kind {
+        BlockedConv::Pointwise => {
+            let (o, c) = (w.dim(0), w.dim(1));
+            conv_pixels_f32::weights_len(o, c).div_ceil(2) + c.div_ceil(2)
+        }
+        BlockedConv::Depthwise => 0,
+    }
+}
+
+/// Floats of scratch each thread needs: a depthwise block's weights, tap by tap.
+pub(crate) fn thread_floats(kind: BlockedConv, w: &Shape) -> usize {
+    match kind {
+        BlockedConv::Pointwise => 0,
+        BlockedConv::Depthwise => w.dim(2) * w.dim(3) * BLOCK,
+    }
+}
+
+/// Fills `offsets` with each input channel's offset from its pixel's first value:
+/// `c * pixels` plain, `(c / 16) * pixels * 16 + c % 16` blocked.
+pub(crate) fn channel_offsets(pixels: usize, blocked: bool, offsets: &mut [u32]) {
+    for (c, offset) in offsets.iter_mut().enumerate() {
+        let at = if blocked {
+            (c / BLOCK) * pixels * BLOCK + c % BLOCK
+        } else {
+            c * pixels
+        };
+        *offset = at as u32;
+    }
+}
+
+/// Blocks of output pixels per image: each block's input (`channels` values a
+/// pixel) in about a quarter of L2, and enough tasks (with `units` output channel
+/// groups of all images) for four per thread; never under a tile of pixels.
+fn pixel_blocks(pixels: usize, channels: usize, units: usize, threads: usize) -> usize {
+    let fit = (crate::gemm::l2_cache_bytes() / 4 / 4 / channels.max(1)).max(MR);
+    let by_size = pixels.div_ceil(fit);
+    let for_threads = (4 * threads).div_ceil(units.max(1));
+    by_size.max(for_threads).min(pixels.div_ceil(MR)).max(1)
+}
+
+/// The pointwise convolution: `packed` holds the weights from
+/// [`conv_pixels_f32::pack_weights`] (`o` filters of `c` values) and `offsets` the
+/// table from [`channel_offsets`] for `x`'s layout.
+pub(crate) fn pointwise(
+    x: Src,
+    (packed, offsets): (&[f32], &[u32]),
+    finish: Finish,
+    out: Dst,
+    layout: StepLayout,
+    (gemm, pool): (&GemmScratch, &ThreadPool),
+) -> Result<()> {
+    let [n, c] = [x.shape.dim(0), x.shape.dim(1)];
+    let pixels = x.shape.dim(2) * x.shape.dim(3);
+    let o = out.shape.dim(1);
+    if n == 0 || o == 0 || pixels == 0 || c == 0 {
+        return Ok(());
+    }
+    let (x_blocked, out_blocked) = (layout.input(0), layout.output());
+    let panels = o.div_ceil(NR);
+    let groups = panels.div_ceil(conv_pixels_f32::panel_group());
+    let threads = gemm.threads();
+    let blocks = pixel_blocks(pixels, c, n * groups, threads);
+    let block = pixels.div_ceil(blocks).next_multiple_of(MR);
+    let blocks = pixels.div_ceil(block);
+    let (x_addr, out_addr) = (x.ptr as usize, out.ptr as usize);
+    let residual_addr = finish.residual.map(|r| r.ptr as usize);
+    let per_channel = finish.per_channel();
+    let pixel_step = if x_blocked { BLOCK } else { 1 };
+    let task = |t: usize, _thread: usize| {
+        let g = t % groups;
+        let b = (t / groups) % blocks;
+        let image = t / (groups * blocks);
+        let (q0, q1) = (g * panels / groups, (g + 1) * panels / groups);
+        let (p0, p1) = (b * block, ((b + 1) * block).min(pixels));
+        let x_image = (x_addr as *const f32).wrapping_add(image * c * pixels);
+        let mut tile = [0.0f32; 4 * TILE];
+        for i0 in (p0..p1).step_by(MR) {
+            let m = MR.min(p1 - i0);
+            // Pixels past the last repeat it: read, never stored.
+            let bases: [*const f32; MR] =
+                std::array::from_fn(|i| x_image.wrapping_add((i0 + i.min(m - 1)) * pixel_step));
+            // SAFETY: every base plus every channel offset is a value of `x` (the
+            // offsets were made for its layout and pixels); panels `q0..q1` hold `c`
+            // steps of `NR` weights each; at most `panel_group` panels, whose
+            // instruction set `kind` checked.
+            unsafe {
+                conv_pixels_f32::micro_kernel(
+                    offsets,
+                    bases,
+                    (packed.as_ptr().add(q0 * c * NR), c * NR, q1 - q0),
+                    &mut tile,
+                    false,
+                )
+            };
+            for q in q0..q1 {
+                let values = &tile[(q - q0) * TILE..][..m * NR];
+                if out_blocked {
+                    let at = ((image * panels + q) * pixels + i0) * NR;
+                    // SAFETY: `m` pixels of block `q` of this image's output; only
+                    // this task writes them, and the residual has the output's shape
+                    // and layout.
+                    let (dst, residual) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), m * NR),
+                            residual_addr.map(|r| {
+                                std::slice::from_raw_parts((r as *const f32).add(at), m * NR)
+                            }),
+                        )
+                    };
+                    dst.copy_from_slice(values);
+                    per_channel.apply_lanes(q * NR, dst, residual);
+                } else {
+                    for (j, co) in (q * NR..(q * NR + NR).min(o)).enumerate() {
+                        let at = (image * o + co) * pixels + i0;
+                        for (i, v) in values.chunks_exact(NR).enumerate() {
+                            // SAFETY: pixel `i0 + i` of channel `co` of this image;
+                            // only this task writes it.
+                            unsafe { *(out_addr as *mut f32).add(at + i) = v[j] };
+                        }
+                    }
+                }
+            }
+        }
+        if !out_blocked {
+            for co in q0 * NR..(q1 * NR).min(o) {
+                let at = (image * o + co) * pixels + p0;
+                // SAFETY: this task's pixels of channel `co`, finished above.
+                let (dst, residual) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), p1 - p0),
+                        residual_addr.map(|r| {
+                            std::slice::from_raw_parts((r as *const f32).add(at), p1 - p0)
+                        }),
+                    )
+                };
+                per_channel.apply(co, dst, residual);
+            }
+        }
+    };
+    pool.run(n * blocks * groups, threads, &task)
+}
+
+/// Output pixels whose sums a depthwise run keeps in registers.
+const RUN: usize = 8;
+
+/// The geometry a depthwise row needs.
+#[derive(Clone, Copy)]
+struct DepthwiseRow {
+    h: usize,
+    w: usize,
+    ow: usize,
+    kh: usize,
+    kw: usize,
+    stride: [usize; 2],
+    dilation: [usize; 2],
+    top: usize,
+    left: usize,
+}
+
+impl DepthwiseRow {
+    /// Output columns whose every tap lies inside the input row: `lo..hi` (empty
+    /// when `hi <= lo`).
+    fn interior(&self) -> (usize, usize) {
+        let [_, sx] = self.stride;
+        let lo = self.left.div_ceil(sx).min(self.ow);
+        let reach = (self.kw - 1) * self.dilation[1];
+        let hi = if self.w + self.left > reach {
+            ((self.w - 1 + self.left - reach) / sx + 1).min(self.ow)
+        } else {
+            0
+        };
+        (lo, hi.max(lo))
+    }
+}
+
+/// The depthwise convolution of blocked `x` by `w` (`[c, 1, kh, kw]`) into blocked
+/// `out`.
+pub(crate) fn depthwise(
+    win: &Window2d,
+    [x, w]: [Src; 2],
+    finish: Finish,
+    out: Dst,
+    (gemm, pool): (&GemmScratch, &ThreadPool),
+) -> Result<()> {
+    let [n, c, h, wd] = [
+        x.shape.dim(0),
+        x.shape.dim(1),
+        x.shape.dim(2),
+        x.shape.dim(3),
+    ];
+    let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
+    let (kh, kw) = (w.shape.dim(2), w.shape.dim(3));
+    let taps = kh * kw;
+    if n == 0 || c == 0 || oh == 0 || ow == 0 {
+        return Ok(());
+    }
+    let geo = DepthwiseRow {
+        h,
+        w: wd,
+        ow,
+        kh,
+        kw,
+        stride: win.stride,
+        dilation: win.dilation,
+        top: win.padding[0],
+        left: win.padding[1],
+    };
+    let blocks = c / BLOCK;
+    let planes = n * blocks;
+    let threads = gemm.threads();
+    let parts = (8 * threads).div_ceil(planes).clamp(1, oh);
+    let (x_addr, w_addr, out_addr) = (x.ptr as usize, w.ptr as usize, out.ptr as usize);
+    let residual_addr = finish.residual.map(|r| r.ptr as usize);
+    let per_channel = finish.per_channel();
+    let task = |t: usize, thread: usize| {
+        let (plane, part) = (t / parts, t % parts);
+        let block = plane % blocks;
+        // SAFETY: one task per thread index at a time; the step asked for
+        // `thread_floats` (the block's weights).
+        let weights = &mut unsafe { gemm.parts(thread) }.1[..taps * BLOCK];
+        for (j, filter) in (block * BLOCK..(block + 1) * BLOCK).enumerate() {
+            for tap in 0..taps {
+                // SAFETY: `w` holds `c * taps` values.
+                weights[tap * BLOCK + j] =
+                    unsafe { *(w_addr as *const f32).add(filter * taps + tap) };
+            }
+        }
+        let x_plane = (x_addr as *const f32).wrapping_add(plane * h * wd * BLOCK);
+        for oy in part * oh / parts..(part + 1) * oh / parts {
+            let at = (plane * oh + oy) * ow * BLOCK;
+            // SAFETY: row `oy` of this plane of the output, only this task writes it.
+            let row = unsafe {
+                std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), ow * BLOCK)
+            };
+            // SAFETY: AVX-512F (checked by `kind`); the plane holds `h * wd` pixels of
+            // 16 values and the weights `taps` vectors.
+            unsafe { depthwise_row(x_plane, weights, oy, geo, row) };
+            // SAFETY: the residual has the output's shape and layout.
+            let residual = residual_addr.map(|r| unsafe {
+                std::slice::from_raw_parts((r as *const f32).add(at), ow * BLOCK)
+            });
+            per_channel.apply_lanes(block * BLOCK, row, residual);
+        }
+    };
+    pool.run(planes * parts, threads, &task)
+}
+
+/// Output row `oy` of one blocked plane.
+///
+/// # Safety
+/// AVX-512F is available; `x` holds the plane's `h * w` pixels of 16 values,
+/// `weights` its `kh * kw` tap vectors, and `row` the row's `ow` pixels.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn depthwise_row(
+    x: *const f32,
+    weights: &[f32],
+    oy: usize,
+    geo: DepthwiseRow,
+    row: &mut [f32],
+) {
+    let (lo, hi) = geo.interior();
+    // Rows of taps inside the input.
+    let iy0 = (oy * geo.stride[0]) as isize - geo.top as isize;
+    let dy = geo.dilation[0] as isize;
+    let ky_lo = if iy0 >= 0 {
+        0
+    } else {
+        ((-iy0) as usize).div_ceil(geo.dilation[0])
+    };
+    let ky_hi = if iy0 >= geo.h as isize {
+        0
+    } else {
+        (((geo.h as isize - 1 - iy0) / dy) as usize + 1).min(geo.kh)
+    };
+    let ky = (ky_lo, ky_hi.max(ky_lo));
+    let out = row.as_mut_ptr();
+    // SAFETY (all calls): the caller's contract; the interior's taps are inside the
+    // row and the edge pixels take only their taps inside it.
+    unsafe {
+        for ox in 0..lo {
+            edge_pixel(x, weights, (iy0, ky), ox, geo, out);
+        }
+        let mut ox = lo;
+        while ox + RUN <= hi {
+            run::<RUN>(x, weights, (iy0, ky), ox, geo, out);
+            ox += RUN;
+        }
+        match hi - ox {
+            0 => {}
+            1 => run::<1>(x, weights, (iy0, ky), ox, geo, out),
+            2 => run::<2>(x, weights, (iy0, ky), ox, geo, out),
+            3 => run::<3>(x, weights, (iy0, ky), ox, geo, out),
+            4 => run::<4>(x, weights, (iy0, ky), ox, geo, out),
+            5 => run::<5>(x, weights, (iy0, ky), ox, geo, out),
+            6 => run::<6>(x, weights, (iy0, ky), ox, geo, out),
+            _ => run::<7>(x, weights, (iy0, ky), ox, geo, out),
+        }
+        for ox in hi..geo.ow {
+            edge_pixel(x, weights, (iy0, ky), ox, geo, out);
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn depthwise_row(_: *const f32, _: &[f32], _: usize, _: DepthwiseRow, _: &mut [f32]) {
+    unreachable!("`kind` is None off x86-64")
+}
+
+/// `R` interior output pixels from `ox`: their sums stay in registers over all taps.
+///
+/// # Safety
+/// As [`depthwise_row`]; every tap of pixels `ox..ox + R` lies inside the row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn run<const R: usize>(
+    x: *const f32,
+    weights: &[f32],
+    (iy0, (ky_lo, ky_hi)): (isize, (usize, usize)),
+    ox: usize,
+    geo: DepthwiseRow,
+    out: *mut f32,
+) {
+    use std::arch::x86_64::*;
+    let [dy, dx] = geo.dilation;
+    let sx = geo.stride[1];
+    let mut acc = [_mm512_setzero_ps(); R];
+    for ky in ky_lo..ky_hi {
+        let iy = (iy0 + (ky * dy) as isize) as usize;
+        // SAFETY: the caller's contract (tap rows inside the plane, interior columns).
+        unsafe {
+            let first = x.add((iy * geo.w + ox * sx - geo.left) * BLOCK);
+            for kx in 0..geo.kw {
+                let wv = _mm512_loadu_ps(weights.as_ptr().add((ky * geo.kw + kx) * BLOCK));
+                let tap = first.add(kx * dx * BLOCK);
+                for (r, sum) in acc.iter_mut().enumerate() {
+                    *sum = _mm512_fmadd_ps(_mm512_loadu_ps(tap.add(r * sx * BLOCK)), wv, *sum);
+                }
+            }
+        }
+    }
+    for (r, sum) in acc.iter().enumerate() {
+        // SAFETY: pixel `ox + r` of the row.
+        unsafe { _mm512_storeu_ps(out.add((ox + r) * BLOCK), *sum) };
+    }
+}
+
+/// One output pixel whose window crosses the row's edge: only its taps inside.
+///
+/// # Safety
+/// As [`depthwise_row`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn edge_pixel(
+    x: *const f32,
+    weights: &[f32],
+    (iy0, (ky_lo, ky_hi)): (isize, (usize, usize)),
+    ox: usize,
+    geo: DepthwiseRow,
+    out: *mut f32,
+) {
+    use std::arch::x86_64::*;
+    let [dy, dx] = geo.dilation;
+    let ix0 = (ox * geo.stride[1]) as isize - geo.left as isize;
+    let mut sum = _mm512_setzero_ps();
+    for ky in ky_lo..ky_hi {
+        let iy = (iy0 + (ky * dy) as isize) as usize;
+        for kx in 0..geo.kw {
+            let ix = ix0 + (kx * dx) as isize;
+            if ix < 0 || ix >= geo.w as isize {
+                continue;
+            }
+            // SAFETY: tap `(ky, kx)` lies inside the plane.
+            unsafe {
+                let wv = _mm512_loadu_ps(weights.as_ptr().add((ky * geo.kw + kx) * BLOCK));
+                let v = _mm512_loadu_ps(x.add((iy * geo.w + ix as usize) * BLOCK));
+                sum = _mm512_fmadd_ps(v, wv, sum);
+            }
+        }
+    }
+    // SAFETY: pixel `ox` of the row.
+    unsafe { _mm512_storeu_ps(out.add(ox * BLOCK), sum) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemm::tests::lcg;
+    use crate::kernels::conv::{conv2d as direct_conv2d, extent};
+    use crate::layout::{from_blocked, to_blocked};
+
+    /// What the kernels are checked with: a window, the shapes, and the finish.
+    struct Case {
+        threads: usize,
+        x: [usize; 4],
+        o: usize,
+        kernel: [usize; 2],
+        win: Window2d,
+        groups: usize,
+        /// Whether the input, then the output (and residual), are blocked.
+        layout: [bool; 2],
+        residual: bool,
+        affine: bool,
+    }
+
+    fn window(
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 4],
+        dilation: [usize; 2],
+    ) -> Window2d {
+        Window2d {
+            kernel,
+            stride,
+            padding,
+            dilation,
+        }
+    }
+
+    /// Runs the case's kernel on fresh random data and compares it, value by value,
+    /// with the plain direct convolution (sums in `f64`) followed by the finish
+    /// written out in scalars: bias, ReLU6, residual, then `scale * v + shift` and
+    /// hard-swish.
+    fn check(case: &Case, seed: u64) {
+        if !crate::isa::isa().avx512f {
+            return;
+        }
+        let mut seed = seed;
+        let [n, c, h, w] = case.x;
+        let (o, [kh, kw]) = (case.o, case.kernel);
+        let cg = c / case.groups;
+        let (oh, ow) = (extent(&case.win, 0, h), extent(&case.win, 1, w));
+        let (pixels, out_pixels) = (h * w, oh * ow);
+        let mut random = |len: usize| -> Vec<f32> { (0..len).map(|_| lcg(&mut seed)).collect() };
+        let x = random(n * c * pixels);
+        let wt = random(o * cg * kh * kw);
+        let bias = random(o);
+        let residual = random(n * o * out_pixels);
+        let (scale, shift) = (random(o), random(o));
+        let xs = Shape::new(&[n, c, h, w], DType::F32);
+        let os = Shape::new(&[n, o, oh, ow], DType::F32);
+        let ws = Shape::new(&[o, cg, kh, kw], DType::F32);
+        let src = |values: &[f32], shape| Src {
+            ptr: values.as_ptr().cast(),
+            shape,
+            len: values.len(),
+        };
+        let dst = |values: &mut [f32], shape| Dst {
+            ptr: values.as_mut_ptr().cast(),
+            shape,
+            len: values.len(),
+        };
+        let mut want = vec![f32::NAN; n * o * out_pixels];
+        direct_conv2d(
+            &case.win,
+            case.groups,
+            src(&x, &xs),
+            src(&wt, &ws),
+            None,
+            dst(&mut want, &os),
+        );
+        for (i, v) in want.iter_mut().enumerate() {
+            let co = i / out_pixels % o;
+            let mut value = (*v + bias[co]).clamp(0.0, 6.0);
+            if case.residual {
+                value += residual[i];
+            }
+            if case.affine {
+                value = value * scale[co] + shift[co];
+                value *= (value + 3.0).clamp(0.0, 6.0) / 6.0;
+            }
+            *v = value;
+        }
+        let [x_blocked, out_blocked] = case.layout;
+        let x_stored = if x_blocked {
+            to_blocked(&x, c, pixels)
+        } else {
+            x.clone()
+        };
+        let residual_stored = if out_blocked {
+            to_blocked(&residual, o, out_pixels)
+        } else {
+            residual.clone()
+        };
+        let layout = StepLayout::new(&[x_blocked, false], out_blocked);
+        let kind = kind(&case.win, case.groups, &xs, &ws, layout).expect("a blocked kernel");
+        let pool = ThreadPool::new(case.threads);
+        let scratch = GemmScratch::new(case.threads, thread_floats(kind, &ws));
+        let finish = Finish {
+            bias: Some(&bias),
+            activation: Some(crate::gemm::Activation::Relu6),
+            residual: case.residual.then(|| src(&residual_stored, &os)),
+            affine: case.affine.then_some((
+                &scale[..],
+                &shift[..],
+                Some(crate::gemm::Activation::HardSwish),
+            )),
+        };
+        let mut out = vec![f32::NAN; n * o * out_pixels];
+        let x_src = src(&x_stored, &xs);
+        match kind {
+            BlockedConv::Pointwise => {
+                let mut packed = vec![0.0; conv_pixels_f32::weights_len(o, c)];
+                conv_pixels_f32::pack_weights(&wt, o, c, &mut packed);
+                let mut offsets = vec![0u32; c];
+                channel_offsets(pixels, x_blocked, &mut offsets);
+                let out_dst = dst(&mut out, &os);
+                pointwise(
+                    x_src,
+                    (&packed, &offsets),
+                    finish,
+                    out_dst,
+                    layout,
+                    (&scratch, &pool),
+                )
+                .unwrap();
+            }
+            BlockedConv::Depthwise => {
+                let out_dst = dst(&mut out, &os);
+                depthwise(
+                    &case.win,
+                    [x_src, src(&wt, &ws)],
+                    finish,
+                    out_dst,
+                    (&scratch, &pool),
+                )
+                .unwrap();
+            }
+        }
+        let got = if out_blocked {
+            from_blocked(&out, o, out_pixels)
+        } else {
+            out
+        };
+        let what = format!(
+            "{} threads x{:?} o{o} k{:?} {:?} groups {} layout {:?}",
+            case.threads, case.x, case.kernel, case.win, case.groups, case.layout
+        );
+        let tol = 5e-6 * ((cg * kh * kw) as f64).sqrt();
+        for (i, (&got, &want)) in got.iter().zip(&want).enumerate() {
+            let (got, want) = (f64::from(got), f64::from(want));
+            assert!(
+                (got - want).abs() <= tol * (1.0 + want.abs()),
+                "{what}: output {i}: {got} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn pointwise_matches_the_reference_in_every_layout() {
+        let one = window([1, 1], [1, 1], [0; 4], [1, 1]);
+        // (threads, x dims, output channels, layouts): plain sides may have any
+        // channel count; tails of pixel tiles (7 x 5 = 35 pixels) and of panel
+        // groups (80 channels: 4 + 1 panels).
+        let cases = [
+            (2, [2, 32, 7, 5], 48, [true, true]),
+            (3, [1, 64, 9, 9], 80, [true, false]),
+            (2, [2, 24, 6, 7], 32, [false, true]),
+            (1, [1, 48, 3, 4], 40, [true, false]),
+            (4, [3, 16, 11, 13], 16, [true, true]),
+            (2, [1, 160, 7, 7], 96, [true, true]),
+        ];
+        for (i, &(threads, x, o, layout)) in cases.iter().enumerate() {
+            for (residual, affine) in [(false, false), (true, false), (true, true)] {
+                let case = Case {
+                    threads,
+                    x,
+                    o,
+                    kernel: [1, 1],
+                    win: one,
+                    groups: 1,
+                    layout,
+                    residual,
+                    affine,
+                };
+                check(&case, 11 + i as u64);
+            }
+        }
+    }
+
+    #[test]
+    fn depthwise_matches_the_reference_for_every_window() {
+        // (threads, x dims, window): 3x3 and 5x5, strides 1 and 2, dilation,
+        // asymmetric and no padding, planes narrower than a run of 8 pixels and
+        // rows where the edge pixels meet.
+        let cases = [
+            (
+                2,
+                [2, 32, 9, 11],
+                window([3, 3], [1, 1], [1, 1, 1, 1], [1, 1]),
+            ),
+            (
+                3,
+                [1, 48, 14, 14],
+                window([3, 3], [2, 2], [1, 1, 1, 1], [1, 1]),
+            ),
+            (
+                2,
+                [1, 16, 7, 7],
+                window([5, 5], [1, 1], [2, 2, 2, 2], [1, 1]),
+            ),
+            (
+                2,
+                [2, 32, 12, 17],
+                window([5, 5], [2, 2], [2, 2, 2, 2], [1, 1]),
+            ),
+            (
+                1,
+                [1, 16, 10, 10],
+                window([3, 3], [1, 1], [2, 2, 2, 2], [2, 2]),
+            ),
+            (
+                2,
+                [1, 32, 9, 8],
+                window([3, 3], [2, 2], [0, 0, 1, 1], [1, 1]),
+            ),
+            (4, [1, 64, 20, 23], window([3, 3], [1, 1], [0; 4], [1, 1])),
+            (
+                2,
+                [1, 16, 3, 2],
+                window([7, 7], [1, 1], [3, 3, 3, 3], [1, 1]),
+            ),
+        ];
+        for (i, &(threads, x, win)) in cases.iter().enumerate() {
+            for (residual, affine) in [(false, false), (true, true)] {
+                let case = Case {
+                    threads,
+                    x,
+                    o: x[1],
+                    kernel: win.kernel,
+                    win,
+                    groups: x[1],
+                    layout: [true, true],
+                    residual,
+                    affine,
+                };
+                check(&case, 101 + i as u64);
+            }
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! Which values a CPU program stores channel-blocked.
+//!
+//! A value `[n, c, h, w]` is normally stored as it reads (NCHW). Channel-blocked, it
+//! is stored as `[n, c / 16, h, w, 16]`: the 16 channels of one block lie together
+//! at each pixel, one AVX-512 vector. Convolutions between such values read and
+//! write whole vectors: a 1x1 convolution broadcasts its input values in place
+//! instead of packing them, stores its output tile as it holds it (pixels by
+//! channels) instead of transposing it into channel rows, and a depthwise one runs
+//! 16 channels per instruction however small its planes are.
+//!
+//! The layout is chosen per value when a program is built, after the memory plan: a
+//! blocked value has the same byte size (its channels are a multiple of 16), so the
+//! plan holds as it is. A value is blocked only where every step that touches it has
+//! a kernel for that layout ([`crate::kernels::accepts`]); it starts blocked wherever
+//! it may be and is made plain again, with everything a refusing step touches, until
+//! every step accepts its layouts. Graph inputs and outputs, params, handles, and
+//! values read through views are always plain, so nothing outside a program sees the
+//! blocked layout.
+
+use rlx_ir::{DType, NodeId, Op, Shape};
+use rlx_opt::{Plan, Region};
+
+/// Channels per block of a channel-blocked value.
+pub(crate) const BLOCK: usize = 16;
+
+/// Which of a step's operands and whether its output are channel-blocked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StepLayout {
+    /// Bit `k`: operand `k` is blocked.
+    inputs: u64,
+    output: bool,
+}
+
+impl StepLayout {
+    /// Whether operand `k` is blocked.
+    pub(crate) fn input(&self, k: usize) -> bool {
+        k < 64 && (self.inputs >> k) & 1 == 1
+    }
+
+    /// Whether the output is blocked.
+    pub(crate) fn output(&self) -> bool {
+        self.output
+    }
+
+    /// Whether anything is blocked.
+    pub(crate) fn any(&self) -> bool {
+        self.inputs != 0 || self.output
+    }
+
+    /// A layout with the given operands and output blocked (tests and callers that
+    /// build one by hand).
+    pub(crate) fn new(inputs: &[bool], output: bool) -> StepLayout {
+        let inputs = inputs
+            .iter()
+            .take(64)
+            .enumerate()
+            .fold(0, |bits, (k, &b)| bits | (u64::from(b) << k));
+        StepLayout { inputs, output }
+    }
+}
+
+/// Whether `shape` can be stored blocked: a rank-4 `f32` value whose channels are a
+/// whole number of blocks.
+fn blockable(shape: &Shape) -> bool {
+    shape.dtype() == DType::F32
+        && shape.rank() == 4
+        && shape.dim(1) > 0
+        && shape.dim(1).is_multiple_of(BLOCK)
+        && shape.num_elements() > 0
+}
+
+/// Whether blocked layouts are used at all: on CPUs with AVX-512 (the blocked
+/// kernels' vectors), unless `RLX_CHANNEL_BLOCKS=0`.
+fn enabled() -> bool {
+    crate::isa::isa().avx512f && rlx_ir::env::Switch::ChannelBlocks.enabled()
+}
+
+/// The layout of every step of `plan.schedule`, in order, given which layouts each
+/// step's kernel accepts (`accepts(op, operand shapes, output shape, layout)`).
+pub(crate) fn assign(
+    plan: &Plan,
+    accepts: impl Fn(&Op, &[Shape], &Shape, StepLayout) -> bool,
+) -> Vec<StepLayout> {
+    let nodes = plan.graph.nodes();
+    let count = nodes.len();
+    let mut is_step = vec![false; count];
+    for id in &plan.schedule {
+        is_step[id.index()] = true;
+    }
+    let mut blocked: Vec<bool> = (0..count)
+        .map(|i| {
+            enabled()
+                && is_step[i]
+                && !plan.is_view[i]
+                && plan.locations[i].region == Region::Arena
+                && blockable(&plan.shapes[i])
+        })
+        .collect();
+    for &out in &plan.outputs {
+        blocked[out.index()] = false;
+    }
+    // A value read by anything but a step (a view of it) stays plain.
+    for (i, node) in nodes.iter().enumerate() {
+        if !is_step[i] || plan.is_view[i] {
+            for x in &node.inputs {
+                blocked[x.index()] = false;
+            }
+        }
+    }
+    let layout_of = |blocked: &[bool], id: NodeId| {
+        let node = &nodes[id.index()];
+        let inputs: Vec<bool> = node.inputs.iter().map(|x| blocked[x.index()]).collect();
+        StepLayout::new(&inputs, blocked[id.index()])
+    };
+    let shapes_of = |id: NodeId| -> Vec<Shape> {
+        nodes[id.index()]
+            .inputs
+            .iter()
+            .map(|x| plan.shapes[x.index()].clone())
+            .collect()
+    };
+    // Demotion only ever turns values plain, so this ends.
+    loop {
+        let mut changed = false;
+        for &id in &plan.schedule {
+            let layout = layout_of(&blocked, id);
+            if !layout.any() {
+                continue;
+            }
+            let node = &nodes[id.index()];
+            if !accepts(&node.op, &shapes_of(id), &plan.shapes[id.index()], layout) {
+                blocked[id.index()] = false;
+                for x in &node.inputs {
+                    blocked[x.index()] = false;
+                }
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    plan.schedule
+        .iter()
+        .map(|&id| layout_of(&blocked, id))
+        .collect()
+}
+
+/// Index of `[n, c, h, w]`'s element `(n, c, p)` (`p` the pixel `y * w + x`) in the
+/// blocked layout of a value with `channels` channels and `pixels` pixels.
+#[cfg(test)]
+pub(crate) fn blocked_index(n: usize, c: usize, p: usize, channels: usize, pixels: usize) -> usize {
+    ((n * (channels / BLOCK) + c / BLOCK) * pixels + p) * BLOCK + c % BLOCK
+}
+
+/// `plain` (`[n, c, pixels]`) in the blocked layout.
+#[cfg(test)]
+pub(crate) fn to_blocked(plain: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
+    let mut out = vec![0.0; plain.len()];
+    let images = plain.len() / (channels * pixels).max(1);
+    for n in 0..images {
+        for c in 0..channels {
+            for p in 0..pixels {
+                out[blocked_index(n, c, p, channels, pixels)] =
+                    plain[(n * channels + c) * pixels + p];
+            }
+        }
+    }
+    out
+}
+
+/// A blocked value (`[n, c / 16, pixels, 16]`) in the plain layout.
+#[cfg(test)]
+pub(crate) fn from_blocked(blocked: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
+    let mut out = vec![0.0; blocked.len()];
+    let images = blocked.len() / (channels * pixels).max(1);
+    for n in 0..images {
+        for c in 0..channels {
+            for p in 0..pixels {
+                out[(n * channels + c) * pixels + p] =
+                    blocked[blocked_index(n, c, p, channels, pixels)];
+            }
+        }
+    }
+    out
+}
