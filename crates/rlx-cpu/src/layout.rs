@@ -59,13 +59,19 @@ impl StepLayout {
     }
 }
 
+/// Pixels below which a value stays plain: a product over a handful of pixels
+/// (a squeeze-and-excitation block's `[n, c, 1, 1]`) runs better as the plain
+/// layout's GEMV-like kernels, and its two layouts hardly differ.
+const MIN_PIXELS: usize = 4;
+
 /// Whether `shape` can be stored blocked: a rank-4 `f32` value whose channels are a
-/// whole number of blocks.
+/// whole number of blocks, over planes of [`MIN_PIXELS`] or more.
 fn blockable(shape: &Shape) -> bool {
     shape.dtype() == DType::F32
         && shape.rank() == 4
         && shape.dim(1) > 0
         && shape.dim(1).is_multiple_of(BLOCK)
+        && shape.dim(2) * shape.dim(3) >= MIN_PIXELS
         && shape.num_elements() > 0
 }
 

@@ -134,11 +134,14 @@ impl CpuProgram {
                 .iter()
                 .map(|x| nodes[x.index()].shape.clone())
                 .collect();
+            let mut kernel_in = in_shapes.clone();
+            let mut kernel_out = node.shape.clone();
+            kernels::kernel_shapes(&node.op, layout, &mut kernel_in, &mut kernel_out);
             let inputs: Vec<(Location, Shape)> = node
                 .inputs
                 .iter()
-                .zip(&in_shapes)
-                .map(|(x, s)| (plan.locations[x.index()], s.clone()))
+                .zip(kernel_in)
+                .map(|(x, s)| (plan.locations[x.index()], s))
                 .collect();
             let packed_b =
                 prepack::packed_operand(&node.op, &inputs, &param_shapes, products_on_amx, layout)
@@ -160,7 +163,7 @@ impl CpuProgram {
                 op: node.op.clone(),
                 kernel: kernels::select(&node.op, &in_shapes, &node.shape, products_on_amx, layout),
                 inputs,
-                output: (plan.locations[id.index()], node.shape.clone()),
+                output: (plan.locations[id.index()], kernel_out),
                 geometry,
                 packed_b,
                 layout,
@@ -279,6 +282,11 @@ impl CpuProgram {
                 *shape = new.clone();
             }
             step.output.1 = shapes[step.node.index()].clone();
+            let mut kernel_in: Vec<Shape> = step.inputs.iter().map(|(_, s)| s.clone()).collect();
+            kernels::kernel_shapes(&node.op, step.layout, &mut kernel_in, &mut step.output.1);
+            for ((_, shape), new) in step.inputs.iter_mut().zip(kernel_in) {
+                *shape = new;
+            }
             // Some kernel families are chosen by shape.
             step.kernel = kernels::select(
                 &node.op,

@@ -2796,3 +2796,86 @@ fn channel_blocked_convolution_chains_match_the_reference() {
         assert!(blocked_steps >= 20, "only {blocked_steps} blocked steps");
     }
 }
+
+/// Squeeze-and-excitation blocks, pooling and channel concatenation between
+/// channel-blocked convolutions: the plane mean reads a blocked value into a plain
+/// `[n, c, 1, 1]`, the gate's multiply folds into the next 1x1 convolution as its
+/// input prologue (applied to a blocked copy), and max and average pools and a
+/// concatenation of whole blocks keep the layout.
+#[test]
+fn squeeze_excitation_pools_and_concatenation_on_blocked_values_match() {
+    let mut rng = Rng(0x5e5e);
+    let mut blocked: HashMap<String, usize> = HashMap::new();
+    for case in 0..8 {
+        let n = 1 + rng.below(2);
+        let (c, e) = (16 * (1 + rng.below(3)), 16 * (2 + rng.below(3)));
+        let (h, w) = (6 + rng.below(10), 6 + rng.below(10));
+        let g = Graph::new("squeeze and excitation");
+        let x = g.input("x", Shape::new(&[n, c, h, w], DType::F32)).unwrap();
+        let param =
+            |name: &str, dims: &[usize]| g.param(name, Shape::new(dims, DType::F32)).unwrap();
+        let one = |g: &Graph, x, name: &str, cin: usize, cout: usize| {
+            let wt = g
+                .param(name, Shape::new(&[cout, cin, 1, 1], DType::F32))
+                .unwrap();
+            g.conv2d(x, wt, None, [1, 1], [0; 4], [1, 1], 1).unwrap()
+        };
+        let expand = one(&g, x, "w1", c, e);
+        let expand = g.silu(expand).unwrap();
+        let dw = g
+            .conv2d(
+                expand,
+                param("wd", &[e, 1, 3, 3]),
+                Some(param("bd", &[e])),
+                [1, 1],
+                [1; 4],
+                [1, 1],
+                e,
+            )
+            .unwrap();
+        let dw = g.silu(dw).unwrap();
+        // The squeeze and the excitation, as exporters write them.
+        let squeezed = g.mean(dw, &[2, 3], true).unwrap();
+        let reduced = one(&g, squeezed, "wr", e, 8);
+        let reduced = g.relu(reduced).unwrap();
+        let gate = one(&g, reduced, "we", 8, e);
+        let gate = g.unary(UnaryOp::Sigmoid, gate).unwrap();
+        let excited = g.mul(dw, gate).unwrap();
+        let project = one(&g, excited, "w2", e, c);
+        let pooled = if rng.below(2) == 0 {
+            g.max_pool2d(project, [3, 3], [2, 2], [1; 4]).unwrap()
+        } else {
+            g.avg_pool2d(project, [2, 2], [2, 2], [0, 0, 1, 1], rng.below(2) == 0)
+                .unwrap()
+        };
+        let branch = one(&g, pooled, "w3", c, 16);
+        let joined = g.concat(&[pooled, branch], 1).unwrap();
+        let out = one(&g, joined, "w4", c + 16, 8);
+        g.set_outputs(vec![out]);
+        check(
+            &g,
+            &mut rng,
+            &format!("case {case} x[{n},{c},{h},{w}] e{e}"),
+        );
+        let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
+        for (_, k) in kernels.iter().filter(|(_, k)| k.contains("blocked")) {
+            *blocked
+                .entry(k.split('.').nth(1).unwrap_or("").to_string())
+                .or_insert(0) += 1;
+        }
+    }
+    if rlx::cpu::isa::isa().avx512f {
+        // Every kind of step ran blocked somewhere: the convolutions, the pools, the
+        // plane mean, the concatenation and the gate's multiply where it did not fold
+        // (a gate per image).
+        for kind in [
+            "blocked-pointwise",
+            "blocked-depthwise",
+            "blocked",
+            "blocked-rows",
+            "blocked-region1",
+        ] {
+            assert!(blocked.contains_key(kind), "no {kind} step: {blocked:?}");
+        }
+    }
+}

@@ -90,11 +90,59 @@ pub(crate) fn scratch_f64(kind: BlockedConv, w: &Shape) -> usize {
     }
 }
 
-/// Floats of scratch each thread needs: a depthwise block's weights, tap by tap.
-pub(crate) fn thread_floats(kind: BlockedConv, w: &Shape) -> usize {
+/// Floats of scratch each thread needs: a depthwise block's weights, tap by tap; a
+/// pointwise convolution with a prologue, its block of changed input and the block's
+/// channel offsets.
+pub(crate) fn thread_floats(kind: BlockedConv, x: &Shape, w: &Shape, prologue: bool) -> usize {
     match kind {
+        BlockedConv::Pointwise if prologue => {
+            let c = x.dim(1);
+            block_fit(c).next_multiple_of(MR) * c + c
+        }
         BlockedConv::Pointwise => 0,
         BlockedConv::Depthwise => w.dim(2) * w.dim(3) * BLOCK,
+    }
+}
+
+/// A per-input-channel change a pointwise convolution applies to its (blocked)
+/// input before the product: `activation(x * scale[c] + shift[c])`.
+#[derive(Clone, Copy)]
+pub(crate) struct Prologue<'a> {
+    /// The scale and shift, one per input channel.
+    pub affine: Option<(&'a [f32], &'a [f32])>,
+    /// Applied after the affine.
+    pub activation: Option<crate::gemm::Activation>,
+}
+
+impl Prologue<'_> {
+    /// Writes the changed values of pixels `p0..p0 + len` of image `x_image` (blocked,
+    /// `c` channels of `pixels`) into `stage` as a blocked plane of `len` pixels.
+    fn stage(
+        &self,
+        x_image: *const f32,
+        (c, pixels): (usize, usize),
+        (p0, len): (usize, usize),
+        stage: &mut [f32],
+    ) {
+        for block in 0..c / BLOCK {
+            let dst = &mut stage[block * len * BLOCK..][..len * BLOCK];
+            // SAFETY: pixels `p0..p0 + len` of block `block` of the image.
+            let src = unsafe {
+                std::slice::from_raw_parts(x_image.add((block * pixels + p0) * BLOCK), len * BLOCK)
+            };
+            dst.copy_from_slice(src);
+            let lanes = block * BLOCK..(block + 1) * BLOCK;
+            match self.affine {
+                Some((scale, shift)) => crate::gemm::activate_and_add_lanes(
+                    dst,
+                    None,
+                    None,
+                    None,
+                    Some((&scale[lanes.clone()], &shift[lanes], self.activation)),
+                ),
+                None => crate::gemm::activate_and_add_lanes(dst, None, self.activation, None, None),
+            }
+        }
     }
 }
 
@@ -111,22 +159,31 @@ pub(crate) fn channel_offsets(pixels: usize, blocked: bool, offsets: &mut [u32])
     }
 }
 
+/// The most pixels of a block whose input (`channels` values a pixel) takes about a
+/// quarter of L2.
+fn block_fit(channels: usize) -> usize {
+    (crate::gemm::l2_cache_bytes() / 4 / 4 / channels.max(1)).max(MR)
+}
+
 /// Blocks of output pixels per image: each block's input (`channels` values a
 /// pixel) in about a quarter of L2, and enough tasks (with `units` output channel
 /// groups of all images) for four per thread; never under a tile of pixels.
 fn pixel_blocks(pixels: usize, channels: usize, units: usize, threads: usize) -> usize {
-    let fit = (crate::gemm::l2_cache_bytes() / 4 / 4 / channels.max(1)).max(MR);
-    let by_size = pixels.div_ceil(fit);
+    let by_size = pixels.div_ceil(block_fit(channels));
     let for_threads = (4 * threads).div_ceil(units.max(1));
     by_size.max(for_threads).min(pixels.div_ceil(MR)).max(1)
 }
 
 /// The pointwise convolution: `packed` holds the weights from
 /// [`conv_pixels_f32::pack_weights`] (`o` filters of `c` values) and `offsets` the
-/// table from [`channel_offsets`] for `x`'s layout.
+/// table from [`channel_offsets`] for `x`'s layout. With a `prologue` (`x` blocked),
+/// each task first writes its pixels' changed input into its scratch and multiplies
+/// that.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn pointwise(
     x: Src,
     (packed, offsets): (&[f32], &[u32]),
+    prologue: Option<Prologue>,
     finish: Finish,
     out: Dst,
     layout: StepLayout,
@@ -149,19 +206,37 @@ pub(crate) fn pointwise(
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
     let per_channel = finish.per_channel();
     let pixel_step = if x_blocked { BLOCK } else { 1 };
-    let task = |t: usize, _thread: usize| {
+    let task = |t: usize, thread: usize| {
         let g = t % groups;
         let b = (t / groups) % blocks;
         let image = t / (groups * blocks);
         let (q0, q1) = (g * panels / groups, (g + 1) * panels / groups);
         let (p0, p1) = (b * block, ((b + 1) * block).min(pixels));
         let x_image = (x_addr as *const f32).wrapping_add(image * c * pixels);
+        // What the products read: the input in place, or the block's changed copy
+        // (from its first pixel, with offsets for a plane of the block's pixels).
+        let (read, offsets, first) = match prologue {
+            None => (x_image, offsets, 0),
+            Some(prologue) => {
+                // SAFETY: one task per thread index at a time; the step asked for
+                // `thread_floats` (the block's input and its offsets).
+                let scratch = unsafe { gemm.parts(thread) }.1;
+                let (stage, rest) = scratch.split_at_mut(c * (p1 - p0));
+                prologue.stage(x_image, (c, pixels), (p0, p1 - p0), stage);
+                // SAFETY: room for `c` u32 values (f32-sized and aligned).
+                let local =
+                    unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<u32>(), c) };
+                channel_offsets(p1 - p0, true, local);
+                (stage.as_ptr(), &*local, p0)
+            }
+        };
         let mut tile = [0.0f32; 4 * TILE];
         for i0 in (p0..p1).step_by(MR) {
             let m = MR.min(p1 - i0);
             // Pixels past the last repeat it: read, never stored.
-            let bases: [*const f32; MR] =
-                std::array::from_fn(|i| x_image.wrapping_add((i0 + i.min(m - 1)) * pixel_step));
+            let bases: [*const f32; MR] = std::array::from_fn(|i| {
+                read.wrapping_add((i0 - first + i.min(m - 1)) * pixel_step)
+            });
             // SAFETY: every base plus every channel offset is a value of `x` (the
             // offsets were made for its layout and pixels); panels `q0..q1` hold `c`
             // steps of `NR` weights each; at most `panel_group` panels, whose
@@ -484,6 +559,8 @@ mod tests {
         layout: [bool; 2],
         residual: bool,
         affine: bool,
+        /// A pointwise convolution's input prologue: `silu(x * scale + shift)`.
+        prologue: bool,
     }
 
     fn window(
@@ -533,11 +610,24 @@ mod tests {
             shape,
             len: values.len(),
         };
+        let (in_scale, in_shift) = (random(c), random(c));
+        let changed: Vec<f32> = if case.prologue {
+            x.iter()
+                .enumerate()
+                .map(|(i, &v)| {
+                    let ci = i / pixels % c;
+                    let v = v * in_scale[ci] + in_shift[ci];
+                    v / (1.0 + (-v).exp())
+                })
+                .collect()
+        } else {
+            x.clone()
+        };
         let mut want = vec![f32::NAN; n * o * out_pixels];
         direct_conv2d(
             &case.win,
             case.groups,
-            src(&x, &xs),
+            src(&changed, &xs),
             src(&wt, &ws),
             None,
             dst(&mut want, &os),
@@ -568,7 +658,7 @@ mod tests {
         let layout = StepLayout::new(&[x_blocked, false], out_blocked);
         let kind = kind(&case.win, case.groups, &xs, &ws, layout).expect("a blocked kernel");
         let pool = ThreadPool::new(case.threads);
-        let scratch = GemmScratch::new(case.threads, thread_floats(kind, &ws));
+        let scratch = GemmScratch::new(case.threads, thread_floats(kind, &xs, &ws, true));
         let finish = Finish {
             bias: Some(&bias),
             activation: Some(crate::gemm::Activation::Relu6),
@@ -579,6 +669,10 @@ mod tests {
                 Some(crate::gemm::Activation::HardSwish),
             )),
         };
+        let prologue = case.prologue.then_some(Prologue {
+            affine: Some((&in_scale[..], &in_shift[..])),
+            activation: Some(crate::gemm::Activation::Silu),
+        });
         let mut out = vec![f32::NAN; n * o * out_pixels];
         let x_src = src(&x_stored, &xs);
         match kind {
@@ -591,6 +685,7 @@ mod tests {
                 pointwise(
                     x_src,
                     (&packed, &offsets),
+                    prologue,
                     finish,
                     out_dst,
                     layout,
@@ -616,8 +711,8 @@ mod tests {
             out
         };
         let what = format!(
-            "{} threads x{:?} o{o} k{:?} {:?} groups {} layout {:?}",
-            case.threads, case.x, case.kernel, case.win, case.groups, case.layout
+            "{} threads x{:?} o{o} k{:?} {:?} groups {} layout {:?} prologue {}",
+            case.threads, case.x, case.kernel, case.win, case.groups, case.layout, case.prologue
         );
         let tol = 5e-6 * ((cg * kh * kw) as f64).sqrt();
         for (i, (&got, &want)) in got.iter().zip(&want).enumerate() {
@@ -644,7 +739,17 @@ mod tests {
             (2, [1, 160, 7, 7], 96, [true, true]),
         ];
         for (i, &(threads, x, o, layout)) in cases.iter().enumerate() {
-            for (residual, affine) in [(false, false), (true, false), (true, true)] {
+            for (residual, affine, prologue) in [
+                (false, false, false),
+                (true, false, false),
+                (true, true, false),
+                (false, false, true),
+                (true, true, true),
+            ] {
+                // A prologue changes a blocked input's copy.
+                if prologue && !layout[0] {
+                    continue;
+                }
                 let case = Case {
                     threads,
                     x,
@@ -655,6 +760,7 @@ mod tests {
                     layout,
                     residual,
                     affine,
+                    prologue,
                 };
                 check(&case, 11 + i as u64);
             }
@@ -716,6 +822,7 @@ mod tests {
                     layout: [true, true],
                     residual,
                     affine,
+                    prologue: false,
                 };
                 check(&case, 101 + i as u64);
             }

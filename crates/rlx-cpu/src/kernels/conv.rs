@@ -544,7 +544,7 @@ pub(crate) fn pool_floats(x: &Shape) -> usize {
 /// reloaded `acc` itself, AVX2 code stored only the lanes `t` won, with masked stores
 /// that AMD Zen runs as microcode (max pooling ran 60% slower than baseline SSE code).
 #[inline(always)]
-fn max_kept(acc: f32, t: f32) -> f32 {
+pub(crate) fn max_kept(acc: f32, t: f32) -> f32 {
     max_nan(acc + 0.0, t)
 }
 
@@ -556,7 +556,7 @@ fn max_nan(acc: f32, t: f32) -> f32 {
 
 /// The taps of window `o` along `axis` that fall inside an input of `size`, as a
 /// range of input positions with the dilation as step: `(first, count)`.
-fn inside_taps(win: &Window2d, axis: usize, o: usize, size: usize) -> (usize, usize) {
+pub(crate) fn inside_taps(win: &Window2d, axis: usize, o: usize, size: usize) -> (usize, usize) {
     let (k, d) = (win.kernel[axis] as isize, win.dilation[axis] as isize);
     let origin = (o * win.stride[axis]) as isize - win.padding[axis] as isize;
     // Taps t with 0 <= origin + t * d < size.

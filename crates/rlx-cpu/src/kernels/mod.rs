@@ -5,6 +5,7 @@
 mod attention;
 pub(crate) mod attention_f32;
 pub(crate) mod blocked_conv_f32;
+mod blocked_f32;
 mod conv;
 pub(crate) mod conv_f32;
 pub(crate) mod conv_pixels_f32;
@@ -31,7 +32,7 @@ use crate::pool::ThreadPool;
 use rlx_ir::{DType, Op, Result, Shape};
 
 pub(crate) use reduce::ReduceGeometry;
-pub(crate) use table::{Args, Kernel, accepts, select};
+pub(crate) use table::{Args, Kernel, accepts, kernel_shapes, select};
 
 /// Bytes from which [`copy_bytes`] splits a copy between threads.
 pub(crate) const PARALLEL_COPY_BYTES: usize = 1 << 20;
@@ -108,7 +109,8 @@ fn prologue_scratch(op: &Op, x: &Shape, w: &Shape) -> usize {
 /// Per-thread `f32` scratch a step needs beyond the GEMM buffers.
 pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape], layout: StepLayout) -> usize {
     if let Some(kind) = blocked_conv(op, inputs, layout) {
-        return blocked_conv_f32::thread_floats(kind, &inputs[1]);
+        let prologue = matches!(op, Op::FusedConv2d { fusion, .. } if fusion.has_prologue());
+        return blocked_conv_f32::thread_floats(kind, &inputs[0], &inputs[1], prologue);
     }
     match op {
         Op::Attention { .. } | Op::CachedAttention { .. } if inputs[0].dtype() == DType::F32 => {

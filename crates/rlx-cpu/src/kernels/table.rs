@@ -5,7 +5,7 @@
 //! family's file) and one arm of [`select`].
 
 use super::{
-    Ctx, ReduceGeometry, attention, attention_f32, blocked_conv_f32, conv, conv_f32,
+    Ctx, ReduceGeometry, attention, attention_f32, blocked_conv_f32, blocked_f32, conv, conv_f32,
     conv_pixels_f32, elementwise, fused, layout, matmul, misc, norm, norm_f32, quant, reduce,
     resample, state, transpose,
 };
@@ -103,8 +103,19 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
                 act.is_none_or(|a| fused::gemm_activation(a).is_some())
             };
             let residual_at = fusion.residual.then(|| fusion.residual_at());
-            blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout).is_some()
-                && !fusion.has_prologue()
+            let kind = blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout);
+            let channels = inputs[0].dim(1);
+            // A prologue is applied to a blocked input's copy, one value per channel.
+            let prologue_runs = !fusion.has_prologue()
+                || (kind == Some(blocked_conv_f32::BlockedConv::Pointwise)
+                    && layout.input(0)
+                    && finishes(fusion.input_activation)
+                    && (!fusion.input_affine
+                        || (0..2).all(|k| {
+                            inputs[fusion.input_scale_at() + k].num_elements() == channels
+                        })));
+            kind.is_some()
+                && prologue_runs
                 && finishes(fusion.activation)
                 && finishes(fusion.post_activation)
                 && (fusion.post_activation.is_none() || fusion.channel_affine)
@@ -116,29 +127,89 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
                     }
                 })
         }
-        Op::Elementwise { .. } => same_layout_elementwise(inputs, out, layout),
+        Op::Elementwise { .. } => blocked_elementwise(inputs, out, layout),
         Op::Unary(u) if inputs[0].dtype() == DType::F32 && fusable_unary(*u) => {
-            same_layout_elementwise(inputs, out, layout)
+            blocked_elementwise(inputs, out, layout)
         }
         Op::Binary(b) if fast_binary(*b, inputs[0].dtype(), out) => {
-            same_layout_elementwise(inputs, out, layout)
+            blocked_elementwise(inputs, out, layout)
+        }
+        // Whole images of whole blocks: the same bytes move in either layout.
+        Op::Concat { axis: 1 } => (0..inputs.len()).all(|k| layout.input(k) == layout.output()),
+        Op::MaxPool2d { .. } | Op::AvgPool2d { .. } => {
+            inputs[0].dtype() == DType::F32 && layout.input(0) && layout.output()
+        }
+        Op::Reduce {
+            op: ReduceOp::Sum | ReduceOp::Mean,
+            axes,
+            ..
+        } => {
+            inputs[0].dtype() == DType::F32
+                && axes.as_slice() == [2, 3]
+                && layout.input(0)
+                && !layout.output()
         }
         _ => false,
     }
 }
 
-/// Whether an elementwise kernel (which walks every operand in the output's order)
-/// runs with `layout`: each operand of the output's dims in the output's layout,
-/// every other a single plain value.
-fn same_layout_elementwise(inputs: &[Shape], out: &Shape, layout: StepLayout) -> bool {
+/// Whether an elementwise step runs with `layout`: a plain output with plain
+/// operands; a blocked output with each operand of its dims blocked, each
+/// per-channel operand (`[1 or n, c, 1, 1]`, `[c, 1, 1]`) and single value plain.
+/// [`kernel_shapes`] then gives the kernel shapes under which its broadcasting
+/// reads them right.
+fn blocked_elementwise(inputs: &[Shape], out: &Shape, layout: StepLayout) -> bool {
+    if !layout.output() {
+        return (0..inputs.len()).all(|k| !layout.input(k));
+    }
+    let [n, c] = [out.dim(0), out.dim(1)];
     out.dtype() == DType::F32
+        && out.rank() == 4
         && inputs.iter().enumerate().all(|(k, s)| {
             if s.dims() == out.dims() {
-                layout.input(k) == layout.output()
+                layout.input(k)
             } else {
-                s.num_elements() == 1 && !layout.input(k)
+                !layout.input(k)
+                    && (s.num_elements() == 1
+                        || s.dims() == [c, 1, 1]
+                        || s.dims() == [1, c, 1, 1]
+                        || s.dims() == [n, c, 1, 1])
             }
         })
+}
+
+/// Whether `op` is run by the elementwise region kernel.
+fn is_region(op: &Op, inputs: &[Shape], out: &Shape) -> bool {
+    match op {
+        Op::Elementwise { .. } => true,
+        Op::Unary(u) => inputs[0].dtype() == DType::F32 && fusable_unary(*u),
+        Op::Binary(b) => fast_binary(*b, inputs[0].dtype(), out),
+        _ => false,
+    }
+}
+
+/// The shapes a step's kernel is given, in place of `inputs` and `out`: the same,
+/// except for an elementwise step with a blocked output, which sees its values as
+/// what they are in memory, `[n, c / 16, h * w, 16]`, and its per-channel operands
+/// as `[1 or n, c / 16, 1, 16]`, so that its broadcasting walks them right.
+pub(crate) fn kernel_shapes(op: &Op, layout: StepLayout, inputs: &mut [Shape], out: &mut Shape) {
+    if !layout.output() || !is_region(op, inputs, out) {
+        return;
+    }
+    let blocks = out.dim(1) / crate::layout::BLOCK;
+    let blocked = |lead: usize, pixels: usize, dtype: DType| {
+        Shape::new(&[lead, blocks, pixels, crate::layout::BLOCK], dtype)
+    };
+    let (n, pixels) = (out.dim(0), out.dim(2) * out.dim(3));
+    for (k, s) in inputs.iter_mut().enumerate() {
+        if layout.input(k) {
+            *s = blocked(n, pixels, s.dtype());
+        } else if s.num_elements() != 1 {
+            let lead = if s.rank() == 4 { s.dim(0) } else { 1 };
+            *s = blocked(lead, 1, s.dtype());
+        }
+    }
+    *out = blocked(n, pixels, out.dtype());
 }
 
 /// The kernel that runs `op` on operands of `inputs` into `out` (`products_on_amx`:
@@ -146,6 +217,22 @@ fn same_layout_elementwise(inputs: &[Shape], out: &Shape, layout: StepLayout) ->
 /// channel-blocked, as [`accepts`] allowed). The kernel families that have code
 /// per instruction set read [`crate::isa::isa`], detected once.
 pub(crate) fn select(
+    op: &Op,
+    inputs: &[Shape],
+    out: &Shape,
+    products_on_amx: bool,
+    layout: StepLayout,
+) -> Kernel {
+    let mut kernel = select_kernel(op, inputs, out, products_on_amx, layout);
+    // Kernels that run either layout unchanged say when they run blocked values.
+    if layout.any() && !kernel.name.contains("blocked") {
+        kernel.name = kernel.name.replacen("cpu.", "cpu.blocked-", 1);
+    }
+    kernel
+}
+
+/// [`select`] before the name says the layout.
+fn select_kernel(
     op: &Op,
     inputs: &[Shape],
     out: &Shape,
@@ -181,6 +268,9 @@ pub(crate) fn select(
         }
         Op::Where => Kernel::reference(op, dtype, select_values),
         Op::Cast(_) => Kernel::reference(op, dtype, cast),
+        Op::Reduce { .. } if layout.input(0) => {
+            Kernel::new(format!("cpu.blocked.{}.f32", op.name()), blocked_plane_sums)
+        }
         Op::Reduce {
             op: ReduceOp::Sum | ReduceOp::Mean,
             axes,
@@ -287,6 +377,9 @@ pub(crate) fn select(
             Kernel::new(name, conv2d)
         }
         Op::Conv2d { .. } | Op::FusedConv2d { .. } => Kernel::reference(op, dtype, conv2d),
+        Op::MaxPool2d { .. } | Op::AvgPool2d { .. } if layout.input(0) => {
+            Kernel::new(format!("cpu.blocked.{}.f32", op.name()), blocked_pool)
+        }
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } if f32_in => {
             Kernel::new(format!("cpu.planes.{}.f32", op.name()), pool_planes)
         }
@@ -761,9 +854,19 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
                 unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<u32>(), c) };
             let pixels = x.shape.dim(2) * x.shape.dim(3);
             blocked_conv_f32::channel_offsets(pixels, a.layout.input(0), offsets);
+            let prologue = fusion.has_prologue().then(|| blocked_conv_f32::Prologue {
+                affine: fusion.input_affine.then(|| {
+                    (
+                        floats(a.src(fusion.input_scale_at())),
+                        floats(a.src(fusion.input_scale_at() + 1)),
+                    )
+                }),
+                activation: fusion.input_activation.and_then(fused::gemm_activation),
+            });
             blocked_conv_f32::pointwise(
                 x,
                 (packed, offsets),
+                prologue,
                 finish,
                 a.out,
                 a.layout,
@@ -857,6 +960,28 @@ fn pool_planes(a: &Args, ctx: &mut Ctx) -> Result<()> {
             count_include_pad,
         } => conv::pool_f32(window, false, *count_include_pad, a.src(0), a.out, ctx),
         _ => Err(a.wrong_op("pool_planes")),
+    }
+}
+
+/// Pooling of a blocked value ([`blocked_f32::pool`]).
+fn blocked_pool(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    match a.op {
+        Op::MaxPool2d { window } => blocked_f32::pool(window, true, false, a.src(0), a.out, ctx),
+        Op::AvgPool2d {
+            window,
+            count_include_pad,
+        } => blocked_f32::pool(window, false, *count_include_pad, a.src(0), a.out, ctx),
+        _ => Err(a.wrong_op("blocked_pool")),
+    }
+}
+
+/// A sum or mean over the planes of a blocked value ([`blocked_f32::plane_sums`]).
+fn blocked_plane_sums(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    match a.op {
+        Op::Reduce { op, .. } if matches!(op, ReduceOp::Sum | ReduceOp::Mean) => {
+            blocked_f32::plane_sums(*op == ReduceOp::Mean, a.src(0), a.out, ctx)
+        }
+        _ => Err(a.wrong_op("blocked_plane_sums")),
     }
 }
 

@@ -1,0 +1,287 @@
+//! `f32` pooling over channel-blocked values ([`crate::layout`]:
+//! `[n, c / 16, h, w, 16]`): max and average pooling (blocked in and out) and the
+//! sum or mean over a whole plane (blocked in, plain `[n, c]` out, as a global
+//! average pool or a squeeze-and-excitation block's first step reads it). Each
+//! output pixel is 16 channels, one vector, whatever the plane's width.
+
+use super::Ctx;
+use super::conv::{inside_taps, max_kept};
+use crate::layout::BLOCK;
+use crate::tensor::{Dst, Src};
+use crate::vmath::multiversion;
+use rlx_ir::{Result, Window2d};
+
+/// What one pooled row needs.
+#[derive(Clone, Copy)]
+struct PoolRow<'a> {
+    win: &'a Window2d,
+    max: bool,
+    count_include_pad: bool,
+    in_hw: [usize; 2],
+    ow: usize,
+}
+
+/// Max or average pooling of blocked `x` into blocked `out` (`count_include_pad`:
+/// an average divides by the whole window, else by its taps inside the input; a
+/// maximum is NaN where any tap is).
+pub(crate) fn pool(
+    win: &Window2d,
+    max: bool,
+    count_include_pad: bool,
+    x: Src,
+    out: Dst,
+    ctx: &Ctx,
+) -> Result<()> {
+    let [n, c, h, w] = [
+        x.shape.dim(0),
+        x.shape.dim(1),
+        x.shape.dim(2),
+        x.shape.dim(3),
+    ];
+    let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
+    let planes = n * (c / BLOCK);
+    if planes == 0 || oh == 0 || ow == 0 {
+        return Ok(());
+    }
+    let row = PoolRow {
+        win,
+        max,
+        count_include_pad,
+        in_hw: [h, w],
+        ow,
+    };
+    let rows = planes * oh;
+    let threads = ctx.gemm.threads();
+    let tasks = rows.min(8 * threads);
+    let (x_addr, out_addr) = (x.ptr as usize, out.ptr as usize);
+    let task = |t: usize, _thread: usize| {
+        for r in t * rows / tasks..(t + 1) * rows / tasks {
+            let (plane, oy) = (r / oh, r % oh);
+            // SAFETY: plane `plane` of `x` (`h * w` pixels of 16 values), and row
+            // `r` of the output, which only this task writes.
+            let (src, dst) = unsafe {
+                (
+                    std::slice::from_raw_parts(
+                        (x_addr as *const f32).add(plane * h * w * BLOCK),
+                        h * w * BLOCK,
+                    ),
+                    std::slice::from_raw_parts_mut(
+                        (out_addr as *mut f32).add(r * ow * BLOCK),
+                        ow * BLOCK,
+                    ),
+                )
+            };
+            pool_row(row, oy, src, dst);
+        }
+    };
+    ctx.pool.run(tasks, threads, &task)
+}
+
+multiversion! {
+    /// Output row `oy` of one plane.
+    fn pool_row(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32]) {
+        let PoolRow { win, max, count_include_pad, in_hw: [h, w], ow } = row;
+        let (y0, ny) = inside_taps(win, 0, oy, h);
+        let window = win.kernel[0] * win.kernel[1];
+        for (ox, out) in dst.chunks_exact_mut(BLOCK).enumerate().take(ow) {
+            let (x0, nx) = inside_taps(win, 1, ox, w);
+            let mut acc = [if max { f32::NEG_INFINITY } else { 0.0 }; BLOCK];
+            for ty in 0..ny {
+                let iy = y0 + ty * win.dilation[0];
+                for tx in 0..nx {
+                    let ix = x0 + tx * win.dilation[1];
+                    let v = &src[(iy * w + ix) * BLOCK..][..BLOCK];
+                    for (a, &t) in acc.iter_mut().zip(v) {
+                        *a = if max { max_kept(*a, t) } else { *a + t };
+                    }
+                }
+            }
+            if !max {
+                let count = if count_include_pad { window } else { (ny * nx).max(1) };
+                let scale = 1.0 / count as f32;
+                for a in acc.iter_mut() {
+                    *a *= scale;
+                }
+            }
+            out.copy_from_slice(&acc);
+        }
+    }
+}
+
+/// The sum (or mean) over each plane of blocked `x`, into plain `out` (`[n, c]`
+/// values, however its dims are written).
+pub(crate) fn plane_sums(mean: bool, x: Src, out: Dst, ctx: &Ctx) -> Result<()> {
+    let [n, c] = [x.shape.dim(0), x.shape.dim(1)];
+    let pixels = x.shape.dim(2) * x.shape.dim(3);
+    let planes = n * (c / BLOCK);
+    if planes == 0 {
+        return Ok(());
+    }
+    let scale = if mean && pixels > 0 {
+        1.0 / pixels as f32
+    } else {
+        1.0
+    };
+    let threads = ctx.gemm.threads();
+    let tasks = planes.min(4 * threads);
+    let (x_addr, out_addr) = (x.ptr as usize, out.ptr as usize);
+    let task = |t: usize, _thread: usize| {
+        for plane in t * planes / tasks..(t + 1) * planes / tasks {
+            // SAFETY: plane `plane` of `x`, and its 16 channels of the output, which
+            // only this task writes (plane `i` holds channels `16 i ..` of the
+            // images in order, as `out` does).
+            let (src, dst) = unsafe {
+                (
+                    std::slice::from_raw_parts(
+                        (x_addr as *const f32).add(plane * pixels * BLOCK),
+                        pixels * BLOCK,
+                    ),
+                    std::slice::from_raw_parts_mut(
+                        (out_addr as *mut f32).add(plane * BLOCK),
+                        BLOCK,
+                    ),
+                )
+            };
+            sum_pixels(src, scale, dst);
+        }
+    };
+    ctx.pool.run(tasks, threads, &task)
+}
+
+multiversion! {
+    /// `dst[j] = scale * Σ_p src[p][j]` over the pixels of one blocked plane.
+    fn sum_pixels(src: &[f32], scale: f32, dst: &mut [f32]) {
+        let mut acc = [0.0f32; BLOCK];
+        for pixel in src.chunks_exact(BLOCK) {
+            for (a, &v) in acc.iter_mut().zip(pixel) {
+                *a += v;
+            }
+        }
+        for (d, a) in dst.iter_mut().zip(acc) {
+            *d = a * scale;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemm::GemmScratch;
+    use crate::gemm::tests::lcg;
+    use crate::kernels::conv::{extent, pool as plain_pool};
+    use crate::layout::{from_blocked, to_blocked};
+    use crate::pool::ThreadPool;
+    use rlx_ir::{DType, Shape};
+
+    fn src<'a>(values: &'a [f32], shape: &'a Shape) -> Src<'a> {
+        Src {
+            ptr: values.as_ptr().cast(),
+            shape,
+            len: values.len(),
+        }
+    }
+
+    fn dst<'a>(values: &'a mut [f32], shape: &'a Shape) -> Dst<'a> {
+        Dst {
+            ptr: values.as_mut_ptr().cast(),
+            shape,
+            len: values.len(),
+        }
+    }
+
+    /// Runs `f` with a context of `threads` threads.
+    fn with_ctx(threads: usize, f: impl FnOnce(&Ctx)) {
+        let pool = Box::leak(Box::new(ThreadPool::new(threads)));
+        let gemm = GemmScratch::new(threads, 0);
+        let mut scratch = [];
+        let ctx = Ctx {
+            scratch: &mut scratch,
+            gemm: &gemm,
+            pool,
+            packed_b: None,
+            bf16_products: false,
+        };
+        f(&ctx);
+    }
+
+    #[test]
+    fn blocked_pools_match_the_plain_reference() {
+        // (threads, x dims, kernel, stride, padding, dilation): ResNet's 3x3
+        // stride-2 max pool, windows past the edge, dilation, and a plane whose
+        // windows are all partial.
+        let cases = [
+            (2, [2, 32, 9, 11], [3, 3], [2, 2], [1, 1, 1, 1], [1, 1]),
+            (3, [1, 16, 7, 7], [2, 2], [2, 2], [0, 0, 1, 1], [1, 1]),
+            (1, [1, 48, 10, 6], [3, 3], [1, 1], [2, 2, 2, 2], [2, 2]),
+            (2, [1, 16, 2, 3], [5, 5], [1, 1], [2, 2, 2, 2], [1, 1]),
+        ];
+        let mut seed = 5;
+        for &(threads, [n, c, h, w], kernel, stride, padding, dilation) in &cases {
+            let win = Window2d {
+                kernel,
+                stride,
+                padding,
+                dilation,
+            };
+            let (oh, ow) = (extent(&win, 0, h), extent(&win, 1, w));
+            let mut x: Vec<f32> = (0..n * c * h * w).map(|_| lcg(&mut seed)).collect();
+            x[7] = f32::NAN;
+            let xs = Shape::new(&[n, c, h, w], DType::F32);
+            let os = Shape::new(&[n, c, oh, ow], DType::F32);
+            let blocked_x = to_blocked(&x, c, h * w);
+            for (max, include) in [(true, false), (false, false), (false, true)] {
+                let mut want = vec![0.0; n * c * oh * ow];
+                plain_pool(&win, max, include, src(&x, &xs), dst(&mut want, &os));
+                let mut got = vec![f32::NAN; want.len()];
+                with_ctx(threads, |ctx| {
+                    pool(
+                        &win,
+                        max,
+                        include,
+                        src(&blocked_x, &xs),
+                        dst(&mut got, &os),
+                        ctx,
+                    )
+                    .unwrap()
+                });
+                let got = from_blocked(&got, c, oh * ow);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g.is_nan() && w.is_nan()) || (g - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                        "{win:?} max {max} include {include}: output {i}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn plane_sums_match_a_plain_sum() {
+        let mut seed = 9;
+        for &(threads, [n, c, h, w]) in
+            &[(2, [2, 48, 7, 7]), (3, [1, 16, 5, 3]), (1, [3, 32, 1, 9])]
+        {
+            let x: Vec<f32> = (0..n * c * h * w).map(|_| lcg(&mut seed)).collect();
+            let xs = Shape::new(&[n, c, h, w], DType::F32);
+            let os = Shape::new(&[n, c, 1, 1], DType::F32);
+            let blocked_x = to_blocked(&x, c, h * w);
+            for mean in [false, true] {
+                let mut got = vec![f32::NAN; n * c];
+                with_ctx(threads, |ctx| {
+                    plane_sums(mean, src(&blocked_x, &xs), dst(&mut got, &os), ctx).unwrap()
+                });
+                for (plane, &g) in got.iter().enumerate() {
+                    let sum: f64 = x[plane * h * w..(plane + 1) * h * w]
+                        .iter()
+                        .map(|&v| f64::from(v))
+                        .sum();
+                    let want = if mean { sum / (h * w) as f64 } else { sum };
+                    assert!(
+                        (f64::from(g) - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "mean {mean}: plane {plane}: {g} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}
