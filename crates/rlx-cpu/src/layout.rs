@@ -1,8 +1,10 @@
 //! Which values a CPU program stores channel-blocked.
 //!
 //! A value `[n, c, h, w]` is normally stored as it reads (NCHW). Channel-blocked, it
-//! is stored as `[n, c / 16, h, w, 16]`: the 16 channels of one block lie together
-//! at each pixel, one AVX-512 vector. Convolutions between such values read and
+//! is stored as `[n, c / b, h, w, b]`: the `b` channels of one block lie together at
+//! each pixel, one AVX-512 vector. The block `b` is 16 channels where `c` is a
+//! multiple of 16, else 8 where `c` is a multiple of 8 (MobileNet v3's 40, 72 and
+//! 120 channels), half a vector ([`block_of`]). Convolutions between such values read and
 //! write whole vectors: a 1x1 convolution broadcasts its input values in place
 //! instead of packing them, stores its output tile as it holds it (pixels by
 //! channels) instead of transposing it into channel rows, and a depthwise one runs
@@ -20,8 +22,20 @@
 use rlx_ir::{DType, NodeId, Op, Shape};
 use rlx_opt::{Plan, Region};
 
-/// Channels per block of a channel-blocked value.
+/// Channels per block of a channel-blocked value: a vector of `f32`.
 pub(crate) const BLOCK: usize = 16;
+
+/// Channels per block of a blocked value of `channels` channels: [`BLOCK`] for whole
+/// vectors, else 8 (half a vector), else `None` (the value stays plain).
+pub(crate) fn block_of(channels: usize) -> Option<usize> {
+    if channels.is_multiple_of(BLOCK) {
+        Some(BLOCK)
+    } else if channels.is_multiple_of(BLOCK / 2) {
+        Some(BLOCK / 2)
+    } else {
+        None
+    }
+}
 
 /// Which of a step's operands and whether its output are channel-blocked.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -70,7 +84,7 @@ fn blockable(shape: &Shape) -> bool {
     shape.dtype() == DType::F32
         && shape.rank() == 4
         && shape.dim(1) > 0
-        && shape.dim(1).is_multiple_of(BLOCK)
+        && block_of(shape.dim(1)).is_some()
         && shape.dim(2) * shape.dim(3) >= MIN_PIXELS
         && shape.num_elements() > 0
 }
@@ -134,13 +148,28 @@ pub(crate) fn assign(
                 continue;
             }
             let node = &nodes[id.index()];
-            if !accepts(&node.op, &shapes_of(id), &plan.shapes[id.index()], layout) {
+            let (shapes, out) = (shapes_of(id), &plan.shapes[id.index()]);
+            if accepts(&node.op, &shapes, out, layout) {
+                continue;
+            }
+            // The least to make plain: the output alone (a convolution whose
+            // residual is plain), else the operands alone, else both.
+            let inputs_plain = StepLayout::new(&[], layout.output());
+            let with_output_plain = StepLayout {
+                output: false,
+                ..layout
+            };
+            let output_alone =
+                layout.output() && accepts(&node.op, &shapes, out, with_output_plain);
+            if output_alone || !accepts(&node.op, &shapes, out, inputs_plain) {
                 blocked[id.index()] = false;
+            }
+            if !accepts(&node.op, &shapes, out, layout_of(&blocked, id)) {
                 for x in &node.inputs {
                     blocked[x.index()] = false;
                 }
-                changed = true;
             }
+            changed = true;
         }
         if !changed {
             break;
@@ -156,7 +185,8 @@ pub(crate) fn assign(
 /// blocked layout of a value with `channels` channels and `pixels` pixels.
 #[cfg(test)]
 pub(crate) fn blocked_index(n: usize, c: usize, p: usize, channels: usize, pixels: usize) -> usize {
-    ((n * (channels / BLOCK) + c / BLOCK) * pixels + p) * BLOCK + c % BLOCK
+    let b = block_of(channels).expect("a blockable channel count");
+    ((n * (channels / b) + c / b) * pixels + p) * b + c % b
 }
 
 /// `plain` (`[n, c, pixels]`) in the blocked layout.
@@ -175,7 +205,7 @@ pub(crate) fn to_blocked(plain: &[f32], channels: usize, pixels: usize) -> Vec<f
     out
 }
 
-/// A blocked value (`[n, c / 16, pixels, 16]`) in the plain layout.
+/// A blocked value in the plain layout (`[n, c, pixels]`).
 #[cfg(test)]
 pub(crate) fn from_blocked(blocked: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
     let mut out = vec![0.0; blocked.len()];

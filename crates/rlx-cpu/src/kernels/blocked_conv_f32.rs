@@ -1,5 +1,5 @@
 //! `f32` convolutions whose input or output is channel-blocked
-//! ([`crate::layout`]: `[n, c / 16, h, w, 16]`).
+//! ([`crate::layout`]: `[n, c / b, h, w, b]`, blocks `b` of 16 or 8 channels).
 //!
 //! - **Pointwise** (1x1, unit stride, no padding, one group; input and output each
 //!   plain or blocked): output pixels are the product's rows, as in
@@ -9,7 +9,8 @@
 //!   blocked output is stored as the micro-kernel holds it (pixels by 16 channels);
 //!   a plain one is transposed into channel rows.
 //! - **Depthwise** (one channel per group; blocked in and out; any window, stride,
-//!   dilation and padding): 16 channels per vector, each output vector the sum of
+//!   dilation and padding): a block of channels per vector (8-channel blocks in the
+//!   low half, under a lane mask), each output vector the sum of
 //!   its taps' input vectors scaled by the tap's 16 weights. Runs of 8 output pixels
 //!   keep their sums in registers across all taps; the pixels whose window crosses
 //!   the left or right edge run one at a time over their taps inside the input, so
@@ -20,7 +21,7 @@
 
 use super::conv_pixels_f32::{self, Finish, MR, NR, TILE};
 use crate::gemm::GemmScratch;
-use crate::layout::{BLOCK, StepLayout};
+use crate::layout::{BLOCK, StepLayout, block_of};
 use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
 use rlx_ir::{DType, Result, Shape, Window2d};
@@ -100,6 +101,7 @@ pub(crate) fn thread_floats(kind: BlockedConv, x: &Shape, w: &Shape, prologue: b
             block_fit(c).next_multiple_of(MR) * c + c
         }
         BlockedConv::Pointwise => 0,
+        // A block's weights, tap by tap, at a vector per tap whatever the block.
         BlockedConv::Depthwise => w.dim(2) * w.dim(3) * BLOCK,
     }
 }
@@ -115,23 +117,24 @@ pub(crate) struct Prologue<'a> {
 }
 
 impl Prologue<'_> {
-    /// Writes the changed values of pixels `p0..p0 + len` of image `x_image` (blocked,
-    /// `c` channels of `pixels`) into `stage` as a blocked plane of `len` pixels.
+    /// Writes the changed values of pixels `p0..p0 + len` of image `x_image` (blocks
+    /// of `b` of its `c` channels of `pixels`) into `stage` as a blocked plane of
+    /// `len` pixels.
     fn stage(
         &self,
         x_image: *const f32,
-        (c, pixels): (usize, usize),
+        (c, b, pixels): (usize, usize, usize),
         (p0, len): (usize, usize),
         stage: &mut [f32],
     ) {
-        for block in 0..c / BLOCK {
-            let dst = &mut stage[block * len * BLOCK..][..len * BLOCK];
+        for block in 0..c / b {
+            let dst = &mut stage[block * len * b..][..len * b];
             // SAFETY: pixels `p0..p0 + len` of block `block` of the image.
             let src = unsafe {
-                std::slice::from_raw_parts(x_image.add((block * pixels + p0) * BLOCK), len * BLOCK)
+                std::slice::from_raw_parts(x_image.add((block * pixels + p0) * b), len * b)
             };
             dst.copy_from_slice(src);
-            let lanes = block * BLOCK..(block + 1) * BLOCK;
+            let lanes = block * b..(block + 1) * b;
             match self.affine {
                 Some((scale, shift)) => crate::gemm::activate_and_add_lanes(
                     dst,
@@ -147,16 +150,20 @@ impl Prologue<'_> {
 }
 
 /// Fills `offsets` with each input channel's offset from its pixel's first value:
-/// `c * pixels` plain, `(c / 16) * pixels * 16 + c % 16` blocked.
-pub(crate) fn channel_offsets(pixels: usize, blocked: bool, offsets: &mut [u32]) {
+/// `c * pixels` plain, `(c / b) * pixels * b + c % b` in blocks of `b` channels.
+pub(crate) fn channel_offsets(pixels: usize, block: Option<usize>, offsets: &mut [u32]) {
     for (c, offset) in offsets.iter_mut().enumerate() {
-        let at = if blocked {
-            (c / BLOCK) * pixels * BLOCK + c % BLOCK
-        } else {
-            c * pixels
+        let at = match block {
+            Some(b) => (c / b) * pixels * b + c % b,
+            None => c * pixels,
         };
         *offset = at as u32;
     }
+}
+
+/// The block of a blocked value of `channels` channels (`blocked`), else `None`.
+pub(crate) fn block_if(blocked: bool, channels: usize) -> Option<usize> {
+    if blocked { block_of(channels) } else { None }
 }
 
 /// The most pixels of a block whose input (`channels` values a pixel) takes about a
@@ -195,7 +202,7 @@ pub(crate) fn pointwise(
     if n == 0 || o == 0 || pixels == 0 || c == 0 {
         return Ok(());
     }
-    let (x_blocked, out_blocked) = (layout.input(0), layout.output());
+    let (x_block, out_block) = (block_if(layout.input(0), c), block_if(layout.output(), o));
     let panels = o.div_ceil(NR);
     let groups = panels.div_ceil(conv_pixels_f32::panel_group());
     let threads = gemm.threads();
@@ -205,7 +212,7 @@ pub(crate) fn pointwise(
     let (x_addr, out_addr) = (x.ptr as usize, out.ptr as usize);
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
     let per_channel = finish.per_channel();
-    let pixel_step = if x_blocked { BLOCK } else { 1 };
+    let pixel_step = x_block.unwrap_or(1);
     let task = |t: usize, thread: usize| {
         let g = t % groups;
         let b = (t / groups) % blocks;
@@ -222,11 +229,12 @@ pub(crate) fn pointwise(
                 // `thread_floats` (the block's input and its offsets).
                 let scratch = unsafe { gemm.parts(thread) }.1;
                 let (stage, rest) = scratch.split_at_mut(c * (p1 - p0));
-                prologue.stage(x_image, (c, pixels), (p0, p1 - p0), stage);
+                let b = x_block.unwrap_or(BLOCK);
+                prologue.stage(x_image, (c, b, pixels), (p0, p1 - p0), stage);
                 // SAFETY: room for `c` u32 values (f32-sized and aligned).
                 let local =
                     unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<u32>(), c) };
-                channel_offsets(p1 - p0, true, local);
+                channel_offsets(p1 - p0, x_block, local);
                 (stage.as_ptr(), &*local, p0)
             }
         };
@@ -237,23 +245,59 @@ pub(crate) fn pointwise(
             let bases: [*const f32; MR] = std::array::from_fn(|i| {
                 read.wrapping_add((i0 - first + i.min(m - 1)) * pixel_step)
             });
-            // SAFETY: every base plus every channel offset is a value of `x` (the
-            // offsets were made for its layout and pixels); panels `q0..q1` hold `c`
-            // steps of `NR` weights each; at most `panel_group` panels, whose
-            // instruction set `kind` checked.
-            unsafe {
-                conv_pixels_f32::micro_kernel(
-                    offsets,
-                    bases,
-                    (packed.as_ptr().add(q0 * c * NR), c * NR, q1 - q0),
-                    &mut tile,
-                    false,
-                )
-            };
+            let weights = (packed.as_ptr().wrapping_add(q0 * c * NR), c * NR, q1 - q0);
+            let out_at = |q: usize| ((image * panels + q) * pixels + i0) * NR;
+            if out_block == Some(NR) && m == MR {
+                // A whole tile goes straight to its place in the blocked output.
+                let out = conv_pixels_f32::TileOut {
+                    at: (out_addr as *mut f32).wrapping_add(out_at(q0)),
+                    panel: pixels * NR,
+                    pixel: NR,
+                };
+                // SAFETY: every base plus every channel offset is a value of what the
+                // products read (the offsets were made for its layout and pixels);
+                // panels `q0..q1` hold `c` steps of `NR` weights each; `MR` pixels of
+                // blocks `q0..q1` of this image's output, which only this task
+                // writes; AVX-512 (checked by `kind`).
+                unsafe { conv_pixels_f32::micro_kernel_to(offsets, bases, weights, out) };
+            } else {
+                // SAFETY: as above, into the tile; at most `panel_group` panels.
+                unsafe { conv_pixels_f32::micro_kernel(offsets, bases, weights, &mut tile, false) };
+            }
             for q in q0..q1 {
                 let values = &tile[(q - q0) * TILE..][..m * NR];
-                if out_blocked {
-                    let at = ((image * panels + q) * pixels + i0) * NR;
+                if out_block == Some(BLOCK / 2) {
+                    // Each panel's two halves go to two 8-channel blocks.
+                    for half in 0..2 {
+                        let block = 2 * q + half;
+                        if block * (BLOCK / 2) >= o {
+                            break;
+                        }
+                        let at = ((image * o / (BLOCK / 2) + block) * pixels + i0) * (BLOCK / 2);
+                        // SAFETY: `m` pixels of block `block` of this image's output;
+                        // only this task writes them, and the residual has the
+                        // output's shape and layout.
+                        let (dst, residual) = unsafe {
+                            (
+                                std::slice::from_raw_parts_mut(
+                                    (out_addr as *mut f32).add(at),
+                                    m * (BLOCK / 2),
+                                ),
+                                residual_addr.map(|r| {
+                                    std::slice::from_raw_parts(
+                                        (r as *const f32).add(at),
+                                        m * (BLOCK / 2),
+                                    )
+                                }),
+                            )
+                        };
+                        for (d, v) in dst.chunks_exact_mut(BLOCK / 2).zip(values.chunks_exact(NR)) {
+                            d.copy_from_slice(&v[half * (BLOCK / 2)..][..BLOCK / 2]);
+                        }
+                        per_channel.apply_lanes((block * (BLOCK / 2), BLOCK / 2), dst, residual);
+                    }
+                } else if out_block.is_some() {
+                    let at = out_at(q);
                     // SAFETY: `m` pixels of block `q` of this image's output; only
                     // this task writes them, and the residual has the output's shape
                     // and layout.
@@ -265,8 +309,10 @@ pub(crate) fn pointwise(
                             }),
                         )
                     };
-                    dst.copy_from_slice(values);
-                    per_channel.apply_lanes(q * NR, dst, residual);
+                    if m < MR {
+                        dst.copy_from_slice(values);
+                    }
+                    per_channel.apply_lanes((q * NR, NR), dst, residual);
                 } else {
                     for (j, co) in (q * NR..(q * NR + NR).min(o)).enumerate() {
                         let at = (image * o + co) * pixels + i0;
@@ -279,7 +325,7 @@ pub(crate) fn pointwise(
                 }
             }
         }
-        if !out_blocked {
+        if out_block.is_none() {
             for co in q0 * NR..(q1 * NR).min(o) {
                 let at = (image * o + co) * pixels + p0;
                 // SAFETY: this task's pixels of channel `co`, finished above.
@@ -313,6 +359,8 @@ struct DepthwiseRow {
     dilation: [usize; 2],
     top: usize,
     left: usize,
+    /// Channels per block (values per pixel).
+    lanes: usize,
 }
 
 impl DepthwiseRow {
@@ -349,6 +397,12 @@ pub(crate) fn depthwise(
     let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
     let (kh, kw) = (w.shape.dim(2), w.shape.dim(3));
     let taps = kh * kw;
+    let Some(b) = block_of(c) else {
+        return Err(rlx_ir::Error::runtime(
+            "blocked depthwise convolution",
+            format!("{c} channels are not whole blocks"),
+        ));
+    };
     if n == 0 || c == 0 || oh == 0 || ow == 0 {
         return Ok(());
     }
@@ -362,8 +416,9 @@ pub(crate) fn depthwise(
         dilation: win.dilation,
         top: win.padding[0],
         left: win.padding[1],
+        lanes: b,
     };
-    let blocks = c / BLOCK;
+    let blocks = c / b;
     let planes = n * blocks;
     let threads = gemm.threads();
     let parts = (8 * threads).div_ceil(planes).clamp(1, oh);
@@ -374,30 +429,28 @@ pub(crate) fn depthwise(
         let (plane, part) = (t / parts, t % parts);
         let block = plane % blocks;
         // SAFETY: one task per thread index at a time; the step asked for
-        // `thread_floats` (the block's weights).
+        // `thread_floats` (a vector per tap).
         let weights = &mut unsafe { gemm.parts(thread) }.1[..taps * BLOCK];
-        for (j, filter) in (block * BLOCK..(block + 1) * BLOCK).enumerate() {
+        for (j, filter) in (block * b..(block + 1) * b).enumerate() {
             for tap in 0..taps {
                 // SAFETY: `w` holds `c * taps` values.
                 weights[tap * BLOCK + j] =
                     unsafe { *(w_addr as *const f32).add(filter * taps + tap) };
             }
         }
-        let x_plane = (x_addr as *const f32).wrapping_add(plane * h * wd * BLOCK);
+        let x_plane = (x_addr as *const f32).wrapping_add(plane * h * wd * b);
         for oy in part * oh / parts..(part + 1) * oh / parts {
-            let at = (plane * oh + oy) * ow * BLOCK;
+            let at = (plane * oh + oy) * ow * b;
             // SAFETY: row `oy` of this plane of the output, only this task writes it.
-            let row = unsafe {
-                std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), ow * BLOCK)
-            };
+            let row =
+                unsafe { std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), ow * b) };
             // SAFETY: AVX-512F (checked by `kind`); the plane holds `h * wd` pixels of
-            // 16 values and the weights `taps` vectors.
+            // `b` values and the weights `taps` vectors.
             unsafe { depthwise_row(x_plane, weights, oy, geo, row) };
             // SAFETY: the residual has the output's shape and layout.
-            let residual = residual_addr.map(|r| unsafe {
-                std::slice::from_raw_parts((r as *const f32).add(at), ow * BLOCK)
-            });
-            per_channel.apply_lanes(block * BLOCK, row, residual);
+            let residual = residual_addr
+                .map(|r| unsafe { std::slice::from_raw_parts((r as *const f32).add(at), ow * b) });
+            per_channel.apply_lanes((block * b, b), row, residual);
         }
     };
     pool.run(planes * parts, threads, &task)
@@ -406,8 +459,9 @@ pub(crate) fn depthwise(
 /// Output row `oy` of one blocked plane.
 ///
 /// # Safety
-/// AVX-512F is available; `x` holds the plane's `h * w` pixels of 16 values,
-/// `weights` its `kh * kw` tap vectors, and `row` the row's `ow` pixels.
+/// AVX-512F is available; `x` holds the plane's `h * w` pixels of `geo.lanes`
+/// values, `weights` its `kh * kw` tap vectors (at [`BLOCK`] floats apart), and
+/// `row` the row's `ow` pixels.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn depthwise_row(
@@ -433,29 +487,32 @@ unsafe fn depthwise_row(
     };
     let ky = (ky_lo, ky_hi.max(ky_lo));
     let out = row.as_mut_ptr();
+    // The block's lanes of a vector (8-channel blocks use the low half).
+    let mask = (((1u32 << geo.lanes) - 1) & 0xffff) as u16;
+    let at = (iy0, ky, mask);
     // SAFETY (all calls): the caller's contract; the interior's taps are inside the
     // row and the edge pixels take only their taps inside it.
     unsafe {
         for ox in 0..lo {
-            edge_pixel(x, weights, (iy0, ky), ox, geo, out);
+            edge_pixel(x, weights, at, ox, geo, out);
         }
         let mut ox = lo;
         while ox + RUN <= hi {
-            run::<RUN>(x, weights, (iy0, ky), ox, geo, out);
+            run::<RUN>(x, weights, at, ox, geo, out);
             ox += RUN;
         }
         match hi - ox {
             0 => {}
-            1 => run::<1>(x, weights, (iy0, ky), ox, geo, out),
-            2 => run::<2>(x, weights, (iy0, ky), ox, geo, out),
-            3 => run::<3>(x, weights, (iy0, ky), ox, geo, out),
-            4 => run::<4>(x, weights, (iy0, ky), ox, geo, out),
-            5 => run::<5>(x, weights, (iy0, ky), ox, geo, out),
-            6 => run::<6>(x, weights, (iy0, ky), ox, geo, out),
-            _ => run::<7>(x, weights, (iy0, ky), ox, geo, out),
+            1 => run::<1>(x, weights, at, ox, geo, out),
+            2 => run::<2>(x, weights, at, ox, geo, out),
+            3 => run::<3>(x, weights, at, ox, geo, out),
+            4 => run::<4>(x, weights, at, ox, geo, out),
+            5 => run::<5>(x, weights, at, ox, geo, out),
+            6 => run::<6>(x, weights, at, ox, geo, out),
+            _ => run::<7>(x, weights, at, ox, geo, out),
         }
         for ox in hi..geo.ow {
-            edge_pixel(x, weights, (iy0, ky), ox, geo, out);
+            edge_pixel(x, weights, at, ox, geo, out);
         }
     }
 }
@@ -468,57 +525,61 @@ unsafe fn depthwise_row(_: *const f32, _: &[f32], _: usize, _: DepthwiseRow, _: 
 /// `R` interior output pixels from `ox`: their sums stay in registers over all taps.
 ///
 /// # Safety
-/// As [`depthwise_row`]; every tap of pixels `ox..ox + R` lies inside the row.
+/// As [`depthwise_row`]; every tap of pixels `ox..ox + R` lies inside the row;
+/// `mask` has the block's lanes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn run<const R: usize>(
     x: *const f32,
     weights: &[f32],
-    (iy0, (ky_lo, ky_hi)): (isize, (usize, usize)),
+    (iy0, (ky_lo, ky_hi), mask): (isize, (usize, usize), u16),
     ox: usize,
     geo: DepthwiseRow,
     out: *mut f32,
 ) {
     use std::arch::x86_64::*;
     let [dy, dx] = geo.dilation;
-    let sx = geo.stride[1];
+    let (sx, b) = (geo.stride[1], geo.lanes);
     let mut acc = [_mm512_setzero_ps(); R];
     for ky in ky_lo..ky_hi {
         let iy = (iy0 + (ky * dy) as isize) as usize;
-        // SAFETY: the caller's contract (tap rows inside the plane, interior columns).
+        // SAFETY: the caller's contract (tap rows inside the plane, interior columns;
+        // the masked lanes are never read).
         unsafe {
-            let first = x.add((iy * geo.w + ox * sx - geo.left) * BLOCK);
+            let first = x.add((iy * geo.w + ox * sx - geo.left) * b);
             for kx in 0..geo.kw {
                 let wv = _mm512_loadu_ps(weights.as_ptr().add((ky * geo.kw + kx) * BLOCK));
-                let tap = first.add(kx * dx * BLOCK);
+                let tap = first.add(kx * dx * b);
                 for (r, sum) in acc.iter_mut().enumerate() {
-                    *sum = _mm512_fmadd_ps(_mm512_loadu_ps(tap.add(r * sx * BLOCK)), wv, *sum);
+                    let v = _mm512_maskz_loadu_ps(mask, tap.add(r * sx * b));
+                    *sum = _mm512_fmadd_ps(v, wv, *sum);
                 }
             }
         }
     }
     for (r, sum) in acc.iter().enumerate() {
-        // SAFETY: pixel `ox + r` of the row.
-        unsafe { _mm512_storeu_ps(out.add((ox + r) * BLOCK), *sum) };
+        // SAFETY: pixel `ox + r` of the row (its lanes).
+        unsafe { _mm512_mask_storeu_ps(out.add((ox + r) * b), mask, *sum) };
     }
 }
 
 /// One output pixel whose window crosses the row's edge: only its taps inside.
 ///
 /// # Safety
-/// As [`depthwise_row`].
+/// As [`run`], for pixel `ox`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn edge_pixel(
     x: *const f32,
     weights: &[f32],
-    (iy0, (ky_lo, ky_hi)): (isize, (usize, usize)),
+    (iy0, (ky_lo, ky_hi), mask): (isize, (usize, usize), u16),
     ox: usize,
     geo: DepthwiseRow,
     out: *mut f32,
 ) {
     use std::arch::x86_64::*;
     let [dy, dx] = geo.dilation;
+    let b = geo.lanes;
     let ix0 = (ox * geo.stride[1]) as isize - geo.left as isize;
     let mut sum = _mm512_setzero_ps();
     for ky in ky_lo..ky_hi {
@@ -531,13 +592,13 @@ unsafe fn edge_pixel(
             // SAFETY: tap `(ky, kx)` lies inside the plane.
             unsafe {
                 let wv = _mm512_loadu_ps(weights.as_ptr().add((ky * geo.kw + kx) * BLOCK));
-                let v = _mm512_loadu_ps(x.add((iy * geo.w + ix as usize) * BLOCK));
+                let v = _mm512_maskz_loadu_ps(mask, x.add((iy * geo.w + ix as usize) * b));
                 sum = _mm512_fmadd_ps(v, wv, sum);
             }
         }
     }
-    // SAFETY: pixel `ox` of the row.
-    unsafe { _mm512_storeu_ps(out.add(ox * BLOCK), sum) };
+    // SAFETY: pixel `ox` of the row (its lanes).
+    unsafe { _mm512_mask_storeu_ps(out.add(ox * b), mask, sum) };
 }
 
 #[cfg(test)]
@@ -680,7 +741,7 @@ mod tests {
                 let mut packed = vec![0.0; conv_pixels_f32::weights_len(o, c)];
                 conv_pixels_f32::pack_weights(&wt, o, c, &mut packed);
                 let mut offsets = vec![0u32; c];
-                channel_offsets(pixels, x_blocked, &mut offsets);
+                channel_offsets(pixels, block_if(x_blocked, c), &mut offsets);
                 let out_dst = dst(&mut out, &os);
                 pointwise(
                     x_src,
@@ -737,6 +798,12 @@ mod tests {
             (1, [1, 48, 3, 4], 40, [true, false]),
             (4, [3, 16, 11, 13], 16, [true, true]),
             (2, [1, 160, 7, 7], 96, [true, true]),
+            // 8-channel blocks: in, out (a panel split in two blocks, and a last
+            // panel of one), both, and beside a 16-channel side.
+            (2, [2, 24, 7, 5], 40, [true, true]),
+            (3, [1, 40, 6, 6], 72, [false, true]),
+            (2, [1, 72, 9, 4], 32, [true, false]),
+            (1, [2, 32, 5, 5], 24, [true, true]),
         ];
         for (i, &(threads, x, o, layout)) in cases.iter().enumerate() {
             for (residual, affine, prologue) in [
@@ -808,6 +875,22 @@ mod tests {
                 2,
                 [1, 16, 3, 2],
                 window([7, 7], [1, 1], [3, 3, 3, 3], [1, 1]),
+            ),
+            // 8-channel blocks.
+            (
+                2,
+                [2, 24, 9, 11],
+                window([3, 3], [1, 1], [1, 1, 1, 1], [1, 1]),
+            ),
+            (
+                3,
+                [1, 40, 14, 13],
+                window([5, 5], [2, 2], [2, 2, 2, 2], [1, 1]),
+            ),
+            (
+                1,
+                [1, 72, 10, 10],
+                window([3, 3], [1, 1], [2, 2, 2, 2], [2, 2]),
             ),
         ];
         for (i, &(threads, x, win)) in cases.iter().enumerate() {

@@ -1,12 +1,12 @@
 //! `f32` pooling over channel-blocked values ([`crate::layout`]:
-//! `[n, c / 16, h, w, 16]`): max and average pooling (blocked in and out) and the
+//! `[n, c / b, h, w, b]`): max and average pooling (blocked in and out) and the
 //! sum or mean over a whole plane (blocked in, plain `[n, c]` out, as a global
 //! average pool or a squeeze-and-excitation block's first step reads it). Each
-//! output pixel is 16 channels, one vector, whatever the plane's width.
+//! output pixel is a block of channels, one vector, whatever the plane's width.
 
 use super::Ctx;
 use super::conv::{inside_taps, max_kept};
-use crate::layout::BLOCK;
+use crate::layout::{BLOCK, block_of};
 use crate::tensor::{Dst, Src};
 use crate::vmath::multiversion;
 use rlx_ir::{Result, Window2d};
@@ -19,6 +19,8 @@ struct PoolRow<'a> {
     count_include_pad: bool,
     in_hw: [usize; 2],
     ow: usize,
+    /// Channels per block.
+    lanes: usize,
 }
 
 /// Max or average pooling of blocked `x` into blocked `out` (`count_include_pad`:
@@ -39,7 +41,8 @@ pub(crate) fn pool(
         x.shape.dim(3),
     ];
     let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
-    let planes = n * (c / BLOCK);
+    let b = block_of(c).unwrap_or(BLOCK);
+    let planes = n * (c / b);
     if planes == 0 || oh == 0 || ow == 0 {
         return Ok(());
     }
@@ -49,6 +52,7 @@ pub(crate) fn pool(
         count_include_pad,
         in_hw: [h, w],
         ow,
+        lanes: b,
     };
     let rows = planes * oh;
     let threads = ctx.gemm.threads();
@@ -62,13 +66,10 @@ pub(crate) fn pool(
             let (src, dst) = unsafe {
                 (
                     std::slice::from_raw_parts(
-                        (x_addr as *const f32).add(plane * h * w * BLOCK),
-                        h * w * BLOCK,
+                        (x_addr as *const f32).add(plane * h * w * b),
+                        h * w * b,
                     ),
-                    std::slice::from_raw_parts_mut(
-                        (out_addr as *mut f32).add(r * ow * BLOCK),
-                        ow * BLOCK,
-                    ),
+                    std::slice::from_raw_parts_mut((out_addr as *mut f32).add(r * ow * b), ow * b),
                 )
             };
             pool_row(row, oy, src, dst);
@@ -80,17 +81,18 @@ pub(crate) fn pool(
 multiversion! {
     /// Output row `oy` of one plane.
     fn pool_row(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32]) {
-        let PoolRow { win, max, count_include_pad, in_hw: [h, w], ow } = row;
+        let PoolRow { win, max, count_include_pad, in_hw: [h, w], ow, lanes } = row;
         let (y0, ny) = inside_taps(win, 0, oy, h);
         let window = win.kernel[0] * win.kernel[1];
-        for (ox, out) in dst.chunks_exact_mut(BLOCK).enumerate().take(ow) {
+        for (ox, out) in dst.chunks_exact_mut(lanes).enumerate().take(ow) {
             let (x0, nx) = inside_taps(win, 1, ox, w);
             let mut acc = [if max { f32::NEG_INFINITY } else { 0.0 }; BLOCK];
+            let acc = &mut acc[..lanes];
             for ty in 0..ny {
                 let iy = y0 + ty * win.dilation[0];
                 for tx in 0..nx {
                     let ix = x0 + tx * win.dilation[1];
-                    let v = &src[(iy * w + ix) * BLOCK..][..BLOCK];
+                    let v = &src[(iy * w + ix) * lanes..][..lanes];
                     for (a, &t) in acc.iter_mut().zip(v) {
                         *a = if max { max_kept(*a, t) } else { *a + t };
                     }
@@ -103,7 +105,7 @@ multiversion! {
                     *a *= scale;
                 }
             }
-            out.copy_from_slice(&acc);
+            out.copy_from_slice(acc);
         }
     }
 }
@@ -113,7 +115,8 @@ multiversion! {
 pub(crate) fn plane_sums(mean: bool, x: Src, out: Dst, ctx: &Ctx) -> Result<()> {
     let [n, c] = [x.shape.dim(0), x.shape.dim(1)];
     let pixels = x.shape.dim(2) * x.shape.dim(3);
-    let planes = n * (c / BLOCK);
+    let b = block_of(c).unwrap_or(BLOCK);
+    let planes = n * (c / b);
     if planes == 0 {
         return Ok(());
     }
@@ -127,19 +130,16 @@ pub(crate) fn plane_sums(mean: bool, x: Src, out: Dst, ctx: &Ctx) -> Result<()> 
     let (x_addr, out_addr) = (x.ptr as usize, out.ptr as usize);
     let task = |t: usize, _thread: usize| {
         for plane in t * planes / tasks..(t + 1) * planes / tasks {
-            // SAFETY: plane `plane` of `x`, and its 16 channels of the output, which
-            // only this task writes (plane `i` holds channels `16 i ..` of the
-            // images in order, as `out` does).
+            // SAFETY: plane `plane` of `x`, and its `b` channels of the output, which
+            // only this task writes (plane `i` holds channels `b i ..` of the images
+            // in order, as `out` does).
             let (src, dst) = unsafe {
                 (
                     std::slice::from_raw_parts(
-                        (x_addr as *const f32).add(plane * pixels * BLOCK),
-                        pixels * BLOCK,
+                        (x_addr as *const f32).add(plane * pixels * b),
+                        pixels * b,
                     ),
-                    std::slice::from_raw_parts_mut(
-                        (out_addr as *mut f32).add(plane * BLOCK),
-                        BLOCK,
-                    ),
+                    std::slice::from_raw_parts_mut((out_addr as *mut f32).add(plane * b), b),
                 )
             };
             sum_pixels(src, scale, dst);
@@ -149,15 +149,17 @@ pub(crate) fn plane_sums(mean: bool, x: Src, out: Dst, ctx: &Ctx) -> Result<()> 
 }
 
 multiversion! {
-    /// `dst[j] = scale * Σ_p src[p][j]` over the pixels of one blocked plane.
+    /// `dst[j] = scale * Σ_p src[p][j]` over the pixels of one blocked plane (of
+    /// `dst.len()` channels).
     fn sum_pixels(src: &[f32], scale: f32, dst: &mut [f32]) {
         let mut acc = [0.0f32; BLOCK];
-        for pixel in src.chunks_exact(BLOCK) {
+        let acc = &mut acc[..dst.len()];
+        for pixel in src.chunks_exact(dst.len()) {
             for (a, &v) in acc.iter_mut().zip(pixel) {
                 *a += v;
             }
         }
-        for (d, a) in dst.iter_mut().zip(acc) {
+        for (d, a) in dst.iter_mut().zip(acc.iter()) {
             *d = a * scale;
         }
     }
@@ -214,6 +216,8 @@ mod tests {
             (3, [1, 16, 7, 7], [2, 2], [2, 2], [0, 0, 1, 1], [1, 1]),
             (1, [1, 48, 10, 6], [3, 3], [1, 1], [2, 2, 2, 2], [2, 2]),
             (2, [1, 16, 2, 3], [5, 5], [1, 1], [2, 2, 2, 2], [1, 1]),
+            (2, [2, 24, 9, 7], [3, 3], [2, 2], [1, 1, 1, 1], [1, 1]),
+            (1, [1, 40, 6, 6], [2, 2], [2, 2], [0; 4], [1, 1]),
         ];
         let mut seed = 5;
         for &(threads, [n, c, h, w], kernel, stride, padding, dilation) in &cases {
@@ -258,9 +262,13 @@ mod tests {
     #[test]
     fn plane_sums_match_a_plain_sum() {
         let mut seed = 9;
-        for &(threads, [n, c, h, w]) in
-            &[(2, [2, 48, 7, 7]), (3, [1, 16, 5, 3]), (1, [3, 32, 1, 9])]
-        {
+        for &(threads, [n, c, h, w]) in &[
+            (2, [2, 48, 7, 7]),
+            (3, [1, 16, 5, 3]),
+            (1, [3, 32, 1, 9]),
+            (2, [2, 40, 6, 5]),
+            (1, [1, 24, 3, 3]),
+        ] {
             let x: Vec<f32> = (0..n * c * h * w).map(|_| lcg(&mut seed)).collect();
             let xs = Shape::new(&[n, c, h, w], DType::F32);
             let os = Shape::new(&[n, c, 1, 1], DType::F32);

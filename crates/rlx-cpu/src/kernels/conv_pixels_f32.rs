@@ -251,10 +251,15 @@ impl ChannelFinish<'_> {
 
 impl ChannelFinish<'_> {
     /// Applies the finish to channel-blocked values in place: `values` holds pixels
-    /// of the [`crate::layout::BLOCK`] channels from `first` (`residual`: the same
-    /// values of the residual, when there is one).
-    pub(crate) fn apply_lanes(&self, first: usize, values: &mut [f32], residual: Option<&[f32]>) {
-        let lanes = first..first + crate::layout::BLOCK;
+    /// of the `block` channels from `first` (`residual`: the same values of the
+    /// residual, when there is one).
+    pub(crate) fn apply_lanes(
+        &self,
+        (first, block): (usize, usize),
+        values: &mut [f32],
+        residual: Option<&[f32]>,
+    ) {
+        let lanes = first..first + block;
         let shift = self.bias.map(|b| &b[lanes.clone()]);
         let affine = self
             .affine
@@ -580,15 +585,63 @@ pub(crate) unsafe fn micro_kernel(
     tile: &mut [f32],
     accumulate: bool,
 ) {
+    let out = TileOut {
+        at: tile.as_mut_ptr(),
+        panel: TILE,
+        pixel: NR,
+    };
     // SAFETY: forwarded contract; `count > 1` only where `panel_group` found AVX-512.
     unsafe {
         match count {
             1 => micro_kernel_avx2(offsets, pixel, panels, tile, accumulate),
-            2 => micro_kernel_avx512::<2>(offsets, pixel, (panels, stride), tile, accumulate),
-            3 => micro_kernel_avx512::<3>(offsets, pixel, (panels, stride), tile, accumulate),
-            _ => micro_kernel_avx512::<4>(offsets, pixel, (panels, stride), tile, accumulate),
+            2 => micro_kernel_avx512::<2>(offsets, pixel, (panels, stride), out, accumulate),
+            3 => micro_kernel_avx512::<3>(offsets, pixel, (panels, stride), out, accumulate),
+            _ => micro_kernel_avx512::<4>(offsets, pixel, (panels, stride), out, accumulate),
         }
     }
+}
+
+/// Where a micro-kernel tile's sums go: panel `v`'s pixel `i` is the [`NR`] floats
+/// at `at + v * panel + i * pixel`.
+#[derive(Clone, Copy)]
+pub(crate) struct TileOut {
+    pub at: *mut f32,
+    pub panel: usize,
+    pub pixel: usize,
+}
+
+/// [`micro_kernel`] on AVX-512 for `count` panels (1 to [`MAX_GROUP`]), storing each
+/// panel's [`MR`] pixels through `out` (a channel-blocked output's own place) instead
+/// of a tile.
+///
+/// # Safety
+/// As [`micro_kernel`]; AVX-512F is available; every place `out` names is writable.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn micro_kernel_to(
+    offsets: &[u32],
+    pixel: [*const f32; MR],
+    (panels, stride, count): (*const f32, usize, usize),
+    out: TileOut,
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match count {
+            1 => micro_kernel_avx512::<1>(offsets, pixel, (panels, stride), out, false),
+            2 => micro_kernel_avx512::<2>(offsets, pixel, (panels, stride), out, false),
+            3 => micro_kernel_avx512::<3>(offsets, pixel, (panels, stride), out, false),
+            _ => micro_kernel_avx512::<4>(offsets, pixel, (panels, stride), out, false),
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) unsafe fn micro_kernel_to(
+    _: &[u32],
+    _: [*const f32; MR],
+    _: (*const f32, usize, usize),
+    _: TileOut,
+) {
+    unreachable!("blocked layouts need AVX-512")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -615,7 +668,7 @@ unsafe fn micro_kernel_avx512<const NP: usize>(
     offsets: &[u32],
     pixel: [*const f32; MR],
     (panels, stride): (*const f32, usize),
-    tile: &mut [f32],
+    out: TileOut,
     accumulate: bool,
 ) {
     use std::arch::x86_64::*;
@@ -623,8 +676,8 @@ unsafe fn micro_kernel_avx512<const NP: usize>(
     if accumulate {
         for (i, row) in acc.iter_mut().enumerate() {
             for (v, value) in row.iter_mut().enumerate() {
-                // SAFETY: the tile holds NP tiles of MR rows of NR floats.
-                *value = unsafe { _mm512_loadu_ps(tile.as_ptr().add(v * TILE + i * NR)) };
+                // SAFETY: `out` names NP panels of MR pixels of NR floats.
+                *value = unsafe { _mm512_loadu_ps(out.at.add(v * out.panel + i * out.pixel)) };
             }
         }
     }
@@ -651,7 +704,7 @@ unsafe fn micro_kernel_avx512<const NP: usize>(
     for (i, row) in acc.iter().enumerate() {
         for (v, &value) in row.iter().enumerate() {
             // SAFETY: as above.
-            unsafe { _mm512_storeu_ps(tile.as_mut_ptr().add(v * TILE + i * NR), value) };
+            unsafe { _mm512_storeu_ps(out.at.add(v * out.panel + i * out.pixel), value) };
         }
     }
 }

@@ -134,8 +134,15 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
         Op::Binary(b) if fast_binary(*b, inputs[0].dtype(), out) => {
             blocked_elementwise(inputs, out, layout)
         }
-        // Whole images of whole blocks: the same bytes move in either layout.
-        Op::Concat { axis: 1 } => (0..inputs.len()).all(|k| layout.input(k) == layout.output()),
+        // Whole images of whole blocks: the same bytes move in either layout, when
+        // every part has the output's block.
+        Op::Concat { axis: 1 } => {
+            let block = crate::layout::block_of(out.dim(1));
+            (0..inputs.len()).all(|k| {
+                layout.input(k) == layout.output()
+                    && (!layout.output() || crate::layout::block_of(inputs[k].dim(1)) == block)
+            })
+        }
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } => {
             inputs[0].dtype() == DType::F32 && layout.input(0) && layout.output()
         }
@@ -190,15 +197,19 @@ fn is_region(op: &Op, inputs: &[Shape], out: &Shape) -> bool {
 
 /// The shapes a step's kernel is given, in place of `inputs` and `out`: the same,
 /// except for an elementwise step with a blocked output, which sees its values as
-/// what they are in memory, `[n, c / 16, h * w, 16]`, and its per-channel operands
-/// as `[1 or n, c / 16, 1, 16]`, so that its broadcasting walks them right.
+/// what they are in memory, `[n, c / b, h * w, b]` (blocks of `b` channels), and its
+/// per-channel operands as `[1 or n, c / b, 1, b]`, so that its broadcasting walks
+/// them right.
 pub(crate) fn kernel_shapes(op: &Op, layout: StepLayout, inputs: &mut [Shape], out: &mut Shape) {
     if !layout.output() || !is_region(op, inputs, out) {
         return;
     }
-    let blocks = out.dim(1) / crate::layout::BLOCK;
+    let Some(block) = crate::layout::block_of(out.dim(1)) else {
+        return;
+    };
+    let blocks = out.dim(1) / block;
     let blocked = |lead: usize, pixels: usize, dtype: DType| {
-        Shape::new(&[lead, blocks, pixels, crate::layout::BLOCK], dtype)
+        Shape::new(&[lead, blocks, pixels, block], dtype)
     };
     let (n, pixels) = (out.dim(0), out.dim(2) * out.dim(3));
     for (k, s) in inputs.iter_mut().enumerate() {
@@ -853,7 +864,11 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
             let offsets =
                 unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<u32>(), c) };
             let pixels = x.shape.dim(2) * x.shape.dim(3);
-            blocked_conv_f32::channel_offsets(pixels, a.layout.input(0), offsets);
+            blocked_conv_f32::channel_offsets(
+                pixels,
+                blocked_conv_f32::block_if(a.layout.input(0), c),
+                offsets,
+            );
             let prologue = fusion.has_prologue().then(|| blocked_conv_f32::Prologue {
                 affine: fusion.input_affine.then(|| {
                     (
