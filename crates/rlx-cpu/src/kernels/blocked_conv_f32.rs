@@ -346,6 +346,9 @@ pub(crate) fn pointwise(
 
 /// Output pixels whose sums a depthwise run keeps in registers.
 const RUN: usize = 8;
+/// Vectors of a run of pixel pairs (half-vector blocks): 8 pixels, so that a
+/// 14-pixel row has an interior run.
+const PAIR_RUN: usize = 4;
 
 /// The geometry a depthwise row needs.
 #[derive(Clone, Copy)]
@@ -434,8 +437,12 @@ pub(crate) fn depthwise(
         for (j, filter) in (block * b..(block + 1) * b).enumerate() {
             for tap in 0..taps {
                 // SAFETY: `w` holds `c * taps` values.
-                weights[tap * BLOCK + j] =
-                    unsafe { *(w_addr as *const f32).add(filter * taps + tap) };
+                let value = unsafe { *(w_addr as *const f32).add(filter * taps + tap) };
+                // An 8-channel block's weights fill both halves: pairs of pixels
+                // share a vector.
+                for lane in (j..BLOCK).step_by(b) {
+                    weights[tap * BLOCK + lane] = value;
+                }
             }
         }
         let x_plane = (x_addr as *const f32).wrapping_add(plane * h * wd * b);
@@ -490,29 +497,122 @@ unsafe fn depthwise_row(
     // The block's lanes of a vector (8-channel blocks use the low half).
     let mask = (((1u32 << geo.lanes) - 1) & 0xffff) as u16;
     let at = (iy0, ky, mask);
-    // SAFETY (all calls): the caller's contract; the interior's taps are inside the
-    // row and the edge pixels take only their taps inside it.
-    unsafe {
-        for ox in 0..lo {
-            edge_pixel(x, weights, at, ox, geo, out);
+    // Half-vector blocks at unit stride take two neighbouring pixels a vector.
+    let pairs = geo.lanes * 2 == BLOCK && geo.stride[1] == 1;
+    let span = if pairs { 2 * PAIR_RUN } else { RUN };
+    // Each run's sums in exactly as many registers as it has pixels (a run that
+    // skipped registers past its count spilled them all to the stack).
+    macro_rules! chunk {
+        ($ox:expr, $count:expr, $inside:expr) => {
+            // SAFETY: the caller's contract; a run inside the interior reads all its
+            // taps, any other only its taps inside the row.
+            unsafe {
+                let (ox, count): (usize, usize) = ($ox, $count);
+                if pairs {
+                    match ($inside, count.div_ceil(2)) {
+                        (true, _) => {
+                            run_pairs::<PAIR_RUN, true>(x, weights, at, (ox, count), geo, out)
+                        }
+                        (false, 1) => run_pairs::<1, false>(x, weights, at, (ox, count), geo, out),
+                        (false, 2) => run_pairs::<2, false>(x, weights, at, (ox, count), geo, out),
+                        (false, 3) => run_pairs::<3, false>(x, weights, at, (ox, count), geo, out),
+                        (false, _) => {
+                            run_pairs::<PAIR_RUN, false>(x, weights, at, (ox, count), geo, out)
+                        }
+                    }
+                } else {
+                    match ($inside, count) {
+                        (true, _) => run::<RUN, true>(x, weights, at, ox, geo, out),
+                        (false, 1) => run::<1, false>(x, weights, at, ox, geo, out),
+                        (false, 2) => run::<2, false>(x, weights, at, ox, geo, out),
+                        (false, 3) => run::<3, false>(x, weights, at, ox, geo, out),
+                        (false, 4) => run::<4, false>(x, weights, at, ox, geo, out),
+                        (false, 5) => run::<5, false>(x, weights, at, ox, geo, out),
+                        (false, 6) => run::<6, false>(x, weights, at, ox, geo, out),
+                        (false, 7) => run::<7, false>(x, weights, at, ox, geo, out),
+                        (false, _) => run::<RUN, false>(x, weights, at, ox, geo, out),
+                    }
+                }
+            }
+        };
+    }
+    // The left edge, whole runs inside, then the rest, each a run or less.
+    let mut ox = 0;
+    while ox < lo {
+        let count = span.min(lo - ox);
+        chunk!(ox, count, false);
+        ox += count;
+    }
+    while ox + span <= hi {
+        chunk!(ox, span, true);
+        ox += span;
+    }
+    while ox < geo.ow {
+        let count = span.min(geo.ow - ox);
+        chunk!(ox, count, false);
+        ox += count;
+    }
+}
+
+/// [`run`] for blocks of half a vector at unit stride: vector `r` holds pixels
+/// `ox + 2r` (low half) and `ox + 2r + 1` (high half), `count` pixels in all
+/// (at most `2R`); each half takes only its taps inside the row unless `INSIDE`.
+///
+/// # Safety
+/// As [`run`]; `geo.lanes` is half a vector, the weights fill both halves, and the
+/// stride along the row is 1.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn run_pairs<const R: usize, const INSIDE: bool>(
+    x: *const f32,
+    weights: &[f32],
+    (iy0, (ky_lo, ky_hi), _): (isize, (usize, usize), u16),
+    (ox, count): (usize, usize),
+    geo: DepthwiseRow,
+    out: *mut f32,
+) {
+    use std::arch::x86_64::*;
+    const LOW: u16 = 0x00ff;
+    const HIGH: u16 = 0xff00;
+    let [dy, dx] = geo.dilation;
+    let half = geo.lanes;
+    // The lanes of each vector's pixels that exist.
+    let present: [u16; R] = std::array::from_fn(|r| {
+        (if 2 * r < count { LOW } else { 0 }) | (if 2 * r + 1 < count { HIGH } else { 0 })
+    });
+    let w = geo.w as isize;
+    let mut acc = [_mm512_setzero_ps(); R];
+    for ky in ky_lo..ky_hi {
+        let iy = (iy0 + (ky * dy) as isize) as usize;
+        let row = x.wrapping_add(iy * geo.w * half);
+        for kx in 0..geo.kw {
+            let first = (ox + kx * dx) as isize - geo.left as isize;
+            // SAFETY: the caller's contract; a masked lane is never read, so a pair
+            // whose low pixel lies left of the row reads only its high half.
+            unsafe {
+                let wv = _mm512_loadu_ps(weights.as_ptr().add((ky * geo.kw + kx) * BLOCK));
+                for (r, sum) in acc.iter_mut().enumerate() {
+                    let ix = first + 2 * r as isize;
+                    let lanes = if INSIDE {
+                        present[r]
+                    } else {
+                        present[r]
+                            & ((if ix >= 0 && ix < w { LOW } else { 0 })
+                                | (if ix + 1 >= 0 && ix + 1 < w { HIGH } else { 0 }))
+                    };
+                    if INSIDE || lanes != 0 {
+                        let v =
+                            _mm512_maskz_loadu_ps(lanes, row.wrapping_offset(ix * half as isize));
+                        *sum = _mm512_fmadd_ps(v, wv, *sum);
+                    }
+                }
+            }
         }
-        let mut ox = lo;
-        while ox + RUN <= hi {
-            run::<RUN>(x, weights, at, ox, geo, out);
-            ox += RUN;
-        }
-        match hi - ox {
-            0 => {}
-            1 => run::<1>(x, weights, at, ox, geo, out),
-            2 => run::<2>(x, weights, at, ox, geo, out),
-            3 => run::<3>(x, weights, at, ox, geo, out),
-            4 => run::<4>(x, weights, at, ox, geo, out),
-            5 => run::<5>(x, weights, at, ox, geo, out),
-            6 => run::<6>(x, weights, at, ox, geo, out),
-            _ => run::<7>(x, weights, at, ox, geo, out),
-        }
-        for ox in hi..geo.ow {
-            edge_pixel(x, weights, at, ox, geo, out);
+    }
+    for (r, sum) in acc.iter().enumerate() {
+        if present[r] != 0 {
+            // SAFETY: the row's pixels `ox + 2r` and `ox + 2r + 1` where they exist.
+            unsafe { _mm512_mask_storeu_ps(out.add((ox + 2 * r) * half), present[r], *sum) };
         }
     }
 }
@@ -522,14 +622,16 @@ unsafe fn depthwise_row(_: *const f32, _: &[f32], _: usize, _: DepthwiseRow, _: 
     unreachable!("`kind` is None off x86-64")
 }
 
-/// `R` interior output pixels from `ox`: their sums stay in registers over all taps.
+/// `R` output pixels from `ox`: their sums stay in registers over all taps.
+/// `INSIDE`: every tap of every pixel lies inside the row (no checks); otherwise
+/// each pixel takes only its taps inside.
 ///
 /// # Safety
-/// As [`depthwise_row`]; every tap of pixels `ox..ox + R` lies inside the row;
-/// `mask` has the block's lanes.
+/// As [`depthwise_row`]; with `INSIDE`, every tap of pixels `ox..ox + R` lies
+/// inside the row; `mask` has the block's lanes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn run<const R: usize>(
+unsafe fn run<const R: usize, const INSIDE: bool>(
     x: *const f32,
     weights: &[f32],
     (iy0, (ky_lo, ky_hi), mask): (isize, (usize, usize), u16),
@@ -543,16 +645,20 @@ unsafe fn run<const R: usize>(
     let mut acc = [_mm512_setzero_ps(); R];
     for ky in ky_lo..ky_hi {
         let iy = (iy0 + (ky * dy) as isize) as usize;
-        // SAFETY: the caller's contract (tap rows inside the plane, interior columns;
-        // the masked lanes are never read).
-        unsafe {
-            let first = x.add((iy * geo.w + ox * sx - geo.left) * b);
-            for kx in 0..geo.kw {
+        let row = x.wrapping_add(iy * geo.w * b);
+        for kx in 0..geo.kw {
+            // The input column of pixel `ox`'s tap (left of the row when negative).
+            let first = (ox * sx + kx * dx) as isize - geo.left as isize;
+            // SAFETY: the caller's contract (tap rows inside the plane; columns inside
+            // the row, checked unless `INSIDE`; the masked lanes are never read).
+            unsafe {
                 let wv = _mm512_loadu_ps(weights.as_ptr().add((ky * geo.kw + kx) * BLOCK));
-                let tap = first.add(kx * dx * b);
                 for (r, sum) in acc.iter_mut().enumerate() {
-                    let v = _mm512_maskz_loadu_ps(mask, tap.add(r * sx * b));
-                    *sum = _mm512_fmadd_ps(v, wv, *sum);
+                    let ix = first + (r * sx) as isize;
+                    if INSIDE || (ix >= 0 && ix < geo.w as isize) {
+                        let v = _mm512_maskz_loadu_ps(mask, row.add(ix as usize * b));
+                        *sum = _mm512_fmadd_ps(v, wv, *sum);
+                    }
                 }
             }
         }
@@ -561,44 +667,6 @@ unsafe fn run<const R: usize>(
         // SAFETY: pixel `ox + r` of the row (its lanes).
         unsafe { _mm512_mask_storeu_ps(out.add((ox + r) * b), mask, *sum) };
     }
-}
-
-/// One output pixel whose window crosses the row's edge: only its taps inside.
-///
-/// # Safety
-/// As [`run`], for pixel `ox`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn edge_pixel(
-    x: *const f32,
-    weights: &[f32],
-    (iy0, (ky_lo, ky_hi), mask): (isize, (usize, usize), u16),
-    ox: usize,
-    geo: DepthwiseRow,
-    out: *mut f32,
-) {
-    use std::arch::x86_64::*;
-    let [dy, dx] = geo.dilation;
-    let b = geo.lanes;
-    let ix0 = (ox * geo.stride[1]) as isize - geo.left as isize;
-    let mut sum = _mm512_setzero_ps();
-    for ky in ky_lo..ky_hi {
-        let iy = (iy0 + (ky * dy) as isize) as usize;
-        for kx in 0..geo.kw {
-            let ix = ix0 + (kx * dx) as isize;
-            if ix < 0 || ix >= geo.w as isize {
-                continue;
-            }
-            // SAFETY: tap `(ky, kx)` lies inside the plane.
-            unsafe {
-                let wv = _mm512_loadu_ps(weights.as_ptr().add((ky * geo.kw + kx) * BLOCK));
-                let v = _mm512_maskz_loadu_ps(mask, x.add((iy * geo.w + ix as usize) * b));
-                sum = _mm512_fmadd_ps(v, wv, sum);
-            }
-        }
-    }
-    // SAFETY: pixel `ox` of the row (its lanes).
-    unsafe { _mm512_mask_storeu_ps(out.add(ox * b), mask, sum) };
 }
 
 #[cfg(test)]
