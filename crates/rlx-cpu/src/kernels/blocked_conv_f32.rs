@@ -238,7 +238,37 @@ pub(crate) fn pointwise(
                 (stage.as_ptr(), &*local, p0)
             }
         };
+        // The output's blocks (or plain channels) this task writes.
+        let (block_size, first_block, end_block) = match out_block {
+            Some(b) => (b, q0 * NR / b, (q1 * NR).min(o) / b),
+            None => (1, q0 * NR, (q1 * NR).min(o)),
+        };
+        // The finish over pixels `c0..c1` of those, run every few tiles while the
+        // values are in L1 (a call per tile cost as much as the products at 16
+        // input channels).
+        let finish_pixels = |c0: usize, c1: usize| {
+            for block in first_block..end_block {
+                let at = ((image * o / block_size + block) * pixels + c0) * block_size;
+                let len = (c1 - c0) * block_size;
+                // SAFETY: pixels `c0..c1` of this block (or channel) of this image's
+                // output, stored above by this task alone; the residual has the
+                // output's shape and layout.
+                let (dst, residual) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), len),
+                        residual_addr
+                            .map(|r| std::slice::from_raw_parts((r as *const f32).add(at), len)),
+                    )
+                };
+                if out_block.is_some() {
+                    per_channel.apply_lanes((block * block_size, block_size), dst, residual);
+                } else {
+                    per_channel.apply(block, dst, residual);
+                }
+            }
+        };
         let mut tile = [0.0f32; 4 * TILE];
+        let mut unfinished = p0;
         for i0 in (p0..p1).step_by(MR) {
             let m = MR.min(p1 - i0);
             // Pixels past the last repeat it: read, never stored.
@@ -246,11 +276,11 @@ pub(crate) fn pointwise(
                 read.wrapping_add((i0 - first + i.min(m - 1)) * pixel_step)
             });
             let weights = (packed.as_ptr().wrapping_add(q0 * c * NR), c * NR, q1 - q0);
-            let out_at = |q: usize| ((image * panels + q) * pixels + i0) * NR;
             if out_block == Some(NR) && m == MR {
                 // A whole tile goes straight to its place in the blocked output.
                 let out = conv_pixels_f32::TileOut {
-                    at: (out_addr as *mut f32).wrapping_add(out_at(q0)),
+                    at: (out_addr as *mut f32)
+                        .wrapping_add(((image * panels + q0) * pixels + i0) * NR),
                     panel: pixels * NR,
                     pixel: NR,
                 };
@@ -263,86 +293,51 @@ pub(crate) fn pointwise(
             } else {
                 // SAFETY: as above, into the tile; at most `panel_group` panels.
                 unsafe { conv_pixels_f32::micro_kernel(offsets, bases, weights, &mut tile, false) };
-            }
-            for q in q0..q1 {
-                let values = &tile[(q - q0) * TILE..][..m * NR];
-                if out_block == Some(BLOCK / 2) {
-                    // Each panel's two halves go to two 8-channel blocks.
-                    for half in 0..2 {
-                        let block = 2 * q + half;
-                        if block * (BLOCK / 2) >= o {
-                            break;
+                // Lane `j` of panel `q`'s pixel `i` is channel `q * 16 + j`: stored
+                // into its block (a run of lanes at a time) or plain row at pixel
+                // `i0 + i`.
+                let dst = out_addr as *mut f32;
+                for q in q0..q1 {
+                    let values = &tile[(q - q0) * TILE..][..m * NR];
+                    match out_block {
+                        Some(b) => {
+                            for co in (q * NR..(q * NR + NR).min(o)).step_by(b) {
+                                let at = ((image * o / b + co / b) * pixels + i0) * b;
+                                for (i, v) in values.chunks_exact(NR).enumerate() {
+                                    // SAFETY: pixel `i0 + i` of block `co / b` of this
+                                    // image's output; only this task writes it.
+                                    let to = unsafe {
+                                        std::slice::from_raw_parts_mut(dst.add(at + i * b), b)
+                                    };
+                                    to.copy_from_slice(&v[co - q * NR..][..b]);
+                                }
+                            }
                         }
-                        let at = ((image * o / (BLOCK / 2) + block) * pixels + i0) * (BLOCK / 2);
-                        // SAFETY: `m` pixels of block `block` of this image's output;
-                        // only this task writes them, and the residual has the
-                        // output's shape and layout.
-                        let (dst, residual) = unsafe {
-                            (
-                                std::slice::from_raw_parts_mut(
-                                    (out_addr as *mut f32).add(at),
-                                    m * (BLOCK / 2),
-                                ),
-                                residual_addr.map(|r| {
-                                    std::slice::from_raw_parts(
-                                        (r as *const f32).add(at),
-                                        m * (BLOCK / 2),
-                                    )
-                                }),
-                            )
-                        };
-                        for (d, v) in dst.chunks_exact_mut(BLOCK / 2).zip(values.chunks_exact(NR)) {
-                            d.copy_from_slice(&v[half * (BLOCK / 2)..][..BLOCK / 2]);
-                        }
-                        per_channel.apply_lanes((block * (BLOCK / 2), BLOCK / 2), dst, residual);
-                    }
-                } else if out_block.is_some() {
-                    let at = out_at(q);
-                    // SAFETY: `m` pixels of block `q` of this image's output; only
-                    // this task writes them, and the residual has the output's shape
-                    // and layout.
-                    let (dst, residual) = unsafe {
-                        (
-                            std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), m * NR),
-                            residual_addr.map(|r| {
-                                std::slice::from_raw_parts((r as *const f32).add(at), m * NR)
-                            }),
-                        )
-                    };
-                    if m < MR {
-                        dst.copy_from_slice(values);
-                    }
-                    per_channel.apply_lanes((q * NR, NR), dst, residual);
-                } else {
-                    for (j, co) in (q * NR..(q * NR + NR).min(o)).enumerate() {
-                        let at = (image * o + co) * pixels + i0;
-                        for (i, v) in values.chunks_exact(NR).enumerate() {
-                            // SAFETY: pixel `i0 + i` of channel `co` of this image;
-                            // only this task writes it.
-                            unsafe { *(out_addr as *mut f32).add(at + i) = v[j] };
+                        None => {
+                            for co in q * NR..(q * NR + NR).min(o) {
+                                let at = (image * o + co) * pixels + i0;
+                                for (i, v) in values.chunks_exact(NR).enumerate() {
+                                    // SAFETY: pixel `i0 + i` of channel `co` of this
+                                    // image; only this task writes it.
+                                    unsafe { *dst.add(at + i) = v[co - q * NR] };
+                                }
+                            }
                         }
                     }
                 }
             }
-        }
-        if out_block.is_none() {
-            for co in q0 * NR..(q1 * NR).min(o) {
-                let at = (image * o + co) * pixels + p0;
-                // SAFETY: this task's pixels of channel `co`, finished above.
-                let (dst, residual) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), p1 - p0),
-                        residual_addr.map(|r| {
-                            std::slice::from_raw_parts((r as *const f32).add(at), p1 - p0)
-                        }),
-                    )
-                };
-                per_channel.apply(co, dst, residual);
+            if i0 + m - unfinished >= FINISH_PIXELS || i0 + m == p1 {
+                finish_pixels(unfinished, i0 + m);
+                unfinished = i0 + m;
             }
         }
     };
     pool.run(n * blocks * groups, threads, &task)
 }
+
+/// Output pixels a pointwise task stores before it runs the finish over them (in
+/// L1 still).
+const FINISH_PIXELS: usize = 48;
 
 /// Output pixels whose sums a depthwise run keeps in registers.
 const RUN: usize = 8;
