@@ -8,14 +8,16 @@
 //! write whole vectors: a 1x1 convolution broadcasts its input values in place
 //! instead of packing them, stores its output tile as it holds it (pixels by
 //! channels) instead of transposing it into channel rows, and a depthwise one runs
-//! 16 channels per instruction however small its planes are.
+//! a block of channels per instruction however small its planes are.
 //!
 //! The layout is chosen per value when a program is built, after the memory plan: a
-//! blocked value has the same byte size (its channels are a multiple of 16), so the
-//! plan holds as it is. A value is blocked only where every step that touches it has
-//! a kernel for that layout ([`crate::kernels::accepts`]); it starts blocked wherever
-//! it may be and is made plain again, with everything a refusing step touches, until
-//! every step accepts its layouts. Graph inputs and outputs, params, handles, and
+//! blocked value has the same byte size (its channels are a whole number of blocks),
+//! so the plan holds as it is. A value is blocked only where every step that touches
+//! it has a kernel for that layout ([`crate::kernels::accepts`]); it starts blocked
+//! wherever it may be, and a step that refuses its layouts makes plain the least it
+//! needs (its output alone, else its operands, else both), until every step
+//! accepts. Operands of a step with more than 64 (which a layout cannot name) are
+//! plain. Graph inputs and outputs, params, handles, and
 //! values read through views are always plain, so nothing outside a program sees the
 //! blocked layout.
 
@@ -37,6 +39,10 @@ pub(crate) fn block_of(channels: usize) -> Option<usize> {
     }
 }
 
+/// The most operands whose layout a [`StepLayout`] records; operands of a step with
+/// more stay plain ([`assign`]).
+const MAX_OPERANDS: usize = 64;
+
 /// Which of a step's operands and whether its output are channel-blocked.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct StepLayout {
@@ -48,7 +54,7 @@ pub(crate) struct StepLayout {
 impl StepLayout {
     /// Whether operand `k` is blocked.
     pub(crate) fn input(&self, k: usize) -> bool {
-        k < 64 && (self.inputs >> k) & 1 == 1
+        k < MAX_OPERANDS && (self.inputs >> k) & 1 == 1
     }
 
     /// Whether the output is blocked.
@@ -66,7 +72,7 @@ impl StepLayout {
     pub(crate) fn new(inputs: &[bool], output: bool) -> StepLayout {
         let inputs = inputs
             .iter()
-            .take(64)
+            .take(MAX_OPERANDS)
             .enumerate()
             .fold(0, |bits, (k, &b)| bits | (u64::from(b) << k));
         StepLayout { inputs, output }
@@ -119,9 +125,10 @@ pub(crate) fn assign(
     for &out in &plan.outputs {
         blocked[out.index()] = false;
     }
-    // A value read by anything but a step (a view of it) stays plain.
+    // A value read by anything but a step (a view of it), or by a step with more
+    // operands than a layout names, stays plain.
     for (i, node) in nodes.iter().enumerate() {
-        if !is_step[i] || plan.is_view[i] {
+        if !is_step[i] || plan.is_view[i] || node.inputs.len() > MAX_OPERANDS {
             for x in &node.inputs {
                 blocked[x.index()] = false;
             }

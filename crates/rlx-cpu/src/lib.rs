@@ -278,6 +278,22 @@ impl CpuProgram {
                     format!("%{} needs more scratch than was planned", step.node),
                 ));
             }
+            // The layouts were chosen for the planned shapes: new ones that a blocked
+            // step's kernel no longer takes (dims past the rows changed) are refused.
+            if !kernels::accepts(
+                &node.op,
+                &in_shapes,
+                &shapes[step.node.index()],
+                step.layout,
+            ) {
+                return Err(Error::invalid(
+                    "set_shapes",
+                    format!(
+                        "%{} keeps channel-blocked values its new shapes do not fit",
+                        step.node
+                    ),
+                ));
+            }
             for ((_, shape), new) in step.inputs.iter_mut().zip(in_shapes.iter()) {
                 *shape = new.clone();
             }
@@ -428,7 +444,8 @@ impl CpuProgram {
         Ok(&mut self.arena.bytes_mut()[loc.offset..loc.offset + len])
     }
 
-    /// The bytes of any node's value (after a run, for outputs).
+    /// The bytes of any node's value (after a run, for outputs). A value between
+    /// steps may be stored channel-blocked (`layout`); outputs never are.
     pub fn value_bytes(&self, node: NodeId) -> Result<&[u8]> {
         let loc = *self
             .plan

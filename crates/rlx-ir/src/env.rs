@@ -93,7 +93,7 @@ impl Switch {
             Switch::Winograd => "0: 3x3 convolutions run without Winograd's transform",
             Switch::ConvPixels => "0: strided convolutions run without the pixel-row kernel",
             Switch::ChannelBlocks => {
-                "0: CPU convolutions keep every value in NCHW (no 16-channel blocks)"
+                "0: CPU convolutions keep every value in NCHW (no channel blocks)"
             }
             Switch::DumpAfter => "STAGE: print the graph after that pipeline stage to stderr",
             Switch::Cache => "DIR: the cache (packaged models, CUDA kernels; default ~/.cache/rlx)",

@@ -634,3 +634,81 @@ fn a_symbol_beyond_the_first_dim_is_padded_not_cut_short() {
         .collect();
     assert_eq!(out[0], TensorData::F32(want));
 }
+
+/// A MobileNet-style block (1x1 expansion, depthwise, 1x1 projection with a
+/// residual, a global mean) of `rows` images, whose values between the
+/// convolutions the CPU keeps channel-blocked.
+fn inverted_residual(rows: usize) -> Graph {
+    let g = Graph::new("inverted residual");
+    let x = g
+        .input("x", Shape::new(&[rows, 24, 9, 10], DType::F32))
+        .unwrap();
+    let param = |name: &str, dims: &[usize]| g.param(name, Shape::new(dims, DType::F32)).unwrap();
+    let e = g
+        .conv2d(
+            x,
+            param("w1", &[64, 24, 1, 1]),
+            Some(param("b1", &[64])),
+            [1, 1],
+            [0; 4],
+            [1, 1],
+            1,
+        )
+        .unwrap();
+    let e = g.relu(e).unwrap();
+    let d = g
+        .conv2d(
+            e,
+            param("wd", &[64, 1, 3, 3]),
+            None,
+            [1, 1],
+            [1; 4],
+            [1, 1],
+            64,
+        )
+        .unwrap();
+    let p = g
+        .conv2d(
+            d,
+            param("w2", &[24, 64, 1, 1]),
+            None,
+            [1, 1],
+            [0; 4],
+            [1, 1],
+            1,
+        )
+        .unwrap();
+    let y = g.add(p, x).unwrap();
+    let m = g.mean(y, &[2, 3], false).unwrap();
+    g.set_outputs(vec![m]);
+    g
+}
+
+#[test]
+fn an_active_extent_runs_channel_blocked_convolutions_on_fewer_images() {
+    let mut rng = Rng(29);
+    let dims = [("w1", 64 * 24), ("b1", 64), ("wd", 64 * 9), ("w2", 24 * 64)];
+    let params: Vec<(&str, Vec<f32>)> = dims
+        .iter()
+        .map(|&(name, len)| (name, rng.values(len)))
+        .collect();
+    let planned = 4;
+    let mut big = compiled(&inverted_residual(planned), &params);
+    if rlx::cpu::isa::isa().avx512f {
+        assert!(big.kernels().iter().any(|(_, k)| k.contains("blocked")));
+    }
+    for rows in [3, 1, 4] {
+        let mut exact = compiled(&inverted_residual(rows), &params);
+        let x = rng.values(rows * 24 * 90);
+        let want = exact.run(&[("x", &x)]).unwrap();
+        big.set_active_extent(&["x"], rows).unwrap();
+        let got = big.run(&[("x", &x)]).unwrap();
+        assert_eq!(got[0].len(), rows * 24);
+        for (g, w) in got[0].iter().zip(&want[0]) {
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{rows} rows: {g} vs {w}"
+            );
+        }
+    }
+}

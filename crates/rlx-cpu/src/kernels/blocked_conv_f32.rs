@@ -5,7 +5,8 @@
 //!   plain or blocked): output pixels are the product's rows, as in
 //!   [`super::conv_pixels_f32`], and its micro-kernel runs unchanged. Each step
 //!   broadcasts one input value per pixel from a table of channel offsets, so the
-//!   input is read in place in either layout: no packing and no staged copy. A
+//!   input is read in place in either layout: no packing and no staged copy (but
+//!   for an input prologue, applied to a per-task blocked copy). A
 //!   blocked output is stored as the micro-kernel holds it (pixels by 16 channels);
 //!   a plain one is transposed into channel rows.
 //! - **Depthwise** (one channel per group; blocked in and out; any window, stride,

@@ -61,7 +61,7 @@ pub(crate) fn pool(
     let task = |t: usize, _thread: usize| {
         for r in t * rows / tasks..(t + 1) * rows / tasks {
             let (plane, oy) = (r / oh, r % oh);
-            // SAFETY: plane `plane` of `x` (`h * w` pixels of 16 values), and row
+            // SAFETY: plane `plane` of `x` (`h * w` pixels of `b` values), and row
             // `r` of the output, which only this task writes.
             let (src, dst) = unsafe {
                 (
@@ -121,7 +121,7 @@ pub(crate) fn plane_sums(mean: bool, x: Src, out: Dst, ctx: &Ctx) -> Result<()> 
         return Ok(());
     }
     let scale = if mean && pixels > 0 {
-        1.0 / pixels as f32
+        1.0 / pixels as f64
     } else {
         1.0
     };
@@ -150,17 +150,17 @@ pub(crate) fn plane_sums(mean: bool, x: Src, out: Dst, ctx: &Ctx) -> Result<()> 
 
 multiversion! {
     /// `dst[j] = scale * Σ_p src[p][j]` over the pixels of one blocked plane (of
-    /// `dst.len()` channels).
-    fn sum_pixels(src: &[f32], scale: f32, dst: &mut [f32]) {
-        let mut acc = [0.0f32; BLOCK];
+    /// `dst.len()` channels), summed in `f64` as the plain kernel sums.
+    fn sum_pixels(src: &[f32], scale: f64, dst: &mut [f32]) {
+        let mut acc = [0.0f64; BLOCK];
         let acc = &mut acc[..dst.len()];
         for pixel in src.chunks_exact(dst.len()) {
             for (a, &v) in acc.iter_mut().zip(pixel) {
-                *a += v;
+                *a += f64::from(v);
             }
         }
         for (d, a) in dst.iter_mut().zip(acc.iter()) {
-            *d = a * scale;
+            *d = (a * scale) as f32;
         }
     }
 }

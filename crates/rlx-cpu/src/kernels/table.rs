@@ -81,9 +81,11 @@ impl Kernel {
 
 /// Whether a kernel runs `op` on operands of `inputs` into `out` with the operands
 /// and output blocked as `layout` says ([`crate::layout`]): every op does with
-/// nothing blocked; convolutions that [`blocked_conv_f32::kind`] takes, and `f32`
-/// elementwise ops whose full-size operands share the output's layout (other
-/// operands being single values), do with blocks.
+/// nothing blocked; with blocks, the convolutions that [`blocked_conv_f32::kind`]
+/// takes (a residual in the output's layout), `f32` elementwise ops as
+/// [`blocked_elementwise`] says, channel concatenations of parts with the output's
+/// block, max and average pools blocked in and out, and sums and means over a
+/// plane from a blocked value into a plain one.
 pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout) -> bool {
     if !layout.any() {
         return true;
