@@ -2889,6 +2889,5 @@ fn squeeze_excitation_pools_and_concatenation_on_blocked_values_match() {
 /// Whether the CPU keeps values channel-blocked here: AVX-512, and not turned off
 /// with `RLX_CHANNEL_BLOCKS=0`.
 fn blocks_enabled() -> bool {
-    rlx::cpu::isa::isa().avx512f
-        && std::env::var("RLX_CHANNEL_BLOCKS").map_or(true, |v| v.trim() != "0")
+    rlx::cpu::isa::isa().avx512f && rlx::ir::env::Switch::ChannelBlocks.enabled()
 }
