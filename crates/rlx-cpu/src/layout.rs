@@ -199,29 +199,33 @@ pub(crate) fn blocked_index(n: usize, c: usize, p: usize, channels: usize, pixel
 /// `plain` (`[n, c, pixels]`) in the blocked layout.
 #[cfg(test)]
 pub(crate) fn to_blocked(plain: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
-    let mut out = vec![0.0; plain.len()];
-    let images = plain.len() / (channels * pixels).max(1);
-    for n in 0..images {
-        for c in 0..channels {
-            for p in 0..pixels {
-                out[blocked_index(n, c, p, channels, pixels)] =
-                    plain[(n * channels + c) * pixels + p];
-            }
-        }
-    }
-    out
+    relayout(plain, channels, pixels, true)
 }
 
 /// A blocked value in the plain layout (`[n, c, pixels]`).
 #[cfg(test)]
 pub(crate) fn from_blocked(blocked: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
-    let mut out = vec![0.0; blocked.len()];
-    let images = blocked.len() / (channels * pixels).max(1);
+    relayout(blocked, channels, pixels, false)
+}
+
+/// `values` moved from the plain layout to the blocked one (`to_blocked`), or back.
+#[cfg(test)]
+fn relayout(values: &[f32], channels: usize, pixels: usize, to_blocked: bool) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    let images = values.len() / (channels * pixels).max(1);
     for n in 0..images {
         for c in 0..channels {
             for p in 0..pixels {
-                out[(n * channels + c) * pixels + p] =
-                    blocked[blocked_index(n, c, p, channels, pixels)];
+                let (plain, blocked) = (
+                    (n * channels + c) * pixels + p,
+                    blocked_index(n, c, p, channels, pixels),
+                );
+                let (to, from) = if to_blocked {
+                    (blocked, plain)
+                } else {
+                    (plain, blocked)
+                };
+                out[to] = values[from];
             }
         }
     }

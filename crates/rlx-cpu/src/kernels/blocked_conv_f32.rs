@@ -387,12 +387,7 @@ pub(crate) fn depthwise(
     out: Dst,
     (gemm, pool): (&GemmScratch, &ThreadPool),
 ) -> Result<()> {
-    let [n, c, h, wd] = [
-        x.shape.dim(0),
-        x.shape.dim(1),
-        x.shape.dim(2),
-        x.shape.dim(3),
-    ];
+    let [n, c, h, wd] = super::conv::nchw(x.shape);
     let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
     let (kh, kw) = (w.shape.dim(2), w.shape.dim(3));
     let taps = kh * kw;

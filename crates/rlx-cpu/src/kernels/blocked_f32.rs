@@ -34,12 +34,7 @@ pub(crate) fn pool(
     out: Dst,
     ctx: &Ctx,
 ) -> Result<()> {
-    let [n, c, h, w] = [
-        x.shape.dim(0),
-        x.shape.dim(1),
-        x.shape.dim(2),
-        x.shape.dim(3),
-    ];
+    let [n, c, h, w] = super::conv::nchw(x.shape);
     let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
     let b = block_of(c).unwrap_or(BLOCK);
     let planes = n * (c / b);

@@ -391,7 +391,7 @@ fn select_kernel(
         }
         Op::Conv2d { .. } | Op::FusedConv2d { .. } => Kernel::reference(op, dtype, conv2d),
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } if layout.input(0) => {
-            Kernel::new(format!("cpu.blocked.{}.f32", op.name()), blocked_pool)
+            Kernel::new(format!("cpu.blocked.{}.f32", op.name()), pool_planes)
         }
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } if f32_in => {
             Kernel::new(format!("cpu.planes.{}.f32", op.name()), pool_planes)
@@ -969,26 +969,20 @@ fn fused_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
     }
 }
 
+/// `f32` pooling: of planes, or of a blocked value ([`blocked_f32::pool`]).
 fn pool_planes(a: &Args, ctx: &mut Ctx) -> Result<()> {
-    match a.op {
-        Op::MaxPool2d { window } => conv::pool_f32(window, true, false, a.src(0), a.out, ctx),
+    let (window, max, count_include_pad) = match a.op {
+        Op::MaxPool2d { window } => (window, true, false),
         Op::AvgPool2d {
             window,
             count_include_pad,
-        } => conv::pool_f32(window, false, *count_include_pad, a.src(0), a.out, ctx),
-        _ => Err(a.wrong_op("pool_planes")),
-    }
-}
-
-/// Pooling of a blocked value ([`blocked_f32::pool`]).
-fn blocked_pool(a: &Args, ctx: &mut Ctx) -> Result<()> {
-    match a.op {
-        Op::MaxPool2d { window } => blocked_f32::pool(window, true, false, a.src(0), a.out, ctx),
-        Op::AvgPool2d {
-            window,
-            count_include_pad,
-        } => blocked_f32::pool(window, false, *count_include_pad, a.src(0), a.out, ctx),
-        _ => Err(a.wrong_op("blocked_pool")),
+        } => (window, false, *count_include_pad),
+        _ => return Err(a.wrong_op("pool_planes")),
+    };
+    if a.layout.input(0) {
+        blocked_f32::pool(window, max, count_include_pad, a.src(0), a.out, ctx)
+    } else {
+        conv::pool_f32(window, max, count_include_pad, a.src(0), a.out, ctx)
     }
 }
 
