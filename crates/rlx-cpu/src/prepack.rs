@@ -219,12 +219,17 @@ pub(crate) fn packed_operand(
     let shapes = [a.clone(), b.clone()];
     let spec = match op {
         Op::Conv2d { .. } | Op::FusedConv2d { .. }
-            if crate::kernels::blocked_conv(op, &shapes, layout)
-                == Some(crate::kernels::blocked_conv_f32::BlockedConv::Pointwise) =>
+            if matches!(
+                crate::kernels::blocked_conv(op, &shapes, layout),
+                Some(
+                    crate::kernels::blocked_conv_f32::BlockedConv::Pointwise
+                        | crate::kernels::blocked_conv_f32::BlockedConv::Dense
+                )
+            ) =>
         {
             PackSpec::ConvPixels {
                 o: b.dim(0),
-                k: b.dim(1),
+                k: b.dim(1) * b.dim(2) * b.dim(3),
             }
         }
         // Products on AMX tiles pack their weights per call, into tiles.

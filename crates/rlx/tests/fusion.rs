@@ -2886,6 +2886,91 @@ fn squeeze_excitation_pools_and_concatenation_on_blocked_values_match() {
     }
 }
 
+#[test]
+fn stems_and_fire_modules_on_blocked_values_match() {
+    let mut rng = Rng(0xf12e);
+    let mut blocked: HashMap<String, usize> = HashMap::new();
+    for case in 0..8 {
+        let n = 1 + rng.below(2);
+        let (h, w) = (9 + rng.below(16), 9 + rng.below(16));
+        let stem = [16, 24][rng.below(2)];
+        let squeeze = [8, 16][rng.below(2)];
+        let e = [16, 32][rng.below(2)];
+        let g = Graph::new("stem and fire module");
+        let x = g.input("x", Shape::new(&[n, 3, h, w], DType::F32)).unwrap();
+        // Weights scaled by 1 / sqrt(fan-in), as models initialize them.
+        let conv = |g: &Graph, x, name: &str, [cin, cout, k]: [usize; 3], (stride, pad, dil)| {
+            let wt = g
+                .param(name, Shape::new(&[cout, cin, k, k], DType::F32))
+                .unwrap();
+            let scale = g.scalar(1.0 / ((cin * k * k) as f64).sqrt(), DType::F32);
+            let wt = g.mul(wt, scale).unwrap();
+            let bias = g.param(format!("{name}.b"), Shape::new(&[cout], DType::F32));
+            g.conv2d(
+                x,
+                wt,
+                Some(bias.unwrap()),
+                [stride, stride],
+                [pad; 4],
+                [dil, dil],
+                1,
+            )
+            .unwrap()
+        };
+        let k = [3, 7][rng.below(2)];
+        let y = conv(&g, x, "stem", [3, stem, k], (2, k / 2, 1));
+        let y = g.relu(y).unwrap();
+        // Ceil-mode pooling, as exporters write it: padding on the far side only.
+        let y = g.max_pool2d(y, [3, 3], [2, 2], [0, 0, 1, 1]).unwrap();
+        let s = conv(&g, y, "squeeze", [stem, squeeze, 1], (1, 0, 1));
+        let s = g.relu(s).unwrap();
+        let e1 = conv(&g, s, "expand1", [squeeze, e, 1], (1, 0, 1));
+        let e1 = g.relu(e1).unwrap();
+        let e3 = conv(&g, s, "expand3", [squeeze, e, 3], (1, 1, 1));
+        let e3 = g.relu(e3).unwrap();
+        let joined = g.concat(&[e1, e3], 1).unwrap();
+        // A batch norm and ReLU before a 3x3 convolution (DenseNet's order), then a
+        // strided 1x1 one.
+        let bn_scale = g
+            .param("bn.scale", Shape::new(&[1, 2 * e, 1, 1], DType::F32))
+            .unwrap();
+        let bn_shift = g
+            .param("bn.shift", Shape::new(&[1, 2 * e, 1, 1], DType::F32))
+            .unwrap();
+        let normed = g.add(g.mul(joined, bn_scale).unwrap(), bn_shift).unwrap();
+        let normed = g.relu(normed).unwrap();
+        let dil = 1 + rng.below(2);
+        let z = conv(&g, normed, "dense", [2 * e, 16, 3], (1, dil, dil));
+        let out = conv(&g, z, "shortcut", [16, 16, 1], (2, 0, 1));
+        g.set_outputs(vec![out]);
+        check(
+            &g,
+            &mut rng,
+            &format!("case {case} x[{n},3,{h},{w}] stem{stem} k{k} s{squeeze} e{e} d{dil}"),
+        );
+        let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
+        for (_, k) in kernels.iter().filter(|(_, k)| k.contains("blocked")) {
+            *blocked
+                .entry(k.split('.').nth(1).unwrap_or("").to_string())
+                .or_insert(0) += 1;
+        }
+    }
+    if blocks_enabled() {
+        for kind in [
+            "blocked-direct",
+            "blocked-pointwise",
+            "blocked",
+            "blocked-rows",
+        ] {
+            assert!(blocked.contains_key(kind), "no {kind} step: {blocked:?}");
+        }
+        assert!(
+            blocked["blocked-direct"] >= 16,
+            "too few blocked direct convolutions: {blocked:?}"
+        );
+    }
+}
+
 /// Whether the CPU keeps values channel-blocked here: AVX-512, and not turned off
 /// with `RLX_CHANNEL_BLOCKS=0`.
 fn blocks_enabled() -> bool {

@@ -34,6 +34,9 @@ pub(crate) enum BlockedConv {
     Pointwise,
     /// One input channel per output channel, blocked input and output.
     Depthwise,
+    /// Any other window of one group that [`conv_pixels_f32`] runs (3x3 layers,
+    /// strided 1x1 ones, stems), input and output each plain or blocked.
+    Dense,
 }
 
 impl BlockedConv {
@@ -42,6 +45,7 @@ impl BlockedConv {
         match self {
             BlockedConv::Pointwise => "blocked-pointwise",
             BlockedConv::Depthwise => "blocked-depthwise",
+            BlockedConv::Dense => "blocked-direct",
         }
     }
 }
@@ -71,6 +75,13 @@ pub(crate) fn kind(
     if pointwise {
         return Some(BlockedConv::Pointwise);
     }
+    let dense = groups == 1
+        && w.dim(1) == x.dim(1)
+        && conv_pixels_f32::applies(win, groups, x)
+        && !super::conv_f32::winograd_over_blocks(win, x, w);
+    if dense {
+        return Some(BlockedConv::Dense);
+    }
     let depthwise = groups > 1
         && groups == x.dim(1)
         && w.dim(0) == groups
@@ -88,15 +99,28 @@ pub(crate) fn scratch_f64(kind: BlockedConv, w: &Shape) -> usize {
             let (o, c) = (w.dim(0), w.dim(1));
             conv_pixels_f32::weights_len(o, c).div_ceil(2) + c.div_ceil(2)
         }
+        BlockedConv::Dense => {
+            let (o, k) = (w.dim(0), w.dim(1) * w.dim(2) * w.dim(3));
+            conv_pixels_f32::weights_len(o, k).div_ceil(2)
+        }
         BlockedConv::Depthwise => 0,
     }
 }
 
 /// Floats of scratch each thread needs: a depthwise block's weights, tap by tap; a
 /// pointwise convolution with a prologue, its block of changed input and the block's
-/// channel offsets.
-pub(crate) fn thread_floats(kind: BlockedConv, x: &Shape, w: &Shape, prologue: bool) -> usize {
+/// channel offsets; a dense one, what [`conv_pixels_f32`] stages.
+pub(crate) fn thread_floats(
+    kind: BlockedConv,
+    win: &Window2d,
+    [x, w]: [&Shape; 2],
+    prologue: bool,
+) -> usize {
     match kind {
+        BlockedConv::Dense => {
+            let out_hw = [0, 1].map(|axis| super::conv::extent(win, axis, x.dim(2 + axis)));
+            conv_pixels_f32::thread_floats(win, x, w, out_hw)
+        }
         BlockedConv::Pointwise if prologue => {
             let c = x.dim(1);
             block_fit(c).next_multiple_of(MR) * c + c
@@ -107,8 +131,8 @@ pub(crate) fn thread_floats(kind: BlockedConv, x: &Shape, w: &Shape, prologue: b
     }
 }
 
-/// A per-input-channel change a pointwise convolution applies to its (blocked)
-/// input before the product: `activation(x * scale[c] + shift[c])`.
+/// A per-input-channel change a convolution applies to its input before the
+/// product: `activation(x * scale[c] + shift[c])`.
 #[derive(Clone, Copy)]
 pub(crate) struct Prologue<'a> {
     /// The scale and shift, one per input channel.
@@ -118,6 +142,35 @@ pub(crate) struct Prologue<'a> {
 }
 
 impl Prologue<'_> {
+    /// Applies the change in place to `values`: pixels of the channels `channels`,
+    /// a value of each per pixel (one channel: a plain row; a block: its lanes).
+    pub(crate) fn apply(&self, values: &mut [f32], channels: std::ops::Range<usize>) {
+        match (self.affine, channels.len()) {
+            (Some((scale, shift)), 1) => crate::gemm::activate_and_add(
+                values,
+                0.0,
+                None,
+                None,
+                Some(crate::gemm::RowAffine {
+                    scale: scale[channels.start],
+                    shift: shift[channels.start],
+                    activation: self.activation,
+                }),
+            ),
+            (Some((scale, shift)), _) => crate::gemm::activate_and_add_lanes(
+                values,
+                None,
+                None,
+                None,
+                Some((&scale[channels.clone()], &shift[channels], self.activation)),
+            ),
+            (None, 1) => crate::gemm::activate_and_add(values, 0.0, self.activation, None, None),
+            (None, _) => {
+                crate::gemm::activate_and_add_lanes(values, None, self.activation, None, None)
+            }
+        }
+    }
+
     /// Writes the changed values of pixels `p0..p0 + len` of image `x_image` (blocks
     /// of `b` of its `c` channels of `pixels`) into `stage` as a blocked plane of
     /// `len` pixels.
@@ -135,17 +188,7 @@ impl Prologue<'_> {
                 std::slice::from_raw_parts(x_image.add((block * pixels + p0) * b), len * b)
             };
             dst.copy_from_slice(src);
-            let lanes = block * b..(block + 1) * b;
-            match self.affine {
-                Some((scale, shift)) => crate::gemm::activate_and_add_lanes(
-                    dst,
-                    None,
-                    None,
-                    None,
-                    Some((&scale[lanes.clone()], &shift[lanes], self.activation)),
-                ),
-                None => crate::gemm::activate_and_add_lanes(dst, None, self.activation, None, None),
-            }
+            self.apply(dst, block * b..(block + 1) * b);
         }
     }
 }
@@ -679,8 +722,32 @@ mod tests {
         layout: [bool; 2],
         residual: bool,
         affine: bool,
-        /// A pointwise convolution's input prologue: `silu(x * scale + shift)`.
+        /// An input prologue: `silu(x * scale + shift)`.
         prologue: bool,
+    }
+
+    impl Case {
+        /// A dense convolution of one group (`o` filters over a window of `win`).
+        fn dense(
+            threads: usize,
+            x: [usize; 4],
+            o: usize,
+            win: Window2d,
+            layout: [bool; 2],
+        ) -> Case {
+            Case {
+                threads,
+                x,
+                o,
+                kernel: win.kernel,
+                win,
+                groups: 1,
+                layout,
+                residual: false,
+                affine: false,
+                prologue: false,
+            }
+        }
     }
 
     fn window(
@@ -702,6 +769,11 @@ mod tests {
     /// written out in scalars: bias, ReLU6, residual, then `scale * v + shift` and
     /// hard-swish.
     fn check(case: &Case, seed: u64) {
+        check_with(case, seed, crate::gemm::Activation::Relu6);
+    }
+
+    /// [`check`] with `activation` after the bias (ReLU or ReLU6).
+    fn check_with(case: &Case, seed: u64, activation: crate::gemm::Activation) {
         if !crate::isa::isa().avx512f {
             return;
         }
@@ -754,7 +826,10 @@ mod tests {
         );
         for (i, v) in want.iter_mut().enumerate() {
             let co = i / out_pixels % o;
-            let mut value = (*v + bias[co]).clamp(0.0, 6.0);
+            let mut value = match activation {
+                crate::gemm::Activation::Relu => (*v + bias[co]).max(0.0),
+                _ => (*v + bias[co]).clamp(0.0, 6.0),
+            };
             if case.residual {
                 value += residual[i];
             }
@@ -778,10 +853,11 @@ mod tests {
         let layout = StepLayout::new(&[x_blocked, false], out_blocked);
         let kind = kind(&case.win, case.groups, &xs, &ws, layout).expect("a blocked kernel");
         let pool = ThreadPool::new(case.threads);
-        let scratch = GemmScratch::new(case.threads, thread_floats(kind, &xs, &ws, true));
+        let floats = thread_floats(kind, &case.win, [&xs, &ws], true);
+        let scratch = GemmScratch::new(case.threads, floats);
         let finish = Finish {
             bias: Some(&bias),
-            activation: Some(crate::gemm::Activation::Relu6),
+            activation: Some(activation),
             residual: case.residual.then(|| src(&residual_stored, &os)),
             affine: case.affine.then_some((
                 &scale[..],
@@ -813,6 +889,26 @@ mod tests {
                 )
                 .unwrap();
             }
+            BlockedConv::Dense => {
+                let k = cg * kh * kw;
+                let mut packed = vec![0.0; conv_pixels_f32::weights_len(o, k)];
+                conv_pixels_f32::pack_weights(&wt, o, k, &mut packed);
+                let blocks = conv_pixels_f32::Blocks {
+                    input: block_if(x_blocked, c),
+                    output: block_if(out_blocked, o),
+                };
+                let out_dst = dst(&mut out, &os);
+                conv_pixels_f32::conv2d(
+                    &case.win,
+                    x_src,
+                    &packed,
+                    (finish, prologue),
+                    out_dst,
+                    blocks,
+                    (&scratch, &pool),
+                )
+                .unwrap();
+            }
             BlockedConv::Depthwise => {
                 let out_dst = dst(&mut out, &os);
                 depthwise(
@@ -831,7 +927,7 @@ mod tests {
             out
         };
         let what = format!(
-            "{} threads x{:?} o{o} k{:?} {:?} groups {} layout {:?} prologue {}",
+            "{} threads x{:?} o{o} k{:?} {:?} groups {} layout {:?} prologue {} {activation:?}",
             case.threads, case.x, case.kernel, case.win, case.groups, case.layout, case.prologue
         );
         let tol = 5e-6 * ((cg * kh * kw) as f64).sqrt();
@@ -967,6 +1063,65 @@ mod tests {
                     prologue: false,
                 };
                 check(&case, 101 + i as u64);
+            }
+        }
+    }
+
+    #[test]
+    fn dense_matches_the_reference_in_every_layout() {
+        let three = |stride, padding| window([3, 3], [stride, stride], padding, [1, 1]);
+        // (threads, x dims, output channels, window): 3x3 layers the plain layout
+        // runs without Winograd (under 32 channels, strided, few tiles), a stem of
+        // 3 channels, a strided 1x1, a dilated 5x5 with asymmetric padding, 8-channel
+        // blocks, and a depth over one block of steps (144 x 9 > KC).
+        let cases = [
+            (2, [2, 16, 11, 13], 64, three(1, [1; 4])),
+            (3, [1, 32, 14, 15], 48, three(2, [1; 4])),
+            (2, [1, 16, 9, 9], 24, three(1, [0, 1, 2, 1])),
+            (
+                1,
+                [2, 3, 17, 19],
+                32,
+                window([7, 7], [2, 2], [3; 4], [1, 1]),
+            ),
+            (
+                2,
+                [1, 64, 9, 11],
+                32,
+                window([1, 1], [2, 2], [0; 4], [1, 1]),
+            ),
+            (
+                2,
+                [1, 24, 12, 10],
+                40,
+                window([5, 5], [1, 1], [4, 3, 2, 4], [2, 2]),
+            ),
+            (4, [1, 144, 6, 6], 32, three(1, [1; 4])),
+            (2, [3, 8, 5, 7], 8, three(1, [1; 4])),
+        ];
+        for (i, &(threads, x, o, win)) in cases.iter().enumerate() {
+            for layout in [[true, true], [true, false], [false, true]] {
+                // Blocked sides need whole blocks.
+                if (layout[0] && block_of(x[1]).is_none()) || (layout[1] && block_of(o).is_none()) {
+                    continue;
+                }
+                for (residual, affine, prologue) in [
+                    (false, false, false),
+                    (true, false, false),
+                    (true, true, true),
+                    (false, false, true),
+                ] {
+                    let case = Case {
+                        residual,
+                        affine,
+                        prologue,
+                        ..Case::dense(threads, x, o, win, layout)
+                    };
+                    check(&case, 201 + i as u64);
+                }
+                // A bias and ReLU alone are applied as each tile is stored.
+                let case = Case::dense(threads, x, o, win, layout);
+                check_with(&case, 301 + i as u64, crate::gemm::Activation::Relu);
             }
         }
     }

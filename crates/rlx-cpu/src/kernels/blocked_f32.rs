@@ -5,7 +5,7 @@
 //! output pixel is a block of channels, one vector, whatever the plane's width.
 
 use super::Ctx;
-use super::conv::{inside_taps, max_kept};
+use super::conv::inside_taps;
 use crate::layout::{BLOCK, block_of};
 use crate::tensor::{Dst, Src};
 use crate::vmath::multiversion;
@@ -73,35 +73,77 @@ pub(crate) fn pool(
     ctx.pool.run(tasks, threads, &task)
 }
 
-multiversion! {
-    /// Output row `oy` of one plane.
-    fn pool_row(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32]) {
-        let PoolRow { win, max, count_include_pad, in_hw: [h, w], ow, lanes } = row;
-        let (y0, ny) = inside_taps(win, 0, oy, h);
-        let window = win.kernel[0] * win.kernel[1];
-        for (ox, out) in dst.chunks_exact_mut(lanes).enumerate().take(ow) {
-            let (x0, nx) = inside_taps(win, 1, ox, w);
-            let mut acc = [if max { f32::NEG_INFINITY } else { 0.0 }; BLOCK];
-            let acc = &mut acc[..lanes];
-            for ty in 0..ny {
-                let iy = y0 + ty * win.dilation[0];
-                for tx in 0..nx {
-                    let ix = x0 + tx * win.dilation[1];
-                    let v = &src[(iy * w + ix) * lanes..][..lanes];
-                    for (a, &t) in acc.iter_mut().zip(v) {
-                        *a = if max { max_kept(*a, t) } else { *a + t };
-                    }
-                }
+/// Output row `oy` of one plane: each output pixel's block of channels in one
+/// vector (8-channel blocks under a lane mask), its taps inside the input read as
+/// whole vectors.
+fn pool_row(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32]) {
+    let ([h, w], lanes) = (row.in_hw, row.lanes);
+    assert!(
+        src.len() >= h * w * lanes && dst.len() >= row.ow * lanes && lanes <= BLOCK,
+        "a blocked pool row's planes"
+    );
+    // SAFETY: AVX-512F (blocked values exist only with it: `layout::assign`); the
+    // plane and the row hold what the assert checked.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        pool_row_avx512(row, oy, src, dst)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("blocked layouts need AVX-512")
+}
+
+/// [`pool_row`] on AVX-512.
+///
+/// # Safety
+/// AVX-512F is available; `src` holds the plane's `h * w` pixels of `lanes`
+/// values, `dst` the row's `ow`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pool_row_avx512(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let PoolRow {
+        win,
+        max,
+        count_include_pad,
+        in_hw: [h, w],
+        ow,
+        lanes,
+    } = row;
+    let mask: __mmask16 = (((1u32 << lanes) - 1) & 0xffff) as u16;
+    let (y0, ny) = inside_taps(win, 0, oy, h);
+    let window = win.kernel[0] * win.kernel[1];
+    let zero = _mm512_setzero_ps();
+    for ox in 0..ow {
+        let (x0, nx) = inside_taps(win, 1, ox, w);
+        let mut acc = _mm512_set1_ps(if max { f32::NEG_INFINITY } else { 0.0 });
+        for ty in 0..ny {
+            let iy = y0 + ty * win.dilation[0];
+            for tx in 0..nx {
+                let ix = x0 + tx * win.dilation[1];
+                // SAFETY: pixel `(iy, ix)` lies inside the plane (`inside_taps`).
+                let t =
+                    unsafe { _mm512_maskz_loadu_ps(mask, src.as_ptr().add((iy * w + ix) * lanes)) };
+                acc = if max {
+                    // As `max_kept`: the larger, NaN where either is.
+                    let acc = _mm512_add_ps(acc, zero);
+                    let take = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(t, acc)
+                        | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(t, t);
+                    _mm512_mask_blend_ps(take, acc, t)
+                } else {
+                    _mm512_add_ps(acc, t)
+                };
             }
-            if !max {
-                let count = if count_include_pad { window } else { (ny * nx).max(1) };
-                let scale = 1.0 / count as f32;
-                for a in acc.iter_mut() {
-                    *a *= scale;
-                }
-            }
-            out.copy_from_slice(acc);
         }
+        if !max {
+            let count = if count_include_pad {
+                window
+            } else {
+                (ny * nx).max(1)
+            };
+            acc = _mm512_mul_ps(acc, _mm512_set1_ps(1.0 / count as f32));
+        }
+        // SAFETY: pixel `ox` of the row.
+        unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr().add(ox * lanes), mask, acc) };
     }
 }
 

@@ -20,6 +20,7 @@
 //! transposed into the output's channel rows. The bias, activation, residual and
 //! channel affine then run over the panel's finished rows.
 
+use super::blocked_conv_f32::Prologue;
 use super::conv_f32::ChannelAffine;
 use crate::gemm::Activation;
 use crate::pool::ThreadPool;
@@ -110,6 +111,9 @@ struct Geometry {
     ow: usize,
     /// Columns of a staged row: every column some tap reads, from the left padding.
     wp: usize,
+    /// Input channels per block: the input's block when it is channel-blocked (the
+    /// staged rows are too: `[block][row][wp][lanes]`), else 1.
+    lanes: usize,
 }
 
 impl Geometry {
@@ -122,6 +126,15 @@ impl Geometry {
             oh,
             ow,
             wp: (ow.max(1) - 1) * sx + (kw - 1) * dx + 1,
+            lanes: 1,
+        }
+    }
+
+    /// The same geometry over an input channel-blocked in blocks of `lanes`.
+    fn with_lanes(self, lanes: Option<usize>) -> Geometry {
+        Geometry {
+            lanes: lanes.unwrap_or(1),
+            ..self
         }
     }
 
@@ -270,17 +283,29 @@ impl ChannelFinish<'_> {
     }
 }
 
-/// The convolution, with `weights` from [`pack_weights`].
+/// The layouts of a convolution's input and output here: each one's channel block
+/// where it is channel-blocked ([`crate::layout`]), else `None` (NCHW).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Blocks {
+    pub input: Option<usize>,
+    pub output: Option<usize>,
+}
+
+/// The convolution, with `weights` from [`pack_weights`], in and out of the layouts
+/// `blocks` says. A `prologue` is applied to the input as it is staged (the
+/// padding stays zero, as the convolution of the changed input pads it).
 pub(crate) fn conv2d(
     win: &Window2d,
     x: Src,
     weights: &[f32],
-    finish: Finish,
+    (finish, prologue): (Finish, Option<Prologue>),
     out: Dst,
+    blocks: Blocks,
     (gemm, pool): (&crate::gemm::GemmScratch, &ThreadPool),
 ) -> Result<()> {
     let [n, o] = [out.shape.dim(0), out.shape.dim(1)];
-    let geo = Geometry::new(win, x.shape, [out.shape.dim(2), out.shape.dim(3)]);
+    let geo =
+        Geometry::new(win, x.shape, [out.shape.dim(2), out.shape.dim(3)]).with_lanes(blocks.input);
     let pixels = geo.oh * geo.ow;
     if n == 0 || o == 0 || pixels == 0 {
         return Ok(());
@@ -309,6 +334,8 @@ pub(crate) fn conv2d(
         && finish.affine.is_none()
         && matches!(finish.activation, None | Some(Activation::Relu));
     let per_channel = finish.per_channel();
+    // Floats from one output pixel to the next in a channel (or block).
+    let out_lanes = blocks.output.unwrap_or(1);
     let task = |u: usize, thread: usize| {
         let (u, part) = (u / parts, u % parts);
         let part_range = part * part_panels..((part + 1) * part_panels).min(panels);
@@ -326,19 +353,21 @@ pub(crate) fn conv2d(
         let block_pixels = rows * geo.ow;
         let products = &mut rest[..products_len(k, block_pixels)];
         let src = &xs[image * geo.cg * geo.h * geo.w..][..geo.cg * geo.h * geo.w];
-        stage_rows(win, &geo, src, y0, staged_rows, staged);
+        stage_rows(win, &geo, (src, prologue), y0, staged_rows, staged);
         step_offsets(win, &geo, staged_rows, offsets);
-        let first = image * o * pixels + y0 * geo.ow;
+        // The block's first pixel of channel 0 (or of block 0) of the image.
+        let first = image * o * pixels + y0 * geo.ow * out_lanes;
         let block_out = BlockOut {
-            // SAFETY: the block's first pixel of channel 0 of the image.
+            // SAFETY: inside the image's output.
             out: unsafe { (out_addr as *mut f32).add(first) },
             pixels,
             channels: o,
+            block: blocks.output,
         };
         let bases = PixelBases {
             ow: geo.ow,
-            row_step: win.stride[0] * geo.wp,
-            sx: win.stride[1],
+            row_step: win.stride[0] * geo.wp * geo.lanes,
+            sx: win.stride[1] * geo.lanes,
             last: block_pixels - 1,
         };
         let step_offsets: &[u32] = as_offsets(offsets);
@@ -366,22 +395,25 @@ pub(crate) fn conv2d(
             if in_store {
                 continue;
             }
-            for co in q0 * NR..((q0 + count) * NR).min(o) {
-                let at = first + co * pixels;
-                // SAFETY: the block's pixels of channel `co`: inside the output (and
-                // the residual, of the same shape); only this task writes them.
+            // The finished rows (or block runs) of the group's channels.
+            let (c0, c1) = (q0 * NR, ((q0 + count) * NR).min(o));
+            for c in (c0..c1).step_by(out_lanes) {
+                let at = first + c * pixels;
+                let len = block_pixels * out_lanes;
+                // SAFETY: the block's pixels of channel (or block) `c`: inside the
+                // output (and the residual, of the same shape and layout); only this
+                // task writes them.
                 let (values, residual) = unsafe {
                     (
-                        std::slice::from_raw_parts_mut(
-                            (out_addr as *mut f32).add(at),
-                            block_pixels,
-                        ),
-                        residual_addr.map(|a| {
-                            std::slice::from_raw_parts((a as *const f32).add(at), block_pixels)
-                        }),
+                        std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), len),
+                        residual_addr
+                            .map(|a| std::slice::from_raw_parts((a as *const f32).add(at), len)),
                     )
                 };
-                per_channel.apply(co, values, residual);
+                match blocks.output {
+                    Some(b) => per_channel.apply_lanes((c, b), values, residual),
+                    None => per_channel.apply(c, values, residual),
+                }
             }
         }
     };
@@ -404,11 +436,13 @@ struct StoreFinish {
 }
 
 /// Where a block's output goes: its first pixel of channel 0, with `pixels` floats
-/// from one channel to the next.
+/// from one channel to the next (plain), or of block 0, with `pixels * b` floats
+/// from one block of `b` channels to the next (`block`: channel-blocked).
 struct BlockOut {
     out: *mut f32,
     pixels: usize,
     channels: usize,
+    block: Option<usize>,
 }
 
 /// Where each output pixel of a block reads its first input value in the staged rows.
@@ -432,46 +466,55 @@ impl PixelBases {
 }
 
 /// Copies the input rows `staged_rows` rows from output row `y0`'s first into
-/// `staged` (`[channel][row][wp]`), zero where they fall in the padding.
+/// `staged` (`[channel][row][wp]`, or `[block][row][wp][lanes]` for a blocked
+/// input), zero where they fall in the padding, through `prologue` if any.
 fn stage_rows(
     win: &Window2d,
     geo: &Geometry,
-    src: &[f32],
+    (src, prologue): (&[f32], Option<Prologue>),
     y0: usize,
     staged_rows: usize,
     staged: &mut [f32],
 ) {
     let (pt, pl) = (win.padding[0] as isize, win.padding[1]);
-    let (h, w, wp) = (geo.h, geo.w, geo.wp);
+    let (h, w, wp, lanes) = (geo.h, geo.w, geo.wp, geo.lanes);
     // Staged column `c` holds input column `c - pl`: inside for `pl..pl + w`.
     let (c0, c1) = (pl.min(wp), (pl + w).min(wp));
     let top = (y0 * win.stride[0]) as isize - pt;
-    for (ci, plane) in staged.chunks_exact_mut(staged_rows * wp).enumerate() {
-        for (r, line) in plane.chunks_exact_mut(wp).enumerate() {
+    for (plane_index, plane) in staged
+        .chunks_exact_mut(staged_rows * wp * lanes)
+        .enumerate()
+    {
+        let channels = plane_index * lanes..(plane_index + 1) * lanes;
+        for (r, line) in plane.chunks_exact_mut(wp * lanes).enumerate() {
             let iy = top + r as isize;
             if !(0..h as isize).contains(&iy) {
                 line.fill(0.0);
                 continue;
             }
-            let row = &src[(ci * h + iy as usize) * w..][..w];
-            line[..c0].fill(0.0);
-            line[c0..c1].copy_from_slice(&row[..c1 - c0]);
-            line[c1..].fill(0.0);
+            let row = &src[(plane_index * h + iy as usize) * w * lanes..][..w * lanes];
+            line[..c0 * lanes].fill(0.0);
+            let inside = &mut line[c0 * lanes..c1 * lanes];
+            inside.copy_from_slice(&row[..(c1 - c0) * lanes]);
+            if let Some(prologue) = prologue {
+                prologue.apply(inside, channels.clone());
+            }
+            line[c1 * lanes..].fill(0.0);
         }
     }
 }
 
 /// Writes each step's offset from a pixel's first input value in the staged rows:
 /// step `p = (ci * kh + ky) * kw + kx` (the weights' order) reads channel `ci`,
-/// `ky` rows and `kx` columns on (times the dilation).
+/// `ky` rows and `kx` columns on (times the dilation), in the staged rows' layout.
 fn step_offsets(win: &Window2d, geo: &Geometry, staged_rows: usize, offsets: &mut [f32]) {
     let ([kh, kw], [dy, dx]) = (win.kernel, win.dilation);
-    let plane = staged_rows * geo.wp;
+    let (plane, b) = (staged_rows * geo.wp * geo.lanes, geo.lanes);
     let mut p = 0;
     for ci in 0..geo.cg {
         for ky in 0..kh {
             for kx in 0..kw {
-                let offset = ci * plane + ky * dy * geo.wp + kx * dx;
+                let offset = ci / b * plane + (ky * dy * geo.wp + kx * dx) * b + ci % b;
                 // `applies` checked that every staged offset fits.
                 offsets[p] = f32::from_bits(offset as u32);
                 p += 1;
@@ -515,7 +558,8 @@ fn run_group(
             // A tile's pixels reach a new line of the output rows about every third
             // tile (16 floats a line, 6 pixels a tile).
             let ahead = t * MR + STORE_AHEAD;
-            if d + 1 == depth_blocks && (t == 0 || ahead / 16 != (ahead - MR) / 16) {
+            let plain_out = out.block.is_none();
+            if plain_out && d + 1 == depth_blocks && (t == 0 || ahead / 16 != (ahead - MR) / 16) {
                 prefetch_output(
                     out,
                     q0 * NR..(q0 * NR + count * NR).min(out.channels),
@@ -541,15 +585,25 @@ fn run_group(
                     let q = q0 + v;
                     let channels = NR.min(out.channels - q * NR);
                     // SAFETY: pixels t * MR.. (valid of them) of channels q * NR..
-                    // (channels of them) lie inside the block's output.
+                    // (channels of them, whole blocks of a blocked output) lie
+                    // inside the block's output.
                     unsafe {
-                        store_transposed(
-                            product,
-                            out.out.add(q * NR * out.pixels + t * MR),
-                            out.pixels,
-                            (valid, channels),
-                            *finish,
-                        )
+                        match out.block {
+                            None => store_transposed(
+                                product,
+                                out.out.add(q * NR * out.pixels + t * MR),
+                                out.pixels,
+                                (valid, channels),
+                                *finish,
+                            ),
+                            Some(b) => store_blocked(
+                                product,
+                                out.out.add(q * NR * out.pixels + t * MR * b),
+                                (out.pixels * b, b),
+                                (valid, channels),
+                                *finish,
+                            ),
+                        }
                     };
                 }
             }
@@ -815,6 +869,61 @@ unsafe fn store_transposed(
             unsafe { *out.add(c * ldo + i) = v };
         }
     }
+}
+
+/// Stores a tile's product (`[pixel][channel]`, [`NR`] channels a pixel) into a
+/// channel-blocked output in blocks of `b` (16, or 8 under a lane mask): pixel
+/// `i`'s channels `s * b ..` go to `out + s * ldb + i * b`, through `finish` if any.
+///
+/// # Safety
+/// AVX-512F is available (blocked values exist only with it); `out + s * ldb + i *
+/// b + j` is writable for every `s < channels / b`, `i < valid` and `j < b`;
+/// `channels` is a whole number of blocks, at most [`NR`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn store_blocked(
+    tile: &[f32],
+    out: *mut f32,
+    (ldb, b): (usize, usize),
+    (valid, channels): (usize, usize),
+    finish: Option<StoreFinish>,
+) {
+    use std::arch::x86_64::*;
+    let relu = finish.is_some_and(|f| f.relu);
+    let mask: __mmask16 = (((1u32 << b) - 1) & 0xffff) as u16;
+    for s in 0..channels / b {
+        // SAFETY: the tile holds MR rows of NR floats (lanes `s * b ..` of each are
+        // inside it), the bias NR values; the caller's contract for the stores.
+        unsafe {
+            let bias = finish.map_or(_mm512_setzero_ps(), |f| {
+                _mm512_maskz_loadu_ps(mask, f.bias.as_ptr().add(s * b))
+            });
+            for i in 0..valid {
+                let v = _mm512_add_ps(
+                    _mm512_maskz_loadu_ps(mask, tile.as_ptr().add(i * NR + s * b)),
+                    bias,
+                );
+                // `max(0, NaN)` keeps the NaN, like the other ReLUs.
+                let v = if relu {
+                    _mm512_max_ps(_mm512_setzero_ps(), v)
+                } else {
+                    v
+                };
+                _mm512_mask_storeu_ps(out.add(s * ldb + i * b), mask, v);
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn store_blocked(
+    _: &[f32],
+    _: *mut f32,
+    _: (usize, usize),
+    _: (usize, usize),
+    _: Option<StoreFinish>,
+) {
+    unreachable!("blocked layouts need AVX-512")
 }
 
 #[cfg(not(target_arch = "x86_64"))]

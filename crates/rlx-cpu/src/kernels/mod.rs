@@ -108,9 +108,11 @@ fn prologue_scratch(op: &Op, x: &Shape, w: &Shape) -> usize {
 
 /// Per-thread `f32` scratch a step needs beyond the GEMM buffers.
 pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape], layout: StepLayout) -> usize {
-    if let Some(kind) = blocked_conv(op, inputs, layout) {
+    if let (Some(kind), Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }) =
+        (blocked_conv(op, inputs, layout), op)
+    {
         let prologue = matches!(op, Op::FusedConv2d { fusion, .. } if fusion.has_prologue());
-        return blocked_conv_f32::thread_floats(kind, &inputs[0], &inputs[1], prologue);
+        return blocked_conv_f32::thread_floats(kind, window, [&inputs[0], &inputs[1]], prologue);
     }
     match op {
         Op::Attention { .. } | Op::CachedAttention { .. } if inputs[0].dtype() == DType::F32 => {

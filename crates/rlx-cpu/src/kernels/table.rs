@@ -107,10 +107,15 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
             let residual_at = fusion.residual.then(|| fusion.residual_at());
             let kind = blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout);
             let channels = inputs[0].dim(1);
-            // A prologue is applied to a blocked input's copy, one value per channel.
+            // A prologue is applied to a blocked input's copy (pointwise) or to the
+            // staged input (dense), one value per channel.
+            let prologue_kind = match kind {
+                Some(blocked_conv_f32::BlockedConv::Pointwise) => layout.input(0),
+                Some(blocked_conv_f32::BlockedConv::Dense) => true,
+                _ => false,
+            };
             let prologue_runs = !fusion.has_prologue()
-                || (kind == Some(blocked_conv_f32::BlockedConv::Pointwise)
-                    && layout.input(0)
+                || (prologue_kind
                     && finishes(fusion.input_activation)
                     && (!fusion.input_affine
                         || (0..2).all(|k| {
@@ -841,27 +846,38 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
             )
         }),
     };
+    let prologue = fusion.has_prologue().then(|| blocked_conv_f32::Prologue {
+        affine: fusion.input_affine.then(|| {
+            (
+                floats(a.src(fusion.input_scale_at())),
+                floats(a.src(fusion.input_scale_at() + 1)),
+            )
+        }),
+        activation: fusion.input_activation.and_then(fused::gemm_activation),
+    });
     match kind {
         blocked_conv_f32::BlockedConv::Depthwise => {
             blocked_conv_f32::depthwise(window, [x, w], finish, a.out, (ctx.gemm, ctx.pool))
         }
-        blocked_conv_f32::BlockedConv::Pointwise => {
-            let (o, c) = (w.shape.dim(0), w.shape.dim(1));
-            let len = conv_pixels_f32::weights_len(o, c);
-            let (weights, rest) = ctx.scratch.split_at_mut(len.div_ceil(2));
-            let spec = crate::prepack::PackSpec::ConvPixels { o, k: c };
-            let packed: &[f32] = match ctx.packed_b.filter(|p| p.fits(spec)) {
-                Some(packed) => packed.values(),
-                None => {
-                    // SAFETY: the step asked for `scratch_f64`: room for `len` f32
-                    // values here (f64 storage is aligned for f32).
-                    let values = unsafe {
-                        std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<f32>(), len)
-                    };
-                    conv_pixels_f32::pack_weights(floats(w), o, c, values);
-                    values
-                }
+        blocked_conv_f32::BlockedConv::Dense => {
+            let (packed, _) = pixel_weights(w, ctx.packed_b, ctx.scratch);
+            let blocks = conv_pixels_f32::Blocks {
+                input: blocked_conv_f32::block_if(a.layout.input(0), x.shape.dim(1)),
+                output: blocked_conv_f32::block_if(a.layout.output(), a.out.shape.dim(1)),
             };
+            conv_pixels_f32::conv2d(
+                window,
+                x,
+                packed,
+                (finish, prologue),
+                a.out,
+                blocks,
+                (ctx.gemm, ctx.pool),
+            )
+        }
+        blocked_conv_f32::BlockedConv::Pointwise => {
+            let c = w.shape.dim(1);
+            let (packed, rest) = pixel_weights(w, ctx.packed_b, ctx.scratch);
             // SAFETY: and room for `c` u32 offsets after them.
             let offsets =
                 unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<u32>(), c) };
@@ -871,15 +887,6 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
                 blocked_conv_f32::block_if(a.layout.input(0), c),
                 offsets,
             );
-            let prologue = fusion.has_prologue().then(|| blocked_conv_f32::Prologue {
-                affine: fusion.input_affine.then(|| {
-                    (
-                        floats(a.src(fusion.input_scale_at())),
-                        floats(a.src(fusion.input_scale_at() + 1)),
-                    )
-                }),
-                activation: fusion.input_activation.and_then(fused::gemm_activation),
-            });
             blocked_conv_f32::pointwise(
                 x,
                 (packed, offsets),
@@ -889,6 +896,33 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
                 a.layout,
                 (ctx.gemm, ctx.pool),
             )
+        }
+    }
+}
+
+/// A convolution's weights `w` in the pixel kernel's panels: `packed` ahead (a
+/// param), or packed into the front of `scratch`; with the rest of the scratch.
+fn pixel_weights<'s>(
+    w: Src<'_>,
+    packed: Option<&'s crate::prepack::PackedParam>,
+    scratch: &'s mut [f64],
+) -> (&'s [f32], &'s mut [f64]) {
+    let o = w.shape.dim(0);
+    let k = w.len / o.max(1);
+    let len = conv_pixels_f32::weights_len(o, k);
+    let (weights, rest) = scratch.split_at_mut(len.div_ceil(2));
+    let spec = crate::prepack::PackSpec::ConvPixels { o, k };
+    match packed.filter(|p| p.fits(spec)) {
+        Some(packed) => (packed.values(), rest),
+        None => {
+            // SAFETY: the step asked for `scratch_f64`: room for `len` f32 values
+            // here (f64 storage is aligned for f32).
+            let values =
+                unsafe { std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<f32>(), len) };
+            // SAFETY: an f32 tensor of `w.len` values, alive for the step.
+            let ws = unsafe { std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len) };
+            conv_pixels_f32::pack_weights(ws, o, k, values);
+            (values, rest)
         }
     }
 }
