@@ -364,6 +364,44 @@ fn activate(out: &mut [f32], activation: Option<Activation>) {
     }
 }
 
+/// Whether [`activate_lanes_avx512`] computes `activation` (the others run only in
+/// the scalar epilogue).
+pub(crate) fn has_lanes_form(activation: Activation) -> bool {
+    matches!(
+        activation,
+        Activation::Relu | Activation::Relu6 | Activation::HardSwish | Activation::Silu
+    )
+}
+
+/// `activation` on 16 lanes, as [`activate_and_add`] computes it (NaN passing
+/// through), for the activations [`has_lanes_form`] names; any other returns `x`.
+///
+/// # Safety
+/// AVX-512F must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn activate_lanes_avx512(
+    x: std::arch::x86_64::__m512,
+    activation: Activation,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let zero = _mm512_setzero_ps();
+    // `max` and `min` return their second operand when one is NaN.
+    let relu6 = |x: __m512| _mm512_min_ps(_mm512_set1_ps(6.0), _mm512_max_ps(zero, x));
+    match activation {
+        Activation::Relu => _mm512_max_ps(zero, _mm512_add_ps(x, zero)),
+        Activation::Relu6 => relu6(x),
+        Activation::HardSwish => _mm512_mul_ps(
+            _mm512_mul_ps(x, relu6(_mm512_add_ps(x, _mm512_set1_ps(3.0)))),
+            _mm512_set1_ps(1.0 / 6.0),
+        ),
+        // SAFETY: AVX-512F is available.
+        Activation::Silu => unsafe { crate::vmath::logistic_lanes_avx512::<true>(x) },
+        Activation::Gelu | Activation::GeluTanh => x,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -664,26 +664,112 @@ pub(crate) struct TileOut {
     pub pixel: usize,
 }
 
+/// What [`micro_kernel_to`] applies to a tile it stored into a 16-channel blocked
+/// output, in [`Finish`]'s order: the bias, the activation, the
+/// residual, then the channel affine and its activation (activations with a vector
+/// form only: [`crate::gemm::has_lanes_form`]). Pointers are at the tile's first
+/// panel: panel `v`'s 16 values `v * NR` on, the residual at the output's offsets.
+#[derive(Clone, Copy)]
+pub(crate) struct RegisterFinish {
+    pub bias: Option<*const f32>,
+    pub activation: Option<Activation>,
+    pub residual: Option<*const f32>,
+    pub affine: Option<(*const f32, *const f32, Option<Activation>)>,
+}
+
+impl RegisterFinish {
+    /// Panel `v`'s sums of one pixel, `at` floats from the tile's first value.
+    ///
+    /// # Safety
+    /// AVX-512F is available; every pointer holds the panel's values there.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn apply(
+        &self,
+        x: std::arch::x86_64::__m512,
+        v: usize,
+        at: usize,
+    ) -> std::arch::x86_64::__m512 {
+        use crate::gemm::activate_lanes_avx512 as activate;
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract.
+        unsafe {
+            let mut x = x;
+            if let Some(bias) = self.bias {
+                x = _mm512_add_ps(x, _mm512_loadu_ps(bias.add(v * NR)));
+            }
+            if let Some(a) = self.activation {
+                x = activate(x, a);
+            }
+            if let Some(residual) = self.residual {
+                x = _mm512_add_ps(x, _mm512_loadu_ps(residual.add(at)));
+            }
+            if let Some((scale, shift, post)) = self.affine {
+                let (s, t) = (
+                    _mm512_loadu_ps(scale.add(v * NR)),
+                    _mm512_loadu_ps(shift.add(v * NR)),
+                );
+                x = _mm512_fmadd_ps(x, s, t);
+                if let Some(a) = post {
+                    x = activate(x, a);
+                }
+            }
+            x
+        }
+    }
+}
+
 /// [`micro_kernel`] on AVX-512 for `count` panels (1 to [`MAX_GROUP`]), storing each
 /// panel's [`MR`] pixels through `out` (a channel-blocked output's own place) instead
-/// of a tile.
+/// of a tile, then applying `finish` to them if any.
 ///
 /// # Safety
-/// As [`micro_kernel`]; AVX-512F is available; every place `out` names is writable.
+/// As [`micro_kernel`]; AVX-512F is available; every place `out` names is writable;
+/// `finish`'s pointers as [`RegisterFinish`] says.
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn micro_kernel_to(
     offsets: &[u32],
     pixel: [*const f32; MR],
     (panels, stride, count): (*const f32, usize, usize),
     out: TileOut,
+    finish: Option<&RegisterFinish>,
 ) {
+    let sums = (panels, stride);
     // SAFETY: forwarded contract.
     unsafe {
         match count {
-            1 => micro_kernel_avx512::<1>(offsets, pixel, (panels, stride), out, false),
-            2 => micro_kernel_avx512::<2>(offsets, pixel, (panels, stride), out, false),
-            3 => micro_kernel_avx512::<3>(offsets, pixel, (panels, stride), out, false),
-            _ => micro_kernel_avx512::<4>(offsets, pixel, (panels, stride), out, false),
+            1 => micro_kernel_avx512::<1>(offsets, pixel, sums, out, false),
+            2 => micro_kernel_avx512::<2>(offsets, pixel, sums, out, false),
+            3 => micro_kernel_avx512::<3>(offsets, pixel, sums, out, false),
+            _ => micro_kernel_avx512::<4>(offsets, pixel, sums, out, false),
+        }
+        // The tile's values are in L1: finished there, a vector at a time (in the
+        // micro-kernel's registers, the finish's code cost the products their
+        // registers).
+        if let Some(finish) = finish {
+            finish_tile(out, count, finish);
+        }
+    }
+}
+
+/// Applies `finish` to the `MR` pixels of `count` panels that `out` names.
+///
+/// # Safety
+/// AVX-512F is available; `out` names `count` panels of `MR` pixels of [`NR`]
+/// floats, `finish`'s pointers as [`RegisterFinish`] says.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn finish_tile(out: TileOut, count: usize, finish: &RegisterFinish) {
+    use std::arch::x86_64::*;
+    for v in 0..count {
+        for i in 0..MR {
+            let at = v * out.panel + i * out.pixel;
+            // SAFETY: the caller's contract.
+            unsafe {
+                let x = finish.apply(_mm512_loadu_ps(out.at.add(at)), v, at);
+                _mm512_storeu_ps(out.at.add(at), x);
+            }
         }
     }
 }
@@ -694,6 +780,7 @@ pub(crate) unsafe fn micro_kernel_to(
     _: [*const f32; MR],
     _: (*const f32, usize, usize),
     _: TileOut,
+    _: Option<&RegisterFinish>,
 ) {
     unreachable!("blocked layouts need AVX-512")
 }
