@@ -328,11 +328,24 @@ pub(crate) fn conv2d(
     let xs = unsafe { std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len) };
     let out_addr = out.ptr as usize;
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
-    // A bias and a ReLU are applied to each tile as it is stored; anything more in
-    // one pass over a panel's finished rows.
-    let in_store = finish.residual.is_none()
-        && finish.affine.is_none()
-        && matches!(finish.activation, None | Some(Activation::Relu));
+    // Into a plain output, a bias and a ReLU are applied to each tile as it is
+    // stored; into a blocked one, any finish whose activations have a vector form;
+    // anything else in one pass over a panel's finished rows.
+    let vector_form = |a: Option<Activation>| a.is_none_or(crate::gemm::has_lanes_form);
+    let in_store = match blocks.output {
+        None => {
+            finish.residual.is_none()
+                && finish.affine.is_none()
+                && matches!(finish.activation, None | Some(Activation::Relu))
+        }
+        Some(_) => {
+            vector_form(finish.activation) && finish.affine.is_none_or(|(_, _, a)| vector_form(a))
+        }
+    };
+    let (bias_addr, activation) = (finish.bias.map(|b| b.as_ptr() as usize), finish.activation);
+    let affine_addr = finish
+        .affine
+        .map(|(s, t, post)| (s.as_ptr() as usize, t.as_ptr() as usize, post));
     let per_channel = finish.per_channel();
     // Floats from one output pixel to the next in a channel (or block).
     let out_lanes = blocks.output.unwrap_or(1);
@@ -363,6 +376,13 @@ pub(crate) fn conv2d(
             pixels,
             channels: o,
             block: blocks.output,
+            // The whole finish, the residual at the output's place.
+            finish: (in_store && blocks.output.is_some()).then(|| RegisterFinish {
+                bias: bias_addr.map(|a| a as *const f32),
+                activation,
+                residual: residual_addr.map(|a| (a as *const f32).wrapping_add(first)),
+                affine: affine_addr.map(|(s, t, post)| (s as *const f32, t as *const f32, post)),
+            }),
         };
         let bases = PixelBases {
             ow: geo.ow,
@@ -374,7 +394,7 @@ pub(crate) fn conv2d(
         for q0 in part_range.clone().step_by(group) {
             let count = group.min(part_range.end - q0);
             let stored: [Option<StoreFinish>; MAX_GROUP] = std::array::from_fn(|v| {
-                in_store.then(|| StoreFinish {
+                (in_store && blocks.output.is_none()).then(|| StoreFinish {
                     bias: std::array::from_fn(|j| {
                         finish
                             .bias
@@ -443,6 +463,9 @@ struct BlockOut {
     pixels: usize,
     channels: usize,
     block: Option<usize>,
+    /// A blocked output's finish, applied as each tile is stored (pointers at
+    /// channel 0, the residual at `out`).
+    finish: Option<RegisterFinish>,
 }
 
 /// Where each output pixel of a block reads its first input value in the staged rows.
@@ -596,13 +619,16 @@ fn run_group(
                                 (valid, channels),
                                 *finish,
                             ),
-                            Some(b) => store_blocked(
-                                product,
-                                out.out.add(q * NR * out.pixels + t * MR * b),
-                                (out.pixels * b, b),
-                                (valid, channels),
-                                *finish,
-                            ),
+                            Some(b) => {
+                                let at = q * NR * out.pixels + t * MR * b;
+                                store_blocked(
+                                    product,
+                                    (out.out, at),
+                                    (out.pixels * b, b),
+                                    (valid, q * NR, channels),
+                                    out.finish.as_ref(),
+                                )
+                            }
                         }
                     };
                 }
@@ -678,38 +704,39 @@ pub(crate) struct RegisterFinish {
 }
 
 impl RegisterFinish {
-    /// Panel `v`'s sums of one pixel, `at` floats from the tile's first value.
+    /// The sums of the lanes `mask` names of one pixel, whose first lane is
+    /// channel `channel` (of the pointers' channels) and which lie `at` floats on
+    /// from the residual's pointer; lanes outside the mask are never read.
     ///
     /// # Safety
-    /// AVX-512F is available; every pointer holds the panel's values there.
+    /// AVX-512F is available; every pointer holds those lanes' values there.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn apply(
         &self,
         x: std::arch::x86_64::__m512,
-        v: usize,
+        channel: usize,
         at: usize,
+        mask: std::arch::x86_64::__mmask16,
     ) -> std::arch::x86_64::__m512 {
         use crate::gemm::activate_lanes_avx512 as activate;
         use std::arch::x86_64::*;
         // SAFETY: the caller's contract.
         unsafe {
+            let load = |p: *const f32| _mm512_maskz_loadu_ps(mask, p);
             let mut x = x;
             if let Some(bias) = self.bias {
-                x = _mm512_add_ps(x, _mm512_loadu_ps(bias.add(v * NR)));
+                x = _mm512_add_ps(x, load(bias.add(channel)));
             }
             if let Some(a) = self.activation {
                 x = activate(x, a);
             }
             if let Some(residual) = self.residual {
-                x = _mm512_add_ps(x, _mm512_loadu_ps(residual.add(at)));
+                x = _mm512_add_ps(x, load(residual.add(at)));
             }
             if let Some((scale, shift, post)) = self.affine {
-                let (s, t) = (
-                    _mm512_loadu_ps(scale.add(v * NR)),
-                    _mm512_loadu_ps(shift.add(v * NR)),
-                );
+                let (s, t) = (load(scale.add(channel)), load(shift.add(channel)));
                 x = _mm512_fmadd_ps(x, s, t);
                 if let Some(a) = post {
                     x = activate(x, a);
@@ -767,7 +794,7 @@ unsafe fn finish_tile(out: TileOut, count: usize, finish: &RegisterFinish) {
             let at = v * out.panel + i * out.pixel;
             // SAFETY: the caller's contract.
             unsafe {
-                let x = finish.apply(_mm512_loadu_ps(out.at.add(at)), v, at);
+                let x = finish.apply(_mm512_loadu_ps(out.at.add(at)), v * NR, at, !0);
                 _mm512_storeu_ps(out.at.add(at), x);
             }
         }
@@ -958,45 +985,39 @@ unsafe fn store_transposed(
     }
 }
 
-/// Stores a tile's product (`[pixel][channel]`, [`NR`] channels a pixel) into a
-/// channel-blocked output in blocks of `b` (16, or 8 under a lane mask): pixel
-/// `i`'s channels `s * b ..` go to `out + s * ldb + i * b`, through `finish` if any.
+/// Stores a tile's product (`[pixel][channel]`, [`NR`] channels a pixel, from
+/// channel `c0`) into a channel-blocked output in blocks of `b` (16, or 8 under a
+/// lane mask): pixel `i`'s channels `s * b ..` go `at + s * ldb + i * b` floats
+/// after `out`, through `finish` if any.
 ///
 /// # Safety
-/// AVX-512F is available (blocked values exist only with it); `out + s * ldb + i *
-/// b + j` is writable for every `s < channels / b`, `i < valid` and `j < b`;
-/// `channels` is a whole number of blocks, at most [`NR`].
+/// AVX-512F is available (blocked values exist only with it); `out + at + s * ldb +
+/// i * b + j` is writable for every `s < channels / b`, `i < valid` and `j < b`;
+/// `channels` is a whole number of blocks, at most [`NR`]; `finish`'s pointers as
+/// [`RegisterFinish`] says, its residual at `out`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn store_blocked(
     tile: &[f32],
-    out: *mut f32,
+    (out, at): (*mut f32, usize),
     (ldb, b): (usize, usize),
-    (valid, channels): (usize, usize),
-    finish: Option<StoreFinish>,
+    (valid, c0, channels): (usize, usize, usize),
+    finish: Option<&RegisterFinish>,
 ) {
     use std::arch::x86_64::*;
-    let relu = finish.is_some_and(|f| f.relu);
     let mask: __mmask16 = (((1u32 << b) - 1) & 0xffff) as u16;
     for s in 0..channels / b {
-        // SAFETY: the tile holds MR rows of NR floats (lanes `s * b ..` of each are
-        // inside it), the bias NR values; the caller's contract for the stores.
-        unsafe {
-            let bias = finish.map_or(_mm512_setzero_ps(), |f| {
-                _mm512_maskz_loadu_ps(mask, f.bias.as_ptr().add(s * b))
-            });
-            for i in 0..valid {
-                let v = _mm512_add_ps(
-                    _mm512_maskz_loadu_ps(mask, tile.as_ptr().add(i * NR + s * b)),
-                    bias,
-                );
-                // `max(0, NaN)` keeps the NaN, like the other ReLUs.
-                let v = if relu {
-                    _mm512_max_ps(_mm512_setzero_ps(), v)
-                } else {
-                    v
+        for i in 0..valid {
+            let to = at + s * ldb + i * b;
+            // SAFETY: the tile holds MR rows of NR floats (lanes `s * b ..` of each
+            // are inside it); the caller's contract for the rest.
+            unsafe {
+                let v = _mm512_maskz_loadu_ps(mask, tile.as_ptr().add(i * NR + s * b));
+                let v = match finish {
+                    Some(f) => f.apply(v, c0 + s * b, to, mask),
+                    None => v,
                 };
-                _mm512_mask_storeu_ps(out.add(s * ldb + i * b), mask, v);
+                _mm512_mask_storeu_ps(out.add(to), mask, v);
             }
         }
     }
@@ -1005,10 +1026,10 @@ unsafe fn store_blocked(
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn store_blocked(
     _: &[f32],
-    _: *mut f32,
+    _: (*mut f32, usize),
     _: (usize, usize),
-    _: (usize, usize),
-    _: Option<StoreFinish>,
+    _: (usize, usize, usize),
+    _: Option<&RegisterFinish>,
 ) {
     unreachable!("blocked layouts need AVX-512")
 }
