@@ -2971,6 +2971,53 @@ fn stems_and_fire_modules_on_blocked_values_match() {
     }
 }
 
+#[test]
+fn residual_blocks_of_winograd_convolutions_on_blocked_values_match() {
+    let mut rng = Rng(0x3a3a);
+    let mut blocked: HashMap<String, usize> = HashMap::new();
+    for case in 0..4 {
+        let n = 1 + rng.below(2);
+        let (h, w) = (16 + rng.below(9), 16 + rng.below(9));
+        let c = [64, 72][rng.below(2)];
+        let g = Graph::new("residual block");
+        let x = g.input("x", Shape::new(&[n, c, h, w], DType::F32)).unwrap();
+        // Weights scaled by 1 / sqrt(fan-in), as models initialize them.
+        let conv = |g: &Graph, x, name: &str, [cin, cout, k]: [usize; 3]| {
+            let wt = g
+                .param(name, Shape::new(&[cout, cin, k, k], DType::F32))
+                .unwrap();
+            let scale = g.scalar(1.0 / ((cin * k * k) as f64).sqrt(), DType::F32);
+            let wt = g.mul(wt, scale).unwrap();
+            let bias = g.param(format!("{name}.b"), Shape::new(&[cout], DType::F32));
+            let pad = k / 2;
+            g.conv2d(x, wt, Some(bias.unwrap()), [1, 1], [pad; 4], [1, 1], 1)
+                .unwrap()
+        };
+        let a = conv(&g, x, "reduce", [c, 64, 1]);
+        let a = g.relu(a).unwrap();
+        let b = conv(&g, a, "first", [64, 64, 3]);
+        let b = g.relu(b).unwrap();
+        let b = conv(&g, b, "second", [64, 64, 3]);
+        let b = g.relu(g.add(b, a).unwrap()).unwrap();
+        let out = conv(&g, b, "project", [64, 32, 1]);
+        g.set_outputs(vec![out]);
+        check(&g, &mut rng, &format!("case {case} x[{n},{c},{h},{w}]"));
+        let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
+        for (_, k) in kernels.iter().filter(|(_, k)| k.contains("blocked")) {
+            *blocked
+                .entry(k.split('.').nth(1).unwrap_or("").to_string())
+                .or_insert(0) += 1;
+        }
+    }
+    let winograd = rlx::ir::env::Switch::Winograd.enabled();
+    if blocks_enabled() && winograd {
+        assert!(
+            blocked.get("blocked-winograd").copied().unwrap_or(0) >= 8,
+            "too few blocked Winograd convolutions: {blocked:?}"
+        );
+    }
+}
+
 /// Whether the CPU keeps values channel-blocked here: AVX-512, and not turned off
 /// with `RLX_CHANNEL_BLOCKS=0`.
 fn blocks_enabled() -> bool {

@@ -37,6 +37,10 @@ pub(crate) enum BlockedConv {
     /// Any other window of one group that [`conv_pixels_f32`] runs (3x3 layers,
     /// strided 1x1 ones, stems), input and output each plain or blocked.
     Dense,
+    /// A 3x3 layer that runs better by Winograd's transform
+    /// ([`super::conv_f32::winograd_over_blocks`]), input and output each plain or
+    /// blocked.
+    Winograd,
 }
 
 impl BlockedConv {
@@ -46,6 +50,7 @@ impl BlockedConv {
             BlockedConv::Pointwise => "blocked-pointwise",
             BlockedConv::Depthwise => "blocked-depthwise",
             BlockedConv::Dense => "blocked-direct",
+            BlockedConv::Winograd => "blocked-winograd",
         }
     }
 }
@@ -75,10 +80,10 @@ pub(crate) fn kind(
     if pointwise {
         return Some(BlockedConv::Pointwise);
     }
-    let dense = groups == 1
-        && w.dim(1) == x.dim(1)
-        && conv_pixels_f32::applies(win, groups, x)
-        && !super::conv_f32::winograd_over_blocks(win, x, w);
+    if super::conv_f32::winograd_over_blocks(win, x, w) {
+        return Some(BlockedConv::Winograd);
+    }
+    let dense = groups == 1 && w.dim(1) == x.dim(1) && conv_pixels_f32::applies(win, groups, x);
     if dense {
         return Some(BlockedConv::Dense);
     }
@@ -103,6 +108,7 @@ pub(crate) fn scratch_f64(kind: BlockedConv, w: &Shape) -> usize {
             let (o, k) = (w.dim(0), w.dim(1) * w.dim(2) * w.dim(3));
             conv_pixels_f32::weights_len(o, k).div_ceil(2)
         }
+        BlockedConv::Winograd => super::winograd_f32::weights_len(w.dim(1), w.dim(0)).div_ceil(2),
         BlockedConv::Depthwise => 0,
     }
 }
@@ -121,6 +127,7 @@ pub(crate) fn thread_floats(
             let out_hw = [0, 1].map(|axis| super::conv::extent(win, axis, x.dim(2 + axis)));
             conv_pixels_f32::thread_floats(win, x, w, out_hw)
         }
+        BlockedConv::Winograd => super::conv_f32::thread_floats(win, x, w),
         BlockedConv::Pointwise if prologue => {
             let c = x.dim(1);
             block_fit(c).next_multiple_of(MR) * c + c
@@ -316,9 +323,8 @@ pub(crate) fn pointwise(
         // Whole tiles into a 16-channel blocked output take their finish as they
         // are stored (a pass over stored values every few tiles cost a ResNet
         // bottleneck's 64 -> 256 convolution a fifth of its time).
-        let vector_form = |a: Option<crate::gemm::Activation>| {
-            a.is_none_or(crate::gemm::has_lanes_form)
-        };
+        let vector_form =
+            |a: Option<crate::gemm::Activation>| a.is_none_or(crate::gemm::has_lanes_form);
         let in_registers = out_block == Some(NR)
             && vector_form(finish.activation)
             && finish.affine.is_none_or(|(_, _, post)| vector_form(post));
@@ -347,8 +353,7 @@ pub(crate) fn pointwise(
                 let in_registers = finishes.then(|| conv_pixels_f32::RegisterFinish {
                     bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
                     activation: finish.activation,
-                    residual: residual_addr
-                        .map(|r| (r as *const f32).wrapping_add(first_value)),
+                    residual: residual_addr.map(|r| (r as *const f32).wrapping_add(first_value)),
                     affine: finish.affine.map(|(scale, shift, post)| {
                         (scale[q0 * NR..].as_ptr(), shift[q0 * NR..].as_ptr(), post)
                     }),
@@ -946,6 +951,24 @@ mod tests {
                 )
                 .unwrap();
             }
+            BlockedConv::Winograd => {
+                let mut transformed = vec![0.0; crate::kernels::winograd_f32::weights_len(c, o)];
+                crate::kernels::winograd_f32::transform_weights(&wt, c, o, &mut transformed);
+                let blocks = conv_pixels_f32::Blocks {
+                    input: block_if(x_blocked, c),
+                    output: block_if(out_blocked, o),
+                };
+                let out_dst = dst(&mut out, &os);
+                crate::kernels::winograd_f32::conv2d(
+                    &case.win,
+                    x_src,
+                    &transformed,
+                    finish,
+                    (out_dst, blocks),
+                    (&scratch, &pool),
+                )
+                .unwrap();
+            }
             BlockedConv::Depthwise => {
                 let out_dst = dst(&mut out, &os);
                 depthwise(
@@ -1159,6 +1182,47 @@ mod tests {
                 // A bias and ReLU alone are applied as each tile is stored.
                 let case = Case::dense(threads, x, o, win, layout);
                 check_with(&case, 301 + i as u64, crate::gemm::Activation::Relu);
+            }
+        }
+    }
+
+    #[test]
+    fn winograd_matches_the_reference_in_every_layout() {
+        let three = |padding, dilation| window([3, 3], [1, 1], padding, [dilation; 2]);
+        // (threads, x dims, output channels, window): 3x3 layers the blocked layout
+        // runs by Winograd (64 or more input channels, tiles covering the output),
+        // with a row of tiles past the bottom, 8-channel blocks, asymmetric padding,
+        // dilation, and two images.
+        let cases = [
+            (2, [1, 64, 16, 16], 64, three([1; 4], 1)),
+            (3, [2, 64, 12, 16], 48, three([1; 4], 1)),
+            (2, [1, 72, 16, 20], 40, three([0, 1, 2, 1], 1)),
+            (1, [1, 64, 24, 24], 32, three([2; 4], 2)),
+            (4, [1, 128, 28, 27], 96, three([1; 4], 1)),
+        ];
+        for (i, &(threads, x, o, win)) in cases.iter().enumerate() {
+            for layout in [[true, true], [true, false], [false, true]] {
+                for (residual, affine) in [(false, false), (true, false), (true, true)] {
+                    let case = Case {
+                        residual,
+                        affine,
+                        ..Case::dense(threads, x, o, win, layout)
+                    };
+                    let (xs, ws) = (
+                        Shape::new(&x, DType::F32),
+                        Shape::new(&[o, x[1], 3, 3], DType::F32),
+                    );
+                    let chosen = kind(&win, 1, &xs, &ws, StepLayout::new(&[layout[0]], layout[1]));
+                    // Unless `RLX_WINOGRAD=0` turned the transform off.
+                    if crate::kernels::conv_f32::method(&win, 1, &xs, &ws)
+                        == crate::kernels::conv_f32::ConvMethod::Winograd
+                    {
+                        assert_eq!(chosen, Some(BlockedConv::Winograd), "case {i}");
+                    }
+                    check(&case, 401 + i as u64);
+                }
+                let case = Case::dense(threads, x, o, win, layout);
+                check_with(&case, 501 + i as u64, crate::gemm::Activation::Relu);
             }
         }
     }

@@ -474,7 +474,7 @@ pub(crate) fn conv2d(
     if chosen == ConvMethod::Winograd {
         debug_assert!(!has_prologue, "only a packing convolution takes a prologue");
         let finish = (activation, epilogue.residual, affine);
-        return winograd(win, [x, w], bias, finish, out, ctx);
+        return winograd(win, [x, w], bias, finish, (out, Default::default()), ctx);
     }
     if chosen == ConvMethod::Pixels {
         debug_assert!(!has_prologue, "only a packing convolution takes a prologue");
@@ -604,13 +604,13 @@ pub(crate) fn conv2d(
 }
 
 /// The convolution by [`winograd_f32`], with the weights transformed ahead (a param)
-/// or into the step's scratch.
-fn winograd(
+/// or into the step's scratch, in and out of the layouts `blocks` says.
+pub(crate) fn winograd(
     win: &Window2d,
     [x, w]: [Src; 2],
     bias: Option<Src>,
     (activation, residual, affine): (Option<Activation>, Option<Src>, Option<ChannelAffine>),
-    out: Dst,
+    (out, blocks): (Dst, conv_pixels_f32::Blocks),
     ctx: &mut Ctx,
 ) -> Result<()> {
     let (cg, og) = (w.shape.dim(1), w.shape.dim(0));
@@ -639,7 +639,14 @@ fn winograd(
         residual,
         affine,
     };
-    winograd_f32::conv2d(win, x, transformed, finish, out, (ctx.gemm, ctx.pool))
+    winograd_f32::conv2d(
+        win,
+        x,
+        transformed,
+        finish,
+        (out, blocks),
+        (ctx.gemm, ctx.pool),
+    )
 }
 
 /// The convolution by [`conv_pixels_f32`], with the weights packed ahead (a param) or

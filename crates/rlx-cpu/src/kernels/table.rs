@@ -855,16 +855,24 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
         }),
         activation: fusion.input_activation.and_then(fused::gemm_activation),
     });
+    let blocks = conv_pixels_f32::Blocks {
+        input: blocked_conv_f32::block_if(a.layout.input(0), x.shape.dim(1)),
+        output: blocked_conv_f32::block_if(a.layout.output(), a.out.shape.dim(1)),
+    };
     match kind {
+        blocked_conv_f32::BlockedConv::Winograd => conv_f32::winograd(
+            window,
+            [x, w],
+            fusion.bias.then(|| a.src(2)),
+            (finish.activation, finish.residual, finish.affine),
+            (a.out, blocks),
+            ctx,
+        ),
         blocked_conv_f32::BlockedConv::Depthwise => {
             blocked_conv_f32::depthwise(window, [x, w], finish, a.out, (ctx.gemm, ctx.pool))
         }
         blocked_conv_f32::BlockedConv::Dense => {
             let (packed, _) = pixel_weights(w, ctx.packed_b, ctx.scratch);
-            let blocks = conv_pixels_f32::Blocks {
-                input: blocked_conv_f32::block_if(a.layout.input(0), x.shape.dim(1)),
-                output: blocked_conv_f32::block_if(a.layout.output(), a.out.shape.dim(1)),
-            };
             conv_pixels_f32::conv2d(
                 window,
                 x,

@@ -21,7 +21,7 @@
 //! the row, runs the 36 GEMMs over all its tiles, and writes the output rows with the
 //! bias, then the activation, residual and channel affine over the finished rows.
 
-use super::conv_pixels_f32::Finish;
+use super::conv_pixels_f32::{Blocks, Finish};
 use crate::gemm::GemmScratch;
 use crate::gemm::{BFormat, Epilogue, Gemm, packed_len, packed_panel_width};
 use crate::pool::ThreadPool;
@@ -239,7 +239,7 @@ pub(crate) fn conv2d(
     x: Src,
     weights: &[f32],
     finish: Finish,
-    out: Dst,
+    (out, blocks): (Dst, Blocks),
     (gemm, pool): (&GemmScratch, &ThreadPool),
 ) -> Result<()> {
     let [n, cg, h, w] = [
@@ -293,7 +293,13 @@ pub(crate) fn conv2d(
             let src = &xs[piece.image * cg * h * w..][..cg * h * w];
             let iy0 = piece.y0 as isize - win.padding[0] as isize;
             let ix0 = piece.x0 as isize - win.padding[1] as isize;
-            stage_rows(src, [h, w, cg], [iy0, ix0], [dy, tiling.wp], staged);
+            stage_rows(
+                (src, blocks.input),
+                [h, w, cg],
+                [iy0, ix0],
+                [dy, tiling.wp],
+                staged,
+            );
             let at = Patches {
                 values: patches.as_mut_ptr(),
                 point_stride: cap * cg,
@@ -344,6 +350,7 @@ pub(crate) fn conv2d(
                 rows,
                 x0,
                 step: [dy, dx],
+                block: blocks.output,
             };
             let products_at = (products[done * og..].as_ptr(), cap * og);
             done += piece_tiles;
@@ -362,8 +369,8 @@ pub(crate) fn conv2d(
             if finish.activation.is_none() && residual_addr.is_none() && finish.affine.is_none() {
                 continue;
             }
-            // The piece's rows in one run per channel when they are adjacent and
-            // span the width.
+            // The piece's rows in one run per channel (or block) when they are
+            // adjacent and span the width.
             let spans: &[(usize, usize)] = if x0 == 0 && x1 == ow && dy == 1 {
                 &[(y0 * ow, rows * ow)]
             } else {
@@ -375,10 +382,12 @@ pub(crate) fn conv2d(
                 .copied()
                 .chain(row_spans.filter(|_| spans.is_empty()))
             {
-                for co in channels.clone() {
-                    let at = image_at + co * pixels + start;
-                    // SAFETY: pixels start..start+len of channel co: inside the output
-                    // (and the residual, of the same shape); only this task writes them.
+                let lanes = blocks.output.unwrap_or(1);
+                for co in channels.clone().step_by(lanes) {
+                    let (at, len) = (image_at + co * pixels + start * lanes, len * lanes);
+                    // SAFETY: pixels start..start+len of channel (or block) co: inside
+                    // the output (and the residual, of the same shape and layout); only
+                    // this task writes them.
                     let (values, residual) = unsafe {
                         (
                             std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), len),
@@ -387,7 +396,10 @@ pub(crate) fn conv2d(
                             }),
                         )
                     };
-                    after_bias.apply(co, values, residual);
+                    match blocks.output {
+                        Some(b) => after_bias.apply_lanes((co, b), values, residual),
+                        None => after_bias.apply(co, values, residual),
+                    }
                 }
             }
         }
@@ -398,9 +410,10 @@ pub(crate) fn conv2d(
 
 /// Copies the `PATCH` input rows `iy0, iy0 + dy, ..` (some may lie in the padding)
 /// into `staged` as `[row][column][channel]`, `wp` columns from input column `ix0`,
-/// zero outside the input.
+/// zero outside the input; `src` is one image, channel-blocked in blocks of `block`
+/// if given (each pixel's block is then one run of the staged pixel's channels).
 fn stage_rows(
-    src: &[f32],
+    (src, block): (&[f32], Option<usize>),
     [h, w, cg]: [usize; 3],
     [iy0, ix0]: [isize; 2],
     [dy, wp]: [usize; 2],
@@ -418,7 +431,16 @@ fn stage_rows(
         }
         line[..at * cg].fill(0.0);
         line[(at + hi - lo) * cg..].fill(0.0);
-        transpose_into(src, [h, w], iy as usize, [lo, hi], &mut line[at * cg..]);
+        let Some(b) = block else {
+            transpose_into(src, [h, w], iy as usize, [lo, hi], &mut line[at * cg..]);
+            continue;
+        };
+        for cb in 0..cg / b {
+            let row = &src[((cb * h + iy as usize) * w + lo) * b..][..(hi - lo) * b];
+            for (x, pixel) in row.chunks_exact(b).enumerate() {
+                line[(at + x) * cg + cb * b..][..b].copy_from_slice(pixel);
+            }
+        }
     }
 }
 
@@ -590,6 +612,8 @@ struct OutRows {
     x0: usize,
     /// The dilation: rows and columns of one tile lie this far apart.
     step: [usize; 2],
+    /// The output's channel block where it is channel-blocked.
+    block: Option<usize>,
 }
 
 multiversion! {
@@ -647,6 +671,23 @@ multiversion! {
                             block[i][t * TILE + j] = lanes(|l| px[l] + b[l]);
                         }
                     }
+                }
+                if let Some(b) = dst.block {
+                    // The 8 channels of a pixel lie together in its block.
+                    let count = if pair { 2 * TILE } else { valid };
+                    for (i, pixels) in block.iter().enumerate().take(dst.rows) {
+                        let row = (dst.y0 + i * dy) * dst.ow + x0;
+                        for (j, px) in pixels.iter().enumerate().take(count) {
+                            let at = (c0 / b * dst.pixels + row + j * dx) * b + c0 % b;
+                            // SAFETY: channels c0..c0 + 8 of pixel (y0 + i dy, x0 + j
+                            // dx), one run of its block, lie inside the image's output.
+                            unsafe {
+                                std::slice::from_raw_parts_mut(dst.out.add(at), LANES)
+                                    .copy_from_slice(px)
+                            };
+                        }
+                    }
+                    continue;
                 }
                 for (i, pixels) in block.iter().enumerate().take(dst.rows) {
                     let at = c0 * dst.pixels + (dst.y0 + i * dy) * dst.ow + x0;
@@ -788,7 +829,7 @@ mod tests {
             x_src,
             &transformed,
             finish,
-            out_dst,
+            (out_dst, Blocks::default()),
             (&scratch, &pool),
         )
         .unwrap();
