@@ -257,7 +257,10 @@ pub(crate) fn pointwise(
     let panels = o.div_ceil(NR);
     let groups = panels.div_ceil(conv_pixels_f32::panel_group());
     let threads = gemm.threads();
-    let blocks = pixel_blocks(pixels, c, n * groups, threads);
+    // With a prologue a task runs every group of its pixels: staged once, not once
+    // per group (960 -> 160 channels at 16 x 16 staged its input 3 times).
+    let group_tasks = if prologue.is_some() { 1 } else { groups };
+    let blocks = pixel_blocks(pixels, c, n * group_tasks, threads);
     let block = pixels.div_ceil(blocks).next_multiple_of(MR);
     let blocks = pixels.div_ceil(block);
     let (x_addr, out_addr) = (x.ptr as usize, out.ptr as usize);
@@ -265,10 +268,14 @@ pub(crate) fn pointwise(
     let per_channel = finish.per_channel();
     let pixel_step = x_block.unwrap_or(1);
     let task = |t: usize, thread: usize| {
-        let g = t % groups;
-        let b = (t / groups) % blocks;
-        let image = t / (groups * blocks);
-        let (q0, q1) = (g * panels / groups, (g + 1) * panels / groups);
+        let g = t % group_tasks;
+        let b = (t / group_tasks) % blocks;
+        let image = t / (group_tasks * blocks);
+        let task_groups = if group_tasks == 1 {
+            0..groups
+        } else {
+            g..g + 1
+        };
         let (p0, p1) = (b * block, ((b + 1) * block).min(pixels));
         let x_image = (x_addr as *const f32).wrapping_add(image * c * pixels);
         // What the products read: the input in place, or the block's changed copy
@@ -289,136 +296,143 @@ pub(crate) fn pointwise(
                 (stage.as_ptr(), &*local, p0)
             }
         };
-        // The output's blocks (or plain channels) this task writes.
-        let (block_size, first_block, end_block) = match out_block {
-            Some(b) => (b, q0 * NR / b, (q1 * NR).min(o) / b),
-            None => (1, q0 * NR, (q1 * NR).min(o)),
-        };
-        // The finish over pixels `c0..c1` of those, run every few tiles while the
-        // values are in L1 (a call per tile cost as much as the products at 16
-        // input channels).
-        let finish_pixels = |c0: usize, c1: usize| {
-            for block in first_block..end_block {
-                let at = ((image * o / block_size + block) * pixels + c0) * block_size;
-                let len = (c1 - c0) * block_size;
-                // SAFETY: pixels `c0..c1` of this block (or channel) of this image's
-                // output, stored above by this task alone; the residual has the
-                // output's shape and layout.
-                let (dst, residual) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), len),
-                        residual_addr
-                            .map(|r| std::slice::from_raw_parts((r as *const f32).add(at), len)),
-                    )
-                };
-                if out_block.is_some() {
-                    per_channel.apply_lanes((block * block_size, block_size), dst, residual);
-                } else {
-                    per_channel.apply(block, dst, residual);
+        for g in task_groups {
+            let (q0, q1) = (g * panels / groups, (g + 1) * panels / groups);
+            // The output's blocks (or plain channels) this task writes.
+            let (block_size, first_block, end_block) = match out_block {
+                Some(b) => (b, q0 * NR / b, (q1 * NR).min(o) / b),
+                None => (1, q0 * NR, (q1 * NR).min(o)),
+            };
+            // The finish over pixels `c0..c1` of those, run every few tiles while the
+            // values are in L1 (a call per tile cost as much as the products at 16
+            // input channels).
+            let finish_pixels = |c0: usize, c1: usize| {
+                for block in first_block..end_block {
+                    let at = ((image * o / block_size + block) * pixels + c0) * block_size;
+                    let len = (c1 - c0) * block_size;
+                    // SAFETY: pixels `c0..c1` of this block (or channel) of this image's
+                    // output, stored above by this task alone; the residual has the
+                    // output's shape and layout.
+                    let (dst, residual) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), len),
+                            residual_addr.map(|r| {
+                                std::slice::from_raw_parts((r as *const f32).add(at), len)
+                            }),
+                        )
+                    };
+                    if out_block.is_some() {
+                        per_channel.apply_lanes((block * block_size, block_size), dst, residual);
+                    } else {
+                        per_channel.apply(block, dst, residual);
+                    }
                 }
-            }
-        };
-        let mut tile = [0.0f32; 4 * TILE];
-        let mut unfinished = p0;
-        // Whole tiles into a 16-channel blocked output take their finish as they
-        // are stored (a pass over stored values every few tiles cost a ResNet
-        // bottleneck's 64 -> 256 convolution a fifth of its time).
-        let vector_form =
-            |a: Option<crate::gemm::Activation>| a.is_none_or(crate::gemm::has_lanes_form);
-        let in_registers = out_block == Some(NR)
-            && vector_form(finish.activation)
-            && finish.affine.is_none_or(|(_, _, post)| vector_form(post));
-        let finishes = in_registers
-            && (finish.bias.is_some()
-                || finish.activation.is_some()
-                || residual_addr.is_some()
-                || finish.affine.is_some());
-        for i0 in (p0..p1).step_by(MR) {
-            let m = MR.min(p1 - i0);
-            // Pixels past the last repeat it: read, never stored.
-            let bases: [*const f32; MR] = std::array::from_fn(|i| {
-                read.wrapping_add((i0 - first + i.min(m - 1)) * pixel_step)
-            });
-            let weights = (packed.as_ptr().wrapping_add(q0 * c * NR), c * NR, q1 - q0);
-            let whole = out_block == Some(NR) && m == MR;
-            if whole {
-                // A whole tile goes straight to its place in the blocked output,
-                // finished in registers where it can be.
-                let first_value = ((image * panels + q0) * pixels + i0) * NR;
-                let out = conv_pixels_f32::TileOut {
-                    at: (out_addr as *mut f32).wrapping_add(first_value),
-                    panel: pixels * NR,
-                    pixel: NR,
-                };
-                let in_registers = finishes.then(|| conv_pixels_f32::RegisterFinish {
-                    bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
-                    activation: finish.activation,
-                    residual: residual_addr.map(|r| (r as *const f32).wrapping_add(first_value)),
-                    affine: finish.affine.map(|(scale, shift, post)| {
-                        (scale[q0 * NR..].as_ptr(), shift[q0 * NR..].as_ptr(), post)
-                    }),
+            };
+            let mut tile = [0.0f32; 4 * TILE];
+            let mut unfinished = p0;
+            // Whole tiles into a 16-channel blocked output take their finish as they
+            // are stored (a pass over stored values every few tiles cost a ResNet
+            // bottleneck's 64 -> 256 convolution a fifth of its time).
+            let vector_form =
+                |a: Option<crate::gemm::Activation>| a.is_none_or(crate::gemm::has_lanes_form);
+            let in_registers = out_block == Some(NR)
+                && vector_form(finish.activation)
+                && finish.affine.is_none_or(|(_, _, post)| vector_form(post));
+            let finishes = in_registers
+                && (finish.bias.is_some()
+                    || finish.activation.is_some()
+                    || residual_addr.is_some()
+                    || finish.affine.is_some());
+            for i0 in (p0..p1).step_by(MR) {
+                let m = MR.min(p1 - i0);
+                // Pixels past the last repeat it: read, never stored.
+                let bases: [*const f32; MR] = std::array::from_fn(|i| {
+                    read.wrapping_add((i0 - first + i.min(m - 1)) * pixel_step)
                 });
-                // SAFETY: every base plus every channel offset is a value of what the
-                // products read (the offsets were made for its layout and pixels);
-                // panels `q0..q1` hold `c` steps of `NR` weights each; `MR` pixels of
-                // blocks `q0..q1` of this image's output, which only this task
-                // writes; AVX-512 (checked by `kind`).
-                unsafe {
-                    conv_pixels_f32::micro_kernel_to(
-                        offsets,
-                        bases,
-                        weights,
-                        out,
-                        in_registers.as_ref(),
-                    )
-                };
-            } else {
-                // SAFETY: as above, into the tile; at most `panel_group` panels.
-                unsafe { conv_pixels_f32::micro_kernel(offsets, bases, weights, &mut tile, false) };
-                // Lane `j` of panel `q`'s pixel `i` is channel `q * 16 + j`: stored
-                // into its block (a run of lanes at a time) or plain row at pixel
-                // `i0 + i`.
-                let dst = out_addr as *mut f32;
-                for q in q0..q1 {
-                    let values = &tile[(q - q0) * TILE..][..m * NR];
-                    match out_block {
-                        Some(b) => {
-                            for co in (q * NR..(q * NR + NR).min(o)).step_by(b) {
-                                let at = ((image * o / b + co / b) * pixels + i0) * b;
-                                for (i, v) in values.chunks_exact(NR).enumerate() {
-                                    // SAFETY: pixel `i0 + i` of block `co / b` of this
-                                    // image's output; only this task writes it.
-                                    let to = unsafe {
-                                        std::slice::from_raw_parts_mut(dst.add(at + i * b), b)
-                                    };
-                                    to.copy_from_slice(&v[co - q * NR..][..b]);
+                let weights = (packed.as_ptr().wrapping_add(q0 * c * NR), c * NR, q1 - q0);
+                let whole = out_block == Some(NR) && m == MR;
+                if whole {
+                    // A whole tile goes straight to its place in the blocked output,
+                    // finished in registers where it can be.
+                    let first_value = ((image * panels + q0) * pixels + i0) * NR;
+                    let out = conv_pixels_f32::TileOut {
+                        at: (out_addr as *mut f32).wrapping_add(first_value),
+                        panel: pixels * NR,
+                        pixel: NR,
+                    };
+                    let in_registers = finishes.then(|| conv_pixels_f32::RegisterFinish {
+                        bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
+                        activation: finish.activation,
+                        residual: residual_addr
+                            .map(|r| (r as *const f32).wrapping_add(first_value)),
+                        affine: finish.affine.map(|(scale, shift, post)| {
+                            (scale[q0 * NR..].as_ptr(), shift[q0 * NR..].as_ptr(), post)
+                        }),
+                    });
+                    // SAFETY: every base plus every channel offset is a value of what the
+                    // products read (the offsets were made for its layout and pixels);
+                    // panels `q0..q1` hold `c` steps of `NR` weights each; `MR` pixels of
+                    // blocks `q0..q1` of this image's output, which only this task
+                    // writes; AVX-512 (checked by `kind`).
+                    unsafe {
+                        conv_pixels_f32::micro_kernel_to(
+                            offsets,
+                            bases,
+                            weights,
+                            out,
+                            in_registers.as_ref(),
+                        )
+                    };
+                } else {
+                    // SAFETY: as above, into the tile; at most `panel_group` panels.
+                    unsafe {
+                        conv_pixels_f32::micro_kernel(offsets, bases, weights, &mut tile, false)
+                    };
+                    // Lane `j` of panel `q`'s pixel `i` is channel `q * 16 + j`: stored
+                    // into its block (a run of lanes at a time) or plain row at pixel
+                    // `i0 + i`.
+                    let dst = out_addr as *mut f32;
+                    for q in q0..q1 {
+                        let values = &tile[(q - q0) * TILE..][..m * NR];
+                        match out_block {
+                            Some(b) => {
+                                for co in (q * NR..(q * NR + NR).min(o)).step_by(b) {
+                                    let at = ((image * o / b + co / b) * pixels + i0) * b;
+                                    for (i, v) in values.chunks_exact(NR).enumerate() {
+                                        // SAFETY: pixel `i0 + i` of block `co / b` of this
+                                        // image's output; only this task writes it.
+                                        let to = unsafe {
+                                            std::slice::from_raw_parts_mut(dst.add(at + i * b), b)
+                                        };
+                                        to.copy_from_slice(&v[co - q * NR..][..b]);
+                                    }
                                 }
                             }
-                        }
-                        None => {
-                            for co in q * NR..(q * NR + NR).min(o) {
-                                let at = (image * o + co) * pixels + i0;
-                                for (i, v) in values.chunks_exact(NR).enumerate() {
-                                    // SAFETY: pixel `i0 + i` of channel `co` of this
-                                    // image; only this task writes it.
-                                    unsafe { *dst.add(at + i) = v[co - q * NR] };
+                            None => {
+                                for co in q * NR..(q * NR + NR).min(o) {
+                                    let at = (image * o + co) * pixels + i0;
+                                    for (i, v) in values.chunks_exact(NR).enumerate() {
+                                        // SAFETY: pixel `i0 + i` of channel `co` of this
+                                        // image; only this task writes it.
+                                        unsafe { *dst.add(at + i) = v[co - q * NR] };
+                                    }
                                 }
                             }
                         }
                     }
                 }
-            }
-            if in_registers {
-                if !whole {
-                    finish_pixels(i0, i0 + m);
+                if in_registers {
+                    if !whole {
+                        finish_pixels(i0, i0 + m);
+                    }
+                } else if i0 + m - unfinished >= FINISH_PIXELS || i0 + m == p1 {
+                    finish_pixels(unfinished, i0 + m);
+                    unfinished = i0 + m;
                 }
-            } else if i0 + m - unfinished >= FINISH_PIXELS || i0 + m == p1 {
-                finish_pixels(unfinished, i0 + m);
-                unfinished = i0 + m;
             }
         }
     };
-    pool.run(n * blocks * groups, threads, &task)
+    pool.run(n * blocks * group_tasks, threads, &task)
 }
 
 /// Output pixels a pointwise task stores before it runs the finish over them (in
