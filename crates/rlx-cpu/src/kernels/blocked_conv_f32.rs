@@ -408,16 +408,19 @@ pub(crate) fn pointwise(
                                     }
                                 }
                             }
-                            None => {
-                                for co in q * NR..(q * NR + NR).min(o) {
-                                    let at = (image * o + co) * pixels + i0;
-                                    for (i, v) in values.chunks_exact(NR).enumerate() {
-                                        // SAFETY: pixel `i0 + i` of channel `co` of this
-                                        // image; only this task writes it.
-                                        unsafe { *dst.add(at + i) = v[co - q * NR] };
-                                    }
-                                }
-                            }
+                            // SAFETY: pixels `i0..i0 + m` of channels `q * 16..` (at
+                            // most 16, inside the output) of this image; only this
+                            // task writes them; AVX2 with AVX-512 (checked by
+                            // `kind`).
+                            None => unsafe {
+                                conv_pixels_f32::store_transposed(
+                                    &tile[(q - q0) * TILE..][..TILE],
+                                    dst.add((image * o + q * NR) * pixels + i0),
+                                    pixels,
+                                    (m, NR.min(o - q * NR)),
+                                    None,
+                                )
+                            },
                         }
                     }
                 }

@@ -450,7 +450,7 @@ fn as_offsets(values: &mut [f32]) -> &[u32] {
 /// What a tile goes through as it is stored: a panel's 16 biases (zero past the
 /// last channel), then a ReLU if `relu`.
 #[derive(Clone, Copy)]
-struct StoreFinish {
+pub(crate) struct StoreFinish {
     bias: [f32; NR],
     relu: bool,
 }
@@ -934,7 +934,7 @@ unsafe fn micro_kernel_avx2(
 /// `out + c * ldo + i` is writable for every `c < channels` and `i < valid`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn store_transposed(
+pub(crate) unsafe fn store_transposed(
     tile: &[f32],
     out: *mut f32,
     ldo: usize,
@@ -1035,7 +1035,7 @@ unsafe fn store_blocked(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn store_transposed(
+pub(crate) unsafe fn store_transposed(
     _: &[f32],
     _: *mut f32,
     _: usize,
