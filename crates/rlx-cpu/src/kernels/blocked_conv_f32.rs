@@ -338,6 +338,14 @@ pub(crate) fn pointwise(
             let in_registers = out_block == Some(NR)
                 && vector_form(finish.activation)
                 && finish.affine.is_none_or(|(_, _, post)| vector_form(post));
+            // Into a plain output, a bias and a ReLU are applied as tiles are stored.
+            let plain_in_store = out_block.is_none()
+                && residual_addr.is_none()
+                && finish.affine.is_none()
+                && matches!(
+                    finish.activation,
+                    None | Some(crate::gemm::Activation::Relu)
+                );
             let finishes = in_registers
                 && (finish.bias.is_some()
                     || finish.activation.is_some()
@@ -418,13 +426,24 @@ pub(crate) fn pointwise(
                                     dst.add((image * o + q * NR) * pixels + i0),
                                     pixels,
                                     (m, NR.min(o - q * NR)),
-                                    None,
+                                    plain_in_store.then(|| conv_pixels_f32::StoreFinish {
+                                        bias: std::array::from_fn(|j| {
+                                            finish
+                                                .bias
+                                                .and_then(|b| b.get(q * NR + j))
+                                                .copied()
+                                                .unwrap_or(0.0)
+                                        }),
+                                        relu: finish.activation.is_some(),
+                                    }),
                                 )
                             },
                         }
                     }
                 }
-                if in_registers {
+                if plain_in_store {
+                    // Finished as stored.
+                } else if in_registers {
                     if !whole {
                         finish_pixels(i0, i0 + m);
                     }

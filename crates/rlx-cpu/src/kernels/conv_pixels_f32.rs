@@ -451,8 +451,8 @@ fn as_offsets(values: &mut [f32]) -> &[u32] {
 /// last channel), then a ReLU if `relu`.
 #[derive(Clone, Copy)]
 pub(crate) struct StoreFinish {
-    bias: [f32; NR],
-    relu: bool,
+    pub bias: [f32; NR],
+    pub relu: bool,
 }
 
 /// Where a block's output goes: its first pixel of channel 0, with `pixels` floats
@@ -788,14 +788,28 @@ pub(crate) unsafe fn micro_kernel_to(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn finish_tile(out: TileOut, count: usize, finish: &RegisterFinish) {
+    use crate::gemm::activate_lanes_avx512 as activate;
     use std::arch::x86_64::*;
+    // A ReLU after the bias alone (the common finish) without the general path's
+    // tests per vector.
+    let relu_only = finish.residual.is_none()
+        && finish.affine.is_none()
+        && finish.activation == Some(Activation::Relu);
     for v in 0..count {
-        for i in 0..MR {
-            let at = v * out.panel + i * out.pixel;
-            // SAFETY: the caller's contract.
-            unsafe {
-                let x = finish.apply(_mm512_loadu_ps(out.at.add(at)), v * NR, at, !0);
-                _mm512_storeu_ps(out.at.add(at), x);
+        // SAFETY: the caller's contract: each pointer holds the panel's 16 values.
+        unsafe {
+            let bias = finish
+                .bias
+                .map_or(_mm512_setzero_ps(), |b| _mm512_loadu_ps(b.add(v * NR)));
+            for i in 0..MR {
+                let at = out.at.add(v * out.panel + i * out.pixel);
+                let x = if relu_only {
+                    activate(_mm512_add_ps(_mm512_loadu_ps(at), bias), Activation::Relu)
+                } else {
+                    let at_offset = v * out.panel + i * out.pixel;
+                    finish.apply(_mm512_loadu_ps(at), v * NR, at_offset, !0)
+                };
+                _mm512_storeu_ps(at, x);
             }
         }
     }
