@@ -6,7 +6,7 @@
 //!   [`super::conv_pixels_f32`], and its micro-kernel runs unchanged. Each step
 //!   broadcasts one input value per pixel from a table of channel offsets, so the
 //!   input is read in place in either layout: no packing and no staged copy (but
-//!   for an input prologue, applied to a per-task blocked copy). A
+//!   for an input prologue, applied to a per-task copy in its layout). A
 //!   blocked output is stored as the micro-kernel holds it (pixels by 16 channels);
 //!   a plain one is transposed into channel rows.
 //! - **Depthwise** (one channel per group; blocked in and out; any window, stride,
@@ -178,24 +178,27 @@ impl Prologue<'_> {
         }
     }
 
-    /// Writes the changed values of pixels `p0..p0 + len` of image `x_image` (blocks
-    /// of `b` of its `c` channels of `pixels`) into `stage` as a blocked plane of
-    /// `len` pixels.
+    /// Writes the changed values of pixels `p0..p0 + len` of image `x_image` (its
+    /// `c` channels of `pixels`, in blocks of `b` or plain) into `stage` in the same
+    /// layout over a plane of `len` pixels.
     fn stage(
         &self,
         x_image: *const f32,
-        (c, b, pixels): (usize, usize, usize),
+        (c, b, pixels): (usize, Option<usize>, usize),
         (p0, len): (usize, usize),
         stage: &mut [f32],
     ) {
-        for block in 0..c / b {
-            let dst = &mut stage[block * len * b..][..len * b];
-            // SAFETY: pixels `p0..p0 + len` of block `block` of the image.
+        let b_or_one = b.unwrap_or(1);
+        for block in 0..c / b_or_one {
+            let run = len * b_or_one;
+            let dst = &mut stage[block * run..][..run];
+            // SAFETY: pixels `p0..p0 + len` of block (or channel) `block` of the
+            // image.
             let src = unsafe {
-                std::slice::from_raw_parts(x_image.add((block * pixels + p0) * b), len * b)
+                std::slice::from_raw_parts(x_image.add((block * pixels + p0) * b_or_one), run)
             };
             dst.copy_from_slice(src);
-            self.apply(dst, block * b..(block + 1) * b);
+            self.apply(dst, block * b_or_one..(block + 1) * b_or_one);
         }
     }
 }
@@ -234,9 +237,9 @@ fn pixel_blocks(pixels: usize, channels: usize, units: usize, threads: usize) ->
 
 /// The pointwise convolution: `packed` holds the weights from
 /// [`conv_pixels_f32::pack_weights`] (`o` filters of `c` values) and `offsets` the
-/// table from [`channel_offsets`] for `x`'s layout. With a `prologue` (`x` blocked),
-/// each task first writes its pixels' changed input into its scratch and multiplies
-/// that.
+/// table from [`channel_offsets`] for `x`'s layout. With a `prologue`, each task
+/// first writes its pixels' changed input into its scratch (in `x`'s layout) and
+/// multiplies that.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn pointwise(
     x: Src,
@@ -287,8 +290,7 @@ pub(crate) fn pointwise(
                 // `thread_floats` (the block's input and its offsets).
                 let scratch = unsafe { gemm.parts(thread) }.1;
                 let (stage, rest) = scratch.split_at_mut(c * (p1 - p0));
-                let b = x_block.unwrap_or(BLOCK);
-                prologue.stage(x_image, (c, b, pixels), (p0, p1 - p0), stage);
+                prologue.stage(x_image, (c, x_block, pixels), (p0, p1 - p0), stage);
                 // SAFETY: room for `c` u32 values (f32-sized and aligned).
                 let local =
                     unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<u32>(), c) };
@@ -1064,10 +1066,6 @@ mod tests {
                 (false, false, true),
                 (true, true, true),
             ] {
-                // A prologue changes a blocked input's copy.
-                if prologue && !layout[0] {
-                    continue;
-                }
                 let case = Case {
                     threads,
                     x,

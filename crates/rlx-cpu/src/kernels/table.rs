@@ -107,13 +107,14 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
             let residual_at = fusion.residual.then(|| fusion.residual_at());
             let kind = blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout);
             let channels = inputs[0].dim(1);
-            // A prologue is applied to a blocked input's copy (pointwise) or to the
+            // A prologue is applied to a copy of the input (pointwise) or to the
             // staged input (dense), one value per channel.
-            let prologue_kind = match kind {
-                Some(blocked_conv_f32::BlockedConv::Pointwise) => layout.input(0),
-                Some(blocked_conv_f32::BlockedConv::Dense) => true,
-                _ => false,
-            };
+            let prologue_kind = matches!(
+                kind,
+                Some(
+                    blocked_conv_f32::BlockedConv::Pointwise | blocked_conv_f32::BlockedConv::Dense
+                )
+            );
             let prologue_runs = !fusion.has_prologue()
                 || (prologue_kind
                     && finishes(fusion.input_activation)
