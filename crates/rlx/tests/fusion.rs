@@ -2863,12 +2863,7 @@ fn squeeze_excitation_pools_and_concatenation_on_blocked_values_match() {
             &mut rng,
             &format!("case {case} x[{n},{c},{h},{w}] e{e}"),
         );
-        let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
-        for (_, k) in kernels.iter().filter(|(_, k)| k.contains("blocked")) {
-            *blocked
-                .entry(k.split('.').nth(1).unwrap_or("").to_string())
-                .or_insert(0) += 1;
-        }
+        count_blocked_kinds(&g, &mut blocked);
     }
     if blocks_enabled() {
         // Every kind of step ran blocked somewhere: the convolutions, the pools, the
@@ -2898,24 +2893,8 @@ fn stems_and_fire_modules_on_blocked_values_match() {
         let e = [16, 32][rng.below(2)];
         let g = Graph::new("stem and fire module");
         let x = g.input("x", Shape::new(&[n, 3, h, w], DType::F32)).unwrap();
-        // Weights scaled by 1 / sqrt(fan-in), as models initialize them.
-        let conv = |g: &Graph, x, name: &str, [cin, cout, k]: [usize; 3], (stride, pad, dil)| {
-            let wt = g
-                .param(name, Shape::new(&[cout, cin, k, k], DType::F32))
-                .unwrap();
-            let scale = g.scalar(1.0 / ((cin * k * k) as f64).sqrt(), DType::F32);
-            let wt = g.mul(wt, scale).unwrap();
-            let bias = g.param(format!("{name}.b"), Shape::new(&[cout], DType::F32));
-            g.conv2d(
-                x,
-                wt,
-                Some(bias.unwrap()),
-                [stride, stride],
-                [pad; 4],
-                [dil, dil],
-                1,
-            )
-            .unwrap()
+        let conv = |g: &Graph, x, name: &str, sizes: [usize; 3], (stride, pad, dil)| {
+            scaled_conv(g, x, name, sizes, [stride, pad, dil])
         };
         let k = [3, 7][rng.below(2)];
         let y = conv(&g, x, "stem", [3, stem, k], (2, k / 2, 1));
@@ -2948,12 +2927,7 @@ fn stems_and_fire_modules_on_blocked_values_match() {
             &mut rng,
             &format!("case {case} x[{n},3,{h},{w}] stem{stem} k{k} s{squeeze} e{e} d{dil}"),
         );
-        let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
-        for (_, k) in kernels.iter().filter(|(_, k)| k.contains("blocked")) {
-            *blocked
-                .entry(k.split('.').nth(1).unwrap_or("").to_string())
-                .or_insert(0) += 1;
-        }
+        count_blocked_kinds(&g, &mut blocked);
     }
     if blocks_enabled() {
         for kind in [
@@ -2981,17 +2955,8 @@ fn residual_blocks_of_winograd_convolutions_on_blocked_values_match() {
         let c = [64, 72][rng.below(2)];
         let g = Graph::new("residual block");
         let x = g.input("x", Shape::new(&[n, c, h, w], DType::F32)).unwrap();
-        // Weights scaled by 1 / sqrt(fan-in), as models initialize them.
-        let conv = |g: &Graph, x, name: &str, [cin, cout, k]: [usize; 3]| {
-            let wt = g
-                .param(name, Shape::new(&[cout, cin, k, k], DType::F32))
-                .unwrap();
-            let scale = g.scalar(1.0 / ((cin * k * k) as f64).sqrt(), DType::F32);
-            let wt = g.mul(wt, scale).unwrap();
-            let bias = g.param(format!("{name}.b"), Shape::new(&[cout], DType::F32));
-            let pad = k / 2;
-            g.conv2d(x, wt, Some(bias.unwrap()), [1, 1], [pad; 4], [1, 1], 1)
-                .unwrap()
+        let conv = |g: &Graph, x, name: &str, sizes: [usize; 3]| {
+            scaled_conv(g, x, name, sizes, [1, sizes[2] / 2, 1])
         };
         let a = conv(&g, x, "reduce", [c, 64, 1]);
         let a = g.relu(a).unwrap();
@@ -3002,12 +2967,7 @@ fn residual_blocks_of_winograd_convolutions_on_blocked_values_match() {
         let out = conv(&g, b, "project", [64, 32, 1]);
         g.set_outputs(vec![out]);
         check(&g, &mut rng, &format!("case {case} x[{n},{c},{h},{w}]"));
-        let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
-        for (_, k) in kernels.iter().filter(|(_, k)| k.contains("blocked")) {
-            *blocked
-                .entry(k.split('.').nth(1).unwrap_or("").to_string())
-                .or_insert(0) += 1;
-        }
+        count_blocked_kinds(&g, &mut blocked);
     }
     let winograd = rlx::ir::env::Switch::Winograd.enabled();
     if blocks_enabled() && winograd {
@@ -3016,6 +2976,40 @@ fn residual_blocks_of_winograd_convolutions_on_blocked_values_match() {
             "too few blocked Winograd convolutions: {blocked:?}"
         );
     }
+}
+
+/// Adds to `into` how many steps of each blocked kernel kind (`cpu.<kind>.…`) the
+/// CPU runs `g` with.
+fn count_blocked_kinds(g: &Graph, into: &mut HashMap<String, usize>) {
+    let kernels = Session::new(Device::Cpu).compile(g).unwrap().kernels();
+    for (_, k) in kernels.iter().filter(|(_, k)| k.contains("blocked")) {
+        *into
+            .entry(k.split('.').nth(1).unwrap_or("").to_string())
+            .or_insert(0) += 1;
+    }
+}
+
+/// A biased convolution of `x` by `cout` filters of `cin x k x k` (stride, padding on
+/// every side and dilation as given), its weights scaled by 1 / sqrt(fan-in) as
+/// models initialize them (uniform [-1, 1] weights grew through a few layers until
+/// f32 rounding reached the tolerance on outputs near zero).
+fn scaled_conv(
+    g: &Graph,
+    x: NodeId,
+    name: &str,
+    [cin, cout, k]: [usize; 3],
+    [stride, pad, dil]: [usize; 3],
+) -> NodeId {
+    let wt = g
+        .param(name, Shape::new(&[cout, cin, k, k], DType::F32))
+        .unwrap();
+    let scale = g.scalar(1.0 / ((cin * k * k) as f64).sqrt(), DType::F32);
+    let wt = g.mul(wt, scale).unwrap();
+    let bias = g
+        .param(format!("{name}.b"), Shape::new(&[cout], DType::F32))
+        .unwrap();
+    g.conv2d(x, wt, Some(bias), [stride, stride], [pad; 4], [dil, dil], 1)
+        .unwrap()
 }
 
 /// Whether the CPU keeps values channel-blocked here: AVX-512, and not turned off
