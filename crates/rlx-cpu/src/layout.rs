@@ -39,6 +39,12 @@ pub(crate) fn block_of(channels: usize) -> Option<usize> {
     }
 }
 
+/// The lanes of a vector that one pixel's block of `lanes` channels fills (the low
+/// `lanes` of 16), as an AVX-512 mask.
+pub(crate) fn lane_mask(lanes: usize) -> u16 {
+    (((1u32 << lanes) - 1) & 0xffff) as u16
+}
+
 /// The most operands whose layout a [`StepLayout`] records; operands of a step with
 /// more stay plain ([`assign`]).
 const MAX_OPERANDS: usize = 64;

@@ -270,6 +270,17 @@ pub(crate) fn pointwise(
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
     let per_channel = finish.per_channel();
     let pixel_step = x_block.unwrap_or(1);
+    // Whole tiles into a 16-channel blocked output take their finish as they are
+    // stored (a pass over stored values every few tiles cost a ResNet bottleneck's
+    // 64 -> 256 convolution a fifth of its time); into a plain output, a bias and a
+    // ReLU are applied as tiles are stored.
+    let in_registers = out_block == Some(NR) && finish.has_lanes_form();
+    let plain_in_store = out_block.is_none() && finish.is_bias_and_relu();
+    let finishes = in_registers
+        && (finish.bias.is_some()
+            || finish.activation.is_some()
+            || residual_addr.is_some()
+            || finish.affine.is_some());
     let task = |t: usize, thread: usize| {
         let g = t % group_tasks;
         let b = (t / group_tasks) % blocks;
@@ -332,27 +343,16 @@ pub(crate) fn pointwise(
             };
             let mut tile = [0.0f32; 4 * TILE];
             let mut unfinished = p0;
-            // Whole tiles into a 16-channel blocked output take their finish as they
-            // are stored (a pass over stored values every few tiles cost a ResNet
-            // bottleneck's 64 -> 256 convolution a fifth of its time).
-            let vector_form =
-                |a: Option<crate::gemm::Activation>| a.is_none_or(crate::gemm::has_lanes_form);
-            let in_registers = out_block == Some(NR)
-                && vector_form(finish.activation)
-                && finish.affine.is_none_or(|(_, _, post)| vector_form(post));
-            // Into a plain output, a bias and a ReLU are applied as tiles are stored.
-            let plain_in_store = out_block.is_none()
-                && residual_addr.is_none()
-                && finish.affine.is_none()
-                && matches!(
-                    finish.activation,
-                    None | Some(crate::gemm::Activation::Relu)
-                );
-            let finishes = in_registers
-                && (finish.bias.is_some()
-                    || finish.activation.is_some()
-                    || residual_addr.is_some()
-                    || finish.affine.is_some());
+            // Into a plain output, each panel's bias and ReLU as it is stored.
+            let stored: [Option<conv_pixels_f32::StoreFinish>; 4] = std::array::from_fn(|v| {
+                (plain_in_store && q0 + v < q1).then(|| {
+                    conv_pixels_f32::StoreFinish::for_panel(
+                        finish.bias,
+                        finish.activation.is_some(),
+                        q0 + v,
+                    )
+                })
+            });
             for i0 in (p0..p1).step_by(MR) {
                 let m = MR.min(p1 - i0);
                 // Pixels past the last repeat it: read, never stored.
@@ -370,7 +370,7 @@ pub(crate) fn pointwise(
                         panel: pixels * NR,
                         pixel: NR,
                     };
-                    let in_registers = finishes.then(|| conv_pixels_f32::RegisterFinish {
+                    let register_finish = finishes.then(|| conv_pixels_f32::RegisterFinish {
                         bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
                         activation: finish.activation,
                         residual: residual_addr
@@ -390,7 +390,7 @@ pub(crate) fn pointwise(
                             bases,
                             weights,
                             out,
-                            in_registers.as_ref(),
+                            register_finish.as_ref(),
                         )
                     };
                 } else {
@@ -428,16 +428,7 @@ pub(crate) fn pointwise(
                                     dst.add((image * o + q * NR) * pixels + i0),
                                     pixels,
                                     (m, NR.min(o - q * NR)),
-                                    plain_in_store.then(|| conv_pixels_f32::StoreFinish {
-                                        bias: std::array::from_fn(|j| {
-                                            finish
-                                                .bias
-                                                .and_then(|b| b.get(q * NR + j))
-                                                .copied()
-                                                .unwrap_or(0.0)
-                                        }),
-                                        relu: finish.activation.is_some(),
-                                    }),
+                                    stored[q - q0],
                                 )
                             },
                         }
@@ -609,7 +600,7 @@ unsafe fn depthwise_row(
     let ky = (ky_lo, ky_hi.max(ky_lo));
     let out = row.as_mut_ptr();
     // The block's lanes of a vector (8-channel blocks use the low half).
-    let mask = (((1u32 << geo.lanes) - 1) & 0xffff) as u16;
+    let mask = crate::layout::lane_mask(geo.lanes);
     let at = (iy0, ky, mask);
     // Half-vector blocks at unit stride take two neighbouring pixels a vector.
     let pairs = geo.lanes * 2 == BLOCK && geo.stride[1] == 1;

@@ -109,7 +109,7 @@ unsafe fn pool_row_avx512(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32])
         ow,
         lanes,
     } = row;
-    let mask: __mmask16 = (((1u32 << lanes) - 1) & 0xffff) as u16;
+    let mask: __mmask16 = crate::layout::lane_mask(lanes);
     let (y0, ny) = inside_taps(win, 0, oy, h);
     let window = win.kernel[0] * win.kernel[1];
     let zero = _mm512_setzero_ps();

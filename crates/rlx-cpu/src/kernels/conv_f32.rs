@@ -658,25 +658,7 @@ fn pixels(
     out: Dst,
     ctx: &mut Ctx,
 ) -> Result<()> {
-    let o = w.shape.dim(0);
-    let k = w.len / o.max(1);
-    let spec = crate::prepack::PackSpec::ConvPixels { o, k };
-    let packed: &[f32] = if let Some(packed) = ctx.packed_b.filter(|p| p.fits(spec)) {
-        packed.values()
-    } else {
-        // SAFETY: an f32 tensor of `w.len` values.
-        let ws = unsafe { std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len) };
-        let len = conv_pixels_f32::weights_len(o, k);
-        // SAFETY: the step asked for `scratch_f64` values: room for `len` f32 values
-        // (f64 storage is aligned for f32).
-        let values =
-            unsafe { std::slice::from_raw_parts_mut(ctx.scratch.as_mut_ptr().cast::<f32>(), len) };
-        conv_pixels_f32::pack_weights(ws, o, k, values);
-        values
-    };
-    // The scratch is read-only from here on: a shared view the tasks can hold.
-    // SAFETY: the values stay in place for the call and nothing writes them.
-    let packed = unsafe { std::slice::from_raw_parts(packed.as_ptr(), packed.len()) };
+    let (packed, _) = pixel_weights(w, ctx.packed_b, ctx.scratch);
     conv_pixels_f32::conv2d(
         win,
         x,
@@ -686,6 +668,33 @@ fn pixels(
         conv_pixels_f32::Blocks::default(),
         (ctx.gemm, ctx.pool),
     )
+}
+
+/// A convolution's weights `w` in the pixel kernel's panels: `packed` ahead (a
+/// param), or packed into the front of `scratch`; with the rest of the scratch.
+pub(crate) fn pixel_weights<'s>(
+    w: Src<'_>,
+    packed: Option<&'s crate::prepack::PackedParam>,
+    scratch: &'s mut [f64],
+) -> (&'s [f32], &'s mut [f64]) {
+    let o = w.shape.dim(0);
+    let k = w.len / o.max(1);
+    let len = conv_pixels_f32::weights_len(o, k);
+    let (weights, rest) = scratch.split_at_mut(len.div_ceil(2));
+    let spec = crate::prepack::PackSpec::ConvPixels { o, k };
+    match packed.filter(|p| p.fits(spec)) {
+        Some(packed) => (packed.values(), rest),
+        None => {
+            // SAFETY: the step asked for `scratch_f64`: room for `len` f32 values
+            // here (f64 storage is aligned for f32).
+            let values =
+                unsafe { std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<f32>(), len) };
+            // SAFETY: an f32 tensor of `w.len` values, alive for the step.
+            let ws = unsafe { std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len) };
+            conv_pixels_f32::pack_weights(ws, o, k, values);
+            (values, rest)
+        }
+    }
 }
 
 /// `(scale, shift, post)`: a batch norm and activation after the residual, one scale

@@ -219,6 +219,22 @@ pub(crate) struct Finish<'a> {
 }
 
 impl<'a> Finish<'a> {
+    /// Whether every activation of the finish has a vector form
+    /// ([`crate::gemm::has_lanes_form`]), so a tile can be finished a vector at a
+    /// time ([`RegisterFinish`]).
+    pub(crate) fn has_lanes_form(&self) -> bool {
+        let vector = |a: Option<Activation>| a.is_none_or(crate::gemm::has_lanes_form);
+        vector(self.activation) && self.affine.is_none_or(|(_, _, post)| vector(post))
+    }
+
+    /// Whether it is at most a bias and a ReLU, which [`store_transposed`] applies as
+    /// it stores a tile into a plain output.
+    pub(crate) fn is_bias_and_relu(&self) -> bool {
+        self.residual.is_none()
+            && self.affine.is_none()
+            && matches!(self.activation, None | Some(Activation::Relu))
+    }
+
     /// The per-channel steps (without the residual's pointer, so that pool tasks can
     /// share them).
     pub(crate) fn per_channel(&self) -> ChannelFinish<'a> {
@@ -331,16 +347,9 @@ pub(crate) fn conv2d(
     // Into a plain output, a bias and a ReLU are applied to each tile as it is
     // stored; into a blocked one, any finish whose activations have a vector form;
     // anything else in one pass over a panel's finished rows.
-    let vector_form = |a: Option<Activation>| a.is_none_or(crate::gemm::has_lanes_form);
     let in_store = match blocks.output {
-        None => {
-            finish.residual.is_none()
-                && finish.affine.is_none()
-                && matches!(finish.activation, None | Some(Activation::Relu))
-        }
-        Some(_) => {
-            vector_form(finish.activation) && finish.affine.is_none_or(|(_, _, a)| vector_form(a))
-        }
+        None => finish.is_bias_and_relu(),
+        Some(_) => finish.has_lanes_form(),
     };
     let (bias_addr, activation) = (finish.bias.map(|b| b.as_ptr() as usize), finish.activation);
     let affine_addr = finish
@@ -394,15 +403,8 @@ pub(crate) fn conv2d(
         for q0 in part_range.clone().step_by(group) {
             let count = group.min(part_range.end - q0);
             let stored: [Option<StoreFinish>; MAX_GROUP] = std::array::from_fn(|v| {
-                (in_store && blocks.output.is_none()).then(|| StoreFinish {
-                    bias: std::array::from_fn(|j| {
-                        finish
-                            .bias
-                            .and_then(|b| b.get((q0 + v) * NR + j))
-                            .copied()
-                            .unwrap_or(0.0)
-                    }),
-                    relu: finish.activation.is_some(),
+                (in_store && blocks.output.is_none()).then(|| {
+                    StoreFinish::for_panel(finish.bias, finish.activation.is_some(), q0 + v)
                 })
             });
             run_group(
@@ -451,8 +453,21 @@ fn as_offsets(values: &mut [f32]) -> &[u32] {
 /// last channel), then a ReLU if `relu`.
 #[derive(Clone, Copy)]
 pub(crate) struct StoreFinish {
-    pub bias: [f32; NR],
-    pub relu: bool,
+    bias: [f32; NR],
+    relu: bool,
+}
+
+impl StoreFinish {
+    /// Panel `q`'s part of a finish that is at most a bias and a ReLU
+    /// ([`Finish::is_bias_and_relu`]): its `bias`, and a ReLU if `relu`.
+    pub(crate) fn for_panel(bias: Option<&[f32]>, relu: bool, q: usize) -> StoreFinish {
+        StoreFinish {
+            bias: std::array::from_fn(|j| {
+                bias.and_then(|b| b.get(q * NR + j)).copied().unwrap_or(0.0)
+            }),
+            relu,
+        }
+    }
 }
 
 /// Where a block's output goes: its first pixel of channel 0, with `pixels` floats
@@ -690,11 +705,13 @@ pub(crate) struct TileOut {
     pub pixel: usize,
 }
 
-/// What [`micro_kernel_to`] applies to a tile it stored into a 16-channel blocked
-/// output, in [`Finish`]'s order: the bias, the activation, the
-/// residual, then the channel affine and its activation (activations with a vector
-/// form only: [`crate::gemm::has_lanes_form`]). Pointers are at the tile's first
-/// panel: panel `v`'s 16 values `v * NR` on, the residual at the output's offsets.
+/// A [`Finish`] applied a vector at a time to a tile stored into a blocked output
+/// (by [`micro_kernel_to`] and the pixel kernel's blocked stores), in its order: the
+/// bias, the activation, the residual, then the channel affine and its activation
+/// (activations with a vector form only: [`Finish::has_lanes_form`]). The bias,
+/// scale and shift pointers are at some channel, and [`RegisterFinish::apply`] is
+/// told each vector's channel from there; the residual pointer is at the output
+/// value its offsets count from.
 #[derive(Clone, Copy)]
 pub(crate) struct RegisterFinish {
     pub bias: Option<*const f32>,
@@ -1019,7 +1036,7 @@ unsafe fn store_blocked(
     finish: Option<&RegisterFinish>,
 ) {
     use std::arch::x86_64::*;
-    let mask: __mmask16 = (((1u32 << b) - 1) & 0xffff) as u16;
+    let mask: __mmask16 = crate::layout::lane_mask(b);
     for s in 0..channels / b {
         for i in 0..valid {
             let to = at + s * ldb + i * b;

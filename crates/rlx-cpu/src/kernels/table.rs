@@ -873,7 +873,7 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
             blocked_conv_f32::depthwise(window, [x, w], finish, a.out, (ctx.gemm, ctx.pool))
         }
         blocked_conv_f32::BlockedConv::Dense => {
-            let (packed, _) = pixel_weights(w, ctx.packed_b, ctx.scratch);
+            let (packed, _) = conv_f32::pixel_weights(w, ctx.packed_b, ctx.scratch);
             conv_pixels_f32::conv2d(
                 window,
                 x,
@@ -886,7 +886,7 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
         }
         blocked_conv_f32::BlockedConv::Pointwise => {
             let c = w.shape.dim(1);
-            let (packed, rest) = pixel_weights(w, ctx.packed_b, ctx.scratch);
+            let (packed, rest) = conv_f32::pixel_weights(w, ctx.packed_b, ctx.scratch);
             // SAFETY: and room for `c` u32 offsets after them.
             let offsets =
                 unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<u32>(), c) };
@@ -905,33 +905,6 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
                 a.layout,
                 (ctx.gemm, ctx.pool),
             )
-        }
-    }
-}
-
-/// A convolution's weights `w` in the pixel kernel's panels: `packed` ahead (a
-/// param), or packed into the front of `scratch`; with the rest of the scratch.
-fn pixel_weights<'s>(
-    w: Src<'_>,
-    packed: Option<&'s crate::prepack::PackedParam>,
-    scratch: &'s mut [f64],
-) -> (&'s [f32], &'s mut [f64]) {
-    let o = w.shape.dim(0);
-    let k = w.len / o.max(1);
-    let len = conv_pixels_f32::weights_len(o, k);
-    let (weights, rest) = scratch.split_at_mut(len.div_ceil(2));
-    let spec = crate::prepack::PackSpec::ConvPixels { o, k };
-    match packed.filter(|p| p.fits(spec)) {
-        Some(packed) => (packed.values(), rest),
-        None => {
-            // SAFETY: the step asked for `scratch_f64`: room for `len` f32 values
-            // here (f64 storage is aligned for f32).
-            let values =
-                unsafe { std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<f32>(), len) };
-            // SAFETY: an f32 tensor of `w.len` values, alive for the step.
-            let ws = unsafe { std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len) };
-            conv_pixels_f32::pack_weights(ws, o, k, values);
-            (values, rest)
         }
     }
 }
