@@ -16,7 +16,7 @@ use crate::gemm::{
     BFormat, pack_b_panels, packed_len, packed_panel_width, quantize_b_panels, quantized_len,
 };
 use crate::kernels::conv_f32::{self, ConvMethod, by_tap, regroup_by_tap};
-use crate::kernels::{conv_pixels_f32, winograd_f32};
+use crate::kernels::{blocked_conv_f32, conv_pixels_f32, winograd_f32};
 use crate::tensor::Src;
 use rlx_driver::Buffer;
 use rlx_ir::{DType, Op, Result, Shape};
@@ -42,6 +42,11 @@ pub(crate) enum PackSpec {
     /// Weights of `o` filters of `k` values, transposed into panels for a strided
     /// convolution with output pixels for rows (see [`conv_pixels_f32`]).
     ConvPixels { o: usize, k: usize },
+    /// Depthwise weights (`c` filters of `taps` taps) as a vector per tap for each
+    /// block of `lanes` channels (see [`blocked_conv_f32::pack_depthwise_weights`]).
+    ///
+    /// [`blocked_conv_f32::pack_depthwise_weights`]: crate::kernels::blocked_conv_f32::pack_depthwise_weights
+    DepthwiseTaps { c: usize, taps: usize, lanes: usize },
 }
 
 impl PackSpec {
@@ -61,6 +66,9 @@ impl PackSpec {
                 .saturating_mul(taps),
             PackSpec::Winograd { cg, og } => winograd_f32::weights_len(cg, og),
             PackSpec::ConvPixels { o, k } => conv_pixels_f32::weights_len(o, k),
+            PackSpec::DepthwiseTaps { c, taps, lanes } => {
+                blocked_conv_f32::depthwise_weights_len(c, taps, lanes)
+            }
         }
     }
 }
@@ -134,6 +142,10 @@ impl PackedParam {
                 conv_pixels_f32::pack_weights(values, o, k, out);
                 0
             }
+            PackSpec::DepthwiseTaps { c, taps, lanes } => {
+                blocked_conv_f32::pack_depthwise_weights(&values[..c * taps], taps, lanes, out);
+                0
+            }
         };
         PackedParam {
             spec,
@@ -148,7 +160,9 @@ impl PackedParam {
         self.spec == spec
             && match spec {
                 PackSpec::Panels { n, .. } => self.nr == packed_panel_width(n),
-                PackSpec::ConvTaps { .. } | PackSpec::ConvPixels { .. } => true,
+                PackSpec::ConvTaps { .. }
+                | PackSpec::ConvPixels { .. }
+                | PackSpec::DepthwiseTaps { .. } => true,
                 PackSpec::Winograd { og, .. } => self.nr == packed_panel_width(og),
             }
     }
@@ -217,13 +231,22 @@ pub(crate) fn packed_operand(
         return None;
     }
     let shapes = [a.clone(), b.clone()];
+    let blocked = crate::kernels::blocked_conv(op, &shapes, layout);
     let spec = match op {
         Op::Conv2d { .. } | Op::FusedConv2d { .. }
+            if blocked == Some(blocked_conv_f32::BlockedConv::Depthwise) =>
+        {
+            PackSpec::DepthwiseTaps {
+                c: b.dim(0),
+                taps: b.dim(2) * b.dim(3),
+                lanes: crate::layout::block_of(b.dim(0))?,
+            }
+        }
+        Op::Conv2d { .. } | Op::FusedConv2d { .. }
             if matches!(
-                crate::kernels::blocked_conv(op, &shapes, layout),
+                blocked,
                 Some(
-                    crate::kernels::blocked_conv_f32::BlockedConv::Pointwise
-                        | crate::kernels::blocked_conv_f32::BlockedConv::Dense
+                    blocked_conv_f32::BlockedConv::Pointwise | blocked_conv_f32::BlockedConv::Dense
                 )
             ) =>
         {

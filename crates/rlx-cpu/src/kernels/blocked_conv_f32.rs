@@ -133,8 +133,18 @@ pub(crate) fn thread_floats(
             block_fit(c).next_multiple_of(MR) * c + c
         }
         BlockedConv::Pointwise => 0,
-        // A block's weights, tap by tap, at a vector per tap whatever the block.
-        BlockedConv::Depthwise => w.dim(2) * w.dim(3) * BLOCK,
+        // A block's weights, tap by tap, at a vector per tap whatever the block;
+        // then the padded rows it stages, if it does.
+        BlockedConv::Depthwise => {
+            let [oh, ow] = [0, 1].map(|axis| super::conv::extent(win, axis, x.dim(2 + axis)));
+            let (kh, kw) = (w.dim(2), w.dim(3));
+            let staged = block_of(x.dim(1))
+                .and_then(|b| depthwise_staging(win, [oh, ow], [kh, kw], b).map(|width| (b, width)))
+                .map_or(0, |(b, width)| {
+                    ((oh - 1) * win.stride[0] + (kh - 1) * win.dilation[0] + 1) * width * b
+                });
+            kh * kw * BLOCK + staged
+        }
     }
 }
 
@@ -492,11 +502,41 @@ impl DepthwiseRow {
     }
 }
 
+/// Floats of [`pack_depthwise_weights`]'s form for `c` filters of `taps` taps in
+/// blocks of `lanes` channels (saturating).
+pub(crate) fn depthwise_weights_len(c: usize, taps: usize, lanes: usize) -> usize {
+    (c / lanes.max(1))
+        .saturating_mul(taps)
+        .saturating_mul(BLOCK)
+}
+
+/// Depthwise weights (`values`: filters of `taps` taps each) as the kernel reads
+/// them: for each block of `lanes` channels, a vector per tap holding the block's
+/// filters' values at that tap. A block of half a vector fills both halves, for the
+/// kernel's pairs of pixels.
+pub(crate) fn pack_depthwise_weights(values: &[f32], taps: usize, lanes: usize, out: &mut [f32]) {
+    for (filters, block) in values
+        .chunks_exact(lanes * taps)
+        .zip(out.chunks_exact_mut(taps * BLOCK))
+    {
+        for (j, filter) in filters.chunks_exact(taps).enumerate() {
+            for (tap, &value) in filter.iter().enumerate() {
+                for lane in (j..BLOCK).step_by(lanes) {
+                    block[tap * BLOCK + lane] = value;
+                }
+            }
+        }
+    }
+}
+
 /// The depthwise convolution of blocked `x` by `w` (`[c, 1, kh, kw]`) into blocked
-/// `out`.
+/// `out`. `packed`
+/// holds the weights in [`pack_depthwise_weights`]'s form when they were packed
+/// ahead; otherwise each task arranges its block's in its thread scratch.
 pub(crate) fn depthwise(
     win: &Window2d,
     [x, w]: [Src; 2],
+    packed: Option<&[f32]>,
     finish: Finish,
     out: Dst,
     (gemm, pool): (&GemmScratch, &ThreadPool),
@@ -526,6 +566,7 @@ pub(crate) fn depthwise(
         left: win.padding[1],
         lanes: b,
     };
+    let staged = depthwise_staging(win, [oh, ow], [kh, kw], b);
     let blocks = c / b;
     let planes = n * blocks;
     let threads = gemm.threads();
@@ -537,28 +578,59 @@ pub(crate) fn depthwise(
         let (plane, part) = (t / parts, t % parts);
         let block = plane % blocks;
         // SAFETY: one task per thread index at a time; the step asked for
-        // `thread_floats` (a vector per tap).
-        let weights = &mut unsafe { gemm.parts(thread) }.1[..taps * BLOCK];
-        for (j, filter) in (block * b..(block + 1) * b).enumerate() {
-            for tap in 0..taps {
+        // `thread_floats` (a vector per tap, then the staged rows).
+        let (mine, stage) = unsafe { gemm.parts(thread) }.1.split_at_mut(taps * BLOCK);
+        let weights: &[f32] = match packed {
+            Some(all) => &all[block * taps * BLOCK..(block + 1) * taps * BLOCK],
+            None => {
                 // SAFETY: `w` holds `c * taps` values.
-                let value = unsafe { *(w_addr as *const f32).add(filter * taps + tap) };
-                // An 8-channel block's weights fill both halves: pairs of pixels
-                // share a vector.
-                for lane in (j..BLOCK).step_by(b) {
-                    weights[tap * BLOCK + lane] = value;
-                }
+                let filters = unsafe {
+                    std::slice::from_raw_parts(
+                        (w_addr as *const f32).add(block * b * taps),
+                        b * taps,
+                    )
+                };
+                pack_depthwise_weights(filters, taps, b, mine);
+                mine
             }
-        }
+        };
         let x_plane = (x_addr as *const f32).wrapping_add(plane * h * wd * b);
-        for oy in part * oh / parts..(part + 1) * oh / parts {
+        let (oy0, oy1) = (part * oh / parts, (part + 1) * oh / parts);
+        // With staging, the rows these outputs read, padding included, and the
+        // geometry of that copy (which has no padding left to check).
+        let (source, geo, first) = match staged {
+            Some(width) if oy1 > oy0 => {
+                let rows = (oy1 - oy0 - 1) * win.stride[0] + (kh - 1) * win.dilation[0] + 1;
+                let stage = &mut stage[..rows * width * b];
+                // SAFETY: the plane holds `h * wd` pixels of `b` values.
+                let plane = unsafe { std::slice::from_raw_parts(x_plane, h * wd * b) };
+                stage_padded(
+                    plane,
+                    [h, wd],
+                    b,
+                    (oy0 * win.stride[0], win.padding[0], win.padding[1]),
+                    [rows, width],
+                    stage,
+                );
+                let geo = DepthwiseRow {
+                    h: rows,
+                    w: width,
+                    top: 0,
+                    left: 0,
+                    ..geo
+                };
+                (stage.as_ptr(), geo, oy0)
+            }
+            _ => (x_plane, geo, 0),
+        };
+        for oy in oy0..oy1 {
             let at = (plane * oh + oy) * ow * b;
             // SAFETY: row `oy` of this plane of the output, only this task writes it.
             let row =
                 unsafe { std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), ow * b) };
-            // SAFETY: AVX-512F (checked by `kind`); the plane holds `h * wd` pixels of
-            // `b` values and the weights `taps` vectors.
-            unsafe { depthwise_row(x_plane, weights, oy, geo, row) };
+            // SAFETY: AVX-512F (checked by `kind`); `source` holds `geo.h * geo.w`
+            // pixels of `b` values and the weights `taps` vectors.
+            unsafe { depthwise_row(source, weights, oy - first, geo, row) };
             // SAFETY: the residual has the output's shape and layout.
             let residual = residual_addr
                 .map(|r| unsafe { std::slice::from_raw_parts((r as *const f32).add(at), ow * b) });
@@ -566,6 +638,57 @@ pub(crate) fn depthwise(
         }
     };
     pool.run(planes * parts, threads, &task)
+}
+
+/// Rows no longer than this many pixels are staged with their padding (when it
+/// fits, below): a short row spends most of its taps at the edges, where each tap
+/// of each pixel is checked (at 7 x 7 a 5 x 5 kernel checked 16 of 25 pixels' taps).
+const STAGED_ROW: usize = 4 * RUN;
+
+/// The most floats a staged copy of a plane's rows may take in a thread's scratch.
+const STAGED_FLOATS: usize = 16 * 1024;
+
+/// The width in pixels of the padded rows a depthwise convolution stages, when it
+/// stages them: a padded window over output rows shorter than [`STAGED_ROW`]
+/// whose whole plane's copy fits in [`STAGED_FLOATS`].
+fn depthwise_staging(
+    win: &Window2d,
+    [oh, ow]: [usize; 2],
+    [kh, kw]: [usize; 2],
+    b: usize,
+) -> Option<usize> {
+    if win.padding == [0; 4] || ow >= STAGED_ROW || oh == 0 || ow == 0 {
+        return None;
+    }
+    let rows = (oh - 1) * win.stride[0] + (kh - 1) * win.dilation[0] + 1;
+    let width = (ow - 1) * win.stride[1] + (kw - 1) * win.dilation[1] + 1;
+    (rows * width * b <= STAGED_FLOATS).then_some(width)
+}
+
+/// Copies the rows of a blocked `plane` (`[h, w]` pixels of `b` values) from padded
+/// row `from` on into `stage` (`[rows, width]` pixels), with zeros wherever the
+/// padding (`top` rows above, `left` columns before) or the bottom and right of
+/// the window lie outside the plane.
+fn stage_padded(
+    plane: &[f32],
+    [h, w]: [usize; 2],
+    b: usize,
+    (from, top, left): (usize, usize, usize),
+    [rows, width]: [usize; 2],
+    stage: &mut [f32],
+) {
+    let start = left.min(width);
+    let end = (left + w).min(width);
+    for (r, dst) in stage.chunks_exact_mut(width * b).take(rows).enumerate() {
+        let iy = (from + r).wrapping_sub(top);
+        if iy >= h {
+            dst.fill(0.0);
+            continue;
+        }
+        dst[..start * b].fill(0.0);
+        dst[start * b..end * b].copy_from_slice(&plane[iy * w * b..(iy * w + end - start) * b]);
+        dst[end * b..].fill(0.0);
+    }
 }
 
 /// Output row `oy` of one blocked plane.
@@ -615,6 +738,9 @@ unsafe fn depthwise_row(
                 let (ox, count): (usize, usize) = ($ox, $count);
                 if pairs {
                     match ($inside, count.div_ceil(2)) {
+                        (true, 1) => run_pairs::<1, true>(x, weights, at, (ox, count), geo, out),
+                        (true, 2) => run_pairs::<2, true>(x, weights, at, (ox, count), geo, out),
+                        (true, 3) => run_pairs::<3, true>(x, weights, at, (ox, count), geo, out),
                         (true, _) => {
                             run_pairs::<PAIR_RUN, true>(x, weights, at, (ox, count), geo, out)
                         }
@@ -627,6 +753,13 @@ unsafe fn depthwise_row(
                     }
                 } else {
                     match ($inside, count) {
+                        (true, 1) => run::<1, true>(x, weights, at, ox, geo, out),
+                        (true, 2) => run::<2, true>(x, weights, at, ox, geo, out),
+                        (true, 3) => run::<3, true>(x, weights, at, ox, geo, out),
+                        (true, 4) => run::<4, true>(x, weights, at, ox, geo, out),
+                        (true, 5) => run::<5, true>(x, weights, at, ox, geo, out),
+                        (true, 6) => run::<6, true>(x, weights, at, ox, geo, out),
+                        (true, 7) => run::<7, true>(x, weights, at, ox, geo, out),
                         (true, _) => run::<RUN, true>(x, weights, at, ox, geo, out),
                         (false, 1) => run::<1, false>(x, weights, at, ox, geo, out),
                         (false, 2) => run::<2, false>(x, weights, at, ox, geo, out),
@@ -641,16 +774,18 @@ unsafe fn depthwise_row(
             }
         };
     }
-    // The left edge, whole runs inside, then the rest, each a run or less.
+    // The left edge, the interior (runs that check nothing), then the right edge,
+    // each in runs of at most `span` pixels.
     let mut ox = 0;
     while ox < lo {
         let count = span.min(lo - ox);
         chunk!(ox, count, false);
         ox += count;
     }
-    while ox + span <= hi {
-        chunk!(ox, span, true);
-        ox += span;
+    while ox < hi {
+        let count = span.min(hi - ox);
+        chunk!(ox, count, true);
+        ox += count;
     }
     while ox < geo.ow {
         let count = span.min(geo.ow - ox);
@@ -999,10 +1134,17 @@ mod tests {
                 .unwrap();
             }
             BlockedConv::Depthwise => {
+                // With a residual the weights come packed ahead, without one each
+                // task arranges its own.
+                let (c, taps) = (case.o, case.kernel[0] * case.kernel[1]);
+                let lanes = crate::layout::block_of(c).unwrap();
+                let mut ahead = vec![f32::NAN; depthwise_weights_len(c, taps, lanes)];
+                pack_depthwise_weights(&wt, taps, lanes, &mut ahead);
                 let out_dst = dst(&mut out, &os);
                 depthwise(
                     &case.win,
                     [x_src, src(&wt, &ws)],
+                    case.residual.then_some(&ahead[..]),
                     finish,
                     out_dst,
                     (&scratch, &pool),
@@ -1078,7 +1220,8 @@ mod tests {
     fn depthwise_matches_the_reference_for_every_window() {
         // (threads, x dims, window): 3x3 and 5x5, strides 1 and 2, dilation,
         // asymmetric and no padding, planes narrower than a run of 8 pixels and
-        // rows where the edge pixels meet.
+        // rows where the edge pixels meet; short rows are staged with their
+        // padding, long ones are not.
         let cases = [
             (
                 2,
@@ -1115,6 +1258,22 @@ mod tests {
                 2,
                 [1, 16, 3, 2],
                 window([7, 7], [1, 1], [3, 3, 3, 3], [1, 1]),
+            ),
+            // Rows too long to stage: the edges checked tap by tap.
+            (
+                2,
+                [1, 32, 6, 40],
+                window([3, 3], [1, 1], [1, 1, 1, 1], [1, 1]),
+            ),
+            (
+                3,
+                [1, 16, 5, 70],
+                window([5, 5], [2, 2], [2, 1, 2, 2], [1, 1]),
+            ),
+            (
+                2,
+                [1, 24, 4, 37],
+                window([5, 5], [1, 1], [2, 2, 2, 2], [1, 1]),
             ),
             // 8-channel blocks.
             (

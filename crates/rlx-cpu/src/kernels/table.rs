@@ -870,7 +870,16 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
             ctx,
         ),
         blocked_conv_f32::BlockedConv::Depthwise => {
-            blocked_conv_f32::depthwise(window, [x, w], finish, a.out, (ctx.gemm, ctx.pool))
+            let (c, taps) = (w.shape.dim(0), w.shape.dim(2) * w.shape.dim(3));
+            let packed = ctx
+                .packed_b
+                .filter(|p| {
+                    crate::layout::block_of(c).is_some_and(|lanes| {
+                        p.fits(crate::prepack::PackSpec::DepthwiseTaps { c, taps, lanes })
+                    })
+                })
+                .map(crate::prepack::PackedParam::values);
+            blocked_conv_f32::depthwise(window, [x, w], packed, finish, a.out, (ctx.gemm, ctx.pool))
         }
         blocked_conv_f32::BlockedConv::Dense => {
             let (packed, _) = conv_f32::pixel_weights(w, ctx.packed_b, ctx.scratch);
