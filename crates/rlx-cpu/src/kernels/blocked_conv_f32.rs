@@ -978,7 +978,7 @@ mod tests {
         check_with(case, seed, crate::gemm::Activation::Relu6);
     }
 
-    /// [`check`] with `activation` after the bias (ReLU or ReLU6).
+    /// [`check`] with `activation` after the bias (ReLU, ReLU6 or the tanh GELU).
     fn check_with(case: &Case, seed: u64, activation: crate::gemm::Activation) {
         if !crate::isa::isa().avx512f {
             return;
@@ -1032,9 +1032,15 @@ mod tests {
         );
         for (i, v) in want.iter_mut().enumerate() {
             let co = i / out_pixels % o;
+            let biased = *v + bias[co];
             let mut value = match activation {
-                crate::gemm::Activation::Relu => (*v + bias[co]).max(0.0),
-                _ => (*v + bias[co]).clamp(0.0, 6.0),
+                crate::gemm::Activation::Relu => biased.max(0.0),
+                crate::gemm::Activation::GeluTanh => {
+                    let inner = (2.0 / std::f32::consts::PI).sqrt()
+                        * (biased + 0.044715 * biased * biased * biased);
+                    0.5 * biased * (1.0 + inner.tanh())
+                }
+                _ => biased.clamp(0.0, 6.0),
             };
             if case.residual {
                 value += residual[i];
@@ -1307,6 +1313,9 @@ mod tests {
                     prologue: false,
                 };
                 check(&case, 101 + i as u64);
+                if i % 3 == 0 {
+                    check_with(&case, 151 + i as u64, crate::gemm::Activation::GeluTanh);
+                }
             }
         }
     }
