@@ -1218,6 +1218,13 @@ mod tests {
                     prologue,
                 };
                 check(&case, 11 + i as u64);
+                if !residual && !affine {
+                    // A ReLU (applied in the micro-kernel's registers on whole tiles
+                    // into 16-channel blocks), and an activation without a vector
+                    // form (applied after the products).
+                    check_with(&case, 31 + i as u64, crate::gemm::Activation::Relu);
+                    check_with(&case, 41 + i as u64, crate::gemm::Activation::GeluTanh);
+                }
             }
         }
     }

@@ -689,9 +689,27 @@ pub(crate) unsafe fn micro_kernel(
     unsafe {
         match count {
             1 => micro_kernel_avx2(offsets, pixel, panels, tile, accumulate),
-            2 => micro_kernel_avx512::<2>(offsets, pixel, (panels, stride), out, accumulate),
-            3 => micro_kernel_avx512::<3>(offsets, pixel, (panels, stride), out, accumulate),
-            _ => micro_kernel_avx512::<4>(offsets, pixel, (panels, stride), out, accumulate),
+            2 => micro_kernel_avx512::<2>(
+                offsets,
+                pixel,
+                (panels, stride),
+                out,
+                (accumulate, SimpleFinish::NONE),
+            ),
+            3 => micro_kernel_avx512::<3>(
+                offsets,
+                pixel,
+                (panels, stride),
+                out,
+                (accumulate, SimpleFinish::NONE),
+            ),
+            _ => micro_kernel_avx512::<4>(
+                offsets,
+                pixel,
+                (panels, stride),
+                out,
+                (accumulate, SimpleFinish::NONE),
+            ),
         }
     }
 }
@@ -780,21 +798,49 @@ pub(crate) unsafe fn micro_kernel_to(
     finish: Option<&RegisterFinish>,
 ) {
     let sums = (panels, stride);
+    // A bias and a ReLU (the common finish) are applied to the sums in registers;
+    // anything more once the tile is stored, while it is in L1 (in the
+    // micro-kernel's registers, the general finish's code cost the products their
+    // registers).
+    let (simple, rest) = match finish {
+        Some(f) if f.residual.is_none() && f.affine.is_none() => (
+            SimpleFinish {
+                bias: f.bias,
+                activation: f.activation,
+            },
+            None,
+        ),
+        _ => (SimpleFinish::NONE, finish),
+    };
     // SAFETY: forwarded contract.
     unsafe {
         match count {
-            1 => micro_kernel_avx512::<1>(offsets, pixel, sums, out, false),
-            2 => micro_kernel_avx512::<2>(offsets, pixel, sums, out, false),
-            3 => micro_kernel_avx512::<3>(offsets, pixel, sums, out, false),
-            _ => micro_kernel_avx512::<4>(offsets, pixel, sums, out, false),
+            1 => micro_kernel_avx512::<1>(offsets, pixel, sums, out, (false, simple)),
+            2 => micro_kernel_avx512::<2>(offsets, pixel, sums, out, (false, simple)),
+            3 => micro_kernel_avx512::<3>(offsets, pixel, sums, out, (false, simple)),
+            _ => micro_kernel_avx512::<4>(offsets, pixel, sums, out, (false, simple)),
         }
-        // The tile's values are in L1: finished there, a vector at a time (in the
-        // micro-kernel's registers, the finish's code cost the products their
-        // registers).
-        if let Some(finish) = finish {
+        if let Some(finish) = rest {
             finish_tile(out, count, finish);
         }
     }
+}
+
+/// The finish the micro-kernel applies to its sums before storing them: a bias
+/// (one vector per panel, from `bias` on) and an activation with a vector form
+/// ([`crate::gemm::has_lanes_form`]).
+#[derive(Clone, Copy)]
+struct SimpleFinish {
+    bias: Option<*const f32>,
+    activation: Option<Activation>,
+}
+
+impl SimpleFinish {
+    /// No finish.
+    const NONE: SimpleFinish = SimpleFinish {
+        bias: None,
+        activation: None,
+    };
 }
 
 /// Applies `finish` to the `MR` pixels of `count` panels that `out` names.
@@ -857,10 +903,12 @@ pub(crate) unsafe fn micro_kernel(
 /// Steps ahead whose weights the AVX-512 micro-kernel asks for.
 const WEIGHTS_AHEAD: usize = 24;
 
-/// [`micro_kernel`] for `NP` panels at once, each in one zmm per pixel.
+/// [`micro_kernel`] for `NP` panels at once, each in one zmm per pixel, with
+/// `finish` applied to the sums before they are stored.
 ///
 /// # Safety
-/// As [`micro_kernel`] with `count = NP`; AVX-512F is available.
+/// As [`micro_kernel`] with `count = NP`; AVX-512F is available; a bias holds `NP`
+/// panels' [`NR`] values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn micro_kernel_avx512<const NP: usize>(
@@ -868,7 +916,7 @@ unsafe fn micro_kernel_avx512<const NP: usize>(
     pixel: [*const f32; MR],
     (panels, stride): (*const f32, usize),
     out: TileOut,
-    accumulate: bool,
+    (accumulate, finish): (bool, SimpleFinish),
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); NP]; MR];
@@ -900,8 +948,24 @@ unsafe fn micro_kernel_avx512<const NP: usize>(
             w = w.add(NR);
         }
     }
+    // The finish as the sums are stored: changing `acc` in place after the loop
+    // made the compiler keep it on the stack through the loop (twice as slow).
+    // SAFETY: the bias holds NP panels' values.
+    let bias: [__m512; NP] = std::array::from_fn(|v| {
+        finish.bias.map_or(_mm512_setzero_ps(), |b| unsafe {
+            _mm512_loadu_ps(b.add(v * NR))
+        })
+    });
     for (i, row) in acc.iter().enumerate() {
         for (v, &value) in row.iter().enumerate() {
+            let mut value = value;
+            if finish.bias.is_some() {
+                value = _mm512_add_ps(value, bias[v]);
+            }
+            if let Some(a) = finish.activation {
+                // SAFETY: AVX-512F, as this function's.
+                value = unsafe { crate::gemm::activate_lanes_avx512(value, a) };
+            }
             // SAFETY: as above.
             unsafe { _mm512_storeu_ps(out.at.add(v * out.panel + i * out.pixel), value) };
         }
