@@ -286,6 +286,7 @@ pub(crate) fn pointwise(
     // ReLU are applied as tiles are stored.
     let in_registers = out_block == Some(NR) && finish.has_lanes_form();
     let plain_in_store = out_block.is_none() && finish.is_bias_and_relu();
+    let depth_blocks = in_registers && c >= DEPTH_BLOCKED_FROM;
     let finishes = in_registers
         && (finish.bias.is_some()
             || finish.activation.is_some()
@@ -363,7 +364,61 @@ pub(crate) fn pointwise(
                     )
                 })
             });
-            for i0 in (p0..p1).step_by(MR) {
+            // With many input channels, the whole tiles into a 16-channel blocked
+            // output run a block of input channels at a time over all the task's
+            // pixels, so that block's weights stay in L1 for every tile (a 1280-
+            // channel tile of 4 panels otherwise streams 320 KiB of weights from L2
+            // for 6 pixels); the later blocks add to the stored sums, and the last
+            // one finishes them.
+            let mut start = p0;
+            if depth_blocks {
+                let whole_end = p0 + (p1 - p0) / MR * MR;
+                let count = q1 - q0;
+                for k0 in (0..c).step_by(DEPTH_BLOCK) {
+                    let k1 = (k0 + DEPTH_BLOCK).min(c);
+                    let weights = (
+                        packed.as_ptr().wrapping_add((q0 * c + k0) * NR),
+                        c * NR,
+                        count,
+                    );
+                    for i0 in (p0..whole_end).step_by(MR) {
+                        let bases: [*const f32; MR] = std::array::from_fn(|i| {
+                            read.wrapping_add((i0 - first + i) * pixel_step)
+                        });
+                        let first_value = ((image * panels + q0) * pixels + i0) * NR;
+                        let out = conv_pixels_f32::TileOut {
+                            at: (out_addr as *mut f32).wrapping_add(first_value),
+                            panel: pixels * NR,
+                            pixel: NR,
+                        };
+                        let register_finish =
+                            (finishes && k1 == c).then(|| conv_pixels_f32::RegisterFinish {
+                                bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
+                                activation: finish.activation,
+                                residual: residual_addr
+                                    .map(|r| (r as *const f32).wrapping_add(first_value)),
+                                affine: finish.affine.map(|(scale, shift, post)| {
+                                    (scale[q0 * NR..].as_ptr(), shift[q0 * NR..].as_ptr(), post)
+                                }),
+                            });
+                        // SAFETY: as for the whole tiles below, over input channels
+                        // `k0..k1` (their offsets, and the weights from step `k0`);
+                        // the tile's place holds the earlier blocks' sums when
+                        // `k0 > 0`.
+                        unsafe {
+                            conv_pixels_f32::micro_kernel_to(
+                                &offsets[k0..k1],
+                                bases,
+                                weights,
+                                (out, k0 > 0),
+                                register_finish.as_ref(),
+                            )
+                        };
+                    }
+                }
+                start = whole_end;
+            }
+            for i0 in (start..p1).step_by(MR) {
                 let m = MR.min(p1 - i0);
                 // Pixels past the last repeat it: read, never stored.
                 let bases: [*const f32; MR] = std::array::from_fn(|i| {
@@ -399,7 +454,7 @@ pub(crate) fn pointwise(
                             offsets,
                             bases,
                             weights,
-                            out,
+                            (out, false),
                             register_finish.as_ref(),
                         )
                     };
@@ -463,6 +518,14 @@ pub(crate) fn pointwise(
 /// Output pixels a pointwise task stores before it runs the finish over them (in
 /// L1 still).
 const FINISH_PIXELS: usize = 48;
+
+/// Input channels per depth block of a pointwise convolution's whole tiles: 4
+/// panels' weights for them take 32 KiB, which stays in L1.
+const DEPTH_BLOCK: usize = 128;
+
+/// The fewest input channels for which a pointwise convolution runs in depth
+/// blocks.
+const DEPTH_BLOCKED_FROM: usize = 4 * DEPTH_BLOCK;
 
 /// Output pixels whose sums a depthwise run keeps in registers.
 const RUN: usize = 8;
@@ -1196,6 +1259,10 @@ mod tests {
             (3, [1, 40, 6, 6], 72, [false, true]),
             (2, [1, 72, 9, 4], 32, [true, false]),
             (1, [2, 32, 5, 5], 24, [true, true]),
+            // Depth blocks of 128 input channels (the last one partial), in from
+            // either layout.
+            (2, [1, 640, 5, 7], 48, [true, true]),
+            (3, [2, 528, 4, 5], 64, [false, true]),
         ];
         for (i, &(threads, x, o, layout)) in cases.iter().enumerate() {
             for (residual, affine, prologue) in [

@@ -784,17 +784,18 @@ impl RegisterFinish {
 
 /// [`micro_kernel`] on AVX-512 for `count` panels (1 to [`MAX_GROUP`]), storing each
 /// panel's [`MR`] pixels through `out` (a channel-blocked output's own place) instead
-/// of a tile, then applying `finish` to them if any.
+/// of a tile, adding to the sums there when `accumulate` (a later block of input
+/// channels), then applying `finish` to them if any.
 ///
 /// # Safety
-/// As [`micro_kernel`]; AVX-512F is available; every place `out` names is writable;
-/// `finish`'s pointers as [`RegisterFinish`] says.
+/// As [`micro_kernel`]; AVX-512F is available; every place `out` names is writable
+/// (and readable with `accumulate`); `finish`'s pointers as [`RegisterFinish`] says.
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn micro_kernel_to(
     offsets: &[u32],
     pixel: [*const f32; MR],
     (panels, stride, count): (*const f32, usize, usize),
-    out: TileOut,
+    (out, accumulate): (TileOut, bool),
     finish: Option<&RegisterFinish>,
 ) {
     let sums = (panels, stride);
@@ -815,10 +816,10 @@ pub(crate) unsafe fn micro_kernel_to(
     // SAFETY: forwarded contract.
     unsafe {
         match count {
-            1 => micro_kernel_avx512::<1>(offsets, pixel, sums, out, (false, simple)),
-            2 => micro_kernel_avx512::<2>(offsets, pixel, sums, out, (false, simple)),
-            3 => micro_kernel_avx512::<3>(offsets, pixel, sums, out, (false, simple)),
-            _ => micro_kernel_avx512::<4>(offsets, pixel, sums, out, (false, simple)),
+            1 => micro_kernel_avx512::<1>(offsets, pixel, sums, out, (accumulate, simple)),
+            2 => micro_kernel_avx512::<2>(offsets, pixel, sums, out, (accumulate, simple)),
+            3 => micro_kernel_avx512::<3>(offsets, pixel, sums, out, (accumulate, simple)),
+            _ => micro_kernel_avx512::<4>(offsets, pixel, sums, out, (accumulate, simple)),
         }
         if let Some(finish) = rest {
             finish_tile(out, count, finish);
@@ -883,7 +884,7 @@ pub(crate) unsafe fn micro_kernel_to(
     _: &[u32],
     _: [*const f32; MR],
     _: (*const f32, usize, usize),
-    _: TileOut,
+    _: (TileOut, bool),
     _: Option<&RegisterFinish>,
 ) {
     unreachable!("blocked layouts need AVX-512")
