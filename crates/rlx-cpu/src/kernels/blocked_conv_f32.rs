@@ -280,11 +280,12 @@ pub(crate) fn pointwise(
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
     let per_channel = finish.per_channel();
     let pixel_step = x_block.unwrap_or(1);
-    // Whole tiles into a 16-channel blocked output take their finish as they are
-    // stored (a pass over stored values every few tiles cost a ResNet bottleneck's
-    // 64 -> 256 convolution a fifth of its time); into a plain output, a bias and a
-    // ReLU are applied as tiles are stored.
-    let in_registers = out_block == Some(NR) && finish.has_lanes_form();
+    // Whole tiles into a blocked output go straight to their place (a panel's two
+    // halves to their two blocks with 8-channel blocks) and take their finish as
+    // they are stored (a pass over stored values every few tiles cost a ResNet
+    // bottleneck's 64 -> 256 convolution a fifth of its time); into a plain
+    // output, a bias and a ReLU are applied as tiles are stored.
+    let in_registers = out_block.is_some() && finish.has_lanes_form();
     let plain_in_store = out_block.is_none() && finish.is_bias_and_relu();
     let depth_blocks = in_registers && c >= DEPTH_BLOCKED_FROM;
     let finishes = in_registers
@@ -322,6 +323,22 @@ pub(crate) fn pointwise(
         };
         for g in task_groups {
             let (q0, q1) = (g * panels / groups, (g + 1) * panels / groups);
+            // Where pixel `i0` of the first panel starts in the output: the panel
+            // and pixel strides and the distance to a pixel's last 8 channels.
+            let tile_at = |i0: usize| {
+                let b = out_block.unwrap_or(NR);
+                let first_value = image * o * pixels + q0 * pixels * NR + i0 * b;
+                let out = conv_pixels_f32::TileOut {
+                    at: (out_addr as *mut f32).wrapping_add(first_value),
+                    panel: pixels * NR,
+                    pixel: b,
+                    high: if b == NR { 0 } else { pixels * b },
+                    // The last panel of an output of 8 channels past a multiple of
+                    // 16 has only its first 8.
+                    last_half: q1 * NR > o,
+                };
+                (first_value, out)
+            };
             // The output's blocks (or plain channels) this task writes.
             let (block_size, first_block, end_block) = match out_block {
                 Some(b) => (b, q0 * NR / b, (q1 * NR).min(o) / b),
@@ -385,12 +402,7 @@ pub(crate) fn pointwise(
                         let bases: [*const f32; MR] = std::array::from_fn(|i| {
                             read.wrapping_add((i0 - first + i) * pixel_step)
                         });
-                        let first_value = ((image * panels + q0) * pixels + i0) * NR;
-                        let out = conv_pixels_f32::TileOut {
-                            at: (out_addr as *mut f32).wrapping_add(first_value),
-                            panel: pixels * NR,
-                            pixel: NR,
-                        };
+                        let (first_value, out) = tile_at(i0);
                         let register_finish =
                             (finishes && k1 == c).then(|| conv_pixels_f32::RegisterFinish {
                                 bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
@@ -425,16 +437,11 @@ pub(crate) fn pointwise(
                     read.wrapping_add((i0 - first + i.min(m - 1)) * pixel_step)
                 });
                 let weights = (packed.as_ptr().wrapping_add(q0 * c * NR), c * NR, q1 - q0);
-                let whole = out_block == Some(NR) && m == MR;
+                let whole = out_block.is_some() && m == MR;
                 if whole {
                     // A whole tile goes straight to its place in the blocked output,
                     // finished in registers where it can be.
-                    let first_value = ((image * panels + q0) * pixels + i0) * NR;
-                    let out = conv_pixels_f32::TileOut {
-                        at: (out_addr as *mut f32).wrapping_add(first_value),
-                        panel: pixels * NR,
-                        pixel: NR,
-                    };
+                    let (first_value, out) = tile_at(i0);
                     let register_finish = finishes.then(|| conv_pixels_f32::RegisterFinish {
                         bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
                         activation: finish.activation,
@@ -1144,7 +1151,9 @@ mod tests {
             affine: Some((&in_scale[..], &in_shift[..])),
             activation: Some(crate::gemm::Activation::Silu),
         });
-        let mut out = vec![f32::NAN; n * o * out_pixels];
+        // Room past the output, which must stay untouched.
+        const GUARD: usize = 256;
+        let mut out = vec![f32::NAN; n * o * out_pixels + GUARD];
         let x_src = src(&x_stored, &xs);
         match kind {
             BlockedConv::Pointwise => {
@@ -1221,6 +1230,11 @@ mod tests {
                 .unwrap();
             }
         }
+        let past = out.split_off(n * o * out_pixels);
+        assert!(
+            past.iter().all(|v| v.is_nan()),
+            "{kind:?} wrote past the output"
+        );
         let got = if out_blocked {
             from_blocked(&out, o, out_pixels)
         } else {

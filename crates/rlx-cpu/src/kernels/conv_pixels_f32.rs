@@ -684,6 +684,8 @@ pub(crate) unsafe fn micro_kernel(
         at: tile.as_mut_ptr(),
         panel: TILE,
         pixel: NR,
+        high: 0,
+        last_half: false,
     };
     // SAFETY: forwarded contract; `count > 1` only where `panel_group` found AVX-512.
     unsafe {
@@ -715,12 +717,93 @@ pub(crate) unsafe fn micro_kernel(
 }
 
 /// Where a micro-kernel tile's sums go: panel `v`'s pixel `i` is the [`NR`] floats
-/// at `at + v * panel + i * pixel`.
+/// at `at + v * panel + i * pixel` (its last 8 `high` floats on from its first 8
+/// when `high` is not 0).
 #[derive(Clone, Copy)]
 pub(crate) struct TileOut {
     pub at: *mut f32,
     pub panel: usize,
     pub pixel: usize,
+    /// Floats from a pixel's first 8 lanes to its last 8 (0: its 16 lanes are
+    /// contiguous): a panel's two 8-channel blocks.
+    pub high: usize,
+    /// Whether the last panel has only its first 8 lanes (an output of 8 channels
+    /// past a multiple of 16, in 8-channel blocks).
+    pub last_half: bool,
+}
+
+/// [`TileOut::high_of`] for a panel that has only its first 8 lanes.
+const LOW_ONLY: usize = usize::MAX;
+
+impl TileOut {
+    /// The `high` of panel `v` of `count`: [`LOW_ONLY`] for a last panel of 8
+    /// lanes.
+    /// The lanes panel `v` of `count` has.
+    #[inline]
+    fn lanes_of(&self, v: usize, count: usize) -> u16 {
+        if self.last_half && v + 1 == count {
+            0x00ff
+        } else {
+            0xffff
+        }
+    }
+
+    #[inline]
+    fn high_of(&self, v: usize, count: usize) -> usize {
+        if self.last_half && v + 1 == count {
+            LOW_ONLY
+        } else {
+            self.high
+        }
+    }
+}
+
+/// The 16 lanes at `p`, the last 8 of them `high` floats on when `high` is not 0
+/// (zeros when it is [`LOW_ONLY`]).
+///
+/// # Safety
+/// AVX-512F is available; those floats are readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn load_lanes(p: *const f32, high: usize) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        if high == 0 {
+            _mm512_loadu_ps(p)
+        } else if high == LOW_ONLY {
+            _mm512_maskz_loadu_ps(0x00ff, p)
+        } else {
+            let low = _mm512_castps256_ps512(_mm256_loadu_ps(p));
+            let top = _mm256_castps_pd(_mm256_loadu_ps(p.add(high)));
+            _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(low), top))
+        }
+    }
+}
+
+/// Stores `v` as [`load_lanes`] reads it (only its first 8 lanes for
+/// [`LOW_ONLY`]).
+///
+/// # Safety
+/// AVX-512F is available; those floats are writable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_lanes(p: *mut f32, high: usize, v: std::arch::x86_64::__m512) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        if high == 0 {
+            _mm512_storeu_ps(p, v);
+        } else if high == LOW_ONLY {
+            _mm256_storeu_ps(p, _mm512_castps512_ps256(v));
+        } else {
+            _mm256_storeu_ps(p, _mm512_castps512_ps256(v));
+            let top = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
+            _mm256_storeu_ps(p.add(high), _mm256_castpd_ps(top));
+        }
+    }
 }
 
 /// A [`Finish`] applied a vector at a time to a tile stored into a blocked output
@@ -752,7 +835,7 @@ impl RegisterFinish {
         &self,
         x: std::arch::x86_64::__m512,
         channel: usize,
-        at: usize,
+        (at, high): (usize, usize),
         mask: std::arch::x86_64::__mmask16,
     ) -> std::arch::x86_64::__m512 {
         use crate::gemm::activate_lanes_avx512 as activate;
@@ -768,7 +851,12 @@ impl RegisterFinish {
                 x = activate(x, a);
             }
             if let Some(residual) = self.residual {
-                x = _mm512_add_ps(x, load(residual.add(at)));
+                let r = if high == 0 {
+                    load(residual.add(at))
+                } else {
+                    load_lanes(residual.add(at), high)
+                };
+                x = _mm512_add_ps(x, r);
             }
             if let Some((scale, shift, post)) = self.affine {
                 let (s, t) = (load(scale.add(channel)), load(shift.add(channel)));
@@ -799,7 +887,7 @@ pub(crate) unsafe fn micro_kernel_to(
     finish: Option<&RegisterFinish>,
 ) {
     let sums = (panels, stride);
-    // A bias and a ReLU (the common finish) are applied to the sums in registers;
+    // A bias and an activation with a vector form are applied to the sums in registers;
     // anything more once the tile is stored, while it is in L1 (in the
     // micro-kernel's registers, the general finish's code cost the products their
     // registers).
@@ -815,14 +903,106 @@ pub(crate) unsafe fn micro_kernel_to(
     };
     // SAFETY: forwarded contract.
     unsafe {
-        match count {
-            1 => micro_kernel_avx512::<1>(offsets, pixel, sums, out, (accumulate, simple)),
-            2 => micro_kernel_avx512::<2>(offsets, pixel, sums, out, (accumulate, simple)),
-            3 => micro_kernel_avx512::<3>(offsets, pixel, sums, out, (accumulate, simple)),
-            _ => micro_kernel_avx512::<4>(offsets, pixel, sums, out, (accumulate, simple)),
+        if out.high != 0 || out.last_half {
+            split_tile(
+                offsets,
+                pixel,
+                (panels, stride, count),
+                (out, accumulate),
+                simple,
+            );
+        } else {
+            match count {
+                1 => micro_kernel_avx512::<1>(offsets, pixel, sums, out, (accumulate, simple)),
+                2 => micro_kernel_avx512::<2>(offsets, pixel, sums, out, (accumulate, simple)),
+                3 => micro_kernel_avx512::<3>(offsets, pixel, sums, out, (accumulate, simple)),
+                _ => micro_kernel_avx512::<4>(offsets, pixel, sums, out, (accumulate, simple)),
+            }
         }
         if let Some(finish) = rest {
             finish_tile(out, count, finish);
+        }
+    }
+}
+
+/// [`micro_kernel_to`] for panels split over two 8-channel blocks, or ending in
+/// half a panel: computed in a tile on the stack, then copied to their places
+/// (the micro-kernel's stores kept simple: with a branch or a pair of masked
+/// stores per vector, the compiler left the sums in memory through the loop).
+///
+/// # Safety
+/// As [`micro_kernel_to`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn split_tile(
+    offsets: &[u32],
+    pixel: [*const f32; MR],
+    (panels, stride, count): (*const f32, usize, usize),
+    (out, accumulate): (TileOut, bool),
+    simple: SimpleFinish,
+) {
+    let mut tile = [0.0f32; MAX_GROUP * TILE];
+    let into = TileOut {
+        at: tile.as_mut_ptr(),
+        panel: TILE,
+        pixel: NR,
+        high: 0,
+        last_half: false,
+    };
+    // A half panel's bias is read as a whole vector: from a copy padded with zeros.
+    let mut bias_copy = [0.0f32; MAX_GROUP * NR];
+    let simple = match simple.bias {
+        Some(b) if out.last_half => {
+            let have = (count - 1) * NR + NR / 2;
+            // SAFETY: the bias holds the channels the panels have.
+            bias_copy[..have].copy_from_slice(unsafe { std::slice::from_raw_parts(b, have) });
+            SimpleFinish {
+                bias: Some(bias_copy.as_ptr()),
+                ..simple
+            }
+        }
+        _ => simple,
+    };
+    let sums = (panels, stride);
+    // SAFETY: the caller's contract; the tile holds `count` panels of MR pixels.
+    unsafe {
+        if accumulate {
+            copy_split(out, into, count, true);
+        }
+        match count {
+            1 => micro_kernel_avx512::<1>(offsets, pixel, sums, into, (accumulate, simple)),
+            2 => micro_kernel_avx512::<2>(offsets, pixel, sums, into, (accumulate, simple)),
+            3 => micro_kernel_avx512::<3>(offsets, pixel, sums, into, (accumulate, simple)),
+            _ => micro_kernel_avx512::<4>(offsets, pixel, sums, into, (accumulate, simple)),
+        }
+        copy_split(out, into, count, false);
+    }
+}
+
+/// Copies `count` panels of [`MR`] pixels between their places `out` (split over
+/// two blocks, or half a panel) and `tile` (whole vectors): into the tile when
+/// `to_tile`, else out of it.
+///
+/// # Safety
+/// AVX-512F is available; both name `count` panels of `MR` pixels (`out` the
+/// lanes each panel has).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn copy_split(out: TileOut, tile: TileOut, count: usize, to_tile: bool) {
+    use std::arch::x86_64::*;
+    for v in 0..count {
+        let high = out.high_of(v, count);
+        for i in 0..MR {
+            let place = out.at.wrapping_add(v * out.panel + i * out.pixel);
+            let at = tile.at.wrapping_add(v * tile.panel + i * tile.pixel);
+            // SAFETY: the caller's contract.
+            unsafe {
+                if to_tile {
+                    _mm512_storeu_ps(at, load_lanes(place, high));
+                } else {
+                    store_lanes(place, high, _mm512_loadu_ps(at));
+                }
+            }
         }
     }
 }
@@ -852,6 +1032,24 @@ impl SimpleFinish {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn finish_tile(out: TileOut, count: usize, finish: &RegisterFinish) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if out.high == 0 && !out.last_half {
+            finish_tile_as::<false>(out, count, finish);
+        } else {
+            finish_tile_as::<true>(out, count, finish);
+        }
+    }
+}
+
+/// [`finish_tile`] with whole vectors at each pixel (`SPLIT` false: the common
+/// case, without tests per vector) or split ones.
+///
+/// # Safety
+/// As [`finish_tile`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn finish_tile_as<const SPLIT: bool>(out: TileOut, count: usize, finish: &RegisterFinish) {
     use crate::gemm::activate_lanes_avx512 as activate;
     use std::arch::x86_64::*;
     // A ReLU after the bias alone (the common finish) without the general path's
@@ -860,20 +1058,34 @@ unsafe fn finish_tile(out: TileOut, count: usize, finish: &RegisterFinish) {
         && finish.affine.is_none()
         && finish.activation == Some(Activation::Relu);
     for v in 0..count {
-        // SAFETY: the caller's contract: each pointer holds the panel's 16 values.
+        let (high, lanes) = if SPLIT {
+            (out.high_of(v, count), out.lanes_of(v, count))
+        } else {
+            (0, 0xffff)
+        };
+        // SAFETY: the caller's contract: each pointer holds the panel's values.
         unsafe {
-            let bias = finish
-                .bias
-                .map_or(_mm512_setzero_ps(), |b| _mm512_loadu_ps(b.add(v * NR)));
+            let bias = finish.bias.map_or(_mm512_setzero_ps(), |b| {
+                _mm512_maskz_loadu_ps(lanes, b.add(v * NR))
+            });
             for i in 0..MR {
-                let at = out.at.add(v * out.panel + i * out.pixel);
-                let x = if relu_only {
-                    activate(_mm512_add_ps(_mm512_loadu_ps(at), bias), Activation::Relu)
+                let at_offset = v * out.panel + i * out.pixel;
+                let at = out.at.add(at_offset);
+                let x = if SPLIT {
+                    load_lanes(at, high)
                 } else {
-                    let at_offset = v * out.panel + i * out.pixel;
-                    finish.apply(_mm512_loadu_ps(at), v * NR, at_offset, !0)
+                    _mm512_loadu_ps(at)
                 };
-                _mm512_storeu_ps(at, x);
+                let x = if relu_only {
+                    activate(_mm512_add_ps(x, bias), Activation::Relu)
+                } else {
+                    finish.apply(x, v * NR, (at_offset, high), lanes)
+                };
+                if SPLIT {
+                    store_lanes(at, high, x);
+                } else {
+                    _mm512_storeu_ps(at, x);
+                }
             }
         }
     }
@@ -1110,7 +1322,7 @@ unsafe fn store_blocked(
             unsafe {
                 let v = _mm512_maskz_loadu_ps(mask, tile.as_ptr().add(i * NR + s * b));
                 let v = match finish {
-                    Some(f) => f.apply(v, c0 + s * b, to, mask),
+                    Some(f) => f.apply(v, c0 + s * b, (to, 0), mask),
                     None => v,
                 };
                 _mm512_mask_storeu_ps(out.add(to), mask, v);
