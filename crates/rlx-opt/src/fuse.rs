@@ -75,9 +75,8 @@ impl FusionOptions {
 struct AttentionMatch {
     q: NodeId,
     k: NodeId,
-    /// Whether `k` is sequence-major (`[B, S, H, D]`, its transpose written as one
-    /// `permute(k, [0, 2, 3, 1])`): the fused node reads it through a head swap.
-    k_seq_major: bool,
+    /// How the fused node reads `k`: as it is, through a head swap, or reshaped.
+    k_form: KeyForm,
     v: NodeId,
     mask: Option<NodeId>,
     scale: f64,
@@ -205,14 +204,16 @@ fn match_attention(
             *x = t;
         }
     }
-    let (k, k_seq_major) = key_of_transpose(nodes, kt)?;
-    if [q, k, v].iter().any(|x| node(*x).shape.rank() != 4) {
+    let (k, k_form) = key_of_transpose(nodes, kt)?;
+    if [q, v].iter().any(|x| node(*x).shape.rank() != 4)
+        || (!matches!(k_form, KeyForm::Flat(_)) && node(k).shape.rank() != 4)
+    {
         return None;
     }
-    let k_shape = if k_seq_major {
-        head_swapped(&node(k).shape)
-    } else {
-        node(k).shape.clone()
+    let k_shape = match &k_form {
+        KeyForm::Heads => node(k).shape.clone(),
+        KeyForm::SeqMajor => head_swapped(&node(k).shape),
+        KeyForm::Flat(shape) => shape.clone(),
     };
     // The fused node must be a valid attention of the same result (batch dims that
     // the matmuls broadcast, for one, are not).
@@ -233,12 +234,25 @@ fn match_attention(
     Some(AttentionMatch {
         q,
         k,
-        k_seq_major,
+        k_form,
         v,
         mask,
         scale,
         nodes: matched,
     })
+}
+
+/// How the key an attention pattern transposed is laid out.
+#[derive(Clone, Debug, PartialEq)]
+enum KeyForm {
+    /// `[B, H, S, D]`, as the fused node reads it.
+    Heads,
+    /// `[B, S, H, D]` (its transpose written as one `permute(k, [0, 2, 3, 1])`): read
+    /// through a head swap.
+    SeqMajor,
+    /// `[B * H, S, D]` (heads split into a rank-3 value before the transpose): read
+    /// through a reshape to this `[B, H, S, D]` shape.
+    Flat(rlx_ir::Shape),
 }
 
 /// `[B, S, H, D]` as `[B, H, S, D]` (or back).
@@ -247,18 +261,19 @@ fn head_swapped(shape: &rlx_ir::Shape) -> rlx_ir::Shape {
     rlx_ir::Shape::new(&[d[0], d[2], d[1], d[3]], shape.dtype())
 }
 
-/// The key whose transpose `kt` is, and whether it is sequence-major: a `[B, H, S,
-/// D]` key as `permute(k, [0, 1, 3, 2])`, or the same spelled `reshape(permute(
-/// reshape(k, [B*H, S, D]), [0, 2, 1]), [B, H, D, S])`; a `[B, S, H, D]` key as
-/// `permute(k, [0, 2, 3, 1])` (heads split and transposed in one permute, as
-/// Whisper's export has it).
-fn key_of_transpose(nodes: &[Node], kt: NodeId) -> Option<(NodeId, bool)> {
+/// The key whose transpose `kt` is, and its form: a `[B, H, S, D]` key as
+/// `permute(k, [0, 1, 3, 2])`, or the same spelled `reshape(permute(reshape(k,
+/// [B*H, S, D]), [0, 2, 1]), [B, H, D, S])`; a `[B, S, H, D]` key as `permute(k,
+/// [0, 2, 3, 1])` (heads split and transposed in one permute, as Whisper's export
+/// has it); a `[B*H, S, D]` key as `reshape(permute(k, [0, 2, 1]), [B, H, D, S])`
+/// (heads split into a rank-3 value, as ViT's dynamo export has it).
+fn key_of_transpose(nodes: &[Node], kt: NodeId) -> Option<(NodeId, KeyForm)> {
     let node = |id: NodeId| &nodes[id.index()];
     if matches!(&node(kt).op, Op::Permute { perm } if perm.as_slice() == [0, 1, 3, 2]) {
-        return Some((node(kt).inputs[0], false));
+        return Some((node(kt).inputs[0], KeyForm::Heads));
     }
     if matches!(&node(kt).op, Op::Permute { perm } if perm.as_slice() == [0, 2, 3, 1]) {
-        return Some((node(kt).inputs[0], true));
+        return Some((node(kt).inputs[0], KeyForm::SeqMajor));
     }
     let Op::Reshape { .. } = node(kt).op else {
         return None;
@@ -268,20 +283,21 @@ fn key_of_transpose(nodes: &[Node], kt: NodeId) -> Option<(NodeId, bool)> {
         return None;
     }
     let r = node(p).inputs[0];
-    let Op::Reshape { .. } = node(r).op else {
-        return None;
-    };
-    let k = node(r).inputs[0];
-    let kd = node(k).shape.dims();
     let ktd = node(kt).shape.dims();
     let rd = node(r).shape.dims();
-    let fits =
-        kd.len() == 4 && rd == [kd[0] * kd[1], kd[2], kd[3]] && ktd == [kd[0], kd[1], kd[3], kd[2]];
-    if !fits {
+    if ktd.len() != 4 || rd.len() != 3 || rd != [ktd[0] * ktd[1], ktd[3], ktd[2]] {
         return None;
     }
     // The chain stays for any other reader; dead-code elimination removes it otherwise.
-    Some((k, false))
+    if let Op::Reshape { .. } = node(r).op {
+        let k = node(r).inputs[0];
+        let kd = node(k).shape.dims();
+        if kd == [ktd[0], ktd[1], ktd[3], ktd[2]] {
+            return Some((k, KeyForm::Heads));
+        }
+    }
+    let heads = rlx_ir::Shape::new(&[ktd[0], ktd[1], ktd[3], ktd[2]], node(r).shape.dtype());
+    Some((r, KeyForm::Flat(heads)))
 }
 
 /// Attention written out in ops (`softmax(q @ k^T * scale + mask) @ v`, as exported
@@ -306,17 +322,25 @@ pub fn fuse_attention_pattern(graph: &Graph) -> Fused {
     let mut records = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
         if let Some(m) = &at_end[i] {
-            let k = if m.k_seq_major {
-                let seq_major = &nodes[m.k.index()].shape;
-                w.insert(Node {
-                    op: Op::Permute {
-                        perm: HEAD_SWAP.to_vec(),
+            let k = match &m.k_form {
+                KeyForm::Heads => w.map(m.k),
+                KeyForm::SeqMajor => {
+                    let seq_major = &nodes[m.k.index()].shape;
+                    w.insert(Node {
+                        op: Op::Permute {
+                            perm: HEAD_SWAP.to_vec(),
+                        },
+                        inputs: vec![m.k],
+                        shape: head_swapped(seq_major),
+                    })
+                }
+                KeyForm::Flat(shape) => w.insert(Node {
+                    op: Op::Reshape {
+                        dims: shape.dims().to_vec(),
                     },
                     inputs: vec![m.k],
-                    shape: head_swapped(seq_major),
-                })
-            } else {
-                w.map(m.k)
+                    shape: shape.clone(),
+                }),
             };
             let mut inputs = vec![w.map(m.q), k, w.map(m.v)];
             inputs.extend(m.mask.map(|x| w.map(x)));

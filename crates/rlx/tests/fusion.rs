@@ -1646,6 +1646,49 @@ fn attention_with_a_sequence_major_key_transpose_becomes_one_attention() {
 }
 
 #[test]
+fn attention_with_heads_split_into_rank_3_values_becomes_one_attention() {
+    // ViT's dynamo export: each of q, k, v is `[S, H * D]` reshaped to `[S, H, D]`
+    // and permuted to `[H, S, D]`; q and v get a batch axis back by a reshape, the
+    // key is transposed as `[H, D, S]` before its reshape, and both operands are
+    // scaled by one constant.
+    let mut rng = Rng(71);
+    for (s, h, d) in [(37, 3, 16), (20, 2, 8)] {
+        let g = Graph::new("vit attention");
+        let x = g.input("x", Shape::new(&[s, h * d], DType::F32)).unwrap();
+        let heads = |name: &str| {
+            let w = g
+                .param(name, Shape::new(&[h * d, h * d], DType::F32))
+                .unwrap();
+            let split = g.reshape(g.matmul(x, w).unwrap(), &[s, h, d]).unwrap();
+            g.permute(split, &[1, 0, 2]).unwrap()
+        };
+        let (q, k, v) = (heads("wq"), heads("wk"), heads("wv"));
+        let q = g.reshape(q, &[1, h, s, d]).unwrap();
+        let v = g.reshape(v, &[1, h, s, d]).unwrap();
+        let kt = g
+            .reshape(g.permute(k, &[0, 2, 1]).unwrap(), &[1, h, d, s])
+            .unwrap();
+        let c = g.scalar(1.0 / (d as f64).sqrt().sqrt(), DType::F32);
+        let scores = g
+            .matmul(g.mul(q, c).unwrap(), g.mul(kt, c).unwrap())
+            .unwrap();
+        let att = g.matmul(g.softmax(scores, -1).unwrap(), v).unwrap();
+        let merged = g
+            .reshape(g.permute(att, &[2, 0, 1, 3]).unwrap(), &[s, h * d])
+            .unwrap();
+        g.set_outputs(vec![merged]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let ops: Vec<String> = plan.graph.nodes().iter().map(|n| n.op.name()).collect();
+        assert!(
+            ops.iter().any(|o| o.starts_with("attention")) && !ops.iter().any(|o| o == "softmax"),
+            "{}",
+            plan.graph
+        );
+        check(&g, &mut rng, &format!("vit attention s={s} h={h} d={d}"));
+    }
+}
+
+#[test]
 fn products_of_gathered_rows_by_one_weight_become_one_product() {
     // An unrolled recurrence: each step multiplies its row of the sequence by the same
     // weight and feeds the previous step's result in.
