@@ -211,7 +211,8 @@ fn as_f32_mut(buffer: &mut Buffer) -> &mut [f32] {
 
 /// The param a step reads packed ahead, with the form: the right operand of an `f32`
 /// matrix product (plain or with an epilogue) that is a whole 2-D param, or the
-/// weights of an `f32` convolution that multiplies per tap, when a whole param.
+/// weights of an `f32` convolution (per tap, Winograd, pixel rows, or a blocked
+/// depthwise one's vector per tap), when a whole param.
 pub(crate) fn packed_operand(
     op: &Op,
     inputs: &[(Location, Shape)],

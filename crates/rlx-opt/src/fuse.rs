@@ -95,7 +95,8 @@ fn scalar_constant(graph: &Graph, node: &Node) -> Option<f64> {
 
 /// Matches the attention written out in ops, ending at matmul node `end`:
 /// `matmul(softmax(s, -1), v)` where `s` is `qk`, `qk * c`, `qk / c`, optionally plus a
-/// float mask, and `qk = matmul(q, transpose(k))` over `[B, H, S, D]` operands; every
+/// float mask, and `qk = matmul(q, transpose(k))` with `[B, H, S, D]` queries and
+/// values and a key in one of the forms [`key_of_transpose`] reads; every
 /// intermediate read only by the next step.
 fn match_attention(
     graph: &Graph,

@@ -7,15 +7,18 @@
 //!   broadcasts one input value per pixel from a table of channel offsets, so the
 //!   input is read in place in either layout: no packing and no staged copy (but
 //!   for an input prologue, applied to a per-task copy in its layout). A
-//!   blocked output is stored as the micro-kernel holds it (pixels by 16 channels);
-//!   a plain one is transposed into channel rows.
+//!   blocked output is stored as the micro-kernel holds it (pixels by 16 channels;
+//!   with 8-channel blocks a panel's halves go to its two blocks); a plain one is
+//!   transposed into channel rows. With 512 or more input channels, whole tiles run
+//!   in depth blocks of 128 channels, whose weights stay in L1.
 //! - **Depthwise** (one channel per group; blocked in and out; any window, stride,
 //!   dilation and padding): a block of channels per vector (8-channel blocks in the
 //!   low half, under a lane mask), each output vector the sum of
 //!   its taps' input vectors scaled by the tap's 16 weights. Runs of 8 output pixels
-//!   keep their sums in registers across all taps; the pixels whose window crosses
-//!   the left or right edge run one at a time over their taps inside the input, so
-//!   nothing is staged or padded.
+//!   keep their sums in registers across all taps. Rows shorter than
+//!   [`STAGED_ROW`] are computed from a copy of their input rows with the padding
+//!   written as zeros, so no tap is checked; in longer rows the runs whose window
+//!   crosses the left or right edge check each tap.
 //!
 //! The epilogue (bias, activation, residual, channel affine) runs on each finished
 //! piece while it is in L1.
@@ -113,8 +116,8 @@ pub(crate) fn scratch_f64(kind: BlockedConv, w: &Shape) -> usize {
     }
 }
 
-/// Floats of scratch each thread needs: a depthwise block's weights, tap by tap; a
-/// pointwise convolution with a prologue, its block of changed input and the block's
+/// Floats of scratch each thread needs: a depthwise block's weights, tap by tap,
+/// then the padded rows it stages (if any); a pointwise convolution with a prologue, its block of changed input and the block's
 /// channel offsets; a dense one, what [`conv_pixels_f32`] stages.
 pub(crate) fn thread_floats(
     kind: BlockedConv,
@@ -381,8 +384,8 @@ pub(crate) fn pointwise(
                     )
                 })
             });
-            // With many input channels, the whole tiles into a 16-channel blocked
-            // output run a block of input channels at a time over all the task's
+            // With many input channels, the whole tiles into a blocked output run a
+            // block of input channels at a time over all the task's
             // pixels, so that block's weights stay in L1 for every tile (a 1280-
             // channel tile of 4 panels otherwise streams 320 KiB of weights from L2
             // for 6 pixels); the later blocks add to the stored sums, and the last
@@ -710,7 +713,7 @@ pub(crate) fn depthwise(
     pool.run(planes * parts, threads, &task)
 }
 
-/// Rows no longer than this many pixels are staged with their padding (when it
+/// Rows shorter than this many pixels are staged with their padding (when it
 /// fits, below): a short row spends most of its taps at the edges, where each tap
 /// of each pixel is checked (at 7 x 7 a 5 x 5 kernel checked 16 of 25 pixels' taps).
 const STAGED_ROW: usize = 4 * RUN;
@@ -1274,9 +1277,10 @@ mod tests {
             (2, [1, 72, 9, 4], 32, [true, false]),
             (1, [2, 32, 5, 5], 24, [true, true]),
             // Depth blocks of 128 input channels (the last one partial), in from
-            // either layout.
+            // either layout, and into 8-channel blocks ending in half a panel.
             (2, [1, 640, 5, 7], 48, [true, true]),
             (3, [2, 528, 4, 5], 64, [false, true]),
+            (2, [1, 520, 5, 7], 24, [true, true]),
         ];
         for (i, &(threads, x, o, layout)) in cases.iter().enumerate() {
             for (residual, affine, prologue) in [
@@ -1301,8 +1305,8 @@ mod tests {
                 check(&case, 11 + i as u64);
                 if !residual && !affine {
                     // A ReLU (applied in the micro-kernel's registers on whole tiles
-                    // into 16-channel blocks), and an activation without a vector
-                    // form (applied after the products).
+                    // into blocked outputs), and an activation without a vector form
+                    // (applied after the products).
                     check_with(&case, 31 + i as u64, crate::gemm::Activation::Relu);
                     check_with(&case, 41 + i as u64, crate::gemm::Activation::GeluTanh);
                 }

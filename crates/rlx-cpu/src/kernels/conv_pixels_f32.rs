@@ -736,8 +736,6 @@ pub(crate) struct TileOut {
 const LOW_ONLY: usize = usize::MAX;
 
 impl TileOut {
-    /// The `high` of panel `v` of `count`: [`LOW_ONLY`] for a last panel of 8
-    /// lanes.
     /// The lanes panel `v` of `count` has.
     #[inline]
     fn lanes_of(&self, v: usize, count: usize) -> u16 {
@@ -748,6 +746,8 @@ impl TileOut {
         }
     }
 
+    /// The `high` of panel `v` of `count`: [`LOW_ONLY`] for a last panel of 8
+    /// lanes.
     #[inline]
     fn high_of(&self, v: usize, count: usize) -> usize {
         if self.last_half && v + 1 == count {
@@ -1024,11 +1024,14 @@ impl SimpleFinish {
     };
 }
 
-/// Applies `finish` to the `MR` pixels of `count` panels that `out` names.
+/// Applies `finish` (one with a residual or a channel affine: a bias and an
+/// activation alone are applied in the micro-kernel) to the `MR` pixels of `count`
+/// panels that `out` names.
 ///
 /// # Safety
-/// AVX-512F is available; `out` names `count` panels of `MR` pixels of [`NR`]
-/// floats, `finish`'s pointers as [`RegisterFinish`] says.
+/// AVX-512F is available; `out` names `count` panels of `MR` pixels of the lanes
+/// each panel has (split at `high`, 8 for a last half panel), `finish`'s pointers
+/// as [`RegisterFinish`] says.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn finish_tile(out: TileOut, count: usize, finish: &RegisterFinish) {
@@ -1050,13 +1053,7 @@ unsafe fn finish_tile(out: TileOut, count: usize, finish: &RegisterFinish) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn finish_tile_as<const SPLIT: bool>(out: TileOut, count: usize, finish: &RegisterFinish) {
-    use crate::gemm::activate_lanes_avx512 as activate;
     use std::arch::x86_64::*;
-    // A ReLU after the bias alone (the common finish) without the general path's
-    // tests per vector.
-    let relu_only = finish.residual.is_none()
-        && finish.affine.is_none()
-        && finish.activation == Some(Activation::Relu);
     for v in 0..count {
         let (high, lanes) = if SPLIT {
             (out.high_of(v, count), out.lanes_of(v, count))
@@ -1065,9 +1062,6 @@ unsafe fn finish_tile_as<const SPLIT: bool>(out: TileOut, count: usize, finish: 
         };
         // SAFETY: the caller's contract: each pointer holds the panel's values.
         unsafe {
-            let bias = finish.bias.map_or(_mm512_setzero_ps(), |b| {
-                _mm512_maskz_loadu_ps(lanes, b.add(v * NR))
-            });
             for i in 0..MR {
                 let at_offset = v * out.panel + i * out.pixel;
                 let at = out.at.add(at_offset);
@@ -1076,11 +1070,7 @@ unsafe fn finish_tile_as<const SPLIT: bool>(out: TileOut, count: usize, finish: 
                 } else {
                     _mm512_loadu_ps(at)
                 };
-                let x = if relu_only {
-                    activate(_mm512_add_ps(x, bias), Activation::Relu)
-                } else {
-                    finish.apply(x, v * NR, (at_offset, high), lanes)
-                };
+                let x = finish.apply(x, v * NR, (at_offset, high), lanes);
                 if SPLIT {
                     store_lanes(at, high, x);
                 } else {
