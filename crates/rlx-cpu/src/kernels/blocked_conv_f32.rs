@@ -143,9 +143,7 @@ pub(crate) fn thread_floats(
             let (kh, kw) = (w.dim(2), w.dim(3));
             let staged = block_of(x.dim(1))
                 .and_then(|b| depthwise_staging(win, [oh, ow], [kh, kw], b).map(|width| (b, width)))
-                .map_or(0, |(b, width)| {
-                    ((oh - 1) * win.stride[0] + (kh - 1) * win.dilation[0] + 1) * width * b
-                });
+                .map_or(0, |(b, width)| input_rows(win, oh, kh) * width * b);
             kh * kw * BLOCK + staged
         }
     }
@@ -326,9 +324,10 @@ pub(crate) fn pointwise(
         };
         for g in task_groups {
             let (q0, q1) = (g * panels / groups, (g + 1) * panels / groups);
-            // Where pixel `i0` of the first panel starts in the output: the panel
-            // and pixel strides and the distance to a pixel's last 8 channels.
-            let tile_at = |i0: usize| {
+            // Where a whole tile from pixel `i0` goes in the blocked output (the
+            // panel and pixel strides and the distance to a pixel's last 8
+            // channels), and its finish in registers when `finished` and it has one.
+            let tile_at = |i0: usize, finished: bool| {
                 let b = out_block.unwrap_or(NR);
                 let first_value = image * o * pixels + q0 * pixels * NR + i0 * b;
                 let out = conv_pixels_f32::TileOut {
@@ -340,7 +339,17 @@ pub(crate) fn pointwise(
                     // 16 has only its first 8.
                     last_half: q1 * NR > o,
                 };
-                (first_value, out)
+                let register_finish =
+                    (finishes && finished).then(|| conv_pixels_f32::RegisterFinish {
+                        bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
+                        activation: finish.activation,
+                        residual: residual_addr
+                            .map(|r| (r as *const f32).wrapping_add(first_value)),
+                        affine: finish.affine.map(|(scale, shift, post)| {
+                            (scale[q0 * NR..].as_ptr(), shift[q0 * NR..].as_ptr(), post)
+                        }),
+                    });
+                (out, register_finish)
             };
             // The output's blocks (or plain channels) this task writes.
             let (block_size, first_block, end_block) = match out_block {
@@ -405,17 +414,7 @@ pub(crate) fn pointwise(
                         let bases: [*const f32; MR] = std::array::from_fn(|i| {
                             read.wrapping_add((i0 - first + i) * pixel_step)
                         });
-                        let (first_value, out) = tile_at(i0);
-                        let register_finish =
-                            (finishes && k1 == c).then(|| conv_pixels_f32::RegisterFinish {
-                                bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
-                                activation: finish.activation,
-                                residual: residual_addr
-                                    .map(|r| (r as *const f32).wrapping_add(first_value)),
-                                affine: finish.affine.map(|(scale, shift, post)| {
-                                    (scale[q0 * NR..].as_ptr(), shift[q0 * NR..].as_ptr(), post)
-                                }),
-                            });
+                        let (out, register_finish) = tile_at(i0, k1 == c);
                         // SAFETY: as for the whole tiles below, over input channels
                         // `k0..k1` (their offsets, and the weights from step `k0`);
                         // the tile's place holds the earlier blocks' sums when
@@ -444,16 +443,7 @@ pub(crate) fn pointwise(
                 if whole {
                     // A whole tile goes straight to its place in the blocked output,
                     // finished in registers where it can be.
-                    let (first_value, out) = tile_at(i0);
-                    let register_finish = finishes.then(|| conv_pixels_f32::RegisterFinish {
-                        bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
-                        activation: finish.activation,
-                        residual: residual_addr
-                            .map(|r| (r as *const f32).wrapping_add(first_value)),
-                        affine: finish.affine.map(|(scale, shift, post)| {
-                            (scale[q0 * NR..].as_ptr(), shift[q0 * NR..].as_ptr(), post)
-                        }),
-                    });
+                    let (out, register_finish) = tile_at(i0, true);
                     // SAFETY: every base plus every channel offset is a value of what the
                     // products read (the offsets were made for its layout and pixels);
                     // panels `q0..q1` hold `c` steps of `NR` weights each; `MR` pixels of
@@ -673,7 +663,7 @@ pub(crate) fn depthwise(
         // geometry of that copy (which has no padding left to check).
         let (source, geo, first) = match staged {
             Some(width) if oy1 > oy0 => {
-                let rows = (oy1 - oy0 - 1) * win.stride[0] + (kh - 1) * win.dilation[0] + 1;
+                let rows = input_rows(win, oy1 - oy0, kh);
                 let stage = &mut stage[..rows * width * b];
                 // SAFETY: the plane holds `h * wd` pixels of `b` values.
                 let plane = unsafe { std::slice::from_raw_parts(x_plane, h * wd * b) };
@@ -733,9 +723,14 @@ fn depthwise_staging(
     if win.padding == [0; 4] || ow >= STAGED_ROW || oh == 0 || ow == 0 {
         return None;
     }
-    let rows = (oh - 1) * win.stride[0] + (kh - 1) * win.dilation[0] + 1;
     let width = (ow - 1) * win.stride[1] + (kw - 1) * win.dilation[1] + 1;
-    (rows * width * b <= STAGED_FLOATS).then_some(width)
+    (input_rows(win, oh, kh) * width * b <= STAGED_FLOATS).then_some(width)
+}
+
+/// Rows of padded input that `rows` consecutive output rows (at least 1) read
+/// through a window `kh` rows tall.
+fn input_rows(win: &Window2d, rows: usize, kh: usize) -> usize {
+    (rows - 1) * win.stride[0] + (kh - 1) * win.dilation[0] + 1
 }
 
 /// Copies the rows of a blocked `plane` (`[h, w]` pixels of `b` values) from padded

@@ -691,23 +691,9 @@ pub(crate) unsafe fn micro_kernel(
     unsafe {
         match count {
             1 => micro_kernel_avx2(offsets, pixel, panels, tile, accumulate),
-            2 => micro_kernel_avx512::<2>(
-                offsets,
-                pixel,
-                (panels, stride),
-                out,
-                (accumulate, SimpleFinish::NONE),
-            ),
-            3 => micro_kernel_avx512::<3>(
-                offsets,
-                pixel,
-                (panels, stride),
-                out,
-                (accumulate, SimpleFinish::NONE),
-            ),
-            _ => micro_kernel_avx512::<4>(
-                offsets,
-                pixel,
+            _ => micro_kernel_avx512_of(
+                count,
+                (offsets, pixel),
                 (panels, stride),
                 out,
                 (accumulate, SimpleFinish::NONE),
@@ -912,12 +898,7 @@ pub(crate) unsafe fn micro_kernel_to(
                 simple,
             );
         } else {
-            match count {
-                1 => micro_kernel_avx512::<1>(offsets, pixel, sums, out, (accumulate, simple)),
-                2 => micro_kernel_avx512::<2>(offsets, pixel, sums, out, (accumulate, simple)),
-                3 => micro_kernel_avx512::<3>(offsets, pixel, sums, out, (accumulate, simple)),
-                _ => micro_kernel_avx512::<4>(offsets, pixel, sums, out, (accumulate, simple)),
-            }
+            micro_kernel_avx512_of(count, (offsets, pixel), sums, out, (accumulate, simple));
         }
         if let Some(finish) = rest {
             finish_tile(out, count, finish);
@@ -969,12 +950,7 @@ unsafe fn split_tile(
         if accumulate {
             copy_split(out, into, count, true);
         }
-        match count {
-            1 => micro_kernel_avx512::<1>(offsets, pixel, sums, into, (accumulate, simple)),
-            2 => micro_kernel_avx512::<2>(offsets, pixel, sums, into, (accumulate, simple)),
-            3 => micro_kernel_avx512::<3>(offsets, pixel, sums, into, (accumulate, simple)),
-            _ => micro_kernel_avx512::<4>(offsets, pixel, sums, into, (accumulate, simple)),
-        }
+        micro_kernel_avx512_of(count, (offsets, pixel), sums, into, (accumulate, simple));
         copy_split(out, into, count, false);
     }
 }
@@ -1105,6 +1081,30 @@ pub(crate) unsafe fn micro_kernel(
 
 /// Steps ahead whose weights the AVX-512 micro-kernel asks for.
 const WEIGHTS_AHEAD: usize = 24;
+
+/// [`micro_kernel_avx512`] for `count` panels (1 to [`MAX_GROUP`]).
+///
+/// # Safety
+/// As [`micro_kernel_avx512`] with `NP = count`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn micro_kernel_avx512_of(
+    count: usize,
+    (offsets, pixel): (&[u32], [*const f32; MR]),
+    sums: (*const f32, usize),
+    out: TileOut,
+    steps: (bool, SimpleFinish),
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match count {
+            1 => micro_kernel_avx512::<1>(offsets, pixel, sums, out, steps),
+            2 => micro_kernel_avx512::<2>(offsets, pixel, sums, out, steps),
+            3 => micro_kernel_avx512::<3>(offsets, pixel, sums, out, steps),
+            _ => micro_kernel_avx512::<4>(offsets, pixel, sums, out, steps),
+        }
+    }
+}
 
 /// [`micro_kernel`] for `NP` panels at once, each in one zmm per pixel, with
 /// `finish` applied to the sums before they are stored.
