@@ -495,10 +495,35 @@ struct PixelBases {
 }
 
 impl PixelBases {
-    fn tile(&self, first: usize) -> [usize; MR] {
-        std::array::from_fn(|i| {
-            let j = (first + i).min(self.last);
-            (j / self.ow) * self.row_step + (j % self.ow) * self.sx
+    /// The staged offset of pixel `j`'s first input value.
+    fn of(&self, j: usize) -> usize {
+        (j / self.ow) * self.row_step + (j % self.ow) * self.sx
+    }
+
+    /// Each tile's pixel bases in turn, from the block's first pixel: a short last
+    /// tile repeats the last pixel. The row and column advance without a division
+    /// per pixel (with 27 steps a tile, as in a 3-channel stem, six divisions cost
+    /// about as much as the products).
+    fn tiles(self) -> impl Iterator<Item = [usize; MR]> {
+        let last_base = self.of(self.last);
+        let (mut y, mut x, mut next) = (0, 0, 0);
+        std::iter::from_fn(move || {
+            if next > self.last {
+                return None;
+            }
+            let mut bases = [last_base; MR];
+            for (i, base) in bases.iter_mut().enumerate() {
+                if next + i > self.last {
+                    break;
+                }
+                *base = y * self.row_step + x * self.sx;
+                x += 1;
+                if x == self.ow {
+                    (x, y) = (0, y + 1);
+                }
+            }
+            next += MR;
+            Some(bases)
         })
     }
 }
@@ -583,16 +608,28 @@ fn run_group(
     let k = offsets.len();
     let depth_blocks = k.div_ceil(KC);
     let kc = k.div_ceil(depth_blocks);
-    let tiles = (bases.last + 1).div_ceil(MR);
     let group = count * TILE;
     let panel_floats = k * NR;
     let panels = &weights[q0 * panel_floats..(q0 + count) * panel_floats];
     for d in 0..depth_blocks {
         let (p0, p1) = (d * kc, ((d + 1) * kc).min(k));
-        for t in 0..tiles {
+        for (t, pixels) in bases.tiles().enumerate() {
+            let valid = MR.min(bases.last + 1 - t * MR);
+            if let (Some(b), true, true) = (out.block, depth_blocks == 1, valid == MR) {
+                // SAFETY: as below; the tile's MR pixels of the panels' blocks lie
+                // inside the block's output, which only this task writes.
+                unsafe {
+                    whole_tile_blocked(
+                        (&offsets[p0..p1], pixels.map(|p| staged.as_ptr().add(p))),
+                        (panels.as_ptr(), panel_floats, count),
+                        out,
+                        (q0, b, t * MR * b),
+                    )
+                };
+                continue;
+            }
             let at = if depth_blocks == 1 { 0 } else { t * group };
             let tile = &mut products[at..at + group];
-            let pixels = bases.tile(t * MR);
             // A tile's pixels reach a new line of the output rows about every third
             // tile (16 floats a line, 6 pixels a tile).
             let ahead = t * MR + STORE_AHEAD;
@@ -618,7 +655,6 @@ fn run_group(
                 )
             };
             if d + 1 == depth_blocks {
-                let valid = MR.min(bases.last + 1 - t * MR);
                 for (v, (product, finish)) in tile.chunks_exact(TILE).zip(finish).enumerate() {
                     let q = q0 + v;
                     let channels = NR.min(out.channels - q * NR);
@@ -650,6 +686,54 @@ fn run_group(
             }
         }
     }
+}
+
+/// A whole tile of panels `q0..q0 + count` into a blocked output of `b`-channel
+/// blocks, `at` floats on from the block's first pixel: straight to its place
+/// through [`micro_kernel_to`], with the output's finish in registers where it has
+/// one (a copy through a tile and a store per vector cost a 3-channel stem about a
+/// fifth of its time).
+///
+/// # Safety
+/// As [`micro_kernel_to`] for `MR` pixels of those panels' blocks of `out`; AVX-512F
+/// is available (a blocked output needs it).
+#[cfg(target_arch = "x86_64")]
+unsafe fn whole_tile_blocked(
+    (offsets, pixel): (&[u32], [*const f32; MR]),
+    weights: (*const f32, usize, usize),
+    out: &BlockOut,
+    (q0, b, at): (usize, usize, usize),
+) {
+    let count = weights.2;
+    let at = q0 * NR * out.pixels + at;
+    let tile = TileOut {
+        at: out.out.wrapping_add(at),
+        panel: NR * out.pixels,
+        pixel: b,
+        high: if b == NR { 0 } else { out.pixels * b },
+        last_half: (q0 + count) * NR > out.channels,
+    };
+    let c0 = q0 * NR;
+    let finish = out.finish.map(|f| RegisterFinish {
+        bias: f.bias.map(|p| p.wrapping_add(c0)),
+        activation: f.activation,
+        residual: f.residual.map(|p| p.wrapping_add(at)),
+        affine: f
+            .affine
+            .map(|(s, t, post)| (s.wrapping_add(c0), t.wrapping_add(c0), post)),
+    });
+    // SAFETY: the caller's contract.
+    unsafe { micro_kernel_to(offsets, pixel, weights, (tile, false), finish.as_ref()) }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn whole_tile_blocked(
+    _: (&[u32], [*const f32; MR]),
+    _: (*const f32, usize, usize),
+    _: &BlockOut,
+    _: (usize, usize, usize),
+) {
+    unreachable!("blocked layouts need AVX-512")
 }
 
 /// Output floats ahead of a tile's first pixel that [`prefetch_output`] asks for.
@@ -687,10 +771,13 @@ pub(crate) unsafe fn micro_kernel(
         high: 0,
         last_half: false,
     };
-    // SAFETY: forwarded contract; `count > 1` only where `panel_group` found AVX-512.
+    // SAFETY: forwarded contract; `count > 1` only where `panel_group` found AVX-512,
+    // and one panel goes to the AVX-512 kernel only where the CPU has it.
     unsafe {
         match count {
-            1 => micro_kernel_avx2(offsets, pixel, panels, tile, accumulate),
+            1 if !crate::isa::isa().avx512f => {
+                micro_kernel_avx2(offsets, pixel, panels, tile, accumulate)
+            }
             _ => micro_kernel_avx512_of(
                 count,
                 (offsets, pixel),
