@@ -281,6 +281,12 @@ pub(crate) fn pointwise(
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
     let per_channel = finish.per_channel();
     let pixel_step = x_block.unwrap_or(1);
+    // Consecutive whole tiles: MR pixels on in the input and in the blocked output.
+    let tile_run = |tiles: usize| conv_pixels_f32::TileRun {
+        tiles,
+        pixel_step: MR * pixel_step,
+        out_step: MR * out_block.unwrap_or(NR),
+    };
     // Whole tiles into a blocked output go straight to their place (a panel's two
     // halves to their two blocks with 8-channel blocks) and take their finish as
     // they are stored (a pass over stored values every few tiles cost a ResNet
@@ -289,6 +295,10 @@ pub(crate) fn pointwise(
     let in_registers = out_block.is_some() && finish.has_lanes_form();
     let plain_in_store = out_block.is_none() && finish.is_bias_and_relu();
     let depth_blocks = in_registers && c >= DEPTH_BLOCKED_FROM;
+    let no_finish = finish.bias.is_none()
+        && finish.activation.is_none()
+        && residual_addr.is_none()
+        && finish.affine.is_none();
     let finishes = in_registers
         && (finish.bias.is_some()
             || finish.activation.is_some()
@@ -410,25 +420,45 @@ pub(crate) fn pointwise(
                         c * NR,
                         count,
                     );
-                    for i0 in (p0..whole_end).step_by(MR) {
+                    if whole_end > p0 {
                         let bases: [*const f32; MR] = std::array::from_fn(|i| {
-                            read.wrapping_add((i0 - first + i) * pixel_step)
+                            read.wrapping_add((p0 - first + i) * pixel_step)
                         });
-                        let (out, register_finish) = tile_at(i0, k1 == c);
+                        let (out, register_finish) = tile_at(p0, k1 == c);
                         // SAFETY: as for the whole tiles below, over input channels
                         // `k0..k1` (their offsets, and the weights from step `k0`);
-                        // the tile's place holds the earlier blocks' sums when
+                        // the tiles' places hold the earlier blocks' sums when
                         // `k0 > 0`.
                         unsafe {
                             conv_pixels_f32::micro_kernel_to(
                                 &offsets[k0..k1],
                                 bases,
                                 weights,
-                                (out, k0 > 0),
+                                (out, k0 > 0, tile_run((whole_end - p0) / MR)),
                                 register_finish.as_ref(),
                             )
                         };
                     }
+                }
+                start = whole_end;
+            } else if in_registers || (out_block.is_some() && no_finish) {
+                // The whole tiles in one call, finished as they are stored.
+                let whole_end = p0 + (p1 - p0) / MR * MR;
+                if whole_end > p0 {
+                    let bases: [*const f32; MR] =
+                        std::array::from_fn(|i| read.wrapping_add((p0 - first + i) * pixel_step));
+                    let weights = (packed.as_ptr().wrapping_add(q0 * c * NR), c * NR, q1 - q0);
+                    let (out, register_finish) = tile_at(p0, true);
+                    // SAFETY: as for the whole tiles below, all of them.
+                    unsafe {
+                        conv_pixels_f32::micro_kernel_to(
+                            offsets,
+                            bases,
+                            weights,
+                            (out, false, tile_run((whole_end - p0) / MR)),
+                            register_finish.as_ref(),
+                        )
+                    };
                 }
                 start = whole_end;
             }
@@ -454,7 +484,7 @@ pub(crate) fn pointwise(
                             offsets,
                             bases,
                             weights,
-                            (out, false),
+                            (out, false, tile_run(1)),
                             register_finish.as_ref(),
                         )
                     };

@@ -611,23 +611,40 @@ fn run_group(
     let group = count * TILE;
     let panel_floats = k * NR;
     let panels = &weights[q0 * panel_floats..(q0 + count) * panel_floats];
+    // Into a blocked output in one depth block, the whole tiles go straight to
+    // their places, a run of a row's tiles at a time.
+    let mut done_tiles = 0;
+    if let (Some(b), 1) = (out.block, depth_blocks) {
+        let whole = (bases.last + 1) / MR;
+        while done_tiles < whole {
+            let first = done_tiles * MR;
+            let column = first % bases.ow;
+            // Tiles from `first` that lie in its row; a tile across two rows alone.
+            let tiles = ((bases.ow - column) / MR).clamp(1, whole - done_tiles);
+            let pixels: [usize; MR] = std::array::from_fn(|i| bases.of(first + i));
+            // SAFETY: as below; the tiles' MR pixels of the panels' blocks lie
+            // inside the block's output, which only this task writes; a run's
+            // pixels lie in one row, `sx` staged floats apart.
+            unsafe {
+                whole_tiles_blocked(
+                    (offsets, pixels.map(|p| staged.as_ptr().add(p))),
+                    (panels.as_ptr(), panel_floats, count),
+                    out,
+                    (q0, b, first * b),
+                    TileRun {
+                        tiles,
+                        pixel_step: MR * bases.sx,
+                        out_step: MR * b,
+                    },
+                )
+            };
+            done_tiles += tiles;
+        }
+    }
     for d in 0..depth_blocks {
         let (p0, p1) = (d * kc, ((d + 1) * kc).min(k));
-        for (t, pixels) in bases.tiles().enumerate() {
+        for (t, pixels) in bases.tiles().enumerate().skip(done_tiles) {
             let valid = MR.min(bases.last + 1 - t * MR);
-            if let (Some(b), true, true) = (out.block, depth_blocks == 1, valid == MR) {
-                // SAFETY: as below; the tile's MR pixels of the panels' blocks lie
-                // inside the block's output, which only this task writes.
-                unsafe {
-                    whole_tile_blocked(
-                        (&offsets[p0..p1], pixels.map(|p| staged.as_ptr().add(p))),
-                        (panels.as_ptr(), panel_floats, count),
-                        out,
-                        (q0, b, t * MR * b),
-                    )
-                };
-                continue;
-            }
             let at = if depth_blocks == 1 { 0 } else { t * group };
             let tile = &mut products[at..at + group];
             // A tile's pixels reach a new line of the output rows about every third
@@ -688,21 +705,22 @@ fn run_group(
     }
 }
 
-/// A whole tile of panels `q0..q0 + count` into a blocked output of `b`-channel
-/// blocks, `at` floats on from the block's first pixel: straight to its place
-/// through [`micro_kernel_to`], with the output's finish in registers where it has
-/// one (a copy through a tile and a store per vector cost a 3-channel stem about a
-/// fifth of its time).
+/// Whole tiles of panels `q0..q0 + count` into a blocked output of `b`-channel
+/// blocks, the first `at` floats on from the block's first pixel: straight to
+/// their places through [`micro_kernel_to`], with the output's finish in registers
+/// where it has one (a copy through a tile and a store per vector cost a 3-channel
+/// stem about a fifth of its time).
 ///
 /// # Safety
 /// As [`micro_kernel_to`] for `MR` pixels of those panels' blocks of `out`; AVX-512F
 /// is available (a blocked output needs it).
 #[cfg(target_arch = "x86_64")]
-unsafe fn whole_tile_blocked(
+unsafe fn whole_tiles_blocked(
     (offsets, pixel): (&[u32], [*const f32; MR]),
     weights: (*const f32, usize, usize),
     out: &BlockOut,
     (q0, b, at): (usize, usize, usize),
+    run: TileRun,
 ) {
     let count = weights.2;
     let at = q0 * NR * out.pixels + at;
@@ -723,15 +741,16 @@ unsafe fn whole_tile_blocked(
             .map(|(s, t, post)| (s.wrapping_add(c0), t.wrapping_add(c0), post)),
     });
     // SAFETY: the caller's contract.
-    unsafe { micro_kernel_to(offsets, pixel, weights, (tile, false), finish.as_ref()) }
+    unsafe { micro_kernel_to(offsets, pixel, weights, (tile, false, run), finish.as_ref()) }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn whole_tile_blocked(
+unsafe fn whole_tiles_blocked(
     _: (&[u32], [*const f32; MR]),
     _: (*const f32, usize, usize),
     _: &BlockOut,
     _: (usize, usize, usize),
+    _: TileRun,
 ) {
     unreachable!("blocked layouts need AVX-512")
 }
@@ -782,7 +801,7 @@ pub(crate) unsafe fn micro_kernel(
                 count,
                 (offsets, pixel),
                 (panels, stride),
-                out,
+                (out, TileRun::ONE),
                 (accumulate, SimpleFinish::NONE),
             ),
         }
@@ -803,6 +822,26 @@ pub(crate) struct TileOut {
     /// Whether the last panel has only its first 8 lanes (an output of 8 channels
     /// past a multiple of 16, in 8-channel blocks).
     pub last_half: bool,
+}
+
+/// Whole tiles one micro-kernel call runs in turn: each tile's pixels start
+/// `pixel_step` floats on from the previous tile's (every base), and its place in
+/// the output (and its residual) `out_step` floats on. A call per tile cost a
+/// 16 -> 16 channel layer (16 steps a tile) three times its products.
+#[derive(Clone, Copy)]
+pub(crate) struct TileRun {
+    pub tiles: usize,
+    pub pixel_step: usize,
+    pub out_step: usize,
+}
+
+impl TileRun {
+    /// One tile.
+    pub(crate) const ONE: TileRun = TileRun {
+        tiles: 1,
+        pixel_step: 0,
+        out_step: 0,
+    };
 }
 
 /// [`TileOut::high_of`] for a panel that has only its first 8 lanes.
@@ -956,19 +995,21 @@ pub(crate) unsafe fn micro_kernel_to(
     offsets: &[u32],
     pixel: [*const f32; MR],
     (panels, stride, count): (*const f32, usize, usize),
-    (out, accumulate): (TileOut, bool),
+    (out, accumulate, run): (TileOut, bool, TileRun),
     finish: Option<&RegisterFinish>,
 ) {
     let sums = (panels, stride);
-    // A bias and an activation with a vector form are applied to the sums in registers;
-    // anything more once the tile is stored, while it is in L1 (in the
-    // micro-kernel's registers, the general finish's code cost the products their
-    // registers).
+    // A bias, an activation with a vector form and a residual are applied to the
+    // sums in registers as they are stored; a channel affine once the tile is
+    // stored, while it is in L1 (in the micro-kernel's registers, the general
+    // finish's code cost the products their registers). A tile ending in half a
+    // panel is computed apart, so its residual waits for the stored tile too.
     let (simple, rest) = match finish {
-        Some(f) if f.residual.is_none() && f.affine.is_none() => (
+        Some(f) if f.affine.is_none() && !(out.last_half && f.residual.is_some()) => (
             SimpleFinish {
                 bias: f.bias,
                 activation: f.activation,
+                residual: f.residual,
             },
             None,
         ),
@@ -976,27 +1017,45 @@ pub(crate) unsafe fn micro_kernel_to(
     };
     // SAFETY: forwarded contract.
     unsafe {
-        if out.high != 0 || out.last_half {
-            split_tile(
-                offsets,
-                pixel,
-                (panels, stride, count),
-                (out, accumulate),
-                simple,
+        if !out.last_half {
+            micro_kernel_avx512_of(
+                count,
+                (offsets, pixel),
+                sums,
+                (out, run),
+                (accumulate, simple),
             );
-        } else {
-            micro_kernel_avx512_of(count, (offsets, pixel), sums, out, (accumulate, simple));
         }
-        if let Some(finish) = rest {
-            finish_tile(out, count, finish);
+        for t in 0..run.tiles {
+            let out = TileOut {
+                at: out.at.wrapping_add(t * run.out_step),
+                ..out
+            };
+            if out.last_half {
+                let pixel = pixel.map(|p| p.wrapping_add(t * run.pixel_step));
+                split_tile(
+                    offsets,
+                    pixel,
+                    (panels, stride, count),
+                    (out, accumulate),
+                    simple,
+                );
+            }
+            if let Some(finish) = rest {
+                let finish = RegisterFinish {
+                    residual: finish.residual.map(|r| r.wrapping_add(t * run.out_step)),
+                    ..*finish
+                };
+                finish_tile(out, count, &finish);
+            }
         }
     }
 }
 
-/// [`micro_kernel_to`] for panels split over two 8-channel blocks, or ending in
-/// half a panel: computed in a tile on the stack, then copied to their places
-/// (the micro-kernel's stores kept simple: with a branch or a pair of masked
-/// stores per vector, the compiler left the sums in memory through the loop).
+/// [`micro_kernel_to`] for panels ending in half a panel: computed in a tile on the
+/// stack, then copied to their places (the micro-kernel's stores kept simple: with
+/// a branch or a masked store per vector, the compiler left the sums in memory
+/// through the loop). `simple` has no residual.
 ///
 /// # Safety
 /// As [`micro_kernel_to`].
@@ -1037,7 +1096,13 @@ unsafe fn split_tile(
         if accumulate {
             copy_split(out, into, count, true);
         }
-        micro_kernel_avx512_of(count, (offsets, pixel), sums, into, (accumulate, simple));
+        micro_kernel_avx512_of(
+            count,
+            (offsets, pixel),
+            sums,
+            (into, TileRun::ONE),
+            (accumulate, simple),
+        );
         copy_split(out, into, count, false);
     }
 }
@@ -1077,6 +1142,9 @@ unsafe fn copy_split(out: TileOut, tile: TileOut, count: usize, to_tile: bool) {
 struct SimpleFinish {
     bias: Option<*const f32>,
     activation: Option<Activation>,
+    /// Added after the activation: the residual at the tile's first value, laid
+    /// out as the output is (the same strides and split).
+    residual: Option<*const f32>,
 }
 
 impl SimpleFinish {
@@ -1084,6 +1152,7 @@ impl SimpleFinish {
     const NONE: SimpleFinish = SimpleFinish {
         bias: None,
         activation: None,
+        residual: None,
     };
 }
 
@@ -1149,7 +1218,7 @@ pub(crate) unsafe fn micro_kernel_to(
     _: &[u32],
     _: [*const f32; MR],
     _: (*const f32, usize, usize),
-    _: (TileOut, bool),
+    _: (TileOut, bool, TileRun),
     _: Option<&RegisterFinish>,
 ) {
     unreachable!("blocked layouts need AVX-512")
@@ -1179,87 +1248,254 @@ unsafe fn micro_kernel_avx512_of(
     count: usize,
     (offsets, pixel): (&[u32], [*const f32; MR]),
     sums: (*const f32, usize),
-    out: TileOut,
+    out: (TileOut, TileRun),
     steps: (bool, SimpleFinish),
 ) {
+    let at = (offsets, pixel);
+    if steps.1.residual.is_some() {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match (count, out.0.high != 0) {
+                (1, false) => micro_kernel_avx512::<1, false, true>(at, sums, out, steps),
+                (2, false) => micro_kernel_avx512::<2, false, true>(at, sums, out, steps),
+                (3, false) => micro_kernel_avx512::<3, false, true>(at, sums, out, steps),
+                (_, false) => micro_kernel_avx512::<4, false, true>(at, sums, out, steps),
+                (1, true) => micro_kernel_avx512::<1, true, true>(at, sums, out, steps),
+                (2, true) => micro_kernel_avx512::<2, true, true>(at, sums, out, steps),
+                (3, true) => micro_kernel_avx512::<3, true, true>(at, sums, out, steps),
+                (_, true) => micro_kernel_avx512::<4, true, true>(at, sums, out, steps),
+            }
+        }
+        return;
+    }
     // SAFETY: forwarded contract.
     unsafe {
-        match count {
-            1 => micro_kernel_avx512::<1>(offsets, pixel, sums, out, steps),
-            2 => micro_kernel_avx512::<2>(offsets, pixel, sums, out, steps),
-            3 => micro_kernel_avx512::<3>(offsets, pixel, sums, out, steps),
-            _ => micro_kernel_avx512::<4>(offsets, pixel, sums, out, steps),
+        match (count, out.0.high != 0) {
+            (1, false) => micro_kernel_avx512::<1, false, false>(at, sums, out, steps),
+            (2, false) => micro_kernel_avx512::<2, false, false>(at, sums, out, steps),
+            (3, false) => micro_kernel_avx512::<3, false, false>(at, sums, out, steps),
+            (_, false) => micro_kernel_avx512::<4, false, false>(at, sums, out, steps),
+            (1, true) => micro_kernel_avx512::<1, true, false>(at, sums, out, steps),
+            (2, true) => micro_kernel_avx512::<2, true, false>(at, sums, out, steps),
+            (3, true) => micro_kernel_avx512::<3, true, false>(at, sums, out, steps),
+            (_, true) => micro_kernel_avx512::<4, true, false>(at, sums, out, steps),
         }
     }
 }
 
 /// [`micro_kernel`] for `NP` panels at once, each in one zmm per pixel, with
-/// `finish` applied to the sums before they are stored.
+/// `finish` applied to the sums before they are stored; with `SPLIT`, each pixel's
+/// first 8 lanes and last 8 lie `out.high` floats apart (two 8-channel blocks), for
+/// the sums and the residual alike.
 ///
 /// # Safety
 /// As [`micro_kernel`] with `count = NP`; AVX-512F is available; a bias holds `NP`
-/// panels' [`NR`] values.
+/// panels' [`NR`] values; `SPLIT` only where `out.high` is not 0 (and no panel is
+/// half of one).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn micro_kernel_avx512<const NP: usize>(
-    offsets: &[u32],
-    pixel: [*const f32; MR],
-    (panels, stride): (*const f32, usize),
-    out: TileOut,
+unsafe fn micro_kernel_avx512<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(
+    (offsets, pixel): (&[u32], [*const f32; MR]),
+    sums: (*const f32, usize),
+    (out, run): (TileOut, TileRun),
     (accumulate, finish): (bool, SimpleFinish),
 ) {
+    for t in 0..run.tiles {
+        let pixel = pixel.map(|p| p.wrapping_add(t * run.pixel_step));
+        let out = TileOut {
+            at: out.at.wrapping_add(t * run.out_step),
+            ..out
+        };
+        let finish = SimpleFinish {
+            residual: finish.residual.map(|r| r.wrapping_add(t * run.out_step)),
+            ..finish
+        };
+        let tile = ((offsets, pixel), sums, out, (accumulate, finish));
+        // SAFETY: the caller's contract, for tile `t`.
+        unsafe {
+            if NP >= 3 {
+                tile_apart::<NP, SPLIT, RESIDUAL>(tile)
+            } else {
+                one_tile::<NP, SPLIT, RESIDUAL>(tile)
+            }
+        }
+    }
+}
+
+/// What [`one_tile`] takes: the steps' offsets and the pixels, the panels and
+/// their stride, the tile's place, and whether it adds to the sums there and the
+/// finish.
+#[cfg(target_arch = "x86_64")]
+type OneTile<'a> = (
+    (&'a [u32], [*const f32; MR]),
+    (*const f32, usize),
+    TileOut,
+    (bool, SimpleFinish),
+);
+
+/// [`one_tile`] in a function of its own, for 3 or 4 panels: so that nothing a
+/// run of tiles keeps live competes with the 18 or 24 sums for registers (with
+/// the run's loop around it, some sums stayed on the stack through the products'
+/// loop).
+///
+/// # Safety
+/// As [`one_tile`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline(never)]
+unsafe fn tile_apart<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(tile: OneTile) {
+    // SAFETY: forwarded contract.
+    unsafe { one_tile::<NP, SPLIT, RESIDUAL>(tile) }
+}
+
+/// One tile of [`micro_kernel_avx512`]: its sums, finished and stored.
+///
+/// # Safety
+/// As [`micro_kernel_avx512`] for one tile.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn one_tile<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(
+    ((offsets, pixel), (panels, stride), out, (accumulate, finish)): OneTile,
+) {
     use std::arch::x86_64::*;
+    // SAFETY (both): AVX-512F, and the caller's places.
+    let load = |p: *const f32| unsafe {
+        if SPLIT {
+            let low = _mm512_castps256_ps512(_mm256_loadu_ps(p));
+            let top = _mm256_castps_pd(_mm256_loadu_ps(p.wrapping_add(out.high)));
+            _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(low), top))
+        } else {
+            _mm512_loadu_ps(p)
+        }
+    };
+    let store = |p: *mut f32, v: __m512| unsafe {
+        if SPLIT {
+            _mm256_storeu_ps(p, _mm512_castps512_ps256(v));
+            let top = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
+            _mm256_storeu_ps(p.wrapping_add(out.high), _mm256_castpd_ps(top));
+        } else {
+            _mm512_storeu_ps(p, v)
+        }
+    };
     let mut acc = [[_mm512_setzero_ps(); NP]; MR];
     if accumulate {
         for (i, row) in acc.iter_mut().enumerate() {
             for (v, value) in row.iter_mut().enumerate() {
-                // SAFETY: `out` names NP panels of MR pixels of NR floats.
-                *value = unsafe { _mm512_loadu_ps(out.at.add(v * out.panel + i * out.pixel)) };
+                // `out` names NP panels of MR pixels of NR floats.
+                *value = load(out.at.wrapping_add(v * out.panel + i * out.pixel));
             }
         }
     }
-    let mut w = panels;
-    for &offset in offsets {
-        let offset = offset as usize;
-        // SAFETY: the caller's contract.
-        unsafe {
-            let ws: [__m512; NP] = std::array::from_fn(|v| _mm512_loadu_ps(w.add(v * stride)));
-            for v in 0..NP {
-                _mm_prefetch::<_MM_HINT_T0>(
-                    w.wrapping_add(v * stride + WEIGHTS_AHEAD * NR).cast::<i8>(),
-                );
-            }
-            for (i, row) in acc.iter_mut().enumerate() {
-                let x = _mm512_set1_ps(*pixel[i].add(offset));
-                for (value, &wv) in row.iter_mut().zip(&ws) {
-                    *value = _mm512_fmadd_ps(x, wv, *value);
-                }
-            }
-            w = w.add(NR);
+    // SAFETY: the caller's contract.
+    let acc = unsafe {
+        if NP >= 3 && (SPLIT || RESIDUAL) {
+            let mut acc = acc;
+            products_apart::<NP>(&mut acc, (offsets, pixel), (panels, stride));
+            acc
+        } else {
+            products::<NP>(acc, (offsets, pixel), (panels, stride))
         }
-    }
-    // The finish as the sums are stored: changing `acc` in place after the loop
-    // made the compiler keep it on the stack through the loop (twice as slow).
-    // SAFETY: the bias holds NP panels' values.
-    let bias: [__m512; NP] = std::array::from_fn(|v| {
-        finish.bias.map_or(_mm512_setzero_ps(), |b| unsafe {
-            _mm512_loadu_ps(b.add(v * NR))
-        })
-    });
+    };
+    // The finish as the sums are stored (a finish that changed `acc` in place once
+    // kept it on the stack through the loop, twice as slow).
     for (i, row) in acc.iter().enumerate() {
         for (v, &value) in row.iter().enumerate() {
             let mut value = value;
-            if finish.bias.is_some() {
-                value = _mm512_add_ps(value, bias[v]);
+            if let Some(b) = finish.bias {
+                // SAFETY: the bias holds NP panels' values.
+                value = _mm512_add_ps(value, unsafe { _mm512_loadu_ps(b.add(v * NR)) });
             }
             if let Some(a) = finish.activation {
                 // SAFETY: AVX-512F, as this function's.
                 value = unsafe { crate::gemm::activate_lanes_avx512(value, a) };
             }
-            // SAFETY: as above.
-            unsafe { _mm512_storeu_ps(out.at.add(v * out.panel + i * out.pixel), value) };
+            let at = v * out.panel + i * out.pixel;
+            if let (true, Some(r)) = (RESIDUAL, finish.residual) {
+                value = _mm512_add_ps(value, load(r.wrapping_add(at)));
+            }
+            store(out.at.wrapping_add(at), value);
         }
     }
+}
+
+/// [`products`] in a function of its own, for 3 or 4 panels into split blocks or
+/// with a residual: so that nothing the tile's loads and stores keep live
+/// competes with the 18 or 24 sums for registers (inlined there, some sums stayed
+/// on the stack through the loop).
+///
+/// # Safety
+/// As [`products`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline(never)]
+unsafe fn products_apart<const NP: usize>(
+    acc: *mut [[std::arch::x86_64::__m512; NP]; MR],
+    at: (&[u32], [*const f32; MR]),
+    weights: (*const f32, usize),
+) {
+    // Through a pointer, read before the loop and written after it: returned by
+    // value, the compiler kept one sum in the return slot, stored every step.
+    // SAFETY: forwarded contract; `acc` is the caller's.
+    unsafe { acc.write(products::<NP>(acc.read(), at, weights)) }
+}
+
+/// The micro-kernel's loop: `acc[i][v] += Σ_p pixel_i[offsets[p]] * panel_v[p]`,
+/// returned.
+///
+/// # Safety
+/// As [`micro_kernel`] with `count = NP`; AVX-512F is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn products<const NP: usize>(
+    mut acc: [[std::arch::x86_64::__m512; NP]; MR],
+    (offsets, pixel): (&[u32], [*const f32; MR]),
+    (panels, stride): (*const f32, usize),
+) -> [[std::arch::x86_64::__m512; NP]; MR] {
+    use std::arch::x86_64::*;
+    // One step: every pixel's value at `offset` times each panel's weights at `w`.
+    // SAFETY (for each use): the caller's contract.
+    let step = |acc: &mut [[__m512; NP]; MR], offset: usize, w: *const f32| unsafe {
+        let ws: [__m512; NP] = std::array::from_fn(|v| _mm512_loadu_ps(w.add(v * stride)));
+        for v in 0..NP {
+            _mm_prefetch::<_MM_HINT_T0>(
+                w.wrapping_add(v * stride + WEIGHTS_AHEAD * NR).cast::<i8>(),
+            );
+        }
+        for (i, row) in acc.iter_mut().enumerate() {
+            let x = _mm512_set1_ps(*pixel[i].add(offset));
+            for (value, &wv) in row.iter_mut().zip(&ws) {
+                *value = _mm512_fmadd_ps(x, wv, *value);
+            }
+        }
+    };
+    let mut w = panels;
+    if NP <= 2 {
+        // With 6 or 12 sums, each waits on its last multiply-add (4 cycles) more
+        // than the units are busy: alternate steps go to a second set of sums.
+        let mut other = [[_mm512_setzero_ps(); NP]; MR];
+        let mut pairs = offsets.chunks_exact(2);
+        for pair in &mut pairs {
+            step(&mut acc, pair[0] as usize, w);
+            step(&mut other, pair[1] as usize, w.wrapping_add(NR));
+            w = w.wrapping_add(2 * NR);
+        }
+        if let [last] = pairs.remainder() {
+            step(&mut acc, *last as usize, w);
+        }
+        for (row, more) in acc.iter_mut().zip(&other) {
+            for (value, &m) in row.iter_mut().zip(more) {
+                *value = _mm512_add_ps(*value, m);
+            }
+        }
+    } else {
+        for &offset in offsets {
+            step(&mut acc, offset as usize, w);
+            w = w.wrapping_add(NR);
+        }
+    }
+    acc
 }
 
 /// [`micro_kernel`] for one panel: `tile[i][j] (+)= Σ_p pixel_i[offsets[p]] *
