@@ -18,7 +18,10 @@
 //! panel of 16 output channels and each depth block of `KC` steps (whose weights stay
 //! in L1), it runs every tile of the block; the last depth block stores the tile
 //! transposed into the output's channel rows. The bias, activation, residual and
-//! channel affine then run over the panel's finished rows.
+//! channel affine then run over the panel's finished rows. Into a channel-blocked
+//! output in one depth block, the whole tiles instead go straight to their places
+//! through [`micro_kernel_to`], a run of a row's tiles in one call, finished in
+//! registers.
 
 use super::blocked_conv_f32::Prologue;
 use super::conv_f32::ChannelAffine;
