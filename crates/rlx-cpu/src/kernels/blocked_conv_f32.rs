@@ -295,10 +295,6 @@ pub(crate) fn pointwise(
     let in_registers = out_block.is_some() && finish.has_lanes_form();
     let plain_in_store = out_block.is_none() && finish.is_bias_and_relu();
     let depth_blocks = in_registers && c >= DEPTH_BLOCKED_FROM;
-    let no_finish = finish.bias.is_none()
-        && finish.activation.is_none()
-        && residual_addr.is_none()
-        && finish.affine.is_none();
     let finishes = in_registers
         && (finish.bias.is_some()
             || finish.activation.is_some()
@@ -441,7 +437,7 @@ pub(crate) fn pointwise(
                     }
                 }
                 start = whole_end;
-            } else if in_registers || (out_block.is_some() && no_finish) {
+            } else if in_registers {
                 // The whole tiles in one call, finished as they are stored.
                 let whole_end = p0 + (p1 - p0) / MR * MR;
                 if whole_end > p0 {
@@ -851,6 +847,9 @@ unsafe fn depthwise_row(
                         (false, 2) => run_pairs::<2, false>(x, weights, at, (ox, count), geo, out),
                         (false, 3) => run_pairs::<3, false>(x, weights, at, (ox, count), geo, out),
                         (false, 4) => run_pairs::<4, false>(x, weights, at, (ox, count), geo, out),
+                        (false, 5) => run_pairs::<5, false>(x, weights, at, (ox, count), geo, out),
+                        (false, 6) => run_pairs::<6, false>(x, weights, at, (ox, count), geo, out),
+                        (false, 7) => run_pairs::<7, false>(x, weights, at, (ox, count), geo, out),
                         (false, _) => {
                             run_pairs::<PAIR_RUN, false>(x, weights, at, (ox, count), geo, out)
                         }

@@ -20,8 +20,8 @@
 //! transposed into the output's channel rows. The bias, activation, residual and
 //! channel affine then run over the panel's finished rows. Into a channel-blocked
 //! output in one depth block, the whole tiles instead go straight to their places
-//! through [`micro_kernel_to`], a run of a row's tiles in one call, finished in
-//! registers.
+//! through [`micro_kernel_to`], a run of a row's tiles in one call, with any
+//! finish that has a vector form applied as they are stored.
 
 use super::blocked_conv_f32::Prologue;
 use super::conv_f32::ChannelAffine;
@@ -622,12 +622,13 @@ fn run_group(
         while done_tiles < whole {
             let first = done_tiles * MR;
             let column = first % bases.ow;
-            // Tiles from `first` that lie in its row; a tile across two rows alone.
+            // Tiles from `first` that lie in its row; a tile across rows alone.
             let tiles = ((bases.ow - column) / MR).clamp(1, whole - done_tiles);
             let pixels: [usize; MR] = std::array::from_fn(|i| bases.of(first + i));
             // SAFETY: as below; the tiles' MR pixels of the panels' blocks lie
-            // inside the block's output, which only this task writes; a run's
-            // pixels lie in one row, `sx` staged floats apart.
+            // inside the block's output, which only this task writes; a run of
+            // more than one tile lies in one row, its pixels `sx` staged floats
+            // apart (a tile across rows is a run of one, each pixel's base its own).
             unsafe {
                 whole_tiles_blocked(
                     (offsets, pixels.map(|p| staged.as_ptr().add(p))),
@@ -715,8 +716,8 @@ fn run_group(
 /// stem about a fifth of its time).
 ///
 /// # Safety
-/// As [`micro_kernel_to`] for `MR` pixels of those panels' blocks of `out`; AVX-512F
-/// is available (a blocked output needs it).
+/// As [`micro_kernel_to`] for `run`'s tiles of `MR` pixels of those panels' blocks
+/// of `out`; AVX-512F is available (a blocked output needs it).
 #[cfg(target_arch = "x86_64")]
 unsafe fn whole_tiles_blocked(
     (offsets, pixel): (&[u32], [*const f32; MR]),
@@ -985,14 +986,18 @@ impl RegisterFinish {
     }
 }
 
-/// [`micro_kernel`] on AVX-512 for `count` panels (1 to [`MAX_GROUP`]), storing each
-/// panel's [`MR`] pixels through `out` (a channel-blocked output's own place) instead
-/// of a tile, adding to the sums there when `accumulate` (a later block of input
-/// channels), then applying `finish` to them if any.
+/// [`micro_kernel`] on AVX-512 for `count` panels (1 to [`MAX_GROUP`]) and each tile
+/// of `run`, storing each panel's [`MR`] pixels through `out` (a channel-blocked
+/// output's own place) instead of a tile, adding to the sums there when
+/// `accumulate` (a later block of input channels), then applying `finish` to them
+/// if any.
 ///
 /// # Safety
-/// As [`micro_kernel`]; AVX-512F is available; every place `out` names is writable
-/// (and readable with `accumulate`); `finish`'s pointers as [`RegisterFinish`] says.
+/// As [`micro_kernel`] for every tile `t < run.tiles`, whose bases are `pixel`'s
+/// plus `t * run.pixel_step`; AVX-512F is available; every place `out` names,
+/// `t * run.out_step` floats on, is writable (and readable with `accumulate`);
+/// `finish`'s pointers as [`RegisterFinish`] says (the residual's also
+/// `t * run.out_step` on for tile `t`).
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn micro_kernel_to(
     offsets: &[u32],
@@ -1020,7 +1025,7 @@ pub(crate) unsafe fn micro_kernel_to(
     };
     // SAFETY: forwarded contract.
     unsafe {
-        if !out.last_half {
+        if !out.last_half && rest.is_none() {
             micro_kernel_avx512_of(
                 count,
                 (offsets, pixel),
@@ -1028,20 +1033,34 @@ pub(crate) unsafe fn micro_kernel_to(
                 (out, run),
                 (accumulate, simple),
             );
+            return;
         }
+        // Tile by tile, so each is finished while it is in L1.
         for t in 0..run.tiles {
             let out = TileOut {
                 at: out.at.wrapping_add(t * run.out_step),
                 ..out
             };
+            let pixel = pixel.map(|p| p.wrapping_add(t * run.pixel_step));
+            let simple = SimpleFinish {
+                residual: simple.residual.map(|r| r.wrapping_add(t * run.out_step)),
+                ..simple
+            };
             if out.last_half {
-                let pixel = pixel.map(|p| p.wrapping_add(t * run.pixel_step));
                 split_tile(
                     offsets,
                     pixel,
                     (panels, stride, count),
                     (out, accumulate),
                     simple,
+                );
+            } else {
+                micro_kernel_avx512_of(
+                    count,
+                    (offsets, pixel),
+                    sums,
+                    (out, TileRun::ONE),
+                    (accumulate, simple),
                 );
             }
             if let Some(finish) = rest {
@@ -1139,8 +1158,8 @@ unsafe fn copy_split(out: TileOut, tile: TileOut, count: usize, to_tile: bool) {
 }
 
 /// The finish the micro-kernel applies to its sums before storing them: a bias
-/// (one vector per panel, from `bias` on) and an activation with a vector form
-/// ([`crate::gemm::has_lanes_form`]).
+/// (one vector per panel, from `bias` on), an activation with a vector form
+/// ([`crate::gemm::has_lanes_form`]) and a residual.
 #[derive(Clone, Copy)]
 struct SimpleFinish {
     bias: Option<*const f32>,
@@ -1159,9 +1178,9 @@ impl SimpleFinish {
     };
 }
 
-/// Applies `finish` (one with a residual or a channel affine: a bias and an
-/// activation alone are applied in the micro-kernel) to the `MR` pixels of `count`
-/// panels that `out` names.
+/// Applies `finish` (one with a channel affine, or a residual into a group ending
+/// in half a panel: anything else is applied in the micro-kernel) to the `MR`
+/// pixels of `count` panels that `out` names.
 ///
 /// # Safety
 /// AVX-512F is available; `out` names `count` panels of `MR` pixels of the lanes
@@ -1286,15 +1305,17 @@ unsafe fn micro_kernel_avx512_of(
     }
 }
 
-/// [`micro_kernel`] for `NP` panels at once, each in one zmm per pixel, with
-/// `finish` applied to the sums before they are stored; with `SPLIT`, each pixel's
-/// first 8 lanes and last 8 lie `out.high` floats apart (two 8-channel blocks), for
-/// the sums and the residual alike.
+/// [`micro_kernel`] for `NP` panels at once and each tile of `run`, each panel in
+/// one zmm per pixel, with `finish` applied to the sums before they are stored
+/// (its residual only with `RESIDUAL`); with `SPLIT`, each pixel's first 8 lanes
+/// and last 8 lie `out.high` floats apart (two 8-channel blocks), for the sums and
+/// the residual alike.
 ///
 /// # Safety
-/// As [`micro_kernel`] with `count = NP`; AVX-512F is available; a bias holds `NP`
-/// panels' [`NR`] values; `SPLIT` only where `out.high` is not 0 (and no panel is
-/// half of one).
+/// As [`micro_kernel`] with `count = NP` for every tile `t < run.tiles` (bases
+/// `t * run.pixel_step` on, place and residual `t * run.out_step` on); AVX-512F is
+/// available; a bias holds `NP` panels' [`NR`] values; `SPLIT` only where
+/// `out.high` is not 0 (and no panel is half of one).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn micro_kernel_avx512<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(
