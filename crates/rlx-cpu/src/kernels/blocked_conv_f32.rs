@@ -399,32 +399,32 @@ pub(crate) fn pointwise(
                     )
                 })
             });
-            // With many input channels, the whole tiles into a blocked output run a
-            // block of input channels at a time over all the task's
-            // pixels, so that block's weights stay in L1 for every tile (a 1280-
-            // channel tile of 4 panels otherwise streams 320 KiB of weights from L2
-            // for 6 pixels); the later blocks add to the stored sums, and the last
-            // one finishes them.
+            // The whole tiles into a blocked output, finished as they are stored, in
+            // one call per block of input channels. With many input channels the
+            // blocks are `DEPTH_BLOCK` channels over all the task's pixels, so a
+            // block's weights stay in L1 for every tile (a 1280-channel tile of 4
+            // panels otherwise streams 320 KiB of weights from L2 for 6 pixels); the
+            // later blocks add to the stored sums, and the last one finishes them.
             let mut start = p0;
-            if depth_blocks {
+            if in_registers {
                 let whole_end = p0 + (p1 - p0) / MR * MR;
-                let count = q1 - q0;
-                for k0 in (0..c).step_by(DEPTH_BLOCK) {
-                    let k1 = (k0 + DEPTH_BLOCK).min(c);
+                let depth = if depth_blocks { DEPTH_BLOCK } else { c };
+                for k0 in (0..c).step_by(depth) {
+                    let k1 = (k0 + depth).min(c);
                     let weights = (
                         packed.as_ptr().wrapping_add((q0 * c + k0) * NR),
                         c * NR,
-                        count,
+                        q1 - q0,
                     );
                     if whole_end > p0 {
                         let bases: [*const f32; MR] = std::array::from_fn(|i| {
                             read.wrapping_add((p0 - first + i) * pixel_step)
                         });
                         let (out, register_finish) = tile_at(p0, k1 == c);
-                        // SAFETY: as for the whole tiles below, over input channels
-                        // `k0..k1` (their offsets, and the weights from step `k0`);
-                        // the tiles' places hold the earlier blocks' sums when
-                        // `k0 > 0`.
+                        // SAFETY: as for the whole tiles below, all of them, over
+                        // input channels `k0..k1` (their offsets, and the weights
+                        // from step `k0`); the tiles' places hold the earlier blocks'
+                        // sums when `k0 > 0`.
                         unsafe {
                             conv_pixels_f32::micro_kernel_to(
                                 &offsets[k0..k1],
@@ -435,26 +435,6 @@ pub(crate) fn pointwise(
                             )
                         };
                     }
-                }
-                start = whole_end;
-            } else if in_registers {
-                // The whole tiles in one call, finished as they are stored.
-                let whole_end = p0 + (p1 - p0) / MR * MR;
-                if whole_end > p0 {
-                    let bases: [*const f32; MR] =
-                        std::array::from_fn(|i| read.wrapping_add((p0 - first + i) * pixel_step));
-                    let weights = (packed.as_ptr().wrapping_add(q0 * c * NR), c * NR, q1 - q0);
-                    let (out, register_finish) = tile_at(p0, true);
-                    // SAFETY: as for the whole tiles below, all of them.
-                    unsafe {
-                        conv_pixels_f32::micro_kernel_to(
-                            offsets,
-                            bases,
-                            weights,
-                            (out, false, tile_run((whole_end - p0) / MR)),
-                            register_finish.as_ref(),
-                        )
-                    };
                 }
                 start = whole_end;
             }

@@ -1273,34 +1273,40 @@ unsafe fn micro_kernel_avx512_of(
     out: (TileOut, TileRun),
     steps: (bool, SimpleFinish),
 ) {
-    let at = (offsets, pixel);
-    if steps.1.residual.is_some() {
-        // SAFETY: forwarded contract.
-        unsafe {
-            match (count, out.0.high != 0) {
-                (1, false) => micro_kernel_avx512::<1, false, true>(at, sums, out, steps),
-                (2, false) => micro_kernel_avx512::<2, false, true>(at, sums, out, steps),
-                (3, false) => micro_kernel_avx512::<3, false, true>(at, sums, out, steps),
-                (_, false) => micro_kernel_avx512::<4, false, true>(at, sums, out, steps),
-                (1, true) => micro_kernel_avx512::<1, true, true>(at, sums, out, steps),
-                (2, true) => micro_kernel_avx512::<2, true, true>(at, sums, out, steps),
-                (3, true) => micro_kernel_avx512::<3, true, true>(at, sums, out, steps),
-                (_, true) => micro_kernel_avx512::<4, true, true>(at, sums, out, steps),
-            }
+    // SAFETY: forwarded contract.
+    unsafe {
+        if steps.1.residual.is_some() {
+            micro_kernel_avx512_as::<true>(count, (offsets, pixel), sums, out, steps)
+        } else {
+            micro_kernel_avx512_as::<false>(count, (offsets, pixel), sums, out, steps)
         }
-        return;
     }
+}
+
+/// [`micro_kernel_avx512_of`] with or without a residual.
+///
+/// # Safety
+/// As [`micro_kernel_avx512`] with `NP = count`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn micro_kernel_avx512_as<const RESIDUAL: bool>(
+    count: usize,
+    at: (&[u32], [*const f32; MR]),
+    sums: (*const f32, usize),
+    out: (TileOut, TileRun),
+    steps: (bool, SimpleFinish),
+) {
     // SAFETY: forwarded contract.
     unsafe {
         match (count, out.0.high != 0) {
-            (1, false) => micro_kernel_avx512::<1, false, false>(at, sums, out, steps),
-            (2, false) => micro_kernel_avx512::<2, false, false>(at, sums, out, steps),
-            (3, false) => micro_kernel_avx512::<3, false, false>(at, sums, out, steps),
-            (_, false) => micro_kernel_avx512::<4, false, false>(at, sums, out, steps),
-            (1, true) => micro_kernel_avx512::<1, true, false>(at, sums, out, steps),
-            (2, true) => micro_kernel_avx512::<2, true, false>(at, sums, out, steps),
-            (3, true) => micro_kernel_avx512::<3, true, false>(at, sums, out, steps),
-            (_, true) => micro_kernel_avx512::<4, true, false>(at, sums, out, steps),
+            (1, false) => micro_kernel_avx512::<1, false, RESIDUAL>(at, sums, out, steps),
+            (2, false) => micro_kernel_avx512::<2, false, RESIDUAL>(at, sums, out, steps),
+            (3, false) => micro_kernel_avx512::<3, false, RESIDUAL>(at, sums, out, steps),
+            (_, false) => micro_kernel_avx512::<4, false, RESIDUAL>(at, sums, out, steps),
+            (1, true) => micro_kernel_avx512::<1, true, RESIDUAL>(at, sums, out, steps),
+            (2, true) => micro_kernel_avx512::<2, true, RESIDUAL>(at, sums, out, steps),
+            (3, true) => micro_kernel_avx512::<3, true, RESIDUAL>(at, sums, out, steps),
+            (_, true) => micro_kernel_avx512::<4, true, RESIDUAL>(at, sums, out, steps),
         }
     }
 }
