@@ -117,8 +117,9 @@ pub(crate) fn scratch_f64(kind: BlockedConv, w: &Shape) -> usize {
 }
 
 /// Floats of scratch each thread needs: a depthwise block's weights, tap by tap,
-/// then the padded rows it stages (if any); a pointwise convolution with a prologue, its block of changed input and the block's
-/// channel offsets; a dense one, what [`conv_pixels_f32`] stages.
+/// then the padded rows it stages (if any); a pointwise convolution with a
+/// prologue, its block of changed input and the block's channel offsets; a dense
+/// one, what [`conv_pixels_f32`] stages.
 pub(crate) fn thread_floats(
     kind: BlockedConv,
     win: &Window2d,

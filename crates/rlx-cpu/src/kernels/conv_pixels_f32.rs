@@ -891,10 +891,42 @@ unsafe fn load_lanes(p: *const f32, high: usize) -> std::arch::x86_64::__m512 {
         } else if high == LOW_ONLY {
             _mm512_maskz_loadu_ps(0x00ff, p)
         } else {
-            let low = _mm512_castps256_ps512(_mm256_loadu_ps(p));
-            let top = _mm256_castps_pd(_mm256_loadu_ps(p.add(high)));
-            _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(low), top))
+            load_split(p, high)
         }
+    }
+}
+
+/// The 16 lanes at `p`, the last 8 of them `high` floats on (two 8-channel blocks).
+///
+/// # Safety
+/// AVX-512F is available; those floats are readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn load_split(p: *const f32, high: usize) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let low = _mm512_castps256_ps512(_mm256_loadu_ps(p));
+        let top = _mm256_castps_pd(_mm256_loadu_ps(p.wrapping_add(high)));
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(low), top))
+    }
+}
+
+/// Stores `v` as [`load_split`] reads it.
+///
+/// # Safety
+/// AVX-512F is available; those floats are writable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_split(p: *mut f32, high: usize, v: std::arch::x86_64::__m512) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        _mm256_storeu_ps(p, _mm512_castps512_ps256(v));
+        let top = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
+        _mm256_storeu_ps(p.wrapping_add(high), _mm256_castpd_ps(top));
     }
 }
 
@@ -915,9 +947,7 @@ unsafe fn store_lanes(p: *mut f32, high: usize, v: std::arch::x86_64::__m512) {
         } else if high == LOW_ONLY {
             _mm256_storeu_ps(p, _mm512_castps512_ps256(v));
         } else {
-            _mm256_storeu_ps(p, _mm512_castps512_ps256(v));
-            let top = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
-            _mm256_storeu_ps(p.add(high), _mm256_castpd_ps(top));
+            store_split(p, high, v);
         }
     }
 }
@@ -1392,18 +1422,14 @@ unsafe fn one_tile<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(
     // SAFETY (both): AVX-512F, and the caller's places.
     let load = |p: *const f32| unsafe {
         if SPLIT {
-            let low = _mm512_castps256_ps512(_mm256_loadu_ps(p));
-            let top = _mm256_castps_pd(_mm256_loadu_ps(p.wrapping_add(out.high)));
-            _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(low), top))
+            load_split(p, out.high)
         } else {
             _mm512_loadu_ps(p)
         }
     };
     let store = |p: *mut f32, v: __m512| unsafe {
         if SPLIT {
-            _mm256_storeu_ps(p, _mm512_castps512_ps256(v));
-            let top = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
-            _mm256_storeu_ps(p.wrapping_add(out.high), _mm256_castpd_ps(top));
+            store_split(p, out.high, v)
         } else {
             _mm512_storeu_ps(p, v)
         }
