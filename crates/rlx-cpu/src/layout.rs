@@ -1,25 +1,26 @@
 //! Which values a CPU program stores channel-blocked.
 //!
 //! A value `[n, c, h, w]` is normally stored as it reads (NCHW). Channel-blocked, it
-//! is stored as `[n, c / b, h, w, b]`: the `b` channels of one block lie together at
-//! each pixel, one AVX-512 vector. The block `b` is 16 channels where `c` is a
-//! multiple of 16, else 8 where `c` is a multiple of 8 (MobileNet v3's 40, 72 and
-//! 120 channels), half a vector ([`block_of`]). Convolutions between such values read and
-//! write whole vectors: a 1x1 convolution broadcasts its input values in place
-//! instead of packing them, stores its output tile as it holds it (pixels by
-//! channels) instead of transposing it into channel rows, and a depthwise one runs
-//! a block of channels per instruction however small its planes are.
+//! is stored block by block: each image holds its channels' blocks of 16 (one
+//! AVX-512 vector of `f32`) in order, each block pixel by pixel with its channels
+//! together at each pixel (`[n, c / 16, h, w, 16]` where `c` is a multiple of 16).
+//! Where `c` is 8 past a multiple of 16 (MobileNet v3's 40, 72 and 120 channels),
+//! the last block has 8 channels, stored 8 a pixel ([`Blocks`]): the value keeps
+//! its plain byte size, and every other block is a whole vector. Convolutions between
+//! such values read and write whole vectors: a 1x1 convolution broadcasts its input
+//! values in place instead of packing them, stores its output tile as it holds it
+//! (pixels by channels) instead of transposing it into channel rows, and a depthwise
+//! one runs a block of channels per instruction however small its planes are.
 //!
 //! The layout is chosen per value when a program is built, after the memory plan: a
-//! blocked value has the same byte size (its channels are a whole number of blocks),
-//! so the plan holds as it is. A value is blocked only where every step that touches
-//! it has a kernel for that layout ([`crate::kernels::accepts`]); it starts blocked
-//! wherever it may be, and a step that refuses its layouts makes plain the least it
-//! needs (its output alone, else its operands, else both), until every step
-//! accepts. Operands of a step with more than 64 (which a layout cannot name) are
-//! plain. Graph inputs and outputs, params, handles, and
-//! values read through views are always plain, so nothing outside a program sees the
-//! blocked layout.
+//! blocked value has the same byte size, so the plan holds as it is. A value is
+//! blocked only where every step that touches it has a kernel for that layout
+//! ([`crate::kernels::accepts`]); it starts blocked wherever it may be, and a step
+//! that refuses its layouts makes plain the least it needs (its output alone, else
+//! its operands, else both), until every step accepts. Operands of a step with more
+//! than 64 (which a layout cannot name) are plain. Graph inputs and outputs, params,
+//! handles, and values read through views are always plain, so nothing outside a
+//! program sees the blocked layout.
 
 use rlx_ir::{DType, NodeId, Op, Shape};
 use rlx_opt::{Plan, Region};
@@ -27,16 +28,65 @@ use rlx_opt::{Plan, Region};
 /// Channels per block of a channel-blocked value: a vector of `f32`.
 pub(crate) const BLOCK: usize = 16;
 
-/// Channels per block of a blocked value of `channels` channels: [`BLOCK`] for whole
-/// vectors, else 8 (half a vector), else `None` (the value stays plain).
-pub(crate) fn block_of(channels: usize) -> Option<usize> {
-    if channels.is_multiple_of(BLOCK) {
-        Some(BLOCK)
-    } else if channels.is_multiple_of(BLOCK / 2) {
-        Some(BLOCK / 2)
-    } else {
-        None
+/// Channels of a last block that is half a vector.
+pub(crate) const HALF: usize = BLOCK / 2;
+
+/// The blocks of a blocked value's image: `channels` channels (a multiple of
+/// [`HALF`]) over `pixels` pixels, in blocks of [`BLOCK`] channels but for a last
+/// one of [`HALF`] when the channels end half a vector past a multiple of 16.
+/// Every block but the last is whole, so block `k` starts `k * BLOCK * pixels`
+/// floats into the image, whatever the last one's width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Blocks {
+    pub channels: usize,
+    pub pixels: usize,
+}
+
+impl Blocks {
+    /// The blocks of `channels` channels over `pixels` pixels.
+    pub(crate) fn new(channels: usize, pixels: usize) -> Blocks {
+        Blocks { channels, pixels }
     }
+
+    /// Blocks per image.
+    pub(crate) fn count(&self) -> usize {
+        self.channels.div_ceil(BLOCK)
+    }
+
+    /// Channels of block `k` (values per pixel): [`BLOCK`], or the last block's
+    /// fewer.
+    pub(crate) fn width(&self, k: usize) -> usize {
+        (self.channels - k * BLOCK).min(BLOCK)
+    }
+
+    /// Floats from the image's first value to block `k`'s.
+    pub(crate) fn start(&self, k: usize) -> usize {
+        k * BLOCK * self.pixels
+    }
+
+    /// Floats from the image's first value to channel `c`'s value at pixel `p`.
+    pub(crate) fn index(&self, c: usize, p: usize) -> usize {
+        let k = c / BLOCK;
+        self.start(k) + p * self.width(k) + c % BLOCK
+    }
+
+    /// Plane `i` of `images * count()` (block `i % count()` of image
+    /// `i / count()`): its first float from the value's first, its width, and
+    /// its first channel.
+    pub(crate) fn plane(&self, i: usize) -> (usize, usize, usize) {
+        let (image, k) = (i / self.count(), i % self.count());
+        (
+            image * self.channels * self.pixels + self.start(k),
+            self.width(k),
+            k * BLOCK,
+        )
+    }
+}
+
+/// Whether a value of `channels` channels can be channel-blocked: a whole number
+/// of half vectors (so a last block of [`HALF`] at most).
+pub(crate) fn blockable_channels(channels: usize) -> bool {
+    channels > 0 && channels.is_multiple_of(HALF)
 }
 
 /// The lanes of a vector that one pixel's block of `lanes` channels fills (the low
@@ -95,8 +145,7 @@ const MIN_PIXELS: usize = 4;
 fn blockable(shape: &Shape) -> bool {
     shape.dtype() == DType::F32
         && shape.rank() == 4
-        && shape.dim(1) > 0
-        && block_of(shape.dim(1)).is_some()
+        && blockable_channels(shape.dim(1))
         && shape.dim(2) * shape.dim(3) >= MIN_PIXELS
         && shape.num_elements() > 0
 }
@@ -198,8 +247,8 @@ pub(crate) fn assign(
 /// blocked layout of a value with `channels` channels and `pixels` pixels.
 #[cfg(test)]
 pub(crate) fn blocked_index(n: usize, c: usize, p: usize, channels: usize, pixels: usize) -> usize {
-    let b = block_of(channels).expect("a blockable channel count");
-    ((n * (channels / b) + c / b) * pixels + p) * b + c % b
+    assert!(blockable_channels(channels), "a blockable channel count");
+    n * channels * pixels + Blocks::new(channels, pixels).index(c, p)
 }
 
 /// `plain` (`[n, c, pixels]`) in the blocked layout.

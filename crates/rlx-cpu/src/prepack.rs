@@ -43,10 +43,10 @@ pub(crate) enum PackSpec {
     /// convolution with output pixels for rows (see [`conv_pixels_f32`]).
     ConvPixels { o: usize, k: usize },
     /// Depthwise weights (`c` filters of `taps` taps) as a vector per tap for each
-    /// block of `lanes` channels (see [`blocked_conv_f32::pack_depthwise_weights`]).
+    /// block of channels (see [`blocked_conv_f32::pack_depthwise_weights`]).
     ///
     /// [`blocked_conv_f32::pack_depthwise_weights`]: crate::kernels::blocked_conv_f32::pack_depthwise_weights
-    DepthwiseTaps { c: usize, taps: usize, lanes: usize },
+    DepthwiseTaps { c: usize, taps: usize },
 }
 
 impl PackSpec {
@@ -66,9 +66,7 @@ impl PackSpec {
                 .saturating_mul(taps),
             PackSpec::Winograd { cg, og } => winograd_f32::weights_len(cg, og),
             PackSpec::ConvPixels { o, k } => conv_pixels_f32::weights_len(o, k),
-            PackSpec::DepthwiseTaps { c, taps, lanes } => {
-                blocked_conv_f32::depthwise_weights_len(c, taps, lanes)
-            }
+            PackSpec::DepthwiseTaps { c, taps } => blocked_conv_f32::depthwise_weights_len(c, taps),
         }
     }
 }
@@ -142,8 +140,8 @@ impl PackedParam {
                 conv_pixels_f32::pack_weights(values, o, k, out);
                 0
             }
-            PackSpec::DepthwiseTaps { c, taps, lanes } => {
-                blocked_conv_f32::pack_depthwise_weights(&values[..c * taps], taps, lanes, out);
+            PackSpec::DepthwiseTaps { c, taps } => {
+                blocked_conv_f32::pack_depthwise_weights(&values[..c * taps], taps, out);
                 0
             }
         };
@@ -240,7 +238,6 @@ pub(crate) fn packed_operand(
             PackSpec::DepthwiseTaps {
                 c: b.dim(0),
                 taps: b.dim(2) * b.dim(3),
-                lanes: crate::layout::block_of(b.dim(0))?,
             }
         }
         Op::Conv2d { .. } | Op::FusedConv2d { .. }

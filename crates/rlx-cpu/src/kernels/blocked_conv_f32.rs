@@ -25,7 +25,7 @@
 
 use super::conv_pixels_f32::{self, Finish, MR, NR, TILE};
 use crate::gemm::GemmScratch;
-use crate::layout::{BLOCK, StepLayout, block_of};
+use crate::layout::{BLOCK, Blocks, HALF, StepLayout};
 use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
 use rlx_ir::{DType, Result, Shape, Window2d};
@@ -142,9 +142,18 @@ pub(crate) fn thread_floats(
         BlockedConv::Depthwise => {
             let [oh, ow] = [0, 1].map(|axis| super::conv::extent(win, axis, x.dim(2 + axis)));
             let (kh, kw) = (w.dim(2), w.dim(3));
-            let staged = block_of(x.dim(1))
-                .and_then(|b| depthwise_staging(win, [oh, ow], [kh, kw], b).map(|width| (b, width)))
-                .map_or(0, |(b, width)| input_rows(win, oh, kh) * width * b);
+            // Blocks of 16 and a last one of fewer may stage differently.
+            let blocks = Blocks::new(x.dim(1), 1);
+            let staged = [0, blocks.count().saturating_sub(1)]
+                .into_iter()
+                .filter(|&k| k * BLOCK < x.dim(1))
+                .filter_map(|k| {
+                    let b = blocks.width(k);
+                    depthwise_staging(win, [oh, ow], [kh, kw], b)
+                        .map(|width| input_rows(win, oh, kh) * width * b)
+                })
+                .max()
+                .unwrap_or(0);
             kh * kw * BLOCK + staged
         }
     }
@@ -191,45 +200,69 @@ impl Prologue<'_> {
     }
 
     /// Writes the changed values of pixels `p0..p0 + len` of image `x_image` (its
-    /// `c` channels of `pixels`, in blocks of `b` or plain) into `stage` in the same
-    /// layout over a plane of `len` pixels.
+    /// `c` channels of `pixels`, channel-blocked when `blocked`) into `stage` in
+    /// the same layout over a plane of `len` pixels.
     fn stage(
         &self,
         x_image: *const f32,
-        (c, b, pixels): (usize, Option<usize>, usize),
+        (c, blocked, pixels): (usize, bool, usize),
         (p0, len): (usize, usize),
         stage: &mut [f32],
     ) {
-        let b_or_one = b.unwrap_or(1);
-        for block in 0..c / b_or_one {
-            let run = len * b_or_one;
-            let dst = &mut stage[block * run..][..run];
-            // SAFETY: pixels `p0..p0 + len` of block (or channel) `block` of the
-            // image.
-            let src = unsafe {
-                std::slice::from_raw_parts(x_image.add((block * pixels + p0) * b_or_one), run)
+        let (from, to) = (Blocks::new(c, pixels), Blocks::new(c, len));
+        let count = if blocked { from.count() } else { c };
+        for k in 0..count {
+            // Block (or channel) `k`: its values a pixel, first channel and places.
+            let (b, first, src_at, dst_at) = if blocked {
+                let b = from.width(k);
+                (b, k * BLOCK, from.start(k) + p0 * b, to.start(k))
+            } else {
+                (1, k, k * pixels + p0, k * len)
             };
+            let run = len * b;
+            let dst = &mut stage[dst_at..][..run];
+            // SAFETY: pixels `p0..p0 + len` of block (or channel) `k` of the image.
+            let src = unsafe { std::slice::from_raw_parts(x_image.add(src_at), run) };
             dst.copy_from_slice(src);
-            self.apply(dst, block * b_or_one..(block + 1) * b_or_one);
+            self.apply(dst, first..first + b);
         }
     }
 }
 
-/// Fills `offsets` with each input channel's offset from its pixel's first value:
-/// `c * pixels` plain, `(c / b) * pixels * b + c % b` in blocks of `b` channels.
-pub(crate) fn channel_offsets(pixels: usize, block: Option<usize>, offsets: &mut [u32]) {
+/// Fills `offsets` with each input channel's offset from its pixel's first value
+/// in its block ([`input_runs`]): `c * pixels` plain; channel-blocked, its block's
+/// start and its lane.
+pub(crate) fn channel_offsets(pixels: usize, blocked: bool, offsets: &mut [u32]) {
+    let blocks = Blocks::new(offsets.len(), pixels);
     for (c, offset) in offsets.iter_mut().enumerate() {
-        let at = match block {
-            Some(b) => (c / b) * pixels * b + c % b,
-            None => c * pixels,
+        let at = match blocked {
+            true => blocks.start(c / BLOCK) + c % BLOCK,
+            false => c * pixels,
         };
         *offset = at as u32;
     }
 }
 
-/// The block of a blocked value of `channels` channels (`blocked`), else `None`.
-pub(crate) fn block_if(blocked: bool, channels: usize) -> Option<usize> {
-    if blocked { block_of(channels) } else { None }
+/// The input channels of a pointwise product in runs of at most `depth`, each
+/// `(k0..k1, tail)`: channels `k0..k1` read at one distance from pixel to pixel (a
+/// plain input's along each channel's row, a blocked input's in its whole blocks
+/// of 16), and the last run also reads `tail` in the same pass, a blocked input's
+/// last block of 8 (8 floats a pixel; empty for any other input). Only the last
+/// run's tail ends at `c`.
+fn input_runs(
+    c: usize,
+    blocked: bool,
+    depth: usize,
+) -> impl Iterator<Item = (std::ops::Range<usize>, std::ops::Range<usize>)> {
+    let whole = if blocked { c / BLOCK * BLOCK } else { c };
+    let depth = depth.max(1);
+    let runs = whole.div_ceil(depth).max(1);
+    (0..runs).map(move |r| {
+        let end = ((r + 1) * depth).min(whole);
+        // An empty tail ends where the run does: only the last run's reaches `c`.
+        let tail = if r + 1 == runs { whole..c } else { end..end };
+        (r * depth..end, tail)
+    })
 }
 
 /// The most pixels of a block whose input (`channels` values a pixel) takes about a
@@ -268,7 +301,8 @@ pub(crate) fn pointwise(
     if n == 0 || o == 0 || pixels == 0 || c == 0 {
         return Ok(());
     }
-    let (x_block, out_block) = (block_if(layout.input(0), c), block_if(layout.output(), o));
+    let (x_blocked, out_blocked) = (layout.input(0), layout.output());
+    let out_blocks = Blocks::new(o, pixels);
     let panels = o.div_ceil(NR);
     let groups = panels.div_ceil(conv_pixels_f32::panel_group());
     let threads = gemm.threads();
@@ -281,20 +315,21 @@ pub(crate) fn pointwise(
     let (x_addr, out_addr) = (x.ptr as usize, out.ptr as usize);
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
     let per_channel = finish.per_channel();
-    let pixel_step = x_block.unwrap_or(1);
+    // Floats from one input pixel to the next (in a whole block when blocked).
+    let step = if x_blocked { BLOCK } else { 1 };
     // Consecutive whole tiles: MR pixels on in the input and in the blocked output.
     let tile_run = |tiles: usize| conv_pixels_f32::TileRun {
         tiles,
-        pixel_step: MR * pixel_step,
-        out_step: MR * out_block.unwrap_or(NR),
+        pixel_step: MR * step,
+        tail_step: MR * HALF,
+        out_step: MR * NR,
     };
-    // Whole tiles into a blocked output go straight to their place (a panel's two
-    // halves to their two blocks with 8-channel blocks) and take their finish as
-    // they are stored (a pass over stored values every few tiles cost a ResNet
-    // bottleneck's 64 -> 256 convolution a fifth of its time); into a plain
+    // Whole tiles into a blocked output go straight to their place and take their
+    // finish as they are stored (a pass over stored values every few tiles cost a
+    // ResNet bottleneck's 64 -> 256 convolution a fifth of its time); into a plain
     // output, a bias and a ReLU are applied as tiles are stored.
-    let in_registers = out_block.is_some() && finish.has_lanes_form();
-    let plain_in_store = out_block.is_none() && finish.is_bias_and_relu();
+    let in_registers = out_blocked && finish.has_lanes_form();
+    let plain_in_store = !out_blocked && finish.is_bias_and_relu();
     let depth_blocks = in_registers && c >= DEPTH_BLOCKED_FROM;
     let finishes = in_registers
         && (finish.bias.is_some()
@@ -312,6 +347,7 @@ pub(crate) fn pointwise(
         };
         let (p0, p1) = (b * block, ((b + 1) * block).min(pixels));
         let x_image = (x_addr as *const f32).wrapping_add(image * c * pixels);
+        let image_at = image * o * pixels;
         // What the products read: the input in place, or the block's changed copy
         // (from its first pixel, with offsets for a plane of the block's pixels).
         let (read, offsets, first) = match prologue {
@@ -321,30 +357,52 @@ pub(crate) fn pointwise(
                 // `thread_floats` (the block's input and its offsets).
                 let scratch = unsafe { gemm.parts(thread) }.1;
                 let (stage, rest) = scratch.split_at_mut(c * (p1 - p0));
-                prologue.stage(x_image, (c, x_block, pixels), (p0, p1 - p0), stage);
+                prologue.stage(x_image, (c, x_blocked, pixels), (p0, p1 - p0), stage);
                 // SAFETY: room for `c` u32 values (f32-sized and aligned).
                 let local =
                     unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<u32>(), c) };
-                channel_offsets(p1 - p0, x_block, local);
+                channel_offsets(p1 - p0, x_blocked, local);
                 (stage.as_ptr(), &*local, p0)
             }
         };
+        // What a tile from pixel `i0` reads of a run (`m` pixels; the rest repeat
+        // the last, read but never stored): the run's channels from pixel bases
+        // `step` floats apart, its tail's from bases `HALF` apart.
+        let input =
+            |i0: usize, m: usize, (run, tail): (std::ops::Range<usize>, std::ops::Range<usize>)| {
+                let bases = |step: usize| -> [*const f32; MR] {
+                    std::array::from_fn(|i| read.wrapping_add((i0 - first + i.min(m - 1)) * step))
+                };
+                conv_pixels_f32::TileInput {
+                    offsets: &offsets[run],
+                    pixel: bases(step),
+                    tail: &offsets[tail],
+                    tail_pixel: bases(HALF),
+                }
+            };
         for g in task_groups {
             let (q0, q1) = (g * panels / groups, (g + 1) * panels / groups);
+            // The panels' weights from input channel `k0` on.
+            let weights = |k0: usize| {
+                (
+                    packed.as_ptr().wrapping_add((q0 * c + k0) * NR),
+                    c * NR,
+                    q1 - q0,
+                )
+            };
             // Where a whole tile from pixel `i0` goes in the blocked output (the
-            // panel and pixel strides and the distance to a pixel's last 8
-            // channels), and its finish in registers when `finished` and it has one.
+            // panel and pixel strides, and a last block of 8's own place), and its
+            // finish in registers when `finished` and it has one.
             let tile_at = |i0: usize, finished: bool| {
-                let b = out_block.unwrap_or(NR);
-                let first_value = image * o * pixels + q0 * pixels * NR + i0 * b;
+                let first_value = image_at + out_blocks.start(q0) + i0 * out_blocks.width(q0);
                 let out = conv_pixels_f32::TileOut {
                     at: (out_addr as *mut f32).wrapping_add(first_value),
                     panel: pixels * NR,
-                    pixel: b,
-                    high: if b == NR { 0 } else { pixels * b },
-                    // The last panel of an output of 8 channels past a multiple of
-                    // 16 has only its first 8.
-                    last_half: q1 * NR > o,
+                    pixel: NR,
+                    half: (out_blocks.width(q1 - 1) < NR).then(|| {
+                        (out_addr as *mut f32)
+                            .wrapping_add(image_at + out_blocks.start(q1 - 1) + i0 * HALF)
+                    }),
                 };
                 let register_finish =
                     (finishes && finished).then(|| conv_pixels_f32::RegisterFinish {
@@ -358,18 +416,24 @@ pub(crate) fn pointwise(
                     });
                 (out, register_finish)
             };
-            // The output's blocks (or plain channels) this task writes.
-            let (block_size, first_block, end_block) = match out_block {
-                Some(b) => (b, q0 * NR / b, (q1 * NR).min(o) / b),
-                None => (1, q0 * NR, (q1 * NR).min(o)),
-            };
-            // The finish over pixels `c0..c1` of those, run every few tiles while the
-            // values are in L1 (a call per tile cost as much as the products at 16
-            // input channels).
+            // The finish over pixels `c0..c1` of the output's blocks (or plain
+            // channels) this task writes, run every few tiles while the values are
+            // in L1 (a call per tile cost as much as the products at 16 input
+            // channels).
             let finish_pixels = |c0: usize, c1: usize| {
-                for block in first_block..end_block {
-                    let at = ((image * o / block_size + block) * pixels + c0) * block_size;
-                    let len = (c1 - c0) * block_size;
+                let (step, end) = if out_blocked {
+                    (NR, q1 * NR)
+                } else {
+                    (1, (q1 * NR).min(o))
+                };
+                for channel in (q0 * NR..end).step_by(step) {
+                    let (at, lanes) = if out_blocked {
+                        let lanes = out_blocks.width(channel / NR);
+                        (out_blocks.start(channel / NR) + c0 * lanes, lanes)
+                    } else {
+                        (channel * pixels + c0, 1)
+                    };
+                    let (at, len) = (image_at + at, (c1 - c0) * lanes);
                     // SAFETY: pixels `c0..c1` of this block (or channel) of this image's
                     // output, stored above by this task alone; the residual has the
                     // output's shape and layout.
@@ -381,10 +445,10 @@ pub(crate) fn pointwise(
                             }),
                         )
                     };
-                    if out_block.is_some() {
-                        per_channel.apply_lanes((block * block_size, block_size), dst, residual);
+                    if out_blocked {
+                        per_channel.apply_lanes((channel, lanes), dst, residual);
                     } else {
-                        per_channel.apply(block, dst, residual);
+                        per_channel.apply(channel, dst, residual);
                     }
                 }
             };
@@ -401,36 +465,27 @@ pub(crate) fn pointwise(
                 })
             });
             // The whole tiles into a blocked output, finished as they are stored, in
-            // one call per block of input channels. With many input channels the
-            // blocks are `DEPTH_BLOCK` channels over all the task's pixels, so a
-            // block's weights stay in L1 for every tile (a 1280-channel tile of 4
-            // panels otherwise streams 320 KiB of weights from L2 for 6 pixels); the
-            // later blocks add to the stored sums, and the last one finishes them.
+            // one call per run of input channels. With many input channels the runs
+            // are `DEPTH_BLOCK` channels over all the task's pixels, so a run's
+            // weights stay in L1 for every tile (a 1280-channel tile of 4 panels
+            // otherwise streams 320 KiB of weights from L2 for 6 pixels); the later
+            // runs add to the stored sums, and the last one finishes them.
             let mut start = p0;
             if in_registers {
                 let whole_end = p0 + (p1 - p0) / MR * MR;
                 let depth = if depth_blocks { DEPTH_BLOCK } else { c };
-                for k0 in (0..c).step_by(depth) {
-                    let k1 = (k0 + depth).min(c);
-                    let weights = (
-                        packed.as_ptr().wrapping_add((q0 * c + k0) * NR),
-                        c * NR,
-                        q1 - q0,
-                    );
-                    if whole_end > p0 {
-                        let bases: [*const f32; MR] = std::array::from_fn(|i| {
-                            read.wrapping_add((p0 - first + i) * pixel_step)
-                        });
-                        let (out, register_finish) = tile_at(p0, k1 == c);
+                if whole_end > p0 {
+                    for (run, tail) in input_runs(c, x_blocked, depth) {
+                        let (k0, last) = (run.start, tail.end == c);
+                        let (out, register_finish) = tile_at(p0, last);
                         // SAFETY: as for the whole tiles below, all of them, over
-                        // input channels `k0..k1` (their offsets, and the weights
-                        // from step `k0`); the tiles' places hold the earlier blocks'
-                        // sums when `k0 > 0`.
+                        // the run's input channels (and the weights from step
+                        // `k0`, the tail's after the run's); the tiles' places
+                        // hold the earlier runs' sums when `k0 > 0`.
                         unsafe {
                             conv_pixels_f32::micro_kernel_to(
-                                &offsets[k0..k1],
-                                bases,
-                                weights,
+                                input(p0, MR, (run, tail)),
+                                weights(k0),
                                 (out, k0 > 0, tile_run((whole_end - p0) / MR)),
                                 register_finish.as_ref(),
                             )
@@ -441,68 +496,67 @@ pub(crate) fn pointwise(
             }
             for i0 in (start..p1).step_by(MR) {
                 let m = MR.min(p1 - i0);
-                // Pixels past the last repeat it: read, never stored.
-                let bases: [*const f32; MR] = std::array::from_fn(|i| {
-                    read.wrapping_add((i0 - first + i.min(m - 1)) * pixel_step)
-                });
-                let weights = (packed.as_ptr().wrapping_add(q0 * c * NR), c * NR, q1 - q0);
-                let whole = out_block.is_some() && m == MR;
+                let whole = out_blocked && m == MR;
+                // One run of all the input channels.
+                let all = input(
+                    i0,
+                    m,
+                    input_runs(c, x_blocked, c).next().unwrap_or((0..c, c..c)),
+                );
                 if whole {
-                    // A whole tile goes straight to its place in the blocked output,
-                    // finished in registers where it can be.
+                    // A whole tile goes straight to its place in the blocked
+                    // output, finished in registers where it can be.
                     let (out, register_finish) = tile_at(i0, true);
-                    // SAFETY: every base plus every channel offset is a value of what the
-                    // products read (the offsets were made for its layout and pixels);
-                    // panels `q0..q1` hold `c` steps of `NR` weights each; `MR` pixels of
+                    // SAFETY: every base plus every offset is a value of what the
+                    // products read (the offsets were made for its layout and
+                    // pixels, the bases for the run's and the tail's); panels
+                    // `q0..q1` hold `c` steps of `NR` weights each; `MR` pixels of
                     // blocks `q0..q1` of this image's output, which only this task
                     // writes; AVX-512 (checked by `kind`).
                     unsafe {
                         conv_pixels_f32::micro_kernel_to(
-                            offsets,
-                            bases,
-                            weights,
+                            all,
+                            weights(0),
                             (out, false, tile_run(1)),
                             register_finish.as_ref(),
                         )
                     };
                 } else {
-                    // SAFETY: as above, into the tile; at most `panel_group` panels.
-                    unsafe {
-                        conv_pixels_f32::micro_kernel(offsets, bases, weights, &mut tile, false)
-                    };
-                    // Lane `j` of panel `q`'s pixel `i` is channel `q * 16 + j`: stored
-                    // into its block (a run of lanes at a time) or plain row at pixel
-                    // `i0 + i`.
+                    // SAFETY: as above, into the tile; at most `panel_group`
+                    // panels.
+                    unsafe { conv_pixels_f32::micro_kernel(all, weights(0), &mut tile, false) };
+                }
+                if !whole {
+                    // Lane `j` of panel `q`'s pixel `i` is channel `q * 16 + j`:
+                    // stored into its block or plain row at pixel `i0 + i`.
                     let dst = out_addr as *mut f32;
                     for q in q0..q1 {
                         let values = &tile[(q - q0) * TILE..][..m * NR];
-                        match out_block {
-                            Some(b) => {
-                                for co in (q * NR..(q * NR + NR).min(o)).step_by(b) {
-                                    let at = ((image * o / b + co / b) * pixels + i0) * b;
-                                    for (i, v) in values.chunks_exact(NR).enumerate() {
-                                        // SAFETY: pixel `i0 + i` of block `co / b` of this
-                                        // image's output; only this task writes it.
-                                        let to = unsafe {
-                                            std::slice::from_raw_parts_mut(dst.add(at + i * b), b)
-                                        };
-                                        to.copy_from_slice(&v[co - q * NR..][..b]);
-                                    }
-                                }
+                        if out_blocked {
+                            let lanes = out_blocks.width(q);
+                            let at = image_at + out_blocks.start(q) + i0 * lanes;
+                            for (i, v) in values.chunks_exact(NR).enumerate() {
+                                // SAFETY: pixel `i0 + i` of block `q` of this image's
+                                // output; only this task writes it.
+                                let to = unsafe {
+                                    std::slice::from_raw_parts_mut(dst.add(at + i * lanes), lanes)
+                                };
+                                to.copy_from_slice(&v[..lanes]);
                             }
+                        } else {
                             // SAFETY: pixels `i0..i0 + m` of channels `q * 16..` (at
                             // most 16, inside the output) of this image; only this
                             // task writes them; AVX2 with AVX-512 (checked by
                             // `kind`).
-                            None => unsafe {
+                            unsafe {
                                 conv_pixels_f32::store_transposed(
                                     &tile[(q - q0) * TILE..][..TILE],
-                                    dst.add((image * o + q * NR) * pixels + i0),
+                                    dst.add(image_at + q * NR * pixels + i0),
                                     pixels,
                                     (m, NR.min(o - q * NR)),
                                     stored[q - q0],
                                 )
-                            },
+                            };
                         }
                     }
                 }
@@ -573,23 +627,25 @@ impl DepthwiseRow {
     }
 }
 
-/// Floats of [`pack_depthwise_weights`]'s form for `c` filters of `taps` taps in
-/// blocks of `lanes` channels (saturating).
-pub(crate) fn depthwise_weights_len(c: usize, taps: usize, lanes: usize) -> usize {
-    (c / lanes.max(1))
-        .saturating_mul(taps)
-        .saturating_mul(BLOCK)
+/// Floats of [`pack_depthwise_weights`]'s form for `c` filters of `taps` taps
+/// (saturating).
+pub(crate) fn depthwise_weights_len(c: usize, taps: usize) -> usize {
+    c.div_ceil(BLOCK).saturating_mul(taps).saturating_mul(BLOCK)
 }
 
 /// Depthwise weights (`values`: filters of `taps` taps each) as the kernel reads
-/// them: for each block of `lanes` channels, a vector per tap holding the block's
-/// filters' values at that tap. A block of half a vector fills both halves, for the
-/// kernel's pairs of pixels.
-pub(crate) fn pack_depthwise_weights(values: &[f32], taps: usize, lanes: usize, out: &mut [f32]) {
-    for (filters, block) in values
-        .chunks_exact(lanes * taps)
-        .zip(out.chunks_exact_mut(taps * BLOCK))
+/// them: for each block of channels ([`Blocks`]), a vector per tap holding the
+/// block's filters' values at that tap. A block of half a vector fills both
+/// halves, for the kernel's pairs of pixels.
+pub(crate) fn pack_depthwise_weights(values: &[f32], taps: usize, out: &mut [f32]) {
+    let blocks = Blocks::new(values.len() / taps.max(1), 1);
+    for (k, block) in out
+        .chunks_exact_mut(taps * BLOCK)
+        .take(blocks.count())
+        .enumerate()
     {
+        let lanes = blocks.width(k);
+        let filters = &values[k * BLOCK * taps..][..lanes * taps];
         for (j, filter) in filters.chunks_exact(taps).enumerate() {
             for (tap, &value) in filter.iter().enumerate() {
                 for lane in (j..BLOCK).step_by(lanes) {
@@ -616,13 +672,13 @@ pub(crate) fn depthwise(
     let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
     let (kh, kw) = (w.shape.dim(2), w.shape.dim(3));
     let taps = kh * kw;
-    let Some(b) = block_of(c) else {
+    if !crate::layout::blockable_channels(c) {
         return Err(rlx_ir::Error::runtime(
             "blocked depthwise convolution",
             format!("{c} channels are not whole blocks"),
         ));
-    };
-    if n == 0 || c == 0 || oh == 0 || ow == 0 {
+    }
+    if n == 0 || oh == 0 || ow == 0 {
         return Ok(());
     }
     let geo = DepthwiseRow {
@@ -635,10 +691,10 @@ pub(crate) fn depthwise(
         dilation: win.dilation,
         top: win.padding[0],
         left: win.padding[1],
-        lanes: b,
+        lanes: BLOCK,
     };
-    let staged = depthwise_staging(win, [oh, ow], [kh, kw], b);
-    let blocks = c / b;
+    let (x_blocks, out_blocks) = (Blocks::new(c, h * wd), Blocks::new(c, oh * ow));
+    let blocks = x_blocks.count();
     let planes = n * blocks;
     let threads = gemm.threads();
     let parts = (8 * threads).div_ceil(planes).clamp(1, oh);
@@ -648,6 +704,9 @@ pub(crate) fn depthwise(
     let task = |t: usize, thread: usize| {
         let (plane, part) = (t / parts, t % parts);
         let block = plane % blocks;
+        let ((x_at, b, first_channel), (out_plane, _, _)) =
+            (x_blocks.plane(plane), out_blocks.plane(plane));
+        let geo = DepthwiseRow { lanes: b, ..geo };
         // SAFETY: one task per thread index at a time; the step asked for
         // `thread_floats` (a vector per tap, then the staged rows).
         let (mine, stage) = unsafe { gemm.parts(thread) }.1.split_at_mut(taps * BLOCK);
@@ -657,19 +716,19 @@ pub(crate) fn depthwise(
                 // SAFETY: `w` holds `c * taps` values.
                 let filters = unsafe {
                     std::slice::from_raw_parts(
-                        (w_addr as *const f32).add(block * b * taps),
+                        (w_addr as *const f32).add(first_channel * taps),
                         b * taps,
                     )
                 };
-                pack_depthwise_weights(filters, taps, b, mine);
+                pack_depthwise_weights(filters, taps, mine);
                 mine
             }
         };
-        let x_plane = (x_addr as *const f32).wrapping_add(plane * h * wd * b);
+        let x_plane = (x_addr as *const f32).wrapping_add(x_at);
         let (oy0, oy1) = (part * oh / parts, (part + 1) * oh / parts);
         // With staging, the rows these outputs read, padding included, and the
         // geometry of that copy (which has no padding left to check).
-        let (source, geo, first) = match staged {
+        let (source, geo, first) = match depthwise_staging(win, [oh, ow], [kh, kw], b) {
             Some(width) if oy1 > oy0 => {
                 let rows = input_rows(win, oy1 - oy0, kh);
                 let stage = &mut stage[..rows * width * b];
@@ -695,7 +754,7 @@ pub(crate) fn depthwise(
             _ => (x_plane, geo, 0),
         };
         for oy in oy0..oy1 {
-            let at = (plane * oh + oy) * ow * b;
+            let at = out_plane + oy * ow * b;
             // SAFETY: row `oy` of this plane of the output, only this task writes it.
             let row =
                 unsafe { std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), ow * b) };
@@ -705,7 +764,7 @@ pub(crate) fn depthwise(
             // SAFETY: the residual has the output's shape and layout.
             let residual = residual_addr
                 .map(|r| unsafe { std::slice::from_raw_parts((r as *const f32).add(at), ow * b) });
-            per_channel.apply_lanes((block * b, b), row, residual);
+            per_channel.apply_lanes((first_channel, b), row, residual);
         }
     };
     pool.run(planes * parts, threads, &task)
@@ -1174,7 +1233,7 @@ mod tests {
                 let mut packed = vec![0.0; conv_pixels_f32::weights_len(o, c)];
                 conv_pixels_f32::pack_weights(&wt, o, c, &mut packed);
                 let mut offsets = vec![0u32; c];
-                channel_offsets(pixels, block_if(x_blocked, c), &mut offsets);
+                channel_offsets(pixels, x_blocked, &mut offsets);
                 let out_dst = dst(&mut out, &os);
                 pointwise(
                     x_src,
@@ -1191,9 +1250,9 @@ mod tests {
                 let k = cg * kh * kw;
                 let mut packed = vec![0.0; conv_pixels_f32::weights_len(o, k)];
                 conv_pixels_f32::pack_weights(&wt, o, k, &mut packed);
-                let blocks = conv_pixels_f32::Blocks {
-                    input: block_if(x_blocked, c),
-                    output: block_if(out_blocked, o),
+                let blocks = conv_pixels_f32::BlockedIo {
+                    input: x_blocked,
+                    output: out_blocked,
                 };
                 let out_dst = dst(&mut out, &os);
                 conv_pixels_f32::conv2d(
@@ -1210,9 +1269,9 @@ mod tests {
             BlockedConv::Winograd => {
                 let mut transformed = vec![0.0; crate::kernels::winograd_f32::weights_len(c, o)];
                 crate::kernels::winograd_f32::transform_weights(&wt, c, o, &mut transformed);
-                let blocks = conv_pixels_f32::Blocks {
-                    input: block_if(x_blocked, c),
-                    output: block_if(out_blocked, o),
+                let blocks = conv_pixels_f32::BlockedIo {
+                    input: x_blocked,
+                    output: out_blocked,
                 };
                 let out_dst = dst(&mut out, &os);
                 crate::kernels::winograd_f32::conv2d(
@@ -1229,9 +1288,8 @@ mod tests {
                 // With a residual the weights come packed ahead, without one each
                 // task arranges its own.
                 let (c, taps) = (case.o, case.kernel[0] * case.kernel[1]);
-                let lanes = crate::layout::block_of(c).unwrap();
-                let mut ahead = vec![f32::NAN; depthwise_weights_len(c, taps, lanes)];
-                pack_depthwise_weights(&wt, taps, lanes, &mut ahead);
+                let mut ahead = vec![f32::NAN; depthwise_weights_len(c, taps)];
+                pack_depthwise_weights(&wt, taps, &mut ahead);
                 let out_dst = dst(&mut out, &os);
                 depthwise(
                     &case.win,
@@ -1464,7 +1522,8 @@ mod tests {
         for (i, &(threads, x, o, win)) in cases.iter().enumerate() {
             for layout in [[true, true], [true, false], [false, true]] {
                 // Blocked sides need whole blocks.
-                if (layout[0] && block_of(x[1]).is_none()) || (layout[1] && block_of(o).is_none()) {
+                let blockable = crate::layout::blockable_channels;
+                if (layout[0] && !blockable(x[1])) || (layout[1] && !blockable(o)) {
                     continue;
                 }
                 for (residual, affine, prologue) in [

@@ -1,12 +1,12 @@
-//! `f32` pooling over channel-blocked values ([`crate::layout`]:
-//! `[n, c / b, h, w, b]`): max and average pooling (blocked in and out) and the
+//! `f32` pooling over channel-blocked values ([`crate::layout`]: blocks of 16
+//! channels, pixel by pixel, a last one of 8 where the channels end there): max and average pooling (blocked in and out) and the
 //! sum or mean over a whole plane (blocked in, plain `[n, c]` out, as a global
 //! average pool or a squeeze-and-excitation block's first step reads it). Each
 //! output pixel is a block of channels, one vector, whatever the plane's width.
 
 use super::Ctx;
 use super::conv::inside_taps;
-use crate::layout::{BLOCK, block_of};
+use crate::layout::{BLOCK, Blocks};
 use crate::tensor::{Dst, Src};
 use crate::vmath::multiversion;
 use rlx_ir::{Result, Window2d};
@@ -36,19 +36,11 @@ pub(crate) fn pool(
 ) -> Result<()> {
     let [n, c, h, w] = super::conv::nchw(x.shape);
     let [oh, ow] = [out.shape.dim(2), out.shape.dim(3)];
-    let b = block_of(c).unwrap_or(BLOCK);
-    let planes = n * (c / b);
+    let (x_blocks, out_blocks) = (Blocks::new(c, h * w), Blocks::new(c, oh * ow));
+    let planes = n * x_blocks.count();
     if planes == 0 || oh == 0 || ow == 0 {
         return Ok(());
     }
-    let row = PoolRow {
-        win,
-        max,
-        count_include_pad,
-        in_hw: [h, w],
-        ow,
-        lanes: b,
-    };
     let rows = planes * oh;
     let threads = ctx.gemm.threads();
     let tasks = rows.min(8 * threads);
@@ -56,15 +48,24 @@ pub(crate) fn pool(
     let task = |t: usize, _thread: usize| {
         for r in t * rows / tasks..(t + 1) * rows / tasks {
             let (plane, oy) = (r / oh, r % oh);
-            // SAFETY: plane `plane` of `x` (`h * w` pixels of `b` values), and row
-            // `r` of the output, which only this task writes.
+            let ((from, b, _), (to, _, _)) = (x_blocks.plane(plane), out_blocks.plane(plane));
+            let row = PoolRow {
+                win,
+                max,
+                count_include_pad,
+                in_hw: [h, w],
+                ow,
+                lanes: b,
+            };
+            // SAFETY: plane `plane` of `x` (`h * w` pixels of `b` values), and its
+            // row `oy` of the output, which only this task writes.
             let (src, dst) = unsafe {
                 (
-                    std::slice::from_raw_parts(
-                        (x_addr as *const f32).add(plane * h * w * b),
-                        h * w * b,
+                    std::slice::from_raw_parts((x_addr as *const f32).add(from), h * w * b),
+                    std::slice::from_raw_parts_mut(
+                        (out_addr as *mut f32).add(to + oy * ow * b),
+                        ow * b,
                     ),
-                    std::slice::from_raw_parts_mut((out_addr as *mut f32).add(r * ow * b), ow * b),
                 )
             };
             pool_row(row, oy, src, dst);
@@ -206,8 +207,8 @@ const MAX_LISTED_TAPS: usize = 64;
 pub(crate) fn plane_sums(mean: bool, x: Src, out: Dst, ctx: &Ctx) -> Result<()> {
     let [n, c] = [x.shape.dim(0), x.shape.dim(1)];
     let pixels = x.shape.dim(2) * x.shape.dim(3);
-    let b = block_of(c).unwrap_or(BLOCK);
-    let planes = n * (c / b);
+    let blocks = Blocks::new(c, pixels);
+    let planes = n * blocks.count();
     if planes == 0 {
         return Ok(());
     }
@@ -221,16 +222,17 @@ pub(crate) fn plane_sums(mean: bool, x: Src, out: Dst, ctx: &Ctx) -> Result<()> 
     let (x_addr, out_addr) = (x.ptr as usize, out.ptr as usize);
     let task = |t: usize, _thread: usize| {
         for plane in t * planes / tasks..(t + 1) * planes / tasks {
+            let (from, b, first) = blocks.plane(plane);
+            let image = plane / blocks.count();
             // SAFETY: plane `plane` of `x`, and its `b` channels of the output, which
-            // only this task writes (plane `i` holds channels `b i ..` of the images
-            // in order, as `out` does).
+            // only this task writes.
             let (src, dst) = unsafe {
                 (
-                    std::slice::from_raw_parts(
-                        (x_addr as *const f32).add(plane * pixels * b),
-                        pixels * b,
+                    std::slice::from_raw_parts((x_addr as *const f32).add(from), pixels * b),
+                    std::slice::from_raw_parts_mut(
+                        (out_addr as *mut f32).add(image * c + first),
+                        b,
                     ),
-                    std::slice::from_raw_parts_mut((out_addr as *mut f32).add(plane * b), b),
                 )
             };
             sum_pixels(src, scale, dst);
@@ -309,6 +311,7 @@ mod tests {
             (2, [1, 16, 2, 3], [5, 5], [1, 1], [2, 2, 2, 2], [1, 1]),
             (2, [2, 24, 9, 7], [3, 3], [2, 2], [1, 1, 1, 1], [1, 1]),
             (1, [1, 40, 6, 6], [2, 2], [2, 2], [0; 4], [1, 1]),
+            (2, [2, 8, 5, 6], [3, 3], [1, 1], [1, 1, 1, 1], [1, 1]),
         ];
         let mut seed = 5;
         for &(threads, [n, c, h, w], kernel, stride, padding, dilation) in &cases {
@@ -359,6 +362,7 @@ mod tests {
             (1, [3, 32, 1, 9]),
             (2, [2, 40, 6, 5]),
             (1, [1, 24, 3, 3]),
+            (2, [2, 8, 4, 4]),
         ] {
             let x: Vec<f32> = (0..n * c * h * w).map(|_| lcg(&mut seed)).collect();
             let xs = Shape::new(&[n, c, h, w], DType::F32);

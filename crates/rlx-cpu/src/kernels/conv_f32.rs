@@ -610,7 +610,7 @@ pub(crate) fn winograd(
     [x, w]: [Src; 2],
     bias: Option<Src>,
     (activation, residual, affine): (Option<Activation>, Option<Src>, Option<ChannelAffine>),
-    (out, blocks): (Dst, conv_pixels_f32::Blocks),
+    (out, blocks): (Dst, conv_pixels_f32::BlockedIo),
     ctx: &mut Ctx,
 ) -> Result<()> {
     let (cg, og) = (w.shape.dim(1), w.shape.dim(0));
@@ -665,7 +665,7 @@ fn pixels(
         packed,
         (finish, None),
         out,
-        conv_pixels_f32::Blocks::default(),
+        conv_pixels_f32::BlockedIo::default(),
         (ctx.gemm, ctx.pool),
     )
 }

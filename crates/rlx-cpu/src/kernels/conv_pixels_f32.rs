@@ -26,6 +26,7 @@
 use super::blocked_conv_f32::Prologue;
 use super::conv_f32::ChannelAffine;
 use crate::gemm::Activation;
+use crate::layout::{BLOCK, HALF};
 use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
 use rlx_ir::{Result, Shape, Window2d};
@@ -114,8 +115,10 @@ struct Geometry {
     ow: usize,
     /// Columns of a staged row: every column some tap reads, from the left padding.
     wp: usize,
-    /// Input channels per block: the input's block when it is channel-blocked (the
-    /// staged rows are too: `[block][row][wp][lanes]`), else 1.
+    /// Input channels per staged plane: 1 for a plain input; for a channel-blocked
+    /// one, 16, or 8 where its channels end in a block of 8 (the staged rows are
+    /// `[plane][row][wp][lanes]`, every plane as wide, so that every pixel's
+    /// inputs lie the same distances from its first).
     lanes: usize,
 }
 
@@ -133,12 +136,14 @@ impl Geometry {
         }
     }
 
-    /// The same geometry over an input channel-blocked in blocks of `lanes`.
-    fn with_lanes(self, lanes: Option<usize>) -> Geometry {
-        Geometry {
-            lanes: lanes.unwrap_or(1),
-            ..self
-        }
+    /// The same geometry over a channel-blocked input (`blocked`).
+    fn with_blocked_input(self, blocked: bool) -> Geometry {
+        let lanes = match blocked {
+            false => 1,
+            true if self.cg.is_multiple_of(BLOCK) => BLOCK,
+            true => HALF,
+        };
+        Geometry { lanes, ..self }
     }
 
     /// Input rows that `rows` output rows read.
@@ -302,12 +307,12 @@ impl ChannelFinish<'_> {
     }
 }
 
-/// The layouts of a convolution's input and output here: each one's channel block
-/// where it is channel-blocked ([`crate::layout`]), else `None` (NCHW).
+/// The layouts of a convolution's input and output here: whether each is
+/// channel-blocked ([`crate::layout`]), else NCHW.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Blocks {
-    pub input: Option<usize>,
-    pub output: Option<usize>,
+pub(crate) struct BlockedIo {
+    pub input: bool,
+    pub output: bool,
 }
 
 /// The convolution, with `weights` from [`pack_weights`], in and out of the layouts
@@ -319,12 +324,12 @@ pub(crate) fn conv2d(
     weights: &[f32],
     (finish, prologue): (Finish, Option<Prologue>),
     out: Dst,
-    blocks: Blocks,
+    blocks: BlockedIo,
     (gemm, pool): (&crate::gemm::GemmScratch, &ThreadPool),
 ) -> Result<()> {
     let [n, o] = [out.shape.dim(0), out.shape.dim(1)];
-    let geo =
-        Geometry::new(win, x.shape, [out.shape.dim(2), out.shape.dim(3)]).with_lanes(blocks.input);
+    let geo = Geometry::new(win, x.shape, [out.shape.dim(2), out.shape.dim(3)])
+        .with_blocked_input(blocks.input);
     let pixels = geo.oh * geo.ow;
     if n == 0 || o == 0 || pixels == 0 {
         return Ok(());
@@ -351,16 +356,15 @@ pub(crate) fn conv2d(
     // stored; into a blocked one, any finish whose activations have a vector form;
     // anything else in one pass over a panel's finished rows.
     let in_store = match blocks.output {
-        None => finish.is_bias_and_relu(),
-        Some(_) => finish.has_lanes_form(),
+        false => finish.is_bias_and_relu(),
+        true => finish.has_lanes_form(),
     };
     let (bias_addr, activation) = (finish.bias.map(|b| b.as_ptr() as usize), finish.activation);
     let affine_addr = finish
         .affine
         .map(|(s, t, post)| (s.as_ptr() as usize, t.as_ptr() as usize, post));
     let per_channel = finish.per_channel();
-    // Floats from one output pixel to the next in a channel (or block).
-    let out_lanes = blocks.output.unwrap_or(1);
+    let out_blocks = crate::layout::Blocks::new(o, pixels);
     let task = |u: usize, thread: usize| {
         let (u, part) = (u / parts, u % parts);
         let part_range = part * part_panels..((part + 1) * part_panels).min(panels);
@@ -380,19 +384,20 @@ pub(crate) fn conv2d(
         let src = &xs[image * geo.cg * geo.h * geo.w..][..geo.cg * geo.h * geo.w];
         stage_rows(win, &geo, (src, prologue), y0, staged_rows, staged);
         step_offsets(win, &geo, staged_rows, offsets);
-        // The block's first pixel of channel 0 (or of block 0) of the image.
-        let first = image * o * pixels + y0 * geo.ow * out_lanes;
+        // The image's first output value, and the block's first pixel.
+        let (image_at, first_pixel) = (image * o * pixels, y0 * geo.ow);
         let block_out = BlockOut {
-            // SAFETY: inside the image's output.
-            out: unsafe { (out_addr as *mut f32).add(first) },
+            // SAFETY: inside the output.
+            image: unsafe { (out_addr as *mut f32).add(image_at) },
+            first_pixel,
             pixels,
             channels: o,
-            block: blocks.output,
-            // The whole finish, the residual at the output's place.
-            finish: (in_store && blocks.output.is_some()).then(|| RegisterFinish {
+            blocked: blocks.output,
+            // The whole finish, the residual at the image's place.
+            finish: (in_store && blocks.output).then(|| RegisterFinish {
                 bias: bias_addr.map(|a| a as *const f32),
                 activation,
-                residual: residual_addr.map(|a| (a as *const f32).wrapping_add(first)),
+                residual: residual_addr.map(|a| (a as *const f32).wrapping_add(image_at)),
                 affine: affine_addr.map(|(s, t, post)| (s as *const f32, t as *const f32, post)),
             }),
         };
@@ -406,7 +411,7 @@ pub(crate) fn conv2d(
         for q0 in part_range.clone().step_by(group) {
             let count = group.min(part_range.end - q0);
             let stored: [Option<StoreFinish>; MAX_GROUP] = std::array::from_fn(|v| {
-                (in_store && blocks.output.is_none()).then(|| {
+                (in_store && !blocks.output).then(|| {
                     StoreFinish::for_panel(finish.bias, finish.activation.is_some(), q0 + v)
                 })
             });
@@ -420,11 +425,17 @@ pub(crate) fn conv2d(
             if in_store {
                 continue;
             }
-            // The finished rows (or block runs) of the group's channels.
+            // The finished rows (or block runs) of the group's channels: each a
+            // channel's (or block's, of `lanes` a pixel) values of the block's pixels.
             let (c0, c1) = (q0 * NR, ((q0 + count) * NR).min(o));
-            for c in (c0..c1).step_by(out_lanes) {
-                let at = first + c * pixels;
-                let len = block_pixels * out_lanes;
+            let step = if blocks.output { NR } else { 1 };
+            for c in (c0..c1).step_by(step) {
+                let lanes = if blocks.output {
+                    out_blocks.width(c / NR)
+                } else {
+                    1
+                };
+                let (at, len) = (image_at + block_out.at(c, 0), block_pixels * lanes);
                 // SAFETY: the block's pixels of channel (or block) `c`: inside the
                 // output (and the residual, of the same shape and layout); only this
                 // task writes them.
@@ -436,8 +447,8 @@ pub(crate) fn conv2d(
                     )
                 };
                 match blocks.output {
-                    Some(b) => per_channel.apply_lanes((c, b), values, residual),
-                    None => per_channel.apply(c, values, residual),
+                    true => per_channel.apply_lanes((c, lanes), values, residual),
+                    false => per_channel.apply(c, values, residual),
                 }
             }
         }
@@ -473,17 +484,37 @@ impl StoreFinish {
     }
 }
 
-/// Where a block's output goes: its first pixel of channel 0, with `pixels` floats
-/// from one channel to the next (plain), or of block 0, with `pixels * b` floats
-/// from one block of `b` channels to the next (`block`: channel-blocked).
+/// Where a block's output goes: pixels from `first_pixel` of the image whose first
+/// value is at `image`, of `channels` channels of `pixels` pixels each, plain or
+/// channel-blocked (`blocked`).
 struct BlockOut {
-    out: *mut f32,
+    image: *mut f32,
+    first_pixel: usize,
     pixels: usize,
     channels: usize,
-    block: Option<usize>,
+    blocked: bool,
     /// A blocked output's finish, applied as each tile is stored (pointers at
-    /// channel 0, the residual at `out`).
+    /// channel 0, the residual at `image`).
     finish: Option<RegisterFinish>,
+}
+
+impl BlockOut {
+    /// The output's blocks (when it is blocked).
+    fn blocks(&self) -> crate::layout::Blocks {
+        crate::layout::Blocks::new(self.channels, self.pixels)
+    }
+
+    /// Floats from `image` to pixel `pixel` (of the block's) of channel `c` (plain)
+    /// or of the block that starts at channel `c` (blocked).
+    fn at(&self, c: usize, pixel: usize) -> usize {
+        let pixel = self.first_pixel + pixel;
+        if self.blocked {
+            let blocks = self.blocks();
+            blocks.start(c / BLOCK) + pixel * blocks.width(c / BLOCK)
+        } else {
+            c * self.pixels + pixel
+        }
+    }
 }
 
 /// Where each output pixel of a block reads its first input value in the staged rows.
@@ -532,8 +563,9 @@ impl PixelBases {
 }
 
 /// Copies the input rows `staged_rows` rows from output row `y0`'s first into
-/// `staged` (`[channel][row][wp]`, or `[block][row][wp][lanes]` for a blocked
-/// input), zero where they fall in the padding, through `prologue` if any.
+/// `staged` (`[channel][row][wp]`, or `[plane][row][wp][lanes]` for a blocked
+/// input: [`Geometry::lanes`]), zero where they fall in the padding, through
+/// `prologue` if any.
 fn stage_rows(
     win: &Window2d,
     geo: &Geometry,
@@ -544,6 +576,7 @@ fn stage_rows(
 ) {
     let (pt, pl) = (win.padding[0] as isize, win.padding[1]);
     let (h, w, wp, lanes) = (geo.h, geo.w, geo.wp, geo.lanes);
+    let x_blocks = crate::layout::Blocks::new(geo.cg, h * w);
     // Staged column `c` holds input column `c - pl`: inside for `pl..pl + w`.
     let (c0, c1) = (pl.min(wp), (pl + w).min(wp));
     let top = (y0 * win.stride[0]) as isize - pt;
@@ -552,16 +585,34 @@ fn stage_rows(
         .enumerate()
     {
         let channels = plane_index * lanes..(plane_index + 1) * lanes;
+        // Where the plane's channels start in the input, and the floats from one
+        // pixel to the next there (a block of 16 stages as two planes of 8 when
+        // the last block is 8).
+        let (from, step) = if lanes == 1 {
+            (channels.start * h * w, 1)
+        } else {
+            let k = channels.start / BLOCK;
+            (
+                x_blocks.start(k) + channels.start % BLOCK,
+                x_blocks.width(k),
+            )
+        };
         for (r, line) in plane.chunks_exact_mut(wp * lanes).enumerate() {
             let iy = top + r as isize;
             if !(0..h as isize).contains(&iy) {
                 line.fill(0.0);
                 continue;
             }
-            let row = &src[(plane_index * h + iy as usize) * w * lanes..][..w * lanes];
+            let row = &src[from + iy as usize * w * step..];
             line[..c0 * lanes].fill(0.0);
             let inside = &mut line[c0 * lanes..c1 * lanes];
-            inside.copy_from_slice(&row[..(c1 - c0) * lanes]);
+            if step == lanes {
+                inside.copy_from_slice(&row[..(c1 - c0) * lanes]);
+            } else {
+                for (to, pixel) in inside.chunks_exact_mut(lanes).zip(row.chunks(step)) {
+                    to.copy_from_slice(&pixel[..lanes]);
+                }
+            }
             if let Some(prologue) = prologue {
                 prologue.apply(inside, channels.clone());
             }
@@ -617,7 +668,7 @@ fn run_group(
     // Into a blocked output in one depth block, the whole tiles go straight to
     // their places, a run of a row's tiles at a time.
     let mut done_tiles = 0;
-    if let (Some(b), 1) = (out.block, depth_blocks) {
+    if let (true, 1) = (out.blocked, depth_blocks) {
         let whole = (bases.last + 1) / MR;
         while done_tiles < whole {
             let first = done_tiles * MR;
@@ -631,14 +682,15 @@ fn run_group(
             // apart (a tile across rows is a run of one, each pixel's base its own).
             unsafe {
                 whole_tiles_blocked(
-                    (offsets, pixels.map(|p| staged.as_ptr().add(p))),
+                    TileInput::new(offsets, pixels.map(|p| staged.as_ptr().add(p))),
                     (panels.as_ptr(), panel_floats, count),
                     out,
-                    (q0, b, first * b),
+                    (q0, first),
                     TileRun {
                         tiles,
                         pixel_step: MR * bases.sx,
-                        out_step: MR * b,
+                        tail_step: 0,
+                        out_step: MR * NR,
                     },
                 )
             };
@@ -654,7 +706,7 @@ fn run_group(
             // A tile's pixels reach a new line of the output rows about every third
             // tile (16 floats a line, 6 pixels a tile).
             let ahead = t * MR + STORE_AHEAD;
-            let plain_out = out.block.is_none();
+            let plain_out = !out.blocked;
             if plain_out && d + 1 == depth_blocks && (t == 0 || ahead / 16 != (ahead - MR) / 16) {
                 prefetch_output(
                     out,
@@ -668,8 +720,7 @@ fn run_group(
             // `k` steps of NR; the tile holds `count` tiles.
             unsafe {
                 micro_kernel(
-                    &offsets[p0..p1],
-                    pixels.map(|b| staged.as_ptr().add(b)),
+                    TileInput::new(&offsets[p0..p1], pixels.map(|b| staged.as_ptr().add(b))),
                     (panels[p0 * NR..].as_ptr(), panel_floats, count),
                     tile,
                     d > 0,
@@ -683,24 +734,21 @@ fn run_group(
                     // (channels of them, whole blocks of a blocked output) lie
                     // inside the block's output.
                     unsafe {
-                        match out.block {
-                            None => store_transposed(
+                        let at = out.at(q * NR, t * MR);
+                        match out.blocked {
+                            false => store_transposed(
                                 product,
-                                out.out.add(q * NR * out.pixels + t * MR),
+                                out.image.add(at),
                                 out.pixels,
                                 (valid, channels),
                                 *finish,
                             ),
-                            Some(b) => {
-                                let at = q * NR * out.pixels + t * MR * b;
-                                store_blocked(
-                                    product,
-                                    (out.out, at),
-                                    (out.pixels * b, b),
-                                    (valid, q * NR, channels),
-                                    out.finish.as_ref(),
-                                )
-                            }
+                            true => store_blocked(
+                                product,
+                                (out.image, at),
+                                (valid, q * NR, channels),
+                                out.finish.as_ref(),
+                            ),
                         }
                     };
                 }
@@ -709,31 +757,32 @@ fn run_group(
     }
 }
 
-/// Whole tiles of panels `q0..q0 + count` into a blocked output of `b`-channel
-/// blocks, the first `at` floats on from the block's first pixel: straight to
-/// their places through [`micro_kernel_to`], with the output's finish in registers
-/// where it has one (a copy through a tile and a store per vector cost a 3-channel
-/// stem about a fifth of its time).
+/// Whole tiles of panels `q0..q0 + count` into a blocked output, the first from
+/// the block's pixel `first`: straight to their places through
+/// [`micro_kernel_to`], with the output's finish in registers where it has one (a
+/// copy through a tile and a store per vector cost a 3-channel stem about a fifth
+/// of its time).
 ///
 /// # Safety
 /// As [`micro_kernel_to`] for `run`'s tiles of `MR` pixels of those panels' blocks
 /// of `out`; AVX-512F is available (a blocked output needs it).
 #[cfg(target_arch = "x86_64")]
 unsafe fn whole_tiles_blocked(
-    (offsets, pixel): (&[u32], [*const f32; MR]),
+    input: TileInput,
     weights: (*const f32, usize, usize),
     out: &BlockOut,
-    (q0, b, at): (usize, usize, usize),
+    (q0, first): (usize, usize),
     run: TileRun,
 ) {
     let count = weights.2;
-    let at = q0 * NR * out.pixels + at;
+    let at = out.at(q0 * NR, first);
+    let last = q0 + count - 1;
     let tile = TileOut {
-        at: out.out.wrapping_add(at),
+        at: out.image.wrapping_add(at),
         panel: NR * out.pixels,
-        pixel: b,
-        high: if b == NR { 0 } else { out.pixels * b },
-        last_half: (q0 + count) * NR > out.channels,
+        pixel: NR,
+        half: (out.blocks().width(last) < NR)
+            .then(|| out.image.wrapping_add(out.at(last * NR, first))),
     };
     let c0 = q0 * NR;
     let finish = out.finish.map(|f| RegisterFinish {
@@ -745,15 +794,15 @@ unsafe fn whole_tiles_blocked(
             .map(|(s, t, post)| (s.wrapping_add(c0), t.wrapping_add(c0), post)),
     });
     // SAFETY: the caller's contract.
-    unsafe { micro_kernel_to(offsets, pixel, weights, (tile, false, run), finish.as_ref()) }
+    unsafe { micro_kernel_to(input, weights, (tile, false, run), finish.as_ref()) }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn whole_tiles_blocked(
-    _: (&[u32], [*const f32; MR]),
+    _: TileInput,
     _: (*const f32, usize, usize),
     _: &BlockOut,
-    _: (usize, usize, usize),
+    _: (usize, usize),
     _: TileRun,
 ) {
     unreachable!("blocked layouts need AVX-512")
@@ -768,21 +817,55 @@ const STORE_AHEAD: usize = 32;
 /// 4.76 ms with this).
 fn prefetch_output(out: &BlockOut, channels: std::ops::Range<usize>, pixel: usize) {
     for c in channels {
-        crate::prefetch::lines(out.out.wrapping_add(c * out.pixels + pixel).cast(), 1);
+        crate::prefetch::lines(out.image.wrapping_add(out.at(c, pixel)).cast(), 1);
     }
 }
 
-/// One tile of `count` panels: `tile[v][i][j] (+)= Σ_p pixel_i[offsets[p]] *
-/// panel_v[p][j]`, panel `v` starting `v * stride` floats after `panels`.
+/// What a micro-kernel tile reads: step `p`'s value of pixel `i` at `pixel[i] +
+/// offsets[p]`, then those of the `tail` steps at `tail_pixel[i] + tail[p]` (a
+/// channel-blocked input's last block of 8 channels, whose pixels lie 8 floats
+/// apart where the whole blocks' lie 16; no steps for any other input).
+#[derive(Clone, Copy)]
+pub(crate) struct TileInput<'a> {
+    pub offsets: &'a [u32],
+    pub pixel: [*const f32; MR],
+    pub tail: &'a [u32],
+    pub tail_pixel: [*const f32; MR],
+}
+
+impl<'a> TileInput<'a> {
+    /// Steps at `offsets` from `pixel`, without a tail.
+    pub(crate) fn new(offsets: &'a [u32], pixel: [*const f32; MR]) -> TileInput<'a> {
+        TileInput {
+            offsets,
+            pixel,
+            tail: &[],
+            tail_pixel: pixel,
+        }
+    }
+
+    /// The input of tile `t` of `run`.
+    #[inline]
+    fn nth(self, t: usize, run: TileRun) -> TileInput<'a> {
+        TileInput {
+            pixel: self.pixel.map(|p| p.wrapping_add(t * run.pixel_step)),
+            tail_pixel: self.tail_pixel.map(|p| p.wrapping_add(t * run.tail_step)),
+            ..self
+        }
+    }
+}
+
+/// One tile of `count` panels: `tile[v][i][j] (+)= Σ_p x_i[p] * panel_v[p][j]`
+/// over the steps `input` reads, panel `v` starting `v * stride` floats after
+/// `panels`.
 ///
 /// # Safety
-/// Every `pixel_i + offsets[p]` is readable; each panel holds `offsets.len()` steps of
+/// Every value `input` names is readable; each panel holds as many steps of
 /// [`NR`] floats; `tile` holds `count` tiles; `count` is at most [`panel_group`];
 /// AVX2 and FMA are available (checked by [`applies`]).
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn micro_kernel(
-    offsets: &[u32],
-    pixel: [*const f32; MR],
+    input: TileInput,
     (panels, stride, count): (*const f32, usize, usize),
     tile: &mut [f32],
     accumulate: bool,
@@ -791,19 +874,22 @@ pub(crate) unsafe fn micro_kernel(
         at: tile.as_mut_ptr(),
         panel: TILE,
         pixel: NR,
-        high: 0,
-        last_half: false,
+        half: None,
     };
     // SAFETY: forwarded contract; `count > 1` only where `panel_group` found AVX-512,
     // and one panel goes to the AVX-512 kernel only where the CPU has it.
     unsafe {
         match count {
             1 if !crate::isa::isa().avx512f => {
-                micro_kernel_avx2(offsets, pixel, panels, tile, accumulate)
+                micro_kernel_avx2(input.offsets, input.pixel, panels, tile, accumulate);
+                if !input.tail.is_empty() {
+                    let tail_panel = panels.add(input.offsets.len() * NR);
+                    micro_kernel_avx2(input.tail, input.tail_pixel, tail_panel, tile, true);
+                }
             }
             _ => micro_kernel_avx512_of(
                 count,
-                (offsets, pixel),
+                input,
                 (panels, stride),
                 (out, TileRun::ONE),
                 (accumulate, SimpleFinish::NONE),
@@ -813,29 +899,28 @@ pub(crate) unsafe fn micro_kernel(
 }
 
 /// Where a micro-kernel tile's sums go: panel `v`'s pixel `i` is the [`NR`] floats
-/// at `at + v * panel + i * pixel` (its last 8 `high` floats on from its first 8
-/// when `high` is not 0).
+/// at `at + v * panel + i * pixel`, but for a last panel of half a vector.
 #[derive(Clone, Copy)]
 pub(crate) struct TileOut {
     pub at: *mut f32,
     pub panel: usize,
     pub pixel: usize,
-    /// Floats from a pixel's first 8 lanes to its last 8 (0: its 16 lanes are
-    /// contiguous): a panel's two 8-channel blocks.
-    pub high: usize,
-    /// Whether the last panel has only its first 8 lanes (an output of 8 channels
-    /// past a multiple of 16, in 8-channel blocks).
-    pub last_half: bool,
+    /// Where the last panel's pixel 0 goes when that panel has only its first
+    /// [`HALF`] lanes (an output's last block of 8 channels, stored [`HALF`]
+    /// floats a pixel); `None` when every panel is whole.
+    pub half: Option<*mut f32>,
 }
 
-/// Whole tiles one micro-kernel call runs in turn: each tile's pixels start
-/// `pixel_step` floats on from the previous tile's (every base), and its place in
-/// the output (and its residual) `out_step` floats on. A call per tile cost a
+/// Whole tiles one micro-kernel call runs in turn, each [`MR`] output pixels on
+/// from the previous one: each tile's pixels start `pixel_step` floats on from the
+/// previous tile's (every base; `tail_step` for the tail's), and its place in the
+/// output (and its residual) `out_step` floats on (a half panel's, `MR * HALF`). A call per tile cost a
 /// 16 -> 16 channel layer (16 steps a tile) three times its products.
 #[derive(Clone, Copy)]
 pub(crate) struct TileRun {
     pub tiles: usize,
     pub pixel_step: usize,
+    pub tail_step: usize,
     pub out_step: usize,
 }
 
@@ -844,110 +929,38 @@ impl TileRun {
     pub(crate) const ONE: TileRun = TileRun {
         tiles: 1,
         pixel_step: 0,
+        tail_step: 0,
         out_step: 0,
     };
 }
-
-/// [`TileOut::high_of`] for a panel that has only its first 8 lanes.
-const LOW_ONLY: usize = usize::MAX;
 
 impl TileOut {
     /// The lanes panel `v` of `count` has.
     #[inline]
     fn lanes_of(&self, v: usize, count: usize) -> u16 {
-        if self.last_half && v + 1 == count {
-            0x00ff
+        if self.half.is_some() && v + 1 == count {
+            crate::layout::lane_mask(HALF)
         } else {
             0xffff
         }
     }
 
-    /// The `high` of panel `v` of `count`: [`LOW_ONLY`] for a last panel of 8
-    /// lanes.
+    /// Where pixel `i` of panel `v` of `count` goes.
     #[inline]
-    fn high_of(&self, v: usize, count: usize) -> usize {
-        if self.last_half && v + 1 == count {
-            LOW_ONLY
-        } else {
-            self.high
+    fn place(&self, v: usize, i: usize, count: usize) -> *mut f32 {
+        match self.half {
+            Some(half) if v + 1 == count => half.wrapping_add(i * HALF),
+            _ => self.at.wrapping_add(v * self.panel + i * self.pixel),
         }
     }
-}
 
-/// The 16 lanes at `p`, the last 8 of them `high` floats on when `high` is not 0
-/// (zeros when it is [`LOW_ONLY`]).
-///
-/// # Safety
-/// AVX-512F is available; those floats are readable.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn load_lanes(p: *const f32, high: usize) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    // SAFETY: the caller's contract.
-    unsafe {
-        if high == 0 {
-            _mm512_loadu_ps(p)
-        } else if high == LOW_ONLY {
-            _mm512_maskz_loadu_ps(0x00ff, p)
-        } else {
-            load_split(p, high)
-        }
-    }
-}
-
-/// The 16 lanes at `p`, the last 8 of them `high` floats on (two 8-channel blocks).
-///
-/// # Safety
-/// AVX-512F is available; those floats are readable.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn load_split(p: *const f32, high: usize) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    // SAFETY: the caller's contract.
-    unsafe {
-        let low = _mm512_castps256_ps512(_mm256_loadu_ps(p));
-        let top = _mm256_castps_pd(_mm256_loadu_ps(p.wrapping_add(high)));
-        _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(low), top))
-    }
-}
-
-/// Stores `v` as [`load_split`] reads it.
-///
-/// # Safety
-/// AVX-512F is available; those floats are writable.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn store_split(p: *mut f32, high: usize, v: std::arch::x86_64::__m512) {
-    use std::arch::x86_64::*;
-    // SAFETY: the caller's contract.
-    unsafe {
-        _mm256_storeu_ps(p, _mm512_castps512_ps256(v));
-        let top = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
-        _mm256_storeu_ps(p.wrapping_add(high), _mm256_castpd_ps(top));
-    }
-}
-
-/// Stores `v` as [`load_lanes`] reads it (only its first 8 lanes for
-/// [`LOW_ONLY`]).
-///
-/// # Safety
-/// AVX-512F is available; those floats are writable.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn store_lanes(p: *mut f32, high: usize, v: std::arch::x86_64::__m512) {
-    use std::arch::x86_64::*;
-    // SAFETY: the caller's contract.
-    unsafe {
-        if high == 0 {
-            _mm512_storeu_ps(p, v);
-        } else if high == LOW_ONLY {
-            _mm256_storeu_ps(p, _mm512_castps512_ps256(v));
-        } else {
-            store_split(p, high, v);
+    /// The place of tile `t` of a run of `out_step` (tiles [`MR`] pixels apart).
+    #[inline]
+    fn nth(self, t: usize, out_step: usize) -> TileOut {
+        TileOut {
+            at: self.at.wrapping_add(t * out_step),
+            half: self.half.map(|h| h.wrapping_add(t * MR * HALF)),
+            ..self
         }
     }
 }
@@ -981,7 +994,7 @@ impl RegisterFinish {
         &self,
         x: std::arch::x86_64::__m512,
         channel: usize,
-        (at, high): (usize, usize),
+        at: usize,
         mask: std::arch::x86_64::__mmask16,
     ) -> std::arch::x86_64::__m512 {
         use crate::gemm::activate_lanes_avx512 as activate;
@@ -997,12 +1010,7 @@ impl RegisterFinish {
                 x = activate(x, a);
             }
             if let Some(residual) = self.residual {
-                let r = if high == 0 {
-                    load(residual.add(at))
-                } else {
-                    load_lanes(residual.add(at), high)
-                };
-                x = _mm512_add_ps(x, r);
+                x = _mm512_add_ps(x, load(residual.add(at)));
             }
             if let Some((scale, shift, post)) = self.affine {
                 let (s, t) = (load(scale.add(channel)), load(shift.add(channel)));
@@ -1023,15 +1031,15 @@ impl RegisterFinish {
 /// if any.
 ///
 /// # Safety
-/// As [`micro_kernel`] for every tile `t < run.tiles`, whose bases are `pixel`'s
-/// plus `t * run.pixel_step`; AVX-512F is available; every place `out` names,
+/// As [`micro_kernel`] for every tile `t < run.tiles`, whose bases are `input`'s
+/// plus `t * run.pixel_step` (`t * run.tail_step` for the tail's); AVX-512F is
+/// available; every place `out` names,
 /// `t * run.out_step` floats on, is writable (and readable with `accumulate`);
 /// `finish`'s pointers as [`RegisterFinish`] says (the residual's also
 /// `t * run.out_step` on for tile `t`).
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn micro_kernel_to(
-    offsets: &[u32],
-    pixel: [*const f32; MR],
+    input: TileInput,
     (panels, stride, count): (*const f32, usize, usize),
     (out, accumulate, run): (TileOut, bool, TileRun),
     finish: Option<&RegisterFinish>,
@@ -1043,7 +1051,7 @@ pub(crate) unsafe fn micro_kernel_to(
     // finish's code cost the products their registers). A tile ending in half a
     // panel is computed apart, so its residual waits for the stored tile too.
     let (simple, rest) = match finish {
-        Some(f) if f.affine.is_none() && !(out.last_half && f.residual.is_some()) => (
+        Some(f) if f.affine.is_none() && !(out.half.is_some() && f.residual.is_some()) => (
             SimpleFinish {
                 bias: f.bias,
                 activation: f.activation,
@@ -1055,39 +1063,24 @@ pub(crate) unsafe fn micro_kernel_to(
     };
     // SAFETY: forwarded contract.
     unsafe {
-        if !out.last_half && rest.is_none() {
-            micro_kernel_avx512_of(
-                count,
-                (offsets, pixel),
-                sums,
-                (out, run),
-                (accumulate, simple),
-            );
+        if out.half.is_none() && rest.is_none() {
+            micro_kernel_avx512_of(count, input, sums, (out, run), (accumulate, simple));
             return;
         }
         // Tile by tile, so each is finished while it is in L1.
         for t in 0..run.tiles {
-            let out = TileOut {
-                at: out.at.wrapping_add(t * run.out_step),
-                ..out
-            };
-            let pixel = pixel.map(|p| p.wrapping_add(t * run.pixel_step));
+            let out = out.nth(t, run.out_step);
+            let input = input.nth(t, run);
             let simple = SimpleFinish {
                 residual: simple.residual.map(|r| r.wrapping_add(t * run.out_step)),
                 ..simple
             };
-            if out.last_half {
-                split_tile(
-                    offsets,
-                    pixel,
-                    (panels, stride, count),
-                    (out, accumulate),
-                    simple,
-                );
+            if out.half.is_some() {
+                split_tile(input, (panels, stride, count), (out, accumulate), simple);
             } else {
                 micro_kernel_avx512_of(
                     count,
-                    (offsets, pixel),
+                    input,
                     sums,
                     (out, TileRun::ONE),
                     (accumulate, simple),
@@ -1114,8 +1107,7 @@ pub(crate) unsafe fn micro_kernel_to(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn split_tile(
-    offsets: &[u32],
-    pixel: [*const f32; MR],
+    input: TileInput,
     (panels, stride, count): (*const f32, usize, usize),
     (out, accumulate): (TileOut, bool),
     simple: SimpleFinish,
@@ -1125,13 +1117,12 @@ unsafe fn split_tile(
         at: tile.as_mut_ptr(),
         panel: TILE,
         pixel: NR,
-        high: 0,
-        last_half: false,
+        half: None,
     };
     // A half panel's bias is read as a whole vector: from a copy padded with zeros.
     let mut bias_copy = [0.0f32; MAX_GROUP * NR];
     let simple = match simple.bias {
-        Some(b) if out.last_half => {
+        Some(b) if out.half.is_some() => {
             let have = (count - 1) * NR + NR / 2;
             // SAFETY: the bias holds the channels the panels have.
             bias_copy[..have].copy_from_slice(unsafe { std::slice::from_raw_parts(b, have) });
@@ -1150,7 +1141,7 @@ unsafe fn split_tile(
         }
         micro_kernel_avx512_of(
             count,
-            (offsets, pixel),
+            input,
             sums,
             (into, TileRun::ONE),
             (accumulate, simple),
@@ -1159,9 +1150,9 @@ unsafe fn split_tile(
     }
 }
 
-/// Copies `count` panels of [`MR`] pixels between their places `out` (split over
-/// two blocks, or half a panel) and `tile` (whole vectors): into the tile when
-/// `to_tile`, else out of it.
+/// Copies `count` panels of [`MR`] pixels between their places `out` (the last
+/// one half a panel) and `tile` (whole vectors): into the tile when `to_tile`,
+/// else out of it.
 ///
 /// # Safety
 /// AVX-512F is available; both name `count` panels of `MR` pixels (`out` the
@@ -1171,16 +1162,15 @@ unsafe fn split_tile(
 unsafe fn copy_split(out: TileOut, tile: TileOut, count: usize, to_tile: bool) {
     use std::arch::x86_64::*;
     for v in 0..count {
-        let high = out.high_of(v, count);
+        let lanes = out.lanes_of(v, count);
         for i in 0..MR {
-            let place = out.at.wrapping_add(v * out.panel + i * out.pixel);
-            let at = tile.at.wrapping_add(v * tile.panel + i * tile.pixel);
+            let (place, at) = (out.place(v, i, count), tile.place(v, i, count));
             // SAFETY: the caller's contract.
             unsafe {
                 if to_tile {
-                    _mm512_storeu_ps(at, load_lanes(place, high));
+                    _mm512_storeu_ps(at, _mm512_maskz_loadu_ps(lanes, place));
                 } else {
-                    store_lanes(place, high, _mm512_loadu_ps(at));
+                    _mm512_mask_storeu_ps(place, lanes, _mm512_loadu_ps(at));
                 }
             }
         }
@@ -1195,7 +1185,7 @@ struct SimpleFinish {
     bias: Option<*const f32>,
     activation: Option<Activation>,
     /// Added after the activation: the residual at the tile's first value, laid
-    /// out as the output is (the same strides and split).
+    /// out as the output is (the same strides).
     residual: Option<*const f32>,
 }
 
@@ -1214,14 +1204,13 @@ impl SimpleFinish {
 ///
 /// # Safety
 /// AVX-512F is available; `out` names `count` panels of `MR` pixels of the lanes
-/// each panel has (split at `high`, 8 for a last half panel), `finish`'s pointers
-/// as [`RegisterFinish`] says.
+/// each panel has, `finish`'s pointers as [`RegisterFinish`] says.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn finish_tile(out: TileOut, count: usize, finish: &RegisterFinish) {
     // SAFETY: the caller's contract.
     unsafe {
-        if out.high == 0 && !out.last_half {
+        if out.half.is_none() {
             finish_tile_as::<false>(out, count, finish);
         } else {
             finish_tile_as::<true>(out, count, finish);
@@ -1229,37 +1218,36 @@ unsafe fn finish_tile(out: TileOut, count: usize, finish: &RegisterFinish) {
     }
 }
 
-/// [`finish_tile`] with whole vectors at each pixel (`SPLIT` false: the common
-/// case, without tests per vector) or split ones.
+/// [`finish_tile`] with whole panels (`HALF_LAST` false: the common case, without
+/// tests per vector) or a last half one.
 ///
 /// # Safety
 /// As [`finish_tile`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn finish_tile_as<const SPLIT: bool>(out: TileOut, count: usize, finish: &RegisterFinish) {
+unsafe fn finish_tile_as<const HALF_LAST: bool>(
+    out: TileOut,
+    count: usize,
+    finish: &RegisterFinish,
+) {
     use std::arch::x86_64::*;
     for v in 0..count {
-        let (high, lanes) = if SPLIT {
-            (out.high_of(v, count), out.lanes_of(v, count))
+        let lanes = if HALF_LAST {
+            out.lanes_of(v, count)
         } else {
-            (0, 0xffff)
+            0xffff
         };
         // SAFETY: the caller's contract: each pointer holds the panel's values.
         unsafe {
             for i in 0..MR {
-                let at_offset = v * out.panel + i * out.pixel;
-                let at = out.at.add(at_offset);
-                let x = if SPLIT {
-                    load_lanes(at, high)
+                let at = if HALF_LAST {
+                    out.place(v, i, count)
                 } else {
-                    _mm512_loadu_ps(at)
+                    out.at.add(v * out.panel + i * out.pixel)
                 };
-                let x = finish.apply(x, v * NR, (at_offset, high), lanes);
-                if SPLIT {
-                    store_lanes(at, high, x);
-                } else {
-                    _mm512_storeu_ps(at, x);
-                }
+                let at_offset = at.offset_from(out.at) as usize;
+                let x = finish.apply(_mm512_maskz_loadu_ps(lanes, at), v * NR, at_offset, lanes);
+                _mm512_mask_storeu_ps(at, lanes, x);
             }
         }
     }
@@ -1267,8 +1255,7 @@ unsafe fn finish_tile_as<const SPLIT: bool>(out: TileOut, count: usize, finish: 
 
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) unsafe fn micro_kernel_to(
-    _: &[u32],
-    _: [*const f32; MR],
+    _: TileInput,
     _: (*const f32, usize, usize),
     _: (TileOut, bool, TileRun),
     _: Option<&RegisterFinish>,
@@ -1278,8 +1265,7 @@ pub(crate) unsafe fn micro_kernel_to(
 
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) unsafe fn micro_kernel(
-    _: &[u32],
-    _: [*const f32; MR],
+    _: TileInput,
     _: (*const f32, usize, usize),
     _: &mut [f32],
     _: bool,
@@ -1298,7 +1284,7 @@ const WEIGHTS_AHEAD: usize = 24;
 #[target_feature(enable = "avx512f")]
 unsafe fn micro_kernel_avx512_of(
     count: usize,
-    (offsets, pixel): (&[u32], [*const f32; MR]),
+    input: TileInput,
     sums: (*const f32, usize),
     out: (TileOut, TileRun),
     steps: (bool, SimpleFinish),
@@ -1306,9 +1292,9 @@ unsafe fn micro_kernel_avx512_of(
     // SAFETY: forwarded contract.
     unsafe {
         if steps.1.residual.is_some() {
-            micro_kernel_avx512_as::<true>(count, (offsets, pixel), sums, out, steps)
+            micro_kernel_avx512_as::<true>(count, input, sums, out, steps)
         } else {
-            micro_kernel_avx512_as::<false>(count, (offsets, pixel), sums, out, steps)
+            micro_kernel_avx512_as::<false>(count, input, sums, out, steps)
         }
     }
 }
@@ -1321,47 +1307,40 @@ unsafe fn micro_kernel_avx512_of(
 #[target_feature(enable = "avx512f")]
 unsafe fn micro_kernel_avx512_as<const RESIDUAL: bool>(
     count: usize,
-    at: (&[u32], [*const f32; MR]),
+    at: TileInput,
     sums: (*const f32, usize),
     out: (TileOut, TileRun),
     steps: (bool, SimpleFinish),
 ) {
     // SAFETY: forwarded contract.
     unsafe {
-        match (count, out.0.high != 0) {
-            (1, false) => micro_kernel_avx512::<1, false, RESIDUAL>(at, sums, out, steps),
-            (2, false) => micro_kernel_avx512::<2, false, RESIDUAL>(at, sums, out, steps),
-            (3, false) => micro_kernel_avx512::<3, false, RESIDUAL>(at, sums, out, steps),
-            (_, false) => micro_kernel_avx512::<4, false, RESIDUAL>(at, sums, out, steps),
-            (1, true) => micro_kernel_avx512::<1, true, RESIDUAL>(at, sums, out, steps),
-            (2, true) => micro_kernel_avx512::<2, true, RESIDUAL>(at, sums, out, steps),
-            (3, true) => micro_kernel_avx512::<3, true, RESIDUAL>(at, sums, out, steps),
-            (_, true) => micro_kernel_avx512::<4, true, RESIDUAL>(at, sums, out, steps),
+        match count {
+            1 => micro_kernel_avx512::<1, RESIDUAL>(at, sums, out, steps),
+            2 => micro_kernel_avx512::<2, RESIDUAL>(at, sums, out, steps),
+            3 => micro_kernel_avx512::<3, RESIDUAL>(at, sums, out, steps),
+            _ => micro_kernel_avx512::<4, RESIDUAL>(at, sums, out, steps),
         }
     }
 }
 
 /// [`micro_kernel`] for `NP` panels at once and each tile of `run`, each panel in
 /// one zmm per pixel, with `finish` applied to the sums before they are stored
-/// (its residual only with `RESIDUAL`); with `SPLIT`, each pixel's first 8 lanes
-/// and last 8 lie `out.high` floats apart (two 8-channel blocks), for the sums and
-/// the residual alike.
+/// (its residual only with `RESIDUAL`).
 ///
 /// # Safety
 /// As [`micro_kernel`] with `count = NP` for every tile `t < run.tiles` (bases
 /// `t * run.pixel_step` on, place and residual `t * run.out_step` on); AVX-512F is
-/// available; a bias holds `NP` panels' [`NR`] values; `SPLIT` only where
-/// `out.high` is not 0 (and no panel is half of one).
+/// available; a bias holds `NP` panels' [`NR`] values; no panel is half of one.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn micro_kernel_avx512<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(
-    (offsets, pixel): (&[u32], [*const f32; MR]),
+unsafe fn micro_kernel_avx512<const NP: usize, const RESIDUAL: bool>(
+    input: TileInput,
     sums: (*const f32, usize),
     (out, run): (TileOut, TileRun),
     (accumulate, finish): (bool, SimpleFinish),
 ) {
     for t in 0..run.tiles {
-        let pixel = pixel.map(|p| p.wrapping_add(t * run.pixel_step));
+        let input = input.nth(t, run);
         let out = TileOut {
             at: out.at.wrapping_add(t * run.out_step),
             ..out
@@ -1370,24 +1349,23 @@ unsafe fn micro_kernel_avx512<const NP: usize, const SPLIT: bool, const RESIDUAL
             residual: finish.residual.map(|r| r.wrapping_add(t * run.out_step)),
             ..finish
         };
-        let tile = ((offsets, pixel), sums, out, (accumulate, finish));
+        let tile = (input, sums, out, (accumulate, finish));
         // SAFETY: the caller's contract, for tile `t`.
         unsafe {
             if NP >= 3 {
-                tile_apart::<NP, SPLIT, RESIDUAL>(tile)
+                tile_apart::<NP, RESIDUAL>(tile)
             } else {
-                one_tile::<NP, SPLIT, RESIDUAL>(tile)
+                one_tile::<NP, RESIDUAL>(tile)
             }
         }
     }
 }
 
-/// What [`one_tile`] takes: the steps' offsets and the pixels, the panels and
-/// their stride, the tile's place, and whether it adds to the sums there and the
-/// finish.
+/// What [`one_tile`] takes: what it reads, the panels and their stride, the
+/// tile's place, and whether it adds to the sums there and the finish.
 #[cfg(target_arch = "x86_64")]
 type OneTile<'a> = (
-    (&'a [u32], [*const f32; MR]),
+    TileInput<'a>,
     (*const f32, usize),
     TileOut,
     (bool, SimpleFinish),
@@ -1403,9 +1381,9 @@ type OneTile<'a> = (
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline(never)]
-unsafe fn tile_apart<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(tile: OneTile) {
+unsafe fn tile_apart<const NP: usize, const RESIDUAL: bool>(tile: OneTile) {
     // SAFETY: forwarded contract.
-    unsafe { one_tile::<NP, SPLIT, RESIDUAL>(tile) }
+    unsafe { one_tile::<NP, RESIDUAL>(tile) }
 }
 
 /// One tile of [`micro_kernel_avx512`]: its sums, finished and stored.
@@ -1415,25 +1393,13 @@ unsafe fn tile_apart<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(t
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn one_tile<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(
-    ((offsets, pixel), (panels, stride), out, (accumulate, finish)): OneTile,
+unsafe fn one_tile<const NP: usize, const RESIDUAL: bool>(
+    (input, (panels, stride), out, (accumulate, finish)): OneTile,
 ) {
     use std::arch::x86_64::*;
     // SAFETY (both): AVX-512F, and the caller's places.
-    let load = |p: *const f32| unsafe {
-        if SPLIT {
-            load_split(p, out.high)
-        } else {
-            _mm512_loadu_ps(p)
-        }
-    };
-    let store = |p: *mut f32, v: __m512| unsafe {
-        if SPLIT {
-            store_split(p, out.high, v)
-        } else {
-            _mm512_storeu_ps(p, v)
-        }
-    };
+    let load = |p: *const f32| unsafe { _mm512_loadu_ps(p) };
+    let store = |p: *mut f32, v: __m512| unsafe { _mm512_storeu_ps(p, v) };
     let mut acc = [[_mm512_setzero_ps(); NP]; MR];
     if accumulate {
         for (i, row) in acc.iter_mut().enumerate() {
@@ -1445,12 +1411,12 @@ unsafe fn one_tile<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(
     }
     // SAFETY: the caller's contract.
     let acc = unsafe {
-        if NP >= 3 && (SPLIT || RESIDUAL) {
+        if NP >= 3 && RESIDUAL {
             let mut acc = acc;
-            products_apart::<NP>(&mut acc, (offsets, pixel), (panels, stride));
+            products_apart::<NP>(&mut acc, input, (panels, stride));
             acc
         } else {
-            products::<NP>(acc, (offsets, pixel), (panels, stride))
+            products::<NP>(acc, input, (panels, stride))
         }
     };
     // The finish as the sums are stored (a finish that changed `acc` in place once
@@ -1475,8 +1441,7 @@ unsafe fn one_tile<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(
     }
 }
 
-/// [`products`] in a function of its own, for 3 or 4 panels into split blocks or
-/// with a residual: so that nothing the tile's loads and stores keep live
+/// [`products`] in a function of its own, for 3 or 4 panels with a residual: so that nothing the tile's loads and stores keep live
 /// competes with the 18 or 24 sums for registers (inlined there, some sums stayed
 /// on the stack through the loop).
 ///
@@ -1487,7 +1452,7 @@ unsafe fn one_tile<const NP: usize, const SPLIT: bool, const RESIDUAL: bool>(
 #[inline(never)]
 unsafe fn products_apart<const NP: usize>(
     acc: *mut [[std::arch::x86_64::__m512; NP]; MR],
-    at: (&[u32], [*const f32; MR]),
+    at: TileInput,
     weights: (*const f32, usize),
 ) {
     // Through a pointer, read before the loop and written after it: returned by
@@ -1496,8 +1461,8 @@ unsafe fn products_apart<const NP: usize>(
     unsafe { acc.write(products::<NP>(acc.read(), at, weights)) }
 }
 
-/// The micro-kernel's loop: `acc[i][v] += Σ_p pixel_i[offsets[p]] * panel_v[p]`,
-/// returned.
+/// The micro-kernel's loops: `acc[i][v] += Σ_p x_i[p] * panel_v[p]` over the
+/// steps `input` reads (its tail's after the others), returned.
 ///
 /// # Safety
 /// As [`micro_kernel`] with `count = NP`; AVX-512F is available.
@@ -1505,6 +1470,30 @@ unsafe fn products_apart<const NP: usize>(
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn products<const NP: usize>(
+    acc: [[std::arch::x86_64::__m512; NP]; MR],
+    input: TileInput,
+    (panels, stride): (*const f32, usize),
+) -> [[std::arch::x86_64::__m512; NP]; MR] {
+    // SAFETY: the caller's contract; the tail's weights follow the other steps'.
+    unsafe {
+        let acc = product_steps::<NP>(acc, (input.offsets, input.pixel), (panels, stride));
+        if input.tail.is_empty() {
+            return acc;
+        }
+        let tail_panels = panels.wrapping_add(input.offsets.len() * NR);
+        product_steps::<NP>(acc, (input.tail, input.tail_pixel), (tail_panels, stride))
+    }
+}
+
+/// One loop of [`products`]: `acc[i][v] += Σ_p pixel_i[offsets[p]] * panel_v[p]`,
+/// returned.
+///
+/// # Safety
+/// As [`products`] for these steps.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn product_steps<const NP: usize>(
     mut acc: [[std::arch::x86_64::__m512; NP]; MR],
     (offsets, pixel): (&[u32], [*const f32; MR]),
     (panels, stride): (*const f32, usize),
@@ -1663,39 +1652,35 @@ pub(crate) unsafe fn store_transposed(
 }
 
 /// Stores a tile's product (`[pixel][channel]`, [`NR`] channels a pixel, from
-/// channel `c0`) into a channel-blocked output in blocks of `b` (16, or 8 under a
-/// lane mask): pixel `i`'s channels `s * b ..` go `at + s * ldb + i * b` floats
-/// after `out`, through `finish` if any.
+/// channel `c0`) into its block of a channel-blocked output, `lanes` channels a
+/// pixel (16, or 8 under a lane mask): pixel `i`'s go `at + i * lanes` floats after
+/// `out`, through `finish` if any.
 ///
 /// # Safety
-/// AVX-512F is available (blocked values exist only with it); `out + at + s * ldb +
-/// i * b + j` is writable for every `s < channels / b`, `i < valid` and `j < b`;
-/// `channels` is a whole number of blocks, at most [`NR`]; `finish`'s pointers as
-/// [`RegisterFinish`] says, its residual at `out`.
+/// AVX-512F is available (blocked values exist only with it); `out + at + i *
+/// lanes + j` is writable for every `i < valid` and `j < lanes`; `lanes` is at most
+/// [`NR`]; `finish`'s pointers as [`RegisterFinish`] says, its residual at `out`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn store_blocked(
     tile: &[f32],
     (out, at): (*mut f32, usize),
-    (ldb, b): (usize, usize),
-    (valid, c0, channels): (usize, usize, usize),
+    (valid, c0, lanes): (usize, usize, usize),
     finish: Option<&RegisterFinish>,
 ) {
     use std::arch::x86_64::*;
-    let mask: __mmask16 = crate::layout::lane_mask(b);
-    for s in 0..channels / b {
-        for i in 0..valid {
-            let to = at + s * ldb + i * b;
-            // SAFETY: the tile holds MR rows of NR floats (lanes `s * b ..` of each
-            // are inside it); the caller's contract for the rest.
-            unsafe {
-                let v = _mm512_maskz_loadu_ps(mask, tile.as_ptr().add(i * NR + s * b));
-                let v = match finish {
-                    Some(f) => f.apply(v, c0 + s * b, (to, 0), mask),
-                    None => v,
-                };
-                _mm512_mask_storeu_ps(out.add(to), mask, v);
-            }
+    let mask: __mmask16 = crate::layout::lane_mask(lanes);
+    for i in 0..valid {
+        let to = at + i * lanes;
+        // SAFETY: the tile holds MR rows of NR floats; the caller's contract for
+        // the rest.
+        unsafe {
+            let v = _mm512_maskz_loadu_ps(mask, tile.as_ptr().add(i * NR));
+            let v = match finish {
+                Some(f) => f.apply(v, c0, to, mask),
+                None => v,
+            };
+            _mm512_mask_storeu_ps(out.add(to), mask, v);
         }
     }
 }
@@ -1704,7 +1689,6 @@ unsafe fn store_blocked(
 unsafe fn store_blocked(
     _: &[f32],
     _: (*mut f32, usize),
-    _: (usize, usize),
     _: (usize, usize, usize),
     _: Option<&RegisterFinish>,
 ) {

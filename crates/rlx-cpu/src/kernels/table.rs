@@ -143,14 +143,14 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
             blocked_elementwise(inputs, out, layout)
         }
         // Whole images of whole blocks: the same bytes move in either layout, when
-        // every part has the output's block.
-        Op::Concat { axis: 1 } => {
-            let block = crate::layout::block_of(out.dim(1));
-            (0..inputs.len()).all(|k| {
-                layout.input(k) == layout.output()
-                    && (!layout.output() || crate::layout::block_of(inputs[k].dim(1)) == block)
-            })
-        }
+        // every part but the last is whole blocks of 16 (so each part's blocks are
+        // the output's).
+        Op::Concat { axis: 1 } => (0..inputs.len()).all(|k| {
+            layout.input(k) == layout.output()
+                && (!layout.output()
+                    || k + 1 == inputs.len()
+                    || inputs[k].dim(1).is_multiple_of(crate::layout::BLOCK))
+        }),
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } => {
             inputs[0].dtype() == DType::F32 && layout.input(0) && layout.output()
         }
@@ -170,9 +170,9 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
 
 /// Whether an elementwise step runs with `layout`: a plain output with plain
 /// operands; a blocked output with each operand of its dims blocked, each
-/// per-channel operand (`[1 or n, c, 1, 1]`, `[c, 1, 1]`) and single value plain.
-/// [`kernel_shapes`] then gives the kernel shapes under which its broadcasting
-/// reads them right.
+/// per-channel operand (`[1 or n, c, 1, 1]`, `[c, 1, 1]`, only where the channels
+/// are whole blocks of 16) and single value plain. [`kernel_shapes`] then gives
+/// the kernel shapes under which its broadcasting reads them right.
 fn blocked_elementwise(inputs: &[Shape], out: &Shape, layout: StepLayout) -> bool {
     if !layout.output() {
         return (0..inputs.len()).all(|k| !layout.input(k));
@@ -184,11 +184,11 @@ fn blocked_elementwise(inputs: &[Shape], out: &Shape, layout: StepLayout) -> boo
             if s.dims() == out.dims() {
                 layout.input(k)
             } else {
+                let per_channel =
+                    s.dims() == [c, 1, 1] || s.dims() == [1, c, 1, 1] || s.dims() == [n, c, 1, 1];
                 !layout.input(k)
                     && (s.num_elements() == 1
-                        || s.dims() == [c, 1, 1]
-                        || s.dims() == [1, c, 1, 1]
-                        || s.dims() == [n, c, 1, 1])
+                        || (per_channel && c.is_multiple_of(crate::layout::BLOCK)))
             }
         })
 }
@@ -204,17 +204,16 @@ fn is_region(op: &Op, inputs: &[Shape], out: &Shape) -> bool {
 }
 
 /// The shapes a step's kernel is given, in place of `inputs` and `out`: the same,
-/// except for an elementwise step with a blocked output, which sees its values as
-/// what they are in memory, `[n, c / b, h * w, b]` (blocks of `b` channels), and its
-/// per-channel operands as `[1 or n, c / b, 1, b]`, so that its broadcasting walks
-/// them right.
+/// except for an elementwise step with a blocked output of whole blocks of 16,
+/// which sees its values as what they are in memory, `[n, c / 16, h * w, 16]`, and
+/// its per-channel operands as `[1 or n, c / 16, 1, 16]`, so that its broadcasting
+/// walks them right (with a last block of 8, its operands are all of its dims or
+/// single values, which read alike in either layout).
 pub(crate) fn kernel_shapes(op: &Op, layout: StepLayout, inputs: &mut [Shape], out: &mut Shape) {
-    if !layout.output() || !is_region(op, inputs, out) {
+    let block = crate::layout::BLOCK;
+    if !layout.output() || !is_region(op, inputs, out) || !out.dim(1).is_multiple_of(block) {
         return;
     }
-    let Some(block) = crate::layout::block_of(out.dim(1)) else {
-        return;
-    };
     let blocks = out.dim(1) / block;
     let blocked = |lead: usize, pixels: usize, dtype: DType| {
         Shape::new(&[lead, blocks, pixels, block], dtype)
@@ -856,9 +855,9 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
         }),
         activation: fusion.input_activation.and_then(fused::gemm_activation),
     });
-    let blocks = conv_pixels_f32::Blocks {
-        input: blocked_conv_f32::block_if(a.layout.input(0), x.shape.dim(1)),
-        output: blocked_conv_f32::block_if(a.layout.output(), a.out.shape.dim(1)),
+    let blocks = conv_pixels_f32::BlockedIo {
+        input: a.layout.input(0),
+        output: a.layout.output(),
     };
     match kind {
         blocked_conv_f32::BlockedConv::Winograd => conv_f32::winograd(
@@ -873,11 +872,7 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
             let (c, taps) = (w.shape.dim(0), w.shape.dim(2) * w.shape.dim(3));
             let packed = ctx
                 .packed_b
-                .filter(|p| {
-                    crate::layout::block_of(c).is_some_and(|lanes| {
-                        p.fits(crate::prepack::PackSpec::DepthwiseTaps { c, taps, lanes })
-                    })
-                })
+                .filter(|p| p.fits(crate::prepack::PackSpec::DepthwiseTaps { c, taps }))
                 .map(crate::prepack::PackedParam::values);
             blocked_conv_f32::depthwise(window, [x, w], packed, finish, a.out, (ctx.gemm, ctx.pool))
         }
@@ -900,11 +895,7 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
             let offsets =
                 unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<u32>(), c) };
             let pixels = x.shape.dim(2) * x.shape.dim(3);
-            blocked_conv_f32::channel_offsets(
-                pixels,
-                blocked_conv_f32::block_if(a.layout.input(0), c),
-                offsets,
-            );
+            blocked_conv_f32::channel_offsets(pixels, a.layout.input(0), offsets);
             blocked_conv_f32::pointwise(
                 x,
                 (packed, offsets),

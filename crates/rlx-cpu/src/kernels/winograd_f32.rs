@@ -21,9 +21,10 @@
 //! the row, runs the 36 GEMMs over all its tiles, and writes the output rows with the
 //! bias, then the activation, residual and channel affine over the finished rows.
 
-use super::conv_pixels_f32::{Blocks, Finish};
+use super::conv_pixels_f32::{BlockedIo, Finish};
 use crate::gemm::GemmScratch;
 use crate::gemm::{BFormat, Epilogue, Gemm, packed_len, packed_panel_width};
+use crate::layout::{BLOCK, Blocks};
 use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
 use crate::vmath::multiversion;
@@ -239,7 +240,7 @@ pub(crate) fn conv2d(
     x: Src,
     weights: &[f32],
     finish: Finish,
-    (out, blocks): (Dst, Blocks),
+    (out, blocks): (Dst, BlockedIo),
     (gemm, pool): (&GemmScratch, &ThreadPool),
 ) -> Result<()> {
     let [n, cg, h, w] = [
@@ -350,7 +351,7 @@ pub(crate) fn conv2d(
                 rows,
                 x0,
                 step: [dy, dx],
-                block: blocks.output,
+                blocks: blocks.output.then(|| Blocks::new(og, pixels)),
             };
             let products_at = (products[done * og..].as_ptr(), cap * og);
             done += piece_tiles;
@@ -382,9 +383,20 @@ pub(crate) fn conv2d(
                 .copied()
                 .chain(row_spans.filter(|_| spans.is_empty()))
             {
-                let lanes = blocks.output.unwrap_or(1);
-                for co in channels.clone().step_by(lanes) {
-                    let (at, len) = (image_at + co * pixels + start * lanes, len * lanes);
+                // Whole blocks: the task's channels start on one (a part is whole
+                // panels of 16).
+                let (step, out_blocks) = (
+                    if blocks.output { BLOCK } else { 1 },
+                    Blocks::new(og, pixels),
+                );
+                for co in channels.clone().step_by(step) {
+                    let (at, lanes) = if blocks.output {
+                        let lanes = out_blocks.width(co / BLOCK);
+                        (out_blocks.start(co / BLOCK) + start * lanes, lanes)
+                    } else {
+                        (co * pixels + start, 1)
+                    };
+                    let (at, len) = (image_at + at, len * lanes);
                     // SAFETY: pixels start..start+len of channel (or block) co: inside
                     // the output (and the residual, of the same shape and layout); only
                     // this task writes them.
@@ -397,8 +409,8 @@ pub(crate) fn conv2d(
                         )
                     };
                     match blocks.output {
-                        Some(b) => after_bias.apply_lanes((co, b), values, residual),
-                        None => after_bias.apply(co, values, residual),
+                        true => after_bias.apply_lanes((co, lanes), values, residual),
+                        false => after_bias.apply(co, values, residual),
                     }
                 }
             }
@@ -410,10 +422,10 @@ pub(crate) fn conv2d(
 
 /// Copies the `PATCH` input rows `iy0, iy0 + dy, ..` (some may lie in the padding)
 /// into `staged` as `[row][column][channel]`, `wp` columns from input column `ix0`,
-/// zero outside the input; `src` is one image, channel-blocked in blocks of `block`
-/// if given (each pixel's block is then one run of the staged pixel's channels).
+/// zero outside the input; `src` is one image, channel-blocked if `blocked` (each
+/// pixel's block is then one run of the staged pixel's channels).
 fn stage_rows(
-    (src, block): (&[f32], Option<usize>),
+    (src, blocked): (&[f32], bool),
     [h, w, cg]: [usize; 3],
     [iy0, ix0]: [isize; 2],
     [dy, wp]: [usize; 2],
@@ -431,14 +443,16 @@ fn stage_rows(
         }
         line[..at * cg].fill(0.0);
         line[(at + hi - lo) * cg..].fill(0.0);
-        let Some(b) = block else {
+        if !blocked {
             transpose_into(src, [h, w], iy as usize, [lo, hi], &mut line[at * cg..]);
             continue;
-        };
-        for cb in 0..cg / b {
-            let row = &src[((cb * h + iy as usize) * w + lo) * b..][..(hi - lo) * b];
+        }
+        let blocks = Blocks::new(cg, h * w);
+        for k in 0..blocks.count() {
+            let b = blocks.width(k);
+            let row = &src[blocks.start(k) + (iy as usize * w + lo) * b..][..(hi - lo) * b];
             for (x, pixel) in row.chunks_exact(b).enumerate() {
-                line[(at + x) * cg + cb * b..][..b].copy_from_slice(pixel);
+                line[(at + x) * cg + k * BLOCK..][..b].copy_from_slice(pixel);
             }
         }
     }
@@ -612,8 +626,8 @@ struct OutRows {
     x0: usize,
     /// The dilation: rows and columns of one tile lie this far apart.
     step: [usize; 2],
-    /// The output's channel block where it is channel-blocked.
-    block: Option<usize>,
+    /// The output's blocks where it is channel-blocked.
+    blocks: Option<Blocks>,
 }
 
 multiversion! {
@@ -672,13 +686,14 @@ multiversion! {
                         }
                     }
                 }
-                if let Some(b) = dst.block {
+                if let Some(blocks) = dst.blocks {
                     // The 8 channels of a pixel lie together in its block.
                     let count = if pair { 2 * TILE } else { valid };
                     for (i, pixels) in block.iter().enumerate().take(dst.rows) {
                         let row = (dst.y0 + i * dy) * dst.ow + x0;
                         for (j, px) in pixels.iter().enumerate().take(count) {
-                            let at = (c0 / b * dst.pixels + row + j * dx) * b + c0 % b;
+                            // A run of 8 channels lies in one block.
+                            let at = blocks.index(c0, row + j * dx);
                             // SAFETY: channels c0..c0 + 8 of pixel (y0 + i dy, x0 + j
                             // dx), one run of its block, lie inside the image's output.
                             unsafe {
@@ -829,7 +844,7 @@ mod tests {
             x_src,
             &transformed,
             finish,
-            (out_dst, Blocks::default()),
+            (out_dst, BlockedIo::default()),
             (&scratch, &pool),
         )
         .unwrap();
