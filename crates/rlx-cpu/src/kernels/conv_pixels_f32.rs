@@ -1048,10 +1048,9 @@ pub(crate) unsafe fn micro_kernel_to(
     // A bias, an activation with a vector form and a residual are applied to the
     // sums in registers as they are stored; a channel affine once the tile is
     // stored, while it is in L1 (in the micro-kernel's registers, the general
-    // finish's code cost the products their registers). A tile ending in half a
-    // panel is computed apart, so its residual waits for the stored tile too.
+    // finish's code cost the products their registers).
     let (simple, rest) = match finish {
-        Some(f) if f.affine.is_none() && !(out.half.is_some() && f.residual.is_some()) => (
+        Some(f) if f.affine.is_none() => (
             SimpleFinish {
                 bias: f.bias,
                 activation: f.activation,
@@ -1063,116 +1062,25 @@ pub(crate) unsafe fn micro_kernel_to(
     };
     // SAFETY: forwarded contract.
     unsafe {
-        if out.half.is_none() && rest.is_none() {
+        let Some(finish) = rest else {
             micro_kernel_avx512_of(count, input, sums, (out, run), (accumulate, simple));
             return;
-        }
+        };
         // Tile by tile, so each is finished while it is in L1.
         for t in 0..run.tiles {
             let out = out.nth(t, run.out_step);
-            let input = input.nth(t, run);
-            let simple = SimpleFinish {
-                residual: simple.residual.map(|r| r.wrapping_add(t * run.out_step)),
-                ..simple
+            micro_kernel_avx512_of(
+                count,
+                input.nth(t, run),
+                sums,
+                (out, TileRun::ONE),
+                (accumulate, simple),
+            );
+            let finish = RegisterFinish {
+                residual: finish.residual.map(|r| r.wrapping_add(t * run.out_step)),
+                ..*finish
             };
-            if out.half.is_some() {
-                split_tile(input, (panels, stride, count), (out, accumulate), simple);
-            } else {
-                micro_kernel_avx512_of(
-                    count,
-                    input,
-                    sums,
-                    (out, TileRun::ONE),
-                    (accumulate, simple),
-                );
-            }
-            if let Some(finish) = rest {
-                let finish = RegisterFinish {
-                    residual: finish.residual.map(|r| r.wrapping_add(t * run.out_step)),
-                    ..*finish
-                };
-                finish_tile(out, count, &finish);
-            }
-        }
-    }
-}
-
-/// [`micro_kernel_to`] for panels ending in half a panel: computed in a tile on the
-/// stack, then copied to their places (the micro-kernel's stores kept simple: with
-/// a branch or a masked store per vector, the compiler left the sums in memory
-/// through the loop). `simple` has no residual.
-///
-/// # Safety
-/// As [`micro_kernel_to`].
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn split_tile(
-    input: TileInput,
-    (panels, stride, count): (*const f32, usize, usize),
-    (out, accumulate): (TileOut, bool),
-    simple: SimpleFinish,
-) {
-    let mut tile = [0.0f32; MAX_GROUP * TILE];
-    let into = TileOut {
-        at: tile.as_mut_ptr(),
-        panel: TILE,
-        pixel: NR,
-        half: None,
-    };
-    // A half panel's bias is read as a whole vector: from a copy padded with zeros.
-    let mut bias_copy = [0.0f32; MAX_GROUP * NR];
-    let simple = match simple.bias {
-        Some(b) if out.half.is_some() => {
-            let have = (count - 1) * NR + NR / 2;
-            // SAFETY: the bias holds the channels the panels have.
-            bias_copy[..have].copy_from_slice(unsafe { std::slice::from_raw_parts(b, have) });
-            SimpleFinish {
-                bias: Some(bias_copy.as_ptr()),
-                ..simple
-            }
-        }
-        _ => simple,
-    };
-    let sums = (panels, stride);
-    // SAFETY: the caller's contract; the tile holds `count` panels of MR pixels.
-    unsafe {
-        if accumulate {
-            copy_split(out, into, count, true);
-        }
-        micro_kernel_avx512_of(
-            count,
-            input,
-            sums,
-            (into, TileRun::ONE),
-            (accumulate, simple),
-        );
-        copy_split(out, into, count, false);
-    }
-}
-
-/// Copies `count` panels of [`MR`] pixels between their places `out` (the last
-/// one half a panel) and `tile` (whole vectors): into the tile when `to_tile`,
-/// else out of it.
-///
-/// # Safety
-/// AVX-512F is available; both name `count` panels of `MR` pixels (`out` the
-/// lanes each panel has).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn copy_split(out: TileOut, tile: TileOut, count: usize, to_tile: bool) {
-    use std::arch::x86_64::*;
-    for v in 0..count {
-        let lanes = out.lanes_of(v, count);
-        for i in 0..MR {
-            let (place, at) = (out.place(v, i, count), tile.place(v, i, count));
-            // SAFETY: the caller's contract.
-            unsafe {
-                if to_tile {
-                    _mm512_storeu_ps(at, _mm512_maskz_loadu_ps(lanes, place));
-                } else {
-                    _mm512_mask_storeu_ps(place, lanes, _mm512_loadu_ps(at));
-                }
-            }
+            finish_tile(out, count, &finish);
         }
     }
 }
@@ -1198,8 +1106,8 @@ impl SimpleFinish {
     };
 }
 
-/// Applies `finish` (one with a channel affine, or a residual into a group ending
-/// in half a panel: anything else is applied in the micro-kernel) to the `MR`
+/// Applies `finish` (one with a channel affine: anything else is applied in the
+/// micro-kernel) to the `MR`
 /// pixels of `count` panels that `out` names.
 ///
 /// # Safety
@@ -1314,26 +1222,33 @@ unsafe fn micro_kernel_avx512_as<const RESIDUAL: bool>(
 ) {
     // SAFETY: forwarded contract.
     unsafe {
-        match count {
-            1 => micro_kernel_avx512::<1, RESIDUAL>(at, sums, out, steps),
-            2 => micro_kernel_avx512::<2, RESIDUAL>(at, sums, out, steps),
-            3 => micro_kernel_avx512::<3, RESIDUAL>(at, sums, out, steps),
-            _ => micro_kernel_avx512::<4, RESIDUAL>(at, sums, out, steps),
+        match (count, out.0.half.is_some()) {
+            (1, false) => micro_kernel_avx512::<1, RESIDUAL, false>(at, sums, out, steps),
+            (2, false) => micro_kernel_avx512::<2, RESIDUAL, false>(at, sums, out, steps),
+            (3, false) => micro_kernel_avx512::<3, RESIDUAL, false>(at, sums, out, steps),
+            (_, false) => micro_kernel_avx512::<4, RESIDUAL, false>(at, sums, out, steps),
+            (1, true) => micro_kernel_avx512::<1, RESIDUAL, true>(at, sums, out, steps),
+            (2, true) => micro_kernel_avx512::<2, RESIDUAL, true>(at, sums, out, steps),
+            (3, true) => micro_kernel_avx512::<3, RESIDUAL, true>(at, sums, out, steps),
+            (_, true) => micro_kernel_avx512::<4, RESIDUAL, true>(at, sums, out, steps),
         }
     }
 }
 
 /// [`micro_kernel`] for `NP` panels at once and each tile of `run`, each panel in
 /// one zmm per pixel, with `finish` applied to the sums before they are stored
-/// (its residual only with `RESIDUAL`).
+/// (its residual only with `RESIDUAL`); with `HALF_LAST`, the last panel is half
+/// of one, stored (and its residual and bias read) 8 lanes at a time at its own
+/// place ([`TileOut::half`]).
 ///
 /// # Safety
 /// As [`micro_kernel`] with `count = NP` for every tile `t < run.tiles` (bases
 /// `t * run.pixel_step` on, place and residual `t * run.out_step` on); AVX-512F is
-/// available; a bias holds `NP` panels' [`NR`] values; no panel is half of one.
+/// available; a bias holds `NP` panels' [`NR`] values (8 for a half panel);
+/// `HALF_LAST` exactly where `out.half` is set.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn micro_kernel_avx512<const NP: usize, const RESIDUAL: bool>(
+unsafe fn micro_kernel_avx512<const NP: usize, const RESIDUAL: bool, const HALF_LAST: bool>(
     input: TileInput,
     sums: (*const f32, usize),
     (out, run): (TileOut, TileRun),
@@ -1341,10 +1256,7 @@ unsafe fn micro_kernel_avx512<const NP: usize, const RESIDUAL: bool>(
 ) {
     for t in 0..run.tiles {
         let input = input.nth(t, run);
-        let out = TileOut {
-            at: out.at.wrapping_add(t * run.out_step),
-            ..out
-        };
+        let out = out.nth(t, run.out_step);
         let finish = SimpleFinish {
             residual: finish.residual.map(|r| r.wrapping_add(t * run.out_step)),
             ..finish
@@ -1353,9 +1265,9 @@ unsafe fn micro_kernel_avx512<const NP: usize, const RESIDUAL: bool>(
         // SAFETY: the caller's contract, for tile `t`.
         unsafe {
             if NP >= 3 {
-                tile_apart::<NP, RESIDUAL>(tile)
+                tile_apart::<NP, RESIDUAL, HALF_LAST>(tile)
             } else {
-                one_tile::<NP, RESIDUAL>(tile)
+                one_tile::<NP, RESIDUAL, HALF_LAST>(tile)
             }
         }
     }
@@ -1381,9 +1293,9 @@ type OneTile<'a> = (
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline(never)]
-unsafe fn tile_apart<const NP: usize, const RESIDUAL: bool>(tile: OneTile) {
+unsafe fn tile_apart<const NP: usize, const RESIDUAL: bool, const HALF_LAST: bool>(tile: OneTile) {
     // SAFETY: forwarded contract.
-    unsafe { one_tile::<NP, RESIDUAL>(tile) }
+    unsafe { one_tile::<NP, RESIDUAL, HALF_LAST>(tile) }
 }
 
 /// One tile of [`micro_kernel_avx512`]: its sums, finished and stored.
@@ -1393,25 +1305,47 @@ unsafe fn tile_apart<const NP: usize, const RESIDUAL: bool>(tile: OneTile) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn one_tile<const NP: usize, const RESIDUAL: bool>(
+unsafe fn one_tile<const NP: usize, const RESIDUAL: bool, const HALF_LAST: bool>(
     (input, (panels, stride), out, (accumulate, finish)): OneTile,
 ) {
     use std::arch::x86_64::*;
-    // SAFETY (both): AVX-512F, and the caller's places.
-    let load = |p: *const f32| unsafe { _mm512_loadu_ps(p) };
-    let store = |p: *mut f32, v: __m512| unsafe { _mm512_storeu_ps(p, v) };
+    // Floats from the tile's place to pixel `i` of panel `v`'s: the last panel's
+    // own place when it is half of one.
+    let half_at = out.half.map_or(0, |h| h as usize - out.at as usize) / 4;
+    let offset = |v: usize, i: usize| {
+        if HALF_LAST && v + 1 == NP {
+            half_at + i * HALF
+        } else {
+            v * out.panel + i * out.pixel
+        }
+    };
+    // SAFETY (all three): AVX-512F, and the caller's places (a half panel's first
+    // 8 lanes, and a bias of its 8 values, alone).
+    let load = |p: *const f32, v: usize| unsafe {
+        if HALF_LAST && v + 1 == NP {
+            _mm512_zextps256_ps512(_mm256_loadu_ps(p))
+        } else {
+            _mm512_loadu_ps(p)
+        }
+    };
+    let store = |p: *mut f32, v: usize, x: __m512| unsafe {
+        if HALF_LAST && v + 1 == NP {
+            _mm256_storeu_ps(p, _mm512_castps512_ps256(x))
+        } else {
+            _mm512_storeu_ps(p, x)
+        }
+    };
     let mut acc = [[_mm512_setzero_ps(); NP]; MR];
     if accumulate {
         for (i, row) in acc.iter_mut().enumerate() {
             for (v, value) in row.iter_mut().enumerate() {
-                // `out` names NP panels of MR pixels of NR floats.
-                *value = load(out.at.wrapping_add(v * out.panel + i * out.pixel));
+                *value = load(out.at.wrapping_add(offset(v, i)), v);
             }
         }
     }
     // SAFETY: the caller's contract.
     let acc = unsafe {
-        if NP >= 3 && RESIDUAL {
+        if NP >= 3 && (RESIDUAL || HALF_LAST) {
             let mut acc = acc;
             products_apart::<NP>(&mut acc, input, (panels, stride));
             acc
@@ -1425,18 +1359,18 @@ unsafe fn one_tile<const NP: usize, const RESIDUAL: bool>(
         for (v, &value) in row.iter().enumerate() {
             let mut value = value;
             if let Some(b) = finish.bias {
-                // SAFETY: the bias holds NP panels' values.
-                value = _mm512_add_ps(value, unsafe { _mm512_loadu_ps(b.add(v * NR)) });
+                // The bias holds NP panels' values (a half panel's 8).
+                value = _mm512_add_ps(value, load(b.wrapping_add(v * NR), v));
             }
             if let Some(a) = finish.activation {
                 // SAFETY: AVX-512F, as this function's.
                 value = unsafe { crate::gemm::activate_lanes_avx512(value, a) };
             }
-            let at = v * out.panel + i * out.pixel;
+            let at = offset(v, i);
             if let (true, Some(r)) = (RESIDUAL, finish.residual) {
-                value = _mm512_add_ps(value, load(r.wrapping_add(at)));
+                value = _mm512_add_ps(value, load(r.wrapping_add(at), v));
             }
-            store(out.at.wrapping_add(at), value);
+            store(out.at.wrapping_add(at), v, value);
         }
     }
 }
