@@ -286,3 +286,41 @@ fn relayout(values: &[f32], channels: usize, pixels: usize, to_blocked: bool) ->
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_place_every_value_once_within_the_plain_size() {
+        for channels in [8, 16, 24, 40, 72, 128, 200] {
+            for pixels in [1, 5, 13] {
+                let blocks = Blocks::new(channels, pixels);
+                let mut seen = vec![false; channels * pixels];
+                for c in 0..channels {
+                    for p in 0..pixels {
+                        let at = blocks.index(c, p);
+                        assert!(!seen[at], "{channels} x {pixels}: ({c}, {p}) lands twice");
+                        seen[at] = true;
+                    }
+                }
+                assert!(seen.iter().all(|&s| s), "{channels} x {pixels}: a gap");
+                // Every block but a last one of 8 is a whole vector, and each
+                // plane starts where its block's channels do.
+                for k in 0..blocks.count() {
+                    let whole = k + 1 < blocks.count() || channels.is_multiple_of(BLOCK);
+                    assert_eq!(blocks.width(k), if whole { BLOCK } else { HALF });
+                    let (start, width, first) = blocks.plane(blocks.count() + k);
+                    assert_eq!(start, channels * pixels + blocks.index(first, 0));
+                    assert_eq!(width, blocks.width(k));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn only_whole_half_vectors_of_channels_block() {
+        assert!(blockable_channels(8) && blockable_channels(24) && blockable_channels(4096));
+        assert!(!blockable_channels(0) && !blockable_channels(12) && !blockable_channels(3));
+    }
+}

@@ -1,19 +1,21 @@
 //! `f32` convolutions whose input or output is channel-blocked
-//! ([`crate::layout`]: `[n, c / b, h, w, b]`, blocks `b` of 16 or 8 channels).
+//! ([`crate::layout`]: blocks of 16 channels, a last one of 8 where the channels
+//! end there).
 //!
 //! - **Pointwise** (1x1, unit stride, no padding, one group; input and output each
 //!   plain or blocked): output pixels are the product's rows, as in
 //!   [`super::conv_pixels_f32`], and its micro-kernel runs unchanged. Each step
 //!   broadcasts one input value per pixel from a table of channel offsets, so the
-//!   input is read in place in either layout: no packing and no staged copy (but
+//!   input is read in place in either layout (a last block of 8 as a tail of the
+//!   steps, from pixel bases 8 floats apart): no packing and no staged copy (but
 //!   for an input prologue, applied to a per-task copy in its layout). A
 //!   blocked output is stored as the micro-kernel holds it (pixels by 16 channels;
-//!   with 8-channel blocks a panel's halves go to its two blocks); a plain one is
-//!   transposed into channel rows. With 512 or more input channels, whole tiles run
+//!   a last block of 8 takes a panel's first half); a plain one is transposed into
+//!   channel rows. With 512 or more input channels, whole tiles run
 //!   in depth blocks of 128 channels, whose weights stay in L1.
 //! - **Depthwise** (one channel per group; blocked in and out; any window, stride,
-//!   dilation and padding): a block of channels per vector (8-channel blocks in the
-//!   low half, under a lane mask), each output vector the sum of
+//!   dilation and padding): a block of channels per vector (a last block of 8 in
+//!   the low half, under a lane mask), each output vector the sum of
 //!   its taps' input vectors scaled by the tap's 16 weights. Runs of 8 output pixels
 //!   keep their sums in registers across all taps. Rows shorter than
 //!   [`STAGED_ROW`] are computed from a copy of their input rows with the padding
@@ -857,7 +859,7 @@ unsafe fn depthwise_row(
     };
     let ky = (ky_lo, ky_hi.max(ky_lo));
     let out = row.as_mut_ptr();
-    // The block's lanes of a vector (8-channel blocks use the low half).
+    // The block's lanes of a vector (a block of 8 uses the low half).
     let mask = crate::layout::lane_mask(geo.lanes);
     let at = (iy0, ky, mask);
     // Half-vector blocks at unit stride take two neighbouring pixels a vector.
@@ -1339,14 +1341,15 @@ mod tests {
             (1, [1, 48, 3, 4], 40, [true, false]),
             (4, [3, 16, 11, 13], 16, [true, true]),
             (2, [1, 160, 7, 7], 96, [true, true]),
-            // 8-channel blocks: in, out (a panel split in two blocks, and a last
-            // panel of one), both, and beside a 16-channel side.
+            // Last blocks of 8: in (a tail of the steps), out (a last half
+            // panel, alone or after whole ones), both, and beside a side of whole
+            // blocks.
             (2, [2, 24, 7, 5], 40, [true, true]),
             (3, [1, 40, 6, 6], 72, [false, true]),
             (2, [1, 72, 9, 4], 32, [true, false]),
             (1, [2, 32, 5, 5], 24, [true, true]),
             // Depth blocks of 128 input channels (the last one partial), in from
-            // either layout, and into 8-channel blocks ending in half a panel.
+            // either layout, and from and into values ending in a block of 8.
             (2, [1, 640, 5, 7], 48, [true, true]),
             (3, [2, 528, 4, 5], 64, [false, true]),
             (2, [1, 520, 5, 7], 24, [true, true]),
@@ -1442,7 +1445,7 @@ mod tests {
                 [1, 24, 4, 37],
                 window([5, 5], [1, 1], [2, 2, 2, 2], [1, 1]),
             ),
-            // 8-channel blocks (pairs of pixels at unit stride: runs of 1 to 8
+            // Last blocks of 8 (pairs of pixels at unit stride: runs of 1 to 8
             // pairs, and a right edge run of more than one pixel).
             (
                 2,
@@ -1492,8 +1495,8 @@ mod tests {
         let three = |stride, padding| window([3, 3], [stride, stride], padding, [1, 1]);
         // (threads, x dims, output channels, window): 3x3 layers the plain layout
         // runs without Winograd (under 32 channels, strided, few tiles), a stem of
-        // 3 channels, a strided 1x1, a dilated 5x5 with asymmetric padding, 8-channel
-        // blocks, and a depth over one block of steps (144 x 9 > KC).
+        // 3 channels, a strided 1x1, a dilated 5x5 with asymmetric padding, last
+        // blocks of 8, and a depth over one block of steps (144 x 9 > KC).
         let cases = [
             (2, [2, 16, 11, 13], 64, three(1, [1; 4])),
             (3, [1, 32, 14, 15], 48, three(2, [1; 4])),
@@ -1552,7 +1555,7 @@ mod tests {
         let three = |padding, dilation| window([3, 3], [1, 1], padding, [dilation; 2]);
         // (threads, x dims, output channels, window): 3x3 layers the blocked layout
         // runs by Winograd (64 or more input channels, tiles covering the output),
-        // with a row of tiles past the bottom, 8-channel blocks, asymmetric padding,
+        // with a row of tiles past the bottom, last blocks of 8, asymmetric padding,
         // dilation, and two images.
         let cases = [
             (2, [1, 64, 16, 16], 64, three([1; 4], 1)),

@@ -75,7 +75,7 @@ pub(crate) fn pool(
 }
 
 /// Output row `oy` of one plane: each output pixel's block of channels in one
-/// vector (8-channel blocks under a lane mask), its taps inside the input read as
+/// vector (a block of 8 under a lane mask), its taps inside the input read as
 /// whole vectors.
 fn pool_row(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32]) {
     let ([h, w], lanes) = (row.in_hw, row.lanes);

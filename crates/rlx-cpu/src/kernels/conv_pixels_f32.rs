@@ -983,7 +983,8 @@ pub(crate) struct RegisterFinish {
 impl RegisterFinish {
     /// The sums of the lanes `mask` names of one pixel, whose first lane is
     /// channel `channel` (of the pointers' channels) and which lie `at` floats on
-    /// from the residual's pointer; lanes outside the mask are never read.
+    /// from the residual's pointer (before it when negative); lanes outside the
+    /// mask are never read.
     ///
     /// # Safety
     /// AVX-512F is available; every pointer holds those lanes' values there.
@@ -994,7 +995,7 @@ impl RegisterFinish {
         &self,
         x: std::arch::x86_64::__m512,
         channel: usize,
-        at: usize,
+        at: isize,
         mask: std::arch::x86_64::__mmask16,
     ) -> std::arch::x86_64::__m512 {
         use crate::gemm::activate_lanes_avx512 as activate;
@@ -1010,7 +1011,7 @@ impl RegisterFinish {
                 x = activate(x, a);
             }
             if let Some(residual) = self.residual {
-                x = _mm512_add_ps(x, load(residual.add(at)));
+                x = _mm512_add_ps(x, load(residual.wrapping_offset(at)));
             }
             if let Some((scale, shift, post)) = self.affine {
                 let (s, t) = (load(scale.add(channel)), load(shift.add(channel)));
@@ -1153,7 +1154,7 @@ unsafe fn finish_tile_as<const HALF_LAST: bool>(
                 } else {
                     out.at.add(v * out.panel + i * out.pixel)
                 };
-                let at_offset = at.offset_from(out.at) as usize;
+                let at_offset = (at as isize - out.at as isize) / 4;
                 let x = finish.apply(_mm512_maskz_loadu_ps(lanes, at), v * NR, at_offset, lanes);
                 _mm512_mask_storeu_ps(at, lanes, x);
             }
@@ -1310,13 +1311,14 @@ unsafe fn one_tile<const NP: usize, const RESIDUAL: bool, const HALF_LAST: bool>
 ) {
     use std::arch::x86_64::*;
     // Floats from the tile's place to pixel `i` of panel `v`'s: the last panel's
-    // own place when it is half of one.
-    let half_at = out.half.map_or(0, |h| h as usize - out.at as usize) / 4;
-    let offset = |v: usize, i: usize| {
+    // own place when it is half of one (before the tile's place where that panel
+    // is the tile's only one, whose place a run advances by whole panels' pixels).
+    let half_at = out.half.map_or(0, |h| (h as isize - out.at as isize) / 4);
+    let offset = |v: usize, i: usize| -> isize {
         if HALF_LAST && v + 1 == NP {
-            half_at + i * HALF
+            half_at + (i * HALF) as isize
         } else {
-            v * out.panel + i * out.pixel
+            (v * out.panel + i * out.pixel) as isize
         }
     };
     // SAFETY (all three): AVX-512F, and the caller's places (a half panel's first
@@ -1339,7 +1341,7 @@ unsafe fn one_tile<const NP: usize, const RESIDUAL: bool, const HALF_LAST: bool>
     if accumulate {
         for (i, row) in acc.iter_mut().enumerate() {
             for (v, value) in row.iter_mut().enumerate() {
-                *value = load(out.at.wrapping_add(offset(v, i)), v);
+                *value = load(out.at.wrapping_offset(offset(v, i)), v);
             }
         }
     }
@@ -1368,9 +1370,9 @@ unsafe fn one_tile<const NP: usize, const RESIDUAL: bool, const HALF_LAST: bool>
             }
             let at = offset(v, i);
             if let (true, Some(r)) = (RESIDUAL, finish.residual) {
-                value = _mm512_add_ps(value, load(r.wrapping_add(at), v));
+                value = _mm512_add_ps(value, load(r.wrapping_offset(at), v));
             }
-            store(out.at.wrapping_add(at), v, value);
+            store(out.at.wrapping_offset(at), v, value);
         }
     }
 }
@@ -1611,7 +1613,7 @@ unsafe fn store_blocked(
         unsafe {
             let v = _mm512_maskz_loadu_ps(mask, tile.as_ptr().add(i * NR));
             let v = match finish {
-                Some(f) => f.apply(v, c0, to, mask),
+                Some(f) => f.apply(v, c0, to as isize, mask),
                 None => v,
             };
             _mm512_mask_storeu_ps(out.add(to), mask, v);
