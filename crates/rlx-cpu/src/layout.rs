@@ -141,7 +141,7 @@ impl StepLayout {
 const MIN_PIXELS: usize = 4;
 
 /// Whether `shape` can be stored blocked: a rank-4 `f32` value whose channels are a
-/// whole number of blocks, over planes of [`MIN_PIXELS`] or more.
+/// multiple of 8 ([`blockable_channels`]), over planes of [`MIN_PIXELS`] or more.
 fn blockable(shape: &Shape) -> bool {
     shape.dtype() == DType::F32
         && shape.rank() == 4

@@ -148,7 +148,6 @@ pub(crate) fn thread_floats(
             let blocks = Blocks::new(x.dim(1), 1);
             let staged = [0, blocks.count().saturating_sub(1)]
                 .into_iter()
-                .filter(|&k| k * BLOCK < x.dim(1))
                 .filter_map(|k| {
                     let b = blocks.width(k);
                     depthwise_staging(win, [oh, ow], [kh, kw], b)
@@ -677,7 +676,7 @@ pub(crate) fn depthwise(
     if !crate::layout::blockable_channels(c) {
         return Err(rlx_ir::Error::runtime(
             "blocked depthwise convolution",
-            format!("{c} channels are not whole blocks"),
+            format!("{c} channels are not a multiple of 8"),
         ));
     }
     if n == 0 || oh == 0 || ow == 0 {
@@ -1524,7 +1523,7 @@ mod tests {
         ];
         for (i, &(threads, x, o, win)) in cases.iter().enumerate() {
             for layout in [[true, true], [true, false], [false, true]] {
-                // Blocked sides need whole blocks.
+                // Blocked sides need a multiple of 8 channels.
                 let blockable = crate::layout::blockable_channels;
                 if (layout[0] && !blockable(x[1])) || (layout[1] && !blockable(o)) {
                     continue;

@@ -1034,10 +1034,10 @@ impl RegisterFinish {
 /// # Safety
 /// As [`micro_kernel`] for every tile `t < run.tiles`, whose bases are `input`'s
 /// plus `t * run.pixel_step` (`t * run.tail_step` for the tail's); AVX-512F is
-/// available; every place `out` names,
-/// `t * run.out_step` floats on, is writable (and readable with `accumulate`);
-/// `finish`'s pointers as [`RegisterFinish`] says (the residual's also
-/// `t * run.out_step` on for tile `t`).
+/// available; every place `out` names for tile `t` ([`TileRun`]: `t * run.out_step`
+/// floats on, a half panel's `t * MR * HALF`) is writable (and readable with
+/// `accumulate`); `finish`'s pointers as [`RegisterFinish`] says (the residual's
+/// also `t * run.out_step` on for tile `t`).
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn micro_kernel_to(
     input: TileInput,
@@ -1244,7 +1244,8 @@ unsafe fn micro_kernel_avx512_as<const RESIDUAL: bool>(
 ///
 /// # Safety
 /// As [`micro_kernel`] with `count = NP` for every tile `t < run.tiles` (bases
-/// `t * run.pixel_step` on, place and residual `t * run.out_step` on); AVX-512F is
+/// `t * run.pixel_step` on, place and residual `t * run.out_step` on, a half
+/// panel's place `t * MR * HALF`); AVX-512F is
 /// available; a bias holds `NP` panels' [`NR`] values (8 for a half panel);
 /// `HALF_LAST` exactly where `out.half` is set.
 #[cfg(target_arch = "x86_64")]

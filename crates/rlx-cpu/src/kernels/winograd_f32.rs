@@ -384,7 +384,7 @@ pub(crate) fn conv2d(
                 .chain(row_spans.filter(|_| spans.is_empty()))
             {
                 // Whole blocks: the task's channels start on one (a part is whole
-                // panels of 16).
+                // GEMM panels, 16, 32 or 48 channels wide).
                 let (step, out_blocks) = (
                     if blocks.output { BLOCK } else { 1 },
                     Blocks::new(og, pixels),
