@@ -379,6 +379,7 @@ pub(crate) fn pointwise(
                     pixel: bases(step),
                     tail: &offsets[tail],
                     tail_pixel: bases(HALF),
+                    prefetch: conv_pixels_f32::prefetches_weights(c),
                 }
             };
         for g in task_groups {
