@@ -8,7 +8,6 @@ use super::Ctx;
 use super::conv::inside_taps;
 use crate::layout::{BLOCK, Blocks};
 use crate::tensor::{Dst, Src};
-use crate::vmath::multiversion;
 use rlx_ir::{Result, Window2d};
 
 /// What one pooled row needs.
@@ -241,20 +240,76 @@ pub(crate) fn plane_sums(mean: bool, x: Src, out: Dst, ctx: &Ctx) -> Result<()> 
     ctx.pool.run(tasks, threads, &task)
 }
 
-multiversion! {
-    /// `dst[j] = scale * Σ_p src[p][j]` over the pixels of one blocked plane (of
-    /// `dst.len()` channels), summed in `f64` as the plain kernel sums.
-    fn sum_pixels(src: &[f32], scale: f64, dst: &mut [f32]) {
-        let mut acc = [0.0f64; BLOCK];
-        let acc = &mut acc[..dst.len()];
-        for pixel in src.chunks_exact(dst.len()) {
-            for (a, &v) in acc.iter_mut().zip(pixel) {
-                *a += f64::from(v);
-            }
+/// `dst[j] = scale * Σ_p src[p][j]` over the pixels of one blocked plane (of
+/// `dst.len()` channels, at most [`BLOCK`]), summed in `f64` as the plain kernel
+/// sums.
+fn sum_pixels(src: &[f32], scale: f64, dst: &mut [f32]) {
+    assert!(
+        dst.len() <= BLOCK && src.len().is_multiple_of(dst.len().max(1)),
+        "a blocked plane's pixels"
+    );
+    // SAFETY: AVX-512F (blocked values exist only with it: `layout::assign`); the
+    // plane holds whole pixels of `dst.len()` values (checked above).
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        sum_pixels_avx512(src, scale, dst)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("blocked layouts need AVX-512")
+}
+
+/// [`sum_pixels`] on AVX-512: four pixels at a time into four sets of `f64` sums
+/// (one set's chain of additions waited on each addition's latency, 4 cycles a
+/// pixel: EfficientNet's 17 plane sums took 0.40 ms).
+///
+/// # Safety
+/// AVX-512F is available; `src` holds whole pixels of `dst.len()` (at most 16)
+/// values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_pixels_avx512(src: &[f32], scale: f64, dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    const SETS: usize = 4;
+    let lanes = dst.len();
+    let mask = crate::layout::lane_mask(lanes);
+    let pixels = src.len() / lanes.max(1);
+    // Pixel `p`'s values as two vectors of 8 `f64` (its lanes past `lanes` zero).
+    // SAFETY (each use): pixel `p < pixels` lies inside `src`.
+    let load = |p: usize| unsafe {
+        let v = _mm512_maskz_loadu_ps(mask, src.as_ptr().add(p * lanes));
+        let low = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+        let high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+            _mm512_castps_pd(v),
+        )));
+        (low, high)
+    };
+    let mut sums = [(_mm512_setzero_pd(), _mm512_setzero_pd()); SETS];
+    let whole = pixels / SETS * SETS;
+    for p in (0..whole).step_by(SETS) {
+        for (k, (low, high)) in sums.iter_mut().enumerate() {
+            let (l, h) = load(p + k);
+            *low = _mm512_add_pd(*low, l);
+            *high = _mm512_add_pd(*high, h);
         }
-        for (d, a) in dst.iter_mut().zip(acc.iter()) {
-            *d = (a * scale) as f32;
-        }
+    }
+    for (k, p) in (whole..pixels).enumerate() {
+        let (l, h) = load(p);
+        sums[k].0 = _mm512_add_pd(sums[k].0, l);
+        sums[k].1 = _mm512_add_pd(sums[k].1, h);
+    }
+    let (mut low, mut high) = sums[0];
+    for &(l, h) in &sums[1..] {
+        low = _mm512_add_pd(low, l);
+        high = _mm512_add_pd(high, h);
+    }
+    let mut all = [0.0f64; BLOCK];
+    // SAFETY: `all` holds 16 values.
+    unsafe {
+        _mm512_storeu_pd(all.as_mut_ptr(), low);
+        _mm512_storeu_pd(all.as_mut_ptr().add(8), high);
+    }
+    for (d, a) in dst.iter_mut().zip(all) {
+        *d = (a * scale) as f32;
     }
 }
 
