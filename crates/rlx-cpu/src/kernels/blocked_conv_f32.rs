@@ -526,7 +526,9 @@ pub(crate) fn pointwise(
                 } else {
                     // SAFETY: as above, into the tile; at most `panel_group`
                     // panels.
-                    unsafe { conv_pixels_f32::micro_kernel(all, weights(0), &mut tile, false) };
+                    unsafe {
+                        conv_pixels_f32::micro_kernel(all, weights(0), (&mut tile, m), false)
+                    };
                 }
                 if !whole {
                     // Lane `j` of panel `q`'s pixel `i` is channel `q * 16 + j`:

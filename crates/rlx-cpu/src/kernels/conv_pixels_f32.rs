@@ -730,7 +730,7 @@ fn run_group(
                         prefetches_weights(k),
                     ),
                     (panels[p0 * NR..].as_ptr(), panel_floats, count),
-                    tile,
+                    (tile, valid),
                     d > 0,
                 )
             };
@@ -873,17 +873,18 @@ impl<'a> TileInput<'a> {
 
 /// One tile of `count` panels: `tile[v][i][j] (+)= Σ_p x_i[p] * panel_v[p][j]`
 /// over the steps `input` reads, panel `v` starting `v * stride` floats after
-/// `panels`.
+/// `panels`, for the tile's first `rows` pixels (the others' values are left
+/// unspecified).
 ///
 /// # Safety
 /// Every value `input` names is readable; each panel holds as many steps of
 /// [`NR`] floats; `tile` holds `count` tiles; `count` is at most [`panel_group`];
-/// AVX2 and FMA are available (checked by [`applies`]).
+/// `rows` is 1 to [`MR`]; AVX2 and FMA are available (checked by [`applies`]).
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn micro_kernel(
     input: TileInput,
     (panels, stride, count): (*const f32, usize, usize),
-    tile: &mut [f32],
+    (tile, rows): (&mut [f32], usize),
     accumulate: bool,
 ) {
     let out = TileOut {
@@ -903,6 +904,13 @@ pub(crate) unsafe fn micro_kernel(
                     micro_kernel_avx2(input.tail, input.tail_pixel, tail_panel, tile, true);
                 }
             }
+            _ if rows < MR => short_tile_of(
+                (count, rows),
+                input,
+                (panels, stride),
+                tile.as_mut_ptr(),
+                accumulate,
+            ),
             _ => micro_kernel_avx512_of(
                 count,
                 input,
@@ -1192,7 +1200,7 @@ pub(crate) unsafe fn micro_kernel_to(
 pub(crate) unsafe fn micro_kernel(
     _: TileInput,
     _: (*const f32, usize, usize),
-    _: &mut [f32],
+    _: (&mut [f32], usize),
     _: bool,
 ) {
     unreachable!("`applies` is false off x86-64")
@@ -1378,7 +1386,7 @@ unsafe fn one_tile<const NP: usize, const RESIDUAL: bool, const HALF_LAST: bool>
             products_apart::<NP>(&mut acc, input, (panels, stride));
             acc
         } else {
-            products::<NP>(acc, input, (panels, stride))
+            products::<NP, MR>(acc, input, (panels, stride))
         }
     };
     // The finish as the sums are stored (a finish that changed `acc` in place once
@@ -1420,7 +1428,79 @@ unsafe fn products_apart<const NP: usize>(
     // Through a pointer, read before the loop and written after it: returned by
     // value, the compiler kept one sum in the return slot, stored every step.
     // SAFETY: forwarded contract; `acc` is the caller's.
-    unsafe { acc.write(products::<NP>(acc.read(), at, weights)) }
+    unsafe { acc.write(products::<NP, MR>(acc.read(), at, weights)) }
+}
+
+/// A short tile into a tile on the stack: [`micro_kernel`] for `NP` panels of
+/// only the first `M` pixels (`M < MR`), the rest of the tile untouched. A plane's
+/// last tile is short (49 pixels: 8 tiles and one pixel), and computed whole it
+/// cost as much as a whole one.
+///
+/// # Safety
+/// As [`micro_kernel`] for those pixels, with `count = NP`; AVX-512F is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn short_tile<const NP: usize, const M: usize>(
+    input: TileInput,
+    sums: (*const f32, usize),
+    tile: *mut f32,
+    accumulate: bool,
+) {
+    use std::arch::x86_64::*;
+    let at = |v: usize, i: usize| tile.wrapping_add(v * TILE + i * NR);
+    let mut acc = [[_mm512_setzero_ps(); NP]; M];
+    if accumulate {
+        for (i, row) in acc.iter_mut().enumerate() {
+            for (v, value) in row.iter_mut().enumerate() {
+                // SAFETY: the tile holds NP panels of MR pixels.
+                *value = unsafe { _mm512_loadu_ps(at(v, i)) };
+            }
+        }
+    }
+    // SAFETY: the caller's contract.
+    let acc = unsafe { products::<NP, M>(acc, input, sums) };
+    for (i, row) in acc.iter().enumerate() {
+        for (v, &value) in row.iter().enumerate() {
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(at(v, i), value) };
+        }
+    }
+}
+
+/// [`short_tile`] for `count` panels (1 to [`MAX_GROUP`]) and `rows` pixels (1
+/// to `MR - 1`).
+///
+/// # Safety
+/// As [`short_tile`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn short_tile_of(
+    (count, rows): (usize, usize),
+    input: TileInput,
+    sums: (*const f32, usize),
+    tile: *mut f32,
+    accumulate: bool,
+) {
+    macro_rules! rows {
+        ($np:literal) => {
+            match rows {
+                1 => short_tile::<$np, 1>(input, sums, tile, accumulate),
+                2 => short_tile::<$np, 2>(input, sums, tile, accumulate),
+                3 => short_tile::<$np, 3>(input, sums, tile, accumulate),
+                4 => short_tile::<$np, 4>(input, sums, tile, accumulate),
+                _ => short_tile::<$np, 5>(input, sums, tile, accumulate),
+            }
+        };
+    }
+    // SAFETY: forwarded contract.
+    unsafe {
+        match count {
+            1 => rows!(1),
+            2 => rows!(2),
+            3 => rows!(3),
+            _ => rows!(4),
+        }
+    }
 }
 
 /// The micro-kernel's loops: `acc[i][v] += Σ_p x_i[p] * panel_v[p]` over the
@@ -1431,20 +1511,21 @@ unsafe fn products_apart<const NP: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn products<const NP: usize>(
-    acc: [[std::arch::x86_64::__m512; NP]; MR],
+unsafe fn products<const NP: usize, const M: usize>(
+    acc: [[std::arch::x86_64::__m512; NP]; M],
     input: TileInput,
     (panels, stride): (*const f32, usize),
-) -> [[std::arch::x86_64::__m512; NP]; MR] {
+) -> [[std::arch::x86_64::__m512; NP]; M] {
     // SAFETY: the caller's contract; the tail's weights follow the other steps'.
     unsafe {
         let ahead = input.prefetch;
-        let acc = product_steps::<NP>(acc, (input.offsets, input.pixel), (panels, stride), ahead);
+        let acc =
+            product_steps::<NP, M>(acc, (input.offsets, input.pixel), (panels, stride), ahead);
         if input.tail.is_empty() {
             return acc;
         }
         let tail_panels = panels.wrapping_add(input.offsets.len() * NR);
-        product_steps::<NP>(
+        product_steps::<NP, M>(
             acc,
             (input.tail, input.tail_pixel),
             (tail_panels, stride),
@@ -1453,24 +1534,24 @@ unsafe fn products<const NP: usize>(
     }
 }
 
-/// One loop of [`products`]: `acc[i][v] += Σ_p pixel_i[offsets[p]] * panel_v[p]`,
-/// returned.
+/// One loop of [`products`]: `acc[i][v] += Σ_p pixel_i[offsets[p]] * panel_v[p]`
+/// for the first `M` pixels, returned.
 ///
 /// # Safety
 /// As [`products`] for these steps.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn product_steps<const NP: usize>(
-    mut acc: [[std::arch::x86_64::__m512; NP]; MR],
+unsafe fn product_steps<const NP: usize, const M: usize>(
+    mut acc: [[std::arch::x86_64::__m512; NP]; M],
     (offsets, pixel): (&[u32], [*const f32; MR]),
     (panels, stride): (*const f32, usize),
     prefetch: bool,
-) -> [[std::arch::x86_64::__m512; NP]; MR] {
+) -> [[std::arch::x86_64::__m512; NP]; M] {
     use std::arch::x86_64::*;
     // One step: every pixel's value at `offset` times each panel's weights at `w`.
     // SAFETY (for each use): the caller's contract.
-    let step = |acc: &mut [[__m512; NP]; MR], offset: usize, w: *const f32| unsafe {
+    let step = |acc: &mut [[__m512; NP]; M], offset: usize, w: *const f32| unsafe {
         let ws: [__m512; NP] = std::array::from_fn(|v| _mm512_loadu_ps(w.add(v * stride)));
         if prefetch {
             for v in 0..NP {
@@ -1487,10 +1568,10 @@ unsafe fn product_steps<const NP: usize>(
         }
     };
     let mut w = panels;
-    if NP <= 2 {
-        // With 6 or 12 sums, each waits on its last multiply-add (4 cycles) more
-        // than the units are busy: alternate steps go to a second set of sums.
-        let mut other = [[_mm512_setzero_ps(); NP]; MR];
+    if M * NP <= 2 * MR {
+        // With 12 sums or fewer, each waits on its last multiply-add (4 cycles)
+        // more than the units are busy: alternate steps go to a second set of sums.
+        let mut other = [[_mm512_setzero_ps(); NP]; M];
         let mut pairs = offsets.chunks_exact(2);
         for pair in &mut pairs {
             step(&mut acc, pair[0] as usize, w);
