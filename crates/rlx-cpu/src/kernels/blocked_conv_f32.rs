@@ -216,7 +216,7 @@ impl Prologue<'_> {
             // Block (or channel) `k`: its values a pixel, first channel and places.
             let (b, first, src_at, dst_at) = if blocked {
                 let b = from.width(k);
-                (b, k * BLOCK, from.start(k) + p0 * b, to.start(k))
+                (b, k * BLOCK, from.index(k * BLOCK, p0), to.start(k))
             } else {
                 (1, k, k * pixels + p0, k * len)
             };
@@ -237,7 +237,7 @@ pub(crate) fn channel_offsets(pixels: usize, blocked: bool, offsets: &mut [u32])
     let blocks = Blocks::new(offsets.len(), pixels);
     for (c, offset) in offsets.iter_mut().enumerate() {
         let at = match blocked {
-            true => blocks.start(c / BLOCK) + c % BLOCK,
+            true => blocks.index(c, 0),
             false => c * pixels,
         };
         *offset = at as u32;
@@ -396,14 +396,14 @@ pub(crate) fn pointwise(
             // panel and pixel strides, and a last block of 8's own place), and its
             // finish in registers when `finished` and it has one.
             let tile_at = |i0: usize, finished: bool| {
-                let first_value = image_at + out_blocks.start(q0) + i0 * out_blocks.width(q0);
+                let first_value = image_at + out_blocks.index(q0 * NR, i0);
                 let out = conv_pixels_f32::TileOut {
                     at: (out_addr as *mut f32).wrapping_add(first_value),
                     panel: pixels * NR,
                     pixel: NR,
                     half: (out_blocks.width(q1 - 1) < NR).then(|| {
                         (out_addr as *mut f32)
-                            .wrapping_add(image_at + out_blocks.start(q1 - 1) + i0 * HALF)
+                            .wrapping_add(image_at + out_blocks.index((q1 - 1) * NR, i0))
                     }),
                 };
                 let register_finish =
@@ -431,7 +431,7 @@ pub(crate) fn pointwise(
                 for channel in (q0 * NR..end).step_by(step) {
                     let (at, lanes) = if out_blocked {
                         let lanes = out_blocks.width(channel / NR);
-                        (out_blocks.start(channel / NR) + c0 * lanes, lanes)
+                        (out_blocks.index(channel, c0), lanes)
                     } else {
                         (channel * pixels + c0, 1)
                     };
@@ -538,7 +538,7 @@ pub(crate) fn pointwise(
                         let values = &tile[(q - q0) * TILE..][..m * NR];
                         if out_blocked {
                             let lanes = out_blocks.width(q);
-                            let at = image_at + out_blocks.start(q) + i0 * lanes;
+                            let at = image_at + out_blocks.index(q * NR, i0);
                             for (i, v) in values.chunks_exact(NR).enumerate() {
                                 // SAFETY: pixel `i0 + i` of block `q` of this image's
                                 // output; only this task writes it.

@@ -1,7 +1,8 @@
 //! `f32` pooling over channel-blocked values ([`crate::layout`]: blocks of 16
 //! channels, pixel by pixel, a last one of 8 where the channels end there): max
-//! and average pooling (blocked in and out) and the sum or mean over a whole plane (blocked in, plain `[n, c]` out, as a global
-//! average pool or a squeeze-and-excitation block's first step reads it). Each
+//! and average pooling (blocked in and out) and the sum or mean over a whole plane
+//! (blocked in, plain `[n, c]` out, as a global average pool or a
+//! squeeze-and-excitation block's first step reads it). Each
 //! output pixel is a block of channels, one vector, whatever the plane's width.
 
 use super::Ctx;

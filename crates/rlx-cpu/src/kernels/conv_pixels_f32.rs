@@ -509,8 +509,7 @@ impl BlockOut {
     fn at(&self, c: usize, pixel: usize) -> usize {
         let pixel = self.first_pixel + pixel;
         if self.blocked {
-            let blocks = self.blocks();
-            blocks.start(c / BLOCK) + pixel * blocks.width(c / BLOCK)
+            self.blocks().index(c, pixel)
         } else {
             c * self.pixels + pixel
         }
@@ -592,10 +591,7 @@ fn stage_rows(
             (channels.start * h * w, 1)
         } else {
             let k = channels.start / BLOCK;
-            (
-                x_blocks.start(k) + channels.start % BLOCK,
-                x_blocks.width(k),
-            )
+            (x_blocks.index(channels.start, 0), x_blocks.width(k))
         };
         for (r, line) in plane.chunks_exact_mut(wp * lanes).enumerate() {
             let iy = top + r as isize;

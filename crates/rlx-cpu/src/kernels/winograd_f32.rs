@@ -392,7 +392,7 @@ pub(crate) fn conv2d(
                 for co in channels.clone().step_by(step) {
                     let (at, lanes) = if blocks.output {
                         let lanes = out_blocks.width(co / BLOCK);
-                        (out_blocks.start(co / BLOCK) + start * lanes, lanes)
+                        (out_blocks.index(co, start), lanes)
                     } else {
                         (co * pixels + start, 1)
                     };
@@ -450,7 +450,7 @@ fn stage_rows(
         let blocks = Blocks::new(cg, h * w);
         for k in 0..blocks.count() {
             let b = blocks.width(k);
-            let row = &src[blocks.start(k) + (iy as usize * w + lo) * b..][..(hi - lo) * b];
+            let row = &src[blocks.index(k * BLOCK, iy as usize * w + lo)..][..(hi - lo) * b];
             for (x, pixel) in row.chunks_exact(b).enumerate() {
                 line[(at + x) * cg + k * BLOCK..][..b].copy_from_slice(pixel);
             }
