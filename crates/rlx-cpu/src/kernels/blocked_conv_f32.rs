@@ -16,14 +16,17 @@
 //! - **Depthwise** (one channel per group; blocked in and out; any window, stride,
 //!   dilation and padding): a block of channels per vector (a last block of 8 in
 //!   the low half, under a lane mask), each output vector the sum of
-//!   its taps' input vectors scaled by the tap's 16 weights. Runs of 8 output pixels
-//!   keep their sums in registers across all taps. Rows shorter than
-//!   [`STAGED_ROW`] are computed from a copy of their input rows with the padding
-//!   written as zeros, so no tap is checked; in longer rows the runs whose window
-//!   crosses the left or right edge check each tap.
+//!   its taps' input vectors scaled by the tap's 16 weights. Runs of output pixels
+//!   keep their sums in registers across all taps. Inside a row, for kernels 3, 5
+//!   or 7 wide at stride 1 or 2, a run loads each input vector of a row of taps
+//!   once and adds it to every sum that reads it ([`run_fixed`]). Rows shorter
+//!   than [`STAGED_ROW`] are computed from a copy of their input rows with the
+//!   padding written as zeros, so no tap is checked; in longer rows the runs whose
+//!   window crosses the left or right edge check each tap. A finish whose steps
+//!   all have a vector form is applied to each sum as it is stored.
 //!
-//! The epilogue (bias, activation, residual, channel affine) runs on each finished
-//! piece while it is in L1.
+//! Otherwise the epilogue (bias, activation, residual, channel affine) runs on
+//! each finished piece while it is in L1.
 
 use super::conv_pixels_f32::{self, Finish, MR, NR, TILE};
 use crate::gemm::GemmScratch;
