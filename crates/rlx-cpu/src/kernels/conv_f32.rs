@@ -697,6 +697,32 @@ pub(crate) fn pixel_weights<'s>(
     }
 }
 
+/// [`pixel_weights`] always in `scratch`, to be changed there: packed there, or a
+/// copy of the values packed ahead.
+pub(crate) fn pixel_weights_in_scratch<'s>(
+    w: Src<'_>,
+    packed: Option<&crate::prepack::PackedParam>,
+    scratch: &'s mut [f64],
+) -> (&'s mut [f32], &'s mut [f64]) {
+    let o = w.shape.dim(0);
+    let k = w.len / o.max(1);
+    let len = conv_pixels_f32::weights_len(o, k);
+    let (weights, rest) = scratch.split_at_mut(len.div_ceil(2));
+    // SAFETY: the step asked for `scratch_f64`: room for `len` f32 values here
+    // (f64 storage is aligned for f32).
+    let values = unsafe { std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<f32>(), len) };
+    let spec = crate::prepack::PackSpec::ConvPixels { o, k };
+    match packed.filter(|p| p.fits(spec)) {
+        Some(packed) => values.copy_from_slice(&packed.values()[..len]),
+        None => {
+            // SAFETY: an f32 tensor of `w.len` values, alive for the step.
+            let ws = unsafe { std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len) };
+            conv_pixels_f32::pack_weights(ws, o, k, values);
+        }
+    }
+    (values, rest)
+}
+
 /// `(scale, shift, post)`: a batch norm and activation after the residual, one scale
 /// and shift per output channel.
 pub(crate) type ChannelAffine<'a> = (&'a [f32], &'a [f32], Option<Activation>);

@@ -889,13 +889,49 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
             )
         }
         blocked_conv_f32::BlockedConv::Pointwise => {
-            let c = w.shape.dim(1);
-            let (packed, rest) = conv_f32::pixel_weights(w, ctx.packed_b, ctx.scratch);
+            let (o, c) = (w.shape.dim(0), w.shape.dim(1));
+            let pixels = x.shape.dim(2) * x.shape.dim(3);
+            let all_pixels = x.shape.dim(0) * pixels;
+            let fold = prologue
+                .filter(|p| blocked_conv_f32::folds_prologue(p, o, all_pixels, ctx.gemm.threads()))
+                .and_then(|p| p.affine);
+            let (packed, rest, folded_bias) = match fold {
+                None => {
+                    let (packed, rest) = conv_f32::pixel_weights(w, ctx.packed_b, ctx.scratch);
+                    (packed, rest, None)
+                }
+                Some(affine) => {
+                    let (packed, rest) =
+                        conv_f32::pixel_weights_in_scratch(w, ctx.packed_b, ctx.scratch);
+                    let (offsets, bias) = rest.split_at_mut(c.div_ceil(2));
+                    // SAFETY: the step asked for `scratch_f64`: a bias of a value
+                    // per packed filter after the offsets (f64 storage is aligned
+                    // for f32).
+                    let bias = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            bias.as_mut_ptr().cast::<f32>(),
+                            o.div_ceil(conv_pixels_f32::NR) * conv_pixels_f32::NR,
+                        )
+                    };
+                    let has_bias =
+                        blocked_conv_f32::fold_prologue(affine, (packed, c), finish.bias, bias);
+                    (&*packed, offsets, has_bias.then_some(&*bias))
+                }
+            };
             // SAFETY: and room for `c` u32 offsets after them.
             let offsets =
                 unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<u32>(), c) };
-            let pixels = x.shape.dim(2) * x.shape.dim(3);
             blocked_conv_f32::channel_offsets(pixels, a.layout.input(0), offsets);
+            let (prologue, finish) = match fold {
+                None => (prologue, finish),
+                Some(_) => (
+                    None,
+                    conv_pixels_f32::Finish {
+                        bias: folded_bias,
+                        ..finish
+                    },
+                ),
+            };
             blocked_conv_f32::pointwise(
                 x,
                 (packed, offsets),
