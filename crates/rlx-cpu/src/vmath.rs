@@ -258,36 +258,34 @@ pub(crate) unsafe fn logistic_lanes_avx512<const TIMES_X: bool>(
     x: std::arch::x86_64::__m512,
 ) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
-    // Below -88, e^-x overflows toward infinity: the result is then 0 (of x's sign
-    // with TIMES_X), as the scalar form gives it from about there (between -88 and
-    // -87.3 the reciprocal is subnormal, which the estimate and the Newton step
-    // compute without flushing).
+    // x inside [FLOOR, 100] (NaN kept: these return their second operand when
+    // one is NaN), so that e^-x stays finite: below FLOOR σ(x) is under 1e-38,
+    // which the product then takes as 0 (of x's sign). ln(f32::MAX) is 88.72.
     const FLOOR: f32 = -88.0;
     let c = _mm512_set1_ps;
     let one = c(1.0);
-    // -x inside [-100, -FLOOR] (NaN kept: these return their second operand
-    // when one is NaN).
-    let t = _mm512_max_ps(
-        c(-100.0),
-        _mm512_min_ps(c(-FLOOR), _mm512_sub_ps(_mm512_setzero_ps(), x)),
+    let x_in = _mm512_max_ps(c(FLOOR), _mm512_min_ps(c(100.0), x));
+    // -x = n ln 2 + r, n rounded by adding and subtracting 1.5 * 2^23.
+    let n = _mm512_sub_ps(
+        _mm512_fmadd_ps(x_in, c(-std::f32::consts::LOG2_E), c(ROUND)),
+        c(ROUND),
     );
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-        _mm512_mul_ps(t, c(std::f32::consts::LOG2_E)),
-    );
-    let r = _mm512_fnmadd_ps(n, c(LN2_LO), _mm512_fnmadd_ps(n, c(LN2_HI), t));
-    let mut p = c(1.0 / 5040.0);
-    for k in [720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
+    let r = _mm512_fnmadd_ps(n, c(LN2_LO), _mm512_fnmsub_ps(n, c(LN2_HI), x_in));
+    // e^r on |r| <= ln2/2: Taylor series to r^6 (relative error below 1.3e-7).
+    let mut p = c(1.0 / 720.0);
+    for k in [120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
         p = _mm512_fmadd_ps(p, r, c(1.0 / k));
     }
     let d = _mm512_add_ps(one, _mm512_scalef_ps(p, n));
     let e = _mm512_rcp14_ps(d);
     let s = _mm512_mul_ps(e, _mm512_fnmadd_ps(d, e, c(2.0)));
-    let s = _mm512_mask_mov_ps(
-        s,
-        _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, c(FLOOR)),
-        _mm512_setzero_ps(),
-    );
-    if TIMES_X { _mm512_mul_ps(x, s) } else { s }
+    if TIMES_X {
+        // x σ(x), 0 below FLOOR (NaN kept: unordered compares true).
+        let kept = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, c(FLOOR));
+        _mm512_maskz_mul_ps(kept, x, s)
+    } else {
+        s
+    }
 }
 
 /// Replaces every `x` by `e^(x - shift)` and returns their sum (`-inf` gives 0);
