@@ -47,6 +47,10 @@ pub(crate) enum PackSpec {
     ///
     /// [`blocked_conv_f32::pack_depthwise_weights`]: crate::kernels::blocked_conv_f32::pack_depthwise_weights
     DepthwiseTaps { c: usize, taps: usize },
+    /// Grouped convolution weights (`o` filters of `cg` channels by `taps` taps)
+    /// as 16-channel filters over their block, zero outside their group (see
+    /// [`conv_pixels_f32::pack_block_groups`]).
+    BlockGroups { o: usize, cg: usize, taps: usize },
 }
 
 impl PackSpec {
@@ -67,6 +71,9 @@ impl PackSpec {
             PackSpec::Winograd { cg, og } => winograd_f32::weights_len(cg, og),
             PackSpec::ConvPixels { o, k } => conv_pixels_f32::weights_len(o, k),
             PackSpec::DepthwiseTaps { c, taps } => blocked_conv_f32::depthwise_weights_len(c, taps),
+            PackSpec::BlockGroups { o, taps, .. } => {
+                conv_pixels_f32::block_groups_weights_len(o, taps)
+            }
         }
     }
 }
@@ -144,6 +151,10 @@ impl PackedParam {
                 blocked_conv_f32::pack_depthwise_weights(&values[..c * taps], taps, out);
                 0
             }
+            PackSpec::BlockGroups { o, cg, taps } => {
+                conv_pixels_f32::pack_block_groups(&values[..o * cg * taps], o, (cg, taps), out);
+                0
+            }
         };
         PackedParam {
             spec,
@@ -160,7 +171,8 @@ impl PackedParam {
                 PackSpec::Panels { n, .. } => self.nr == packed_panel_width(n),
                 PackSpec::ConvTaps { .. }
                 | PackSpec::ConvPixels { .. }
-                | PackSpec::DepthwiseTaps { .. } => true,
+                | PackSpec::DepthwiseTaps { .. }
+                | PackSpec::BlockGroups { .. } => true,
                 PackSpec::Winograd { og, .. } => self.nr == packed_panel_width(og),
             }
     }
@@ -237,6 +249,15 @@ pub(crate) fn packed_operand(
         {
             PackSpec::DepthwiseTaps {
                 c: b.dim(0),
+                taps: b.dim(2) * b.dim(3),
+            }
+        }
+        Op::Conv2d { .. } | Op::FusedConv2d { .. }
+            if blocked == Some(blocked_conv_f32::BlockedConv::Grouped) =>
+        {
+            PackSpec::BlockGroups {
+                o: b.dim(0),
+                cg: b.dim(1),
                 taps: b.dim(2) * b.dim(3),
             }
         }

@@ -49,6 +49,10 @@ pub(crate) enum BlockedConv {
     /// ([`super::conv_f32::winograd_over_blocks`]), input and output each plain or
     /// blocked.
     Winograd,
+    /// Groups of 2 to 16 channels, as many outputs as inputs each, that lie
+    /// inside blocks of 16 (RegNet's, ResNeXt's): blocked input and output, each
+    /// block a dense convolution ([`conv_pixels_f32::conv2d_block_groups`]).
+    Grouped,
 }
 
 impl BlockedConv {
@@ -59,6 +63,7 @@ impl BlockedConv {
             BlockedConv::Depthwise => "blocked-depthwise",
             BlockedConv::Dense => "blocked-direct",
             BlockedConv::Winograd => "blocked-winograd",
+            BlockedConv::Grouped => "blocked-grouped",
         }
     }
 }
@@ -101,7 +106,23 @@ pub(crate) fn kind(
         && w.dim(1) == 1
         && layout.input(0)
         && layout.output();
-    depthwise.then_some(BlockedConv::Depthwise)
+    if depthwise {
+        return Some(BlockedConv::Depthwise);
+    }
+    let (c, cg) = (x.dim(1), w.dim(1));
+    let plane = Shape::new(&[x.dim(0), BLOCK, x.dim(2), x.dim(3)], DType::F32);
+    // Every group inside a block: of 16 channels, or the last one of 8.
+    let block_width = if c.is_multiple_of(BLOCK) { BLOCK } else { HALF };
+    let grouped = groups > 1
+        && cg > 1
+        && crate::layout::blockable_channels(c)
+        && block_width.is_multiple_of(cg)
+        && cg * groups == c
+        && w.dim(0) == c
+        && layout.input(0)
+        && layout.output()
+        && conv_pixels_f32::applies(win, 1, &plane);
+    grouped.then_some(BlockedConv::Grouped)
 }
 
 /// `f64` values of scratch a run needs: the packed weights of a pointwise
@@ -118,6 +139,9 @@ pub(crate) fn scratch_f64(kind: BlockedConv, w: &Shape) -> usize {
             conv_pixels_f32::weights_len(o, k).div_ceil(2)
         }
         BlockedConv::Winograd => super::winograd_f32::weights_len(w.dim(1), w.dim(0)).div_ceil(2),
+        BlockedConv::Grouped => {
+            conv_pixels_f32::block_groups_weights_len(w.dim(0), w.dim(2) * w.dim(3)).div_ceil(2)
+        }
         BlockedConv::Depthwise => 0,
     }
 }
@@ -138,6 +162,10 @@ pub(crate) fn thread_floats(
             conv_pixels_f32::thread_floats(win, x, w, out_hw)
         }
         BlockedConv::Winograd => super::conv_f32::thread_floats(win, x, w),
+        BlockedConv::Grouped => {
+            let out_hw = [0, 1].map(|axis| super::conv::extent(win, axis, x.dim(2 + axis)));
+            conv_pixels_f32::block_groups_thread_floats(win, x, out_hw)
+        }
         BlockedConv::Pointwise if prologue => {
             let c = x.dim(1);
             block_fit(c).next_multiple_of(MR) * c + c
@@ -1618,6 +1646,21 @@ mod tests {
                 )
                 .unwrap();
             }
+            BlockedConv::Grouped => {
+                let taps = kh * kw;
+                let mut packed = vec![f32::NAN; conv_pixels_f32::block_groups_weights_len(o, taps)];
+                conv_pixels_f32::pack_block_groups(&wt, o, (cg, taps), &mut packed);
+                let out_dst = dst(&mut out, &os);
+                conv_pixels_f32::conv2d_block_groups(
+                    &case.win,
+                    x_src,
+                    &packed,
+                    finish,
+                    out_dst,
+                    (&scratch, &pool),
+                )
+                .unwrap();
+            }
             BlockedConv::Depthwise => {
                 // With a residual the weights come packed ahead, without one each
                 // task arranges its own.
@@ -1723,6 +1766,79 @@ mod tests {
                     // (applied after the products).
                     check_with(&case, 31 + i as u64, crate::gemm::Activation::Relu);
                     check_with(&case, 41 + i as u64, crate::gemm::Activation::GeluTanh);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_matches_the_reference_for_every_group_width() {
+        // (threads, x dims, groups, window): groups 2 to 16 channels wide (RegNet's
+        // 8, ResNeXt's 4), strides 1 and 2, 1x1 and 5x5 windows, several images.
+        let cases = [
+            (
+                2,
+                [1, 48, 14, 13],
+                6,
+                window([3, 3], [1, 1], [1, 1, 1, 1], [1, 1]),
+            ),
+            (
+                3,
+                [2, 32, 9, 11],
+                8,
+                window([3, 3], [2, 2], [1, 1, 1, 1], [1, 1]),
+            ),
+            (
+                2,
+                [1, 64, 7, 7],
+                4,
+                window([3, 3], [1, 1], [1, 1, 1, 1], [1, 1]),
+            ),
+            (
+                1,
+                [1, 32, 10, 9],
+                16,
+                window([5, 5], [1, 1], [2, 2, 2, 2], [1, 1]),
+            ),
+            (2, [1, 16, 6, 8], 2, window([1, 1], [1, 1], [0; 4], [1, 1])),
+            (
+                2,
+                [1, 80, 15, 15],
+                10,
+                window([3, 3], [2, 2], [1, 0, 1, 1], [1, 1]),
+            ),
+            // A last block of 8: RegNet's 104 and 440 channels in groups of 8.
+            (
+                2,
+                [1, 104, 9, 10],
+                13,
+                window([3, 3], [1, 1], [1, 1, 1, 1], [1, 1]),
+            ),
+            (
+                3,
+                [2, 40, 8, 7],
+                10,
+                window([3, 3], [2, 2], [1, 1, 1, 1], [1, 1]),
+            ),
+        ];
+        for (i, &(threads, x, groups, win)) in cases.iter().enumerate() {
+            for (residual, affine) in [(false, false), (true, true)] {
+                let case = Case {
+                    threads,
+                    x,
+                    o: x[1],
+                    kernel: win.kernel,
+                    win,
+                    groups,
+                    layout: [true, true],
+                    residual,
+                    affine,
+                    prologue: false,
+                    folded: false,
+                };
+                check(&case, 201 + i as u64);
+                if i % 2 == 0 {
+                    check_with(&case, 251 + i as u64, crate::gemm::Activation::GeluTanh);
                 }
             }
         }

@@ -105,6 +105,32 @@ pub(crate) fn pack_weights(ws: &[f32], o: usize, k: usize, out: &mut [f32]) {
     }
 }
 
+/// Floats of [`pack_block_groups`]' form for `o` filters of `taps` taps.
+pub(crate) fn block_groups_weights_len(o: usize, taps: usize) -> usize {
+    weights_len(o, BLOCK.saturating_mul(taps))
+}
+
+/// Packs the OIHW weights of a grouped convolution whose groups of `cg` channels
+/// (`cg` dividing 16, as many outputs as inputs a group) lie inside blocks of 16
+/// channels ([`conv2d_block_groups`]): for each output channel, a filter over the
+/// 16 input channels of its block, zero outside its group, in
+/// [`pack_weights`]' form (`16 * taps` steps a panel).
+pub(crate) fn pack_block_groups(ws: &[f32], o: usize, (cg, taps): (usize, usize), out: &mut [f32]) {
+    let k = BLOCK * taps;
+    let mut dense = vec![0.0f32; o * k];
+    for (co, filter) in dense.chunks_exact_mut(k).enumerate() {
+        let group = co / cg;
+        // The group's first input channel within the block.
+        let first = group * cg % BLOCK;
+        for ci in 0..cg {
+            for tap in 0..taps {
+                filter[(first + ci) * taps + tap] = ws[(co * cg + ci) * taps + tap];
+            }
+        }
+    }
+    pack_weights(&dense, o, k, out);
+}
+
 /// The sizes of one convolution, and of the padded input rows a block stages.
 #[derive(Clone, Copy)]
 struct Geometry {
@@ -454,6 +480,140 @@ pub(crate) fn conv2d(
         }
     };
     pool.run(n * blocking.blocks * parts, threads, &task)
+}
+
+/// A grouped convolution of blocked `x` into blocked `out` whose groups lie inside
+/// its blocks ([`crate::layout::Blocks`]: of 16 channels, a last one of 8;
+/// `weights` from [`pack_block_groups`]): each block of the output is a dense
+/// convolution of the same block of the input by filters over the block's
+/// channels, zero outside each channel's group, run as [`conv2d`] runs one
+/// (staged rows of that block's plane, tiles of pixels by one panel). A group 8
+/// channels wide multiplies twice the values it needs, at the dense kernel's
+/// rate, and the layers around it stay blocked.
+pub(crate) fn conv2d_block_groups(
+    win: &Window2d,
+    x: Src,
+    weights: &[f32],
+    finish: Finish,
+    out: Dst,
+    (gemm, pool): (&crate::gemm::GemmScratch, &ThreadPool),
+) -> Result<()> {
+    let [n, o] = [out.shape.dim(0), out.shape.dim(1)];
+    let [c, h, w] = [x.shape.dim(1), x.shape.dim(2), x.shape.dim(3)];
+    let out_hw = [out.shape.dim(2), out.shape.dim(3)];
+    // The geometry of a block of 16 channels and of one of 8.
+    let geometry = |lanes: usize| {
+        let plane = Shape::new(&[n, lanes, h, w], rlx_ir::DType::F32);
+        Geometry::new(win, &plane, out_hw).with_blocked_input(true)
+    };
+    let (whole, half) = (geometry(BLOCK), geometry(HALF));
+    let pixels = whole.oh * whole.ow;
+    if n == 0 || o == 0 || pixels == 0 {
+        return Ok(());
+    }
+    if c != o || !crate::layout::blockable_channels(c) {
+        return Err(rlx_ir::Error::runtime(
+            "blocked grouped convolution",
+            format!("{c} input and {o} output channels are not the same blocks"),
+        ));
+    }
+    let threads = gemm.threads();
+    let taps = win.kernel[0] * win.kernel[1];
+    let x_blocks = crate::layout::Blocks::new(c, h * w);
+    let planes = x_blocks.count();
+    let blocking = Blocking::new(win, &whole, n * planes, threads);
+    // SAFETY: an f32 tensor of `x.len` values.
+    let xs = unsafe { std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len) };
+    let out_addr = out.ptr as usize;
+    let residual_addr = finish.residual.map(|r| r.ptr as usize);
+    let in_store = finish.has_lanes_form();
+    let (bias_addr, activation) = (finish.bias.map(|b| b.as_ptr() as usize), finish.activation);
+    let affine_addr = finish
+        .affine
+        .map(|(s, t, post)| (s.as_ptr() as usize, t.as_ptr() as usize, post));
+    let per_channel = finish.per_channel();
+    let task = |u: usize, thread: usize| {
+        let (image, rest) = (
+            u / (planes * blocking.blocks),
+            u % (planes * blocking.blocks),
+        );
+        let (plane, block) = (rest / blocking.blocks, rest % blocking.blocks);
+        let lanes = x_blocks.width(plane);
+        let geo = if lanes == BLOCK { whole } else { half };
+        let k = lanes * taps;
+        let y0 = block * blocking.rows;
+        let rows = blocking.rows.min(geo.oh - y0);
+        let staged_rows = geo.rows_read(win, rows);
+        // SAFETY: one task per thread index at a time.
+        let extra = unsafe { gemm.parts(thread) }.1;
+        let (staged, rest) = extra.split_at_mut(geo.staged_len(staged_rows));
+        let (offsets, rest) = rest.split_at_mut(k);
+        let block_pixels = rows * geo.ow;
+        let products = &mut rest[..products_len(k, block_pixels)];
+        let src = &xs[image * c * h * w + x_blocks.start(plane)..][..lanes * h * w];
+        stage_rows(win, &geo, (src, None), y0, staged_rows, staged);
+        step_offsets(win, &geo, staged_rows, offsets);
+        let image_at = image * o * pixels;
+        let block_out = BlockOut {
+            // SAFETY: inside the output.
+            image: unsafe { (out_addr as *mut f32).add(image_at) },
+            first_pixel: y0 * geo.ow,
+            pixels,
+            channels: o,
+            blocked: true,
+            finish: in_store.then(|| RegisterFinish {
+                bias: bias_addr.map(|a| a as *const f32),
+                activation,
+                residual: residual_addr.map(|a| (a as *const f32).wrapping_add(image_at)),
+                affine: affine_addr.map(|(s, t, post)| (s as *const f32, t as *const f32, post)),
+            }),
+        };
+        let bases = PixelBases {
+            ow: geo.ow,
+            row_step: win.stride[0] * geo.wp * geo.lanes,
+            sx: win.stride[1] * geo.lanes,
+            last: block_pixels - 1,
+        };
+        // The weights from which panel `plane` of `k` steps is this block's: a
+        // half block reads the first half of its panel's steps (its 8 channels'),
+        // every other panel before it holding `16 * taps`.
+        let first = plane * (BLOCK * taps - k) * NR;
+        run_group(
+            (staged, as_offsets(offsets), &weights[first..]),
+            bases,
+            (plane, 1, &[None]),
+            products,
+            &block_out,
+        );
+        if !in_store {
+            let (at, len) = (
+                image_at + block_out.at(plane * BLOCK, 0),
+                block_pixels * lanes,
+            );
+            // SAFETY: the block's pixels of this plane: inside the output (and the
+            // residual, of the same shape and layout); only this task writes them.
+            let (values, residual) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), len),
+                    residual_addr
+                        .map(|a| std::slice::from_raw_parts((a as *const f32).add(at), len)),
+                )
+            };
+            per_channel.apply_lanes((plane * BLOCK, lanes), values, residual);
+        }
+    };
+    pool.run(n * planes * blocking.blocks, threads, &task)
+}
+
+/// Per-thread floats [`conv2d_block_groups`] needs: as [`thread_floats`] for a
+/// dense convolution of one block of 16 channels.
+pub(crate) fn block_groups_thread_floats(win: &Window2d, x: &Shape, out_hw: [usize; 2]) -> usize {
+    let plane = Shape::new(&[x.dim(0), BLOCK, x.dim(2), x.dim(3)], rlx_ir::DType::F32);
+    let taps = Shape::new(
+        &[BLOCK, BLOCK, win.kernel[0], win.kernel[1]],
+        rlx_ir::DType::F32,
+    );
+    thread_floats(win, &plane, &taps, out_hw)
 }
 
 /// Reads `f32` scratch as the `u32` offsets stored in it.

@@ -876,6 +876,42 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
                 .map(crate::prepack::PackedParam::values);
             blocked_conv_f32::depthwise(window, [x, w], packed, finish, a.out, (ctx.gemm, ctx.pool))
         }
+        blocked_conv_f32::BlockedConv::Grouped => {
+            let (o, cg, taps) = (
+                w.shape.dim(0),
+                w.shape.dim(1),
+                w.shape.dim(2) * w.shape.dim(3),
+            );
+            let spec = crate::prepack::PackSpec::BlockGroups { o, cg, taps };
+            let packed = match ctx.packed_b.filter(|p| p.fits(spec)) {
+                Some(packed) => packed.values(),
+                None => {
+                    let len = conv_pixels_f32::block_groups_weights_len(o, taps);
+                    // SAFETY: the step asked for `scratch_f64`: room for `len` f32
+                    // values (f64 storage is aligned for f32); an f32 tensor of
+                    // `w.len` values, alive for the step.
+                    let (values, ws) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(
+                                ctx.scratch.as_mut_ptr().cast::<f32>(),
+                                len,
+                            ),
+                            std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len),
+                        )
+                    };
+                    conv_pixels_f32::pack_block_groups(ws, o, (cg, taps), values);
+                    &*values
+                }
+            };
+            conv_pixels_f32::conv2d_block_groups(
+                window,
+                x,
+                packed,
+                finish,
+                a.out,
+                (ctx.gemm, ctx.pool),
+            )
+        }
         blocked_conv_f32::BlockedConv::Dense => {
             let (packed, _) = conv_f32::pixel_weights(w, ctx.packed_b, ctx.scratch);
             conv_pixels_f32::conv2d(
