@@ -8,7 +8,8 @@
 //!   broadcasts one input value per pixel from a table of channel offsets, so the
 //!   input is read in place in either layout (a last block of 8 as a tail of the
 //!   steps, from pixel bases 8 floats apart): no packing and no staged copy (but
-//!   for an input prologue, applied to a per-task copy in its layout). A
+//!   for an input prologue: an affine alone folded into the weights where that is
+//!   cheaper, [`fold_prologue`], else applied to a per-task copy in its layout). A
 //!   blocked output is stored as the micro-kernel holds it (pixels by 16 channels;
 //!   a last block of 8 takes a panel's first half); a plain one is transposed into
 //!   channel rows. With 512 or more input channels, whole tiles run
@@ -24,6 +25,10 @@
 //!   padding written as zeros, so no tap is checked; in longer rows the runs whose
 //!   window crosses the left or right edge check each tap. A finish whose steps
 //!   all have a vector form is applied to each sum as it is stored.
+//!
+//! - **Grouped** (groups of 2 to 16 channels inside the blocks; blocked in and
+//!   out): each block a dense convolution by filters over the block
+//!   ([`conv_pixels_f32::conv2d_block_groups`]).
 //!
 //! Otherwise the epilogue (bias, activation, residual, channel affine) runs on
 //! each finished piece while it is in L1.
