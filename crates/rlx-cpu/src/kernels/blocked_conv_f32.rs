@@ -130,8 +130,10 @@ pub(crate) fn kind(
     grouped.then_some(BlockedConv::Grouped)
 }
 
-/// `f64` values of scratch a run needs: the packed weights of a pointwise
-/// convolution (when they were not packed ahead) and its table of channel offsets.
+/// `f64` values of scratch a run needs: for a pointwise convolution, room for its
+/// packed weights (packed there when not packed ahead, or scaled there by a folded
+/// prologue), its table of channel offsets and a folded prologue's bias; for a
+/// dense, Winograd or grouped one, its weights when not packed ahead.
 pub(crate) fn scratch_f64(kind: BlockedConv, w: &Shape) -> usize {
     match kind {
         BlockedConv::Pointwise => {
@@ -154,7 +156,7 @@ pub(crate) fn scratch_f64(kind: BlockedConv, w: &Shape) -> usize {
 /// Floats of scratch each thread needs: a depthwise block's weights, tap by tap,
 /// then the padded rows it stages (if any); a pointwise convolution with a
 /// prologue, its block of changed input and the block's channel offsets; a dense
-/// one, what [`conv_pixels_f32`] stages.
+/// or grouped one, what [`conv_pixels_f32`] stages.
 pub(crate) fn thread_floats(
     kind: BlockedConv,
     win: &Window2d,
@@ -671,7 +673,8 @@ const DEPTH_BLOCK: usize = 128;
 /// blocks.
 const DEPTH_BLOCKED_FROM: usize = 4 * DEPTH_BLOCK;
 
-/// Output pixels whose sums a depthwise run keeps in registers.
+/// Output pixels whose sums a depthwise run keeps in registers ([`run`]; the
+/// fixed runs keep up to 12, [`run_fixed`]).
 const RUN: usize = 8;
 /// Vectors of a run of pixel pairs (half-vector blocks): 16 pixels, so that each
 /// pass over a tap's row feeds 8 sums (with 4, a 72-channel 3x3 layer at 64 x 64
@@ -930,7 +933,7 @@ fn stage_padded(
 /// # Safety
 /// AVX-512F is available; `x` holds the plane's `h * w` pixels of `geo.lanes`
 /// values, `weights` its `kh * kw` tap vectors (at [`BLOCK`] floats apart), and
-/// `row` the row's `ow` pixels.
+/// `row` the row's `ow` pixels; a finish's residual row holds them too.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn depthwise_row(
@@ -1196,8 +1199,28 @@ unsafe fn run_pairs<const R: usize, const INSIDE: bool>(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn depthwise_row(_: *const f32, _: &[f32], _: usize, _: DepthwiseRow, _: &mut [f32]) {
+unsafe fn depthwise_row(
+    _: *const f32,
+    _: &[f32],
+    _: usize,
+    _: DepthwiseRow,
+    _: (&mut [f32], Option<&LaneFinish>),
+) {
     unreachable!("`kind` is None off x86-64")
+}
+
+/// Off x86-64 no kernel finishes in registers (`kind` is None there).
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Clone, Copy)]
+struct LaneFinish {
+    residual: Option<*const f32>,
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+impl LaneFinish {
+    fn new(_: FinishSteps, _: (usize, usize), _: bool) -> LaneFinish {
+        unreachable!("`kind` is None off x86-64")
+    }
 }
 
 /// `R` output pixels from `ox`: their sums stay in registers over all taps.
@@ -1247,6 +1270,7 @@ unsafe fn run<const R: usize, const INSIDE: bool>(
 
 /// Whether [`run_fixed`] computes the interior runs of rows of this geometry: a
 /// kernel 3, 5 or 7 taps wide, stride 1 or 2 along the row, no dilation there.
+#[cfg(target_arch = "x86_64")]
 fn fixed_width(geo: &DepthwiseRow) -> bool {
     matches!(geo.kw, 3 | 5 | 7) && matches!(geo.stride[1], 1 | 2) && geo.dilation[1] == 1
 }
