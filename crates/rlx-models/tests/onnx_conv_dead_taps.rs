@@ -71,9 +71,12 @@ fn dilated_windows_wider_than_the_input_match_the_full_window() {
     // tap lives; the middle row but every column lives; asymmetric padding where the
     // first tap dies on one axis only; a window that keeps every tap; then windows
     // split into regions: an atrous pyramid's rate 12 over 16 x 16 (a quarter of the
-    // products live), asymmetric sizes and padding, a 5 x 5 window, groups.
+    // products live), asymmetric sizes and padding, a 5 x 5 window, groups; then
+    // windows over many channels, whose weights outweigh the output, summed tap by
+    // tap (each a 1x1 convolution of its live rectangle, padded and added), with
+    // groups too.
     type Case = (usize, usize, usize, usize, usize, usize, [usize; 4], usize);
-    let cases: [Case; 8] = [
+    let cases: [Case; 10] = [
         (6, 5, 6, 4, 3, 8, [8, 8, 8, 8], 1),
         (3, 4, 12, 5, 3, 6, [6, 1, 6, 1], 1),
         (4, 7, 7, 3, 3, 5, [5, 2, 1, 2], 1),
@@ -82,6 +85,8 @@ fn dilated_windows_wider_than_the_input_match_the_full_window() {
         (3, 10, 13, 5, 3, 7, [7, 3, 7, 5], 1),
         (2, 9, 11, 3, 5, 4, [8, 8, 8, 8], 1),
         (6, 12, 12, 4, 3, 9, [9, 9, 9, 9], 2),
+        (128, 8, 8, 8, 3, 6, [6, 6, 6, 6], 1),
+        (256, 8, 10, 8, 3, 6, [6, 6, 6, 6], 2),
     ];
     for (i, (c, h, wd, o, k, d, pads, groups)) in cases.into_iter().enumerate() {
         let x = values(c * h * wd, 90 + i as u64);

@@ -9,7 +9,11 @@
 //! of every output, most of them by padding zeros (a quarter of the products are
 //! live in that example, in 2-D). Each region (a segment of rows by a segment of
 //! columns) is instead a convolution without padding of the input rectangle it reads
-//! by its live taps, and the regions are joined by concatenation.
+//! by its live taps, and the regions are joined by concatenation. Where the
+//! weights outweigh the output (many channels over a small plane), the convolution
+//! is instead summed tap by tap: each live tap a 1x1 convolution of the input
+//! rectangle its live outputs read, padded with zeros to the output and added, so
+//! each tap's weights are read once ([`split_by_tap`]).
 
 use crate::import::Cx;
 use rlx_ir::{NodeId, Result};
@@ -130,6 +134,15 @@ pub(super) fn split_conv(
     if share > MAX_LIVE_SHARE || regions == 1 || regions > MAX_REGIONS {
         return Ok(None);
     }
+    if let Some(y) = split_by_tap(
+        cx,
+        (x, w, bias),
+        (&axes, [stride, dilation]),
+        padding,
+        groups,
+    )? {
+        return Ok(Some(y));
+    }
     let mut rows = Vec::with_capacity(axes[0].len());
     for r in &axes[0] {
         let mut cols = Vec::with_capacity(axes[1].len());
@@ -162,6 +175,103 @@ pub(super) fn split_conv(
     } else {
         cx.g.concat(&rows, 2)?
     }))
+}
+
+/// The live outputs `lo..hi` of tap `k` along an axis: the union of the segments
+/// that read it.
+fn tap_outputs(segs: &[Segment], k: usize) -> Option<(usize, usize)> {
+    let live: Vec<&Segment> = segs
+        .iter()
+        .filter(|s| s.first <= k && k <= s.last)
+        .collect();
+    Some((live.first()?.start, live.last()?.end))
+}
+
+/// The convolution as a sum over its live taps instead of its regions, when that
+/// reads fewer values: each tap a 1x1 convolution of the input rectangle its live
+/// outputs read (the weights' slice for it read once, where each region reads its
+/// own slice of every tap it has), padded with zeros to the output and added. A
+/// tap whose outputs are all of them carries the bias and starts the sum; without
+/// one, `None`. DeepLabV3's rate-12 atrous convolution over a 16 x 16 plane reads
+/// 25 taps' weights as 9 regions and 9 as taps, and its centre tap is one
+/// 256-pixel product instead of a 64-pixel one.
+fn split_by_tap(
+    cx: &Cx,
+    (x, w, bias): (NodeId, NodeId, Option<NodeId>),
+    (axes, [stride, dilation]): (&[Vec<Segment>], [[usize; 2]; 2]),
+    padding: [usize; 4],
+    groups: usize,
+) -> Result<Option<NodeId>> {
+    let xd = cx.g.shape(x)?.dims().to_vec();
+    let wd = cx.g.shape(w)?.dims().to_vec();
+    let out = [0, 1].map(|a| axes[a].last().map_or(0, |s| s.end));
+    let (n, o) = (xd[0], wd[0]);
+    // Values read: each region its taps' weights; each tap its weights once, and
+    // its padded partial sum written and added (about three passes over it).
+    let per_tap = wd[1] * o;
+    let region_taps: usize = axes[0]
+        .iter()
+        .flat_map(|r| {
+            axes[1]
+                .iter()
+                .map(move |c| (r.last - r.first + 1) * (c.last - c.first + 1))
+        })
+        .sum();
+    let mut taps = Vec::new();
+    for ky in 0..wd[2] {
+        for kx in 0..wd[3] {
+            if let (Some(rows), Some(cols)) = (tap_outputs(&axes[0], ky), tap_outputs(&axes[1], kx))
+            {
+                taps.push(([ky, kx], [rows, cols]));
+            }
+        }
+    }
+    let sums = 3 * (taps.len() - 1) * n * o * out[0] * out[1];
+    let Some(full) = taps
+        .iter()
+        .position(|&(_, live)| live == [(0, out[0]), (0, out[1])])
+    else {
+        return Ok(None);
+    };
+    if taps.len() * per_tap + sums >= region_taps * per_tap {
+        return Ok(None);
+    }
+    // Tap `k`'s 1x1 convolution over its live outputs `live`, and the zeros that
+    // pad it to the whole output.
+    let tap_sum = |(k, live): ([usize; 2], [(usize, usize); 2]), b: Option<NodeId>| {
+        let read = |a: usize| {
+            let (lo, hi) = live[a];
+            let first = lo * stride[a] + k[a] * dilation[a] - padding[a];
+            (
+                first as isize,
+                (first + (hi - lo - 1) * stride[a] + 1) as isize,
+            )
+        };
+        let ((r0, r1), (c0, c1)) = (read(0), read(1));
+        let part = cx.g.slice_axes(x, &[(2, r0, r1, 1), (3, c0, c1, 1)])?;
+        let (ky, kx) = (k[0] as isize, k[1] as isize);
+        let taps =
+            cx.g.slice_axes(w, &[(2, ky, ky + 1, 1), (3, kx, kx + 1, 1)])?;
+        let y = cx.g.conv2d(part, taps, b, stride, [0; 4], [1, 1], groups)?;
+        let pads = [
+            (0, 0),
+            (0, 0),
+            (live[0].0, out[0] - live[0].1),
+            (live[1].0, out[1] - live[1].1),
+        ];
+        Ok::<_, rlx_ir::Error>((y, pads))
+    };
+    let (mut sum, _) = tap_sum(taps[full], bias)?;
+    for (i, &tap) in taps.iter().enumerate() {
+        if i == full {
+            continue;
+        }
+        let (y, pads) = tap_sum(tap, None)?;
+        let zero = rlx_ir::PadMode::Constant(rlx_ir::F64Bits::new(0.0));
+        let placed = cx.g.pad(y, &pads, zero)?;
+        sum = cx.g.binary(rlx_ir::BinaryOp::Add, sum, placed)?;
+    }
+    Ok(Some(sum))
 }
 
 #[cfg(test)]
