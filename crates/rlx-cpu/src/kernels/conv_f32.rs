@@ -679,19 +679,14 @@ pub(crate) fn pixel_weights<'s>(
 ) -> (&'s [f32], &'s mut [f64]) {
     let o = w.shape.dim(0);
     let k = w.len / o.max(1);
-    let len = conv_pixels_f32::weights_len(o, k);
-    let (weights, rest) = scratch.split_at_mut(len.div_ceil(2));
     let spec = crate::prepack::PackSpec::ConvPixels { o, k };
     match packed.filter(|p| p.fits(spec)) {
-        Some(packed) => (packed.values(), rest),
+        Some(packed) => {
+            let len = conv_pixels_f32::weights_len(o, k);
+            (packed.values(), &mut scratch[len.div_ceil(2)..])
+        }
         None => {
-            // SAFETY: the step asked for `scratch_f64`: room for `len` f32 values
-            // here (f64 storage is aligned for f32).
-            let values =
-                unsafe { std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<f32>(), len) };
-            // SAFETY: an f32 tensor of `w.len` values, alive for the step.
-            let ws = unsafe { std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len) };
-            conv_pixels_f32::pack_weights(ws, o, k, values);
+            let (values, rest) = pixel_weights_in_scratch(w, None, scratch);
             (values, rest)
         }
     }

@@ -117,18 +117,19 @@ pub(crate) fn block_groups_weights_len(o: usize, taps: usize) -> usize {
 /// [`pack_weights`]' form (`16 * taps` steps a panel).
 pub(crate) fn pack_block_groups(ws: &[f32], o: usize, (cg, taps): (usize, usize), out: &mut [f32]) {
     let k = BLOCK * taps;
-    let mut dense = vec![0.0f32; o * k];
-    for (co, filter) in dense.chunks_exact_mut(k).enumerate() {
-        let group = co / cg;
-        // The group's first input channel within the block.
-        let first = group * cg % BLOCK;
+    let out = &mut out[..weights_len(o, k)];
+    out.fill(0.0);
+    for co in 0..o {
+        // The first input channel of the filter's group within its block.
+        let first = co / cg * cg % BLOCK;
+        let (q, j) = (co / NR, co % NR);
         for ci in 0..cg {
             for tap in 0..taps {
-                filter[(first + ci) * taps + tap] = ws[(co * cg + ci) * taps + tap];
+                let p = (first + ci) * taps + tap;
+                out[(q * k + p) * NR + j] = ws[(co * cg + ci) * taps + tap];
             }
         }
     }
-    pack_weights(&dense, o, k, out);
 }
 
 /// The sizes of one convolution, and of the padded input rows a block stages.
@@ -377,7 +378,8 @@ pub(crate) fn conv2d(
     // SAFETY: an f32 tensor of `x.len` values.
     let xs = unsafe { std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len) };
     let out_addr = out.ptr as usize;
-    let residual_addr = finish.residual.map(|r| r.ptr as usize);
+    let finish_at = FinishAt::of(&finish);
+    let residual_addr = finish_at.residual;
     // Into a plain output, a bias and a ReLU are applied to each tile as it is
     // stored; into a blocked one, any finish whose activations have a vector form;
     // anything else in one pass over a panel's finished rows.
@@ -385,10 +387,6 @@ pub(crate) fn conv2d(
         false => finish.is_bias_and_relu(),
         true => finish.has_lanes_form(),
     };
-    let (bias_addr, activation) = (finish.bias.map(|b| b.as_ptr() as usize), finish.activation);
-    let affine_addr = finish
-        .affine
-        .map(|(s, t, post)| (s.as_ptr() as usize, t.as_ptr() as usize, post));
     let per_channel = finish.per_channel();
     let out_blocks = crate::layout::Blocks::new(o, pixels);
     let task = |u: usize, thread: usize| {
@@ -419,13 +417,7 @@ pub(crate) fn conv2d(
             pixels,
             channels: o,
             blocked: blocks.output,
-            // The whole finish, the residual at the image's place.
-            finish: (in_store && blocks.output).then(|| RegisterFinish {
-                bias: bias_addr.map(|a| a as *const f32),
-                activation,
-                residual: residual_addr.map(|a| (a as *const f32).wrapping_add(image_at)),
-                affine: affine_addr.map(|(s, t, post)| (s as *const f32, t as *const f32, post)),
-            }),
+            finish: (in_store && blocks.output).then(|| finish_at.in_registers(image_at)),
         };
         let bases = PixelBases {
             ow: geo.ow,
@@ -525,12 +517,9 @@ pub(crate) fn conv2d_block_groups(
     // SAFETY: an f32 tensor of `x.len` values.
     let xs = unsafe { std::slice::from_raw_parts(x.ptr.cast::<f32>(), x.len) };
     let out_addr = out.ptr as usize;
-    let residual_addr = finish.residual.map(|r| r.ptr as usize);
+    let finish_at = FinishAt::of(&finish);
+    let residual_addr = finish_at.residual;
     let in_store = finish.has_lanes_form();
-    let (bias_addr, activation) = (finish.bias.map(|b| b.as_ptr() as usize), finish.activation);
-    let affine_addr = finish
-        .affine
-        .map(|(s, t, post)| (s.as_ptr() as usize, t.as_ptr() as usize, post));
     let per_channel = finish.per_channel();
     let task = |u: usize, thread: usize| {
         let (image, rest) = (
@@ -561,12 +550,7 @@ pub(crate) fn conv2d_block_groups(
             pixels,
             channels: o,
             blocked: true,
-            finish: in_store.then(|| RegisterFinish {
-                bias: bias_addr.map(|a| a as *const f32),
-                activation,
-                residual: residual_addr.map(|a| (a as *const f32).wrapping_add(image_at)),
-                affine: affine_addr.map(|(s, t, post)| (s as *const f32, t as *const f32, post)),
-            }),
+            finish: in_store.then(|| finish_at.in_registers(image_at)),
         };
         let bases = PixelBases {
             ow: geo.ow,
@@ -614,6 +598,43 @@ pub(crate) fn block_groups_thread_floats(win: &Window2d, x: &Shape, out_hw: [usi
         rlx_ir::DType::F32,
     );
     thread_floats(win, &plane, &taps, out_hw)
+}
+
+/// A [`Finish`]'s operands as addresses, which pool tasks can share.
+#[derive(Clone, Copy)]
+struct FinishAt {
+    bias: Option<usize>,
+    activation: Option<Activation>,
+    residual: Option<usize>,
+    affine: Option<(usize, usize, Option<Activation>)>,
+}
+
+impl FinishAt {
+    fn of(finish: &Finish) -> FinishAt {
+        FinishAt {
+            bias: finish.bias.map(|b| b.as_ptr() as usize),
+            activation: finish.activation,
+            residual: finish.residual.map(|r| r.ptr as usize),
+            affine: finish
+                .affine
+                .map(|(s, t, post)| (s.as_ptr() as usize, t.as_ptr() as usize, post)),
+        }
+    }
+
+    /// The whole finish in registers, the residual at the place of the image
+    /// whose first output value is `image_at` floats in.
+    fn in_registers(&self, image_at: usize) -> RegisterFinish {
+        RegisterFinish {
+            bias: self.bias.map(|a| a as *const f32),
+            activation: self.activation,
+            residual: self
+                .residual
+                .map(|a| (a as *const f32).wrapping_add(image_at)),
+            affine: self
+                .affine
+                .map(|(s, t, post)| (s as *const f32, t as *const f32, post)),
+        }
+    }
 }
 
 /// Reads `f32` scratch as the `u32` offsets stored in it.
