@@ -22,9 +22,9 @@ mod kernels;
 mod pack;
 
 pub(crate) use amx::available as amx_available;
-use kernels::KernelFn;
 #[cfg(test)]
 use kernels::available as available_kernels;
+use kernels::{Ahead, KernelFn};
 pub(crate) use kernels::{MicroKernel, best as best_kernel};
 pub(crate) use pack::transpose_8x8_f32;
 
@@ -847,12 +847,29 @@ unsafe fn serial(
                         } else {
                             (b_pack[jr * kc..].as_ptr(), nr)
                         };
+                        // While the first row block reads a panel from memory, its
+                        // row tiles after the first ask for the next panel's lines.
+                        let tiles = mc.div_ceil(mr);
+                        let ahead = if streamed(g.b_format) && ic == rows.start && ir > 0 {
+                            let next = next_block_panel(
+                                g,
+                                nr,
+                                (jc + jr, jc..jc + nc, cols.end),
+                                (pc, kc, blocks.kc),
+                            );
+                            next.map_or(Ahead::NONE, |(at, lines)| {
+                                Ahead::share(at, lines, (ir / mr - 1, tiles - 1))
+                            })
+                        } else {
+                            Ahead::NONE
+                        };
                         let step = TileStep {
                             at: (ci, cj),
                             size: (mr_eff, nr_eff),
                             depth: (pc, kc),
                             accumulate,
                             finish: last_k && per_tile,
+                            ahead,
                         };
                         // Panels packed ahead come from memory on the first row block;
                         // ones packed here (or by the caller, just before) are in
@@ -916,6 +933,7 @@ unsafe fn packed_few_rows(
     } else {
         kernel.run
     };
+    let tiles = rows.len().div_ceil(mr);
     for jr in cols.clone().step_by(nr) {
         let nr_eff = nr.min(cols.end - jr);
         // SAFETY: panel jr / nr lies inside the packed B.
@@ -924,13 +942,33 @@ unsafe fn packed_few_rows(
         while pc < g.k {
             let kc = FEW_ROWS_KC.min(g.k - pc);
             let accumulate = pc > 0 || g.accumulate;
+            // The slice read after this one: further down the panel, or the top of
+            // the next panel.
+            let next = if pc + kc < g.k {
+                Some((
+                    panel.wrapping_add((pc + kc) * nr),
+                    FEW_ROWS_KC.min(g.k - pc - kc),
+                ))
+            } else {
+                (jr + nr < cols.end).then(|| (panel.wrapping_add(nr * g.k), FEW_ROWS_KC.min(g.k)))
+            };
             for ci in rows.clone().step_by(mr) {
+                let t = (ci - rows.start) / mr;
+                // The first row tile reads the slice from memory, the others ask for
+                // the next one's lines meanwhile.
+                let ahead = match next {
+                    Some((at, depth)) if streamed(g.b_format) && t > 0 => {
+                        Ahead::share(at.cast::<u8>(), depth * nr * 4 / 64, (t - 1, tiles - 1))
+                    }
+                    _ => Ahead::NONE,
+                };
                 let step = TileStep {
                     at: (ci, jr),
                     size: (mr.min(rows.end - ci), nr_eff),
                     depth: (pc, kc),
                     accumulate,
                     finish: per_tile && pc + kc == g.k,
+                    ahead,
                 };
                 // SAFETY: rows pc..pc+kc of the panel; the tile is inside C.
                 let b_panel = (unsafe { panel.add(pc * nr) }, nr);
@@ -944,6 +982,30 @@ unsafe fn packed_few_rows(
         // SAFETY: the rectangle lies inside C (at most MC rows: in L2 still).
         unsafe { epilogue::apply(g, rows, cols) };
     }
+}
+
+/// The packed `B` slice the blocked loops read after the panel at column `col`,
+/// rows `pc..pc + kc`, in the column block `block` of a rectangle whose columns end
+/// at `cols_end`, with `K` blocks `kc_max` deep: its first address and its 64-byte
+/// lines. That is the block's next panel; after its last, the block's first panel
+/// one `K` block down; after the last `K` block, the next block's first panel.
+fn next_block_panel(
+    g: &Gemm,
+    nr: usize,
+    (col, block, cols_end): (usize, std::ops::Range<usize>, usize),
+    (pc, kc, kc_max): (usize, usize, usize),
+) -> Option<(*const u8, usize)> {
+    let panel_at = |col: usize, row: usize| g.b.wrapping_add(col / nr * nr * g.k + row * nr);
+    let (at, depth) = if col + nr < block.end {
+        (panel_at(col + nr, pc), kc)
+    } else if pc + kc < g.k {
+        (panel_at(block.start, pc + kc), kc_max.min(g.k - pc - kc))
+    } else if block.end < cols_end {
+        (panel_at(block.end, 0), kc_max.min(g.k))
+    } else {
+        return None;
+    };
+    Some((at.cast::<u8>(), depth * nr * 4 / 64))
 }
 
 /// Whether `B` is packed panels that come from memory (see [`BFormat::Packed`]).
@@ -963,6 +1025,8 @@ struct TileStep {
     /// Whether the epilogue runs on this tile once it is stored (its last `K` range,
     /// in a product whose epilogue runs per tile).
     finish: bool,
+    /// Lines of the `B` read next that the kernel asks for meanwhile.
+    ahead: Ahead,
 }
 
 /// Multiplies rows `step.at.0..` of `A` over the step's `K` range by `b_panel`
@@ -1036,6 +1100,7 @@ unsafe fn tile_step(
                 c_tile,
                 g.ldc,
                 step.accumulate,
+                step.ahead,
             );
         } else {
             let edge = Edge {
@@ -1114,7 +1179,19 @@ unsafe fn edge_tile(
         .map_or(kernel.run, |&(_, narrow)| narrow);
     // SAFETY: `tile` is MR x NR with stride NR; a narrower kernel reads and writes
     // its leading columns.
-    unsafe { run(kc, a, lda, b, ldb, tile.as_mut_ptr(), nr, accumulate) };
+    unsafe {
+        run(
+            kc,
+            a,
+            lda,
+            b,
+            ldb,
+            tile.as_mut_ptr(),
+            nr,
+            accumulate,
+            Ahead::NONE,
+        )
+    };
     for i in 0..mr_eff {
         for j in 0..nr_eff {
             // SAFETY: inside the valid region of C.
@@ -1259,6 +1336,71 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn ahead_shares_cover_the_lines_once_in_order() {
+        let base = 4096usize as *const u8;
+        for (lines, parts) in [(0, 3), (7, 3), (2, 5), (576, 7), (2304, 1)] {
+            let (mut next, mut total) = (base, 0);
+            for part in 0..parts {
+                let share = Ahead::share(base, lines, (part, parts));
+                assert_eq!(share.at, next, "{lines} lines in {parts}: part {part}");
+                next = share.at.wrapping_add(share.lines * 64);
+                total += share.lines;
+            }
+            assert_eq!(total, lines);
+        }
+    }
+
+    #[test]
+    fn the_next_panel_is_the_one_the_blocked_loops_read_next() {
+        let (k, n, nr): (usize, usize, usize) = (3000, 200, 48);
+        let packed = vec![0.0f32; n.div_ceil(nr) * nr * k];
+        let mut c = vec![0.0f32; n];
+        let g = Gemm {
+            m: 1,
+            n,
+            k,
+            a: packed.as_ptr(),
+            lda: k,
+            b: packed.as_ptr(),
+            ldb: n,
+            a_transposed: false,
+            b_transposed: false,
+            b_format: BFormat::Packed { nr, streamed: true },
+            c: c.as_mut_ptr(),
+            ldc: n,
+            accumulate: false,
+            epilogue: Epilogue::NONE,
+        };
+        let at = |panel: usize, row: usize| {
+            packed
+                .as_ptr()
+                .wrapping_add(panel * nr * k + row * nr)
+                .cast::<u8>()
+        };
+        let lines = |depth: usize| depth * nr * 4 / 64;
+        // The block's next panel, at the same depth.
+        assert_eq!(
+            next_block_panel(&g, nr, (0, 0..96, n), (0, 1500, 1500)),
+            Some((at(1, 0), lines(1500)))
+        );
+        // After the block's last panel: its first, one K block down.
+        assert_eq!(
+            next_block_panel(&g, nr, (48, 0..96, n), (0, 1500, 1500)),
+            Some((at(0, 1500), lines(1500)))
+        );
+        // After the last K block: the next block's first panel, at the top.
+        assert_eq!(
+            next_block_panel(&g, nr, (48, 0..96, n), (1500, 1500, 1500)),
+            Some((at(2, 0), lines(1500)))
+        );
+        // Nothing after the rectangle's last panel.
+        assert_eq!(
+            next_block_panel(&g, nr, (192, 192..200, n), (1500, 1500, 1500)),
+            None
+        );
     }
 
     #[test]
