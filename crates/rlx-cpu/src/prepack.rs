@@ -241,7 +241,7 @@ pub(crate) fn packed_operand(
     if !whole || a.dtype() != DType::F32 || b.dtype() != DType::F32 {
         return None;
     }
-    let shapes = [a.clone(), b.clone()];
+    let shapes: Vec<Shape> = inputs.iter().map(|(_, shape)| shape.clone()).collect();
     let blocked = crate::kernels::blocked_conv(op, &shapes, layout);
     let spec = match op {
         Op::Conv2d { .. } | Op::FusedConv2d { .. }

@@ -84,7 +84,7 @@ pub(crate) fn kind(
     layout: StepLayout,
 ) -> Option<BlockedConv> {
     let shapes_fit = x.rank() == 4 && w.rank() == 4 && x.dtype() == DType::F32;
-    if !layout.any() || !shapes_fit || !crate::isa::isa().avx512f || layout.input(1) {
+    if !shapes_fit || !crate::isa::isa().avx512f || layout.input(1) {
         return None;
     }
     let pointwise = groups == 1
@@ -95,8 +95,11 @@ pub(crate) fn kind(
         && w.dim(1) == x.dim(1)
         // The channel offsets are 32-bit.
         && x.num_elements() / x.dim(0).max(1) < u32::MAX as usize;
-    if pointwise {
+    if pointwise && (layout.any() || plain_pointwise_wins(x)) {
         return Some(BlockedConv::Pointwise);
+    }
+    if !layout.any() {
+        return None;
     }
     if super::conv_f32::winograd_over_blocks(win, x, w) {
         return Some(BlockedConv::Winograd);
@@ -129,6 +132,29 @@ pub(crate) fn kind(
         && conv_pixels_f32::applies(win, 1, &plane);
     grouped.then_some(BlockedConv::Grouped)
 }
+
+/// Whether a pointwise convolution whose input and output are both plain runs on
+/// the pointwise kernel rather than as a GEMM: few pixels an image (at most
+/// [`PLAIN_POINTWISE_MAX_PIXELS`]) over many input channels (at least
+/// [`PLAIN_POINTWISE_MIN_CHANNELS`]). The GEMM splits the pixels between the threads
+/// (a 16 x 16 plane is five and a third panels of 48) and reads all the weights for
+/// each part, where the pointwise kernel splits the filters (two threads, best of
+/// 2000 runs: 960 -> 256 at 16 x 16 0.46 against 0.76 ms, 2048 -> 512 at 7 x 7 0.39
+/// against 0.65, 160 -> 960 at 16 x 16 0.36 against 0.40). With more pixels, or few
+/// channels, the GEMM is as fast or faster (512 -> 128 at 28 x 28 0.36 against 0.42,
+/// 64 -> 256 at 56 x 56 0.49 against 0.92). One pixel (a squeeze-and-excitation
+/// block's) stays a matrix-vector product, which `gemm::gemv` reads in place.
+fn plain_pointwise_wins(x: &Shape) -> bool {
+    let pixels = x.dim(2) * x.dim(3);
+    (2..=PLAIN_POINTWISE_MAX_PIXELS).contains(&pixels) && x.dim(1) >= PLAIN_POINTWISE_MIN_CHANNELS
+}
+
+/// The most pixels an image of a plain pointwise convolution on the pointwise
+/// kernel ([`plain_pointwise_wins`]).
+const PLAIN_POINTWISE_MAX_PIXELS: usize = 256;
+/// The fewest input channels of a plain pointwise convolution on the pointwise
+/// kernel.
+const PLAIN_POINTWISE_MIN_CHANNELS: usize = 128;
 
 /// `f64` values of scratch a run needs: for a pointwise convolution, room for its
 /// packed weights (packed there when not packed ahead, or scaled there by a folded
@@ -1740,6 +1766,34 @@ mod tests {
     }
 
     #[test]
+    fn plain_pointwise_convolutions_take_the_kernel_only_over_few_pixels() {
+        let one = window([1, 1], [1, 1], [0; 4], [1, 1]);
+        let plain = StepLayout::new(&[false, false], false);
+        let chosen = |x: [usize; 4], o: usize| {
+            let (xs, ws) = (
+                Shape::new(&x, DType::F32),
+                Shape::new(&[o, x[1], 1, 1], DType::F32),
+            );
+            kind(&one, 1, &xs, &ws, plain)
+        };
+        if !crate::isa::isa().avx512f {
+            return;
+        }
+        assert_eq!(chosen([1, 960, 16, 16], 256), Some(BlockedConv::Pointwise));
+        assert_eq!(chosen([4, 2048, 7, 7], 512), Some(BlockedConv::Pointwise));
+        assert_eq!(chosen([1, 512, 28, 28], 128), None);
+        assert_eq!(chosen([1, 64, 14, 14], 256), None);
+        assert_eq!(chosen([1, 960, 1, 1], 240), None);
+        // Other windows stay on their plain kernels.
+        let (xs, ws) = (
+            Shape::new(&[1, 960, 16, 16], DType::F32),
+            Shape::new(&[256, 960, 3, 3], DType::F32),
+        );
+        let three = window([3, 3], [1, 1], [1; 4], [1, 1]);
+        assert_eq!(kind(&three, 1, &xs, &ws, plain), None);
+    }
+
+    #[test]
     fn pointwise_matches_the_reference_in_every_layout() {
         let one = window([1, 1], [1, 1], [0; 4], [1, 1]);
         // (threads, x dims, output channels, layouts): plain sides may have any
@@ -1764,6 +1818,11 @@ mod tests {
             (2, [1, 640, 5, 7], 48, [true, true]),
             (3, [2, 528, 4, 5], 64, [false, true]),
             (2, [1, 520, 5, 7], 24, [true, true]),
+            // Plain in and out: few pixels over many channels (a 16 x 16 plane,
+            // depth blocks, and a last pixel tile and panel group short).
+            (2, [1, 160, 7, 7], 96, [false, false]),
+            (3, [2, 544, 16, 16], 72, [false, false]),
+            (1, [1, 130, 9, 5], 40, [false, false]),
         ];
         for (i, &(threads, x, o, layout)) in cases.iter().enumerate() {
             for (residual, affine, prologue, folded) in [

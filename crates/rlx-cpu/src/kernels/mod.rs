@@ -138,14 +138,17 @@ pub(crate) fn thread_scratch_floats(op: &Op, inputs: &[Shape], layout: StepLayou
     }
 }
 
-/// The blocked kernel of a convolution step with `layout`, if it has one.
+/// The blocked kernel of a convolution step with `layout`, if it runs the step (with
+/// nothing blocked, a pointwise convolution over few pixels takes one too).
 pub(crate) fn blocked_conv(
     op: &Op,
     inputs: &[Shape],
     layout: StepLayout,
 ) -> Option<blocked_conv_f32::BlockedConv> {
     match op {
-        Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. } => {
+        Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
+            if table::blocked_conv_runs(op, inputs, layout) =>
+        {
             blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout)
         }
         _ => None,

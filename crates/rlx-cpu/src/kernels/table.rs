@@ -91,6 +91,46 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
         return true;
     }
     match op {
+        Op::Conv2d { .. } | Op::FusedConv2d { .. } => blocked_conv_runs(op, inputs, layout),
+        Op::Elementwise { .. } => blocked_elementwise(inputs, out, layout),
+        Op::Unary(u) if inputs[0].dtype() == DType::F32 && fusable_unary(*u) => {
+            blocked_elementwise(inputs, out, layout)
+        }
+        Op::Binary(b) if fast_binary(*b, inputs[0].dtype(), out) => {
+            blocked_elementwise(inputs, out, layout)
+        }
+        // Whole images of whole blocks: the same bytes move in either layout, when
+        // every part but the last is whole blocks of 16 (so each part's blocks are
+        // the output's).
+        Op::Concat { axis: 1 } => (0..inputs.len()).all(|k| {
+            layout.input(k) == layout.output()
+                && (!layout.output()
+                    || k + 1 == inputs.len()
+                    || inputs[k].dim(1).is_multiple_of(crate::layout::BLOCK))
+        }),
+        Op::MaxPool2d { .. } | Op::AvgPool2d { .. } => {
+            inputs[0].dtype() == DType::F32 && layout.input(0) && layout.output()
+        }
+        Op::Reduce {
+            op: ReduceOp::Sum | ReduceOp::Mean,
+            axes,
+            ..
+        } => {
+            inputs[0].dtype() == DType::F32
+                && axes.as_slice() == [2, 3]
+                && layout.input(0)
+                && !layout.output()
+        }
+        _ => false,
+    }
+}
+
+/// Whether the blocked convolution kernel runs the convolution `op` (`Conv2d` or
+/// `FusedConv2d`) with `layout`: [`blocked_conv_f32::kind`] has a kernel for it, and
+/// that kernel runs its fusion (a prologue only on the pointwise and dense kernels, a
+/// residual in the output's layout, every other extra operand plain).
+pub(crate) fn blocked_conv_runs(op: &Op, inputs: &[Shape], layout: StepLayout) -> bool {
+    match op {
         Op::Conv2d { window, groups } => {
             blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout).is_some()
                 && inputs.len() <= 3
@@ -134,35 +174,6 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
                         !layout.input(k)
                     }
                 })
-        }
-        Op::Elementwise { .. } => blocked_elementwise(inputs, out, layout),
-        Op::Unary(u) if inputs[0].dtype() == DType::F32 && fusable_unary(*u) => {
-            blocked_elementwise(inputs, out, layout)
-        }
-        Op::Binary(b) if fast_binary(*b, inputs[0].dtype(), out) => {
-            blocked_elementwise(inputs, out, layout)
-        }
-        // Whole images of whole blocks: the same bytes move in either layout, when
-        // every part but the last is whole blocks of 16 (so each part's blocks are
-        // the output's).
-        Op::Concat { axis: 1 } => (0..inputs.len()).all(|k| {
-            layout.input(k) == layout.output()
-                && (!layout.output()
-                    || k + 1 == inputs.len()
-                    || inputs[k].dim(1).is_multiple_of(crate::layout::BLOCK))
-        }),
-        Op::MaxPool2d { .. } | Op::AvgPool2d { .. } => {
-            inputs[0].dtype() == DType::F32 && layout.input(0) && layout.output()
-        }
-        Op::Reduce {
-            op: ReduceOp::Sum | ReduceOp::Mean,
-            axes,
-            ..
-        } => {
-            inputs[0].dtype() == DType::F32
-                && axes.as_slice() == [2, 3]
-                && layout.input(0)
-                && !layout.output()
         }
         _ => false,
     }
@@ -367,7 +378,7 @@ fn select_kernel(
         Op::TopK { .. } => Kernel::reference(op, dtype, topk),
         Op::OneHot { .. } => Kernel::reference(op, dtype, one_hot),
         Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
-            if layout.any()
+            if blocked_conv_runs(op, inputs, layout)
                 && let Some(kind) =
                     blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout) =>
         {

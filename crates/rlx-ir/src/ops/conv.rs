@@ -20,8 +20,19 @@ impl Graph {
     ) -> Result<NodeId> {
         let ws = self.shape(w)?;
         require_rank("conv2d", "weight", &ws, 4)?;
+        let kernel = [ws.dim(2), ws.dim(3)];
+        // Along an axis one tap wide, the dilation changes nothing: it is stored as 1,
+        // so the convolution takes the kernels of undilated ones (an atrous
+        // convolution whose outer taps read only padding becomes a dilated 1x1 one).
+        let dilation: [usize; 2] = std::array::from_fn(|a| {
+            if kernel[a] == 1 && dilation[a] > 0 {
+                1
+            } else {
+                dilation[a]
+            }
+        });
         let window = Window2d {
-            kernel: [ws.dim(2), ws.dim(3)],
+            kernel,
             stride,
             padding,
             dilation,
@@ -368,4 +379,33 @@ pub(crate) fn eval_pool(
         }
     }
     HostTensor::new(out.clone(), data)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{DType, Graph, Op, Shape};
+
+    #[test]
+    fn a_dilation_along_an_axis_one_tap_wide_is_stored_as_one() {
+        let g = Graph::new("conv");
+        let x = g
+            .input("x", Shape::new(&[1, 8, 20, 20], DType::F32))
+            .unwrap();
+        let dilations = |kernel: [usize; 2], dilation: [usize; 2]| {
+            let w = g
+                .param("w", Shape::new(&[4, 8, kernel[0], kernel[1]], DType::F32))
+                .unwrap();
+            let y = g.conv2d(x, w, None, [1, 1], [0; 4], dilation, 1).unwrap();
+            match g.node(y).unwrap().op {
+                Op::Conv2d { window, .. } => window.dilation,
+                op => panic!("a convolution, not {op:?}"),
+            }
+        };
+        assert_eq!(dilations([1, 1], [24, 24]), [1, 1]);
+        assert_eq!(dilations([3, 1], [2, 3]), [2, 1]);
+        assert_eq!(dilations([3, 3], [2, 3]), [2, 3]);
+        // A dilation of 0 is left for the shape check to reject.
+        let w = g.param("w", Shape::new(&[4, 8, 1, 1], DType::F32)).unwrap();
+        assert!(g.conv2d(x, w, None, [1, 1], [0; 4], [0, 1], 1).is_err());
+    }
 }
