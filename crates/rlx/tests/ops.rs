@@ -2338,7 +2338,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 42] = [
+    let cases: [ConvCase; 43] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8, and 16 or
         // more tiles: Winograd F(4x4, 3x3), with edge tiles in both directions,
         // asymmetric padding, tiles of several images in one task, and dilated (one
@@ -2426,6 +2426,16 @@ fn conv2d_variants() {
             [1, 512, 1, 1403],
             [24, 512, 1, 3],
             [1, 2],
+            [0, 1, 0, 1],
+            [1, 1],
+            1,
+        ),
+        // A 1-D convolution (one output row) with many filters: its threads split
+        // the filters, the last panel half full.
+        (
+            [1, 24, 1, 300],
+            [264, 24, 1, 3],
+            [1, 1],
             [0, 1, 0, 1],
             [1, 1],
             1,

@@ -368,9 +368,11 @@ pub(crate) fn conv2d(
     // With fewer images than threads, threads split the output channels instead of
     // the rows where the weights outweigh the image's staged input (a 14 x 14 layer
     // of 256 channels: cut by rows, each thread streamed all 2.4 MB of weights for 7
-    // rows).
+    // rows), or where there are too few rows to give each thread one (a 1-D
+    // convolution's single row ran on one thread).
+    let few_rows = n * geo.oh < threads;
     let by_channels = n < threads
-        && o * k >= geo.staged_len(geo.rows_read(win, geo.oh))
+        && (few_rows || o * k >= geo.staged_len(geo.rows_read(win, geo.oh)))
         && panels >= 2 * group * threads.div_ceil(n);
     let parts = if by_channels { threads.div_ceil(n) } else { 1 };
     let part_panels = panels.div_ceil(group).div_ceil(parts) * group;
