@@ -289,18 +289,123 @@ pub(crate) unsafe fn logistic_lanes_avx512<const TIMES_X: bool>(
 /// Replaces every `x` by `e^(x - shift)` and returns their sum (`-inf` gives 0);
 /// `shift` must be at least every value (a softmax's maximum).
 pub(crate) fn exp_shifted_sum(v: &mut [f32], shift: f32) -> f32 {
+    exp_scaled_shifted_sum(v, 1.0, shift)
+}
+
+/// Replaces every `x` by `e^(x * scale - shift)` and returns their sum (`-inf` gives
+/// 0, for a positive `scale`); `shift` must be at least every `x * scale` (a scaled
+/// softmax's maximum). The product and the difference are one fused multiply-add,
+/// so a scale of 1 gives [`exp_shifted_sum`]'s values exactly.
+pub(crate) fn exp_scaled_shifted_sum(v: &mut [f32], scale: f32, shift: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
         if simd_level() >= 2 {
             // SAFETY: AVX-512F is available.
-            return unsafe { exp_shifted_sum_avx512(v, shift) };
+            return unsafe { exp_scaled_shifted_sum_avx512(v, scale, shift) };
         }
         if simd_level() == 1 {
             // SAFETY: AVX2 and FMA are available.
-            return unsafe { exp_shifted_sum_avx2(v, shift) };
+            return unsafe { exp_shifted_sum_avx2(v, scale, shift) };
         }
     }
-    exp_shifted_sum_body(v, shift)
+    exp_shifted_sum_body(v, scale, shift)
+}
+
+/// [`exp_nonpositive_avx2_lanes`] on sixteen lanes a vector: the same operations in
+/// the same order, so both give the same values.
+///
+/// # Safety
+/// AVX-512F must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn exp_nonpositive_avx512_lanes<const N: usize>(
+    x: [std::arch::x86_64::__m512; N],
+) -> [std::arch::x86_64::__m512; N] {
+    use std::arch::x86_64::*;
+    let c = _mm512_set1_ps;
+    let small = x.map(|x| _mm512_cmp_ps_mask::<_CMP_LE_OQ>(x, c(EXP_MIN)));
+    // The second operand wins for a NaN, which then stays NaN. A positive lane is
+    // read as 0.
+    let x = x.map(|x| _mm512_min_ps(c(0.0), _mm512_max_ps(c(EXP_MIN), x)));
+    let shifted = x.map(|x| _mm512_fmadd_ps(x, c(std::f32::consts::LOG2_E), c(ROUND)));
+    let n = shifted.map(|s| _mm512_sub_ps(s, c(ROUND)));
+    let mut r = x;
+    for i in 0..N {
+        r[i] = _mm512_fnmadd_ps(n[i], c(LN2_HI), r[i]);
+    }
+    for i in 0..N {
+        r[i] = _mm512_fnmadd_ps(n[i], c(LN2_LO), r[i]);
+    }
+    let r2 = r.map(|r| _mm512_mul_ps(r, r));
+    let mut p = r.map(|r| _mm512_fmadd_ps(r, c(1.0 / 5040.0), c(1.0 / 720.0)));
+    let mut q = r.map(|r| _mm512_fmadd_ps(r, c(1.0 / 120.0), c(1.0 / 24.0)));
+    for i in 0..N {
+        p[i] = _mm512_fmadd_ps(p[i], r2[i], q[i]);
+    }
+    for i in 0..N {
+        q[i] = _mm512_fmadd_ps(r[i], c(1.0 / 6.0), c(0.5));
+    }
+    let mut low = r.map(|r| _mm512_add_ps(r, c(1.0)));
+    for i in 0..N {
+        low[i] = _mm512_fmadd_ps(q[i], r2[i], low[i]);
+    }
+    let r4 = r2.map(|r2| _mm512_mul_ps(r2, r2));
+    for i in 0..N {
+        p[i] = _mm512_fmadd_ps(p[i], r4[i], low[i]);
+    }
+    let bias = _mm512_set1_epi32(127i32.wrapping_sub(ROUND.to_bits() as i32));
+    let mut out = p;
+    for i in 0..N {
+        let exponent = _mm512_add_epi32(_mm512_castps_si512(shifted[i]), bias);
+        let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(exponent));
+        out[i] = _mm512_maskz_mul_ps(!small[i], p[i], scale);
+    }
+    out
+}
+
+/// [`exp_scaled_shifted_sum`] through [`exp_nonpositive_avx512_lanes`], four vectors
+/// a step so that their polynomials overlap, the last values under a lane mask.
+///
+/// # Safety
+/// AVX-512F must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_scaled_shifted_sum_avx512(v: &mut [f32], scale: f32, shift: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let (a, b) = (_mm512_set1_ps(scale), _mm512_set1_ps(-shift));
+    let mut sums = [_mm512_setzero_ps(); 4];
+    let mut quads = v.chunks_exact_mut(64);
+    for chunk in &mut quads {
+        // SAFETY: the chunk holds 64 values.
+        unsafe {
+            let p = chunk.as_mut_ptr();
+            let x: [__m512; 4] =
+                std::array::from_fn(|q| _mm512_fmadd_ps(_mm512_loadu_ps(p.add(16 * q)), a, b));
+            let e = exp_nonpositive_avx512_lanes(x);
+            for (q, (sum, e)) in sums.iter_mut().zip(e).enumerate() {
+                _mm512_storeu_ps(p.add(16 * q), e);
+                *sum = _mm512_add_ps(*sum, e);
+            }
+        }
+    }
+    for chunk in quads.into_remainder().chunks_mut(16) {
+        let lanes = first_lanes(chunk.len());
+        // SAFETY: the masked lanes lie inside the chunk; the others are neither read
+        // nor written, and their exponentials (of 0 * scale - shift) are dropped.
+        unsafe {
+            let p = chunk.as_mut_ptr();
+            let x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, p), a, b);
+            let [e] = exp_nonpositive_avx512_lanes([x]);
+            _mm512_mask_storeu_ps(p, lanes, e);
+            sums[0] = _mm512_add_ps(sums[0], _mm512_maskz_mov_ps(lanes, e));
+        }
+    }
+    let total = _mm512_add_ps(
+        _mm512_add_ps(sums[0], sums[1]),
+        _mm512_add_ps(sums[2], sums[3]),
+    );
+    _mm512_reduce_add_ps(total)
 }
 
 /// [`exp`] on eight lanes that are at most 0 (or `-inf`, or NaN), as the shifted
@@ -385,9 +490,9 @@ unsafe fn exp_nonpositive_avx2_lanes<const N: usize>(
 /// AVX2 and FMA must be available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp_shifted_sum_avx2(v: &mut [f32], shift: f32) -> f32 {
+unsafe fn exp_shifted_sum_avx2(v: &mut [f32], scale: f32, shift: f32) -> f32 {
     use std::arch::x86_64::*;
-    let s = _mm256_set1_ps(shift);
+    let (a, b) = (_mm256_set1_ps(scale), _mm256_set1_ps(-shift));
     let mut sums = [_mm256_setzero_ps(); 4];
     let mut quads = v.chunks_exact_mut(32);
     for chunk in &mut quads {
@@ -395,7 +500,7 @@ unsafe fn exp_shifted_sum_avx2(v: &mut [f32], shift: f32) -> f32 {
         unsafe {
             let p = chunk.as_mut_ptr();
             let x: [__m256; 4] =
-                std::array::from_fn(|q| _mm256_sub_ps(_mm256_loadu_ps(p.add(8 * q)), s));
+                std::array::from_fn(|q| _mm256_fmadd_ps(_mm256_loadu_ps(p.add(8 * q)), a, b));
             let e = exp_nonpositive_avx2_lanes(x);
             for (q, (sum, e)) in sums.iter_mut().zip(e).enumerate() {
                 _mm256_storeu_ps(p.add(8 * q), e);
@@ -409,7 +514,7 @@ unsafe fn exp_shifted_sum_avx2(v: &mut [f32], shift: f32) -> f32 {
         // SAFETY: the chunk holds 8 values.
         unsafe {
             let p = chunk.as_mut_ptr();
-            let e = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(p), s));
+            let e = exp_nonpositive_avx2(_mm256_fmadd_ps(_mm256_loadu_ps(p), a, b));
             _mm256_storeu_ps(p, e);
             sums[0] = _mm256_add_ps(sums[0], e);
         }
@@ -425,7 +530,7 @@ unsafe fn exp_shifted_sum_avx2(v: &mut [f32], shift: f32) -> f32 {
         .into_remainder()
         .iter_mut()
         .map(|x| {
-            *x = exp(*x - shift);
+            *x = exp(x.mul_add(scale, -shift));
             *x
         })
         .sum();
@@ -433,16 +538,14 @@ unsafe fn exp_shifted_sum_avx2(v: &mut [f32], shift: f32) -> f32 {
     total
 }
 
-/// [`exp_shifted_sum`] as plain code, inlined into the baseline and AVX-512 versions
-/// (the compiler vectorizes it for each).
-#[inline(always)]
-fn exp_shifted_sum_body(v: &mut [f32], shift: f32) -> f32 {
+/// [`exp_scaled_shifted_sum`] as plain code, for CPUs without AVX2.
+fn exp_shifted_sum_body(v: &mut [f32], scale: f32, shift: f32) -> f32 {
     // Sixteen partial sums so the additions vectorize.
     let mut sums = [0.0f32; 16];
     let mut chunks = v.chunks_exact_mut(16);
     for chunk in &mut chunks {
         for (x, s) in chunk.iter_mut().zip(sums.iter_mut()) {
-            *x = exp(*x - shift);
+            *x = exp(x.mul_add(scale, -shift));
             *s += *x;
         }
     }
@@ -450,18 +553,12 @@ fn exp_shifted_sum_body(v: &mut [f32], shift: f32) -> f32 {
         .into_remainder()
         .iter_mut()
         .map(|x| {
-            *x = exp(*x - shift);
+            *x = exp(x.mul_add(scale, -shift));
             *x
         })
         .sum();
     total += sums.iter().sum::<f32>();
     total
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn exp_shifted_sum_avx512(v: &mut [f32], shift: f32) -> f32 {
-    exp_shifted_sum_body(v, shift)
 }
 
 /// Converts half-precision values to `f32` (the F16C instructions where the CPU has
@@ -657,6 +754,65 @@ mod tests {
             }
             let want_total: f32 = want.iter().sum();
             assert!((total - want_total).abs() <= 1e-6 * want_total.max(1.0));
+        }
+        // Scaled rows past two steps of 64 (the AVX-512 form's) and every tail, the
+        // scale inside the exponential: normalized, against the softmax of
+        // `x * scale` in f64. The shift is the rounded largest `x * scale`, so the
+        // largest value's argument may be half an ulp of it above 0 (read as 0): the
+        // error allowed grows with the shift, as rounding `x * scale` first would.
+        for scale in [0.125f32, 1.7] {
+            for len in (1..150).step_by(7).chain([64, 128, 129]) {
+                let mut row: Vec<f32> = (0..len).map(|i| (i as f32 * 0.61).cos() * 30.0).collect();
+                if len > 5 {
+                    row[5] = f32::NEG_INFINITY;
+                }
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
+                let want: Vec<f64> = row
+                    .iter()
+                    .map(|&x| (f64::from(x) * f64::from(scale) - f64::from(max)).exp())
+                    .collect();
+                let want_total: f64 = want.iter().sum();
+                let total = exp_scaled_shifted_sum(&mut row, scale, max);
+                let tol = 4e-7 + 1.2e-7 * f64::from(max.abs());
+                for (g, w) in row.iter().zip(&want) {
+                    let (g, w) = (f64::from(*g) / f64::from(total), w / want_total);
+                    assert!(
+                        (g - w).abs() <= tol * w + 1e-37,
+                        "scale {scale}, length {len}: {g} vs {w}"
+                    );
+                }
+                assert!((f64::from(total) - want_total).abs() <= tol * want_total);
+            }
+        }
+    }
+
+    /// The AVX-512 form of the softmax's exponential gives the AVX2 form's values
+    /// (the same operations in the same order).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_softmax_exp_gives_the_same_values_on_sixteen_lanes() {
+        use std::arch::x86_64::*;
+        if simd_level() < 2 {
+            return;
+        }
+        let special = [f32::NAN, f32::NEG_INFINITY, 0.0, -0.0, -87.33, -103.0, 3.0];
+        let values: Vec<f32> = samples().filter(|&x| x <= 0.0).chain(special).collect();
+        let eight = on_eight_lanes(&values, exp_nonpositive_avx2);
+        for (chunk, want) in values.chunks(16).zip(eight.chunks(16)) {
+            let mut lanes = [0.0f32; 16];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            let mut got = [0.0f32; 16];
+            // SAFETY: AVX-512F is available (level 2).
+            unsafe {
+                let [e] = exp_nonpositive_avx512_lanes([_mm512_loadu_ps(lanes.as_ptr())]);
+                _mm512_storeu_ps(got.as_mut_ptr(), e);
+            }
+            for (g, &(x, w)) in got.iter().zip(want) {
+                assert!(
+                    g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                    "exp({x}): {g} against {w}"
+                );
+            }
         }
     }
 

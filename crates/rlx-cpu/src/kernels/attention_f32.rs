@@ -368,10 +368,20 @@ multiversion! {
         acc: &mut [f32]
     ) {
         let dv = b.dv;
+        // Without an explicit mask, the scale is applied inside the exponential (one
+        // multiply-add with the shift) instead of in a pass of its own: a positive
+        // scale keeps the largest score the largest.
+        let scale_in_exp = p.mask.is_none() && p.scale > 0.0 && p.scale.is_finite();
         for r in 0..b.rows {
             let row = &mut scores[r * KB..r * KB + b.kb];
-            scale_and_mask_row(p, b.bi, b.h, b.q0 + r, b.j0, row);
-            let block_max = max16(row);
+            let scale = if scale_in_exp {
+                mask_causal(p, b.q0 + r, b.j0, row);
+                p.scale
+            } else {
+                scale_and_mask_row(p, b.bi, b.h, b.q0 + r, b.j0, row);
+                1.0
+            };
+            let block_max = max16(row) * scale;
             if block_max == f32::NEG_INFINITY {
                 row.fill(0.0);
                 continue;
@@ -384,7 +394,7 @@ multiversion! {
             };
             // The dispatching form: its AVX2 version is written with fused
             // multiply-adds, faster than this function's own vectorization.
-            let block_sum = vmath::exp_shifted_sum(row, new_max);
+            let block_sum = vmath::exp_scaled_shifted_sum(row, scale, new_max);
             row_sum[r] = row_sum[r] * correction + block_sum;
             // The first block's products overwrite the accumulator: nothing to rescale.
             if correction != 1.0 && b.j0 > 0 {
@@ -422,13 +432,20 @@ fn max16(v: &[f32]) -> f32 {
 /// masks to them.
 #[inline(always)]
 fn scale_and_mask_row(p: &Problem, bi: usize, h: usize, i: usize, j0: usize, row: &mut [f32]) {
-    let [_, _, _, sq, sk, _, _] = p.dims;
     let scale = p.scale;
     if !explicit_mask(p, bi, h, i, j0, row) {
         for s in row.iter_mut() {
             *s *= scale;
         }
     }
+    mask_causal(p, i, j0, row);
+}
+
+/// Applies the causal mask (if the attention has one) to the scores of query `i`,
+/// keys `j0..`.
+#[inline(always)]
+fn mask_causal(p: &Problem, i: usize, j0: usize, row: &mut [f32]) {
+    let [_, _, _, sq, sk, _, _] = p.dims;
     if p.causal {
         // Keys `j0 + j` with `j0 + j + sq > i + sk` are masked: a suffix of the row
         // (one fill, where a per-key test compiled to masked stores).
