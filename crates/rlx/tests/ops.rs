@@ -3112,6 +3112,32 @@ fn attention_variants() {
             }
         }
     }
+    // More than one block of queries (64) over several blocks of keys (256): the
+    // keys transposed once for every block of queries, grouped heads, a scale, and
+    // a mask (the scale then applied with it).
+    for (sq, sk) in [(130, 300), (65, 520)] {
+        let ins = [
+            inp("q", &[2, 4, sq, 16], DType::F32),
+            inp("k", &[2, 2, sk, 16], DType::F32),
+            inp("v", &[2, 2, sk, 12], DType::F32),
+        ];
+        for causal in [false, true] {
+            s.check(
+                &format!("attention sq={sq} sk={sk} causal={causal} scale"),
+                &ins,
+                acc(sk * 16),
+                |g, x| one(g.attention(x[0], x[1], x[2], None, causal, Some(0.3))?),
+            );
+        }
+        let mut masked = ins.to_vec();
+        masked.push(inp("mask", &[sq, sk], DType::F32));
+        s.check(
+            &format!("attention sq={sq} sk={sk} mask"),
+            &masked,
+            acc(sk * 16),
+            |g, x| one(g.attention(x[0], x[1], x[2], Some(x[3]), false, None)?),
+        );
+    }
     // Sq > Sk with causal (early rows fully masked), Sq = 1 decode step, single head.
     for (sq, sk) in [(7, 4), (1, 9), (6, 6)] {
         let ins = [

@@ -482,6 +482,42 @@ pub(crate) fn pack_b_panels(b: &[f32], k: usize, n: usize, out: &mut [f32]) -> u
     nr
 }
 
+/// Packs `B [k, n]` given transposed (row `j` of `bt`, `ldbt` floats apart, holds
+/// column `j` of `B`) into `out` ([`packed_len`] floats) as [`pack_b_panels`] does,
+/// through the GEMM's register transposes; returns `nr`.
+///
+/// # Safety
+/// `bt` addresses `n` rows of `k` floats, `ldbt` floats apart.
+pub(crate) unsafe fn pack_transposed_b_panels(
+    bt: *const f32,
+    ldbt: usize,
+    (k, n): (usize, usize),
+    out: &mut [f32],
+) -> usize {
+    let nr = packed_panel_width(n);
+    let g = Gemm {
+        m: 0,
+        n,
+        k,
+        a: bt,
+        lda: k,
+        b: bt,
+        ldb: ldbt,
+        a_transposed: false,
+        b_transposed: true,
+        b_format: BFormat::F32,
+        c: std::ptr::null_mut(),
+        ldc: n,
+        accumulate: false,
+        epilogue: Epilogue::NONE,
+    };
+    if k > 0 && n > 0 {
+        // SAFETY: the caller's rows are the whole of B; `out` holds the panels.
+        unsafe { pack::pack_b(&g, 0, k, 0, n, nr, out) };
+    }
+    nr
+}
+
 /// [`pack_b_panels`] for panels `nr` wide; `out` holds `ceil(n / nr) * nr * k` floats.
 fn pack_b_panels_for(nr: usize, b: &[f32], k: usize, n: usize, out: &mut [f32]) {
     if k == 0 {

@@ -10,7 +10,7 @@ use crate::gemm::{BFormat, Epilogue, Gemm, sgemm_serial};
 use crate::tensor::{Dst, Src, broadcast_strides};
 use crate::vmath;
 use crate::vmath::multiversion;
-use rlx_ir::{DType, Error, MAX_RANK, Result};
+use rlx_ir::{DType, Error, MAX_RANK, Result, Shape};
 
 /// Queries per task (64 measured best: 32 repeats key packing, 128 overflows L2).
 const QB: usize = 64;
@@ -20,6 +20,43 @@ const KB: usize = 256;
 /// Per-thread scratch floats the kernel needs for value width `dv`.
 pub(crate) fn scratch_floats(dv: usize) -> usize {
     QB * KB + QB * dv + 2 * QB
+}
+
+/// The most key values (all heads') packed once into the step's scratch
+/// ([`packed_keys_f64`]): 4 Mi floats, 16 MiB.
+const PACKED_KEYS_MAX: usize = 1 << 22;
+
+/// Floats a key block of `kb` keys over a depth of `d` takes packed: whole panels.
+fn packed_block_len(kb: usize, d: usize) -> usize {
+    crate::gemm::packed_len(d, kb)
+}
+
+/// Floats one head's keys (`sk` of depth `d`) take packed, block by block.
+fn packed_head_len(sk: usize, d: usize) -> usize {
+    let last = sk % KB;
+    sk / KB * packed_block_len(KB, d)
+        + if last > 0 {
+            packed_block_len(last, d)
+        } else {
+            0
+        }
+}
+
+/// `f64` scratch for the keys packed once per step into the score products' panels
+/// (`k` the keys' shape, `[b, heads, keys, d]`, or `[b, keys, heads, d]` when
+/// `seq_major`): every task then reads them as they are, where each packed
+/// (transposed) every block of keys again (Whisper's 1500 keys: 24 times each). None
+/// past [`PACKED_KEYS_MAX`].
+pub(crate) fn packed_keys_f64(k: &Shape, seq_major: bool) -> usize {
+    if k.rank() != 4 || k.dtype() != DType::F32 || k.num_elements() > PACKED_KEYS_MAX {
+        return 0;
+    }
+    let (heads, keys) = if seq_major {
+        (k.dim(2), k.dim(1))
+    } else {
+        (k.dim(1), k.dim(2))
+    };
+    (k.dim(0) * heads * packed_head_len(keys, k.dim(3))).div_ceil(2)
 }
 
 /// The operands, shared by every task.
@@ -35,6 +72,9 @@ struct Problem<'a> {
     /// Rows stored per key/value head (`sk`, or the cache length).
     stored: usize,
     seq_major: bool,
+    /// The keys packed into panels, head by head and block by block, when the step
+    /// made that copy.
+    keys_packed: Option<*const f32>,
 }
 
 impl Problem<'_> {
@@ -72,7 +112,7 @@ pub(crate) fn attention(
     mask: Option<Src>,
     valid_keys: Option<usize>,
     out: Dst,
-    ctx: &Ctx,
+    ctx: &mut Ctx,
 ) -> Result<()> {
     let (hd, sd) = if seq_major { (2, 1) } else { (1, 2) };
     let [b, hq, sq, d] = [
@@ -85,7 +125,7 @@ pub(crate) fn attention(
     // With a cache, only the first `valid_keys` stored rows are keys.
     let sk = valid_keys.unwrap_or(stored).min(stored);
     let full = [b, hq, sq, sk];
-    let p = Problem {
+    let mut p = Problem {
         scale: scale as f32,
         causal,
         q,
@@ -96,7 +136,20 @@ pub(crate) fn attention(
         dims: [b, hq, hkv, sq, sk, d, dv],
         stored,
         seq_major,
+        keys_packed: None,
     };
+    // The keys packed once, head by head and block by block, where the scratch
+    // holds them and three or more blocks of queries read each head's keys (with
+    // two, BERT's 128 queries, the separate pass cost about what it saved).
+    let floats = b * hkv * packed_head_len(sk, d);
+    if sq > 2 * QB && sk > 0 && d > 0 && ctx.scratch.len() * 2 >= floats {
+        // SAFETY: f64 scratch, aligned for f32, holding `floats` f32 values.
+        let packed = unsafe {
+            std::slice::from_raw_parts_mut(ctx.scratch.as_mut_ptr().cast::<f32>(), floats)
+        };
+        pack_keys(&p, packed, ctx)?;
+        p.keys_packed = Some(packed.as_ptr());
+    }
     let blocks = sq.div_ceil(QB);
     let tasks = b * hq * blocks;
     let task = |t: usize, thread: usize| {
@@ -115,7 +168,7 @@ pub(crate) fn cached_attention(
     [q, k, v]: [Src; 3],
     pos: Src,
     out: Dst,
-    ctx: &Ctx,
+    ctx: &mut Ctx,
 ) -> Result<()> {
     if [q.shape, k.shape, v.shape, out.shape]
         .iter()
@@ -236,6 +289,40 @@ multiversion! {
     }
 }
 
+/// Packs the keys of every (batch, key head) into `packed`, one head a task: each
+/// block of [`KB`] keys as the score product's `B` (the keys transposed) in its
+/// kernel's panels.
+fn pack_keys(p: &Problem, packed: &mut [f32], ctx: &Ctx) -> Result<()> {
+    let [b, _, hkv, _, sk, d, _] = p.dims;
+    let (k_addr, out) = (p.k.ptr as usize, packed.as_mut_ptr() as usize);
+    let head_len = packed_head_len(sk, d);
+    let task = |head: usize, _: usize| {
+        let (bi, kh) = (head / hkv, head % hkv);
+        // SAFETY: this head's part of the copy, written by this task alone.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut((out as *mut f32).add(head * head_len), head_len)
+        };
+        let mut at = 0;
+        for j0 in (0..sk).step_by(KB) {
+            let kb = KB.min(sk - j0);
+            let len = packed_block_len(kb, d);
+            let (k_at, k_stride) = p.row(bi, kh, j0, hkv, p.stored, d);
+            // SAFETY: keys j0..j0 + kb of this key head, rows of `d` values
+            // `k_stride` apart; the block's part of the copy holds its panels.
+            unsafe {
+                crate::gemm::pack_transposed_b_panels(
+                    (k_addr as *const f32).add(k_at),
+                    k_stride,
+                    (d, kb),
+                    &mut dst[at..at + len],
+                )
+            };
+            at += len;
+        }
+    };
+    ctx.pool.run(b * hkv, ctx.gemm.threads(), &task)
+}
+
 /// Attention for rows `q0 .. q0 + QB` of head `bh` (= batch * hq + head).
 ///
 /// # Safety
@@ -270,19 +357,42 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
     while j0 < keys {
         let kb = KB.min(keys - j0);
         let (q_at, q_stride) = p.row(bi, h, q0, hq, sq, d);
-        let (k_at, k_stride) = p.row(bi, kh, j0, hkv, p.stored, d);
+        // The keys `j0..` of this key head: rows of K, read transposed, or columns
+        // of the transposed copy.
+        // A block the causal mask cuts short (its panels are those of the whole
+        // block) reads K itself.
+        let whole_block = kb == KB.min(sk - j0);
+        let (keys, ldb, b_transposed, b_format) = match p.keys_packed {
+            Some(packed) if whole_block => {
+                // Blocks before this one are whole: KB keys each.
+                let at =
+                    (bi * hkv + kh) * packed_head_len(sk, d) + j0 / KB * packed_block_len(KB, d);
+                let nr = crate::gemm::packed_panel_width(kb);
+                // SAFETY: block j0 / KB of head (bi, kh) of the copy.
+                let format = BFormat::Packed {
+                    nr,
+                    streamed: false,
+                };
+                (unsafe { packed.add(at) }, kb, false, format)
+            }
+            _ => {
+                let (k_at, k_stride) = p.row(bi, kh, j0, hkv, p.stored, d);
+                // SAFETY: keys j0.. of this key head of K.
+                (unsafe { k_ptr.add(k_at) }, k_stride, true, BFormat::F32)
+            }
+        };
         let scores_gemm = Gemm {
             m: rows,
             n: kb,
             k: d,
-            // SAFETY: rows q0.. of this head of Q, keys j0.. of its key head.
+            // SAFETY: rows q0.. of this head of Q.
             a: unsafe { q_ptr.add(q_at) },
             lda: q_stride,
-            b: unsafe { k_ptr.add(k_at) },
-            ldb: k_stride,
+            b: keys,
+            ldb,
             a_transposed: false,
-            b_transposed: true,
-            b_format: BFormat::F32,
+            b_transposed,
+            b_format,
             c: scores.as_mut_ptr(),
             ldc: KB,
             accumulate: false,

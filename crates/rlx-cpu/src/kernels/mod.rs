@@ -77,7 +77,10 @@ pub(crate) fn scratch_len(op: &Op, inputs: &[Shape], layout: StepLayout) -> usiz
         return blocked_conv_f32::scratch_f64(kind, &inputs[1]);
     }
     match op {
-        Op::Attention { seq_major, .. } => inputs[1].dim(if *seq_major { 1 } else { 2 }),
+        // A row of scores (the reference kernel), or the keys packed (`f32`).
+        Op::Attention { seq_major, .. } => inputs[1]
+            .dim(if *seq_major { 1 } else { 2 })
+            .max(attention_f32::packed_keys_f64(&inputs[1], *seq_major)),
         Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }
             if inputs[0].dtype() == DType::F32 =>
         {
