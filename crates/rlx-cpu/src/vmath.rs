@@ -483,8 +483,9 @@ unsafe fn exp_nonpositive_avx2_lanes<const N: usize>(
     out
 }
 
-/// [`exp_shifted_sum`] through [`exp_nonpositive_avx2`] (every value less `shift` is
-/// at most 0), four vectors a step so that their polynomials overlap.
+/// [`exp_scaled_shifted_sum`] through [`exp_nonpositive_avx2`] (every value times
+/// `scale` less `shift` is at most 0), four vectors a step so that their polynomials
+/// overlap.
 ///
 /// # Safety
 /// AVX2 and FMA must be available.

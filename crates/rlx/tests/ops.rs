@@ -2338,7 +2338,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 43] = [
+    let cases: [ConvCase; 44] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8, and 16 or
         // more tiles: Winograd F(4x4, 3x3), with edge tiles in both directions,
         // asymmetric padding, tiles of several images in one task, and dilated (one
@@ -2430,13 +2430,23 @@ fn conv2d_variants() {
             [1, 1],
             1,
         ),
-        // A 1-D convolution (one output row) with many filters: its threads split
-        // the filters, the last panel half full.
+        // A 1-D convolution (one output row) with many filters (33 panels, the last
+        // half full): its threads split the filters (up to 4 threads).
         (
             [1, 24, 1, 300],
-            [264, 24, 1, 3],
+            [520, 24, 1, 3],
             [1, 1],
             [0, 1, 0, 1],
+            [1, 1],
+            1,
+        ),
+        // A 1x1 convolution over few pixels and many channels, plain in and out: the
+        // pointwise kernel (AVX-512), a last pixel tile and panel group short.
+        (
+            [1, 160, 11, 13],
+            [72, 160, 1, 1],
+            [1, 1],
+            [0, 0, 0, 0],
             [1, 1],
             1,
         ),
@@ -3159,6 +3169,9 @@ fn attention_variants() {
         (5, 7, false, DType::F32),
         (5, 7, true, DType::F32),
         (70, 300, true, DType::F32),
+        // Three blocks of queries: the keys packed once, read through their strides.
+        (130, 300, true, DType::F32),
+        (130, 260, false, DType::F32),
         (5, 7, true, DType::F64),
     ] {
         let (hq, hkv) = (4, 2);

@@ -22,8 +22,8 @@ pub(crate) fn scratch_floats(dv: usize) -> usize {
     QB * KB + QB * dv + 2 * QB
 }
 
-/// The most key values (all heads') packed once into the step's scratch
-/// ([`packed_keys_f64`]): 4 Mi floats, 16 MiB.
+/// The most floats of keys (all heads', packed) the step's scratch holds for
+/// [`packed_keys_f64`]: 4 Mi, 16 MiB.
 const PACKED_KEYS_MAX: usize = 1 << 22;
 
 /// Floats a key block of `kb` keys over a depth of `d` takes packed: whole panels.
@@ -43,20 +43,33 @@ fn packed_head_len(sk: usize, d: usize) -> usize {
 }
 
 /// `f64` scratch for the keys packed once per step into the score products' panels
-/// (`k` the keys' shape, `[b, heads, keys, d]`, or `[b, keys, heads, d]` when
-/// `seq_major`): every task then reads them as they are, where each packed
-/// (transposed) every block of keys again (Whisper's 1500 keys: 24 times each). None
-/// past [`PACKED_KEYS_MAX`].
-pub(crate) fn packed_keys_f64(k: &Shape, seq_major: bool) -> usize {
-    if k.rank() != 4 || k.dtype() != DType::F32 || k.num_elements() > PACKED_KEYS_MAX {
+/// (`q` and `k` the queries' and keys' shapes, `[b, heads, positions, d]`, or `[b,
+/// positions, heads, d]` when `seq_major`): every task then reads them as they are,
+/// where each packed (transposed) every block of keys again (Whisper's 1500 keys: 24
+/// times each). None for two blocks of queries or fewer (no step packs them then),
+/// and at most [`PACKED_KEYS_MAX`] floats: a step whose keys take more reads K
+/// itself. The size never falls as the shapes grow, so a plan made for the largest
+/// shapes holds every smaller run's.
+pub(crate) fn packed_keys_f64(q: &Shape, k: &Shape, seq_major: bool) -> usize {
+    if k.rank() != 4 || q.rank() != 4 || k.dtype() != DType::F32 {
         return 0;
     }
-    let (heads, keys) = if seq_major {
-        (k.dim(2), k.dim(1))
-    } else {
-        (k.dim(1), k.dim(2))
+    let axes = |s: &Shape| {
+        if seq_major {
+            (s.dim(2), s.dim(1))
+        } else {
+            (s.dim(1), s.dim(2))
+        }
     };
-    (k.dim(0) * heads * packed_head_len(keys, k.dim(3))).div_ceil(2)
+    let ((_, queries), (heads, keys)) = (axes(q), axes(k));
+    if queries <= 2 * QB {
+        return 0;
+    }
+    let floats = k
+        .dim(0)
+        .saturating_mul(heads)
+        .saturating_mul(packed_head_len(keys, k.dim(3)));
+    floats.min(PACKED_KEYS_MAX).div_ceil(2)
 }
 
 /// The operands, shared by every task.
@@ -396,7 +409,8 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
             c: scores.as_mut_ptr(),
             ldc: KB,
             accumulate: false,
-            // The scale is applied with the mask, in the softmax's first pass.
+            // The scale is applied in the softmax: with the mask, or inside the
+            // exponential.
             epilogue: Epilogue::NONE,
         };
         // SAFETY: the operands lie inside Q and K; `scores` holds QB x KB floats.
@@ -467,8 +481,9 @@ struct Block {
 
 multiversion! {
     /// Masks one block of scores and folds it into the running softmax: turns the
-    /// scores into `e^(s - max)`, updates each row's maximum and sum, and rescales the
-    /// rows of the accumulated output when the maximum grows.
+    /// scores into `e^(s * scale - max)` (the scale applied here, or already with an
+    /// explicit mask), updates each row's maximum and sum, and rescales the rows of
+    /// the accumulated output when the maximum grows.
     fn softmax_block(
         p: &Problem,
         b: &Block,

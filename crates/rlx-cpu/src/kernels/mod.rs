@@ -71,16 +71,21 @@ pub(crate) unsafe fn copy_bytes(
     })
 }
 
-/// `f64` scratch values a step needs (attention keeps one row of scores).
+/// `f64` scratch values a step needs (attention: one row of scores, or its keys
+/// packed).
 pub(crate) fn scratch_len(op: &Op, inputs: &[Shape], layout: StepLayout) -> usize {
     if let Some(kind) = blocked_conv(op, inputs, layout) {
         return blocked_conv_f32::scratch_f64(kind, &inputs[1]);
     }
     match op {
         // A row of scores (the reference kernel), or the keys packed (`f32`).
-        Op::Attention { seq_major, .. } => inputs[1]
-            .dim(if *seq_major { 1 } else { 2 })
-            .max(attention_f32::packed_keys_f64(&inputs[1], *seq_major)),
+        Op::Attention { seq_major, .. } => {
+            inputs[1]
+                .dim(if *seq_major { 1 } else { 2 })
+                .max(attention_f32::packed_keys_f64(
+                    &inputs[0], &inputs[1], *seq_major,
+                ))
+        }
         Op::Conv2d { window, .. } | Op::FusedConv2d { window, .. }
             if inputs[0].dtype() == DType::F32 =>
         {
