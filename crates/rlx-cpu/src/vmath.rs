@@ -305,10 +305,10 @@ pub(crate) fn exp_scaled_shifted_sum(v: &mut [f32], scale: f32, shift: f32) -> f
         }
         if simd_level() == 1 {
             // SAFETY: AVX2 and FMA are available.
-            return unsafe { exp_shifted_sum_avx2(v, scale, shift) };
+            return unsafe { exp_scaled_shifted_sum_avx2(v, scale, shift) };
         }
     }
-    exp_shifted_sum_body(v, scale, shift)
+    exp_scaled_shifted_sum_body(v, scale, shift)
 }
 
 /// [`exp_nonpositive_avx2_lanes`] on sixteen lanes a vector: the same operations in
@@ -491,7 +491,7 @@ unsafe fn exp_nonpositive_avx2_lanes<const N: usize>(
 /// AVX2 and FMA must be available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp_shifted_sum_avx2(v: &mut [f32], scale: f32, shift: f32) -> f32 {
+unsafe fn exp_scaled_shifted_sum_avx2(v: &mut [f32], scale: f32, shift: f32) -> f32 {
     use std::arch::x86_64::*;
     let (a, b) = (_mm256_set1_ps(scale), _mm256_set1_ps(-shift));
     let mut sums = [_mm256_setzero_ps(); 4];
@@ -540,7 +540,7 @@ unsafe fn exp_shifted_sum_avx2(v: &mut [f32], scale: f32, shift: f32) -> f32 {
 }
 
 /// [`exp_scaled_shifted_sum`] as plain code, for CPUs without AVX2.
-fn exp_shifted_sum_body(v: &mut [f32], scale: f32, shift: f32) -> f32 {
+fn exp_scaled_shifted_sum_body(v: &mut [f32], scale: f32, shift: f32) -> f32 {
     // Sixteen partial sums so the additions vectorize.
     let mut sums = [0.0f32; 16];
     let mut chunks = v.chunks_exact_mut(16);

@@ -349,9 +349,9 @@ mod x86 {
 
     /// `MR x 16 NV` tile in `MR * NV` zmm accumulators. With `AHEAD`, the lines of
     /// `ahead` are asked for; where it has none (or without `AHEAD`), with
-    /// `PREFETCH`, B rows further down the panel are. Only the first `LAST` lanes of each
-    /// row's last vector are read and written in `C` (the panel is computed whole:
-    /// packed panels are zero past the last column).
+    /// `PREFETCH`, B rows further down the panel are. Only the first `LAST` lanes of
+    /// each row's last vector are read and written in `C` (the panel is computed
+    /// whole: packed panels are zero past the last column).
     ///
     /// # Safety
     /// AVX-512F must be available; pointers as in `KernelFn`, with rows of C

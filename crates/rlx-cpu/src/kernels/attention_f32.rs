@@ -370,10 +370,9 @@ unsafe fn one_block(p: &Problem, bh: usize, q0: usize, gemm_buf: &mut [f32], ext
     while j0 < keys {
         let kb = KB.min(keys - j0);
         let (q_at, q_stride) = p.row(bi, h, q0, hq, sq, d);
-        // The keys `j0..` of this key head: rows of K, read transposed, or columns
-        // of the transposed copy.
-        // A block the causal mask cuts short (its panels are those of the whole
-        // block) reads K itself.
+        // The keys `j0..` of this key head: their block of the packed copy, or rows
+        // of K read transposed (packed per call). A block the causal mask cuts short
+        // (the copy's panels are those of the whole block) reads K itself.
         let whole_block = kb == KB.min(sk - j0);
         let (keys, ldb, b_transposed, b_format) = match p.keys_packed {
             Some(packed) if whole_block => {

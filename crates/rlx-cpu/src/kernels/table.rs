@@ -377,10 +377,8 @@ fn select_kernel(
         Op::Cumsum { .. } => Kernel::reference(op, dtype, cumsum),
         Op::TopK { .. } => Kernel::reference(op, dtype, topk),
         Op::OneHot { .. } => Kernel::reference(op, dtype, one_hot),
-        Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }
-            if blocked_conv_runs(op, inputs, layout)
-                && let Some(kind) =
-                    blocked_conv_f32::kind(window, *groups, &inputs[0], &inputs[1], layout) =>
+        Op::Conv2d { .. } | Op::FusedConv2d { .. }
+            if let Some(kind) = super::blocked_conv(op, inputs, layout) =>
         {
             let fused = if matches!(op, Op::FusedConv2d { .. }) {
                 "+epilogue"
