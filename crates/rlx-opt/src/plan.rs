@@ -578,8 +578,10 @@ impl<'a> Planner<'a> {
                 continue;
             }
             if let Some((c, offset)) = placed[i] {
-                // Written straight into its range of the concat's output.
+                // Written straight into its range of the concat's output (or, for
+                // a hosted concat, already there), which lives as long as it is read.
                 root[i] = c;
+                group_last[c] = group_last[c].max(last_use[i]);
                 locations[i] = Location {
                     region: Region::Arena,
                     offset,
@@ -702,44 +704,116 @@ impl<'a> Planner<'a> {
     }
 }
 
-/// For each node, the concat it is written straight into and its byte offset there.
-/// A concat qualifies when its axes before the joined one have size 1 (so each
-/// operand is one contiguous range of the output); an operand does when a kernel
-/// computes it (not a source, a view or another concat), the concat is its only
-/// reader (once) and it is not a graph output.
+/// For each node, the concat whose output it lives in and its byte offset there.
+///
+/// A concat qualifies when its axes before the joined one have size 1, so each
+/// operand is one contiguous range of its output. A concat whose operands are a
+/// contiguous run of a larger one's (DenseNet's `cat(x0, x1)`, `cat(x0, x1, x2)`,
+/// ...) is hosted by the one with the most operands that holds them: its operands
+/// are placed there, and it lives there too when all of them are, so its step
+/// copies nothing. Each other qualifying concat hosts itself.
+///
+/// An operand is placed in the host of the first concat that reads it, when a
+/// kernel computes it (not a source, a view or another concat) and it is not a
+/// graph output; its other readers, concats hosted elsewhere included, read it
+/// there. A concat that reads one operand twice copies the second.
 fn placed_in_concats(
     nodes: &[Node],
     consumers: &[Vec<usize>],
     is_view: &[bool],
     outputs: &[NodeId],
 ) -> Vec<Option<(usize, usize)>> {
-    let mut placed = vec![None; nodes.len()];
-    for (c, node) in nodes.iter().enumerate() {
-        let Op::Concat { axis } = node.op else {
+    let is_output = |i: usize| outputs.iter().any(|o| o.index() == i);
+    // The joined axis of a concat whose operands are contiguous ranges.
+    let joins = |c: usize| -> Option<usize> {
+        let Op::Concat { axis } = nodes[c].op else {
+            return None;
+        };
+        let dims = nodes[c].shape.dims();
+        (!is_view[c] && dims[..axis].iter().all(|&d| d == 1)).then_some(axis)
+    };
+    // Byte offset of operand `k`'s range in concat `c` (joined along `axis`).
+    let offset_of = |c: usize, axis: usize, k: usize| -> usize {
+        let node = &nodes[c];
+        let inner: usize = node.shape.dims()[axis + 1..].iter().product();
+        let before: usize = node.inputs[..k]
+            .iter()
+            .map(|x| {
+                nodes[x.index()]
+                    .shape
+                    .dims()
+                    .get(axis)
+                    .copied()
+                    .unwrap_or(0)
+            })
+            .sum();
+        before * inner * node.shape.dtype().size_in_bytes()
+    };
+    // Each qualifying concat's host and the operand of the host its run starts at.
+    let mut home: Vec<Option<(usize, usize)>> = vec![None; nodes.len()];
+    for (d, node) in nodes.iter().enumerate() {
+        let Some(axis) = joins(d) else {
             continue;
         };
-        let dims = node.shape.dims();
-        if is_view[c] || dims[..axis].iter().any(|&d| d != 1) {
+        home[d] = Some((d, 0));
+        let run = node.inputs.as_slice();
+        if is_output(d) || run.is_empty() {
             continue;
         }
-        let inner: usize = dims[axis + 1..].iter().product();
-        let size = node.shape.dtype().size_in_bytes();
-        let mut start = 0usize;
-        for x in &node.inputs {
+        // Any concat holding the run reads its first operand.
+        for &e in &consumers[run[0].index()] {
+            let bigger = &nodes[e];
+            let larger_than_best =
+                home[d].is_none_or(|(h, _)| bigger.inputs.len() > nodes[h].inputs.len());
+            if e == d
+                || joins(e) != Some(axis)
+                || bigger.shape.dtype() != node.shape.dtype()
+                || !larger_than_best
+            {
+                continue;
+            }
+            if let Some(j) = bigger.inputs.windows(run.len()).position(|w| w == run) {
+                home[d] = Some((e, j));
+            }
+        }
+    }
+    let mut placed = vec![None; nodes.len()];
+    for (c, node) in nodes.iter().enumerate() {
+        let Some((host, first)) = home[c] else {
+            continue;
+        };
+        let axis = joins(c).unwrap_or(0);
+        for (k, x) in node.inputs.iter().enumerate() {
             let x = x.index();
             let operand = &nodes[x];
-            let offset = start * inner * size;
-            start += operand.shape.dims().get(axis).copied().unwrap_or(0);
             let fits = !operand.op.is_source()
                 && !matches!(operand.op, Op::Concat { .. } | Op::WriteAt { .. })
                 && !is_view[x]
                 && operand.shape.dtype() == node.shape.dtype()
-                && consumers[x] == [c]
                 && placed[x].is_none()
-                && !outputs.iter().any(|o| o.index() == x);
+                && !is_output(x);
             if fits {
-                placed[x] = Some((c, offset));
+                placed[x] = Some((host, offset_of(host, axis, first + k)));
             }
+        }
+    }
+    // A hosted concat lives in its host when each of its operands lies there at
+    // its place in the run.
+    for (d, node) in nodes.iter().enumerate() {
+        let Some((host, first)) = home[d] else {
+            continue;
+        };
+        if host == d {
+            continue;
+        }
+        let axis = joins(d).unwrap_or(0);
+        let all_in_place = node
+            .inputs
+            .iter()
+            .enumerate()
+            .all(|(k, x)| placed[x.index()] == Some((host, offset_of(host, axis, first + k))));
+        if all_in_place {
+            placed[d] = Some((host, offset_of(host, axis, first)));
         }
     }
     placed
