@@ -2949,6 +2949,57 @@ fn channel_blocked_convolution_chains_match_the_reference() {
     }
 }
 
+/// Channel-blocked 1x1 convolutions between blocked values, in the shapes that
+/// split their work differently: a plane whose input fills more than a block a
+/// thread (each task runs every group of output channels), many input channels
+/// over few pixels (the input read in runs of 128 channels, each block of 16
+/// asking for the next one's lines, pixel blocks of unequal whole tiles), a
+/// residual in the blocked layout, and channel counts with a last block of 8.
+#[test]
+fn blocked_pointwise_convolutions_over_many_pixels_or_channels_match() {
+    let mut rng = Rng(0x1a1a);
+    for (c, e, (h, w), residual) in [
+        (16, 64, (72, 72), false),
+        (96, 576, (13, 13), true),
+        (40, 200, (9, 17), true),
+        (160, 960, (7, 7), true),
+    ] {
+        let what = format!("x[1,{c},{h},{w}] -> {e} -> {c}, residual {residual}");
+        let g = Graph::new("pointwise chain");
+        let x = g.input("x", Shape::new(&[1, c, h, w], DType::F32)).unwrap();
+        let param =
+            |name: &str, dims: &[usize]| g.param(name, Shape::new(dims, DType::F32)).unwrap();
+        let pointwise = |name: &str, x: NodeId, from: usize, to: usize| {
+            let weights = param(name, &[to, from, 1, 1]);
+            let bias = param(&format!("{name}.bias"), &[to]);
+            g.conv2d(x, weights, Some(bias), [1, 1], [0; 4], [1, 1], 1)
+                .unwrap()
+        };
+        // Blocked from here: the graph's input is plain.
+        let start = pointwise("w0", x, c, c);
+        let expand = pointwise("w1", start, c, e);
+        let expand = g.relu(expand).unwrap();
+        let mut project = pointwise("w2", expand, e, c);
+        if residual {
+            project = g.add(project, start).unwrap();
+        }
+        // Read blocked into a plain plane mean: the graph's output. (A fourth
+        // product, of sums over 576 channels of sums over 96, rounds past the
+        // check's bound for values of this size.)
+        let out = g.mean(project, &[2, 3], true).unwrap();
+        g.set_outputs(vec![out]);
+        check(&g, &mut rng, &what);
+        if blocks_enabled() {
+            let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
+            let pointwise = kernels
+                .iter()
+                .filter(|(_, k)| k.contains("blocked-pointwise"))
+                .count();
+            assert!(pointwise >= 2, "{what}: {kernels:?}");
+        }
+    }
+}
+
 /// Squeeze-and-excitation blocks, pooling and channel concatenation between
 /// channel-blocked convolutions: the plane mean reads a blocked value into a plain
 /// `[n, c, 1, 1]`, the gate's multiply folds into the next 1x1 convolution as its

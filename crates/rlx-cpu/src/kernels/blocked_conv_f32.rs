@@ -200,8 +200,10 @@ pub(crate) fn thread_floats(
             conv_pixels_f32::block_groups_thread_floats(win, x, out_hw)
         }
         BlockedConv::Pointwise if prologue => {
+            // A block's input ([`block_pixels`]: at most a tile past the fit) and
+            // its offsets.
             let c = x.dim(1);
-            block_fit(c).next_multiple_of(MR) * c + c
+            (block_fit(c).next_multiple_of(MR) + MR) * c + c
         }
         BlockedConv::Pointwise => 0,
         // A block's weights, tap by tap, at a vector per tap whatever the block;
@@ -388,6 +390,17 @@ fn pixel_blocks(pixels: usize, channels: usize, units: usize, threads: usize) ->
     by_size.max(for_threads).min(pixels.div_ceil(MR)).max(1)
 }
 
+/// Pixels `p0..p1` of block `b` of `blocks`: whole tiles of [`MR`] pixels, split as
+/// evenly as they go (sizes rounded up to whole tiles left the last block of 196
+/// pixels in 4 at 34, its thread idle for a fifth of the step), the last block
+/// ending at `pixels`. Each holds at most one tile more than
+/// `pixels.div_ceil(blocks)` rounded up to whole tiles.
+fn block_pixels(b: usize, blocks: usize, pixels: usize) -> (usize, usize) {
+    let tiles = pixels.div_ceil(MR);
+    let first = |b: usize| b * tiles / blocks * MR;
+    (first(b), first(b + 1).min(pixels))
+}
+
 /// The pointwise convolution: `packed` holds the weights from
 /// [`conv_pixels_f32::pack_weights`] (`o` filters of `c` values) and `offsets` the
 /// table from [`channel_offsets`] for `x`'s layout. With a `prologue`, each task
@@ -415,11 +428,16 @@ pub(crate) fn pointwise(
     let groups = panels.div_ceil(conv_pixels_f32::panel_group());
     let threads = gemm.threads();
     // With a prologue a task runs every group of its pixels: staged once, not once
-    // per group (960 -> 160 channels at 16 x 16 staged its input 3 times).
-    let group_tasks = if prologue.is_some() { 1 } else { groups };
+    // per group (960 -> 160 channels at 16 x 16 staged its input 3 times). So it
+    // does when the input fills a block a thread or more: split by groups as well,
+    // each block's input was read by both cores (576 -> 96 channels at 28 x 28:
+    // 0.49 -> 0.40 ms).
+    let group_tasks = if prologue.is_some() || pixels.div_ceil(block_fit(c)) >= threads {
+        1
+    } else {
+        groups
+    };
     let blocks = pixel_blocks(pixels, c, n * group_tasks, threads);
-    let block = pixels.div_ceil(blocks).next_multiple_of(MR);
-    let blocks = pixels.div_ceil(block);
     let (x_addr, out_addr) = (x.ptr as usize, out.ptr as usize);
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
     let per_channel = finish.per_channel();
@@ -453,7 +471,7 @@ pub(crate) fn pointwise(
         } else {
             g..g + 1
         };
-        let (p0, p1) = (b * block, ((b + 1) * block).min(pixels));
+        let (p0, p1) = block_pixels(b, blocks, pixels);
         let x_image = (x_addr as *const f32).wrapping_add(image * c * pixels);
         let image_at = image * o * pixels;
         // What the products read: the input in place, or the block's changed copy
@@ -487,6 +505,8 @@ pub(crate) fn pointwise(
                     tail: &offsets[tail],
                     tail_pixel: bases(HALF),
                     prefetch: conv_pixels_f32::prefetches_weights(c),
+                    // A staged copy is in cache already.
+                    blocks_ahead: x_blocked && prologue.is_none(),
                 }
             };
         for g in task_groups {
