@@ -3000,6 +3000,41 @@ fn blocked_pointwise_convolutions_over_many_pixels_or_channels_match() {
     }
 }
 
+/// A 1-D convolution whose one row of staged input overflows half of L2 (520
+/// channels, 3 taps), reading a channel-blocked input with a last block of 8: the
+/// pixel kernel stages it in blocks of columns, the first one's left padding and
+/// the last one's right padding included, strided and not.
+#[test]
+fn blocked_one_d_convolutions_in_blocks_of_columns_match() {
+    let mut rng = Rng(0xc01);
+    for (stride, pad) in [(2, [0, 1, 0, 1]), (1, [0, 2, 0, 3])] {
+        let what = format!("stride {stride}, pad {pad:?}");
+        let g = Graph::new("1-D features");
+        let (c, w) = (520, 900);
+        let x = g.input("x", Shape::new(&[1, c, 1, w], DType::F32)).unwrap();
+        let mix = g
+            .param("mix", Shape::new(&[c, c, 1, 1], DType::F32))
+            .unwrap();
+        let mixed = g.conv2d(x, mix, None, [1, 1], [0; 4], [1, 1], 1).unwrap();
+        let taps = g
+            .param("taps", Shape::new(&[16, c, 1, 3], DType::F32))
+            .unwrap();
+        let y = g
+            .conv2d(mixed, taps, None, [1, stride], pad, [1, 1], 1)
+            .unwrap();
+        let out = g.mean(y, &[2, 3], true).unwrap();
+        g.set_outputs(vec![out]);
+        check(&g, &mut rng, &what);
+        if blocks_enabled() {
+            let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
+            assert!(
+                kernels.iter().any(|(_, k)| k.contains("blocked-direct")),
+                "{what}: {kernels:?}"
+            );
+        }
+    }
+}
+
 /// Squeeze-and-excitation blocks, pooling and channel concatenation between
 /// channel-blocked convolutions: the plane mean reads a blocked value into a plain
 /// `[n, c, 1, 1]`, the gate's multiply folds into the next 1x1 convolution as its

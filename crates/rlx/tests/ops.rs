@@ -2338,7 +2338,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 44] = [
+    let cases: [ConvCase; 45] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8, and 16 or
         // more tiles: Winograd F(4x4, 3x3), with edge tiles in both directions,
         // asymmetric padding, tiles of several images in one task, and dilated (one
@@ -2421,13 +2421,23 @@ fn conv2d_variants() {
             1,
         ),
         // A strided 1-D convolution whose one row of staged input overflows half of
-        // L2 (512 channels x 701 samples): per-tap GEMMs, not pixel rows.
+        // L2 (512 channels x 701 samples): the pixel kernel in blocks of columns.
         (
             [1, 512, 1, 1403],
             [24, 512, 1, 3],
             [1, 2],
             [0, 1, 0, 1],
             [1, 1],
+            1,
+        ),
+        // The same over a dilated window padded on both sides: the first block of
+        // columns stages left padding, the last right padding.
+        (
+            [1, 520, 1, 1100],
+            [20, 520, 1, 3],
+            [1, 1],
+            [0, 2, 0, 3],
+            [1, 2],
             1,
         ),
         // A 1-D convolution (one output row) with many filters (33 panels, the last

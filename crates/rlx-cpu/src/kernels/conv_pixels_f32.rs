@@ -56,14 +56,8 @@ const MAX_GROUP: usize = 4;
 /// convolution kernels that can run one.)
 pub(crate) fn applies(win: &Window2d, groups: usize, x: &Shape) -> bool {
     let geo = Geometry::new(win, x, [1, 1]);
-    // A block is whole output rows: where one row's staged input overflows the
-    // budget, the per-tap GEMMs (blocks of any pixels) run it better. wav2vec2's
-    // first strided 1-D feature convolution (512 channels, 3199 samples, 6.5 MB a
-    // row) took 20.4 ms here, one block for one thread, and 14.6 ms as GEMMs.
-    let row = Geometry::new(win, x, [1, super::conv::extent(win, 1, x.dim(3))]);
     groups == 1
         && geo.staged_len(geo.h + win.padding[0] + win.padding[2]) < u32::MAX as usize
-        && row.staged_len(row.rows_read(win, 1)) <= stage_budget()
         && supported()
         && enabled()
 }
@@ -173,6 +167,17 @@ impl Geometry {
         Geometry { lanes, ..self }
     }
 
+    /// The geometry of a block of `cols` output columns of a row: its staged rows
+    /// hold only the columns those read.
+    fn columns(self, win: &Window2d, cols: usize) -> Geometry {
+        let (sx, kw, dx) = (win.stride[1], win.kernel[1], win.dilation[1]);
+        Geometry {
+            ow: cols,
+            wp: (cols.max(1) - 1) * sx + (kw - 1) * dx + 1,
+            ..self
+        }
+    }
+
     /// Input rows that `rows` output rows read.
     fn rows_read(&self, win: &Window2d, rows: usize) -> usize {
         (rows.max(1) - 1) * win.stride[0] + (win.kernel[0] - 1) * win.dilation[0] + 1
@@ -184,20 +189,60 @@ impl Geometry {
     }
 }
 
-/// How the output is cut into pool tasks: blocks of whole output rows of one image.
+/// How the output is cut into pool tasks: blocks of whole output rows of one image,
+/// or, where one row's staged input overflows the budget (a long 1-D convolution
+/// over many channels), blocks of the columns of one row.
 #[derive(Clone, Copy)]
 struct Blocking {
     /// Output rows per block.
     rows: usize,
     /// Blocks per image.
     blocks: usize,
+    /// Output columns per block: the whole row, or whole tiles of it.
+    cols: usize,
+    /// Blocks per output row (1 for blocks of whole rows).
+    row_blocks: usize,
+}
+
+/// One block of a [`Blocking`]: `rows` output rows from `y0`, of `cols` columns
+/// from `x0`.
+#[derive(Clone, Copy)]
+struct BlockAt {
+    y0: usize,
+    rows: usize,
+    x0: usize,
+    cols: usize,
 }
 
 impl Blocking {
-    /// Blocks whose staged input takes at most half of L2 (at least one output row),
-    /// evened out, and cut further when there are fewer images than threads.
+    /// Blocks whose staged input takes at most half of L2 (at least one output row,
+    /// or whole tiles of one), evened out, and cut further when there are fewer
+    /// images than threads.
     fn new(win: &Window2d, geo: &Geometry, images: usize, threads: usize) -> Blocking {
         let budget = stage_budget();
+        let share = threads.div_ceil(images.max(1));
+        let one_row = geo.rows_read(win, 1);
+        if geo.ow > MR && geo.staged_len(one_row) > budget {
+            // wav2vec2's first strided feature convolution (512 channels, 3199
+            // samples, 6.5 MB a row) took 20.4 ms in one block of its row, and
+            // 14.6 ms as per-tap GEMMs.
+            let mut cols = geo.ow;
+            while cols > MR && geo.columns(win, cols).staged_len(one_row) > budget {
+                cols = cols.div_ceil(2);
+            }
+            let mut row_blocks = geo.ow.div_ceil(cols);
+            if images * geo.oh < threads {
+                row_blocks = row_blocks.next_multiple_of(share).min(geo.ow.div_ceil(MR));
+            }
+            let cols = geo.ow.div_ceil(row_blocks).next_multiple_of(MR);
+            let row_blocks = geo.ow.div_ceil(cols);
+            return Blocking {
+                rows: 1,
+                blocks: geo.oh.max(1) * row_blocks,
+                cols,
+                row_blocks,
+            };
+        }
         let mut fit = geo.oh.max(1);
         while fit > 1 && geo.staged_len(geo.rows_read(win, fit)) > budget {
             fit = fit.div_ceil(2);
@@ -206,20 +251,41 @@ impl Blocking {
         if images < threads {
             // A multiple of the threads an image is shared by, so none idles while
             // another runs a last block.
-            blocks = blocks
-                .next_multiple_of(threads.div_ceil(images.max(1)))
-                .min(geo.oh.max(1));
+            blocks = blocks.next_multiple_of(share).min(geo.oh.max(1));
         }
         let rows = geo.oh.div_ceil(blocks).max(1);
         Blocking {
             rows,
             blocks: geo.oh.div_ceil(rows).max(1),
+            cols: geo.ow,
+            row_blocks: 1,
         }
     }
 
     /// The largest block any thread count gives (one image, one thread).
     fn largest(win: &Window2d, geo: &Geometry) -> Blocking {
         Blocking::new(win, geo, 1, 1)
+    }
+
+    /// Block `b` of an image of `geo`'s output.
+    fn block(&self, b: usize, geo: &Geometry) -> BlockAt {
+        let (row_block, column_block) = (b / self.row_blocks, b % self.row_blocks);
+        let (y0, x0) = (row_block * self.rows, column_block * self.cols);
+        BlockAt {
+            y0,
+            rows: self.rows.min(geo.oh - y0),
+            x0,
+            cols: self.cols.min(geo.ow - x0),
+        }
+    }
+
+    /// The geometry a block of `geo` stages: `geo` itself for whole rows, else
+    /// that of its columns.
+    fn geometry(&self, win: &Window2d, geo: &Geometry, at: &BlockAt) -> Geometry {
+        match self.row_blocks {
+            1 => *geo,
+            _ => geo.columns(win, at.cols),
+        }
     }
 }
 
@@ -228,9 +294,11 @@ impl Blocking {
 /// every tile of a block when the depth takes more than one block.
 pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape, out_hw: [usize; 2]) -> usize {
     let geo = Geometry::new(win, x, out_hw);
-    let block = Blocking::largest(win, &geo);
+    let blocking = Blocking::largest(win, &geo);
+    let block = blocking.block(0, &geo);
+    let staged = blocking.geometry(win, &geo, &block);
     let k = w.dim(1) * w.dim(2) * w.dim(3);
-    geo.staged_len(geo.rows_read(win, block.rows)) + k + products_len(k, block.rows * geo.ow)
+    staged.staged_len(geo.rows_read(win, block.rows)) + k + products_len(k, block.rows * block.cols)
 }
 
 /// Floats of the tile products a block keeps between depth blocks (one tile when the
@@ -370,7 +438,7 @@ pub(crate) fn conv2d(
     // of 256 channels: cut by rows, each thread streamed all 2.4 MB of weights for 7
     // rows), or where there are too few rows to give each thread one (a 1-D
     // convolution's single row ran on one thread).
-    let few_rows = n * geo.oh < threads;
+    let few_rows = n * geo.oh * Blocking::new(win, &geo, n, threads).row_blocks < threads;
     let by_channels = n < threads
         && (few_rows || o * k >= geo.staged_len(geo.rows_read(win, geo.oh)))
         && panels >= 2 * group * threads.div_ceil(n);
@@ -398,20 +466,30 @@ pub(crate) fn conv2d(
             return;
         }
         let (image, block) = (u / blocking.blocks, u % blocking.blocks);
-        let y0 = block * blocking.rows;
-        let rows = blocking.rows.min(geo.oh - y0);
+        let at = blocking.block(block, &geo);
+        let (y0, rows) = (at.y0, at.rows);
+        // What the block stages: its rows, and of them its columns' inputs.
+        let staging = blocking.geometry(win, &geo, &at);
         let staged_rows = geo.rows_read(win, rows);
         // SAFETY: one task per thread index at a time.
         let extra = unsafe { gemm.parts(thread) }.1;
-        let (staged, rest) = extra.split_at_mut(geo.staged_len(staged_rows));
+        let (staged, rest) = extra.split_at_mut(staging.staged_len(staged_rows));
         let (offsets, rest) = rest.split_at_mut(k);
-        let block_pixels = rows * geo.ow;
+        let block_pixels = rows * at.cols;
         let products = &mut rest[..products_len(k, block_pixels)];
         let src = &xs[image * geo.cg * geo.h * geo.w..][..geo.cg * geo.h * geo.w];
-        stage_rows(win, &geo, (src, prologue), y0, staged_rows, staged);
-        step_offsets(win, &geo, staged_rows, offsets);
-        // The image's first output value, and the block's first pixel.
-        let (image_at, first_pixel) = (image * o * pixels, y0 * geo.ow);
+        stage_rows(
+            win,
+            &staging,
+            (src, prologue),
+            (y0, at.x0),
+            staged_rows,
+            staged,
+        );
+        step_offsets(win, &staging, staged_rows, offsets);
+        // The image's first output value, and the block's first pixel (a block of
+        // columns lies in one row).
+        let (image_at, first_pixel) = (image * o * pixels, y0 * geo.ow + at.x0);
         let block_out = BlockOut {
             // SAFETY: inside the output.
             image: unsafe { (out_addr as *mut f32).add(image_at) },
@@ -422,8 +500,8 @@ pub(crate) fn conv2d(
             finish: (in_store && blocks.output).then(|| finish_at.in_registers(image_at)),
         };
         let bases = PixelBases {
-            ow: geo.ow,
-            row_step: win.stride[0] * geo.wp * geo.lanes,
+            ow: at.cols,
+            row_step: win.stride[0] * staging.wp * geo.lanes,
             sx: win.stride[1] * geo.lanes,
             last: block_pixels - 1,
         };
@@ -532,31 +610,32 @@ pub(crate) fn conv2d_block_groups(
         let lanes = x_blocks.width(plane);
         let geo = if lanes == BLOCK { whole } else { half };
         let k = lanes * taps;
-        let y0 = block * blocking.rows;
-        let rows = blocking.rows.min(geo.oh - y0);
+        let at = blocking.block(block, &geo);
+        let (y0, rows) = (at.y0, at.rows);
+        let staging = blocking.geometry(win, &geo, &at);
         let staged_rows = geo.rows_read(win, rows);
         // SAFETY: one task per thread index at a time.
         let extra = unsafe { gemm.parts(thread) }.1;
-        let (staged, rest) = extra.split_at_mut(geo.staged_len(staged_rows));
+        let (staged, rest) = extra.split_at_mut(staging.staged_len(staged_rows));
         let (offsets, rest) = rest.split_at_mut(k);
-        let block_pixels = rows * geo.ow;
+        let block_pixels = rows * at.cols;
         let products = &mut rest[..products_len(k, block_pixels)];
         let src = &xs[image * c * h * w + x_blocks.start(plane)..][..lanes * h * w];
-        stage_rows(win, &geo, (src, None), y0, staged_rows, staged);
-        step_offsets(win, &geo, staged_rows, offsets);
+        stage_rows(win, &staging, (src, None), (y0, at.x0), staged_rows, staged);
+        step_offsets(win, &staging, staged_rows, offsets);
         let image_at = image * o * pixels;
         let block_out = BlockOut {
             // SAFETY: inside the output.
             image: unsafe { (out_addr as *mut f32).add(image_at) },
-            first_pixel: y0 * geo.ow,
+            first_pixel: y0 * geo.ow + at.x0,
             pixels,
             channels: o,
             blocked: true,
             finish: in_store.then(|| finish_at.in_registers(image_at)),
         };
         let bases = PixelBases {
-            ow: geo.ow,
-            row_step: win.stride[0] * geo.wp * geo.lanes,
+            ow: at.cols,
+            row_step: win.stride[0] * staging.wp * geo.lanes,
             sx: win.stride[1] * geo.lanes,
             last: block_pixels - 1,
         };
@@ -746,21 +825,30 @@ impl PixelBases {
 
 /// Copies the input rows `staged_rows` rows from output row `y0`'s first into
 /// `staged` (`[channel][row][wp]`, or `[plane][row][wp][lanes]` for a blocked
-/// input: [`Geometry::lanes`]), zero where they fall in the padding, through
-/// `prologue` if any.
+/// input: [`Geometry::lanes`]), the `wp` columns from the first that output
+/// column `x0` reads, zero where they fall in the padding, through `prologue` if
+/// any.
 fn stage_rows(
     win: &Window2d,
     geo: &Geometry,
     (src, prologue): (&[f32], Option<Prologue>),
-    y0: usize,
+    (y0, x0): (usize, usize),
     staged_rows: usize,
     staged: &mut [f32],
 ) {
-    let (pt, pl) = (win.padding[0] as isize, win.padding[1]);
+    let pt = win.padding[0] as isize;
     let (h, w, wp, lanes) = (geo.h, geo.w, geo.wp, geo.lanes);
     let x_blocks = crate::layout::Blocks::new(geo.cg, h * w);
-    // Staged column `c` holds input column `c - pl`: inside for `pl..pl + w`.
-    let (c0, c1) = (pl.min(wp), (pl + w).min(wp));
+    // Staged column `c` holds input column `c + left` (`left` negative in the left
+    // padding): inside for `c0..c1`.
+    let left = (x0 * win.stride[1]) as isize - win.padding[1] as isize;
+    let inside_from = |column: isize| (column - left).clamp(0, wp as isize) as usize;
+    let (c0, c1) = (inside_from(0), inside_from(w as isize));
+    // The input column staged at `c0` (none when the block reads only padding).
+    let first_column = match c1 > c0 {
+        true => (c0 as isize + left) as usize,
+        false => 0,
+    };
     let top = (y0 * win.stride[0]) as isize - pt;
     for (plane_index, plane) in staged
         .chunks_exact_mut(staged_rows * wp * lanes)
@@ -782,7 +870,7 @@ fn stage_rows(
                 line.fill(0.0);
                 continue;
             }
-            let row = &src[from + iy as usize * w * step..];
+            let row = &src[from + (iy as usize * w + first_column) * step..];
             line[..c0 * lanes].fill(0.0);
             let inside = &mut line[c0 * lanes..c1 * lanes];
             if step == lanes {
