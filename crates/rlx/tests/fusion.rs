@@ -2784,7 +2784,7 @@ fn dense_block_concats_share_one_buffer() {
             let act = g.relu(cat).unwrap();
             let w = g
                 .param(
-                    &format!("w{layer}"),
+                    format!("w{layer}"),
                     Shape::new(&[growth, channels, 1, 1], DType::F32),
                 )
                 .unwrap();

@@ -101,6 +101,11 @@ unsafe fn transpose<T: Copy>(
             // SAFETY: as below; 4-byte elements read as `u32`.
             unsafe {
                 let (src, dst) = (src.add(offset).cast::<u32>(), dst.add(offset).cast::<u32>());
+                #[cfg(target_arch = "x86_64")]
+                if crate::isa::isa().avx512f {
+                    transpose_rows_u32_avx512(src, dst, [rows, cols], [first, last]);
+                    return;
+                }
                 transpose_rows_u32(src, dst, [rows, cols], [first, last]);
             }
             return;
@@ -317,6 +322,111 @@ crate::vmath::multiversion! {
     }
 }
 
+/// Side of the AVX-512 register blocks of 4-byte elements.
+const WIDE_BLOCK: usize = 16;
+
+/// [`transpose_rows_u32`] in 16 x 16 blocks through AVX-512 shuffles (16 loads, 64
+/// shuffles and 16 stores a block): the 8 x 8 blocks' element copies were not
+/// vectorized, and a ConvNeXt stage's 96 x 3136 reorders took 0.13-0.20 ms each.
+/// The edges go through [`transpose_rows_u32`].
+///
+/// # Safety
+/// As [`transpose_rows_u32`]; AVX-512F is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_rows_u32_avx512(
+    src: *const u32,
+    dst: *mut u32,
+    [rows, cols]: [usize; 2],
+    [first, last]: [usize; 2],
+) {
+    let whole_rows = first + (last - first) / WIDE_BLOCK * WIDE_BLOCK;
+    let whole_cols = cols / WIDE_BLOCK * WIDE_BLOCK;
+    // Strips down the rows, as the narrow form walks (see there).
+    for s0 in (0..whole_cols).step_by(STRIP) {
+        for r0 in (first..whole_rows).step_by(WIDE_BLOCK) {
+            for c0 in (s0..(s0 + STRIP).min(whole_cols)).step_by(WIDE_BLOCK) {
+                // SAFETY: rows r0..r0 + 16 of the caller's and columns c0..c0 + 16
+                // lie inside the matrix; their transposes inside the output.
+                unsafe {
+                    transpose_block_avx512(
+                        (src.add(r0 * cols + c0), cols),
+                        (dst.add(c0 * rows + r0), rows),
+                    )
+                };
+            }
+        }
+    }
+    // SAFETY: the caller's contract, for the rest.
+    unsafe {
+        if whole_cols < cols {
+            // The last columns of the whole row blocks: a matrix of their own
+            // (`cols` apart) written `rows` apart.
+            for r in first..whole_rows {
+                for c in whole_cols..cols {
+                    *dst.add(c * rows + r) = *src.add(r * cols + c);
+                }
+            }
+        }
+        if whole_rows < last {
+            transpose_rows_u32(src, dst, [rows, cols], [whole_rows, last]);
+        }
+    }
+}
+
+/// Writes the 16 x 16 block of 4-byte values at `src` (rows `src_stride` apart)
+/// transposed at `dst` (rows `dst_stride` apart).
+///
+/// # Safety
+/// Both blocks lie inside their buffers; AVX-512F is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_block_avx512(
+    (src, src_stride): (*const u32, usize),
+    (dst, dst_stride): (*mut u32, usize),
+) {
+    use std::arch::x86_64::*;
+    const N: usize = WIDE_BLOCK;
+    // SAFETY: the caller's blocks.
+    let r: [__m512; N] =
+        std::array::from_fn(|i| unsafe { _mm512_loadu_ps(src.add(i * src_stride).cast()) });
+    // Within each 128-bit lane `l`, after the 32- and 64-bit interleaves, u[4i + j]
+    // holds column 4l + j of rows 4i..4i + 4.
+    let mut t = [_mm512_setzero_ps(); N];
+    for i in 0..N / 2 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    let pd = _mm512_castps_pd;
+    let ps = _mm512_castpd_ps;
+    let mut u = [_mm512_setzero_ps(); N];
+    for i in 0..N / 4 {
+        let [a, b, c, d] = [t[4 * i], t[4 * i + 1], t[4 * i + 2], t[4 * i + 3]];
+        u[4 * i] = ps(_mm512_unpacklo_pd(pd(a), pd(c)));
+        u[4 * i + 1] = ps(_mm512_unpackhi_pd(pd(a), pd(c)));
+        u[4 * i + 2] = ps(_mm512_unpacklo_pd(pd(b), pd(d)));
+        u[4 * i + 3] = ps(_mm512_unpackhi_pd(pd(b), pd(d)));
+    }
+    // Output row 4l + j is lane l of u[j], u[4 + j], u[8 + j], u[12 + j]: lanes 0
+    // and 1 of each pair gathered first, then lanes 0 and 2 (or 1 and 3) of those.
+    for j in 0..4 {
+        let low = _mm512_shuffle_f32x4::<0x44>(u[j], u[4 + j]);
+        let high = _mm512_shuffle_f32x4::<0xee>(u[j], u[4 + j]);
+        let low2 = _mm512_shuffle_f32x4::<0x44>(u[8 + j], u[12 + j]);
+        let high2 = _mm512_shuffle_f32x4::<0xee>(u[8 + j], u[12 + j]);
+        let rows = [
+            _mm512_shuffle_f32x4::<0x88>(low, low2),
+            _mm512_shuffle_f32x4::<0xdd>(low, low2),
+            _mm512_shuffle_f32x4::<0x88>(high, high2),
+            _mm512_shuffle_f32x4::<0xdd>(high, high2),
+        ];
+        for (l, row) in rows.into_iter().enumerate() {
+            // SAFETY: output row 4l + j of the caller's block.
+            unsafe { _mm512_storeu_ps(dst.add((4 * l + j) * dst_stride).cast(), row) };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -346,6 +456,44 @@ mod tests {
         );
         assert_eq!(as_batched_transpose(&[2, 3, 4], &[1, 0, 2]), None);
         assert_eq!(as_batched_transpose(&[2, 3, 4, 5], &[3, 1, 2, 0]), None);
+    }
+
+    #[test]
+    fn wide_transposes_match_an_element_walk() {
+        if !crate::isa::isa().avx512f {
+            return;
+        }
+        // Whole 16 x 16 blocks, the last columns and rows outside them, and a row
+        // range that starts inside the matrix.
+        for (rows, cols, first) in [(96, 3136 / 4, 0), (37, 53, 0), (64, 16, 16), (33, 130, 5)] {
+            let src: Vec<u32> = (0..rows * cols)
+                .map(|i| (i as u32).wrapping_mul(2654435761))
+                .collect();
+            let mut got = vec![u32::MAX; rows * cols];
+            // SAFETY: the matrix and its transpose; AVX-512F checked above.
+            unsafe {
+                transpose_rows_u32_avx512(
+                    src.as_ptr(),
+                    got.as_mut_ptr(),
+                    [rows, cols],
+                    [first, rows],
+                )
+            };
+            for r in 0..rows {
+                for c in 0..cols {
+                    let want = if r >= first {
+                        src[r * cols + c]
+                    } else {
+                        u32::MAX
+                    };
+                    assert_eq!(
+                        got[c * rows + r],
+                        want,
+                        "{rows} x {cols} from {first}: ({r}, {c})"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
