@@ -21,7 +21,7 @@
 use crate::rewrite::{Rewriter, consumers, use_counts};
 use rlx_ir::{
     BinaryOp, ConvFusion, DType, EwStep, F64Bits, Graph, MAX_REGION_INPUTS, MAX_REGION_REGISTERS,
-    Node, NodeId, Op, UnaryOp, fusable_binary, fusable_unary, per_channel_operand,
+    Node, NodeId, Op, Shape, UnaryOp, fusable_binary, fusable_unary, per_channel_operand,
 };
 use std::collections::{BTreeSet, BinaryHeap};
 
@@ -380,16 +380,86 @@ fn is_head_swap(op: &Op) -> bool {
     matches!(op, Op::Permute { perm } if perm.as_slice() == HEAD_SWAP)
 }
 
+/// The non-unit axes of `dims` in order, as positions.
+fn long_axes(dims: &[usize]) -> Vec<usize> {
+    (0..dims.len()).filter(|&a| dims[a] != 1).collect()
+}
+
+/// Whether `perm` over `dims` keeps three axes longer than 1 and swaps the first two
+/// of them (`[s, h, d]` to `[h, s, d]`, whatever unit axes lie between).
+fn swaps_first_two_long_axes(perm: &[usize], dims: &[usize]) -> bool {
+    let long = long_axes(dims);
+    let moved: Vec<usize> = perm.iter().copied().filter(|&a| dims[a] != 1).collect();
+    long.len() == 3 && moved == [long[1], long[0], long[2]]
+}
+
+/// Where attention operand `x` (`[b, h, s, d]`) comes from as a sequence-major
+/// `[b, s, h, d]` value, and whether that value needs a reshape to those dims: a
+/// head-swapping permute's operand; or, with `b` 1, through a reshape of a permute
+/// that swaps the first two of its three long axes (torchvision's attention splits
+/// heads as `[s, h, d]` to `[h, s, d]`, then reshapes to `[1, h, s, d]`).
+fn sequence_major_source(nodes: &[Node], x: NodeId) -> Option<(NodeId, bool)> {
+    let node = &nodes[x.index()];
+    if is_head_swap(&node.op) {
+        return Some((node.inputs[0], false));
+    }
+    let dims = node.shape.dims();
+    if !matches!(node.op, Op::Reshape { .. }) || dims.len() != 4 || dims[0] != 1 {
+        return None;
+    }
+    if dims[1..].contains(&1) {
+        return None;
+    }
+    let permute = &nodes[node.inputs[0].index()];
+    let Op::Permute { perm } = &permute.op else {
+        return None;
+    };
+    let source = permute.inputs[0];
+    let from = nodes[source.index()].shape.dims();
+    let long: Vec<usize> = long_axes(from).iter().map(|&a| from[a]).collect();
+    (swaps_first_two_long_axes(perm, from) && long == [dims[2], dims[1], dims[3]])
+        .then_some((source, true))
+}
+
+/// The reader of attention node `a`'s output (`[b, h, s, d]`) that swaps its heads
+/// and sequence axes back, and whether its dims differ from `[b, s, h, d]` (then
+/// the sequence-major result is reshaped to them): a head-swapping permute, or, with
+/// `b` 1, a permute that swaps the first two of the three long axes.
+fn sequence_major_reader(
+    nodes: &[Node],
+    a: usize,
+    (uses, readers): (&[usize], &[Vec<usize>]),
+) -> Option<(usize, bool)> {
+    let [r] = readers[a].as_slice() else {
+        return None;
+    };
+    if uses[a] != 1 {
+        return None;
+    }
+    let op = &nodes[*r].op;
+    if is_head_swap(op) {
+        return Some((*r, false));
+    }
+    let dims = nodes[a].shape.dims();
+    let swaps = matches!(op, Op::Permute { perm } if dims.len() == 4
+        && dims[0] == 1
+        && !dims[1..].contains(&1)
+        && swaps_first_two_long_axes(perm, dims));
+    swaps.then_some((*r, true))
+}
+
 /// `permute(attention(permute(q), permute(k), permute(v), mask))` with the heads and
 /// sequence axes swapped in each permute becomes `attention_seq_major(q, k, v, mask)`:
 /// the kernel reads and writes the sequence-major layout directly, and the transposes
-/// (copies) disappear.
+/// (copies) disappear. With one batch, a permute that moves unit axes too (and the
+/// reshapes around it) counts as the swap: the fused node reads its operand and
+/// writes its result through reshapes (views).
 pub fn fuse_attention_layout(graph: &Graph) -> Fused {
     let uses = use_counts(graph);
     let readers = consumers(graph);
     let nodes = graph.nodes();
-    // attention node -> the permute that reads its output
-    let mut found: Vec<(usize, usize)> = Vec::new();
+    // attention node -> its operands' sequence-major sources and its output's reader
+    let mut found: Vec<(usize, [(NodeId, bool); 3], (usize, bool))> = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
         let Op::Attention {
             seq_major: false, ..
@@ -397,24 +467,25 @@ pub fn fuse_attention_layout(graph: &Graph) -> Fused {
         else {
             continue;
         };
-        let inputs_swapped = node.inputs[..3]
+        let sources: Vec<(NodeId, bool)> = node.inputs[..3]
             .iter()
-            .all(|x| is_head_swap(&nodes[x.index()].op));
-        if inputs_swapped
-            && uses[i] == 1
-            && readers[i].len() == 1
-            && is_head_swap(&nodes[readers[i][0]].op)
-        {
-            found.push((i, readers[i][0]));
-        }
+            .filter_map(|&x| sequence_major_source(&nodes, x))
+            .collect();
+        let (Ok(sources), Some(reader)) = (
+            <[(NodeId, bool); 3]>::try_from(sources),
+            sequence_major_reader(&nodes, i, (&uses, &readers)),
+        ) else {
+            continue;
+        };
+        found.push((i, sources, reader));
     }
     let mut w = Rewriter::new(nodes.len());
     let mut records = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
-        if found.iter().any(|&(a, _)| a == i) {
+        if found.iter().any(|&(a, ..)| a == i) {
             continue;
         }
-        let Some(&(a, _)) = found.iter().find(|&&(_, o)| o == i) else {
+        let Some(&(a, sources, (_, reshaped))) = found.iter().find(|f| f.2.0 == i) else {
             w.place(i, node.clone());
             continue;
         };
@@ -422,32 +493,57 @@ pub fn fuse_attention_layout(graph: &Graph) -> Fused {
         let Op::Attention { scale, causal, .. } = att.op else {
             continue;
         };
-        let mut inputs: Vec<NodeId> = att.inputs[..3]
+        let dims = att.shape.dims();
+        let seq_major = [dims[0], dims[2], dims[1], dims[3]];
+        let mut inputs: Vec<NodeId> = sources
             .iter()
-            .map(|x| nodes[x.index()].inputs[0])
+            .map(|&(source, reshape)| match reshape {
+                false => w.map(source),
+                true => w.insert(Node {
+                    op: Op::Reshape {
+                        dims: seq_major.to_vec(),
+                    },
+                    inputs: vec![source],
+                    shape: Shape::new(&seq_major, nodes[source.index()].shape.dtype()),
+                }),
+            })
             .collect();
-        inputs.extend(att.inputs.get(3).copied());
-        w.place(
-            i,
-            Node {
-                op: Op::Attention {
-                    scale,
-                    causal,
-                    seq_major: true,
-                },
-                inputs,
-                shape: node.shape.clone(),
+        inputs.extend(att.inputs.get(3).map(|&m| w.map(m)));
+        let fused = Node {
+            op: Op::Attention {
+                scale,
+                causal,
+                seq_major: true,
             },
-        );
-        // Records of earlier passes that name the attention now name its replacement.
-        w.alias(a, NodeId::from_index(i));
+            inputs,
+            shape: Shape::new(&seq_major, att.shape.dtype()),
+        };
+        if reshaped {
+            // The fused node stands for the attention; its reader becomes a view.
+            w.place_with_new_inputs(a, fused);
+            w.place_with_new_inputs(
+                i,
+                Node {
+                    op: Op::Reshape {
+                        dims: node.shape.dims().to_vec(),
+                    },
+                    inputs: vec![w.map(NodeId::from_index(a))],
+                    shape: node.shape.clone(),
+                },
+            );
+        } else {
+            w.place_with_new_inputs(i, fused);
+            // Records of earlier passes that name the attention now name its
+            // replacement.
+            w.alias(a, NodeId::from_index(i));
+        }
         let mut replaced: Vec<String> = att.inputs[..3]
             .iter()
             .map(|x| format!("permute %{}", x.index()))
             .collect();
         replaced.push(format!("attention %{a}"));
         replaced.push(format!("permute %{i}"));
-        records.push((i, replaced));
+        records.push((if reshaped { a } else { i }, replaced));
     }
     finish(graph, w, records)
 }

@@ -820,13 +820,27 @@ fn placed_in_concats(
 }
 
 /// If `op` applied to a value of `src` shape can be a view, its byte offset into the
-/// source: reshapes always, slices when the selected elements are contiguous.
+/// source: reshapes always, slices when the selected elements are contiguous, and
+/// permutes that move only axes of size 1 (a `[1, 197, 768]` to `[197, 1, 768]`
+/// between a batch-first model and its sequence-first attention), whose values
+/// keep their order.
 pub fn view_offset(op: &Op, src: &Shape) -> Option<usize> {
     match op {
         Op::Reshape { .. } => Some(0),
         Op::Slice { axes } => contiguous_slice_offset(axes, src),
+        Op::Permute { perm } if moves_only_unit_axes(perm, src) => Some(0),
         _ => None,
     }
+}
+
+/// Whether permuting `src` by `perm` keeps its axes longer than 1 in order.
+fn moves_only_unit_axes(perm: &[usize], src: &Shape) -> bool {
+    let dims = src.dims();
+    perm.len() == dims.len()
+        && perm
+            .iter()
+            .filter(|&&axis| dims.get(axis).is_some_and(|&d| d != 1))
+            .is_sorted()
 }
 
 fn contiguous_slice_offset(axes: &[SliceAxis], src: &Shape) -> Option<usize> {

@@ -1023,6 +1023,57 @@ fn attention_head_transposes_fold_into_a_sequence_major_attention() {
     }
 }
 
+/// torchvision's attention (sequence-first inside a batch-first model): one
+/// product makes queries, keys and values, split by slicing `[3, s, 1, d]`, and
+/// heads split as `[s, h, dh]` to `[h, s, dh]` before a reshape to `[1, h, s, dh]`;
+/// the result goes back as `[s, 1, h, dh]`. The head transposes fold into a
+/// sequence-major attention that reads and writes through reshapes; the batch-first
+/// permutes of unit axes are views.
+#[test]
+fn sequence_first_attention_head_transposes_fold_too() {
+    let mut rng = Rng(0x5f1);
+    for (s, heads, dh) in [(9, 2, 8), (70, 3, 16)] {
+        let d = heads * dh;
+        let g = Graph::new("sequence first attention");
+        let x = g.input("x", Shape::new(&[1, s, d], DType::F32)).unwrap();
+        let w = g.param("w", Shape::new(&[d, 3 * d], DType::F32)).unwrap();
+        let seq_first = g.permute(x, &[1, 0, 2]).unwrap();
+        let qkv = g.matmul(seq_first, w).unwrap();
+        let qkv = g.reshape(qkv, &[s, 1, 3, d]).unwrap();
+        let qkv = g.reshape(qkv, &[1, s, 1, 3, d]).unwrap();
+        let qkv = g.permute(qkv, &[3, 1, 2, 0, 4]).unwrap();
+        let qkv = g.reshape(qkv, &[3, s, 1, d]).unwrap();
+        let split = |i: isize| {
+            let t = g.slice(qkv, 0, i, i + 1, 1).unwrap();
+            let t = g.reshape(t, &[s, heads, dh]).unwrap();
+            let t = g.permute(t, &[1, 0, 2]).unwrap();
+            g.reshape(t, &[1, heads, s, dh]).unwrap()
+        };
+        let (q, k, v) = (split(0), split(1), split(2));
+        let a = g.attention(q, k, v, None, false, None).unwrap();
+        let merged = g.permute(a, &[2, 0, 1, 3]).unwrap();
+        let merged = g.reshape(merged, &[s, 1, d]).unwrap();
+        let batch_first = g.permute(merged, &[1, 0, 2]).unwrap();
+        g.set_outputs(vec![g.add(batch_first, x).unwrap()]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let nodes = plan.graph.nodes();
+        // Left to copy: the one permute that moves the 3 of q, k and v first.
+        let copies = (0..nodes.len())
+            .filter(|&i| nodes[i].op.name() == "permute" && !plan.is_view[i])
+            .count();
+        assert_eq!(copies, 1, "{}", plan.graph);
+        assert!(nodes.iter().any(|n| matches!(
+            n.op,
+            rlx::ir::Op::Attention {
+                seq_major: true,
+                ..
+            }
+        )));
+        drop(nodes);
+        check(&g, &mut rng, &format!("sequence-first attention s={s}"));
+    }
+}
+
 #[test]
 fn attention_written_out_in_ops_becomes_one_attention() {
     let mut rng = Rng(57);
@@ -3033,6 +3084,46 @@ fn blocked_one_d_convolutions_in_blocks_of_columns_match() {
             );
         }
     }
+}
+
+/// Permutes that move only axes of size 1 (a batch-first model around a
+/// sequence-first attention block: `[1, s, d]` to `[s, 1, d]` and back) are views of
+/// their operand, as reshapes are; one that reorders longer axes still copies.
+#[test]
+fn permutes_of_unit_axes_are_views() {
+    let mut rng = Rng(0x7e57);
+    let g = Graph::new("sequence first");
+    let x = g.input("x", Shape::new(&[1, 9, 16], DType::F32)).unwrap();
+    let w = g.param("w", Shape::new(&[16, 16], DType::F32)).unwrap();
+    let seq_first = g.permute(x, &[1, 0, 2]).unwrap();
+    let y = g.matmul(seq_first, w).unwrap();
+    let y = g.relu(y).unwrap();
+    let batch_first = g.permute(y, &[1, 0, 2]).unwrap();
+    let sum = g.add(batch_first, x).unwrap();
+    let swapped = g.permute(sum, &[0, 2, 1]).unwrap();
+    g.set_outputs(vec![g.neg(swapped).unwrap()]);
+    let plan = plan_graph(&g, &all_passes()).unwrap();
+    let nodes = plan.graph.nodes();
+    let views: Vec<(Vec<usize>, bool)> = nodes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, node)| match &node.op {
+            rlx::ir::Op::Permute { perm } => Some((perm.clone(), plan.is_view[i])),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        views,
+        [
+            (vec![1, 0, 2], true),
+            (vec![1, 0, 2], true),
+            (vec![0, 2, 1], false)
+        ],
+        "{}",
+        plan.graph
+    );
+    drop(nodes);
+    check(&g, &mut rng, "permutes of unit axes");
 }
 
 /// Squeeze-and-excitation blocks, pooling and channel concatenation between

@@ -61,11 +61,7 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         },
         "Split" => split,
         "Slice" => slice,
-        "Gather" => |cx| {
-            let (data, idx) = (cx.input(0)?, cx.input(1)?);
-            let a = axis(cx.attr_i("axis", 0), cx.shape(0)?.rank())?;
-            Ok(vec![cx.g.gather(data, idx, a as isize)?])
-        },
+        "Gather" => gather,
         "GatherElements" => gather_elements,
         "GatherND" => gather_nd,
         "Expand" => |cx| {
@@ -733,6 +729,37 @@ pub(super) fn wrap_indices(cx: &Cx, idx: NodeId, dims: &[usize]) -> Result<NodeI
 
 /// `out[p] = data[p with p[axis] = indices[p]]`: one flat gather at offsets made of
 /// a constant part (the other coordinates) plus the index times the axis stride.
+/// `Gather`. One index that the model fixes is a slice of one entry, reshaped to
+/// the output's dims: a view where the entry is contiguous (torchvision's attention
+/// picks its queries, keys and values out of one product this way), where a gather
+/// copies it.
+fn gather(cx: &mut Cx) -> Result<Vec<NodeId>> {
+    let data = cx.input(0)?;
+    let dims = cx.dims(0)?;
+    let a = axis(cx.attr_i("axis", 0), dims.len())?;
+    if let Some(index) = cx
+        .fixed(1)
+        .filter(|k| k.len() == 1 && k.data.dtype().is_int())
+    {
+        let n = dims[a] as i64;
+        let i = index.to_i64_vec()[0];
+        let i = if i < 0 { i + n } else { i };
+        if (0..n).contains(&i) {
+            let entry =
+                cx.g.slice(data, a as isize, i as isize, i as isize + 1, 1)?;
+            let out: Vec<usize> = dims[..a]
+                .iter()
+                .chain(&index.dims)
+                .chain(&dims[a + 1..])
+                .copied()
+                .collect();
+            return Ok(vec![cx.g.reshape(entry, &out)?]);
+        }
+    }
+    let idx = cx.input(1)?;
+    Ok(vec![cx.g.gather(data, idx, a as isize)?])
+}
+
 fn gather_elements(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let dd = cx.dims(0)?;
     let id = cx.dims(1)?;
