@@ -8,12 +8,31 @@ use std::collections::HashMap;
 /// Nodes that compute the same op on the same operands become one. Sources and
 /// `write_at` (which has an effect) are never merged. A reshape to its operand's own
 /// shape (exporters write them around attention) is its operand, unless it is a
-/// graph output.
+/// graph output; a permute that moves only unit axes (a batch-first model around a
+/// sequence-first block) is a reshape, so fusions see through it.
 pub fn eliminate_common_subexpressions(graph: &Graph) -> Graph {
     let nodes = graph.nodes();
     let mut w = Rewriter::new(nodes.len());
     let mut seen: HashMap<(Op, Vec<NodeId>), NodeId> = HashMap::new();
     for (i, node) in nodes.iter().enumerate() {
+        let reshaped;
+        let node = match &node.op {
+            Op::Permute { perm }
+                if crate::plan::moves_only_unit_axes(
+                    perm,
+                    &nodes[node.inputs[0].index()].shape,
+                ) =>
+            {
+                reshaped = Node {
+                    op: Op::Reshape {
+                        dims: node.shape.dims().to_vec(),
+                    },
+                    ..node.clone()
+                };
+                &reshaped
+            }
+            _ => node,
+        };
         if matches!(node.op, Op::Reshape { .. })
             && nodes[node.inputs[0].index()].shape == node.shape
             && !graph.outputs().contains(&NodeId::from_index(i))

@@ -834,7 +834,7 @@ pub fn view_offset(op: &Op, src: &Shape) -> Option<usize> {
 }
 
 /// Whether permuting `src` by `perm` keeps its axes longer than 1 in order.
-fn moves_only_unit_axes(perm: &[usize], src: &Shape) -> bool {
+pub(crate) fn moves_only_unit_axes(perm: &[usize], src: &Shape) -> bool {
     let dims = src.dims();
     perm.len() == dims.len()
         && perm

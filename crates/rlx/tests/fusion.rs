@@ -3087,8 +3087,9 @@ fn blocked_one_d_convolutions_in_blocks_of_columns_match() {
 }
 
 /// Permutes that move only axes of size 1 (a batch-first model around a
-/// sequence-first attention block: `[1, s, d]` to `[s, 1, d]` and back) are views of
-/// their operand, as reshapes are; one that reorders longer axes still copies.
+/// sequence-first attention block: `[1, s, d]` to `[s, 1, d]` and back) become
+/// reshapes, so the fusions see through them, and are views in a plan without the
+/// simplifying passes too; one that reorders longer axes still copies.
 #[test]
 fn permutes_of_unit_axes_are_views() {
     let mut rng = Rng(0x7e57);
@@ -3103,6 +3104,22 @@ fn permutes_of_unit_axes_are_views() {
     let swapped = g.permute(sum, &[0, 2, 1]).unwrap();
     g.set_outputs(vec![g.neg(swapped).unwrap()]);
     let plan = plan_graph(&g, &all_passes()).unwrap();
+    let nodes = plan.graph.nodes();
+    let views: Vec<(Vec<usize>, bool)> = nodes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, node)| match &node.op {
+            rlx::ir::Op::Permute { perm } => Some((perm.clone(), plan.is_view[i])),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(views, [(vec![0, 2, 1], false)], "{}", plan.graph);
+    drop(nodes);
+    let unsimplified = PlanOptions {
+        simplify: false,
+        ..all_passes()
+    };
+    let plan = plan_graph(&g, &unsimplified).unwrap();
     let nodes = plan.graph.nodes();
     let views: Vec<(Vec<usize>, bool)> = nodes
         .iter()
