@@ -395,15 +395,21 @@ fn swaps_first_two_long_axes(perm: &[usize], dims: &[usize]) -> bool {
 
 /// Where attention operand `x` (`[b, h, s, d]`) comes from as a sequence-major
 /// `[b, s, h, d]` value, and whether that value needs a reshape to those dims: a
-/// head-swapping permute's operand; or, with `b` 1, through a reshape of a permute
-/// that swaps the first two of its three long axes (torchvision's attention splits
-/// heads as `[s, h, d]` to `[h, s, d]`, then reshapes to `[1, h, s, d]`).
+/// head-swapping permute's operand; `x` itself where it has one head or one
+/// position; or, with `b` 1, through a reshape of a permute that swaps the first
+/// two of its three long axes (torchvision's attention splits heads as `[s, h, d]`
+/// to `[h, s, d]`, then reshapes to `[1, h, s, d]`).
 fn sequence_major_source(nodes: &[Node], x: NodeId) -> Option<(NodeId, bool)> {
     let node = &nodes[x.index()];
     if is_head_swap(&node.op) {
         return Some((node.inputs[0], false));
     }
     let dims = node.shape.dims();
+    if dims.len() == 4 && (dims[1] == 1 || dims[2] == 1) {
+        // One head (grouped keys and values) or one position: both layouts hold the
+        // same order.
+        return Some((x, true));
+    }
     if !matches!(node.op, Op::Reshape { .. }) || dims.len() != 4 || dims[0] != 1 {
         return None;
     }
@@ -448,6 +454,16 @@ fn sequence_major_reader(
     swaps.then_some((*r, true))
 }
 
+/// An attention [`fuse_attention_layout`] folds: its node, its operands'
+/// sequence-major sources ([`sequence_major_source`]) and its output's reader
+/// ([`sequence_major_reader`]).
+#[derive(Clone, Copy)]
+struct LayoutFold {
+    attention: usize,
+    sources: [(NodeId, bool); 3],
+    reader: (usize, bool),
+}
+
 /// `permute(attention(permute(q), permute(k), permute(v), mask))` with the heads and
 /// sequence axes swapped in each permute becomes `attention_seq_major(q, k, v, mask)`:
 /// the kernel reads and writes the sequence-major layout directly, and the transposes
@@ -458,8 +474,7 @@ pub fn fuse_attention_layout(graph: &Graph) -> Fused {
     let uses = use_counts(graph);
     let readers = consumers(graph);
     let nodes = graph.nodes();
-    // attention node -> its operands' sequence-major sources and its output's reader
-    let mut found: Vec<(usize, [(NodeId, bool); 3], (usize, bool))> = Vec::new();
+    let mut found: Vec<LayoutFold> = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
         let Op::Attention {
             seq_major: false, ..
@@ -477,15 +492,24 @@ pub fn fuse_attention_layout(graph: &Graph) -> Fused {
         ) else {
             continue;
         };
-        found.push((i, sources, reader));
+        found.push(LayoutFold {
+            attention: i,
+            sources,
+            reader,
+        });
     }
     let mut w = Rewriter::new(nodes.len());
     let mut records = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
-        if found.iter().any(|&(a, ..)| a == i) {
+        if found.iter().any(|f| f.attention == i) {
             continue;
         }
-        let Some(&(a, sources, (_, reshaped))) = found.iter().find(|f| f.2.0 == i) else {
+        let Some(&LayoutFold {
+            attention: a,
+            sources,
+            reader: (_, reshaped),
+        }) = found.iter().find(|f| f.reader.0 == i)
+        else {
             w.place(i, node.clone());
             continue;
         };
@@ -494,18 +518,25 @@ pub fn fuse_attention_layout(graph: &Graph) -> Fused {
             continue;
         };
         let dims = att.shape.dims();
-        let seq_major = [dims[0], dims[2], dims[1], dims[3]];
+        // Each operand's own `[b, s, h, d]` (keys and values may differ from the
+        // queries in heads, length and width).
+        let swapped = |d: &[usize]| [d[0], d[2], d[1], d[3]];
+        let seq_major = swapped(dims);
         let mut inputs: Vec<NodeId> = sources
             .iter()
-            .map(|&(source, reshape)| match reshape {
+            .zip(&att.inputs)
+            .map(|(&(source, reshape), &operand)| match reshape {
                 false => w.map(source),
-                true => w.insert(Node {
-                    op: Op::Reshape {
-                        dims: seq_major.to_vec(),
-                    },
-                    inputs: vec![source],
-                    shape: Shape::new(&seq_major, nodes[source.index()].shape.dtype()),
-                }),
+                true => {
+                    let target = swapped(nodes[operand.index()].shape.dims());
+                    w.insert(Node {
+                        op: Op::Reshape {
+                            dims: target.to_vec(),
+                        },
+                        inputs: vec![source],
+                        shape: Shape::new(&target, nodes[source.index()].shape.dtype()),
+                    })
+                }
             })
             .collect();
         inputs.extend(att.inputs.get(3).map(|&m| w.map(m)));

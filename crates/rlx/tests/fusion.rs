@@ -1074,6 +1074,57 @@ fn sequence_first_attention_head_transposes_fold_too() {
     }
 }
 
+/// The same layout with keys and values of their own length and head count
+/// (cross-attention over another sequence, grouped heads): each operand is read
+/// through a reshape to its own sequence-major dims.
+#[test]
+fn sequence_first_cross_and_grouped_attention_fold_too() {
+    let mut rng = Rng(0xc205);
+    for (s, heads, sk, kv_heads, dh) in [(9, 2, 13, 2, 8), (11, 4, 6, 2, 8), (7, 2, 5, 1, 16)] {
+        let what = format!("s {s} heads {heads}, keys {sk} heads {kv_heads}");
+        let g = Graph::new("sequence first cross attention");
+        let x = g
+            .input("x", Shape::new(&[1, s, heads * dh], DType::F32))
+            .unwrap();
+        let y = g
+            .input("y", Shape::new(&[1, sk, kv_heads * dh], DType::F32))
+            .unwrap();
+        // `[1, n, h * dh]` batch first to `[1, h, n, dh]` as torchvision splits heads.
+        let split = |t: NodeId, n: usize, h: usize, name: &str| {
+            let w = g
+                .param(name, Shape::new(&[h * dh, h * dh], DType::F32))
+                .unwrap();
+            let t = g.permute(t, &[1, 0, 2]).unwrap();
+            let t = g.matmul(t, w).unwrap();
+            let t = g.reshape(t, &[n, h, dh]).unwrap();
+            let t = g.permute(t, &[1, 0, 2]).unwrap();
+            g.reshape(t, &[1, h, n, dh]).unwrap()
+        };
+        let q = split(x, s, heads, "wq");
+        let k = split(y, sk, kv_heads, "wk");
+        let v = split(g.tanh(y).unwrap(), sk, kv_heads, "wv");
+        let a = g.attention(q, k, v, None, false, None).unwrap();
+        let merged = g.permute(a, &[2, 0, 1, 3]).unwrap();
+        let merged = g.reshape(merged, &[s, 1, heads * dh]).unwrap();
+        g.set_outputs(vec![g.permute(merged, &[1, 0, 2]).unwrap()]);
+        let plan = plan_graph(&g, &all_passes()).unwrap();
+        let nodes = plan.graph.nodes();
+        assert!(
+            nodes.iter().any(|n| matches!(
+                n.op,
+                rlx::ir::Op::Attention {
+                    seq_major: true,
+                    ..
+                }
+            )),
+            "{what}\n{}",
+            plan.graph
+        );
+        drop(nodes);
+        check(&g, &mut rng, &what);
+    }
+}
+
 #[test]
 fn attention_written_out_in_ops_becomes_one_attention() {
     let mut rng = Rng(57);

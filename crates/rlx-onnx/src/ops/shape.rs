@@ -727,8 +727,6 @@ pub(super) fn wrap_indices(cx: &Cx, idx: NodeId, dims: &[usize]) -> Result<NodeI
     cx.g.select(neg, cx.g.add(idx, d)?, idx)
 }
 
-/// `out[p] = data[p with p[axis] = indices[p]]`: one flat gather at offsets made of
-/// a constant part (the other coordinates) plus the index times the axis stride.
 /// `Gather`. One index that the model fixes is a slice of one entry, reshaped to
 /// the output's dims: a view where the entry is contiguous (torchvision's attention
 /// picks its queries, keys and values out of one product this way), where a gather
@@ -760,6 +758,8 @@ fn gather(cx: &mut Cx) -> Result<Vec<NodeId>> {
     Ok(vec![cx.g.gather(data, idx, a as isize)?])
 }
 
+/// `out[p] = data[p with p[axis] = indices[p]]`: one flat gather at offsets made of
+/// a constant part (the other coordinates) plus the index times the axis stride.
 fn gather_elements(cx: &mut Cx) -> Result<Vec<NodeId>> {
     let dd = cx.dims(0)?;
     let id = cx.dims(1)?;
