@@ -977,6 +977,20 @@ fn write_at_is_never_merged_or_folded() {
     assert!(plan.graph.nodes().iter().any(|n| n.op.name() == "write_at"));
 }
 
+/// Whether `nodes` hold an attention that reads and writes the sequence-major
+/// layout.
+fn has_sequence_major_attention(nodes: &[rlx::ir::Node]) -> bool {
+    nodes.iter().any(|n| {
+        matches!(
+            n.op,
+            rlx::ir::Op::Attention {
+                seq_major: true,
+                ..
+            }
+        )
+    })
+}
+
 #[test]
 fn attention_head_transposes_fold_into_a_sequence_major_attention() {
     let mut rng = Rng(41);
@@ -1011,13 +1025,7 @@ fn attention_head_transposes_fold_into_a_sequence_major_attention() {
             "{}",
             plan.graph
         );
-        assert!(nodes.iter().any(|n| matches!(
-            n.op,
-            rlx::ir::Op::Attention {
-                seq_major: true,
-                ..
-            }
-        )));
+        assert!(has_sequence_major_attention(&nodes), "{}", plan.graph);
         drop(nodes);
         check(&g, &mut rng, &format!("attention layout b={b} s={s}"));
     }
@@ -1062,13 +1070,7 @@ fn sequence_first_attention_head_transposes_fold_too() {
             .filter(|&i| nodes[i].op.name() == "permute" && !plan.is_view[i])
             .count();
         assert_eq!(copies, 1, "{}", plan.graph);
-        assert!(nodes.iter().any(|n| matches!(
-            n.op,
-            rlx::ir::Op::Attention {
-                seq_major: true,
-                ..
-            }
-        )));
+        assert!(has_sequence_major_attention(&nodes), "{}", plan.graph);
         drop(nodes);
         check(&g, &mut rng, &format!("sequence-first attention s={s}"));
     }
@@ -1110,13 +1112,7 @@ fn sequence_first_cross_and_grouped_attention_fold_too() {
         let plan = plan_graph(&g, &all_passes()).unwrap();
         let nodes = plan.graph.nodes();
         assert!(
-            nodes.iter().any(|n| matches!(
-                n.op,
-                rlx::ir::Op::Attention {
-                    seq_major: true,
-                    ..
-                }
-            )),
+            has_sequence_major_attention(&nodes),
             "{what}\n{}",
             plan.graph
         );
