@@ -340,7 +340,7 @@ pub(crate) fn fold_prologue(
 }
 
 /// Fills `offsets` with each input channel's offset from its pixel's first value
-/// in its block ([`input_runs`]): `c * pixels` plain; channel-blocked, its block's
+/// in its block ([`input_channels`]): `c * pixels` plain; channel-blocked, its block's
 /// start and its lane.
 pub(crate) fn channel_offsets(pixels: usize, blocked: bool, offsets: &mut [u32]) {
     let blocks = Blocks::new(offsets.len(), pixels);
@@ -353,26 +353,13 @@ pub(crate) fn channel_offsets(pixels: usize, blocked: bool, offsets: &mut [u32])
     }
 }
 
-/// The input channels of a pointwise product in runs of at most `depth`, each
-/// `(k0..k1, tail)`: channels `k0..k1` read at one distance from pixel to pixel (a
-/// plain input's along each channel's row, a blocked input's in its whole blocks
-/// of 16), and the last run also reads `tail` in the same pass, a blocked input's
-/// last block of 8 (8 floats a pixel; empty for any other input). Only the last
-/// run's tail ends at `c`.
-fn input_runs(
-    c: usize,
-    blocked: bool,
-    depth: usize,
-) -> impl Iterator<Item = (std::ops::Range<usize>, std::ops::Range<usize>)> {
+/// The input channels of a pointwise product as `(run, tail)`: channels `run` read
+/// at one distance from pixel to pixel (a plain input's along each channel's row, a
+/// blocked input's in its whole blocks of 16), and `tail` in the same pass, a
+/// blocked input's last block of 8 (8 floats a pixel; empty for any other input).
+fn input_channels(c: usize, blocked: bool) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
     let whole = if blocked { c / BLOCK * BLOCK } else { c };
-    let depth = depth.max(1);
-    let runs = whole.div_ceil(depth).max(1);
-    (0..runs).map(move |r| {
-        let end = ((r + 1) * depth).min(whole);
-        // An empty tail ends where the run does: only the last run's reaches `c`.
-        let tail = if r + 1 == runs { whole..c } else { end..end };
-        (r * depth..end, tail)
-    })
+    (0..whole, whole..c)
 }
 
 /// The most pixels of a block whose input (`channels` values a pixel) takes about a
@@ -456,7 +443,6 @@ pub(crate) fn pointwise(
     // output, a bias and a ReLU are applied as tiles are stored.
     let in_registers = out_blocked && finish.has_lanes_form();
     let plain_in_store = !out_blocked && finish.is_bias_and_relu();
-    let depth_blocks = in_registers && c >= DEPTH_BLOCKED_FROM;
     let finishes = in_registers
         && (finish.bias.is_some()
             || finish.activation.is_some()
@@ -511,18 +497,12 @@ pub(crate) fn pointwise(
             };
         for g in task_groups {
             let (q0, q1) = (g * panels / groups, (g + 1) * panels / groups);
-            // The panels' weights from input channel `k0` on.
-            let weights = |k0: usize| {
-                (
-                    packed.as_ptr().wrapping_add((q0 * c + k0) * NR),
-                    c * NR,
-                    q1 - q0,
-                )
-            };
+            // The panels' weights.
+            let weights = (packed.as_ptr().wrapping_add(q0 * c * NR), c * NR, q1 - q0);
             // Where a whole tile from pixel `i0` goes in the blocked output (the
             // panel and pixel strides, and a last block of 8's own place), and its
-            // finish in registers when `finished` and it has one.
-            let tile_at = |i0: usize, finished: bool| {
+            // finish in registers where it has one.
+            let tile_at = |i0: usize| {
                 let first_value = image_at + out_blocks.index(q0 * NR, i0);
                 let out = conv_pixels_f32::TileOut {
                     at: (out_addr as *mut f32).wrapping_add(first_value),
@@ -533,16 +513,14 @@ pub(crate) fn pointwise(
                             .wrapping_add(image_at + out_blocks.index((q1 - 1) * NR, i0))
                     }),
                 };
-                let register_finish =
-                    (finishes && finished).then(|| conv_pixels_f32::RegisterFinish {
-                        bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
-                        activation: finish.activation,
-                        residual: residual_addr
-                            .map(|r| (r as *const f32).wrapping_add(first_value)),
-                        affine: finish.affine.map(|(scale, shift, post)| {
-                            (scale[q0 * NR..].as_ptr(), shift[q0 * NR..].as_ptr(), post)
-                        }),
-                    });
+                let register_finish = finishes.then(|| conv_pixels_f32::RegisterFinish {
+                    bias: finish.bias.map(|b| b[q0 * NR..].as_ptr()),
+                    activation: finish.activation,
+                    residual: residual_addr.map(|r| (r as *const f32).wrapping_add(first_value)),
+                    affine: finish.affine.map(|(scale, shift, post)| {
+                        (scale[q0 * NR..].as_ptr(), shift[q0 * NR..].as_ptr(), post)
+                    }),
+                });
                 (out, register_finish)
             };
             // The finish over pixels `c0..c1` of the output's blocks (or plain
@@ -594,32 +572,25 @@ pub(crate) fn pointwise(
                 })
             });
             // The whole tiles into a blocked output, finished as they are stored, in
-            // one call per run of input channels. With many input channels the runs
-            // are `DEPTH_BLOCK` channels over all the task's pixels, so a run's
-            // weights stay in L1 for every tile (a 1280-channel tile of 4 panels
-            // otherwise streams 320 KiB of weights from L2 for 6 pixels); the later
-            // runs add to the stored sums, and the last one finishes them.
+            // one call over all the input channels. (Runs of 128 channels over all
+            // the task's pixels, each adding to the stored sums, kept a run's
+            // weights in L1; with the weights asked ahead, one pass is faster:
+            // 960 -> 160 and 160 -> 960 channels at 16 x 16 4%, 2048 -> 512 at
+            // 7 x 7 7%, 512 -> 128 at 28 x 28 2%.)
             let mut start = p0;
             if in_registers {
                 let whole_end = p0 + (p1 - p0) / MR * MR;
-                let depth = if depth_blocks { DEPTH_BLOCK } else { c };
                 if whole_end > p0 {
-                    for (run, tail) in input_runs(c, x_blocked, depth) {
-                        let (k0, last) = (run.start, tail.end == c);
-                        let (out, register_finish) = tile_at(p0, last);
-                        // SAFETY: as for the whole tiles below, all of them, over
-                        // the run's input channels (and the weights from step
-                        // `k0`, the tail's after the run's); the tiles' places
-                        // hold the earlier runs' sums when `k0 > 0`.
-                        unsafe {
-                            conv_pixels_f32::micro_kernel_to(
-                                input(p0, MR, (run, tail)),
-                                weights(k0),
-                                (out, k0 > 0, tile_run((whole_end - p0) / MR)),
-                                register_finish.as_ref(),
-                            )
-                        };
-                    }
+                    let (out, register_finish) = tile_at(p0);
+                    // SAFETY: as for the whole tiles below, all of them.
+                    unsafe {
+                        conv_pixels_f32::micro_kernel_to(
+                            input(p0, MR, input_channels(c, x_blocked)),
+                            weights,
+                            (out, tile_run((whole_end - p0) / MR)),
+                            register_finish.as_ref(),
+                        )
+                    };
                 }
                 start = whole_end;
             }
@@ -627,15 +598,11 @@ pub(crate) fn pointwise(
                 let m = MR.min(p1 - i0);
                 let whole = out_blocked && m == MR;
                 // One run of all the input channels.
-                let all = input(
-                    i0,
-                    m,
-                    input_runs(c, x_blocked, c).next().unwrap_or((0..c, c..c)),
-                );
+                let all = input(i0, m, input_channels(c, x_blocked));
                 if whole {
                     // A whole tile goes straight to its place in the blocked
                     // output, finished in registers where it can be.
-                    let (out, register_finish) = tile_at(i0, true);
+                    let (out, register_finish) = tile_at(i0);
                     // SAFETY: every base plus every offset is a value of what the
                     // products read (the offsets were made for its layout and
                     // pixels, the bases for the run's and the tail's); panels
@@ -645,17 +612,15 @@ pub(crate) fn pointwise(
                     unsafe {
                         conv_pixels_f32::micro_kernel_to(
                             all,
-                            weights(0),
-                            (out, false, tile_run(1)),
+                            weights,
+                            (out, tile_run(1)),
                             register_finish.as_ref(),
                         )
                     };
                 } else {
                     // SAFETY: as above, into the tile; at most `panel_group`
                     // panels.
-                    unsafe {
-                        conv_pixels_f32::micro_kernel(all, weights(0), (&mut tile, m), false)
-                    };
+                    unsafe { conv_pixels_f32::micro_kernel(all, weights, (&mut tile, m), false) };
                 }
                 if !whole {
                     // Lane `j` of panel `q`'s pixel `i` is channel `q * 16 + j`:
@@ -710,14 +675,6 @@ pub(crate) fn pointwise(
 /// Output pixels a pointwise task stores before it runs the finish over them (in
 /// L1 still).
 const FINISH_PIXELS: usize = 48;
-
-/// Input channels per depth block of a pointwise convolution's whole tiles: 4
-/// panels' weights for them take 32 KiB, which stays in L1.
-const DEPTH_BLOCK: usize = 128;
-
-/// The fewest input channels for which a pointwise convolution runs in depth
-/// blocks.
-const DEPTH_BLOCKED_FROM: usize = 4 * DEPTH_BLOCK;
 
 /// Output pixels whose sums a depthwise run keeps in registers ([`run`]; the
 /// fixed runs keep up to 12, [`run_fixed`]).

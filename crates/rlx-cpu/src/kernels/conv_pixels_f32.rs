@@ -1069,7 +1069,7 @@ unsafe fn whole_tiles_blocked(
             .map(|(s, t, post)| (s.wrapping_add(c0), t.wrapping_add(c0), post)),
     });
     // SAFETY: the caller's contract.
-    unsafe { micro_kernel_to(input, weights, (tile, false, run), finish.as_ref()) }
+    unsafe { micro_kernel_to(input, weights, (tile, run), finish.as_ref()) }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -1325,22 +1325,19 @@ impl RegisterFinish {
 
 /// [`micro_kernel`] on AVX-512 for `count` panels (1 to [`MAX_GROUP`]) and each tile
 /// of `run`, storing each panel's [`MR`] pixels through `out` (a channel-blocked
-/// output's own place) instead of a tile, adding to the sums there when
-/// `accumulate` (a later block of input channels), then applying `finish` to them
-/// if any.
+/// output's own place) instead of a tile, then applying `finish` to them if any.
 ///
 /// # Safety
 /// As [`micro_kernel`] for every tile `t < run.tiles`, whose bases are `input`'s
 /// plus `t * run.pixel_step` (`t * run.tail_step` for the tail's); AVX-512F is
 /// available; every place `out` names for tile `t` ([`TileRun`]: `t * run.out_step`
-/// floats on, a half panel's `t * MR * HALF`) is writable (and readable with
-/// `accumulate`); `finish`'s pointers as [`RegisterFinish`] says (the residual's
+/// floats on, a half panel's `t * MR * HALF`) is writable; `finish`'s pointers as [`RegisterFinish`] says (the residual's
 /// also `t * run.out_step` on for tile `t`).
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn micro_kernel_to(
     input: TileInput,
     (panels, stride, count): (*const f32, usize, usize),
-    (out, accumulate, run): (TileOut, bool, TileRun),
+    (out, run): (TileOut, TileRun),
     finish: Option<&RegisterFinish>,
 ) {
     let sums = (panels, stride);
@@ -1362,7 +1359,7 @@ pub(crate) unsafe fn micro_kernel_to(
     // SAFETY: forwarded contract.
     unsafe {
         let Some(finish) = rest else {
-            micro_kernel_avx512_of(count, input, sums, (out, run), (accumulate, simple));
+            micro_kernel_avx512_of(count, input, sums, (out, run), (false, simple));
             return;
         };
         // Tile by tile, so each is finished while it is in L1.
@@ -1373,7 +1370,7 @@ pub(crate) unsafe fn micro_kernel_to(
                 input.nth(t, run),
                 sums,
                 (out, TileRun::ONE),
-                (accumulate, simple),
+                (false, simple),
             );
             let finish = RegisterFinish {
                 residual: finish.residual.map(|r| r.wrapping_add(t * run.out_step)),
@@ -1464,7 +1461,7 @@ unsafe fn finish_tile_as<const HALF_LAST: bool>(
 pub(crate) unsafe fn micro_kernel_to(
     _: TileInput,
     _: (*const f32, usize, usize),
-    _: (TileOut, bool, TileRun),
+    _: (TileOut, TileRun),
     _: Option<&RegisterFinish>,
 ) {
     unreachable!("blocked layouts need AVX-512")
