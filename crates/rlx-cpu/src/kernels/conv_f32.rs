@@ -686,19 +686,20 @@ pub(crate) fn pixel_weights<'s>(
             (packed.values(), &mut scratch[len.div_ceil(2)..])
         }
         None => {
-            let (values, rest) = pixel_weights_in_scratch(w, None, scratch);
+            let (_, values, rest) = pixel_weights_room(w, None, scratch);
             (values, rest)
         }
     }
 }
 
-/// [`pixel_weights`] always in `scratch`, to be changed there: packed there, or a
-/// copy of the values packed ahead.
-pub(crate) fn pixel_weights_in_scratch<'s>(
+/// Room in `scratch` for [`pixel_weights`] to be changed there: the values packed
+/// ahead, if any (to be read into the room), else the room holds them packed.
+/// Returns them, the room and the rest of the scratch.
+pub(crate) fn pixel_weights_room<'s, 'p>(
     w: Src<'_>,
-    packed: Option<&crate::prepack::PackedParam>,
+    packed: Option<&'p crate::prepack::PackedParam>,
     scratch: &'s mut [f64],
-) -> (&'s mut [f32], &'s mut [f64]) {
+) -> (Option<&'p [f32]>, &'s mut [f32], &'s mut [f64]) {
     let o = w.shape.dim(0);
     let k = w.len / o.max(1);
     let len = conv_pixels_f32::weights_len(o, k);
@@ -708,14 +709,14 @@ pub(crate) fn pixel_weights_in_scratch<'s>(
     let values = unsafe { std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<f32>(), len) };
     let spec = crate::prepack::PackSpec::ConvPixels { o, k };
     match packed.filter(|p| p.fits(spec)) {
-        Some(packed) => values.copy_from_slice(&packed.values()[..len]),
+        Some(packed) => (Some(&packed.values()[..len]), values, rest),
         None => {
             // SAFETY: an f32 tensor of `w.len` values, alive for the step.
             let ws = unsafe { std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len) };
             conv_pixels_f32::pack_weights(ws, o, k, values);
+            (None, values, rest)
         }
     }
-    (values, rest)
 }
 
 /// `(scale, shift, post)`: a batch norm and activation after the residual, one scale

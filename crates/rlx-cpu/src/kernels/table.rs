@@ -938,7 +938,7 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
             let pixels = x.shape.dim(2) * x.shape.dim(3);
             let all_pixels = x.shape.dim(0) * pixels;
             let fold = prologue
-                .filter(|p| blocked_conv_f32::folds_prologue(p, o, all_pixels, ctx.gemm.threads()))
+                .filter(|p| blocked_conv_f32::folds_prologue(p, o, all_pixels))
                 .and_then(|p| p.affine);
             let (packed, rest, folded_bias) = match fold {
                 None => {
@@ -946,8 +946,8 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
                     (packed, rest, None)
                 }
                 Some(affine) => {
-                    let (packed, rest) =
-                        conv_f32::pixel_weights_in_scratch(w, ctx.packed_b, ctx.scratch);
+                    let (ahead, packed, rest) =
+                        conv_f32::pixel_weights_room(w, ctx.packed_b, ctx.scratch);
                     let (offsets, bias) = rest.split_at_mut(c.div_ceil(2));
                     // SAFETY: the step asked for `scratch_f64`: a bias of a value
                     // per packed filter after the offsets (f64 storage is aligned
@@ -958,8 +958,13 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
                             o.div_ceil(conv_pixels_f32::NR) * conv_pixels_f32::NR,
                         )
                     };
-                    let has_bias =
-                        blocked_conv_f32::fold_prologue(affine, (packed, c), finish.bias, bias);
+                    let has_bias = blocked_conv_f32::fold_prologue(
+                        affine,
+                        (ahead, packed, c),
+                        finish.bias,
+                        bias,
+                        (ctx.pool, ctx.gemm.threads()),
+                    )?;
                     (&*packed, offsets, has_bias.then_some(&*bias))
                 }
             };
