@@ -938,7 +938,7 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
             let pixels = x.shape.dim(2) * x.shape.dim(3);
             let all_pixels = x.shape.dim(0) * pixels;
             let fold = prologue
-                .filter(|p| blocked_conv_f32::folds_prologue(p, o, all_pixels))
+                .filter(|p| blocked_conv_f32::folds_prologue(p, o, all_pixels, ctx.gemm.threads()))
                 .and_then(|p| p.affine);
             let (packed, rest, folded_bias) = match fold {
                 None => {
