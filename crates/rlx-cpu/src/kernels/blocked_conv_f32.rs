@@ -8,12 +8,12 @@
 //!   broadcasts one input value per pixel from a table of channel offsets, so the
 //!   input is read in place in either layout (a last block of 8 as a tail of the
 //!   steps, from pixel bases 8 floats apart): no packing and no staged copy (but
-//!   for an input prologue: an affine alone folded into the weights where that is
-//!   cheaper, [`fold_prologue`], else applied to a per-task copy in its layout). A
-//!   blocked output is stored as the micro-kernel holds it (pixels by 16 channels;
-//!   a last block of 8 takes a panel's first half); a plain one is transposed into
-//!   channel rows. With 512 or more input channels, whole tiles run
-//!   in depth blocks of 128 channels, whose weights stay in L1.
+//!   for an input prologue: an affine alone over many more pixels than filters
+//!   folded into the weights, [`fold_prologue`], else applied to a per-task copy
+//!   in its layout, a block in one pass). A blocked output is stored as the
+//!   micro-kernel holds it (pixels by 16 channels; a last block of 8 takes a
+//!   panel's first half); a plain one is transposed into channel rows. With 512 or
+//!   more input channels the micro-kernel asks for its weights ahead.
 //! - **Depthwise** (one channel per group; blocked in and out; any window, stride,
 //!   dilation and padding): a block of channels per vector (a last block of 8 in
 //!   the low half, under a lane mask), each output vector the sum of
@@ -1899,7 +1899,7 @@ mod tests {
             (3, [2, 528, 4, 5], 64, [false, true]),
             (2, [1, 520, 5, 7], 24, [true, true]),
             // Plain in and out: few pixels over many channels (a 16 x 16 plane,
-            // depth blocks, and a last pixel tile and panel group short).
+            // weights asked ahead, and a last pixel tile and panel group short).
             (2, [1, 160, 7, 7], 96, [false, false]),
             (3, [2, 544, 16, 16], 72, [false, false]),
             (1, [1, 130, 9, 5], 40, [false, false]),
