@@ -138,7 +138,7 @@ impl StepLayout {
 /// Pixels below which a value stays plain: a product over a handful of pixels
 /// (a squeeze-and-excitation block's `[n, c, 1, 1]`) runs better as the plain
 /// layout's GEMV-like kernels, and its two layouts hardly differ.
-const MIN_PIXELS: usize = 4;
+pub(crate) const MIN_PIXELS: usize = 4;
 
 /// Whether `shape` can be stored blocked: a rank-4 `f32` value whose channels are a
 /// multiple of 8 ([`blockable_channels`]), over planes of [`MIN_PIXELS`] or more.
@@ -215,7 +215,8 @@ pub(crate) fn assign(
                 continue;
             }
             // The least to make plain: the output alone (a convolution whose
-            // residual is plain), else the operands alone, else both.
+            // residual is plain), else one operand or all of them, else the
+            // output and the operands.
             let inputs_plain = StepLayout::new(&[], layout.output());
             let with_output_plain = StepLayout {
                 output: false,
@@ -227,8 +228,29 @@ pub(crate) fn assign(
                 blocked[id.index()] = false;
             }
             if !accepts(&node.op, &shapes, out, layout_of(&blocked, id)) {
-                for x in &node.inputs {
-                    blocked[x.index()] = false;
+                // One operand plain, from the last (a convolution's residual in
+                // another layout than its output), else all of them.
+                let now = layout_of(&blocked, id);
+                let one = (0..node.inputs.len()).rev().find(|&k| {
+                    now.input(k) && {
+                        let mut inputs: Vec<bool> =
+                            (0..node.inputs.len()).map(|j| now.input(j)).collect();
+                        inputs[k] = false;
+                        accepts(
+                            &node.op,
+                            &shapes,
+                            out,
+                            StepLayout::new(&inputs, now.output()),
+                        )
+                    }
+                });
+                match one {
+                    Some(k) => blocked[node.inputs[k].index()] = false,
+                    None => {
+                        for x in &node.inputs {
+                            blocked[x.index()] = false;
+                        }
+                    }
                 }
             }
             changed = true;

@@ -7,8 +7,9 @@ use std::collections::HashMap;
 
 /// Nodes that compute the same op on the same operands become one. Sources and
 /// `write_at` (which has an effect) are never merged. A reshape to its operand's own
-/// shape (exporters write them around attention) is its operand, unless it is a
-/// graph output; a permute that moves only unit axes (a batch-first model around a
+/// shape (exporters write them around attention) and a slice that takes all of
+/// every axis (a dilated convolution's middle region, split by the importer) are
+/// their operand, unless a graph output; a permute that moves only unit axes (a batch-first model around a
 /// sequence-first block) is a reshape, so fusions see through it.
 pub fn eliminate_common_subexpressions(graph: &Graph) -> Graph {
     let nodes = graph.nodes();
@@ -33,10 +34,16 @@ pub fn eliminate_common_subexpressions(graph: &Graph) -> Graph {
             }
             _ => node,
         };
-        if matches!(node.op, Op::Reshape { .. })
-            && nodes[node.inputs[0].index()].shape == node.shape
-            && !graph.outputs().contains(&NodeId::from_index(i))
-        {
+        let source = &nodes[node.inputs.first().map_or(i, |x| x.index())].shape;
+        let unchanged = match &node.op {
+            Op::Reshape { .. } => *source == node.shape,
+            Op::Slice { axes } => axes
+                .iter()
+                .zip(source.dims())
+                .all(|(a, &len)| a.start == 0 && a.step == 1 && a.len == len),
+            _ => false,
+        };
+        if unchanged && !graph.outputs().contains(&NodeId::from_index(i)) {
             w.alias(i, node.inputs[0]);
             continue;
         }

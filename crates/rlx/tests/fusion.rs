@@ -3050,7 +3050,7 @@ fn channel_blocked_convolution_chains_match_the_reference() {
 /// Channel-blocked 1x1 convolutions between blocked values, in the shapes that
 /// split their work differently: a plane whose input fills more than a block a
 /// thread (each task runs every group of output channels), many input channels
-/// over few pixels (the input read in runs of 128 channels, each block of 16
+/// over few pixels (the weights asked ahead, each block of 16 of the input
 /// asking for the next one's lines, pixel blocks of unequal whole tiles), a
 /// residual in the blocked layout, and channel counts with a last block of 8.
 #[test]
@@ -3094,6 +3094,89 @@ fn blocked_pointwise_convolutions_over_many_pixels_or_channels_match() {
                 .filter(|(_, k)| k.contains("blocked-pointwise"))
                 .count();
             assert!(pointwise >= 2, "{what}: {kernels:?}");
+        }
+    }
+}
+
+/// Slices, constant pads and resamplings of the plane between blocked
+/// convolutions run on the blocked values (each run of equal-width blocks as a
+/// plain `[blocks, h, w, lanes]` tensor), and a pooled `[n, c, 1, 1]` branch is
+/// resampled from plain into blocked: channel counts with and without a last block
+/// of 8, two images, strided slices, uneven pads, negative indices. The split
+/// dilated convolution's pattern (a convolution adding a padded product of a slice
+/// of its own input, into a plain output) keeps the shared input blocked: only the
+/// residual turns plain.
+#[test]
+fn slices_pads_and_resamplings_of_blocked_planes_match() {
+    let mut rng = Rng(0x51ce);
+    for c in [24, 32] {
+        let what = format!("{c} channels");
+        let g = Graph::new("blocked planes");
+        let x = g.input("x", Shape::new(&[2, c, 9, 7], DType::F32)).unwrap();
+        let a = scaled_conv(&g, x, "a", [c, c, 1], [1, 0, 1]);
+        let sliced = g.slice_axes(a, &[(2, 1, 8, 2), (3, 2, 7, 1)]).unwrap();
+        let sliced = scaled_conv(&g, sliced, "s", [c, 16, 1], [1, 0, 1]);
+        let padded = g
+            .pad(
+                a,
+                &[(0, 0), (0, 0), (1, 2), (3, 0)],
+                PadMode::Constant(rlx::ir::F64Bits::new(0.5)),
+            )
+            .unwrap();
+        let padded = scaled_conv(&g, padded, "p", [c, 16, 1], [1, 0, 1]);
+        // Bilinear-like taps along each axis, one index counted from the end.
+        let taps = |g: &Graph, n: usize, out: usize, rng: &mut Rng| {
+            let index: Vec<i64> = (0..2 * out)
+                .map(|i| {
+                    let k = ((i * 7 + 3) % n) as i64;
+                    if i == 1 { k - n as i64 } else { k }
+                })
+                .collect();
+            let weight: Vec<f32> = (0..2 * out).map(|_| rng.value()).collect();
+            (
+                g.constant(TensorData::I64(index), &[2, out]).unwrap(),
+                g.constant_f32(&weight, &[2, out]).unwrap(),
+            )
+        };
+        let (i2, w2) = taps(&g, 9, 14, &mut rng);
+        let (i3, w3) = taps(&g, 7, 11, &mut rng);
+        let up = g.interpolate(a, i2, w2, 2).unwrap();
+        let up = g.interpolate(up, i3, w3, 3).unwrap();
+        let up = scaled_conv(&g, up, "u", [c, 16, 1], [1, 0, 1]);
+        let pooled = g.mean(a, &[2, 3], true).unwrap();
+        let (p2, q2) = taps(&g, 1, 5, &mut rng);
+        let (p3, q3) = taps(&g, 1, 4, &mut rng);
+        let spread = g.interpolate(pooled, p2, q2, 2).unwrap();
+        let spread = g.interpolate(spread, p3, q3, 3).unwrap();
+        let spread = scaled_conv(&g, spread, "m", [c, 16, 1], [1, 0, 1]);
+        // A corner of `a` by its own weights, padded back to the plane and added
+        // to the whole plane's product: the graph's output.
+        let corner = g.slice_axes(a, &[(2, 0, 4, 1), (3, 0, 4, 1)]).unwrap();
+        let corner = scaled_conv(&g, corner, "c", [c, 16, 1], [1, 0, 1]);
+        let corner = g
+            .pad(
+                corner,
+                &[(0, 0), (0, 0), (5, 0), (3, 0)],
+                PadMode::Constant(rlx::ir::F64Bits::new(0.0)),
+            )
+            .unwrap();
+        let whole = scaled_conv(&g, a, "w", [c, 16, 1], [1, 0, 1]);
+        let summed = g.add(whole, corner).unwrap();
+        g.set_outputs(vec![sliced, padded, up, spread, summed]);
+        check(&g, &mut rng, &what);
+        if blocks_enabled() {
+            let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
+            // Both slices (the corner's too: its input stays blocked), the pad
+            // between blocked values (the corner's pad, the plain output's
+            // residual, is plain), and all four resamplings.
+            for (name, least) in [
+                ("cpu.blocked.slice", 2),
+                ("cpu.blocked.pad", 1),
+                ("cpu.blocked.interpolate", 4),
+            ] {
+                let count = kernels.iter().filter(|(_, k)| k.starts_with(name)).count();
+                assert!(count >= least, "{what}: {name} {count} times: {kernels:?}");
+            }
         }
     }
 }

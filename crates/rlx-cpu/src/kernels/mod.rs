@@ -6,6 +6,7 @@ mod attention;
 pub(crate) mod attention_f32;
 pub(crate) mod blocked_conv_f32;
 mod blocked_f32;
+mod blocked_rows;
 mod conv;
 pub(crate) mod conv_f32;
 pub(crate) mod conv_pixels_f32;

@@ -15,7 +15,7 @@ const PARALLEL_VALUES: usize = 1 << 15;
 
 /// Errors naming the first index outside an axis of length `n` (compared as `f64`,
 /// so an unsigned index past `i64::MAX` is out of range, not wrapped).
-fn check_indices(index: &Src, n: usize) -> Result<()> {
+pub(crate) fn check_indices(index: &Src, n: usize) -> Result<()> {
     let n = n as f64;
     for at in 0..index.len {
         let k = with_dtype!(index.shape.dtype(), I => index.get::<I>(at).to_f64());

@@ -5,9 +5,9 @@
 //! family's file) and one arm of [`select`].
 
 use super::{
-    Ctx, ReduceGeometry, attention, attention_f32, blocked_conv_f32, blocked_f32, conv, conv_f32,
-    conv_pixels_f32, elementwise, fused, layout, matmul, misc, norm, norm_f32, quant, reduce,
-    resample, state, transpose,
+    Ctx, ReduceGeometry, attention, attention_f32, blocked_conv_f32, blocked_f32, blocked_rows,
+    conv, conv_f32, conv_pixels_f32, elementwise, fused, layout, matmul, misc, norm, norm_f32,
+    quant, reduce, resample, state, transpose,
 };
 use crate::layout::StepLayout;
 use crate::tensor::{Dst, Src};
@@ -84,8 +84,9 @@ impl Kernel {
 /// nothing blocked; with blocks, the convolutions that [`blocked_conv_f32::kind`]
 /// takes (a residual in the output's layout), `f32` elementwise ops as
 /// [`blocked_elementwise`] says, channel concatenations of parts with the output's
-/// block, max and average pools blocked in and out, and sums and means over a
-/// plane from a blocked value into a plain one.
+/// block, max and average pools blocked in and out, sums and means over a plane
+/// from a blocked value into a plain one, and slices, pads and resamplings of the
+/// plane as [`blocked_rows::accepts`] says.
 pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout) -> bool {
     if !layout.any() {
         return true;
@@ -110,6 +111,10 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
         }),
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } => {
             inputs[0].dtype() == DType::F32 && layout.input(0) && layout.output()
+        }
+        Op::Slice { .. } | Op::Pad { .. } | Op::Interpolate { .. } => {
+            (1..inputs.len()).all(|k| !layout.input(k))
+                && blocked_rows::accepts(op, inputs, layout.input(0), layout.output())
         }
         Op::Reduce {
             op: ReduceOp::Sum | ReduceOp::Mean,
@@ -347,6 +352,9 @@ fn select_kernel(
             Kernel::new(format!("cpu.rows.interleave.{dtype}"), interleave)
         }
         Op::Permute { .. } => Kernel::reference(op, dtype, permute),
+        Op::Slice { .. } | Op::Pad { .. } | Op::Interpolate { .. } if layout.output() => {
+            Kernel::new(format!("cpu.blocked.{}.f32", op.name()), blocked_plane_rows)
+        }
         Op::Slice { axes } if axes.last().is_none_or(|a| a.step == 1) && row_copies(out) => {
             Kernel::new(format!("cpu.rows.slice.{dtype}"), slice)
         }
@@ -697,6 +705,12 @@ fn slice(a: &Args, ctx: &mut Ctx) -> Result<()> {
         return Err(a.wrong_op("slice"));
     };
     layout::slice(axes, a.src(0), a.out, ctx)
+}
+
+/// A slice, pad or resampling over the planes of a blocked value.
+fn blocked_plane_rows(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    let extra = [1, 2].map(|k| (k < a.n_inputs).then(|| a.src(k)));
+    blocked_rows::run(a.op, (a.src(0), a.layout.input(0)), extra, a.out, ctx)
 }
 
 fn concat(a: &Args, _: &mut Ctx) -> Result<()> {
