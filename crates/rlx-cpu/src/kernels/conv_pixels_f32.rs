@@ -1790,8 +1790,9 @@ unsafe fn products<const NP: usize, const M: usize>(
     // SAFETY: the caller's contract; the tail's weights follow the other steps'.
     unsafe {
         let ahead = input.prefetch;
-        let acc = product_steps::<NP, M>(
-            acc,
+        let mut acc = acc;
+        product_steps::<NP, M>(
+            &mut acc,
             (input.offsets, input.pixel),
             (panels, stride),
             (ahead, input.blocks_ahead),
@@ -1801,11 +1802,12 @@ unsafe fn products<const NP: usize, const M: usize>(
         }
         let tail_panels = panels.wrapping_add(input.offsets.len() * NR);
         product_steps::<NP, M>(
-            acc,
+            &mut acc,
             (input.tail, input.tail_pixel),
             (tail_panels, stride),
             (ahead, false),
-        )
+        );
+        acc
     }
 }
 
@@ -1820,12 +1822,16 @@ unsafe fn products<const NP: usize, const M: usize>(
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn product_steps<const NP: usize, const M: usize>(
-    mut acc: [[std::arch::x86_64::__m512; NP]; M],
+    sums: &mut [[std::arch::x86_64::__m512; NP]; M],
     (offsets, pixel): (&[u32], [*const f32; MR]),
     (panels, stride): (*const f32, usize),
     (prefetch, blocks_ahead): (bool, bool),
-) -> [[std::arch::x86_64::__m512; NP]; M] {
+) {
     use std::arch::x86_64::*;
+    // The sums in a local of their own through the loop, written back after it:
+    // returned by value when this was not inlined, they lived in the return slot,
+    // stored every step.
+    let mut acc = *sums;
     // One step: every pixel's value at `offset` times each panel's weights at `w`.
     // SAFETY (for each use): the caller's contract.
     let step = |acc: &mut [[__m512; NP]; M], offset: usize, w: *const f32| unsafe {
@@ -1887,7 +1893,7 @@ unsafe fn product_steps<const NP: usize, const M: usize>(
             }
         }
     }
-    acc
+    *sums = acc;
 }
 
 /// [`micro_kernel`] for one panel: `tile[i][j] (+)= Σ_p pixel_i[offsets[p]] *
