@@ -17,7 +17,8 @@
 //! blocked only where every step that touches it has a kernel for that layout
 //! ([`crate::kernels::accepts`]); it starts blocked wherever it may be, and a step
 //! that refuses its layouts makes plain the least it needs (its output alone, else
-//! its operands, else both), until every step accepts. Operands of a step with more
+//! one operand, from the last, else all its operands, else both), until every step
+//! accepts. Operands of a step with more
 //! than 64 (which a layout cannot name) are plain. Graph inputs and outputs, params,
 //! handles, and values read through views are always plain, so nothing outside a
 //! program sees the blocked layout.

@@ -9,8 +9,9 @@ use std::collections::HashMap;
 /// `write_at` (which has an effect) are never merged. A reshape to its operand's own
 /// shape (exporters write them around attention) and a slice that takes all of
 /// every axis (a dilated convolution's middle region, split by the importer) are
-/// their operand, unless a graph output; a permute that moves only unit axes (a batch-first model around a
-/// sequence-first block) is a reshape, so fusions see through it.
+/// their operand, unless a graph output; a permute that moves only unit axes (a
+/// batch-first model around a sequence-first block) is a reshape, so fusions see
+/// through it.
 pub fn eliminate_common_subexpressions(graph: &Graph) -> Graph {
     let nodes = graph.nodes();
     let mut w = Rewriter::new(nodes.len());
@@ -37,10 +38,13 @@ pub fn eliminate_common_subexpressions(graph: &Graph) -> Graph {
         let source = &nodes[node.inputs.first().map_or(i, |x| x.index())].shape;
         let unchanged = match &node.op {
             Op::Reshape { .. } => *source == node.shape,
-            Op::Slice { axes } => axes
-                .iter()
-                .zip(source.dims())
-                .all(|(a, &len)| a.start == 0 && a.step == 1 && a.len == len),
+            Op::Slice { axes } => {
+                axes.len() == source.rank()
+                    && axes
+                        .iter()
+                        .zip(source.dims())
+                        .all(|(a, &len)| a.start == 0 && a.step == 1 && a.len == len)
+            }
             _ => false,
         };
         if unchanged && !graph.outputs().contains(&NodeId::from_index(i)) {

@@ -3102,7 +3102,7 @@ fn blocked_pointwise_convolutions_over_many_pixels_or_channels_match() {
 /// convolutions run on the blocked values (each run of equal-width blocks as a
 /// plain `[blocks, h, w, lanes]` tensor), and a pooled `[n, c, 1, 1]` branch is
 /// resampled from plain into blocked: channel counts with and without a last block
-/// of 8, two images, strided slices, uneven pads, negative indices. The split
+/// of 8, two images, strided and backward slices, uneven pads, negative indices. The split
 /// dilated convolution's pattern (a convolution adding a padded product of a slice
 /// of its own input, into a plain output) keeps the shared input blocked: only the
 /// residual turns plain.
@@ -3116,6 +3116,9 @@ fn slices_pads_and_resamplings_of_blocked_planes_match() {
         let a = scaled_conv(&g, x, "a", [c, c, 1], [1, 0, 1]);
         let sliced = g.slice_axes(a, &[(2, 1, 8, 2), (3, 2, 7, 1)]).unwrap();
         let sliced = scaled_conv(&g, sliced, "s", [c, 16, 1], [1, 0, 1]);
+        // Backwards along the rows.
+        let reversed = g.slice_axes(a, &[(2, 7, 1, -1), (3, 1, 6, 2)]).unwrap();
+        let reversed = scaled_conv(&g, reversed, "r", [c, 16, 1], [1, 0, 1]);
         let padded = g
             .pad(
                 a,
@@ -3162,15 +3165,15 @@ fn slices_pads_and_resamplings_of_blocked_planes_match() {
             .unwrap();
         let whole = scaled_conv(&g, a, "w", [c, 16, 1], [1, 0, 1]);
         let summed = g.add(whole, corner).unwrap();
-        g.set_outputs(vec![sliced, padded, up, spread, summed]);
+        g.set_outputs(vec![sliced, reversed, padded, up, spread, summed]);
         check(&g, &mut rng, &what);
         if blocks_enabled() {
             let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
-            // Both slices (the corner's too: its input stays blocked), the pad
+            // The three slices (the corner's too: its input stays blocked), the pad
             // between blocked values (the corner's pad, the plain output's
             // residual, is plain), and all four resamplings.
             for (name, least) in [
-                ("cpu.blocked.slice", 2),
+                ("cpu.blocked.slice", 3),
                 ("cpu.blocked.pad", 1),
                 ("cpu.blocked.interpolate", 4),
             ] {

@@ -384,8 +384,8 @@ pub(crate) fn fold_prologue(
     let panel = c * NR;
     let panels = (to.len() / panel.max(1)).min(folded_bias.len() / NR);
     debug_assert!(from.is_none_or(|f| f.len() >= panels * panel));
-    let from_addr = from.map_or(to.as_ptr() as usize, |f| f.as_ptr() as usize);
     let (to_addr, bias_addr) = (to.as_mut_ptr() as usize, folded_bias.as_mut_ptr() as usize);
+    let from_addr = from.map_or(to_addr, |f| f.as_ptr() as usize);
     let tasks = threads.min(panels).max(1);
     let task = |t: usize, _: usize| {
         for q in t * panels / tasks..(t + 1) * panels / tasks {

@@ -1331,8 +1331,8 @@ impl RegisterFinish {
 /// As [`micro_kernel`] for every tile `t < run.tiles`, whose bases are `input`'s
 /// plus `t * run.pixel_step` (`t * run.tail_step` for the tail's); AVX-512F is
 /// available; every place `out` names for tile `t` ([`TileRun`]: `t * run.out_step`
-/// floats on, a half panel's `t * MR * HALF`) is writable; `finish`'s pointers as [`RegisterFinish`] says (the residual's
-/// also `t * run.out_step` on for tile `t`).
+/// floats on, a half panel's `t * MR * HALF`) is writable; `finish`'s pointers as
+/// [`RegisterFinish`] says (the residual's also `t * run.out_step` on for tile `t`).
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn micro_kernel_to(
     input: TileInput,
@@ -1811,8 +1811,8 @@ unsafe fn products<const NP: usize, const M: usize>(
     }
 }
 
-/// One loop of [`products`]: `acc[i][v] += Σ_p pixel_i[offsets[p]] * panel_v[p]`
-/// for the first `M` pixels, returned; with `blocks_ahead`
+/// One loop of [`products`]: `sums[i][v] += Σ_p pixel_i[offsets[p]] * panel_v[p]`
+/// for the first `M` pixels; with `blocks_ahead`
 /// ([`TileInput::blocks_ahead`]), the steps go [`BLOCK`] at a time, each block
 /// first asking for the next one's lines.
 ///
