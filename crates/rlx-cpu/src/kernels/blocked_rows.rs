@@ -125,40 +125,37 @@ impl Part {
 
 /// The runs of blocks of `x` and `out` (as many channels and images, blocked):
 /// all images' whole blocks in one run when every block is whole, else each
-/// image's whole blocks and then its last block of 8.
-fn parts(x: &Shape, out: &Shape) -> Vec<Part> {
+/// image's whole blocks and then its last block of 8. Nothing is allocated: a
+/// step's run walks them.
+fn parts(x: &Shape, out: &Shape) -> impl Iterator<Item = Part> {
     let (n, c) = (x.dim(0), x.dim(1));
     let pixels = |s: &Shape| s.dim(2) * s.dim(3);
     let (x_pixels, out_pixels) = (pixels(x), pixels(out));
     let whole = c / BLOCK;
-    if c.is_multiple_of(BLOCK) {
-        return vec![Part {
-            blocks: n * whole,
-            lanes: BLOCK,
-            x_at: 0,
-            out_at: 0,
-        }];
-    }
+    let all_whole = c.is_multiple_of(BLOCK);
+    // One run of every image's blocks when they are all whole, else a run per image.
+    let (runs, blocks) = if all_whole {
+        (1, n * whole)
+    } else {
+        (n, whole)
+    };
     let (x_blocks, out_blocks) = (Blocks::new(c, x_pixels), Blocks::new(c, out_pixels));
-    let mut parts = Vec::with_capacity(2 * n);
-    for image in 0..n {
+    (0..runs).flat_map(move |image| {
         let (x_image, out_image) = (image * c * x_pixels, image * c * out_pixels);
-        if whole > 0 {
-            parts.push(Part {
-                blocks: whole,
-                lanes: BLOCK,
-                x_at: x_image,
-                out_at: out_image,
-            });
-        }
-        parts.push(Part {
+        let whole_blocks = (blocks > 0).then_some(Part {
+            blocks,
+            lanes: BLOCK,
+            x_at: x_image,
+            out_at: out_image,
+        });
+        let last_half = (!all_whole).then(|| Part {
             blocks: 1,
             lanes: HALF,
             x_at: x_image + x_blocks.start(whole),
             out_at: out_image + out_blocks.start(whole),
         });
-    }
-    parts
+        [whole_blocks, last_half].into_iter().flatten()
+    })
 }
 
 /// A resampling along `axis` (2 or 3) of plain `x` into blocked `out`, one value
