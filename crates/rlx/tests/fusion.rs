@@ -3184,6 +3184,75 @@ fn slices_pads_and_resamplings_of_blocked_planes_match() {
     }
 }
 
+/// A ConvNeXt-style block: a depthwise 7x7 convolution, a permute to channels
+/// last, a layer norm and two products over the channels, a permute back, a
+/// per-channel scale and the residual. The permutes move values between the
+/// blocked layout and plain channels-last ones (whole vectors per pixel), so the
+/// convolutions on either side stay blocked: channel counts with and without a
+/// last block of 8, two images, an odd plane.
+#[test]
+fn channels_last_blocks_between_blocked_convolutions_match() {
+    let mut rng = Rng(0xc0e7);
+    for c in [24, 32, 48] {
+        let what = format!("{c} channels");
+        let g = Graph::new("channels-last block");
+        let x = g.input("x", Shape::new(&[2, c, 9, 7], DType::F32)).unwrap();
+        let param =
+            |name: &str, dims: &[usize]| g.param(name, Shape::new(dims, DType::F32)).unwrap();
+        let a = scaled_conv(&g, x, "a", [c, c, 1], [1, 0, 1]);
+        // Weights as they are (a param), as the blocked depthwise kernel packs them.
+        let taps = param("dw", &[c, 1, 7, 7]);
+        let dw = g
+            .conv2d(
+                a,
+                taps,
+                Some(param("dw.b", &[c])),
+                [1, 1],
+                [3; 4],
+                [1, 1],
+                c,
+            )
+            .unwrap();
+        let last = g.permute(dw, &[0, 2, 3, 1]).unwrap();
+        let normed = g
+            .layer_norm(last, param("ln.g", &[c]), param("ln.b", &[c]), 1e-6)
+            .unwrap();
+        let scale_by = |x: NodeId, k: usize| {
+            g.mul(x, g.scalar(1.0 / (k as f64).sqrt(), DType::F32))
+                .unwrap()
+        };
+        let up = g
+            .matmul(normed, scale_by(param("up", &[c, 2 * c]), c))
+            .unwrap();
+        let up = g.gelu(g.add(up, param("up.b", &[2 * c])).unwrap()).unwrap();
+        let down = g
+            .matmul(up, scale_by(param("down", &[2 * c, c]), 2 * c))
+            .unwrap();
+        let first = g.permute(down, &[0, 3, 1, 2]).unwrap();
+        // A blocked per-channel operand needs whole blocks: with a last block of
+        // 8, the block ends at the residual alone.
+        let scaled = if c % 16 == 0 {
+            g.mul(param("gamma", &[c, 1, 1]), first).unwrap()
+        } else {
+            first
+        };
+        let block = g.add(scaled, a).unwrap();
+        let out = scaled_conv(&g, block, "out", [c, 16, 1], [1, 0, 1]);
+        g.set_outputs(vec![out]);
+        check(&g, &mut rng, &what);
+        if blocks_enabled() {
+            let kernels = Session::new(Device::Cpu).compile(&g).unwrap().kernels();
+            for (name, count) in [
+                ("cpu.blocked.channels_last", 2),
+                ("cpu.blocked-depthwise", 1),
+            ] {
+                let found = kernels.iter().filter(|(_, k)| k.starts_with(name)).count();
+                assert_eq!(found, count, "{what}: {name}: {kernels:?}");
+            }
+        }
+    }
+}
+
 /// A 1-D convolution whose one row of staged input overflows half of L2 (520
 /// channels, 3 taps), reading a channel-blocked input with a last block of 8: the
 /// pixel kernel stages it in blocks of columns, the first one's left padding and

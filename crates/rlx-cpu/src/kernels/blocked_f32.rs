@@ -317,11 +317,10 @@ unsafe fn sum_pixels_avx512(src: &[f32], scale: f64, dst: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gemm::GemmScratch;
     use crate::gemm::tests::lcg;
     use crate::kernels::conv::{extent, pool as plain_pool};
+    use crate::kernels::with_test_ctx;
     use crate::layout::{from_blocked, to_blocked};
-    use crate::pool::ThreadPool;
     use rlx_ir::{DType, Shape};
 
     fn src<'a>(values: &'a [f32], shape: &'a Shape) -> Src<'a> {
@@ -338,21 +337,6 @@ mod tests {
             shape,
             len: values.len(),
         }
-    }
-
-    /// Runs `f` with a context of `threads` threads.
-    fn with_ctx(threads: usize, f: impl FnOnce(&Ctx)) {
-        let pool = Box::leak(Box::new(ThreadPool::new(threads)));
-        let gemm = GemmScratch::new(threads, 0);
-        let mut scratch = [];
-        let ctx = Ctx {
-            scratch: &mut scratch,
-            gemm: &gemm,
-            pool,
-            packed_b: None,
-            bf16_products: false,
-        };
-        f(&ctx);
     }
 
     #[test]
@@ -387,7 +371,7 @@ mod tests {
                 let mut want = vec![0.0; n * c * oh * ow];
                 plain_pool(&win, max, include, src(&x, &xs), dst(&mut want, &os));
                 let mut got = vec![f32::NAN; want.len()];
-                with_ctx(threads, |ctx| {
+                with_test_ctx(threads, |ctx| {
                     pool(
                         &win,
                         max,
@@ -426,7 +410,7 @@ mod tests {
             let blocked_x = to_blocked(&x, c, h * w);
             for mean in [false, true] {
                 let mut got = vec![f32::NAN; n * c];
-                with_ctx(threads, |ctx| {
+                with_test_ctx(threads, |ctx| {
                     plane_sums(mean, src(&blocked_x, &xs), dst(&mut got, &os), ctx).unwrap()
                 });
                 for (plane, &g) in got.iter().enumerate() {

@@ -225,6 +225,15 @@ enum Access {
     /// product of the output dims after that run (1 for a suffix such as a bias,
     /// the pixels of a plane for a per-channel `[1, C, 1, 1]` scale).
     Blocks { len: usize, inner: usize },
+    /// Output position `p` reads value `((p / (row * repeat)) * row + p % row) %
+    /// len`: a run of `row` values (the last axis) repeated `repeat` times along
+    /// the axes before it, then the next run (a blocked value's per-channel
+    /// operand, `[1, c / 16, 1, 16]`: a block's 16 values at each of its pixels).
+    Rows {
+        len: usize,
+        row: usize,
+        repeat: usize,
+    },
     /// Anything else: the output's dims with adjacent axes merged where the input
     /// walks them as one (see [`crate::tensor::coalesce`]), and the input's strides
     /// along them.
@@ -262,6 +271,12 @@ pub(crate) fn elementwise(steps: &[EwStep], inputs: &[Src], out: Dst, ctx: &Ctx)
             Access::Blocks {
                 len: x.len.max(1),
                 inner,
+            }
+        } else if let Some((row, repeat)) = repeated_rows(x.shape.dims(), dims) {
+            Access::Rows {
+                len: x.len,
+                row,
+                repeat,
             }
         } else {
             let strides = broadcast_strides(x.shape.dims(), dims);
@@ -379,6 +394,32 @@ fn block_inner(xd: &[usize], dims: &[usize]) -> Option<usize> {
     Some(dims[last + 1..].iter().product())
 }
 
+/// The `row` and `repeat` of [`Access::Rows`] for an input of dims `xd` broadcast
+/// to `dims`, if it has that form: its last axis whole, then axes of 1 that the
+/// output repeats it along, then a run of whole axes after leading 1s.
+fn repeated_rows(xd: &[usize], dims: &[usize]) -> Option<(usize, usize)> {
+    if xd.len() > dims.len() || dims.len() < 2 {
+        return None;
+    }
+    let pad = dims.len() - xd.len();
+    let dim = |i: usize| if i < pad { 1 } else { xd[i - pad] };
+    let last = dims.len() - 1;
+    let row = dims[last];
+    if dim(last) != row || row == 0 {
+        return None;
+    }
+    let mut axis = last;
+    let mut repeat = 1;
+    while axis > 0 && dim(axis - 1) == 1 {
+        repeat *= dims[axis - 1];
+        axis -= 1;
+    }
+    // Before the repeated axes: whole axes back to the input's first non-1 one.
+    let first = (0..axis).find(|&i| dim(i) != 1).unwrap_or(axis);
+    let whole = (first..axis).all(|i| dim(i) == dims[i]);
+    (repeat > 1 && whole).then_some((row, repeat))
+}
+
 fn load(x: &Src, access: Access, start: usize, reg: &mut [f32]) {
     let base = x.ptr.cast::<f32>();
     match access {
@@ -409,6 +450,29 @@ fn load(x: &Src, access: Access, start: usize, reg: &mut [f32]) {
                 done += n;
                 block += 1;
                 offset = 0;
+            }
+        }
+        Access::Rows { len, row, repeat } => {
+            // Where `start` falls: value `j` of repetition `r` of row `q`; then
+            // row by row, with no division.
+            let rows = len / row;
+            let mut j = start % row;
+            let mut r = (start / row) % repeat;
+            let mut q = (start / (row * repeat)) % rows;
+            let mut done = 0;
+            while done < reg.len() {
+                let n = (row - j).min(reg.len() - done);
+                // SAFETY: values `q * row + j..` up to the row's end, inside the
+                // input's `rows * row`.
+                let src = unsafe { std::slice::from_raw_parts(base.add(q * row + j), n) };
+                reg[done..done + n].copy_from_slice(src);
+                done += n;
+                j = 0;
+                r += 1;
+                if r == repeat {
+                    r = 0;
+                    q = if q + 1 == rows { 0 } else { q + 1 };
+                }
             }
         }
         Access::Strided {
@@ -658,4 +722,63 @@ fn elementwise_generic(steps: &[EwStep], inputs: &[Src], out: Dst) {
             out.set(o, T::from_f64(regs[inputs.len() + steps.len() - 1]));
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rlx_ir::Shape;
+
+    #[test]
+    fn repeated_rows_are_found_only_in_their_form() {
+        // A blocked per-channel operand, of one image's blocks and of two.
+        assert_eq!(
+            repeated_rows(&[1, 3, 1, 16], &[2, 3, 10, 16]),
+            Some((16, 10))
+        );
+        assert_eq!(
+            repeated_rows(&[2, 3, 1, 16], &[2, 3, 10, 16]),
+            Some((16, 10))
+        );
+        assert_eq!(repeated_rows(&[3, 1, 16], &[2, 3, 10, 16]), Some((16, 10)));
+        // Not repeated, or not whole between.
+        assert_eq!(repeated_rows(&[2, 3, 10, 16], &[2, 3, 10, 16]), None);
+        assert_eq!(repeated_rows(&[1, 2, 1, 16], &[2, 3, 10, 16]), None);
+        assert_eq!(repeated_rows(&[1, 3, 1, 8], &[2, 3, 10, 16]), None);
+        assert_eq!(repeated_rows(&[16], &[2, 16]), Some((16, 2)));
+    }
+
+    #[test]
+    fn repeated_rows_load_as_broadcasting_says() {
+        // `[1, 3, 1, 4]` over `[2, 3, 5, 4]`, from every start and length.
+        let (dims, xd) = ([2, 3, 5, 4], [1, 3, 1, 4]);
+        let values: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let shape = Shape::new(&xd, rlx_ir::DType::F32);
+        let x = Src {
+            ptr: values.as_ptr().cast(),
+            shape: &shape,
+            len: values.len(),
+        };
+        let (row, repeat) = repeated_rows(&xd, &dims).unwrap();
+        let access = Access::Rows {
+            len: values.len(),
+            row,
+            repeat,
+        };
+        let total: usize = dims.iter().product();
+        let want: Vec<f32> = (0..total)
+            .map(|p| {
+                let (j, k) = (p % 4, (p / 20) % 3);
+                values[k * 4 + j]
+            })
+            .collect();
+        for start in 0..total {
+            for len in [1, 3, 4, 7, 21, total - start] {
+                let len = len.min(total - start);
+                let mut reg = vec![f32::NAN; len];
+                load(&x, access, start, &mut reg);
+                assert_eq!(reg, want[start..start + len], "from {start}, {len} values");
+            }
+        }
+    }
 }

@@ -7,6 +7,7 @@ pub(crate) mod attention_f32;
 pub(crate) mod blocked_conv_f32;
 mod blocked_f32;
 mod blocked_rows;
+mod channels_last;
 mod conv;
 pub(crate) mod conv_f32;
 pub(crate) mod conv_pixels_f32;
@@ -162,6 +163,23 @@ pub(crate) fn blocked_conv(
         }
         _ => None,
     }
+}
+
+/// Runs `f` with a context of `threads` threads and no scratch, as a kernel's
+/// tests call it.
+#[cfg(test)]
+pub(crate) fn with_test_ctx(threads: usize, f: impl FnOnce(&Ctx)) {
+    let pool = Box::leak(Box::new(ThreadPool::new(threads)));
+    let gemm = GemmScratch::new(threads, 0);
+    let mut scratch = [];
+    let ctx = Ctx {
+        scratch: &mut scratch,
+        gemm: &gemm,
+        pool,
+        packed_b: None,
+        bf16_products: false,
+    };
+    f(&ctx);
 }
 
 /// What kernels share during one run: scratch memory and the threads.

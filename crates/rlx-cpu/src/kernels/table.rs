@@ -6,8 +6,8 @@
 
 use super::{
     Ctx, ReduceGeometry, attention, attention_f32, blocked_conv_f32, blocked_f32, blocked_rows,
-    conv, conv_f32, conv_pixels_f32, elementwise, fused, layout, matmul, misc, norm, norm_f32,
-    quant, reduce, resample, state, transpose,
+    channels_last, conv, conv_f32, conv_pixels_f32, elementwise, fused, layout, matmul, misc, norm,
+    norm_f32, quant, reduce, resample, state, transpose,
 };
 use crate::layout::StepLayout;
 use crate::tensor::{Dst, Src};
@@ -85,8 +85,9 @@ impl Kernel {
 /// takes (a residual in the output's layout), `f32` elementwise ops as
 /// [`blocked_elementwise`] says, channel concatenations of parts with the output's
 /// block, max and average pools blocked in and out, sums and means over a plane
-/// from a blocked value into a plain one, and slices, pads and resamplings of the
-/// plane as [`blocked_rows::accepts`] says.
+/// from a blocked value into a plain one, slices, pads and resamplings of the
+/// plane as [`blocked_rows::accepts`] says, and permutes between blocked values
+/// and plain channels-last ones as [`channels_last::accepts`] says.
 pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout) -> bool {
     if !layout.any() {
         return true;
@@ -111,6 +112,9 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
         }),
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } => {
             inputs[0].dtype() == DType::F32 && layout.input(0) && layout.output()
+        }
+        Op::Permute { perm } => {
+            channels_last::accepts(perm, &inputs[0], layout.input(0), layout.output())
         }
         Op::Slice { .. } | Op::Pad { .. } | Op::Interpolate { .. } => {
             (1..inputs.len()).all(|k| !layout.input(k))
@@ -337,6 +341,10 @@ fn select_kernel(
         }
         Op::FusedMatMul { .. } => Kernel::reference(op, dtype, fused_matmul),
         Op::Reshape { .. } => Kernel::new(format!("cpu.copy.reshape.{dtype}"), reshape),
+        Op::Permute { .. } if layout.any() => Kernel::new(
+            "cpu.blocked.channels_last.f32".to_string(),
+            channels_last_permute,
+        ),
         Op::Permute { perm }
             if transpose::as_batched_transpose(inputs[0].dims(), perm).is_some() =>
         {
@@ -691,6 +699,12 @@ fn batched_transpose(a: &Args, ctx: &mut Ctx) -> Result<()> {
         Some(geometry) => transpose::batched_transpose(geometry, x, a.out, ctx),
         None => layout::permute(perm, x, a.out, ctx),
     }
+}
+
+/// A permute between a blocked value and a plain channels-last one
+/// ([`channels_last`]).
+fn channels_last_permute(a: &Args, ctx: &mut Ctx) -> Result<()> {
+    channels_last::run(a.src(0), a.out, a.layout.input(0), ctx)
 }
 
 fn permute(a: &Args, ctx: &mut Ctx) -> Result<()> {
