@@ -1142,31 +1142,29 @@ unsafe fn depthwise_row(
             }
         };
     }
-    // The left edge, the interior (runs that check nothing), then the right edge,
-    // each in runs of at most `span` pixels.
-    let mut ox = 0;
-    while ox < lo {
-        let count = span.min(lo - ox);
-        chunk!(ox, count, false);
-        ox += count;
-    }
     if !pairs && fixed_width(&geo) {
-        // The interior in as few runs as `run_fixed` takes for this width and
-        // stride, as even as they can be (a 14-pixel row in two runs of 7, not
-        // one of 12 and one of 2).
-        let len = hi - ox;
+        // The row in as few runs as `run_fixed` takes for this width and stride,
+        // as even as they can be (a 14-pixel row in two runs of 7, not one of 12
+        // and one of 2). A run with pixels at an edge skips, in each row of taps,
+        // the columns left or right of the input row; the others check nothing.
+        // (Run one tap at a time with a check on each, the 6 edge pixels of a
+        // 56-pixel row took a third of a 7x7 layer's time; in runs of their own,
+        // 3 sums each, they waited on their multiply-adds.)
         macro_rules! fixed_runs {
             ($kw:literal, $sx:literal; $($r:literal)+) => {{
                 let full = [$($r),+].len();
+                let len = geo.ow;
                 let runs = len.div_ceil(full);
                 for k in 0..runs {
                     let (from, to) = (len * k / runs, len * (k + 1) / runs);
-                    let at_ox = ox + from;
-                    // SAFETY: as `chunk`'s, for a run inside the interior.
+                    let edge = from < lo || to > hi;
+                    // SAFETY: as `chunk`'s; a run inside the interior reads all
+                    // its taps, one at an edge only its taps inside the row.
                     unsafe {
                         let f = (out, finish);
-                        match to - from {
-                            $($r => run_fixed::<$r, $kw, $sx>(x, weights, at, at_ox, geo, f),)+
+                        match (edge, to - from) {
+                            $((false, $r) => run_fixed::<$r, $kw, $sx, false>(x, weights, at, from, geo, f),)+
+                            $((true, $r) => run_fixed::<$r, $kw, $sx, true>(x, weights, at, from, geo, f),)+
                             _ => unreachable!("runs of 1 to {full} pixels"),
                         }
                     }
@@ -1181,7 +1179,15 @@ unsafe fn depthwise_row(
             (_, 1) => fixed_runs!(7, 1; 1 2 3 4 5 6 7 8),
             (_, _) => fixed_runs!(7, 2; 1 2 3 4),
         }
-        ox = hi;
+        return;
+    }
+    // The left edge, the interior (runs that check nothing), then the right edge,
+    // each in runs of at most `span` pixels.
+    let mut ox = 0;
+    while ox < lo {
+        let count = span.min(lo - ox);
+        chunk!(ox, count, false);
+        ox += count;
     }
     while ox < hi {
         let count = span.min(hi - ox);
@@ -1360,18 +1366,19 @@ fn fixed_width(geo: &DepthwiseRow) -> bool {
     matches!(geo.kw, 3 | 5 | 7) && matches!(geo.stride[1], 1 | 2) && geo.dilation[1] == 1
 }
 
-/// [`run`] inside the interior for a kernel `KW` taps wide at stride `SX` along
-/// the row: each row of taps loads each input vector it reads once and adds it,
-/// times each tap's weights, to every sum that reads it. [`run`] loads a vector
-/// per multiply-add, and vector loads from L1 run at half the rate of the
-/// multiply-adds here (a 96-channel 3x3 layer took twice ONNX Runtime's time).
+/// [`run`] for a kernel `KW` taps wide at stride `SX` along the row: each row of
+/// taps loads each input vector it reads once and adds it, times each tap's
+/// weights, to every sum that reads it. [`run`] loads a vector per multiply-add,
+/// and vector loads from L1 run at half the rate of the multiply-adds here (a
+/// 96-channel 3x3 layer took twice ONNX Runtime's time). With `EDGE`, the columns
+/// left or right of the input row are skipped (their loads masked off).
 ///
 /// # Safety
-/// As [`run`] with `INSIDE`; `geo.kw == KW`, `geo.stride[1] == SX` and
+/// As [`run`] with `INSIDE = !EDGE`; `geo.kw == KW`, `geo.stride[1] == SX` and
 /// `geo.dilation[1] == 1`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn run_fixed<const R: usize, const KW: usize, const SX: usize>(
+unsafe fn run_fixed<const R: usize, const KW: usize, const SX: usize, const EDGE: bool>(
     x: *const f32,
     weights: &[f32],
     (iy0, (ky_lo, ky_hi), mask): (isize, (usize, usize), u16),
@@ -1382,32 +1389,61 @@ unsafe fn run_fixed<const R: usize, const KW: usize, const SX: usize>(
     use std::arch::x86_64::*;
     let b = geo.lanes;
     let dy = geo.dilation[0];
-    // The first input column read (inside the row: the run is interior).
-    let first = ox * SX - geo.left;
+    // The first input column read (left of the row when negative, at an edge).
+    let first = (ox * SX) as isize - geo.left as isize;
+    // Each column's lanes: none for a column outside the row (padding, read as
+    // zeros and never touched: a masked-off load does not fault). Masks rather
+    // than a branch per column, which kept the loop from unrolling.
+    let columns = const {
+        assert!((R - 1) * SX + KW <= MAX_RUN_COLUMNS);
+        (R - 1) * SX + KW
+    };
+    let mut lanes = [mask; MAX_RUN_COLUMNS];
+    if EDGE {
+        for (j, lane) in lanes.iter_mut().enumerate().take(columns) {
+            if !(0..geo.w as isize).contains(&(first + j as isize)) {
+                *lane = 0;
+            }
+        }
+    }
     let mut acc = [_mm512_setzero_ps(); R];
     for ky in ky_lo..ky_hi {
         let iy = (iy0 + (ky * dy) as isize) as usize;
-        // SAFETY (all loads): the caller's contract, every column of the run's
-        // window lies inside the row, and the weights hold `kh * KW` vectors.
-        let row = unsafe { x.add((iy * geo.w + first) * b) };
+        // SAFETY (all loads): the caller's contract: every column of the run's
+        // window lies inside the row but, at an edge, those whose lanes are all
+        // masked off (never read), and the weights hold `kh * KW` vectors.
+        let row = x.wrapping_offset((iy * geo.w) as isize * b as isize + first * b as isize);
         let w: [__m512; KW] = std::array::from_fn(|kx| unsafe {
             _mm512_loadu_ps(weights.as_ptr().add((ky * KW + kx) * BLOCK))
         });
-        for j in 0..(R - 1) * SX + KW {
-            let v = unsafe { _mm512_maskz_loadu_ps(mask, row.add(j * b)) };
-            for (kx, &wv) in w.iter().enumerate() {
-                // Column `j` is tap `kx` of output `(j - kx) / SX` when that
-                // divides.
-                if j >= kx && (j - kx) % SX == 0 && (j - kx) / SX < R {
-                    let r = (j - kx) / SX;
-                    acc[r] = _mm512_fmadd_ps(v, wv, acc[r]);
+        // Each column written out, so that every index is a constant and the sums
+        // stay in registers (as a loop, some runs' columns were not unrolled and
+        // their sums went through the stack).
+        macro_rules! column {
+            ($($j:literal)+) => {$(
+                if $j < columns {
+                    let lane = if EDGE { lanes[$j] } else { mask };
+                    let v = unsafe { _mm512_maskz_loadu_ps(lane, row.wrapping_add($j * b)) };
+                    for (kx, &wv) in w.iter().enumerate() {
+                        // Column `j` is tap `kx` of output `(j - kx) / SX` when that
+                        // divides.
+                        if $j >= kx && ($j - kx) % SX == 0 && ($j - kx) / SX < R {
+                            let r = ($j - kx) / SX;
+                            acc[r] = _mm512_fmadd_ps(v, wv, acc[r]);
+                        }
+                    }
                 }
-            }
+            )+};
         }
+        column!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
     }
     // Pixels `ox..ox + R` of the row (their lanes; the residual's too).
     store_run!(acc, (out, finish), ox * b, b, mask);
 }
+
+/// The most input columns a run of [`run_fixed`] reads: `(R - 1) * SX + KW` for
+/// its widest runs.
+const MAX_RUN_COLUMNS: usize = 16;
 
 /// Whether a block of `lanes` channels at `stride` along the row runs in pairs of
 /// pixels a vector ([`run_pairs`]): half-vector blocks at unit stride.
@@ -2055,7 +2091,8 @@ mod tests {
                 [1, 16, 3, 2],
                 window([7, 7], [1, 1], [3, 3, 3, 3], [1, 1]),
             ),
-            // Rows too long to stage: the edges checked tap by tap.
+            // Rows too long to stage: the edge runs skip the columns outside the
+            // row (masked off), or check each tap where the width is not fixed.
             (
                 2,
                 [1, 32, 6, 40],
