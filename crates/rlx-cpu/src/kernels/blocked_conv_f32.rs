@@ -1930,6 +1930,10 @@ mod tests {
             (1, [1, 48, 3, 4], 40, [true, false]),
             (4, [3, 16, 11, 13], 16, [true, true]),
             (2, [1, 160, 7, 7], 96, [true, true]),
+            // Groups of four whole panels over whole blocks: the tiles' run in one
+            // loop, with few steps and with many (weights and blocks asked ahead).
+            (2, [2, 64, 9, 8], 128, [true, true]),
+            (3, [1, 528, 6, 7], 64, [true, true]),
             // Last blocks of 8: in (a tail of the steps), out (a last half
             // panel, alone or after whole ones), both, and beside a side of whole
             // blocks.

@@ -1560,6 +1560,12 @@ unsafe fn micro_kernel_avx512<const NP: usize, const RESIDUAL: bool, const HALF_
     (out, run): (TileOut, TileRun),
     (accumulate, finish): (bool, SimpleFinish),
 ) {
+    if NP == MAX_GROUP && !HALF_LAST && !accumulate && blocked_run(&input, run) {
+        // SAFETY: the caller's contract, for whole tiles of whole panels over
+        // bases a block apart.
+        unsafe { whole_blocked_run::<RESIDUAL>(input, sums, (out, run), finish) };
+        return;
+    }
     for t in 0..run.tiles {
         let input = input.nth(t, run);
         let out = out.nth(t, run.out_step);
@@ -1574,6 +1580,98 @@ unsafe fn micro_kernel_avx512<const NP: usize, const RESIDUAL: bool, const HALF_
                 tile_apart::<NP, RESIDUAL, HALF_LAST>(tile)
             } else {
                 one_tile::<NP, RESIDUAL, HALF_LAST>(tile)
+            }
+        }
+    }
+}
+
+/// Whether [`whole_blocked_run`] runs `input`'s tiles: each tile's pixels one
+/// [`BLOCK`] apart (a blocked input, read in place or staged), every step a whole
+/// block's (no tail), and tiles a tile of such pixels apart.
+#[cfg(target_arch = "x86_64")]
+fn blocked_run(input: &TileInput, run: TileRun) -> bool {
+    input.tail.is_empty()
+        && run.pixel_step == MR * BLOCK
+        && (0..MR).all(|i| input.pixel[i] == input.pixel[0].wrapping_add(i * BLOCK))
+}
+
+/// [`micro_kernel_avx512`] for whole tiles of [`MAX_GROUP`] whole panels over a
+/// blocked input ([`blocked_run`]), in one loop: each pixel's value at a step is
+/// read at a constant distance from the tile's first pixel's, so the run keeps one
+/// base in a register, not one per pixel, and the tiles' loop needs no call per
+/// tile. (A call per tile with its bases, a tile's finish and its steps' setup
+/// cost a 64 -> 256 channel layer at 56 x 56 7% against ONNX Runtime's kernel.)
+///
+/// # Safety
+/// As [`micro_kernel_avx512`] with `NP = MAX_GROUP`, `HALF_LAST` false and no
+/// accumulation, where [`blocked_run`] holds.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline(never)]
+unsafe fn whole_blocked_run<const RESIDUAL: bool>(
+    input: TileInput,
+    (panels, stride): (*const f32, usize),
+    (out, run): (TileOut, TileRun),
+    finish: SimpleFinish,
+) {
+    use std::arch::x86_64::*;
+    const NP: usize = MAX_GROUP;
+    let offsets = input.offsets;
+    let (prefetch, blocks_ahead) = (input.prefetch, input.blocks_ahead);
+    for t in 0..run.tiles {
+        let first = input.pixel[0].wrapping_add(t * run.pixel_step);
+        let at = out.at.wrapping_add(t * run.out_step);
+        let residual = finish.residual.map(|r| r.wrapping_add(t * run.out_step));
+        let mut acc = [[_mm512_setzero_ps(); NP]; MR];
+        let mut w = panels;
+        for (s, &offset) in offsets.iter().enumerate() {
+            // SAFETY (all loads): the caller's contract: pixel `i`'s value at this
+            // step is `i` blocks past the first's, and the panels hold a step of
+            // `NR` weights each per offset.
+            unsafe {
+                let x = first.add(offset as usize);
+                if let (true, 0, Some(&next)) = (blocks_ahead, s % BLOCK, offsets.get(s + BLOCK)) {
+                    let ahead = first.wrapping_add(next as usize);
+                    for i in 0..MR {
+                        // A prefetch never faults.
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(i * BLOCK).cast::<i8>());
+                    }
+                }
+                let ws: [__m512; NP] = std::array::from_fn(|v| _mm512_loadu_ps(w.add(v * stride)));
+                if prefetch {
+                    for v in 0..NP {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            w.wrapping_add(v * stride + WEIGHTS_AHEAD * NR).cast::<i8>(),
+                        );
+                    }
+                }
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let value = _mm512_set1_ps(*x.add(i * BLOCK));
+                    for (sum, &wv) in row.iter_mut().zip(&ws) {
+                        *sum = _mm512_fmadd_ps(value, wv, *sum);
+                    }
+                }
+                w = w.add(NR);
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (v, &sum) in row.iter().enumerate() {
+                let place = v * out.panel + i * out.pixel;
+                let mut value = sum;
+                // SAFETY: the caller's contract: the bias holds the panels' values,
+                // the residual and the output the tile's.
+                unsafe {
+                    if let Some(b) = finish.bias {
+                        value = _mm512_add_ps(value, _mm512_loadu_ps(b.add(v * NR)));
+                    }
+                    if let Some(a) = finish.activation {
+                        value = crate::gemm::activate_lanes_avx512(value, a);
+                    }
+                    if let (true, Some(r)) = (RESIDUAL, residual) {
+                        value = _mm512_add_ps(value, _mm512_loadu_ps(r.add(place)));
+                    }
+                    _mm512_storeu_ps(at.add(place), value);
+                }
             }
         }
     }
