@@ -1934,6 +1934,10 @@ mod tests {
             // loop, with few steps and with many (weights and blocks asked ahead).
             (2, [2, 64, 9, 8], 128, [true, true]),
             (3, [1, 528, 6, 7], 64, [true, true]),
+            // Groups of three and four whole panels over steps with a tail (a last
+            // block of 8 in).
+            (2, [1, 40, 9, 7], 64, [true, true]),
+            (2, [2, 72, 6, 8], 48, [true, true]),
             // Last blocks of 8: in (a tail of the steps), out (a last half
             // panel, alone or after whole ones), both, and beside a side of whole
             // blocks.
