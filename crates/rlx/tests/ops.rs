@@ -3132,7 +3132,7 @@ fn attention_variants() {
             }
         }
     }
-    // More than one block of queries (64) over several blocks of keys (256): the
+    // More than one block of queries (64) over several blocks of keys (512): the
     // keys transposed once for every block of queries, grouped heads, a scale, and
     // a mask (the scale then applied with it).
     for (sq, sk) in [(130, 300), (65, 520)] {
@@ -3204,9 +3204,14 @@ fn attention_variants() {
             |g, x| one(g.attention_seq_major(x[0], x[1], x[2], Some(x[3]), causal, None)?),
         );
     }
-    // Long sequences: several query blocks (64) and key blocks (256) of the blocked
+    // Long sequences: several query blocks (64) and key blocks (512) of the blocked
     // f32 kernel, with the online softmax across key blocks, causal and masked.
-    for (sq, sk, causal) in [(150, 600, false), (70, 300, true), (300, 300, true)] {
+    for (sq, sk, causal) in [
+        (150, 600, false),
+        (70, 300, true),
+        (300, 300, true),
+        (130, 1100, true),
+    ] {
         let ins = [
             inp("q", &[1, 2, sq, 16], DType::F32),
             inp("k", &[1, 1, sk, 16], DType::F32),

@@ -14,8 +14,9 @@ use rlx_ir::{DType, Error, MAX_RANK, Result, Shape};
 
 /// Queries per task (64 measured best: 32 repeats key packing, 128 overflows L2).
 const QB: usize = 64;
-/// Keys per score block.
-const KB: usize = 256;
+/// Keys per score block (512 rather than 256: Whisper's 1500-key attention 3.5%
+/// faster, paired; shorter sequences fit one block either way).
+const KB: usize = 512;
 
 /// Per-thread scratch floats the kernel needs for value width `dv`.
 pub(crate) fn scratch_floats(dv: usize) -> usize {
