@@ -3193,10 +3193,12 @@ fn slices_pads_and_resamplings_of_blocked_planes_match() {
 #[test]
 fn channels_last_blocks_between_blocked_convolutions_match() {
     let mut rng = Rng(0xc0e7);
-    for c in [24, 32, 48] {
-        let what = format!("{c} channels");
+    // A plane 16 high: the channels-last side, `[n, 16, w, c]`, could itself be
+    // blocked along its second axis, and is made plain by the steps around it.
+    for (c, h) in [(24, 9), (32, 9), (48, 9), (32, 16)] {
+        let what = format!("{c} channels, {h} rows");
         let g = Graph::new("channels-last block");
-        let x = g.input("x", Shape::new(&[2, c, 9, 7], DType::F32)).unwrap();
+        let x = g.input("x", Shape::new(&[2, c, h, 7], DType::F32)).unwrap();
         let param =
             |name: &str, dims: &[usize]| g.param(name, Shape::new(dims, DType::F32)).unwrap();
         let a = scaled_conv(&g, x, "a", [c, c, 1], [1, 0, 1]);

@@ -202,7 +202,7 @@ pub(crate) fn cached_attention(
         ));
     }
     let keys = p as usize + sq;
-    if sq <= FEW_QUERIES && keys <= QB * KB {
+    if sq <= FEW_QUERIES && keys <= FEW_QUERIES_MAX_KEYS {
         return few_queries(scale as f32, [q, k, v], p as usize, out, ctx);
     }
     attention(scale, true, true, q, k, v, None, Some(keys), out, ctx)
@@ -210,6 +210,12 @@ pub(crate) fn cached_attention(
 
 /// Up to this many new queries (token-by-token decoding) take [`few_queries`].
 const FEW_QUERIES: usize = 4;
+
+/// The most keys [`few_queries`] takes: a row of their scores lies in the
+/// scratch's room for a score block (`QB * KB` floats, at least this many); longer
+/// caches take the blocked kernel, as they did with blocks of 256 keys.
+const FEW_QUERIES_MAX_KEYS: usize = 16 * 1024;
+const _: () = assert!(FEW_QUERIES_MAX_KEYS <= QB * KB);
 
 /// Cached attention for a few queries: per (query row, head), scores by direct dot
 /// products with the cached keys, a softmax, and a weighted sum of cached values.

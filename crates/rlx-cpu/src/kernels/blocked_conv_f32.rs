@@ -22,8 +22,9 @@
 //!   or 7 wide at stride 1 or 2, a run loads each input vector of a row of taps
 //!   once and adds it to every sum that reads it ([`run_fixed`]). Rows shorter
 //!   than [`STAGED_ROW`] are computed from a copy of their input rows with the
-//!   padding written as zeros, so no tap is checked; in longer rows the runs whose
-//!   window crosses the left or right edge check each tap. A finish whose steps
+//!   padding written as zeros, so no tap is checked; in longer rows, the runs of a
+//!   fixed-width window whose columns cross the left or right edge mask those
+//!   columns' loads off, and other windows' edge runs check each tap. A finish whose steps
 //!   all have a vector form is applied to each sum as it is stored.
 //!
 //! - **Grouped** (groups of 2 to 16 channels inside the blocks; blocked in and
@@ -966,8 +967,10 @@ pub(crate) fn depthwise(
 }
 
 /// Rows shorter than this many pixels are staged with their padding (when it
-/// fits, below): a short row spends most of its taps at the edges, where each tap
-/// of each pixel is checked (at 7 x 7 a 5 x 5 kernel checked 16 of 25 pixels' taps).
+/// fits, below): a short row spends most of its taps at the edges, where a window
+/// other than a fixed-width one checks each tap of each pixel (at 7 x 7 a 5 x 5
+/// kernel checked 16 of 25 pixels' taps), and a fixed-width one loads masked
+/// columns.
 const STAGED_ROW: usize = 4 * RUN;
 
 /// The most floats a staged copy of a plane's rows may take in a thread's scratch.
@@ -1367,7 +1370,7 @@ unsafe fn run<const R: usize, const INSIDE: bool>(
     store_run!(acc, (out, finish), ox * b, b, mask);
 }
 
-/// Whether [`run_fixed`] computes the interior runs of rows of this geometry: a
+/// Whether [`run_fixed`] computes whole rows of this geometry (edges included): a
 /// kernel 3, 5 or 7 taps wide, stride 1 or 2 along the row, no dilation there.
 #[cfg(target_arch = "x86_64")]
 fn fixed_width(geo: &DepthwiseRow) -> bool {
@@ -1451,6 +1454,7 @@ unsafe fn run_fixed<const R: usize, const KW: usize, const SX: usize, const EDGE
 
 /// The most input columns a run of [`run_fixed`] reads: `(R - 1) * SX + KW` for
 /// its widest runs.
+#[cfg(target_arch = "x86_64")]
 const MAX_RUN_COLUMNS: usize = 16;
 
 /// Whether a block of `lanes` channels at `stride` along the row runs in pairs of
@@ -2109,6 +2113,18 @@ mod tests {
             ),
             // Rows too long to stage: the edge runs skip the columns outside the
             // row (masked off), or check each tap where the width is not fixed.
+            // Rows narrower than the window and too tall to stage: every run is
+            // an edge run, masked on both sides (at stride 1 and 2).
+            (
+                1,
+                [1, 16, 130, 2],
+                window([7, 7], [1, 1], [3, 3, 3, 3], [1, 1]),
+            ),
+            (
+                2,
+                [1, 16, 140, 3],
+                window([7, 7], [2, 2], [3, 3, 3, 3], [1, 1]),
+            ),
             (
                 2,
                 [1, 32, 6, 40],

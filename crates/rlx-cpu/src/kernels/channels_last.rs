@@ -196,6 +196,9 @@ mod tests {
         assert!(!accepts(&[0, 1, 3, 2], &x, true, false));
         let half = Shape::new(&[1, 16, 4, 4], DType::F16);
         assert!(!accepts(&TO_CHANNELS_LAST, &half, true, false));
+        let rank3 = Shape::new(&[16, 4, 4], DType::F32);
+        assert!(!accepts(&[1, 2, 0], &rank3, true, false));
+        assert!(!accepts(&[2, 0, 1], &rank3, false, true));
     }
 
     #[test]
