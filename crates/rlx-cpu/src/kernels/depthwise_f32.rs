@@ -6,8 +6,8 @@
 //! runs of output planes; the epilogue (bias, activation, residual, channel affine)
 //! runs over the plane while it is in cache.
 //!
-//! With AVX-512 the copy is split by column stride phase (at stride 2, the even
-//! columns then the odd ones), so that every tap of every output vector is one
+//! With AVX-512 or AVX2 the copy is split by column stride phase (at stride 2, the
+//! even columns then the odd ones), so that every tap of every output vector is one
 //! contiguous load, and eight output vectors at a time keep their sums in registers
 //! across all taps: one load and one multiply-add per tap and vector, one store per
 //! vector. Elsewhere each output row is a sum of shifted staged rows scaled by the
@@ -160,7 +160,7 @@ fn stage_phases(
         plane[(top + h) * wq..].fill(0.0);
     }
     #[cfg(target_arch = "x86_64")]
-    if sx == 2 && crate::isa::isa().avx512f {
+    if sx == 2 && (crate::isa::isa().avx512f || crate::isa::isa().avx2_fma) {
         // Input column 0 sits at padded column `left`: the even input columns go to
         // phase `left % 2`, the odd ones to the other, both from one read of the row.
         let (p0, p1) = staged.split_at_mut(plane_len);
@@ -176,13 +176,17 @@ fn stage_phases(
             evens[even_span.1..].fill(0.0);
             odds[..odd_span.0].fill(0.0);
             odds[odd_span.1..].fill(0.0);
-            // SAFETY: AVX-512F was detected.
+            let (evens, odds) = (
+                &mut evens[even_span.0..even_span.1],
+                &mut odds[odd_span.0..odd_span.1],
+            );
+            // SAFETY: AVX-512F, else AVX2, was detected.
             unsafe {
-                split_pairs_avx512(
-                    row,
-                    &mut evens[even_span.0..even_span.1],
-                    &mut odds[odd_span.0..odd_span.1],
-                )
+                if crate::isa::isa().avx512f {
+                    split_pairs_avx512(row, evens, odds)
+                } else {
+                    split_pairs_avx2(row, evens, odds)
+                }
             };
         }
         return;
@@ -289,6 +293,47 @@ unsafe fn split_pairs_avx512(row: &[f32], evens: &mut [f32], odds: &mut [f32]) {
     }
 }
 
+/// [`split_pairs_avx512`] in AVX2 vectors: 16 values of the row at a time, and the
+/// last few one by one.
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn split_pairs_avx2(row: &[f32], evens: &mut [f32], odds: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n_even = evens.len().min(row.len().div_ceil(2));
+    let n_odd = odds.len().min(row.len() / 2);
+    let mut t = 0;
+    // Whole steps: 16 values of the row in, 8 evens and 8 odds out.
+    while t + 8 <= n_even.min(n_odd) && 2 * t + 16 <= row.len() {
+        // SAFETY: `2 t + 16 <= row.len()`, and `t + 8` fits both outputs.
+        unsafe {
+            let lo = _mm256_loadu_ps(row.as_ptr().add(2 * t));
+            let hi = _mm256_loadu_ps(row.as_ptr().add(2 * t + 8));
+            // Within each 128-bit half: lo's two evens then hi's; the 64-bit
+            // quarters then go in order 0, 2, 1, 3.
+            let even = _mm256_shuffle_ps::<0b10_00_10_00>(lo, hi);
+            let odd = _mm256_shuffle_ps::<0b11_01_11_01>(lo, hi);
+            let even = _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(
+                even,
+            )));
+            let odd = _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(
+                odd,
+            )));
+            _mm256_storeu_ps(evens.as_mut_ptr().add(t), even);
+            _mm256_storeu_ps(odds.as_mut_ptr().add(t), odd);
+        }
+        t += 8;
+    }
+    for (j, v) in evens.iter_mut().enumerate().take(n_even).skip(t) {
+        *v = row[2 * j];
+    }
+    for (j, v) in odds.iter_mut().enumerate().take(n_odd).skip(t) {
+        *v = row[2 * j + 1];
+    }
+}
+
 /// `dst[j] = src[j * step]`.
 fn strided_copy(src: &[f32], step: usize, dst: &mut [f32]) {
     if step == 1 {
@@ -370,6 +415,94 @@ unsafe fn plane_avx512(
         for i in 0..VECTORS_AT_ONCE {
             // SAFETY: the lanes of `mask[i]` lie inside output row `y`.
             unsafe { _mm512_mask_storeu_ps(dst.add(at[i]), mask[i], acc[i]) };
+        }
+        v += VECTORS_AT_ONCE;
+    }
+}
+
+/// [`plane_avx512`] with AVX2 vectors of 8: eight output vectors at a time sum
+/// every tap in registers. A row's last vector, when short, reads its lanes under a
+/// mask and is stored whole: its extra lanes fall on the next row's first values,
+/// which a later store of the same call writes (vectors are stored in order); only
+/// the plane's last vector is stored under its mask.
+///
+/// # Safety
+/// AVX2 and FMA must be available; as [`plane_avx512`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn plane_avx2(
+    out: &mut [f32],
+    staged: &[f32],
+    weights: &[f32],
+    offsets: &[usize],
+    (oh, ow, row_pitch): (usize, usize, usize),
+) {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(weights.len(), offsets.len());
+    debug_assert!(out.len() >= oh * ow);
+    let per_row = ow.div_ceil(8);
+    let vectors = oh * per_row;
+    let (base, dst) = (staged.as_ptr(), out.as_mut_ptr());
+    // The lanes of a row's last vector: `ow % 8` of them, or all.
+    let tail = ow - (per_row - 1) * 8;
+    let lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let tail_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(tail as i32), lane_index);
+    let mut v = 0;
+    while v < vectors {
+        let mut src = [0usize; VECTORS_AT_ONCE];
+        let mut at = [0usize; VECTORS_AT_ONCE];
+        let count = VECTORS_AT_ONCE.min(vectors - v);
+        for i in 0..count {
+            let (y, x) = ((v + i) / per_row, (v + i) % per_row * 8);
+            src[i] = y * row_pitch + x;
+            at[i] = y * ow + x;
+        }
+        let mut acc = [_mm256_setzero_ps(); VECTORS_AT_ONCE];
+        if tail == 8 && count == VECTORS_AT_ONCE {
+            for (&weight, &offset) in weights.iter().zip(offsets) {
+                let wv = _mm256_set1_ps(weight);
+                let at = base.wrapping_add(offset);
+                for i in 0..VECTORS_AT_ONCE {
+                    // SAFETY: every vector's 8 values lie inside the staged phase
+                    // row the tap reads (see `Phased`).
+                    let values = unsafe { _mm256_loadu_ps(at.add(src[i])) };
+                    acc[i] = _mm256_fmadd_ps(values, wv, acc[i]);
+                }
+            }
+        } else {
+            // Which of the vectors are their row's last (read under the mask).
+            let mut short = [false; VECTORS_AT_ONCE];
+            for (i, s) in short.iter_mut().enumerate().take(count) {
+                *s = tail < 8 && (v + i) % per_row == per_row - 1;
+            }
+            for (&weight, &offset) in weights.iter().zip(offsets) {
+                let wv = _mm256_set1_ps(weight);
+                for i in 0..count {
+                    // SAFETY: whole vectors lie inside the staged phase row the tap
+                    // reads; a short one's masked lanes do, and its others are not
+                    // read.
+                    let values = unsafe {
+                        if short[i] {
+                            _mm256_maskload_ps(base.add(src[i] + offset), tail_mask)
+                        } else {
+                            _mm256_loadu_ps(base.add(src[i] + offset))
+                        }
+                    };
+                    acc[i] = _mm256_fmadd_ps(values, wv, acc[i]);
+                }
+            }
+        }
+        for i in 0..count {
+            // SAFETY: a whole store past its row's end lands inside the plane, on
+            // values a later store of this call writes; the plane's last vector is
+            // stored under its mask.
+            unsafe {
+                if v + i + 1 == vectors && tail < 8 {
+                    _mm256_maskstore_ps(dst.add(at[i]), tail_mask, acc[i]);
+                } else {
+                    _mm256_storeu_ps(dst.add(at[i]), acc[i]);
+                }
+            }
         }
         v += VECTORS_AT_ONCE;
     }
@@ -526,7 +659,8 @@ pub(crate) fn conv2d(
     let residual_addr = finish.residual.map(|r| r.ptr as usize);
     let phased = Phased::new(win, x.shape, ow);
     let mut offsets = [0usize; MAX_PHASED_TAPS];
-    let use_phased = crate::isa::isa().avx512f && taps <= MAX_PHASED_TAPS;
+    let isa = crate::isa::isa();
+    let use_phased = (isa.avx512f || isa.avx2_fma) && taps <= MAX_PHASED_TAPS;
     for ky in 0..win.kernel[0] {
         for kx in 0..win.kernel[1] {
             if let Some(slot) = offsets.get_mut(ky * win.kernel[1] + kx) {
@@ -554,17 +688,16 @@ pub(crate) fn conv2d(
             if restage {
                 stage_phases(src, (h, wd), win, phased, staged);
             }
+            let shape = (oh, ow, geo.sy * phased.wq);
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX-512F was detected; the phases were staged for this window
-            // and the offsets computed from them.
+            // SAFETY: AVX-512F, else AVX2 and FMA, was detected; the phases were
+            // staged for this window and the offsets computed from them.
             unsafe {
-                plane_avx512(
-                    values,
-                    staged,
-                    plane_weights,
-                    offsets,
-                    (oh, ow, geo.sy * phased.wq),
-                )
+                if isa.avx512f {
+                    plane_avx512(values, staged, plane_weights, offsets, shape)
+                } else {
+                    plane_avx2(values, staged, plane_weights, offsets, shape)
+                }
             };
         } else {
             let staged = &mut scratch[..stage.len()];
@@ -590,4 +723,48 @@ pub(crate) fn conv2d(
         }
     };
     pool.run(tasks, threads, &task)
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    type SplitFn = unsafe fn(&[f32], &mut [f32], &mut [f32]);
+
+    /// Both vector forms of the stride-2 split against a plain one: rows shorter
+    /// and longer than a step, of odd and even lengths, into outputs shorter than
+    /// the row's halves (the padding's columns take the rest).
+    #[test]
+    fn split_pairs_match_a_plain_split() {
+        let isa = crate::isa::Isa::hardware();
+        for len in [0usize, 1, 2, 7, 15, 16, 17, 31, 32, 33, 57, 112] {
+            let row: Vec<f32> = (0..len).map(|i: usize| i as f32 * 0.5 - 3.0).collect();
+            for (even_len, odd_len) in [(len.div_ceil(2), len / 2), (len / 2, len / 2), (3, 1)] {
+                let want_evens: Vec<f32> = row.iter().step_by(2).take(even_len).copied().collect();
+                let want_odds: Vec<f32> = row
+                    .iter()
+                    .skip(1)
+                    .step_by(2)
+                    .take(odd_len)
+                    .copied()
+                    .collect();
+                let mut kernels: Vec<SplitFn> = Vec::new();
+                if isa.avx2_fma {
+                    kernels.push(split_pairs_avx2);
+                }
+                if isa.avx512f {
+                    kernels.push(split_pairs_avx512);
+                }
+                for split in kernels {
+                    let (mut evens, mut odds) = (vec![f32::NAN; even_len], vec![f32::NAN; odd_len]);
+                    // SAFETY: the kernel's instruction set was detected.
+                    unsafe { split(&row, &mut evens, &mut odds) };
+                    let n = want_evens.len();
+                    assert_eq!(&evens[..n], &want_evens[..], "evens of {len}");
+                    let n = want_odds.len();
+                    assert_eq!(&odds[..n], &want_odds[..], "odds of {len}");
+                }
+            }
+        }
+    }
 }
