@@ -114,8 +114,9 @@ impl Phased {
         self.hp * self.wq
     }
 
+    /// Floats of the phases and of [`PHASED_SLACK`] after them.
     fn len(&self) -> usize {
-        self.sx * self.plane_len()
+        self.sx * self.plane_len() + PHASED_SLACK
     }
 
     /// Offset of tap `(ky, kx)` from its output row's first staged value.
@@ -153,6 +154,12 @@ fn stage_phases(
     if sx == 1 && crate::isa::isa().avx512f {
         // SAFETY: AVX-512F was detected; `staged` holds the one phase plane.
         unsafe { stage_rows_avx512(src, (h, w), (top, left), wq, &mut staged[..plane_len]) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if sx == 1 && crate::isa::isa().avx2_fma {
+        // SAFETY: AVX2 was detected; `staged` holds the one phase plane.
+        unsafe { stage_rows_avx2(src, (h, w), (top, left), wq, &mut staged[..plane_len]) };
         return;
     }
     for plane in staged.chunks_exact_mut(plane_len).take(sx) {
@@ -293,8 +300,8 @@ unsafe fn split_pairs_avx512(row: &[f32], evens: &mut [f32], odds: &mut [f32]) {
     }
 }
 
-/// [`split_pairs_avx512`] in AVX2 vectors: 16 values of the row at a time, and the
-/// last few one by one.
+/// [`split_pairs_avx512`] in AVX2 vectors: 16 values of the row at a time, the
+/// last ones loaded and stored under masks.
 ///
 /// # Safety
 /// AVX2 must be available.
@@ -302,15 +309,25 @@ unsafe fn split_pairs_avx512(row: &[f32], evens: &mut [f32], odds: &mut [f32]) {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn split_pairs_avx2(row: &[f32], evens: &mut [f32], odds: &mut [f32]) {
     use std::arch::x86_64::*;
+    let index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let lanes = |n: usize| _mm256_cmpgt_epi32(_mm256_set1_epi32(n.min(8) as i32), index);
     let n_even = evens.len().min(row.len().div_ceil(2));
     let n_odd = odds.len().min(row.len() / 2);
     let mut t = 0;
-    // Whole steps: 16 values of the row in, 8 evens and 8 odds out.
-    while t + 8 <= n_even.min(n_odd) && 2 * t + 16 <= row.len() {
-        // SAFETY: `2 t + 16 <= row.len()`, and `t + 8` fits both outputs.
+    while t < n_even.max(n_odd) {
+        // `t < ceil(len / 2)`, so `2 t` is inside the row.
+        let have = row.len() - 2 * t;
+        // SAFETY: the masks cover values inside the slices only.
         unsafe {
-            let lo = _mm256_loadu_ps(row.as_ptr().add(2 * t));
-            let hi = _mm256_loadu_ps(row.as_ptr().add(2 * t + 8));
+            let at = row.as_ptr().add(2 * t);
+            let (lo, hi) = if have >= 16 {
+                (_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8)))
+            } else {
+                (
+                    _mm256_maskload_ps(at, lanes(have)),
+                    _mm256_maskload_ps(at.wrapping_add(8), lanes(have.saturating_sub(8))),
+                )
+            };
             // Within each 128-bit half: lo's two evens then hi's; the 64-bit
             // quarters then go in order 0, 2, 1, 3.
             let even = _mm256_shuffle_ps::<0b10_00_10_00>(lo, hi);
@@ -321,16 +338,23 @@ unsafe fn split_pairs_avx2(row: &[f32], evens: &mut [f32], odds: &mut [f32]) {
             let odd = _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(
                 odd,
             )));
-            _mm256_storeu_ps(evens.as_mut_ptr().add(t), even);
-            _mm256_storeu_ps(odds.as_mut_ptr().add(t), odd);
+            let (e, o) = (n_even.saturating_sub(t), n_odd.saturating_sub(t));
+            let (e_at, o_at) = (
+                evens.as_mut_ptr().wrapping_add(t),
+                odds.as_mut_ptr().wrapping_add(t),
+            );
+            if e >= 8 {
+                _mm256_storeu_ps(e_at, even);
+            } else if e > 0 {
+                _mm256_maskstore_ps(e_at, lanes(e), even);
+            }
+            if o >= 8 {
+                _mm256_storeu_ps(o_at, odd);
+            } else if o > 0 {
+                _mm256_maskstore_ps(o_at, lanes(o), odd);
+            }
         }
         t += 8;
-    }
-    for (j, v) in evens.iter_mut().enumerate().take(n_even).skip(t) {
-        *v = row[2 * j];
-    }
-    for (j, v) in odds.iter_mut().enumerate().take(n_odd).skip(t) {
-        *v = row[2 * j + 1];
     }
 }
 
@@ -344,6 +368,12 @@ fn strided_copy(src: &[f32], step: usize, dst: &mut [f32]) {
         }
     }
 }
+
+/// Floats after the staged phases that [`plane_avx2`] may read: a row's last
+/// vector reads whole vectors, at most 7 values past the row's last column (see
+/// [`Phased`]), and the last row's past the phases. Those lanes' sums are never
+/// stored.
+const PHASED_SLACK: usize = 8;
 
 /// The most taps [`plane_avx512`] takes (their offsets live on the stack); larger
 /// windows take the row-sum path.
@@ -421,13 +451,15 @@ unsafe fn plane_avx512(
 }
 
 /// [`plane_avx512`] with AVX2 vectors of 8: eight output vectors at a time sum
-/// every tap in registers. A row's last vector, when short, reads its lanes under a
-/// mask and is stored whole: its extra lanes fall on the next row's first values,
-/// which a later store of the same call writes (vectors are stored in order); only
-/// the plane's last vector is stored under its mask.
+/// every tap in registers. A row's last vector, when short, reads and sums whole
+/// vectors (the values past the row are the next row's, or [`PHASED_SLACK`]) and is
+/// stored whole: its extra lanes fall on the next row's first values, which a later
+/// store of the same call writes (vectors are stored in order); only the plane's last
+/// vector is stored under its mask.
 ///
 /// # Safety
-/// AVX2 and FMA must be available; as [`plane_avx512`].
+/// AVX2 and FMA must be available; as [`plane_avx512`], with `staged` holding
+/// [`PHASED_SLACK`] values past the phases.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn plane_avx2(
@@ -443,12 +475,16 @@ unsafe fn plane_avx2(
     let per_row = ow.div_ceil(8);
     let vectors = oh * per_row;
     let (base, dst) = (staged.as_ptr(), out.as_mut_ptr());
-    // The lanes of a row's last vector: `ow % 8` of them, or all.
+    // The lanes of the plane's last vector: `ow % 8` of them, or all.
     let tail = ow - (per_row - 1) * 8;
-    let lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    let tail_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(tail as i32), lane_index);
+    let tail_mask = _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(tail as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    );
     let mut v = 0;
     while v < vectors {
+        // Missing vectors (past the plane) read the plane's first values and are
+        // not stored.
         let mut src = [0usize; VECTORS_AT_ONCE];
         let mut at = [0usize; VECTORS_AT_ONCE];
         let count = VECTORS_AT_ONCE.min(vectors - v);
@@ -458,38 +494,14 @@ unsafe fn plane_avx2(
             at[i] = y * ow + x;
         }
         let mut acc = [_mm256_setzero_ps(); VECTORS_AT_ONCE];
-        if tail == 8 && count == VECTORS_AT_ONCE {
-            for (&weight, &offset) in weights.iter().zip(offsets) {
-                let wv = _mm256_set1_ps(weight);
-                let at = base.wrapping_add(offset);
-                for i in 0..VECTORS_AT_ONCE {
-                    // SAFETY: every vector's 8 values lie inside the staged phase
-                    // row the tap reads (see `Phased`).
-                    let values = unsafe { _mm256_loadu_ps(at.add(src[i])) };
-                    acc[i] = _mm256_fmadd_ps(values, wv, acc[i]);
-                }
-            }
-        } else {
-            // Which of the vectors are their row's last (read under the mask).
-            let mut short = [false; VECTORS_AT_ONCE];
-            for (i, s) in short.iter_mut().enumerate().take(count) {
-                *s = tail < 8 && (v + i) % per_row == per_row - 1;
-            }
-            for (&weight, &offset) in weights.iter().zip(offsets) {
-                let wv = _mm256_set1_ps(weight);
-                for i in 0..count {
-                    // SAFETY: whole vectors lie inside the staged phase row the tap
-                    // reads; a short one's masked lanes do, and its others are not
-                    // read.
-                    let values = unsafe {
-                        if short[i] {
-                            _mm256_maskload_ps(base.add(src[i] + offset), tail_mask)
-                        } else {
-                            _mm256_loadu_ps(base.add(src[i] + offset))
-                        }
-                    };
-                    acc[i] = _mm256_fmadd_ps(values, wv, acc[i]);
-                }
+        for (&weight, &offset) in weights.iter().zip(offsets) {
+            let wv = _mm256_set1_ps(weight);
+            let at = base.wrapping_add(offset);
+            for i in 0..VECTORS_AT_ONCE {
+                // SAFETY: a vector's 8 values lie inside the staged phases and
+                // their slack (see `PHASED_SLACK`).
+                let values = unsafe { _mm256_loadu_ps(at.add(src[i])) };
+                acc[i] = _mm256_fmadd_ps(values, wv, acc[i]);
             }
         }
         for i in 0..count {
@@ -497,7 +509,7 @@ unsafe fn plane_avx2(
             // values a later store of this call writes; the plane's last vector is
             // stored under its mask.
             unsafe {
-                if v + i + 1 == vectors && tail < 8 {
+                if v + i + 1 == vectors {
                     _mm256_maskstore_ps(dst.add(at[i]), tail_mask, acc[i]);
                 } else {
                     _mm256_storeu_ps(dst.add(at[i]), acc[i]);
@@ -505,6 +517,64 @@ unsafe fn plane_avx2(
             }
         }
         v += VECTORS_AT_ONCE;
+    }
+}
+
+/// [`stage_rows_avx512`] in AVX2 vectors of 8: each line a vector at a time, its
+/// row's values loaded under the mask of the lanes they cover (the others zero: the
+/// padding). Library calls for a few values each cost more than the copy, and a
+/// plain copy loop is turned into one.
+///
+/// # Safety
+/// AVX2 must be available; as [`stage_rows_avx512`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn stage_rows_avx2(
+    src: &[f32],
+    (h, w): (usize, usize),
+    (top, left): (usize, usize),
+    wq: usize,
+    staged: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(left + w <= wq && src.len() >= h * w);
+    let index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let line_tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((wq % 8) as i32), index);
+    let (below, end) = (_mm256_set1_epi32(-1), _mm256_set1_epi32(w as i32));
+    let zero = _mm256_setzero_ps();
+    for (r, line) in staged.chunks_exact_mut(wq).enumerate() {
+        let line = line.as_mut_ptr();
+        let row = r
+            .checked_sub(top)
+            .filter(|&i| i < h)
+            .map(|i| src[i * w..].as_ptr());
+        let mut k = 0;
+        while k < wq {
+            let values = match row {
+                Some(row) => {
+                    // Row columns `k - left ..` in this vector's lanes.
+                    let columns =
+                        _mm256_add_epi32(index, _mm256_set1_epi32(k as i32 - left as i32));
+                    let inside = _mm256_and_si256(
+                        _mm256_cmpgt_epi32(columns, below),
+                        _mm256_cmpgt_epi32(end, columns),
+                    );
+                    // SAFETY: the lanes of `inside` are columns of the row; the
+                    // others are not read.
+                    unsafe { _mm256_maskload_ps(row.wrapping_add(k).wrapping_sub(left), inside) }
+                }
+                None => zero,
+            };
+            // SAFETY: the stored lanes lie inside `line`.
+            unsafe {
+                if k + 8 <= wq {
+                    _mm256_storeu_ps(line.add(k), values);
+                } else {
+                    _mm256_maskstore_ps(line.add(k), line_tail, values);
+                }
+            }
+            k += 8;
+        }
     }
 }
 
