@@ -1646,6 +1646,18 @@ fn permute_and_transpose() {
             );
         }
     }
+    // A channel shuffle: planes of 7 x 7 and 5 x 3 move whole (rows of 49 and 15
+    // values, each narrower than a vector's worth on its own axis).
+    for dt in [DType::F32, DType::F16, DType::I64] {
+        for dims in [&[1usize, 2, 9, 7, 7][..], &[2, 3, 4, 5, 3][..]] {
+            s.check(
+                &format!("channel shuffle {dt} {dims:?}"),
+                &[inp("x", dims, dt)],
+                EW,
+                |g, x| one(g.permute(x[0], &[0, 2, 1, 3, 4])?),
+            );
+        }
+    }
     // The last output axis taken from an outer input axis, right after the input's
     // last axis (phases woven together, a depth-to-space): 2 and 3 ways, 5 ways (the
     // general loop), 4 ways past size-1 axes, and over a megabyte (threads).

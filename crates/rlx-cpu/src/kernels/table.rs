@@ -351,7 +351,8 @@ fn select_kernel(
             Kernel::new(format!("cpu.tiles.transpose.{dtype}"), batched_transpose)
         }
         Op::Permute { perm }
-            if perm.last().is_some_and(|&last| last + 1 == perm.len()) && row_copies(out) =>
+            if perm.last().is_some_and(|&last| last + 1 == perm.len())
+                && (row_copies(out) || kept_run(inputs[0].dims(), perm) >= ROW_COPY_MIN) =>
         {
             // The last axis stays: whole rows copied, threaded when large.
             Kernel::new(format!("cpu.rows.permute.{dtype}"), permute)
@@ -363,7 +364,10 @@ fn select_kernel(
         Op::Slice { .. } | Op::Pad { .. } | Op::Interpolate { .. } if layout.output() => {
             Kernel::new(format!("cpu.blocked.{}.f32", op.name()), blocked_plane_rows)
         }
-        Op::Slice { axes } if axes.last().is_none_or(|a| a.step == 1) && row_copies(out) => {
+        Op::Slice { axes }
+            if axes.last().is_none_or(|a| a.step == 1)
+                && (row_copies(out) || sliced_run(inputs[0].dims(), axes) >= ROW_COPY_MIN) =>
+        {
             Kernel::new(format!("cpu.rows.slice.{dtype}"), slice)
         }
         Op::Slice { .. } => Kernel::reference(op, dtype, slice),
@@ -467,6 +471,36 @@ fn row_copies(out: &Shape) -> bool {
 /// masked load and store each (4-byte values on AVX-512).
 fn short_rows_masked(out: &Shape) -> bool {
     out.dtype().size_in_bytes() == 4 && crate::isa::isa().avx512f
+}
+
+/// Elements of the longest run a permute keeps together at the end: the input's
+/// last axes that `perm` leaves in place (ShuffleNet's channel shuffle of
+/// `[n, 2, c, h, w]` keeps rows of `h * w`, whose copy walks them as one).
+fn kept_run(dims: &[usize], perm: &[usize]) -> usize {
+    let kept = perm
+        .iter()
+        .rev()
+        .enumerate()
+        .take_while(|&(i, &p)| p + 1 + i == perm.len())
+        .count();
+    dims[dims.len() - kept..].iter().product()
+}
+
+/// Elements of the longest contiguous run a slice copies: the input's last axes
+/// that it takes whole, then the next axis's taken length when it steps by one (a
+/// slice of whole 14 x 14 planes copies runs of 196 however narrow the rows are).
+fn sliced_run(dims: &[usize], axes: &[rlx_ir::SliceAxis]) -> usize {
+    let mut run = 1;
+    for (&dim, axis) in dims.iter().zip(axes).rev() {
+        if axis.step != 1 {
+            break;
+        }
+        run *= axis.len;
+        if axis.start != 0 || axis.len != dim {
+            break;
+        }
+    }
+    run
 }
 
 /// Elements after `axis` in `shape`.
@@ -1248,4 +1282,34 @@ fn dequantize(a: &Args, _: &mut Ctx) -> Result<()> {
         return Err(a.wrong_op("dequantize"));
     };
     quant::dequantize(*format, a.src(0), a.out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_runs_are_the_trailing_axes_left_in_place() {
+        // ShuffleNet's shuffle keeps each 7 x 7 plane whole.
+        assert_eq!(kept_run(&[1, 2, 232, 7, 7], &[0, 2, 1, 3, 4]), 49);
+        assert_eq!(kept_run(&[2, 3, 4], &[1, 0, 2]), 4);
+        // Only a tail that is in place counts.
+        assert_eq!(kept_run(&[2, 3, 4, 5], &[0, 1, 3, 2]), 1);
+        assert_eq!(kept_run(&[2, 3, 4], &[0, 1, 2]), 24);
+        assert_eq!(kept_run(&[], &[]), 1);
+    }
+
+    #[test]
+    fn sliced_runs_end_at_the_first_axis_not_taken_whole() {
+        let axis = |start, step, len| rlx_ir::SliceAxis { start, step, len };
+        // Channels 4..12 of whole 7 x 7 planes: runs of 8 planes.
+        let planes = [axis(0, 1, 1), axis(4, 1, 8), axis(0, 1, 7), axis(0, 1, 7)];
+        assert_eq!(sliced_run(&[1, 16, 7, 7], &planes), 8 * 49);
+        // Columns cut short: runs of the columns taken.
+        let cols = [axis(0, 1, 3), axis(0, 1, 7), axis(1, 1, 5)];
+        assert_eq!(sliced_run(&[3, 7, 7], &cols), 5);
+        // A strided axis ends the run above it.
+        let strided = [axis(0, 2, 4), axis(0, 1, 7), axis(0, 1, 7)];
+        assert_eq!(sliced_run(&[8, 7, 7], &strided), 49);
+    }
 }
