@@ -2350,7 +2350,7 @@ fn conv2d_variants() {
         [usize; 2],
         usize,
     );
-    let cases: [ConvCase; 45] = [
+    let cases: [ConvCase; 47] = [
         // f32 3x3 unit-stride with 32 or more channels, multiples of 8, and 16 or
         // more tiles: Winograd F(4x4, 3x3), with edge tiles in both directions,
         // asymmetric padding, tiles of several images in one task, and dilated (one
@@ -2566,6 +2566,10 @@ fn conv2d_variants() {
             [2, 3],
             5,
         ),
+        // Output planes smaller than one AVX2 vector (2 x 2 and 1 x 3): stores must
+        // stay inside each plane.
+        ([2, 4, 6, 6], [4, 1, 3, 3], [2, 2], [0, 0, 0, 0], [1, 1], 4),
+        ([1, 3, 3, 7], [6, 1, 3, 3], [1, 2], [0, 0, 0, 0], [1, 1], 3),
         // Depthwise over planes of at most 64 outputs: sixteen channels in the lanes
         // of each vector. Channels past a whole block (37 = 16 + 16 + 5), two
         // images, a 5x5 window at stride 2, a multiplier of 2 with dilation, and

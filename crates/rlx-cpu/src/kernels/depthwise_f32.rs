@@ -453,9 +453,9 @@ unsafe fn plane_avx512(
 /// [`plane_avx512`] with AVX2 vectors of 8: eight output vectors at a time sum
 /// every tap in registers. A row's last vector, when short, reads and sums whole
 /// vectors (the values past the row are the next row's, or [`PHASED_SLACK`]) and is
-/// stored whole: its extra lanes fall on the next row's first values, which a later
-/// store of the same call writes (vectors are stored in order); only the plane's last
-/// vector is stored under its mask.
+/// stored whole where that stays in the plane: its extra lanes fall on the next
+/// row's first values, which a later store of the same call writes (vectors are
+/// stored in order); a vector that would run past the plane is stored under a mask.
 ///
 /// # Safety
 /// AVX2 and FMA must be available; as [`plane_avx512`], with `staged` holding
@@ -475,12 +475,6 @@ unsafe fn plane_avx2(
     let per_row = ow.div_ceil(8);
     let vectors = oh * per_row;
     let (base, dst) = (staged.as_ptr(), out.as_mut_ptr());
-    // The lanes of the plane's last vector: `ow % 8` of them, or all.
-    let tail = ow - (per_row - 1) * 8;
-    let tail_mask = _mm256_cmpgt_epi32(
-        _mm256_set1_epi32(tail as i32),
-        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-    );
     let mut v = 0;
     while v < vectors {
         // Missing vectors (past the plane) read the plane's first values and are
@@ -505,14 +499,21 @@ unsafe fn plane_avx2(
             }
         }
         for i in 0..count {
-            // SAFETY: a whole store past its row's end lands inside the plane, on
-            // values a later store of this call writes; the plane's last vector is
-            // stored under its mask.
+            // A whole vector is stored where it fits in the plane (its lanes past
+            // its row land on values a later store writes); one that would run
+            // past the plane (its last vector, or any in a plane under 8 values)
+            // keeps to the plane under a mask.
+            let room = oh * ow - at[i];
+            // SAFETY: the stored lanes lie inside the plane.
             unsafe {
-                if v + i + 1 == vectors {
-                    _mm256_maskstore_ps(dst.add(at[i]), tail_mask, acc[i]);
-                } else {
+                if room >= 8 {
                     _mm256_storeu_ps(dst.add(at[i]), acc[i]);
+                } else {
+                    let mask = _mm256_cmpgt_epi32(
+                        _mm256_set1_epi32(room as i32),
+                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                    );
+                    _mm256_maskstore_ps(dst.add(at[i]), mask, acc[i]);
                 }
             }
         }
