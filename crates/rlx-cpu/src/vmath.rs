@@ -604,6 +604,20 @@ pub(crate) fn first_lanes(n: usize) -> u16 {
     if n >= 16 { u16::MAX } else { (1u16 << n) - 1 }
 }
 
+/// [`first_lanes`] for AVX2's masked loads and stores: an AVX2 vector whose first
+/// `n` lanes (all 8 from `n = 8` on) are all ones and the rest zero (called from
+/// AVX2 code, into which it is inlined).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(crate) fn first_lanes_avx2(n: usize) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(n.min(8) as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    )
+}
+
 /// 2 with AVX-512F, 1 with AVX2+FMA, 0 otherwise ([`crate::isa`]).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn simd_level() -> u8 {

@@ -308,9 +308,8 @@ unsafe fn split_pairs_avx512(row: &[f32], evens: &mut [f32], odds: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn split_pairs_avx2(row: &[f32], evens: &mut [f32], odds: &mut [f32]) {
+    use crate::vmath::first_lanes_avx2 as lanes;
     use std::arch::x86_64::*;
-    let index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    let lanes = |n: usize| _mm256_cmpgt_epi32(_mm256_set1_epi32(n.min(8) as i32), index);
     let n_even = evens.len().min(row.len().div_ceil(2));
     let n_odd = odds.len().min(row.len() / 2);
     let mut t = 0;
@@ -383,6 +382,27 @@ const MAX_PHASED_TAPS: usize = 64;
 #[cfg(target_arch = "x86_64")]
 const VECTORS_AT_ONCE: usize = 8;
 
+/// Where the group of output vectors from `v` (of `vectors`, `LANES` outputs each,
+/// rows cut into `ceil(ow / LANES)` of them) reads, from its row's first staged
+/// value (`row_pitch` apart), and writes in the `ow`-wide plane; and how many of the
+/// group's [`VECTORS_AT_ONCE`] there are (the rest stay 0).
+#[cfg(target_arch = "x86_64")]
+fn group_places<const LANES: usize>(
+    v: usize,
+    vectors: usize,
+    (ow, row_pitch): (usize, usize),
+) -> ([usize; VECTORS_AT_ONCE], [usize; VECTORS_AT_ONCE], usize) {
+    let per_row = ow.div_ceil(LANES);
+    let (mut src, mut at) = ([0; VECTORS_AT_ONCE], [0; VECTORS_AT_ONCE]);
+    let count = VECTORS_AT_ONCE.min(vectors - v);
+    for i in 0..count {
+        let (y, x) = ((v + i) / per_row, (v + i) % per_row * LANES);
+        src[i] = y * row_pitch + x;
+        at[i] = y * ow + x;
+    }
+    (src, at, count)
+}
+
 /// One output plane from its staged phases: every output row is cut into vectors of
 /// 16 (the last one masked), and eight vectors at a time, from one row or several,
 /// sum all taps in registers before one store each.
@@ -407,16 +427,12 @@ unsafe fn plane_avx512(
     let (base, dst) = (staged.as_ptr(), out.as_mut_ptr());
     let mut v = 0;
     while v < vectors {
-        // Where each vector reads (from its row's first staged value) and writes,
-        // and its lanes; missing vectors load and store nothing.
-        let mut src = [0usize; VECTORS_AT_ONCE];
-        let mut at = [0usize; VECTORS_AT_ONCE];
+        // Where each vector reads and writes, and its lanes; missing vectors load
+        // and store nothing.
+        let (src, at, count) = group_places::<16>(v, vectors, (ow, row_pitch));
         let mut mask = [0u16; VECTORS_AT_ONCE];
-        for i in 0..VECTORS_AT_ONCE.min(vectors - v) {
-            let (y, x) = ((v + i) / per_row, (v + i) % per_row * 16);
-            src[i] = y * row_pitch + x;
-            at[i] = y * ow + x;
-            mask[i] = crate::vmath::first_lanes(ow - x);
+        for i in 0..count {
+            mask[i] = crate::vmath::first_lanes(ow - at[i] % ow);
         }
         let mut acc = [_mm512_setzero_ps(); VECTORS_AT_ONCE];
         if mask == [u16::MAX; VECTORS_AT_ONCE] {
@@ -479,14 +495,7 @@ unsafe fn plane_avx2(
     while v < vectors {
         // Missing vectors (past the plane) read the plane's first values and are
         // not stored.
-        let mut src = [0usize; VECTORS_AT_ONCE];
-        let mut at = [0usize; VECTORS_AT_ONCE];
-        let count = VECTORS_AT_ONCE.min(vectors - v);
-        for i in 0..count {
-            let (y, x) = ((v + i) / per_row, (v + i) % per_row * 8);
-            src[i] = y * row_pitch + x;
-            at[i] = y * ow + x;
-        }
+        let (src, at, count) = group_places::<8>(v, vectors, (ow, row_pitch));
         let mut acc = [_mm256_setzero_ps(); VECTORS_AT_ONCE];
         for (&weight, &offset) in weights.iter().zip(offsets) {
             let wv = _mm256_set1_ps(weight);
@@ -509,10 +518,7 @@ unsafe fn plane_avx2(
                 if room >= 8 {
                     _mm256_storeu_ps(dst.add(at[i]), acc[i]);
                 } else {
-                    let mask = _mm256_cmpgt_epi32(
-                        _mm256_set1_epi32(room as i32),
-                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                    );
+                    let mask = crate::vmath::first_lanes_avx2(room);
                     _mm256_maskstore_ps(dst.add(at[i]), mask, acc[i]);
                 }
             }
@@ -540,7 +546,7 @@ unsafe fn stage_rows_avx2(
     use std::arch::x86_64::*;
     debug_assert!(left + w <= wq && src.len() >= h * w);
     let index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    let line_tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((wq % 8) as i32), index);
+    let line_tail = crate::vmath::first_lanes_avx2(wq % 8);
     let (below, end) = (_mm256_set1_epi32(-1), _mm256_set1_epi32(w as i32));
     let zero = _mm256_setzero_ps();
     for (r, line) in staged.chunks_exact_mut(wq).enumerate() {
