@@ -151,10 +151,13 @@ fn blockable(shape: &Shape) -> bool {
         && shape.num_elements() > 0
 }
 
-/// Whether blocked layouts are used at all: on CPUs with AVX-512 (the blocked
-/// kernels' vectors), unless `RLX_CHANNEL_BLOCKS=0`.
+/// Whether blocked layouts are used at all: on CPUs with AVX-512 or AVX2 and FMA
+/// (the blocked kernels' vectors: a block is one AVX-512 vector or two AVX2 ones),
+/// unless `RLX_CHANNEL_BLOCKS=0`. Which steps take blocks on which CPU is up to
+/// their kernels ([`crate::kernels::accepts`]).
 fn enabled() -> bool {
-    crate::isa::isa().avx512f && rlx_ir::env::Switch::ChannelBlocks.enabled()
+    let isa = crate::isa::isa();
+    (isa.avx512f || isa.avx2_fma) && rlx_ir::env::Switch::ChannelBlocks.enabled()
 }
 
 /// The layout of every step of `plan.schedule`, in order, given which layouts each

@@ -364,8 +364,8 @@ fn activate(out: &mut [f32], activation: Option<Activation>) {
     }
 }
 
-/// Whether [`activate_lanes_avx512`] computes `activation` (the others run only in
-/// the scalar epilogue).
+/// Whether [`activate_lanes_avx512`] and [`activate_lanes_avx2`] compute
+/// `activation` (the others run only in the scalar epilogue).
 pub(crate) fn has_lanes_form(activation: Activation) -> bool {
     matches!(
         activation,
@@ -398,6 +398,35 @@ pub(crate) unsafe fn activate_lanes_avx512(
         ),
         // SAFETY: AVX-512F is available.
         Activation::Silu => unsafe { crate::vmath::logistic_lanes_avx512::<true>(x) },
+        Activation::Gelu | Activation::GeluTanh => x,
+    }
+}
+
+/// [`activate_lanes_avx512`] on 8 lanes, for AVX2 kernels: the same activations
+/// ([`has_lanes_form`]), NaN passing through; any other returns `x`.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn activate_lanes_avx2(
+    x: std::arch::x86_64::__m256,
+    activation: Activation,
+) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let zero = _mm256_setzero_ps();
+    // `max` and `min` return their second operand when one is NaN.
+    let relu6 = |x: __m256| _mm256_min_ps(_mm256_set1_ps(6.0), _mm256_max_ps(zero, x));
+    match activation {
+        Activation::Relu => _mm256_max_ps(zero, _mm256_add_ps(x, zero)),
+        Activation::Relu6 => relu6(x),
+        Activation::HardSwish => _mm256_mul_ps(
+            _mm256_mul_ps(x, relu6(_mm256_add_ps(x, _mm256_set1_ps(3.0)))),
+            _mm256_set1_ps(1.0 / 6.0),
+        ),
+        // SAFETY: AVX2 and FMA are available.
+        Activation::Silu => unsafe { crate::vmath::logistic_lanes_avx2::<true>(x) },
         Activation::Gelu | Activation::GeluTanh => x,
     }
 }

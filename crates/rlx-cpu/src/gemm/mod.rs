@@ -13,11 +13,11 @@ mod amx;
 mod blocking;
 mod epilogue;
 mod gemv;
-#[cfg(target_arch = "x86_64")]
-pub(crate) use epilogue::activate_lanes_avx512;
 pub(crate) use epilogue::{
     RowAffine, activate_and_add, activate_and_add_lanes, affine_scatter_row, has_lanes_form,
 };
+#[cfg(target_arch = "x86_64")]
+pub(crate) use epilogue::{activate_lanes_avx2, activate_lanes_avx512};
 mod kernels;
 mod pack;
 

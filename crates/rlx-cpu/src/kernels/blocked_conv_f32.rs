@@ -85,7 +85,8 @@ pub(crate) fn kind(
     layout: StepLayout,
 ) -> Option<BlockedConv> {
     let shapes_fit = x.rank() == 4 && w.rank() == 4 && x.dtype() == DType::F32;
-    if !shapes_fit || !crate::isa::isa().avx512f || layout.input(1) {
+    let isa = crate::isa::isa();
+    if !shapes_fit || !isa.avx2_fma || layout.input(1) {
         return None;
     }
     let pointwise = groups == 1
@@ -96,7 +97,8 @@ pub(crate) fn kind(
         && w.dim(1) == x.dim(1)
         // The channel offsets are 32-bit.
         && x.num_elements() / x.dim(0).max(1) < u32::MAX as usize;
-    if pointwise && (layout.any() || plain_pointwise_wins(x)) {
+    // Plain on both sides, the kernel was measured against the GEMM on AVX-512 only.
+    if pointwise && (layout.any() || (isa.avx512f && plain_pointwise_wins(x))) {
         return Some(BlockedConv::Pointwise);
     }
     if !layout.any() {
@@ -109,7 +111,9 @@ pub(crate) fn kind(
     if dense {
         return Some(BlockedConv::Dense);
     }
-    let depthwise = groups > 1
+    // The depthwise kernel has an AVX-512 form only.
+    let depthwise = isa.avx512f
+        && groups > 1
         && groups == x.dim(1)
         && w.dim(0) == groups
         && w.dim(1) == 1
@@ -1629,11 +1633,14 @@ mod tests {
 
     /// [`check`] with `activation` after the bias (ReLU, ReLU6 or the tanh GELU).
     fn check_with(case: &Case, seed: u64, activation: crate::gemm::Activation) {
-        if !crate::isa::isa().avx512f {
+        let [n, c, h, w] = case.x;
+        // Blocked kernels need AVX2 and FMA, the depthwise one AVX-512.
+        let isa = crate::isa::isa();
+        let one_per_group = case.groups > 1 && case.groups == c && case.o == c;
+        if !isa.avx2_fma || (one_per_group && !isa.avx512f) {
             return;
         }
         let mut seed = seed;
-        let [n, c, h, w] = case.x;
         let (o, [kh, kw]) = (case.o, case.kernel);
         let cg = c / case.groups;
         let (oh, ow) = (extent(&case.win, 0, h), extent(&case.win, 1, w));
@@ -1961,6 +1968,10 @@ mod tests {
             (1, [1, 130, 9, 5], 40, [false, false]),
         ];
         for (i, &(threads, x, o, layout)) in cases.iter().enumerate() {
+            // Plain on both sides, the kernel takes a product on AVX-512 only.
+            if layout == [false, false] && !crate::isa::isa().avx512f {
+                continue;
+            }
             for (residual, affine, prologue, folded) in [
                 (false, false, false, false),
                 (true, false, false, false),
@@ -2276,8 +2287,8 @@ mod tests {
 
     #[test]
     fn winograd_matches_the_reference_in_every_layout() {
-        // The blocked kernels (and so `kind`'s choice) need AVX-512.
-        if !crate::isa::isa().avx512f {
+        // The blocked kernels (and so `kind`'s choice) need AVX2 and FMA.
+        if !crate::isa::isa().avx2_fma {
             return;
         }
         let three = |padding, dilation| window([3, 3], [1, 1], padding, [dilation; 2]);

@@ -31,6 +31,9 @@ use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
 use rlx_ir::{Result, Shape, Window2d};
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
 /// Output pixels per tile (the micro-kernel's rows).
 pub(crate) const MR: usize = 6;
 /// [`MR`], for the choice of kernel.
@@ -1356,6 +1359,11 @@ pub(crate) unsafe fn micro_kernel_to(
         ),
         _ => (SimpleFinish::NONE, finish),
     };
+    if !crate::isa::isa().avx512f {
+        // SAFETY: forwarded contract; AVX2 and FMA (the pixel kernel's least).
+        unsafe { avx2::micro_kernel_to(input, (panels, stride, count), (out, run), finish) };
+        return;
+    }
     // SAFETY: forwarded contract.
     unsafe {
         let Some(finish) = rest else {
@@ -2104,16 +2112,39 @@ pub(crate) unsafe fn store_transposed(
 
 /// Stores a tile's product (`[pixel][channel]`, [`NR`] channels a pixel, from
 /// channel `c0`) into its block of a channel-blocked output, `lanes` channels a
-/// pixel (16, or 8 under a lane mask): pixel `i`'s go `at + i * lanes` floats after
-/// `out`, through `finish` if any.
+/// pixel (16, or 8): pixel `i`'s go `at + i * lanes` floats after `out`, through
+/// `finish` if any.
 ///
 /// # Safety
-/// AVX-512F is available (blocked values exist only with it); `out + at + i *
-/// lanes + j` is writable for every `i < valid` and `j < lanes`; `lanes` is at most
-/// [`NR`]; `finish`'s pointers as [`RegisterFinish`] says, its residual at `out`.
+/// AVX2 and FMA are available (blocked values exist only with them); `out + at + i
+/// * lanes + j` is writable for every `i < valid` and `j < lanes`; `lanes` is a
+/// block's width; `finish`'s pointers as [`RegisterFinish`] says, its residual at
+/// `out`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn store_blocked(
+    tile: &[f32],
+    (out, at): (*mut f32, usize),
+    (valid, c0, lanes): (usize, usize, usize),
+    finish: Option<&RegisterFinish>,
+) {
+    // SAFETY: forwarded contract; without AVX-512, AVX2 and FMA (the pixel
+    // kernel's least), and lanes of 16 or 8 (a block's).
+    unsafe {
+        if crate::isa::isa().avx512f {
+            store_blocked_avx512(tile, (out, at), (valid, c0, lanes), finish)
+        } else {
+            avx2::store_blocked(tile, (out, at), (valid, c0, lanes), finish)
+        }
+    }
+}
+
+/// [`store_blocked`] on AVX-512, any `lanes` up to 16 under a mask.
+///
+/// # Safety
+/// As [`store_blocked`]; AVX-512F is available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn store_blocked(
+unsafe fn store_blocked_avx512(
     tile: &[f32],
     (out, at): (*mut f32, usize),
     (valid, c0, lanes): (usize, usize, usize),

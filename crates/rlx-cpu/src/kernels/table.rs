@@ -110,8 +110,12 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
                     || k + 1 == inputs.len()
                     || inputs[k].dim(1).is_multiple_of(crate::layout::BLOCK))
         }),
+        // The blocked pools and plane sums have AVX-512 forms only.
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } => {
-            inputs[0].dtype() == DType::F32 && layout.input(0) && layout.output()
+            crate::isa::isa().avx512f
+                && inputs[0].dtype() == DType::F32
+                && layout.input(0)
+                && layout.output()
         }
         Op::Permute { perm } => {
             channels_last::accepts(perm, &inputs[0], layout.input(0), layout.output())
@@ -125,7 +129,8 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
             axes,
             ..
         } => {
-            inputs[0].dtype() == DType::F32
+            crate::isa::isa().avx512f
+                && inputs[0].dtype() == DType::F32
                 && axes.as_slice() == [2, 3]
                 && layout.input(0)
                 && !layout.output()
@@ -406,7 +411,15 @@ fn select_kernel(
                 ""
             };
             Kernel::new(
-                format!("cpu.{}.avx512.conv2d{fused}.f32", kind.name()),
+                format!(
+                    "cpu.{}.{}.conv2d{fused}.f32",
+                    kind.name(),
+                    if crate::isa::isa().avx512f {
+                        "avx512"
+                    } else {
+                        "avx2"
+                    }
+                ),
                 blocked_conv2d,
             )
         }

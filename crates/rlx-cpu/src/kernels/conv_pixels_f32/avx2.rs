@@ -1,0 +1,384 @@
+//! The pixel kernel's stores into channel-blocked outputs on AVX2: what the
+//! AVX-512 forms in the parent module do, with a block of 16 channels held as two
+//! 8-lane vectors (a last block of 8 as one). A tile is 6 pixels by one panel of
+//! 16 channels: 12 sums, 2 weight vectors and a broadcast, 15 of the 16 registers.
+//! Channel blocks are whole multiples of 8 lanes, so nothing here needs a mask.
+
+use super::{MR, NR, RegisterFinish, SimpleFinish, TileInput, TileOut, TileRun, WEIGHTS_AHEAD};
+use crate::layout::{BLOCK, HALF};
+use std::arch::x86_64::*;
+
+/// Lanes of an AVX2 vector.
+const LANES: usize = 8;
+
+/// [`super::micro_kernel_to`] on AVX2: for each of `count` panels and each tile of
+/// `run`, the sums stored straight to their place in the blocked output, finished
+/// there (a bias, an activation with a vector form and a residual as they are
+/// stored; with a channel affine, the whole finish over each stored tile).
+///
+/// # Safety
+/// As [`super::micro_kernel_to`], with AVX2 and FMA in place of AVX-512F.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn micro_kernel_to(
+    input: TileInput,
+    (panels, stride, count): (*const f32, usize, usize),
+    (out, run): (TileOut, TileRun),
+    finish: Option<&RegisterFinish>,
+) {
+    let (simple, rest) = match finish {
+        Some(f) if f.affine.is_none() => (
+            SimpleFinish {
+                bias: f.bias,
+                activation: f.activation,
+                residual: f.residual,
+            },
+            None,
+        ),
+        _ => (SimpleFinish::NONE, finish),
+    };
+    for v in 0..count {
+        let half = out.half.is_some() && v + 1 == count;
+        // Where this panel's tile 0 goes, and its pixels' distance.
+        let (place, pixel, tile_step) = match out.half {
+            Some(h) if half => (h, HALF, MR * HALF),
+            _ => (out.at.wrapping_add(v * out.panel), out.pixel, run.out_step),
+        };
+        let panel = Panel {
+            weights: panels.wrapping_add(v * stride),
+            place,
+            pixel,
+            tile_step,
+            // The residual is laid out as the output, from the tile's place.
+            residual: simple
+                .residual
+                .map(|r| r.wrapping_offset(floats_from(out.at, place))),
+            bias: simple.bias.map(|b| b.wrapping_add(v * NR)),
+            activation: simple.activation,
+        };
+        // SAFETY: the caller's contract, for this panel's tiles.
+        unsafe {
+            match (half, panel.residual.is_some()) {
+                (false, false) => tiles::<2, false>(input, run, &panel),
+                (false, true) => tiles::<2, true>(input, run, &panel),
+                (true, false) => tiles::<1, false>(input, run, &panel),
+                (true, true) => tiles::<1, true>(input, run, &panel),
+            }
+        }
+        if let Some(finish) = rest {
+            let lanes = if half { HALF } else { NR };
+            for t in 0..run.tiles {
+                for i in 0..MR {
+                    let at = place.wrapping_add(t * tile_step + i * pixel);
+                    // SAFETY: the tile's stored values of this panel, and the
+                    // finish's values for them (the caller's contract: the
+                    // residual laid out as the output, from `out.at`).
+                    unsafe { finish_pixel(at, lanes, v * NR, floats_from(out.at, at), finish) };
+                }
+            }
+        }
+    }
+}
+
+/// Floats from `from` to `to`.
+fn floats_from(from: *const f32, to: *const f32) -> isize {
+    (to as isize - from as isize) / 4
+}
+
+/// One panel's part of [`micro_kernel_to`]: its weights, where its tile 0's pixel
+/// 0 goes, the floats from pixel to pixel and from tile to tile there, and the
+/// finish as the sums are stored (a residual laid out as the output, from
+/// `place`; a bias at the panel's first channel).
+struct Panel {
+    weights: *const f32,
+    place: *mut f32,
+    pixel: usize,
+    tile_step: usize,
+    residual: Option<*const f32>,
+    bias: Option<*const f32>,
+    activation: Option<crate::gemm::Activation>,
+}
+
+/// The tiles of `run` for one panel of `L` vectors (2: 16 channels; 1: a last
+/// block of 8), each stored through the panel's finish (its residual only with
+/// `RESIDUAL`).
+///
+/// # Safety
+/// As [`micro_kernel_to`] for this panel.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tiles<const L: usize, const RESIDUAL: bool>(input: TileInput, run: TileRun, p: &Panel) {
+    let blocked = whole_blocks(&input);
+    for t in 0..run.tiles {
+        let input = input.nth(t, run);
+        let mut acc = [[_mm256_setzero_ps(); L]; MR];
+        // SAFETY: the caller's contract; the tail's weights follow the others'.
+        unsafe {
+            if blocked {
+                match input.prefetch {
+                    true => block_steps::<L, true>(&mut acc, &input, p.weights),
+                    false => block_steps::<L, false>(&mut acc, &input, p.weights),
+                }
+            } else {
+                steps::<L>(
+                    &mut acc,
+                    (input.offsets, input.pixel),
+                    p.weights,
+                    (input.prefetch, input.blocks_ahead),
+                );
+            }
+            if !input.tail.is_empty() {
+                let tail = p.weights.add(input.offsets.len() * NR);
+                steps::<L>(
+                    &mut acc,
+                    (input.tail, input.tail_pixel),
+                    tail,
+                    (input.prefetch, false),
+                );
+            }
+        }
+        let at = p.place.wrapping_add(t * p.tile_step);
+        let residual = p.residual.map(|r| r.wrapping_add(t * p.tile_step));
+        for (i, row) in acc.iter().enumerate() {
+            for (l, &sum) in row.iter().enumerate() {
+                let place = i * p.pixel + l * LANES;
+                let mut value = sum;
+                // SAFETY: the caller's contract: the bias holds the panel's
+                // lanes, the residual and the output the tile's.
+                unsafe {
+                    if let Some(b) = p.bias {
+                        value = _mm256_add_ps(value, _mm256_loadu_ps(b.add(l * LANES)));
+                    }
+                    if let Some(a) = p.activation {
+                        value = crate::gemm::activate_lanes_avx2(value, a);
+                    }
+                    if let (true, Some(r)) = (RESIDUAL, residual) {
+                        value = _mm256_add_ps(value, _mm256_loadu_ps(r.add(place)));
+                    }
+                    _mm256_storeu_ps(at.add(place), value);
+                }
+            }
+        }
+    }
+}
+
+/// Whether a tile's steps are whole blocks of a channel-blocked input ([`block_steps`]):
+/// the pixels one [`BLOCK`] apart, the steps in blocks of 16 consecutive channels,
+/// no tail. (Tiles of a run keep this: their bases move together.)
+fn whole_blocks(input: &TileInput) -> bool {
+    let offsets = input.offsets;
+    input.tail.is_empty()
+        && offsets.len().is_multiple_of(BLOCK)
+        && (0..MR).all(|i| input.pixel[i] == input.pixel[0].wrapping_add(i * BLOCK))
+        && offsets.chunks_exact(BLOCK).all(|block| {
+            let first = block[0] as usize;
+            block
+                .iter()
+                .enumerate()
+                .all(|(j, &o)| o as usize == first + j)
+        })
+}
+
+/// [`steps`] over whole blocks of a channel-blocked input ([`whole_blocks`]): a
+/// block's 16 steps unrolled, each pixel's value at a fixed distance from the
+/// block's first, so no step reads the offset table or tests anything (with a
+/// table load and the tests per step, 30 instructions fed 12 multiply-adds and the
+/// front end, not the units, set the pace). Each block first asks for every
+/// pixel's line of the next block, and with `PREFETCH` each step for the weights
+/// [`WEIGHTS_AHEAD`] steps on.
+///
+/// # Safety
+/// As [`steps`], where [`whole_blocks`] holds.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn block_steps<const L: usize, const PREFETCH: bool>(
+    sums: &mut [[__m256; L]; MR],
+    input: &TileInput,
+    weights: *const f32,
+) {
+    let mut acc = *sums;
+    let first = input.pixel[0];
+    let blocks = input.offsets.len() / BLOCK;
+    let mut w = weights;
+    for b in 0..blocks {
+        let base = first.wrapping_add(input.offsets[b * BLOCK] as usize);
+        if input.blocks_ahead && b + 1 < blocks {
+            let next = first.wrapping_add(input.offsets[(b + 1) * BLOCK] as usize);
+            for i in 0..MR {
+                // A prefetch never faults.
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(i * BLOCK).cast::<i8>());
+            }
+        }
+        macro_rules! step {
+            ($($j:literal)*) => {$(
+                // SAFETY: the caller's contract: step `j` of the block is pixel
+                // `i`'s value `i * BLOCK + j` floats past the block's first, and
+                // the weights hold `NR` a step.
+                unsafe {
+                    let wj = w.add($j * NR);
+                    if PREFETCH {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            wj.wrapping_add(WEIGHTS_AHEAD * NR).cast::<i8>(),
+                        );
+                    }
+                    let ws: [__m256; L] =
+                        std::array::from_fn(|l| _mm256_loadu_ps(wj.add(l * LANES)));
+                    for (i, row) in acc.iter_mut().enumerate() {
+                        let x = _mm256_broadcast_ss(&*base.add(i * BLOCK + $j));
+                        for (sum, &wv) in row.iter_mut().zip(&ws) {
+                            *sum = _mm256_fmadd_ps(x, wv, *sum);
+                        }
+                    }
+                }
+            )*};
+        }
+        step!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+        w = w.wrapping_add(BLOCK * NR);
+    }
+    *sums = acc;
+}
+
+/// `sums[i][l] += Σ_p pixel_i[offsets[p]] * w[p][l * 8..]` for each pixel of a
+/// tile: a step's weights (the first `L` vectors of its [`NR`]) loaded once and
+/// multiplied by each pixel's broadcast value. With `blocks_ahead`
+/// ([`TileInput::blocks_ahead`]), every [`BLOCK`] steps ask for each pixel's next
+/// block's line; with `prefetch`, each step asks for the weights
+/// [`WEIGHTS_AHEAD`] steps on.
+///
+/// # Safety
+/// As [`super::micro_kernel`] for these steps; AVX2 and FMA are available.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn steps<const L: usize>(
+    sums: &mut [[__m256; L]; MR],
+    (offsets, pixel): (&[u32], [*const f32; MR]),
+    weights: *const f32,
+    (prefetch, blocks_ahead): (bool, bool),
+) {
+    let mut acc = *sums;
+    let mut w = weights;
+    let chunk = if blocks_ahead {
+        BLOCK
+    } else {
+        offsets.len().max(1)
+    };
+    let mut chunks = offsets.chunks(chunk).peekable();
+    while let Some(chunk) = chunks.next() {
+        if let (true, Some(next)) = (blocks_ahead, chunks.peek()) {
+            for p in pixel {
+                // A prefetch never faults.
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(next[0] as usize).cast::<i8>());
+            }
+        }
+        for &offset in chunk {
+            // SAFETY: the caller's contract: each step holds `NR` weights, and every
+            // pixel's value at this offset is readable.
+            unsafe {
+                if prefetch {
+                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(WEIGHTS_AHEAD * NR).cast::<i8>());
+                }
+                let ws: [__m256; L] = std::array::from_fn(|l| _mm256_loadu_ps(w.add(l * LANES)));
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let x = _mm256_broadcast_ss(&*pixel[i].add(offset as usize));
+                    for (sum, &wv) in row.iter_mut().zip(&ws) {
+                        *sum = _mm256_fmadd_ps(x, wv, *sum);
+                    }
+                }
+                w = w.add(NR);
+            }
+        }
+    }
+    *sums = acc;
+}
+
+/// Applies `finish` in place to one stored pixel of `lanes` channels (16 or 8)
+/// from `channel` (of the finish's channels) at `at`, whose residual lies
+/// `from_residual` floats on from the finish's residual pointer.
+///
+/// # Safety
+/// AVX2 and FMA are available; `at` holds the pixel's `lanes` values, and every
+/// pointer of `finish` holds those lanes' values where it is read.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn finish_pixel(
+    at: *mut f32,
+    lanes: usize,
+    channel: usize,
+    from_residual: isize,
+    finish: &RegisterFinish,
+) {
+    for l in (0..lanes).step_by(LANES) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let x = _mm256_loadu_ps(at.add(l));
+            let x = apply(finish, x, channel + l, from_residual + l as isize);
+            _mm256_storeu_ps(at.add(l), x);
+        }
+    }
+}
+
+/// [`RegisterFinish::apply`] on 8 lanes: the lanes' first channel is `channel`
+/// (of the pointers' channels), and their residual lies `at` floats on from the
+/// residual pointer.
+///
+/// # Safety
+/// AVX2 and FMA are available; every pointer holds those 8 lanes' values.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn apply(finish: &RegisterFinish, x: __m256, channel: usize, at: isize) -> __m256 {
+    use crate::gemm::activate_lanes_avx2 as activate;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut x = x;
+        if let Some(bias) = finish.bias {
+            x = _mm256_add_ps(x, _mm256_loadu_ps(bias.add(channel)));
+        }
+        if let Some(a) = finish.activation {
+            x = activate(x, a);
+        }
+        if let Some(residual) = finish.residual {
+            x = _mm256_add_ps(x, _mm256_loadu_ps(residual.wrapping_offset(at)));
+        }
+        if let Some((scale, shift, post)) = finish.affine {
+            let (s, t) = (
+                _mm256_loadu_ps(scale.add(channel)),
+                _mm256_loadu_ps(shift.add(channel)),
+            );
+            x = _mm256_fmadd_ps(x, s, t);
+            if let Some(a) = post {
+                x = activate(x, a);
+            }
+        }
+        x
+    }
+}
+
+/// [`super::store_blocked`] on AVX2: a tile's `valid` pixels (`[pixel][channel]`,
+/// [`NR`] a pixel, from channel `c0`) into its block, `lanes` (16 or 8) a pixel at
+/// `out + at + i * lanes`, through `finish` (its residual at `out`).
+///
+/// # Safety
+/// As [`super::store_blocked`], with AVX2 and FMA in place of AVX-512F; `lanes` is
+/// 8 or 16.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn store_blocked(
+    tile: &[f32],
+    (out, at): (*mut f32, usize),
+    (valid, c0, lanes): (usize, usize, usize),
+    finish: Option<&RegisterFinish>,
+) {
+    debug_assert!(lanes == NR || lanes == HALF);
+    for i in 0..valid {
+        let to = at + i * lanes;
+        for l in (0..lanes).step_by(LANES) {
+            // SAFETY: the tile holds MR rows of NR floats; the caller's contract
+            // for the rest.
+            unsafe {
+                let v = _mm256_loadu_ps(tile.as_ptr().add(i * NR + l));
+                let v = match finish {
+                    Some(f) => apply(f, v, c0 + l, (to + l) as isize),
+                    None => v,
+                };
+                _mm256_storeu_ps(out.add(to + l), v);
+            }
+        }
+    }
+}
