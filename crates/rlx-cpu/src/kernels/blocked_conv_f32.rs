@@ -41,6 +41,9 @@ use crate::pool::ThreadPool;
 use crate::tensor::{Dst, Src};
 use rlx_ir::{DType, Result, Shape, Window2d};
 
+#[cfg(target_arch = "x86_64")]
+mod depthwise_avx2;
+
 /// A convolution kernel for blocked values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BlockedConv {
@@ -111,9 +114,7 @@ pub(crate) fn kind(
     if dense {
         return Some(BlockedConv::Dense);
     }
-    // The depthwise kernel has an AVX-512 form only.
-    let depthwise = isa.avx512f
-        && groups > 1
+    let depthwise = groups > 1
         && groups == x.dim(1)
         && w.dim(0) == groups
         && w.dim(1) == 1
@@ -796,6 +797,24 @@ struct DepthwiseRow {
 }
 
 impl DepthwiseRow {
+    /// For output row `oy`: the input row of its first row of taps (above the
+    /// plane when negative), and its rows of taps inside the plane, `ky_lo..ky_hi`.
+    fn tap_rows(&self, oy: usize) -> (isize, (usize, usize)) {
+        let iy0 = (oy * self.stride[0]) as isize - self.top as isize;
+        let dy = self.dilation[0] as isize;
+        let ky_lo = if iy0 >= 0 {
+            0
+        } else {
+            ((-iy0) as usize).div_ceil(self.dilation[0])
+        };
+        let ky_hi = if iy0 >= self.h as isize {
+            0
+        } else {
+            (((self.h as isize - 1 - iy0) / dy) as usize + 1).min(self.kh)
+        };
+        (iy0, (ky_lo, ky_hi.max(ky_lo)))
+    }
+
     /// Output columns whose every tap lies inside the input row: `lo..hi` (empty
     /// when `hi <= lo`).
     fn interior(&self) -> (usize, usize) {
@@ -940,6 +959,40 @@ pub(crate) fn depthwise(
             }
             _ => (x_plane, geo, 0),
         };
+        #[cfg(target_arch = "x86_64")]
+        if !crate::isa::isa().avx512f {
+            let finish =
+                in_registers.then(|| depthwise_avx2::RowFinish::new(steps, (first_channel, b)));
+            for oy in oy0..oy1 {
+                let at = out_plane + oy * ow * b;
+                // SAFETY: row `oy` of this plane of the output, only this task
+                // writes it.
+                let row = unsafe {
+                    std::slice::from_raw_parts_mut((out_addr as *mut f32).add(at), ow * b)
+                };
+                let row_finish = finish.map(|f| {
+                    f.with_residual(residual_addr.map(|r| (r as *const f32).wrapping_add(at)))
+                });
+                // SAFETY: AVX2 and FMA (checked by `kind`); as below.
+                unsafe {
+                    depthwise_avx2::depthwise_row(
+                        source,
+                        weights,
+                        oy - first,
+                        geo,
+                        (row, row_finish.as_ref()),
+                    )
+                };
+                if !in_registers {
+                    // SAFETY: as below.
+                    let residual = residual_addr.map(|r| unsafe {
+                        std::slice::from_raw_parts((r as *const f32).add(at), ow * b)
+                    });
+                    per_channel.apply_lanes((first_channel, b), row, residual);
+                }
+            }
+            return;
+        }
         let lane_finish = in_registers.then(|| {
             let pairs = pairs(b, win.stride[1]);
             LaneFinish::new(steps, (first_channel, b), pairs)
@@ -1044,20 +1097,7 @@ unsafe fn depthwise_row(
     (row, finish): (&mut [f32], Option<&LaneFinish>),
 ) {
     let (lo, hi) = geo.interior();
-    // Rows of taps inside the input.
-    let iy0 = (oy * geo.stride[0]) as isize - geo.top as isize;
-    let dy = geo.dilation[0] as isize;
-    let ky_lo = if iy0 >= 0 {
-        0
-    } else {
-        ((-iy0) as usize).div_ceil(geo.dilation[0])
-    };
-    let ky_hi = if iy0 >= geo.h as isize {
-        0
-    } else {
-        (((geo.h as isize - 1 - iy0) / dy) as usize + 1).min(geo.kh)
-    };
-    let ky = (ky_lo, ky_hi.max(ky_lo));
+    let (iy0, ky) = geo.tap_rows(oy);
     let out = row.as_mut_ptr();
     // The block's lanes of a vector (a block of 8 uses the low half).
     let mask = crate::layout::lane_mask(geo.lanes);
@@ -1634,10 +1674,8 @@ mod tests {
     /// [`check`] with `activation` after the bias (ReLU, ReLU6 or the tanh GELU).
     fn check_with(case: &Case, seed: u64, activation: crate::gemm::Activation) {
         let [n, c, h, w] = case.x;
-        // Blocked kernels need AVX2 and FMA, the depthwise one AVX-512.
-        let isa = crate::isa::isa();
-        let one_per_group = case.groups > 1 && case.groups == c && case.o == c;
-        if !isa.avx2_fma || (one_per_group && !isa.avx512f) {
+        // Blocked kernels need AVX2 and FMA.
+        if !crate::isa::isa().avx2_fma {
             return;
         }
         let mut seed = seed;

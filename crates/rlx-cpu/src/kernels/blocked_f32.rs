@@ -3,12 +3,14 @@
 //! and average pooling (blocked in and out) and the sum or mean over a whole plane
 //! (blocked in, plain `[n, c]` out, as a global average pool or a
 //! squeeze-and-excitation block's first step reads it). Each
-//! output pixel is a block of channels, one vector, whatever the plane's width.
+//! output pixel is a block of channels, one vector, whatever the plane's width
+//! (with AVX-512; elsewhere lane by lane, in loops compiled per instruction set).
 
 use super::Ctx;
 use super::conv::inside_taps;
 use crate::layout::{BLOCK, Blocks};
 use crate::tensor::{Dst, Src};
+use crate::vmath::multiversion;
 use rlx_ir::{Result, Window2d};
 
 /// What one pooled row needs.
@@ -83,14 +85,56 @@ fn pool_row(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32]) {
         src.len() >= h * w * lanes && dst.len() >= row.ow * lanes && lanes <= BLOCK,
         "a blocked pool row's planes"
     );
-    // SAFETY: AVX-512F (blocked values exist only with it: `layout::assign`); the
-    // plane and the row hold what the assert checked.
     #[cfg(target_arch = "x86_64")]
-    unsafe {
-        pool_row_avx512(row, oy, src, dst)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("blocked layouts need AVX-512")
+    if crate::isa::isa().avx512f {
+        // SAFETY: AVX-512F; the plane and the row hold what the assert checked.
+        unsafe { pool_row_avx512(row, oy, src, dst) };
+        return;
+    }
+    pool_row_lanes(row, oy, src, dst);
+}
+
+multiversion! {
+    /// [`pool_row`] lane by lane (for CPUs without AVX-512; compiled per instruction
+    /// set, the lanes' loops vectorize): each output pixel's taps inside the input
+    /// reduced into a block of sums.
+    fn pool_row_lanes(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32]) {
+        let PoolRow { win, max, count_include_pad, in_hw: [h, w], ow, lanes } = row;
+        let (y0, ny) = inside_taps(win, 0, oy, h);
+        let window = win.kernel[0] * win.kernel[1];
+        for ox in 0..ow {
+            let (x0, nx) = inside_taps(win, 1, ox, w);
+            let mut acc = [if max { f32::NEG_INFINITY } else { 0.0 }; BLOCK];
+            let mut nan = [false; BLOCK];
+            for ty in 0..ny {
+                let iy = y0 + ty * win.dilation[0];
+                for tx in 0..nx {
+                    let ix = x0 + tx * win.dilation[1];
+                    let tap = &src[(iy * w + ix) * lanes..][..lanes];
+                    for j in 0..lanes {
+                        let t = tap[j];
+                        if max {
+                            nan[j] |= t.is_nan();
+                            acc[j] = if t > acc[j] { t } else { acc[j] };
+                        } else {
+                            acc[j] += t;
+                        }
+                    }
+                }
+            }
+            let count = if count_include_pad { window } else { (ny * nx).max(1) };
+            let out = &mut dst[ox * lanes..][..lanes];
+            for j in 0..lanes {
+                out[j] = if !max {
+                    acc[j] * (1.0 / count as f32)
+                } else if nan[j] {
+                    f32::NAN
+                } else {
+                    acc[j]
+                };
+            }
+        }
+    }
 }
 
 /// [`pool_row`] on AVX-512.
@@ -249,14 +293,37 @@ fn sum_pixels(src: &[f32], scale: f64, dst: &mut [f32]) {
         dst.len() <= BLOCK && src.len().is_multiple_of(dst.len().max(1)),
         "a blocked plane's pixels"
     );
-    // SAFETY: AVX-512F (blocked values exist only with it: `layout::assign`); the
-    // plane holds whole pixels of `dst.len()` values (checked above).
     #[cfg(target_arch = "x86_64")]
-    unsafe {
-        sum_pixels_avx512(src, scale, dst)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("blocked layouts need AVX-512")
+    if crate::isa::isa().avx512f {
+        // SAFETY: AVX-512F; the plane holds whole pixels of `dst.len()` values
+        // (checked above).
+        unsafe { sum_pixels_avx512(src, scale, dst) };
+        return;
+    }
+    sum_pixels_lanes(src, scale, dst);
+}
+
+multiversion! {
+    /// [`sum_pixels`] lane by lane (for CPUs without AVX-512; compiled per
+    /// instruction set), in `f64`, two pixels at a time into two sets of sums.
+    fn sum_pixels_lanes(src: &[f32], scale: f64, dst: &mut [f32]) {
+        let lanes = dst.len();
+        let mut sums = [[0.0f64; BLOCK]; 2];
+        let mut pairs = src.chunks_exact(2 * lanes.max(1));
+        for pair in &mut pairs {
+            for (set, pixel) in sums.iter_mut().zip(pair.chunks_exact(lanes)) {
+                for (sum, &v) in set.iter_mut().zip(pixel) {
+                    *sum += f64::from(v);
+                }
+            }
+        }
+        for (sum, &v) in sums[0].iter_mut().zip(pairs.remainder()) {
+            *sum += f64::from(v);
+        }
+        for (j, d) in dst.iter_mut().enumerate() {
+            *d = ((sums[0][j] + sums[1][j]) * scale) as f32;
+        }
+    }
 }
 
 /// [`sum_pixels`] on AVX-512: four pixels at a time into four sets of `f64` sums
@@ -341,10 +408,6 @@ mod tests {
 
     #[test]
     fn blocked_pools_match_the_plain_reference() {
-        // The blocked kernels need AVX-512.
-        if !crate::isa::isa().avx512f {
-            return;
-        }
         // (threads, x dims, kernel, stride, padding, dilation): ResNet's 3x3
         // stride-2 max pool, windows past the edge, dilation, and a plane whose
         // windows are all partial.
@@ -399,10 +462,6 @@ mod tests {
 
     #[test]
     fn plane_sums_match_a_plain_sum() {
-        // The blocked kernels need AVX-512.
-        if !crate::isa::isa().avx512f {
-            return;
-        }
         let mut seed = 9;
         for &(threads, [n, c, h, w]) in &[
             (2, [2, 48, 7, 7]),

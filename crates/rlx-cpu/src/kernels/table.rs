@@ -110,12 +110,8 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
                     || k + 1 == inputs.len()
                     || inputs[k].dim(1).is_multiple_of(crate::layout::BLOCK))
         }),
-        // The blocked pools and plane sums have AVX-512 forms only.
         Op::MaxPool2d { .. } | Op::AvgPool2d { .. } => {
-            crate::isa::isa().avx512f
-                && inputs[0].dtype() == DType::F32
-                && layout.input(0)
-                && layout.output()
+            inputs[0].dtype() == DType::F32 && layout.input(0) && layout.output()
         }
         Op::Permute { perm } => {
             channels_last::accepts(perm, &inputs[0], layout.input(0), layout.output())
@@ -129,8 +125,7 @@ pub(crate) fn accepts(op: &Op, inputs: &[Shape], out: &Shape, layout: StepLayout
             axes,
             ..
         } => {
-            crate::isa::isa().avx512f
-                && inputs[0].dtype() == DType::F32
+            inputs[0].dtype() == DType::F32
                 && axes.as_slice() == [2, 3]
                 && layout.input(0)
                 && !layout.output()
