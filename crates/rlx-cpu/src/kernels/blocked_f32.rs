@@ -91,7 +91,128 @@ fn pool_row(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32]) {
         unsafe { pool_row_avx512(row, oy, src, dst) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::isa().avx2_fma && lanes.is_multiple_of(8) {
+        // SAFETY: AVX2; the plane and the row hold what the assert checked, in
+        // pixels of 8 or 16 values.
+        unsafe {
+            match lanes {
+                8 => pool_row_avx2::<1>(row, oy, src, dst),
+                _ => pool_row_avx2::<2>(row, oy, src, dst),
+            }
+        };
+        return;
+    }
     pool_row_lanes(row, oy, src, dst);
+}
+
+/// [`pool_row`] on AVX2 for blocks of `L` vectors of 8 (`row.lanes == 8 * L`), as
+/// [`pool_row_avx512`] runs it: inner pixels read their taps from offsets listed
+/// once, over two running results; a maximum's NaN lanes are collected apart.
+///
+/// # Safety
+/// AVX2 is available; `src` holds the plane's `h * w` pixels of `8 * L` values,
+/// `dst` the row's `ow`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pool_row_avx2<const L: usize>(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let PoolRow {
+        win,
+        max,
+        count_include_pad,
+        in_hw: [h, w],
+        ow,
+        lanes,
+    } = row;
+    let (y0, ny) = inside_taps(win, 0, oy, h);
+    let window = win.kernel[0] * win.kernel[1];
+    let (kw, dx, sx) = (win.kernel[1], win.dilation[1], win.stride[1]);
+    let whole = |ox: usize| inside_taps(win, 1, ox, w).1 == kw;
+    let inner_range = match (0..ow).find(|&ox| whole(ox)) {
+        Some(first) => {
+            first
+                ..(first..ow)
+                    .rev()
+                    .find(|&ox| whole(ox))
+                    .map_or(first, |last| last + 1)
+        }
+        None => 0..0,
+    };
+    let mut offsets = [0usize; MAX_LISTED_TAPS];
+    let listed = ny * kw;
+    if listed <= MAX_LISTED_TAPS {
+        for ty in 0..ny {
+            for tx in 0..kw {
+                offsets[ty * kw + tx] = ((y0 + ty * win.dilation[0]) * w + tx * dx) * lanes;
+            }
+        }
+    }
+    let init = _mm256_set1_ps(if max { f32::NEG_INFINITY } else { 0.0 });
+    type State<const L: usize> = ([__m256; L], [__m256; L], [__m256; L]);
+    // Two running results over alternate taps; `max_ps` keeps its second operand
+    // (the running maximum) where either is NaN, and NaN lanes are kept apart.
+    // SAFETY (each use): the tap's pixel lies inside the plane.
+    let step = |(acc, other, nan): State<L>, at: usize| unsafe {
+        let t: [__m256; L] = std::array::from_fn(|l| _mm256_loadu_ps(src.as_ptr().add(at + 8 * l)));
+        if max {
+            let nan = std::array::from_fn(|l| {
+                _mm256_or_ps(nan[l], _mm256_cmp_ps::<_CMP_UNORD_Q>(t[l], t[l]))
+            });
+            (
+                other,
+                std::array::from_fn(|l| _mm256_max_ps(t[l], acc[l])),
+                nan,
+            )
+        } else {
+            (
+                other,
+                std::array::from_fn(|l| _mm256_add_ps(acc[l], t[l])),
+                nan,
+            )
+        }
+    };
+    for ox in 0..ow {
+        let mut state: State<L> = ([init; L], [init; L], [_mm256_setzero_ps(); L]);
+        let taps;
+        if inner_range.contains(&ox) && listed <= MAX_LISTED_TAPS {
+            let base = (ox * sx - win.padding[1]) * lanes;
+            for &offset in &offsets[..listed] {
+                state = step(state, base + offset);
+            }
+            taps = listed;
+        } else {
+            let (x0, nx) = inside_taps(win, 1, ox, w);
+            for ty in 0..ny {
+                let iy = y0 + ty * win.dilation[0];
+                for tx in 0..nx {
+                    state = step(state, (iy * w + x0 + tx * dx) * lanes);
+                }
+            }
+            taps = ny * nx;
+        }
+        let (acc, other, nan) = state;
+        let scale = _mm256_set1_ps(
+            1.0 / if count_include_pad {
+                window
+            } else {
+                taps.max(1)
+            } as f32,
+        );
+        for l in 0..L {
+            let value = if max {
+                _mm256_blendv_ps(
+                    _mm256_max_ps(acc[l], other[l]),
+                    _mm256_set1_ps(f32::NAN),
+                    nan[l],
+                )
+            } else {
+                _mm256_mul_ps(_mm256_add_ps(acc[l], other[l]), scale)
+            };
+            // SAFETY: pixel `ox` of the row.
+            unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(ox * lanes + 8 * l), value) };
+        }
+    }
 }
 
 multiversion! {
