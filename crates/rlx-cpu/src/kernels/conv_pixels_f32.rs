@@ -1361,7 +1361,9 @@ pub(crate) unsafe fn micro_kernel_to(
     };
     if !crate::isa::isa().avx512f {
         // SAFETY: forwarded contract; AVX2 and FMA (the pixel kernel's least).
-        unsafe { avx2::micro_kernel_to(input, (panels, stride, count), (out, run), finish) };
+        unsafe {
+            avx2::micro_kernel_to(input, (panels, stride, count), (out, run), (finish, false))
+        };
         return;
     }
     // SAFETY: forwarded contract.
@@ -1387,6 +1389,25 @@ pub(crate) unsafe fn micro_kernel_to(
             finish_tile(out, count, &finish);
         }
     }
+}
+
+/// [`micro_kernel_to`] on a CPU without AVX-512, adding each tile's sums to the
+/// values stored at its places when `accumulate` (a product split over its steps,
+/// [`super::blocked_conv_f32`]'s pointwise kernel by filters).
+///
+/// # Safety
+/// As [`micro_kernel_to`], with AVX2 and FMA and without AVX-512; with
+/// `accumulate`, every place holds the sums of the earlier steps.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn micro_kernel_add_to(
+    input: TileInput,
+    weights: (*const f32, usize, usize),
+    (out, run): (TileOut, TileRun),
+    (finish, accumulate): (Option<&RegisterFinish>, bool),
+) {
+    debug_assert!(!crate::isa::isa().avx512f);
+    // SAFETY: forwarded contract.
+    unsafe { avx2::micro_kernel_to(input, weights, (out, run), (finish, accumulate)) };
 }
 
 /// The finish the micro-kernel applies to its sums before storing them: a bias

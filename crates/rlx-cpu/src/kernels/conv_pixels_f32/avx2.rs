@@ -12,9 +12,10 @@ use std::arch::x86_64::*;
 const LANES: usize = 8;
 
 /// [`super::micro_kernel_to`] on AVX2: for each of `count` panels and each tile of
-/// `run`, the sums stored straight to their place in the blocked output, finished
-/// there (a bias, an activation with a vector form and a residual as they are
-/// stored; with a channel affine, the whole finish over each stored tile).
+/// `run`, the sums stored straight to their place in the blocked output (added to
+/// the values there with `accumulate`), finished there (a bias, an activation with
+/// a vector form and a residual as they are stored; with a channel affine, the
+/// whole finish over each stored tile).
 ///
 /// # Safety
 /// As [`super::micro_kernel_to`], with AVX2 and FMA in place of AVX-512F.
@@ -23,7 +24,7 @@ pub(super) unsafe fn micro_kernel_to(
     input: TileInput,
     (panels, stride, count): (*const f32, usize, usize),
     (out, run): (TileOut, TileRun),
-    finish: Option<&RegisterFinish>,
+    (finish, accumulate): (Option<&RegisterFinish>, bool),
 ) {
     let (simple, rest) = match finish {
         Some(f) if f.affine.is_none() => (
@@ -44,6 +45,7 @@ pub(super) unsafe fn micro_kernel_to(
             _ => (out.at.wrapping_add(v * out.panel), out.pixel, run.out_step),
         };
         let panel = Panel {
+            accumulate,
             weights: panels.wrapping_add(v * stride),
             place,
             pixel,
@@ -89,6 +91,8 @@ fn floats_from(from: *const f32, to: *const f32) -> isize {
 /// finish as the sums are stored (a residual laid out as the output, from
 /// `place`; a bias at the panel's first channel).
 struct Panel {
+    /// Whether the sums start from the values stored at their places.
+    accumulate: bool,
     weights: *const f32,
     place: *mut f32,
     pixel: usize,
@@ -109,7 +113,17 @@ unsafe fn tiles<const L: usize, const RESIDUAL: bool>(input: TileInput, run: Til
     let blocked = whole_blocks(&input);
     for t in 0..run.tiles {
         let input = input.nth(t, run);
+        let at = p.place.wrapping_add(t * p.tile_step);
         let mut acc = [[_mm256_setzero_ps(); L]; MR];
+        if p.accumulate {
+            for (i, row) in acc.iter_mut().enumerate() {
+                for (l, sum) in row.iter_mut().enumerate() {
+                    // SAFETY: the caller's contract: the tile's places hold its
+                    // sums so far.
+                    *sum = unsafe { _mm256_loadu_ps(at.add(i * p.pixel + l * LANES)) };
+                }
+            }
+        }
         // SAFETY: the caller's contract; the tail's weights follow the others'.
         unsafe {
             if blocked {
@@ -135,7 +149,6 @@ unsafe fn tiles<const L: usize, const RESIDUAL: bool>(input: TileInput, run: Til
                 );
             }
         }
-        let at = p.place.wrapping_add(t * p.tile_step);
         let residual = p.residual.map(|r| r.wrapping_add(t * p.tile_step));
         for (i, row) in acc.iter().enumerate() {
             for (l, &sum) in row.iter().enumerate() {
