@@ -11,6 +11,63 @@ use std::arch::x86_64::*;
 /// Lanes of an AVX2 vector.
 const LANES: usize = 8;
 
+/// The steps `$j` of one block for [`block_steps`]: each pixel's value `i * BLOCK +
+/// j` floats past `$base` times the step's weights at `$w + j * NR`, added to
+/// `$acc`.
+macro_rules! block_step {
+    ($acc:ident, $w:ident, $base:ident, $prefetch:literal; $($j:literal)*) => {$(
+        // SAFETY: the caller's contract: step `j` of the block is pixel `i`'s value
+        // `i * BLOCK + j` floats past the block's first, and the weights hold `NR`
+        // a step.
+        unsafe {
+            let wj = $w.add($j * NR);
+            if $prefetch {
+                _mm_prefetch::<_MM_HINT_T0>(wj.wrapping_add(WEIGHTS_AHEAD * NR).cast::<i8>());
+            }
+            let ws: [__m256; L] = std::array::from_fn(|l| _mm256_loadu_ps(wj.add(l * LANES)));
+            for (i, row) in $acc.iter_mut().enumerate() {
+                let x = _mm256_broadcast_ss(&*$base.add(i * BLOCK + $j));
+                for (sum, &wv) in row.iter_mut().zip(&ws) {
+                    *sum = _mm256_fmadd_ps(x, wv, *sum);
+                }
+            }
+        }
+    )*};
+}
+
+/// [`steps`] over whole blocks of a channel-blocked input ([`whole_blocks`]), adding
+/// to the sums `$acc` (a local of the caller, so that they stay in registers: as a
+/// function of its own, a tile's sums went through memory on each call, a fifth of
+/// a 16-channel layer's time): a block's 16 steps unrolled, each pixel's value at a
+/// fixed distance from the block's first, so no step reads the offset table or
+/// tests anything (with a table load and the tests per step, 30 instructions fed
+/// 12 multiply-adds and the front end, not the units, set the pace). Each block
+/// first asks for every pixel's line of the next block, and with `$prefetch` (a
+/// literal) each step for the weights [`WEIGHTS_AHEAD`] steps on.
+///
+/// Used inside an AVX2 function, under the caller's contract: that of [`steps`],
+/// where [`whole_blocks`] holds.
+macro_rules! block_steps {
+    ($acc:ident, $input:expr, $weights:expr, $prefetch:literal) => {{
+        let input: &TileInput = $input;
+        let first = input.pixel[0];
+        let blocks = input.offsets.len() / BLOCK;
+        let mut w: *const f32 = $weights;
+        for b in 0..blocks {
+            let base = first.wrapping_add(input.offsets[b * BLOCK] as usize);
+            if input.blocks_ahead && b + 1 < blocks {
+                let next = first.wrapping_add(input.offsets[(b + 1) * BLOCK] as usize);
+                for i in 0..MR {
+                    // A prefetch never faults.
+                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(i * BLOCK).cast::<i8>());
+                }
+            }
+            block_step!($acc, w, base, $prefetch; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+            w = w.wrapping_add(BLOCK * NR);
+        }
+    }};
+}
+
 /// [`super::micro_kernel_to`] on AVX2: for each of `count` panels and each tile of
 /// `run`, the sums stored straight to their place in the blocked output (added to
 /// the values there with `accumulate`), finished there (a bias, an activation with
@@ -124,21 +181,25 @@ unsafe fn tiles<const L: usize, const RESIDUAL: bool>(input: TileInput, run: Til
                 }
             }
         }
-        // SAFETY: the caller's contract; the tail's weights follow the others'.
-        unsafe {
-            if blocked {
-                match input.prefetch {
-                    true => block_steps::<L, true>(&mut acc, &input, p.weights),
-                    false => block_steps::<L, false>(&mut acc, &input, p.weights),
-                }
-            } else {
+        // The steps under the caller's contract (the macro's blocks under
+        // `whole_blocks`).
+        if blocked && input.prefetch {
+            block_steps!(acc, &input, p.weights, true);
+        } else if blocked {
+            block_steps!(acc, &input, p.weights, false);
+        } else {
+            // SAFETY: the caller's contract.
+            unsafe {
                 steps::<L>(
                     &mut acc,
                     (input.offsets, input.pixel),
                     p.weights,
                     (input.prefetch, input.blocks_ahead),
-                );
-            }
+                )
+            };
+        }
+        // SAFETY: the caller's contract; the tail's weights follow the others'.
+        unsafe {
             if !input.tail.is_empty() {
                 let tail = p.weights.add(input.offsets.len() * NR);
                 steps::<L>(
@@ -188,65 +249,6 @@ fn whole_blocks(input: &TileInput) -> bool {
                 .enumerate()
                 .all(|(j, &o)| o as usize == first + j)
         })
-}
-
-/// [`steps`] over whole blocks of a channel-blocked input ([`whole_blocks`]): a
-/// block's 16 steps unrolled, each pixel's value at a fixed distance from the
-/// block's first, so no step reads the offset table or tests anything (with a
-/// table load and the tests per step, 30 instructions fed 12 multiply-adds and the
-/// front end, not the units, set the pace). Each block first asks for every
-/// pixel's line of the next block, and with `PREFETCH` each step for the weights
-/// [`WEIGHTS_AHEAD`] steps on.
-///
-/// # Safety
-/// As [`steps`], where [`whole_blocks`] holds.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn block_steps<const L: usize, const PREFETCH: bool>(
-    sums: &mut [[__m256; L]; MR],
-    input: &TileInput,
-    weights: *const f32,
-) {
-    let mut acc = *sums;
-    let first = input.pixel[0];
-    let blocks = input.offsets.len() / BLOCK;
-    let mut w = weights;
-    for b in 0..blocks {
-        let base = first.wrapping_add(input.offsets[b * BLOCK] as usize);
-        if input.blocks_ahead && b + 1 < blocks {
-            let next = first.wrapping_add(input.offsets[(b + 1) * BLOCK] as usize);
-            for i in 0..MR {
-                // A prefetch never faults.
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(i * BLOCK).cast::<i8>());
-            }
-        }
-        macro_rules! step {
-            ($($j:literal)*) => {$(
-                // SAFETY: the caller's contract: step `j` of the block is pixel
-                // `i`'s value `i * BLOCK + j` floats past the block's first, and
-                // the weights hold `NR` a step.
-                unsafe {
-                    let wj = w.add($j * NR);
-                    if PREFETCH {
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            wj.wrapping_add(WEIGHTS_AHEAD * NR).cast::<i8>(),
-                        );
-                    }
-                    let ws: [__m256; L] =
-                        std::array::from_fn(|l| _mm256_loadu_ps(wj.add(l * LANES)));
-                    for (i, row) in acc.iter_mut().enumerate() {
-                        let x = _mm256_broadcast_ss(&*base.add(i * BLOCK + $j));
-                        for (sum, &wv) in row.iter_mut().zip(&ws) {
-                            *sum = _mm256_fmadd_ps(x, wv, *sum);
-                        }
-                    }
-                }
-            )*};
-        }
-        step!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
-        w = w.wrapping_add(BLOCK * NR);
-    }
-    *sums = acc;
 }
 
 /// `sums[i][l] += Σ_p pixel_i[offsets[p]] * w[p][l * 8..]` for each pixel of a
