@@ -802,7 +802,7 @@ fn by_filters(
 fn filter_pass_channels(whole: usize, pixels: usize) -> usize {
     let fit = (crate::gemm::l2_cache_bytes() / 16 / pixels.max(1)) / BLOCK * BLOCK;
     let passes = whole.div_ceil(fit.max(BLOCK)).max(1);
-    whole.div_ceil(passes).next_multiple_of(BLOCK)
+    whole.div_ceil(passes).next_multiple_of(BLOCK).max(BLOCK)
 }
 
 /// The pointwise convolution by filters: a task per thread and image takes a
@@ -2182,6 +2182,8 @@ mod tests {
             (2, [1, 256, 3, 5], 64, [true, true]),
             (3, [2, 200, 2, 5], 72, [true, true]),
             (1, [1, 2320, 3, 5], 48, [true, true]),
+            // One block of 8 in: the last pass alone, all tail.
+            (2, [1, 8, 2, 3], 24, [true, true]),
             // Plain in and out: few pixels over many channels (a 16 x 16 plane,
             // weights asked ahead, and a last pixel tile and panel group short).
             (2, [1, 160, 7, 7], 96, [false, false]),

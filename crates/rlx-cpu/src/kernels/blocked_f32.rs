@@ -421,7 +421,65 @@ fn sum_pixels(src: &[f32], scale: f64, dst: &mut [f32]) {
         unsafe { sum_pixels_avx512(src, scale, dst) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::isa().avx2_fma && matches!(dst.len(), 8 | 16) {
+        // SAFETY: AVX2; the plane holds whole pixels of 8 or 16 values.
+        unsafe {
+            match dst.len() {
+                8 => sum_pixels_avx2::<1>(src, scale, dst),
+                _ => sum_pixels_avx2::<2>(src, scale, dst),
+            }
+        };
+        return;
+    }
     sum_pixels_lanes(src, scale, dst);
+}
+
+/// [`sum_pixels`] on AVX2 for blocks of `L` vectors of 8 (`dst.len() == 8 * L`):
+/// each pixel's values widened to `f64` four at a time, two pixels at a time into
+/// two sets of sums.
+///
+/// # Safety
+/// AVX2 is available; `src` holds whole pixels of `8 * L` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_pixels_avx2<const L: usize>(src: &[f32], scale: f64, dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let lanes = 8 * L;
+    let pixels = src.len() / lanes;
+    // Pixel `p`'s values added, as `f64`, to `sums` (its quarters of 4 lanes).
+    let add = |sums: &mut [[__m256d; 2]; L], p: usize| {
+        for (l, pair) in sums.iter_mut().enumerate() {
+            // SAFETY: pixel `p < pixels` lies inside `src`.
+            let v = unsafe { _mm256_loadu_ps(src.as_ptr().add(p * lanes + 8 * l)) };
+            pair[0] = _mm256_add_pd(pair[0], _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+            pair[1] = _mm256_add_pd(pair[1], _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v)));
+        }
+    };
+    let zero = [[_mm256_setzero_pd(); 2]; L];
+    let (mut even, mut odd) = (zero, zero);
+    for p in (0..pixels / 2 * 2).step_by(2) {
+        add(&mut even, p);
+        add(&mut odd, p + 1);
+    }
+    if pixels % 2 == 1 {
+        add(&mut even, pixels - 1);
+    }
+    let mut all = [0.0f64; BLOCK];
+    for l in 0..L {
+        for h in 0..2 {
+            // SAFETY: `all` holds 16 values.
+            unsafe {
+                _mm256_storeu_pd(
+                    all.as_mut_ptr().add(8 * l + 4 * h),
+                    _mm256_add_pd(even[l][h], odd[l][h]),
+                )
+            };
+        }
+    }
+    for (d, a) in dst.iter_mut().zip(all) {
+        *d = (a * scale) as f32;
+    }
 }
 
 multiversion! {
