@@ -1175,10 +1175,23 @@ pub(crate) unsafe fn micro_kernel(
     unsafe {
         match count {
             1 if !crate::isa::isa().avx512f => {
-                micro_kernel_avx2(input.offsets, input.pixel, panels, tile, accumulate);
+                let prefetch = input.prefetch;
+                micro_kernel_avx2(
+                    input.offsets,
+                    input.pixel,
+                    panels,
+                    (tile, accumulate),
+                    prefetch,
+                );
                 if !input.tail.is_empty() {
                     let tail_panel = panels.add(input.offsets.len() * NR);
-                    micro_kernel_avx2(input.tail, input.tail_pixel, tail_panel, tile, true);
+                    micro_kernel_avx2(
+                        input.tail,
+                        input.tail_pixel,
+                        tail_panel,
+                        (tile, true),
+                        prefetch,
+                    );
                 }
             }
             _ if rows < MR => short_tile_of(
@@ -2035,8 +2048,31 @@ unsafe fn micro_kernel_avx2(
     offsets: &[u32],
     pixel: [*const f32; MR],
     panel: *const f32,
-    tile: &mut [f32],
-    accumulate: bool,
+    (tile, accumulate): (&mut [f32], bool),
+    prefetch: bool,
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if prefetch {
+            micro_kernel_avx2_as::<true>(offsets, pixel, panel, (tile, accumulate))
+        } else {
+            micro_kernel_avx2_as::<false>(offsets, pixel, panel, (tile, accumulate))
+        }
+    }
+}
+
+/// [`micro_kernel_avx2`], each step asking for the weights [`WEIGHTS_AHEAD`] steps
+/// on with `PREFETCH`.
+///
+/// # Safety
+/// As [`micro_kernel_avx2`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn micro_kernel_avx2_as<const PREFETCH: bool>(
+    offsets: &[u32],
+    pixel: [*const f32; MR],
+    panel: *const f32,
+    (tile, accumulate): (&mut [f32], bool),
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm256_setzero_ps(); 2]; MR];
@@ -2052,6 +2088,10 @@ unsafe fn micro_kernel_avx2(
     let mut w = panel;
     for &offset in offsets {
         let offset = offset as usize;
+        if PREFETCH {
+            // A prefetch never faults.
+            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(WEIGHTS_AHEAD * NR).cast::<i8>());
+        }
         // SAFETY: the caller's contract.
         unsafe {
             let w0 = _mm256_loadu_ps(w);
