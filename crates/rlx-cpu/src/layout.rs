@@ -2,7 +2,7 @@
 //!
 //! A value `[n, c, h, w]` is normally stored as it reads (NCHW). Channel-blocked, it
 //! is stored block by block: each image holds its channels' blocks of 16 (one
-//! AVX-512 vector of `f32`) in order, each block pixel by pixel with its channels
+//! AVX-512 vector of `f32`, two AVX2 ones) in order, each block pixel by pixel with its channels
 //! together at each pixel (`[n, c / 16, h, w, 16]` where `c` is a multiple of 16).
 //! Where `c` is 8 past a multiple of 16 (MobileNet v3's 40, 72 and 120 channels),
 //! the last block has 8 channels, stored 8 a pixel ([`Blocks`]): the value keeps
@@ -26,7 +26,8 @@
 use rlx_ir::{DType, NodeId, Op, Shape};
 use rlx_opt::{Plan, Region};
 
-/// Channels per block of a channel-blocked value: a vector of `f32`.
+/// Channels per block of a channel-blocked value: an AVX-512 vector of `f32`, two
+/// AVX2 ones.
 pub(crate) const BLOCK: usize = 16;
 
 /// Channels of a last block that is half a vector.

@@ -713,7 +713,7 @@ pub(crate) fn pointwise(
                     // pixels, the bases for the run's and the tail's); panels
                     // `q0..q1` hold `c` steps of `NR` weights each; `MR` pixels of
                     // blocks `q0..q1` of this image's output, which only this task
-                    // writes; AVX-512 (checked by `kind`).
+                    // writes; AVX2 and FMA (checked by `kind`).
                     unsafe {
                         conv_pixels_f32::micro_kernel_to(
                             all,
@@ -747,7 +747,7 @@ pub(crate) fn pointwise(
                         } else {
                             // SAFETY: pixels `i0..i0 + m` of channels `q * 16..` (at
                             // most 16, inside the output) of this image; only this
-                            // task writes them; AVX2 with AVX-512 (checked by
+                            // task writes them; AVX2 and FMA (checked by
                             // `kind`).
                             unsafe {
                                 conv_pixels_f32::store_transposed(

@@ -127,27 +127,12 @@ unsafe fn pool_row_avx2<const L: usize>(row: PoolRow, oy: usize, src: &[f32], ds
     } = row;
     let (y0, ny) = inside_taps(win, 0, oy, h);
     let window = win.kernel[0] * win.kernel[1];
-    let (kw, dx, sx) = (win.kernel[1], win.dilation[1], win.stride[1]);
-    let whole = |ox: usize| inside_taps(win, 1, ox, w).1 == kw;
-    let inner_range = match (0..ow).find(|&ox| whole(ox)) {
-        Some(first) => {
-            first
-                ..(first..ow)
-                    .rev()
-                    .find(|&ox| whole(ox))
-                    .map_or(first, |last| last + 1)
-        }
-        None => 0..0,
-    };
-    let mut offsets = [0usize; MAX_LISTED_TAPS];
-    let listed = ny * kw;
-    if listed <= MAX_LISTED_TAPS {
-        for ty in 0..ny {
-            for tx in 0..kw {
-                offsets[ty * kw + tx] = ((y0 + ty * win.dilation[0]) * w + tx * dx) * lanes;
-            }
-        }
-    }
+    let (dx, sx) = (win.dilation[1], win.stride[1]);
+    let RowTaps {
+        inner_range,
+        offsets,
+        listed,
+    } = row_taps(&row, (y0, ny));
     let init = _mm256_set1_ps(if max { f32::NEG_INFINITY } else { 0.0 });
     type State<const L: usize> = ([__m256; L], [__m256; L], [__m256; L]);
     // Two running results over alternate taps; `max_ps` keeps its second operand
@@ -278,31 +263,12 @@ unsafe fn pool_row_avx512(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32])
     let mask: __mmask16 = crate::layout::lane_mask(lanes);
     let (y0, ny) = inside_taps(win, 0, oy, h);
     let window = win.kernel[0] * win.kernel[1];
-    let (kw, dx, sx) = (win.kernel[1], win.dilation[1], win.stride[1]);
-    // The pixels whose window lies inside the row (all `kw` taps) read the same
-    // offsets from their first tap, listed once: no bounds per pixel (a division
-    // and a loop of unknown length per pixel ran a 3x3 pool 1.5 times ORT's time).
-    // They are one range: found from each end, testing only the edge pixels.
-    let whole = |ox: usize| inside_taps(win, 1, ox, w).1 == kw;
-    let inner_range = match (0..ow).find(|&ox| whole(ox)) {
-        Some(first) => {
-            first
-                ..(first..ow)
-                    .rev()
-                    .find(|&ox| whole(ox))
-                    .map_or(first, |last| last + 1)
-        }
-        None => 0..0,
-    };
-    let mut offsets = [0usize; MAX_LISTED_TAPS];
-    let listed = ny * kw;
-    if listed <= MAX_LISTED_TAPS {
-        for ty in 0..ny {
-            for tx in 0..kw {
-                offsets[ty * kw + tx] = ((y0 + ty * win.dilation[0]) * w + tx * dx) * lanes;
-            }
-        }
-    }
+    let (dx, sx) = (win.dilation[1], win.stride[1]);
+    let RowTaps {
+        inner_range,
+        offsets,
+        listed,
+    } = row_taps(&row, (y0, ny));
     let finish = |acc: __m512, other: __m512, nan: __mmask16, taps: usize| {
         if max {
             _mm512_mask_blend_ps(nan, _mm512_max_ps(acc, other), _mm512_set1_ps(f32::NAN))
@@ -363,7 +329,53 @@ unsafe fn pool_row_avx512(row: PoolRow, oy: usize, src: &[f32], dst: &mut [f32])
     }
 }
 
-/// Taps of one row's window that [`pool_row_avx512`] lists as offsets for its
+/// The taps one output row's inner pixels share ([`row_taps`]).
+struct RowTaps {
+    /// The pixels whose window lies inside the row (all its taps).
+    inner_range: std::ops::Range<usize>,
+    /// Each tap's offset from an inner pixel's first tap, in floats (the first
+    /// `listed`, when they fit).
+    offsets: [usize; MAX_LISTED_TAPS],
+    /// Taps of the window inside the plane's rows.
+    listed: usize,
+}
+
+/// The taps of output row `oy` (its rows of taps inside the plane from input row
+/// `y0`, `ny` of them): the pixels whose window lies inside the row read the same
+/// offsets from their first tap, listed once, so no pixel checks bounds (a
+/// division and a loop of unknown length per pixel ran a 3x3 pool 1.5 times ORT's
+/// time). They are one range, found from each end, testing only the edge pixels.
+fn row_taps(row: &PoolRow, (y0, ny): (usize, usize)) -> RowTaps {
+    let (win, [_, w], ow, lanes) = (row.win, row.in_hw, row.ow, row.lanes);
+    let (kw, dx) = (win.kernel[1], win.dilation[1]);
+    let whole = |ox: usize| inside_taps(win, 1, ox, w).1 == kw;
+    let inner_range = match (0..ow).find(|&ox| whole(ox)) {
+        Some(first) => {
+            first
+                ..(first..ow)
+                    .rev()
+                    .find(|&ox| whole(ox))
+                    .map_or(first, |last| last + 1)
+        }
+        None => 0..0,
+    };
+    let mut offsets = [0usize; MAX_LISTED_TAPS];
+    let listed = ny * kw;
+    if listed <= MAX_LISTED_TAPS {
+        for ty in 0..ny {
+            for tx in 0..kw {
+                offsets[ty * kw + tx] = ((y0 + ty * win.dilation[0]) * w + tx * dx) * lanes;
+            }
+        }
+    }
+    RowTaps {
+        inner_range,
+        offsets,
+        listed,
+    }
+}
+
+/// Taps of one row's window that [`row_taps`] lists as offsets for its
 /// inner pixels (a wider window reads each tap with bounds).
 const MAX_LISTED_TAPS: usize = 64;
 

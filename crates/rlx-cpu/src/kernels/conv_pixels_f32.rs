@@ -1083,7 +1083,7 @@ unsafe fn whole_tiles_blocked(
     _: (usize, usize),
     _: TileRun,
 ) {
-    unreachable!("blocked layouts need AVX-512")
+    unreachable!("blocked layouts need x86-64")
 }
 
 /// Output floats ahead of a tile's first pixel that [`prefetch_output`] asks for.
@@ -1356,6 +1356,13 @@ pub(crate) unsafe fn micro_kernel_to(
     (out, run): (TileOut, TileRun),
     finish: Option<&RegisterFinish>,
 ) {
+    if !crate::isa::isa().avx512f {
+        // SAFETY: forwarded contract; AVX2 and FMA (the pixel kernel's least).
+        unsafe {
+            avx2::micro_kernel_to(input, (panels, stride, count), (out, run), (finish, false))
+        };
+        return;
+    }
     let sums = (panels, stride);
     // A bias, an activation with a vector form and a residual are applied to the
     // sums in registers as they are stored; a channel affine once the tile is
@@ -1372,13 +1379,6 @@ pub(crate) unsafe fn micro_kernel_to(
         ),
         _ => (SimpleFinish::NONE, finish),
     };
-    if !crate::isa::isa().avx512f {
-        // SAFETY: forwarded contract; AVX2 and FMA (the pixel kernel's least).
-        unsafe {
-            avx2::micro_kernel_to(input, (panels, stride, count), (out, run), (finish, false))
-        };
-        return;
-    }
     // SAFETY: forwarded contract.
     unsafe {
         let Some(finish) = rest else {
@@ -1506,7 +1506,7 @@ pub(crate) unsafe fn micro_kernel_to(
     _: (TileOut, TileRun),
     _: Option<&RegisterFinish>,
 ) {
-    unreachable!("blocked layouts need AVX-512")
+    unreachable!("blocked layouts need x86-64")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -1519,7 +1519,7 @@ pub(crate) unsafe fn micro_kernel(
     unreachable!("`applies` is false off x86-64")
 }
 
-/// Steps ahead whose weights the AVX-512 micro-kernel asks for.
+/// Steps ahead whose weights the micro-kernels ask for.
 const WEIGHTS_AHEAD: usize = 24;
 
 /// Whether a product of `k` steps asks for its weights ahead: only long ones. With
@@ -2235,7 +2235,7 @@ unsafe fn store_blocked(
     _: (usize, usize, usize),
     _: Option<&RegisterFinish>,
 ) {
-    unreachable!("blocked layouts need AVX-512")
+    unreachable!("blocked layouts need x86-64")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
