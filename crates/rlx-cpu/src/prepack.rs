@@ -40,8 +40,13 @@ pub(crate) enum PackSpec {
     /// Winograd's F(4x4, 3x3): one packed `cg x og` GEMM operand per point.
     Winograd { cg: usize, og: usize },
     /// Weights of `o` filters of `k` values, transposed into panels for a strided
-    /// convolution with output pixels for rows (see [`conv_pixels_f32`]).
-    ConvPixels { o: usize, k: usize },
+    /// convolution with output pixels for rows, in step order `order` (see
+    /// [`conv_pixels_f32`]).
+    ConvPixels {
+        o: usize,
+        k: usize,
+        order: conv_pixels_f32::StepOrder,
+    },
     /// Depthwise weights (`c` filters of `taps` taps) as a vector per tap for each
     /// block of channels (see [`blocked_conv_f32::pack_depthwise_weights`]).
     ///
@@ -69,7 +74,7 @@ impl PackSpec {
                 .saturating_mul(cg)
                 .saturating_mul(taps),
             PackSpec::Winograd { cg, og } => winograd_f32::weights_len(cg, og),
-            PackSpec::ConvPixels { o, k } => conv_pixels_f32::weights_len(o, k),
+            PackSpec::ConvPixels { o, k, .. } => conv_pixels_f32::weights_len(o, k),
             PackSpec::DepthwiseTaps { c, taps } => blocked_conv_f32::depthwise_weights_len(c, taps),
             PackSpec::BlockGroups { o, taps, .. } => {
                 conv_pixels_f32::block_groups_weights_len(o, taps)
@@ -143,8 +148,8 @@ impl PackedParam {
                 winograd_f32::transform_weights(values, cg, og, out);
                 packed_panel_width(og)
             }
-            PackSpec::ConvPixels { o, k } => {
-                conv_pixels_f32::pack_weights(values, o, k, out);
+            PackSpec::ConvPixels { o, k, order } => {
+                conv_pixels_f32::pack_weights_in(values, o, k, order, out);
                 0
             }
             PackSpec::DepthwiseTaps { c, taps } => {
@@ -262,16 +267,25 @@ pub(crate) fn packed_operand(
             }
         }
         Op::Conv2d { .. } | Op::FusedConv2d { .. }
-            if matches!(
-                blocked,
-                Some(
-                    blocked_conv_f32::BlockedConv::Pointwise | blocked_conv_f32::BlockedConv::Dense
-                )
-            ) =>
+            if blocked == Some(blocked_conv_f32::BlockedConv::Pointwise) =>
         {
             PackSpec::ConvPixels {
                 o: b.dim(0),
                 k: b.dim(1) * b.dim(2) * b.dim(3),
+                order: conv_pixels_f32::StepOrder::NATURAL,
+            }
+        }
+        Op::Conv2d { .. } | Op::FusedConv2d { .. }
+            if blocked == Some(blocked_conv_f32::BlockedConv::Dense) =>
+        {
+            PackSpec::ConvPixels {
+                o: b.dim(0),
+                k: b.dim(1) * b.dim(2) * b.dim(3),
+                order: conv_pixels_f32::StepOrder::of(
+                    layout.input(0),
+                    b.dim(1),
+                    b.dim(2) * b.dim(3),
+                ),
             }
         }
         // Products on AMX tiles pack their weights per call, into tiles.
@@ -296,6 +310,7 @@ pub(crate) fn packed_operand(
             PackSpec::ConvPixels {
                 o: b.dim(0),
                 k: b.dim(1) * b.dim(2) * b.dim(3),
+                order: conv_pixels_f32::StepOrder::NATURAL,
             }
         }
         Op::Conv2d { window, groups } | Op::FusedConv2d { window, groups, .. }

@@ -598,6 +598,7 @@ pub(crate) fn pointwise(
                     prefetch: conv_pixels_f32::prefetches_weights(c),
                     // A staged copy is in cache already.
                     blocks_ahead: x_blocked && prologue.is_none(),
+                    runs: if x_blocked { BLOCK } else { 1 },
                 }
             };
         for g in task_groups {
@@ -855,6 +856,7 @@ fn pointwise_by_filters(
                 tail_pixel: bases(first, HALF),
                 prefetch: conv_pixels_f32::prefetches_weights(steps.len()),
                 blocks_ahead: true,
+                runs: BLOCK,
             };
             for q in q0..q1 {
                 let weights = (
@@ -2016,7 +2018,8 @@ mod tests {
             BlockedConv::Dense => {
                 let k = cg * kh * kw;
                 let mut packed = vec![0.0; conv_pixels_f32::weights_len(o, k)];
-                conv_pixels_f32::pack_weights(&wt, o, k, &mut packed);
+                let order = conv_pixels_f32::StepOrder::of(x_blocked, cg, kh * kw);
+                conv_pixels_f32::pack_weights_in(&wt, o, k, order, &mut packed);
                 let blocks = conv_pixels_f32::BlockedIo {
                     input: x_blocked,
                     output: out_blocked,
@@ -2454,7 +2457,8 @@ mod tests {
         // (threads, x dims, output channels, window): 3x3 layers the plain layout
         // runs without Winograd (under 32 channels, strided, few tiles), a stem of
         // 3 channels, a strided 1x1, a dilated 5x5 with asymmetric padding, last
-        // blocks of 8, and a depth over one block of steps (144 x 9 > KC).
+        // blocks of 8, and depths over one block of steps (144 x 9 > KC; 136 x 9
+        // in runs of 8, over 7 x 7 pixels whose tiles cross rows).
         let cases = [
             (2, [2, 16, 11, 13], 64, three(1, [1; 4])),
             (3, [1, 32, 14, 15], 48, three(2, [1; 4])),
@@ -2479,6 +2483,17 @@ mod tests {
             ),
             (4, [1, 144, 6, 6], 32, three(1, [1; 4])),
             (2, [3, 8, 5, 7], 8, three(1, [1; 4])),
+            (2, [1, 136, 7, 7], 40, three(1, [1; 4])),
+            // Weights that outweigh the input, run in channel slices: a strided
+            // 3x3 in three slices (the last of 64 channels), and a strided 1x1
+            // whose whole image overflows the staging budget of any L2 up to 2 MiB.
+            (2, [1, 320, 15, 15], 48, three(2, [1; 4])),
+            (
+                3,
+                [1, 1024, 17, 17],
+                296,
+                window([1, 1], [2, 2], [0; 4], [1, 1]),
+            ),
         ];
         for (i, &(threads, x, o, win)) in cases.iter().enumerate() {
             for layout in [[true, true], [true, false], [false, true]] {

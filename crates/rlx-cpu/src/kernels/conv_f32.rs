@@ -658,7 +658,12 @@ fn pixels(
     out: Dst,
     ctx: &mut Ctx,
 ) -> Result<()> {
-    let (packed, _) = pixel_weights(w, ctx.packed_b, ctx.scratch);
+    let (packed, _) = pixel_weights(
+        w,
+        conv_pixels_f32::StepOrder::NATURAL,
+        ctx.packed_b,
+        ctx.scratch,
+    );
     conv_pixels_f32::conv2d(
         win,
         x,
@@ -674,19 +679,28 @@ fn pixels(
 /// param), or packed into the front of `scratch`; with the rest of the scratch.
 pub(crate) fn pixel_weights<'s>(
     w: Src<'_>,
+    order: conv_pixels_f32::StepOrder,
     packed: Option<&'s crate::prepack::PackedParam>,
     scratch: &'s mut [f64],
 ) -> (&'s [f32], &'s mut [f64]) {
     let o = w.shape.dim(0);
     let k = w.len / o.max(1);
-    let spec = crate::prepack::PackSpec::ConvPixels { o, k };
+    let spec = crate::prepack::PackSpec::ConvPixels { o, k, order };
+    let len = conv_pixels_f32::weights_len(o, k);
     match packed.filter(|p| p.fits(spec)) {
-        Some(packed) => {
-            let len = conv_pixels_f32::weights_len(o, k);
-            (packed.values(), &mut scratch[len.div_ceil(2)..])
-        }
+        Some(packed) => (packed.values(), &mut scratch[len.div_ceil(2)..]),
         None => {
-            let (_, values, rest) = pixel_weights_room(w, None, scratch);
+            let (weights, rest) = scratch.split_at_mut(len.div_ceil(2));
+            // SAFETY: the step asked for `scratch_f64`: room for `len` f32 values
+            // here (f64 storage is aligned for f32); an f32 tensor of `w.len`
+            // values, alive for the step.
+            let (values, ws) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<f32>(), len),
+                    std::slice::from_raw_parts(w.ptr.cast::<f32>(), w.len),
+                )
+            };
+            conv_pixels_f32::pack_weights_in(ws, o, k, order, values);
             (values, rest)
         }
     }
@@ -707,7 +721,11 @@ pub(crate) fn pixel_weights_room<'s, 'p>(
     // SAFETY: the step asked for `scratch_f64`: room for `len` f32 values here
     // (f64 storage is aligned for f32).
     let values = unsafe { std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<f32>(), len) };
-    let spec = crate::prepack::PackSpec::ConvPixels { o, k };
+    let spec = crate::prepack::PackSpec::ConvPixels {
+        o,
+        k,
+        order: conv_pixels_f32::StepOrder::NATURAL,
+    };
     match packed.filter(|p| p.fits(spec)) {
         Some(packed) => (Some(&packed.values()[..len]), values, rest),
         None => {

@@ -33,6 +33,7 @@ use rlx_ir::{Result, Shape, Window2d};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod slices;
 
 /// Output pixels per tile (the micro-kernel's rows).
 pub(crate) const MR: usize = 6;
@@ -85,18 +86,73 @@ pub(crate) fn weights_len(o: usize, k: usize) -> usize {
     o.div_ceil(NR).saturating_mul(NR).saturating_mul(k)
 }
 
-/// Packs OIHW weights (`o` filters of `k = cg * taps` values) into `out`
-/// ([`weights_len`] floats): panel `q` holds, for each step `p`, the 16 weights
-/// `W[q * 16 + j][p]`.
+/// The order of a convolution's steps, in its packed weights and in the offsets
+/// that read its input: channel by channel, each channel's taps in turn
+/// ([`StepOrder::NATURAL`]); or, over a channel-blocked input, block by block of
+/// `runs` channels, each tap's `runs` channels of the block in turn, so that a
+/// tap's steps read consecutive values of each pixel ([`TileInput::runs`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StepOrder {
+    /// Taps per channel (1 in the natural order, where they need not be told apart).
+    pub taps: usize,
+    /// Channels per run (1 in the natural order).
+    pub runs: usize,
+}
+
+impl StepOrder {
+    /// Channel by channel, each channel's taps in turn.
+    pub(crate) const NATURAL: StepOrder = StepOrder { taps: 1, runs: 1 };
+
+    /// The order [`conv2d`] reads the weights of a convolution over `cg` channels
+    /// by `taps` taps in: in runs of a block's channels over a `blocked` input
+    /// ([`step_runs`]), else natural (and natural wherever the two agree).
+    pub(crate) fn of(blocked: bool, cg: usize, taps: usize) -> StepOrder {
+        let runs = step_runs(blocked, cg);
+        if runs == 1 || taps == 1 {
+            StepOrder::NATURAL
+        } else {
+            StepOrder { taps, runs }
+        }
+    }
+
+    /// The step that multiplies channel `ci`'s tap `tap`.
+    fn step(self, ci: usize, tap: usize) -> usize {
+        (ci / self.runs * self.taps + tap) * self.runs + ci % self.runs
+    }
+}
+
+/// Channels per run of steps ([`StepOrder`]) over an input of `cg` channels: 1 for
+/// a plain input; for a channel-blocked one, 16, or 8 where its channels end in a
+/// block of 8 (staged as planes of 8).
+pub(crate) fn step_runs(blocked: bool, cg: usize) -> usize {
+    match blocked {
+        false => 1,
+        true if cg.is_multiple_of(BLOCK) => BLOCK,
+        true => HALF,
+    }
+}
+
+/// Packs OIHW weights (`o` filters of `k` values) into `out` ([`weights_len`]
+/// floats) in the natural step order: panel `q` holds, for each step `p`, the 16
+/// weights `W[q * 16 + j][p]`.
 pub(crate) fn pack_weights(ws: &[f32], o: usize, k: usize, out: &mut [f32]) {
+    pack_weights_in(ws, o, k, StepOrder::NATURAL, out);
+}
+
+/// [`pack_weights`] in step order `order` (`k = cg * order.taps` values a filter).
+pub(crate) fn pack_weights_in(ws: &[f32], o: usize, k: usize, order: StepOrder, out: &mut [f32]) {
+    let taps = order.taps.max(1);
     for (q, panel) in out[..weights_len(o, k)]
         .chunks_exact_mut(k * NR)
         .enumerate()
     {
-        for (p, step) in panel.chunks_exact_mut(NR).enumerate() {
-            for (j, v) in step.iter_mut().enumerate() {
-                let co = q * NR + j;
-                *v = if co < o { ws[co * k + p] } else { 0.0 };
+        for j in 0..NR {
+            let co = q * NR + j;
+            for ci in 0..k / taps {
+                for tap in 0..taps {
+                    let p = ci * taps + tap;
+                    panel[order.step(ci, tap) * NR + j] = if co < o { ws[co * k + p] } else { 0.0 };
+                }
             }
         }
     }
@@ -111,7 +167,9 @@ pub(crate) fn block_groups_weights_len(o: usize, taps: usize) -> usize {
 /// (`cg` dividing 16, as many outputs as inputs a group) lie inside blocks of 16
 /// channels ([`conv2d_block_groups`]): for each output channel, a filter over the
 /// 16 input channels of its block, zero outside its group, in
-/// [`pack_weights`]' form (`16 * taps` steps a panel).
+/// [`pack_weights`]' form (`16 * taps` steps a panel) in the step order of a
+/// blocked input ([`StepOrder`]: runs of the block's 16 channels, or 8 for a last
+/// block of 8).
 pub(crate) fn pack_block_groups(ws: &[f32], o: usize, (cg, taps): (usize, usize), out: &mut [f32]) {
     let k = BLOCK * taps;
     let out = &mut out[..weights_len(o, k)];
@@ -120,9 +178,13 @@ pub(crate) fn pack_block_groups(ws: &[f32], o: usize, (cg, taps): (usize, usize)
         // The first input channel of the filter's group within its block.
         let first = co / cg * cg % BLOCK;
         let (q, j) = (co / NR, co % NR);
+        // In runs of the block's channels: a last block of 8 reads the first
+        // `8 * taps` steps of its panel.
+        let runs = (o - q * NR).min(BLOCK);
+        let order = StepOrder { taps, runs };
         for ci in 0..cg {
             for tap in 0..taps {
-                let p = (first + ci) * taps + tap;
+                let p = order.step(first + ci, tap);
                 out[(q * k + p) * NR + j] = ws[(co * cg + ci) * taps + tap];
             }
         }
@@ -162,12 +224,10 @@ impl Geometry {
 
     /// The same geometry over a channel-blocked input (`blocked`).
     fn with_blocked_input(self, blocked: bool) -> Geometry {
-        let lanes = match blocked {
-            false => 1,
-            true if self.cg.is_multiple_of(BLOCK) => BLOCK,
-            true => HALF,
-        };
-        Geometry { lanes, ..self }
+        Geometry {
+            lanes: step_runs(blocked, self.cg),
+            ..self
+        }
     }
 
     /// The geometry of a block of `cols` output columns of a row: its staged rows
@@ -301,7 +361,10 @@ pub(crate) fn thread_floats(win: &Window2d, x: &Shape, w: &Shape, out_hw: [usize
     let block = blocking.block(0, &geo);
     let staged = blocking.geometry(win, &geo, &block);
     let k = w.dim(1) * w.dim(2) * w.dim(3);
-    staged.staged_len(geo.rows_read(win, block.rows)) + k + products_len(k, block.rows * block.cols)
+    let plain = staged.staged_len(geo.rows_read(win, block.rows))
+        + k
+        + products_len(k, block.rows * block.cols);
+    plain.max(slices::thread_floats(win, &geo, w.dim(0)))
 }
 
 /// Floats of the tile products a block keeps between depth blocks (one tile when the
@@ -413,7 +476,8 @@ pub(crate) struct BlockedIo {
     pub output: bool,
 }
 
-/// The convolution, with `weights` from [`pack_weights`], in and out of the layouts
+/// The convolution, with `weights` from [`pack_weights_in`] in the step order
+/// [`StepOrder::of`] gives for its input's layout, in and out of the layouts
 /// `blocks` says. A `prologue` is applied to the input as it is staged (the
 /// padding stays zero, as the convolution of the changed input pads it).
 pub(crate) fn conv2d(
@@ -431,6 +495,16 @@ pub(crate) fn conv2d(
     let pixels = geo.oh * geo.ow;
     if n == 0 || o == 0 || pixels == 0 {
         return Ok(());
+    }
+    if slices::applies(win, &geo, o, &blocks) {
+        return slices::conv2d(
+            win,
+            (x, geo),
+            weights,
+            (finish, prologue),
+            out,
+            (gemm, pool),
+        );
     }
     let threads = gemm.threads();
     let k = geo.cg * win.kernel[0] * win.kernel[1];
@@ -484,7 +558,7 @@ pub(crate) fn conv2d(
         stage_rows(
             win,
             &staging,
-            (src, prologue),
+            (src, prologue, 0),
             (y0, at.x0),
             staged_rows,
             staged,
@@ -517,7 +591,7 @@ pub(crate) fn conv2d(
                 })
             });
             run_group(
-                (staged, step_offsets, weights),
+                (staged, step_offsets, weights, geo.lanes),
                 bases,
                 (q0, count, &stored[..count]),
                 products,
@@ -624,7 +698,14 @@ pub(crate) fn conv2d_block_groups(
         let block_pixels = rows * at.cols;
         let products = &mut rest[..products_len(k, block_pixels)];
         let src = &xs[image * c * h * w + x_blocks.start(plane)..][..lanes * h * w];
-        stage_rows(win, &staging, (src, None), (y0, at.x0), staged_rows, staged);
+        stage_rows(
+            win,
+            &staging,
+            (src, None, 0),
+            (y0, at.x0),
+            staged_rows,
+            staged,
+        );
         step_offsets(win, &staging, staged_rows, offsets);
         let image_at = image * o * pixels;
         let block_out = BlockOut {
@@ -647,7 +728,7 @@ pub(crate) fn conv2d_block_groups(
         // every other panel before it holding `16 * taps`.
         let first = plane * (BLOCK * taps - k) * NR;
         run_group(
-            (staged, as_offsets(offsets), &weights[first..]),
+            (staged, as_offsets(offsets), &weights[first..], geo.lanes),
             bases,
             (plane, 1, &[None]),
             products,
@@ -830,11 +911,11 @@ impl PixelBases {
 /// `staged` (`[channel][row][wp]`, or `[plane][row][wp][lanes]` for a blocked
 /// input: [`Geometry::lanes`]), the `wp` columns from the first that output
 /// column `x0` reads, zero where they fall in the padding, through `prologue` if
-/// any.
+/// any (`src`'s first channel being the prologue's `first_channel`).
 fn stage_rows(
     win: &Window2d,
     geo: &Geometry,
-    (src, prologue): (&[f32], Option<Prologue>),
+    (src, prologue, first_channel): (&[f32], Option<Prologue>, usize),
     (y0, x0): (usize, usize),
     staged_rows: usize,
     staged: &mut [f32],
@@ -884,7 +965,8 @@ fn stage_rows(
                 }
             }
             if let Some(prologue) = prologue {
-                prologue.apply(inside, channels.clone());
+                let at = first_channel;
+                prologue.apply(inside, at + channels.start..at + channels.end);
             }
             line[c1 * lanes..].fill(0.0);
         }
@@ -892,19 +974,23 @@ fn stage_rows(
 }
 
 /// Writes each step's offset from a pixel's first input value in the staged rows:
-/// step `p = (ci * kh + ky) * kw + kx` (the weights' order) reads channel `ci`,
-/// `ky` rows and `kx` columns on (times the dilation), in the staged rows' layout.
+/// the step that multiplies channel `ci`'s tap `(ky, kx)` (in the step order of
+/// the staged layout: natural for a plain input, in runs of a block's channels
+/// for a blocked one, [`StepOrder`]) reads channel `ci`, `ky` rows and `kx`
+/// columns on (times the dilation), in the staged rows' layout.
 fn step_offsets(win: &Window2d, geo: &Geometry, staged_rows: usize, offsets: &mut [f32]) {
     let ([kh, kw], [dy, dx]) = (win.kernel, win.dilation);
     let (plane, b) = (staged_rows * geo.wp * geo.lanes, geo.lanes);
-    let mut p = 0;
+    let order = StepOrder {
+        taps: kh * kw,
+        runs: b,
+    };
     for ci in 0..geo.cg {
         for ky in 0..kh {
             for kx in 0..kw {
                 let offset = ci / b * plane + (ky * dy * geo.wp + kx * dx) * b + ci % b;
                 // `applies` checked that every staged offset fits.
-                offsets[p] = f32::from_bits(offset as u32);
-                p += 1;
+                offsets[order.step(ci, ky * kw + kx)] = f32::from_bits(offset as u32);
             }
         }
     }
@@ -921,17 +1007,19 @@ pub(crate) fn panel_group() -> usize {
 
 /// Runs every tile of a block against panels `q0 .. q0 + count` of the packed weights
 /// (each `k x NR`), depth block by depth block, and stores the finished tiles into
-/// the output's channels `q0 * NR ..`, panel `v` through `finish[v]`.
+/// the output's channels `q0 * NR ..`, panel `v` through `finish[v]`. The offsets
+/// come in runs of `runs` consecutive values ([`TileInput::runs`]).
 fn run_group(
-    (staged, offsets, weights): (&[f32], &[u32], &[f32]),
+    (staged, offsets, weights, runs): (&[f32], &[u32], &[f32], usize),
     bases: PixelBases,
     (q0, count, finish): (usize, usize, &[Option<StoreFinish>]),
     products: &mut [f32],
     out: &BlockOut,
 ) {
     let k = offsets.len();
-    let depth_blocks = k.div_ceil(KC);
-    let kc = k.div_ceil(depth_blocks);
+    // Depth blocks of whole runs (the steps are whole runs: `runs` divides `k`).
+    let kc = (k / runs).div_ceil(k.div_ceil(KC).max(1)).max(1) * runs;
+    let depth_blocks = k.div_ceil(kc);
     let group = count * TILE;
     let panel_floats = k * NR;
     let panels = &weights[q0 * panel_floats..(q0 + count) * panel_floats];
@@ -956,6 +1044,7 @@ fn run_group(
                         offsets,
                         pixels.map(|p| staged.as_ptr().add(p)),
                         prefetches_weights(k),
+                        runs,
                     ),
                     (panels.as_ptr(), panel_floats, count),
                     out,
@@ -966,6 +1055,7 @@ fn run_group(
                         tail_step: 0,
                         out_step: MR * NR,
                     },
+                    false,
                 )
             };
             done_tiles += tiles;
@@ -998,6 +1088,7 @@ fn run_group(
                         &offsets[p0..p1],
                         pixels.map(|b| staged.as_ptr().add(b)),
                         prefetches_weights(k),
+                        runs,
                     ),
                     (panels[p0 * NR..].as_ptr(), panel_floats, count),
                     (tile, valid),
@@ -1039,11 +1130,13 @@ fn run_group(
 /// the block's pixel `first`: straight to their places through
 /// [`micro_kernel_to`], with the output's finish in registers where it has one (a
 /// copy through a tile and a store per vector cost a 3-channel stem about a fifth
-/// of its time).
+/// of its time); with `accumulate`, added to the sums stored there
+/// ([`micro_kernel_add_to`]).
 ///
 /// # Safety
 /// As [`micro_kernel_to`] for `run`'s tiles of `MR` pixels of those panels' blocks
-/// of `out`; AVX-512F is available (a blocked output needs it).
+/// of `out`; AVX2 and FMA are available (a blocked output needs them); with
+/// `accumulate`, as [`micro_kernel_add_to`].
 #[cfg(target_arch = "x86_64")]
 unsafe fn whole_tiles_blocked(
     input: TileInput,
@@ -1051,6 +1144,7 @@ unsafe fn whole_tiles_blocked(
     out: &BlockOut,
     (q0, first): (usize, usize),
     run: TileRun,
+    accumulate: bool,
 ) {
     let count = weights.2;
     let at = out.at(q0 * NR, first);
@@ -1072,7 +1166,12 @@ unsafe fn whole_tiles_blocked(
             .map(|(s, t, post)| (s.wrapping_add(c0), t.wrapping_add(c0), post)),
     });
     // SAFETY: the caller's contract.
-    unsafe { micro_kernel_to(input, weights, (tile, run), finish.as_ref()) }
+    unsafe {
+        match accumulate {
+            false => micro_kernel_to(input, weights, (tile, run), finish.as_ref()),
+            true => micro_kernel_add_to(input, weights, (tile, run), (finish.as_ref(), true)),
+        }
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -1082,6 +1181,7 @@ unsafe fn whole_tiles_blocked(
     _: &BlockOut,
     _: (usize, usize),
     _: TileRun,
+    _: bool,
 ) {
     unreachable!("blocked layouts need x86-64")
 }
@@ -1118,14 +1218,21 @@ pub(crate) struct TileInput<'a> {
     /// (a 576 -> 96 channel product at 14 x 14 waited on them for a tenth of its
     /// time).
     pub blocks_ahead: bool,
+    /// The steps' offsets come in runs of this many (16 or 8) consecutive values
+    /// (a channel block's values of a pixel, or of a tap of it), which the AVX2
+    /// kernel unrolls; 1 where they need not (the tail's are always one run of
+    /// [`HALF`]).
+    pub runs: usize,
 }
 
 impl<'a> TileInput<'a> {
-    /// Steps at `offsets` from `pixel`, without a tail.
+    /// Steps at `offsets` from `pixel`, in runs of `runs` ([`TileInput::runs`]),
+    /// without a tail.
     pub(crate) fn new(
         offsets: &'a [u32],
         pixel: [*const f32; MR],
         prefetch: bool,
+        runs: usize,
     ) -> TileInput<'a> {
         TileInput {
             offsets,
@@ -1134,6 +1241,7 @@ impl<'a> TileInput<'a> {
             tail_pixel: pixel,
             prefetch,
             blocks_ahead: false,
+            runs,
         }
     }
 
@@ -1174,26 +1282,7 @@ pub(crate) unsafe fn micro_kernel(
     // and one panel goes to the AVX-512 kernel only where the CPU has it.
     unsafe {
         match count {
-            1 if !crate::isa::isa().avx512f => {
-                let prefetch = input.prefetch;
-                micro_kernel_avx2(
-                    input.offsets,
-                    input.pixel,
-                    panels,
-                    (tile, accumulate),
-                    prefetch,
-                );
-                if !input.tail.is_empty() {
-                    let tail_panel = panels.add(input.offsets.len() * NR);
-                    micro_kernel_avx2(
-                        input.tail,
-                        input.tail_pixel,
-                        tail_panel,
-                        (tile, true),
-                        prefetch,
-                    );
-                }
-            }
+            1 if !crate::isa::isa().avx512f => avx2::tile_sums(input, panels, (tile, accumulate)),
             _ if rows < MR => short_tile_of(
                 (count, rows),
                 input,
@@ -2034,83 +2123,6 @@ unsafe fn product_steps<const NP: usize, const M: usize>(
         }
     }
     *sums = acc;
-}
-
-/// [`micro_kernel`] for one panel: `tile[i][j] (+)= Σ_p pixel_i[offsets[p]] *
-/// panel[p][j]`.
-///
-/// # Safety
-/// Every `pixel_i + offsets[p]` is readable; the panel holds `offsets.len()` steps of
-/// [`NR`] floats; AVX2 and FMA are available (checked by [`applies`]).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn micro_kernel_avx2(
-    offsets: &[u32],
-    pixel: [*const f32; MR],
-    panel: *const f32,
-    (tile, accumulate): (&mut [f32], bool),
-    prefetch: bool,
-) {
-    // SAFETY: forwarded contract.
-    unsafe {
-        if prefetch {
-            micro_kernel_avx2_as::<true>(offsets, pixel, panel, (tile, accumulate))
-        } else {
-            micro_kernel_avx2_as::<false>(offsets, pixel, panel, (tile, accumulate))
-        }
-    }
-}
-
-/// [`micro_kernel_avx2`], each step asking for the weights [`WEIGHTS_AHEAD`] steps
-/// on with `PREFETCH`.
-///
-/// # Safety
-/// As [`micro_kernel_avx2`].
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn micro_kernel_avx2_as<const PREFETCH: bool>(
-    offsets: &[u32],
-    pixel: [*const f32; MR],
-    panel: *const f32,
-    (tile, accumulate): (&mut [f32], bool),
-) {
-    use std::arch::x86_64::*;
-    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-    if accumulate {
-        for (i, row) in acc.iter_mut().enumerate() {
-            // SAFETY: the tile holds MR rows of NR floats.
-            unsafe {
-                row[0] = _mm256_loadu_ps(tile.as_ptr().add(i * NR));
-                row[1] = _mm256_loadu_ps(tile.as_ptr().add(i * NR + 8));
-            }
-        }
-    }
-    let mut w = panel;
-    for &offset in offsets {
-        let offset = offset as usize;
-        if PREFETCH {
-            // A prefetch never faults.
-            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(WEIGHTS_AHEAD * NR).cast::<i8>());
-        }
-        // SAFETY: the caller's contract.
-        unsafe {
-            let w0 = _mm256_loadu_ps(w);
-            let w1 = _mm256_loadu_ps(w.add(8));
-            for (i, row) in acc.iter_mut().enumerate() {
-                let v = _mm256_broadcast_ss(&*pixel[i].add(offset));
-                row[0] = _mm256_fmadd_ps(v, w0, row[0]);
-                row[1] = _mm256_fmadd_ps(v, w1, row[1]);
-            }
-            w = w.add(NR);
-        }
-    }
-    for (i, row) in acc.iter().enumerate() {
-        // SAFETY: as above.
-        unsafe {
-            _mm256_storeu_ps(tile.as_mut_ptr().add(i * NR), row[0]);
-            _mm256_storeu_ps(tile.as_mut_ptr().add(i * NR + 8), row[1]);
-        }
-    }
 }
 
 /// Stores a tile's product (`[pixel][channel]`) into `channels` output rows `ldo`

@@ -992,7 +992,12 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
             )
         }
         blocked_conv_f32::BlockedConv::Dense => {
-            let (packed, _) = conv_f32::pixel_weights(w, ctx.packed_b, ctx.scratch);
+            let order = conv_pixels_f32::StepOrder::of(
+                a.layout.input(0),
+                w.shape.dim(1),
+                w.shape.dim(2) * w.shape.dim(3),
+            );
+            let (packed, _) = conv_f32::pixel_weights(w, order, ctx.packed_b, ctx.scratch);
             conv_pixels_f32::conv2d(
                 window,
                 x,
@@ -1012,7 +1017,12 @@ fn blocked_conv2d(a: &Args, ctx: &mut Ctx) -> Result<()> {
                 .and_then(|p| p.affine);
             let (packed, rest, folded_bias) = match fold {
                 None => {
-                    let (packed, rest) = conv_f32::pixel_weights(w, ctx.packed_b, ctx.scratch);
+                    let (packed, rest) = conv_f32::pixel_weights(
+                        w,
+                        conv_pixels_f32::StepOrder::NATURAL,
+                        ctx.packed_b,
+                        ctx.scratch,
+                    );
                     (packed, rest, None)
                 }
                 Some(affine) => {

@@ -11,14 +11,12 @@ use std::arch::x86_64::*;
 /// Lanes of an AVX2 vector.
 const LANES: usize = 8;
 
-/// The steps `$j` of one block for [`block_steps`]: each pixel's value `i * BLOCK +
-/// j` floats past `$base` times the step's weights at `$w + j * NR`, added to
-/// `$acc`.
-macro_rules! block_step {
+/// The steps `$j` of one run for [`run_steps`]: each pixel `i`'s value `$j` floats
+/// past `$base[i]` times the step's weights at `$w + j * NR`, added to `$acc`.
+macro_rules! run_step {
     ($acc:ident, $w:ident, $base:ident, $prefetch:literal; $($j:literal)*) => {$(
-        // SAFETY: the caller's contract: step `j` of the block is pixel `i`'s value
-        // `i * BLOCK + j` floats past the block's first, and the weights hold `NR`
-        // a step.
+        // SAFETY: the caller's contract: step `j` of the run is pixel `i`'s value
+        // `j` floats past its base, and the weights hold `NR` a step.
         unsafe {
             let wj = $w.add($j * NR);
             if $prefetch {
@@ -26,7 +24,7 @@ macro_rules! block_step {
             }
             let ws: [__m256; L] = std::array::from_fn(|l| _mm256_loadu_ps(wj.add(l * LANES)));
             for (i, row) in $acc.iter_mut().enumerate() {
-                let x = _mm256_broadcast_ss(&*$base.add(i * BLOCK + $j));
+                let x = _mm256_broadcast_ss(&*$base[i].add($j));
                 for (sum, &wv) in row.iter_mut().zip(&ws) {
                     *sum = _mm256_fmadd_ps(x, wv, *sum);
                 }
@@ -35,37 +33,102 @@ macro_rules! block_step {
     )*};
 }
 
-/// [`steps`] over whole blocks of a channel-blocked input ([`whole_blocks`]), adding
-/// to the sums `$acc` (a local of the caller, so that they stay in registers: as a
-/// function of its own, a tile's sums went through memory on each call, a fifth of
-/// a 16-channel layer's time): a block's 16 steps unrolled, each pixel's value at a
-/// fixed distance from the block's first, so no step reads the offset table or
-/// tests anything (with a table load and the tests per step, 30 instructions fed
-/// 12 multiply-adds and the front end, not the units, set the pace). Each block
-/// first asks for every pixel's line of the next block, and with `$prefetch` (a
-/// literal) each step for the weights [`WEIGHTS_AHEAD`] steps on.
+/// The steps of `$offsets` from the bases `$pixel`, in runs of `$j`'s count (16 or
+/// 8) steps whose offsets are consecutive ([`TileInput::runs`]), adding to the sums
+/// `$acc` (a local of the caller, so that they stay in registers: as a function of
+/// its own, a tile's sums went through memory on each call, a fifth of a
+/// 16-channel layer's time). A run's steps are unrolled, each pixel's value at a
+/// fixed distance from its base, so no step reads the offset table or tests
+/// anything (with a table load and the tests per step, 30 instructions fed 12
+/// multiply-adds and the front end, not the units, set the pace). With
+/// `$ahead`, each run first asks for every pixel's line of the next run
+/// ([`TileInput::blocks_ahead`]); with `$prefetch` (a literal) each step for the
+/// weights [`WEIGHTS_AHEAD`] steps on. Evaluates to the weights after the last
+/// step.
 ///
 /// Used inside an AVX2 function, under the caller's contract: that of [`steps`],
-/// where [`whole_blocks`] holds.
-macro_rules! block_steps {
-    ($acc:ident, $input:expr, $weights:expr, $prefetch:literal) => {{
-        let input: &TileInput = $input;
-        let first = input.pixel[0];
-        let blocks = input.offsets.len() / BLOCK;
+/// with the offsets in such runs.
+macro_rules! run_steps {
+    ($acc:ident, ($offsets:expr, $pixel:expr, $ahead:expr), $weights:expr, $prefetch:literal; $($j:literal)*) => {{
+        const RUN: usize = [$($j),*].len();
+        let offsets: &[u32] = $offsets;
+        let pixel: [*const f32; MR] = $pixel;
+        let runs = offsets.len() / RUN;
         let mut w: *const f32 = $weights;
-        for b in 0..blocks {
-            let base = first.wrapping_add(input.offsets[b * BLOCK] as usize);
-            if input.blocks_ahead && b + 1 < blocks {
-                let next = first.wrapping_add(input.offsets[(b + 1) * BLOCK] as usize);
-                for i in 0..MR {
+        for r in 0..runs {
+            let at = offsets[r * RUN] as usize;
+            let base: [*const f32; MR] = pixel.map(|p| p.wrapping_add(at));
+            if $ahead && r + 1 < runs {
+                let next = offsets[(r + 1) * RUN] as usize;
+                for p in pixel {
                     // A prefetch never faults.
-                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(i * BLOCK).cast::<i8>());
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(next).cast::<i8>());
                 }
             }
-            block_step!($acc, w, base, $prefetch; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
-            w = w.wrapping_add(BLOCK * NR);
+            run_step!($acc, w, base, $prefetch; $($j)*);
+            w = w.wrapping_add(RUN * NR);
+        }
+        w
+    }};
+}
+
+/// All the steps of `$input` (its offsets, then its tail's) times the weights
+/// from `$weights`, added to the sums `$acc` (`[[__m256; L]; MR]`, `L` in scope):
+/// runs of consecutive offsets unrolled ([`run_steps`]), other steps one by one
+/// ([`steps`]).
+///
+/// Used inside an AVX2 function, under the contract of [`steps`] for the input's
+/// steps and its tail's.
+macro_rules! tile_steps {
+    ($acc:ident, $input:expr, $weights:expr) => {{
+        let input: &TileInput = $input;
+        let weights: *const f32 = $weights;
+        let (offsets, pixel, ahead) = (input.offsets, input.pixel, input.blocks_ahead);
+        match (input.runs, input.prefetch) {
+            (BLOCK, true) => {
+                run_steps!($acc, (offsets, pixel, ahead), weights, true;
+                    0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+            }
+            (BLOCK, false) => {
+                run_steps!($acc, (offsets, pixel, ahead), weights, false;
+                    0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+            }
+            (HALF, true) => {
+                run_steps!($acc, (offsets, pixel, ahead), weights, true; 0 1 2 3 4 5 6 7);
+            }
+            (HALF, false) => {
+                run_steps!($acc, (offsets, pixel, ahead), weights, false; 0 1 2 3 4 5 6 7);
+            }
+            _ => {
+                // SAFETY: the caller's contract.
+                unsafe { steps::<L>(&mut $acc, (offsets, pixel), weights, (input.prefetch, ahead)) };
+            }
+        }
+        if !input.tail.is_empty() {
+            // The tail is one block of 8 channels: a run of 8 consecutive offsets.
+            let tail = weights.wrapping_add(offsets.len() * NR);
+            let pixel = input.tail_pixel;
+            if input.prefetch {
+                run_steps!($acc, (input.tail, pixel, false), tail, true; 0 1 2 3 4 5 6 7);
+            } else {
+                run_steps!($acc, (input.tail, pixel, false), tail, false; 0 1 2 3 4 5 6 7);
+            }
         }
     }};
+}
+
+/// Whether `input`'s offsets lie in runs of [`TileInput::runs`] consecutive
+/// values and its tail in runs of [`HALF`] (what [`tile_steps`] assumes).
+fn runs_hold(input: &TileInput) -> bool {
+    let consecutive = |offsets: &[u32], run: usize| {
+        offsets.len().is_multiple_of(run)
+            && offsets.chunks_exact(run).all(|r| {
+                r.iter()
+                    .enumerate()
+                    .all(|(j, &o)| o as usize == r[0] as usize + j)
+            })
+    };
+    (input.runs <= 1 || consecutive(input.offsets, input.runs)) && consecutive(input.tail, HALF)
 }
 
 /// [`super::micro_kernel_to`] on AVX2: for each of `count` panels and each tile of
@@ -167,7 +230,7 @@ struct Panel {
 /// As [`micro_kernel_to`] for this panel.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn tiles<const L: usize, const RESIDUAL: bool>(input: TileInput, run: TileRun, p: &Panel) {
-    let blocked = whole_blocks(&input);
+    debug_assert!(runs_hold(&input));
     for t in 0..run.tiles {
         let input = input.nth(t, run);
         let at = p.place.wrapping_add(t * p.tile_step);
@@ -181,35 +244,8 @@ unsafe fn tiles<const L: usize, const RESIDUAL: bool>(input: TileInput, run: Til
                 }
             }
         }
-        // The steps under the caller's contract (the macro's blocks under
-        // `whole_blocks`).
-        if blocked && input.prefetch {
-            block_steps!(acc, &input, p.weights, true);
-        } else if blocked {
-            block_steps!(acc, &input, p.weights, false);
-        } else {
-            // SAFETY: the caller's contract.
-            unsafe {
-                steps::<L>(
-                    &mut acc,
-                    (input.offsets, input.pixel),
-                    p.weights,
-                    (input.prefetch, input.blocks_ahead),
-                )
-            };
-        }
-        // SAFETY: the caller's contract; the tail's weights follow the others'.
-        unsafe {
-            if !input.tail.is_empty() {
-                let tail = p.weights.add(input.offsets.len() * NR);
-                steps::<L>(
-                    &mut acc,
-                    (input.tail, input.tail_pixel),
-                    tail,
-                    (input.prefetch, false),
-                );
-            }
-        }
+        // The steps under the caller's contract.
+        tile_steps!(acc, &input, p.weights);
         let residual = p.residual.map(|r| r.wrapping_add(t * p.tile_step));
         for (i, row) in acc.iter().enumerate() {
             for (l, &sum) in row.iter().enumerate() {
@@ -234,21 +270,36 @@ unsafe fn tiles<const L: usize, const RESIDUAL: bool>(input: TileInput, run: Til
     }
 }
 
-/// Whether a tile's steps are whole blocks of a channel-blocked input ([`block_steps`]):
-/// the pixels one [`BLOCK`] apart, the steps in blocks of 16 consecutive channels,
-/// no tail. (Tiles of a run keep this: their bases move together.)
-fn whole_blocks(input: &TileInput) -> bool {
-    let offsets = input.offsets;
-    input.tail.is_empty()
-        && offsets.len().is_multiple_of(BLOCK)
-        && (0..MR).all(|i| input.pixel[i] == input.pixel[0].wrapping_add(i * BLOCK))
-        && offsets.chunks_exact(BLOCK).all(|block| {
-            let first = block[0] as usize;
-            block
-                .iter()
-                .enumerate()
-                .all(|(j, &o)| o as usize == first + j)
-        })
+/// [`super::micro_kernel`] on AVX2 for one panel: the tile's sums over all of
+/// `input`'s steps (its tail's too) added to the `[pixel][channel]` sums in
+/// `tile` with `accumulate`, else stored there.
+///
+/// # Safety
+/// As [`super::micro_kernel`] with one panel; AVX2 and FMA are available.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn tile_sums(
+    input: TileInput,
+    panel: *const f32,
+    (tile, accumulate): (&mut [f32], bool),
+) {
+    const L: usize = 2;
+    debug_assert!(runs_hold(&input) && tile.len() >= MR * NR);
+    let mut acc = [[_mm256_setzero_ps(); L]; MR];
+    if accumulate {
+        for (i, row) in acc.iter_mut().enumerate() {
+            for (l, sum) in row.iter_mut().enumerate() {
+                // SAFETY: the tile holds MR rows of NR floats.
+                *sum = unsafe { _mm256_loadu_ps(tile.as_ptr().add(i * NR + l * LANES)) };
+            }
+        }
+    }
+    tile_steps!(acc, &input, panel);
+    for (i, row) in acc.iter().enumerate() {
+        for (l, &sum) in row.iter().enumerate() {
+            // SAFETY: as above.
+            unsafe { _mm256_storeu_ps(tile.as_mut_ptr().add(i * NR + l * LANES), sum) };
+        }
+    }
 }
 
 /// `sums[i][l] += Σ_p pixel_i[offsets[p]] * w[p][l * 8..]` for each pixel of a
