@@ -4,7 +4,7 @@
 //! 16 channels: 12 sums, 2 weight vectors and a broadcast, 15 of the 16 registers.
 //! Channel blocks are whole multiples of 8 lanes, so nothing here needs a mask.
 
-use super::{MR, NR, RegisterFinish, SimpleFinish, TileInput, TileOut, TileRun, WEIGHTS_AHEAD};
+use super::{MR, NR, RegisterFinish, TileInput, TileOut, TileRun, WEIGHTS_AHEAD};
 use crate::layout::{BLOCK, HALF};
 use std::arch::x86_64::*;
 
@@ -133,9 +133,11 @@ fn runs_hold(input: &TileInput) -> bool {
 
 /// [`super::micro_kernel_to`] on AVX2: for each of `count` panels and each tile of
 /// `run`, the sums stored straight to their place in the blocked output (added to
-/// the values there with `accumulate`), finished there (a bias, an activation with
-/// a vector form and a residual as they are stored; with a channel affine, the
-/// whole finish over each stored tile).
+/// the values there with `accumulate`), finished as they are stored: the whole
+/// finish in registers, a channel affine and its activation too (over each
+/// stored tile, a second pass cost ResNet-50's 64 -> 256 layers a fifth of
+/// their time, the affine being the identity that carries the ReLU after the
+/// skip add).
 ///
 /// # Safety
 /// As [`super::micro_kernel_to`], with AVX2 and FMA in place of AVX-512F.
@@ -146,17 +148,6 @@ pub(super) unsafe fn micro_kernel_to(
     (out, run): (TileOut, TileRun),
     (finish, accumulate): (Option<&RegisterFinish>, bool),
 ) {
-    let (simple, rest) = match finish {
-        Some(f) if f.affine.is_none() => (
-            SimpleFinish {
-                bias: f.bias,
-                activation: f.activation,
-                residual: f.residual,
-            },
-            None,
-        ),
-        _ => (SimpleFinish::NONE, finish),
-    };
     for v in 0..count {
         let half = out.half.is_some() && v + 1 == count;
         // Where this panel's tile 0 goes, and its pixels' distance.
@@ -171,31 +162,26 @@ pub(super) unsafe fn micro_kernel_to(
             pixel,
             tile_step,
             // The residual is laid out as the output, from the tile's place.
-            residual: simple
-                .residual
+            residual: finish
+                .and_then(|f| f.residual)
                 .map(|r| r.wrapping_offset(floats_from(out.at, place))),
-            bias: simple.bias.map(|b| b.wrapping_add(v * NR)),
-            activation: simple.activation,
+            bias: finish.and_then(|f| f.bias).map(|b| b.wrapping_add(v * NR)),
+            activation: finish.and_then(|f| f.activation),
+            affine: finish.and_then(|f| f.affine).map(|(scale, shift, post)| {
+                (scale.wrapping_add(v * NR), shift.wrapping_add(v * NR), post)
+            }),
         };
         // SAFETY: the caller's contract, for this panel's tiles.
         unsafe {
-            match (half, panel.residual.is_some()) {
-                (false, false) => tiles::<2, false>(input, run, &panel),
-                (false, true) => tiles::<2, true>(input, run, &panel),
-                (true, false) => tiles::<1, false>(input, run, &panel),
-                (true, true) => tiles::<1, true>(input, run, &panel),
-            }
-        }
-        if let Some(finish) = rest {
-            let lanes = if half { HALF } else { NR };
-            for t in 0..run.tiles {
-                for i in 0..MR {
-                    let at = place.wrapping_add(t * tile_step + i * pixel);
-                    // SAFETY: the tile's stored values of this panel, and the
-                    // finish's values for them (the caller's contract: the
-                    // residual laid out as the output, from `out.at`).
-                    unsafe { finish_pixel(at, lanes, v * NR, floats_from(out.at, at), finish) };
-                }
+            match (half, panel.residual.is_some(), panel.affine.is_some()) {
+                (false, false, false) => tiles::<2, false, false>(input, run, &panel),
+                (false, true, false) => tiles::<2, true, false>(input, run, &panel),
+                (true, false, false) => tiles::<1, false, false>(input, run, &panel),
+                (true, true, false) => tiles::<1, true, false>(input, run, &panel),
+                (false, false, true) => tiles::<2, false, true>(input, run, &panel),
+                (false, true, true) => tiles::<2, true, true>(input, run, &panel),
+                (true, false, true) => tiles::<1, false, true>(input, run, &panel),
+                (true, true, true) => tiles::<1, true, true>(input, run, &panel),
             }
         }
     }
@@ -209,7 +195,7 @@ fn floats_from(from: *const f32, to: *const f32) -> isize {
 /// One panel's part of [`micro_kernel_to`]: its weights, where its tile 0's pixel
 /// 0 goes, the floats from pixel to pixel and from tile to tile there, and the
 /// finish as the sums are stored (a residual laid out as the output, from
-/// `place`; a bias at the panel's first channel).
+/// `place`; a bias and a channel affine at the panel's first channel).
 struct Panel {
     /// Whether the sums start from the values stored at their places.
     accumulate: bool,
@@ -220,16 +206,22 @@ struct Panel {
     residual: Option<*const f32>,
     bias: Option<*const f32>,
     activation: Option<crate::gemm::Activation>,
+    /// `(scale, shift, post)`: applied after the residual.
+    affine: Option<(*const f32, *const f32, Option<crate::gemm::Activation>)>,
 }
 
 /// The tiles of `run` for one panel of `L` vectors (2: 16 channels; 1: a last
 /// block of 8), each stored through the panel's finish (its residual only with
-/// `RESIDUAL`).
+/// `RESIDUAL`, its channel affine only with `AFFINE`).
 ///
 /// # Safety
 /// As [`micro_kernel_to`] for this panel.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tiles<const L: usize, const RESIDUAL: bool>(input: TileInput, run: TileRun, p: &Panel) {
+unsafe fn tiles<const L: usize, const RESIDUAL: bool, const AFFINE: bool>(
+    input: TileInput,
+    run: TileRun,
+    p: &Panel,
+) {
     debug_assert!(runs_hold(&input));
     for t in 0..run.tiles {
         let input = input.nth(t, run);
@@ -247,27 +239,80 @@ unsafe fn tiles<const L: usize, const RESIDUAL: bool>(input: TileInput, run: Til
         // The steps under the caller's contract.
         tile_steps!(acc, &input, p.weights);
         let residual = p.residual.map(|r| r.wrapping_add(t * p.tile_step));
-        for (i, row) in acc.iter().enumerate() {
-            for (l, &sum) in row.iter().enumerate() {
-                let place = i * p.pixel + l * LANES;
-                let mut value = sum;
-                // SAFETY: the caller's contract: the bias holds the panel's
-                // lanes, the residual and the output the tile's.
-                unsafe {
-                    if let Some(b) = p.bias {
-                        value = _mm256_add_ps(value, _mm256_loadu_ps(b.add(l * LANES)));
-                    }
-                    if let Some(a) = p.activation {
-                        value = crate::gemm::activate_lanes_avx2(value, a);
-                    }
-                    if let (true, Some(r)) = (RESIDUAL, residual) {
-                        value = _mm256_add_ps(value, _mm256_loadu_ps(r.add(place)));
-                    }
-                    _mm256_storeu_ps(at.add(place), value);
-                }
+        // SAFETY: the caller's contract: the bias and the affine hold the panel's
+        // lanes, the residual and the output the tile's.
+        unsafe {
+            if AFFINE {
+                // Out of line: inlined, the affine's vectors (the same for every
+                // tile) were hoisted out of the tile loop into registers the sums
+                // needed, and the sums went through the stack at every step (2.8
+                // times as long).
+                store_tile_affine::<L, RESIDUAL>(acc, at, residual, p);
+            } else {
+                store_tile::<L, RESIDUAL, false>(&acc, at, residual, p);
             }
         }
     }
+}
+
+/// Stores a tile's sums at `at` (its pixels `p.pixel` floats apart) through the
+/// panel's bias, activation and residual (the tile's, at `residual`, only with
+/// `RESIDUAL`), then (with `AFFINE`) its channel affine and that's activation.
+///
+/// # Safety
+/// AVX2 and FMA are available; the bias and affine hold the panel's `L * 8`
+/// lanes, the residual and `at` the tile's values.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn store_tile<const L: usize, const RESIDUAL: bool, const AFFINE: bool>(
+    acc: &[[__m256; L]; MR],
+    at: *mut f32,
+    residual: Option<*const f32>,
+    p: &Panel,
+) {
+    for (i, row) in acc.iter().enumerate() {
+        for (l, &sum) in row.iter().enumerate() {
+            let place = i * p.pixel + l * LANES;
+            let mut value = sum;
+            // SAFETY: the caller's contract.
+            unsafe {
+                if let Some(b) = p.bias {
+                    value = _mm256_add_ps(value, _mm256_loadu_ps(b.add(l * LANES)));
+                }
+                if let Some(a) = p.activation {
+                    value = crate::gemm::activate_lanes_avx2(value, a);
+                }
+                if let (true, Some(r)) = (RESIDUAL, residual) {
+                    value = _mm256_add_ps(value, _mm256_loadu_ps(r.add(place)));
+                }
+                if let (true, Some((scale, shift, post))) = (AFFINE, p.affine) {
+                    let (s, t) = (scale.add(l * LANES), shift.add(l * LANES));
+                    value = _mm256_fmadd_ps(value, _mm256_loadu_ps(s), _mm256_loadu_ps(t));
+                    if let Some(a) = post {
+                        value = crate::gemm::activate_lanes_avx2(value, a);
+                    }
+                }
+                _mm256_storeu_ps(at.add(place), value);
+            }
+        }
+    }
+}
+
+/// [`store_tile`] for a panel with a channel affine, never inlined, the sums
+/// passed by value (by reference, they lived in memory through the steps).
+///
+/// # Safety
+/// As [`store_tile`].
+#[target_feature(enable = "avx2,fma")]
+#[inline(never)]
+unsafe fn store_tile_affine<const L: usize, const RESIDUAL: bool>(
+    acc: [[__m256; L]; MR],
+    at: *mut f32,
+    residual: Option<*const f32>,
+    p: &Panel,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { store_tile::<L, RESIDUAL, true>(&acc, at, residual, p) }
 }
 
 /// [`super::micro_kernel`] on AVX2 for one panel: the tile's sums over all of
@@ -353,32 +398,6 @@ unsafe fn steps<const L: usize>(
         }
     }
     *sums = acc;
-}
-
-/// Applies `finish` in place to one stored pixel of `lanes` channels (16 or 8)
-/// from `channel` (of the finish's channels) at `at`, whose residual lies
-/// `from_residual` floats on from the finish's residual pointer.
-///
-/// # Safety
-/// AVX2 and FMA are available; `at` holds the pixel's `lanes` values, and every
-/// pointer of `finish` holds those lanes' values where it is read.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn finish_pixel(
-    at: *mut f32,
-    lanes: usize,
-    channel: usize,
-    from_residual: isize,
-    finish: &RegisterFinish,
-) {
-    for l in (0..lanes).step_by(LANES) {
-        // SAFETY: the caller's contract.
-        unsafe {
-            let x = _mm256_loadu_ps(at.add(l));
-            let x = apply(finish, x, channel + l, from_residual + l as isize);
-            _mm256_storeu_ps(at.add(l), x);
-        }
-    }
 }
 
 /// [`RegisterFinish::apply`] on 8 lanes: the lanes' first channel is `channel`
