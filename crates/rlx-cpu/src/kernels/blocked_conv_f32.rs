@@ -207,9 +207,14 @@ pub(crate) fn thread_floats(
         }
         BlockedConv::Pointwise if prologue => {
             // A block's input ([`block_pixels`]: at most a tile past the fit) and
-            // its offsets.
-            let c = x.dim(1);
-            (block_fit(c).next_multiple_of(MR) + MR) * c + c
+            // its offsets; by filters, the changed image and a tile's sums per
+            // panel.
+            let (n, c, pixels) = (x.dim(0), x.dim(1), x.dim(2) * x.dim(3));
+            let by_filters = match weights_outweigh([n, pixels, w.dim(0)]) {
+                true => c * pixels + w.dim(0).div_ceil(NR) * TILE,
+                false => 0,
+            };
+            ((block_fit(c).next_multiple_of(MR) + MR) * c + c).max(by_filters)
         }
         // A tile's sums per panel, for a convolution by filters.
         BlockedConv::Pointwise => w.dim(0).div_ceil(NR) * TILE,
@@ -302,13 +307,19 @@ impl Prologue<'_> {
             // pixels took 7 times as long (a 960 -> 160 projection at 16 x 16 with
             // its input staged 0.35 -> 0.31 ms).
             #[cfg(target_arch = "x86_64")]
-            if blocked
-                && crate::isa::isa().avx512f
-                && self.activation.is_none_or(crate::gemm::has_lanes_form)
-            {
-                // SAFETY: AVX-512F; `src` and `dst` hold `len` pixels of `b` lanes.
-                unsafe { self.stage_block_avx512(src, dst, first..first + b) };
-                continue;
+            if blocked && self.activation.is_none_or(crate::gemm::has_lanes_form) {
+                let isa = crate::isa::isa();
+                if isa.avx512f {
+                    // SAFETY: AVX-512F; `src` and `dst` hold `len` pixels of `b`
+                    // lanes.
+                    unsafe { self.stage_block_avx512(src, dst, first..first + b) };
+                    continue;
+                }
+                if isa.avx2_fma {
+                    // SAFETY: AVX2 and FMA; as above, `b` being 16 or 8.
+                    unsafe { self.stage_block_avx2(src, dst, first..first + b) };
+                    continue;
+                }
             }
             dst.copy_from_slice(src);
             self.apply(dst, first..first + b);
@@ -353,6 +364,48 @@ impl Prologue<'_> {
                     v = crate::gemm::activate_lanes_avx512(v, a);
                 }
                 _mm512_mask_storeu_ps(to.as_mut_ptr(), mask, v);
+            }
+        }
+    }
+}
+
+impl Prologue<'_> {
+    /// [`Prologue::stage`] for one block of `channels` (16 or 8 lanes a pixel) on
+    /// AVX2: each pixel of `src` changed into `dst` in one pass, 8 lanes at a time.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available; `src` and `dst` are whole pixels of the block's
+    /// lanes, 16 or 8.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn stage_block_avx2(
+        &self,
+        src: &[f32],
+        dst: &mut [f32],
+        channels: std::ops::Range<usize>,
+    ) {
+        use std::arch::x86_64::*;
+        let lanes = channels.len();
+        debug_assert!(lanes == BLOCK || lanes == HALF);
+        for (from, to) in src.chunks_exact(lanes).zip(dst.chunks_exact_mut(lanes)) {
+            for l in (0..lanes).step_by(HALF) {
+                // SAFETY: AVX2 and FMA (the caller's); 8 lanes from `l` of a pixel
+                // of `src` and `dst`, and of the block's scale and shift.
+                unsafe {
+                    let mut v = _mm256_loadu_ps(from.as_ptr().add(l));
+                    if let Some((scale, shift)) = self.affine {
+                        let c = channels.start + l;
+                        // A product then a sum, as the other forms round.
+                        v = _mm256_add_ps(
+                            _mm256_mul_ps(v, _mm256_loadu_ps(scale[c..c + HALF].as_ptr())),
+                            _mm256_loadu_ps(shift[c..c + HALF].as_ptr()),
+                        );
+                    }
+                    if let Some(a) = self.activation {
+                        v = crate::gemm::activate_lanes_avx2(v, a);
+                    }
+                    _mm256_storeu_ps(to.as_mut_ptr().add(l), v);
+                }
             }
         }
     }
@@ -507,13 +560,8 @@ pub(crate) fn pointwise(
         return Ok(());
     }
     let (x_blocked, out_blocked) = (layout.input(0), layout.output());
-    if by_filters(
-        (x_blocked, out_blocked),
-        prologue.is_some(),
-        &finish,
-        [n, pixels, o],
-    ) {
-        return pointwise_by_filters(x, (packed, offsets), finish, out, (gemm, pool));
+    if by_filters((x_blocked, out_blocked), &finish, [n, pixels, o]) {
+        return pointwise_by_filters(x, (packed, offsets), prologue, finish, out, (gemm, pool));
     }
     let out_blocks = Blocks::new(o, pixels);
     let panels = o.div_ceil(NR);
@@ -779,23 +827,23 @@ pub(crate) fn pointwise(
 }
 
 /// Whether a pointwise convolution runs by filters ([`pointwise_by_filters`]): on
-/// AVX2 (without AVX-512), blocked in and out with no prologue and a finish in
-/// vector form, where its weights outweigh its input twice or more (at least
-/// twice as many filters as pixels in all images: the last layers of a CNN, over
-/// 7 x 7 planes). Split by pixels, every task read all the weights: ResNet-50's
-/// 2048 -> 512 layers at 7 x 7 took twice ONNX Runtime's time.
-fn by_filters(
-    (x_blocked, out_blocked): (bool, bool),
-    prologue: bool,
-    finish: &Finish,
-    [n, pixels, o]: [usize; 3],
-) -> bool {
+/// AVX2 (without AVX-512), blocked in and out with a finish in vector form, where
+/// its weights outweigh its input twice or more ([`weights_outweigh`]: the last
+/// layers of a CNN, over 7 x 7 planes). Split by pixels, every task read all the
+/// weights: ResNet-50's 2048 -> 512 layers at 7 x 7 took twice ONNX Runtime's
+/// time, RegNet's 440 -> 440 ones with a squeeze-and-excitation scale 1.5 times.
+fn by_filters((x_blocked, out_blocked): (bool, bool), finish: &Finish, dims: [usize; 3]) -> bool {
     !crate::isa::isa().avx512f
         && x_blocked
         && out_blocked
-        && !prologue
         && finish.has_lanes_form()
-        && o >= 2 * n * pixels
+        && weights_outweigh(dims)
+}
+
+/// Whether a pointwise convolution of `o` filters over `n` images of `pixels`
+/// pixels has at least twice as many filters as pixels in all images.
+fn weights_outweigh([n, pixels, o]: [usize; 3]) -> bool {
+    o >= 2 * n * pixels
 }
 
 /// Input channels of one pass of [`pointwise_by_filters`]: whole blocks, all the
@@ -812,10 +860,13 @@ fn filter_pass_channels(whole: usize, pixels: usize) -> usize {
 /// and adding to the sums stored by the one before, so a pass's input stays in L2
 /// while the task's weights are read once. The last pass adds the input's last
 /// block of 8 (if any) and applies the finish; a plane's last short tile keeps
-/// its sums in the thread's scratch between passes.
+/// its sums in the thread's scratch between passes. With a `prologue`, each task
+/// first writes its image's changed input into its scratch and multiplies that
+/// (the image is small: its weights outweigh it).
 fn pointwise_by_filters(
     x: Src,
     (packed, offsets): (&[f32], &[u32]),
+    prologue: Option<Prologue>,
     finish: Finish,
     out: Dst,
     (gemm, pool): (&GemmScratch, &ThreadPool),
@@ -840,8 +891,17 @@ fn pointwise_by_filters(
         let x_image = (x_addr as *const f32).wrapping_add(image * c * pixels);
         let image_at = image * o * pixels;
         // SAFETY: one task per thread index at a time; the step asked for
-        // `thread_floats` (a tile per panel).
-        let short_sums = unsafe { gemm.parts(thread) }.1;
+        // `thread_floats` (a tile per panel, after the changed image with a
+        // prologue).
+        let scratch = unsafe { gemm.parts(thread) }.1;
+        let (x_image, short_sums) = match prologue {
+            None => (x_image, scratch),
+            Some(prologue) => {
+                let (stage, rest) = scratch.split_at_mut(c * pixels);
+                prologue.stage(x_image, (c, true, pixels), (0, pixels), stage);
+                (stage.as_ptr(), rest)
+            }
+        };
         let bases = |first: usize, step: usize| -> [*const f32; MR] {
             std::array::from_fn(|i| x_image.wrapping_add((first + i).min(pixels - 1) * step))
         };
