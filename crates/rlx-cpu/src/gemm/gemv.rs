@@ -14,10 +14,15 @@
 use super::{BFormat, Gemm, epilogue};
 use std::ops::Range;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
 /// Whether [`run`] takes the rectangle `rows x cols` of `g`: one row or column of an
-/// `f32` product on a CPU with AVX-512, with the vector's `k` values fitting `buf`.
+/// `f32` product on a CPU with AVX-512 or AVX2 and FMA, with the vector's `k` values
+/// fitting `buf`.
 pub(super) fn applies(g: &Gemm, rows: &Range<usize>, cols: &Range<usize>, buf: usize) -> bool {
-    if !crate::isa::isa().avx512f || g.k == 0 || g.k > buf {
+    let isa = crate::isa::isa();
+    if !(isa.avx512f || isa.avx2_fma) || g.k == 0 || g.k > buf {
         return false;
     }
     let f32_b = g.b_format == BFormat::F32;
@@ -39,12 +44,14 @@ pub(super) fn applies(g: &Gemm, rows: &Range<usize>, cols: &Range<usize>, buf: u
 /// As the GEMM's `serial`; [`applies`] returned true for these arguments.
 pub(super) unsafe fn run(g: &Gemm, rows: Range<usize>, cols: Range<usize>, buf: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512F was detected ([`applies`]); forwarded contract.
+    // SAFETY: AVX-512F, or AVX2 and FMA, was detected ([`applies`]); forwarded
+    // contract.
     unsafe {
-        if cols.len() == 1 {
-            column_avx512(g, rows.clone(), cols.start, buf);
-        } else {
-            row_avx512(g, rows.start, cols.clone(), buf);
+        match (crate::isa::isa().avx512f, cols.len() == 1) {
+            (true, true) => column_avx512(g, rows.clone(), cols.start, buf),
+            (true, false) => row_avx512(g, rows.start, cols.clone(), buf),
+            (false, true) => avx2::column(g, rows.clone(), cols.start, buf),
+            (false, false) => avx2::row(g, rows.start, cols.clone(), buf),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -352,7 +359,11 @@ mod tests {
         } else {
             a.clone()
         };
-        if matches!(stored, Stored::Packed { .. }) && !crate::isa::isa().avx512f {
+        let isa = crate::isa::isa();
+        let kernel_width = if isa.avx512f { None } else { Some(16) };
+        if let Stored::Packed { nr } = stored
+            && (!(isa.avx512f || isa.avx2_fma) || kernel_width.is_some_and(|w| w != nr))
+        {
             // Panels of these widths are read only by the matrix-vector path (the
             // blocked kernels of other CPUs have their own panel width).
             return;
@@ -416,7 +427,7 @@ mod tests {
                     },
                 };
                 let whole = (0..m, 0..n);
-                if crate::isa::isa().avx512f && k > 0 {
+                if (isa.avx512f || isa.avx2_fma) && k > 0 {
                     assert!(applies(&g, &whole.0, &whole.1, k), "{m}x{n}x{k} {stored:?}");
                 }
                 // SAFETY: every buffer matches the stated sizes and layouts.
@@ -466,6 +477,7 @@ mod tests {
                     Stored::Transposed,
                     Stored::Packed { nr: 48 },
                     Stored::Packed { nr: 32 },
+                    Stored::Packed { nr: 16 },
                 ] {
                     check(1, n, k, a_transposed, stored, &mut seed);
                 }
@@ -490,6 +502,7 @@ mod tests {
                 Stored::Rows { extra: 2 },
                 Stored::Transposed,
                 Stored::Packed { nr: 48 },
+                Stored::Packed { nr: 16 },
             ] {
                 check(m, 1, k, false, stored, &mut seed);
             }
