@@ -7,7 +7,8 @@
 //! the matrix that bounds the product. Here the matrix is read once, in place, in
 //! address order: a column of `C` is a dot product per row of `A`, four rows at a
 //! time against the vector; a row of `C` sums the rows of `B` (or of a packed panel)
-//! scaled by the vector's values, up to 128 columns held in registers. The sums run
+//! scaled by the vector's values, up to 128 columns held in registers (64 on AVX2,
+//! `avx2`). The sums run
 //! in several independent chains, so the order differs from the blocked kernels'
 //! (within rounding).
 

@@ -1494,8 +1494,9 @@ pub(crate) unsafe fn micro_kernel_to(
 }
 
 /// [`micro_kernel_to`] on a CPU without AVX-512, adding each tile's sums to the
-/// values stored at its places when `accumulate` (a product split over its steps,
-/// [`super::blocked_conv_f32`]'s pointwise kernel by filters).
+/// values stored at its places when `accumulate` (a product split over its steps:
+/// [`super::blocked_conv_f32`]'s pointwise kernel by filters, and the convolution
+/// in channel slices, `slices`).
 ///
 /// # Safety
 /// As [`micro_kernel_to`], with AVX2 and FMA and without AVX-512; with

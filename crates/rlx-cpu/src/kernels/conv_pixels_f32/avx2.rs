@@ -1,8 +1,9 @@
-//! The pixel kernel's stores into channel-blocked outputs on AVX2: what the
-//! AVX-512 forms in the parent module do, with a block of 16 channels held as two
-//! 8-lane vectors (a last block of 8 as one). A tile is 6 pixels by one panel of
-//! 16 channels: 12 sums, 2 weight vectors and a broadcast, 15 of the 16 registers.
-//! Channel blocks are whole multiples of 8 lanes, so nothing here needs a mask.
+//! The pixel kernel on AVX2: its one-panel tile into scratch (`tile_sums`) and its
+//! stores into channel-blocked outputs, what the AVX-512 forms in the parent
+//! module do, with a block of 16 channels held as two 8-lane vectors (a last block
+//! of 8 as one). A tile is 6 pixels by one panel of 16 channels: 12 sums, 2 weight
+//! vectors and a broadcast, 15 of the 16 registers. Channel blocks are whole
+//! multiples of 8 lanes, so nothing here needs a mask.
 
 use super::{MR, NR, RegisterFinish, TileInput, TileOut, TileRun, WEIGHTS_AHEAD};
 use crate::layout::{BLOCK, HALF};
@@ -84,7 +85,13 @@ macro_rules! tile_steps {
         let input: &TileInput = $input;
         let weights: *const f32 = $weights;
         let (offsets, pixel, ahead) = (input.offsets, input.pixel, input.blocks_ahead);
-        match (input.runs, input.prefetch) {
+        // Runs only over whole runs: steps that are not (a caller's mistake) go
+        // one by one rather than be dropped.
+        let runs = match offsets.len().is_multiple_of(input.runs.max(1)) {
+            true => input.runs,
+            false => 1,
+        };
+        match (runs, input.prefetch) {
             (BLOCK, true) => {
                 run_steps!($acc, (offsets, pixel, ahead), weights, true;
                     0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);

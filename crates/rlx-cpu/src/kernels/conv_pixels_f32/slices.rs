@@ -25,8 +25,9 @@ use rlx_ir::{Result, Window2d};
 /// runs in slices: where its weights outweigh the whole image's staged input and
 /// the plain path would cut the image into blocks of rows or the steps into depth
 /// blocks. A slice is whole blocks of 16 channels whose steps fill a depth block
-/// at most and whose rows of the whole image fit the staging budget (where 16
-/// channels do not, the blocks of rows follow from them).
+/// at most and whose rows of the whole image fit the staging budget; never fewer
+/// than 16 channels (then a wide window's slice may take more steps, and where
+/// 16 channels' rows overflow the budget, the blocks of rows follow from them).
 pub(super) fn slice_channels(win: &Window2d, geo: &Geometry, o: usize) -> Option<usize> {
     let taps = win.kernel[0] * win.kernel[1];
     let k = geo.cg * taps;
