@@ -81,6 +81,42 @@ unsafe fn vector(base: *const f32, stride: usize, k: usize, buf: &mut [f32]) -> 
     }
 }
 
+/// Column `j` of `B`, the vector of a column of `C`: `B[p, j]` is `b[p * ldb + j]`,
+/// or `b[j * ldb + p]` stored transposed, or value `j % nr` of row `p` of panel
+/// `j / nr` when packed.
+///
+/// # Safety
+/// As [`run`]; column `j` lies inside `B`.
+unsafe fn column_vector<'b>(g: &Gemm, j: usize, buf: &'b mut [f32]) -> &'b [f32] {
+    let k = g.k;
+    // SAFETY: column j of B has k values at these places.
+    unsafe {
+        if let BFormat::Packed { nr, .. } = g.b_format {
+            vector(g.b.add(j / nr * nr * k + j % nr), nr, k, buf)
+        } else if g.b_transposed {
+            vector(g.b.add(j * g.ldb), 1, k, buf)
+        } else {
+            vector(g.b.add(j), g.ldb, k, buf)
+        }
+    }
+}
+
+/// Row `i` of `A`, the vector of a row of `C`: `A[i, p]` is `a[i * lda + p]`, or
+/// `a[p * lda + i]` stored transposed.
+///
+/// # Safety
+/// As [`run`]; row `i` lies inside `A`.
+unsafe fn row_vector<'a>(g: &Gemm, i: usize, buf: &'a mut [f32]) -> &'a [f32] {
+    // SAFETY: row i of A has k values at these places.
+    unsafe {
+        if g.a_transposed {
+            vector(g.a.add(i), g.lda, g.k, buf)
+        } else {
+            vector(g.a.add(i * g.lda), 1, g.k, buf)
+        }
+    }
+}
+
 /// Column `j` of `C` over `rows`: `C[i, j] = A[i, :] · B[:, j]`, four rows of `A` at
 /// a time, two chains each.
 ///
@@ -91,18 +127,8 @@ unsafe fn vector(base: *const f32, stride: usize, k: usize, buf: &mut [f32]) -> 
 unsafe fn column_avx512(g: &Gemm, rows: Range<usize>, j: usize, buf: &mut [f32]) {
     use std::arch::x86_64::*;
     let k = g.k;
-    // B[p, j] is b[p * ldb + j], or b[j * ldb + p] stored transposed, or value
-    // j % nr of row p of panel j / nr when packed.
-    // SAFETY: column j of B has k values at these places.
-    let x = unsafe {
-        if let BFormat::Packed { nr, .. } = g.b_format {
-            vector(g.b.add(j / nr * nr * k + j % nr), nr, k, buf)
-        } else if g.b_transposed {
-            vector(g.b.add(j * g.ldb), 1, k, buf)
-        } else {
-            vector(g.b.add(j), g.ldb, k, buf)
-        }
-    };
+    // SAFETY: column j lies inside B.
+    let x = unsafe { column_vector(g, j, buf) };
     let (whole, tail) = (k / 16 * 16, crate::vmath::first_lanes(k % 16));
     let xp = x.as_ptr();
     let store = |i: usize, sum: f32| {
@@ -159,15 +185,8 @@ unsafe fn column_avx512(g: &Gemm, rows: Range<usize>, j: usize, buf: &mut [f32])
 #[target_feature(enable = "avx512f")]
 unsafe fn row_avx512(g: &Gemm, i: usize, cols: Range<usize>, buf: &mut [f32]) {
     let k = g.k;
-    // A[i, p] is a[i * lda + p], or a[p * lda + i] stored transposed.
-    // SAFETY: row i of A has k values at these places.
-    let x = unsafe {
-        if g.a_transposed {
-            vector(g.a.add(i), g.lda, k, buf)
-        } else {
-            vector(g.a.add(i * g.lda), 1, k, buf)
-        }
-    };
+    // SAFETY: row i lies inside A.
+    let x = unsafe { row_vector(g, i, buf) };
     let c = g.c.wrapping_add(i * g.ldc);
     match g.b_format {
         BFormat::Packed { nr, .. } => {

@@ -879,6 +879,30 @@ impl PixelBases {
         (j / self.ow) * self.row_step + (j % self.ow) * self.sx
     }
 
+    /// The block's first `whole` tiles as runs that one micro-kernel call takes:
+    /// `(first pixel, the run, the first tile's pixel bases)`, a run's tiles lying
+    /// in one row (their pixels `sx` staged floats apart), a tile across rows a
+    /// run alone (each pixel's base its own).
+    fn row_runs(self, whole: usize) -> impl Iterator<Item = (usize, TileRun, [usize; MR])> {
+        let mut done = 0;
+        std::iter::from_fn(move || {
+            if done >= whole {
+                return None;
+            }
+            let first = done * MR;
+            let column = first % self.ow;
+            let tiles = ((self.ow - column) / MR).clamp(1, whole - done);
+            done += tiles;
+            let run = TileRun {
+                tiles,
+                pixel_step: MR * self.sx,
+                tail_step: 0,
+                out_step: MR * NR,
+            };
+            Some((first, run, std::array::from_fn(|i| self.of(first + i))))
+        })
+    }
+
     /// Each tile's pixel bases in turn, from the block's first pixel: a short last
     /// tile repeats the last pixel. The row and column advance without a division
     /// per pixel (with 27 steps a tile, as in a 3-channel stem, six divisions cost
@@ -1027,13 +1051,8 @@ fn run_group(
     // their places, a run of a row's tiles at a time.
     let mut done_tiles = 0;
     if let (true, 1) = (out.blocked, depth_blocks) {
-        let whole = (bases.last + 1) / MR;
-        while done_tiles < whole {
-            let first = done_tiles * MR;
-            let column = first % bases.ow;
-            // Tiles from `first` that lie in its row; a tile across rows alone.
-            let tiles = ((bases.ow - column) / MR).clamp(1, whole - done_tiles);
-            let pixels: [usize; MR] = std::array::from_fn(|i| bases.of(first + i));
+        done_tiles = (bases.last + 1) / MR;
+        for (first, run, pixels) in bases.row_runs(done_tiles) {
             // SAFETY: as below; the tiles' MR pixels of the panels' blocks lie
             // inside the block's output, which only this task writes; a run of
             // more than one tile lies in one row, its pixels `sx` staged floats
@@ -1049,16 +1068,10 @@ fn run_group(
                     (panels.as_ptr(), panel_floats, count),
                     out,
                     (q0, first),
-                    TileRun {
-                        tiles,
-                        pixel_step: MR * bases.sx,
-                        tail_step: 0,
-                        out_step: MR * NR,
-                    },
+                    run,
                     false,
                 )
             };
-            done_tiles += tiles;
         }
     }
     for d in 0..depth_blocks {

@@ -2,7 +2,7 @@
 //! loops with vectors of 8 lanes, the last columns of a row's block masked.
 
 use super::super::{BFormat, Gemm};
-use super::vector;
+use super::{column_vector, row_vector};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -20,16 +20,8 @@ const WIDEST: usize = 64;
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn column(g: &Gemm, rows: Range<usize>, j: usize, buf: &mut [f32]) {
     let k = g.k;
-    // SAFETY: column j of B has k values at these places (as in the AVX-512 form).
-    let x = unsafe {
-        if let BFormat::Packed { nr, .. } = g.b_format {
-            vector(g.b.add(j / nr * nr * k + j % nr), nr, k, buf)
-        } else if g.b_transposed {
-            vector(g.b.add(j * g.ldb), 1, k, buf)
-        } else {
-            vector(g.b.add(j), g.ldb, k, buf)
-        }
-    };
+    // SAFETY: column j lies inside B.
+    let x = unsafe { column_vector(g, j, buf) };
     let xp = x.as_ptr();
     let store = |i: usize, sum: f32| {
         // SAFETY: (i, j) is inside C.
@@ -83,14 +75,8 @@ pub(super) unsafe fn column(g: &Gemm, rows: Range<usize>, j: usize, buf: &mut [f
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn row(g: &Gemm, i: usize, cols: Range<usize>, buf: &mut [f32]) {
     let k = g.k;
-    // SAFETY: row i of A has k values at these places.
-    let x = unsafe {
-        if g.a_transposed {
-            vector(g.a.add(i), g.lda, k, buf)
-        } else {
-            vector(g.a.add(i * g.lda), 1, k, buf)
-        }
-    };
+    // SAFETY: row i lies inside A.
+    let x = unsafe { row_vector(g, i, buf) };
     let c = g.c.wrapping_add(i * g.ldc);
     match g.b_format {
         BFormat::Packed { nr, .. } => {

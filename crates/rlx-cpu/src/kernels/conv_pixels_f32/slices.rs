@@ -13,8 +13,8 @@
 
 use super::{
     BlockOut, BlockedIo, Blocking, Finish, FinishAt, Geometry, KC, MR, NR, PixelBases, Prologue,
-    TILE, TileInput, TileRun, as_offsets, prefetches_weights, stage_budget, stage_rows,
-    step_offsets, store_blocked, whole_tiles_blocked,
+    TILE, TileInput, as_offsets, prefetches_weights, stage_budget, stage_rows, step_offsets,
+    store_blocked, whole_tiles_blocked,
 };
 use crate::layout::BLOCK;
 use crate::pool::ThreadPool;
@@ -164,6 +164,16 @@ pub(super) fn conv2d(
             let steps = slice.cg * taps;
             step_offsets(win, &slice, staged_rows, &mut offsets[..steps]);
             let slice_offsets = as_offsets(&mut offsets[..steps]);
+            let staged = &*staged;
+            // What a tile with these pixel bases reads of the staged slice.
+            let input = |pixel: [usize; MR]| {
+                TileInput::new(
+                    slice_offsets,
+                    pixel.map(|p| staged.as_ptr().wrapping_add(p)),
+                    prefetches_weights(steps),
+                    geo.lanes,
+                )
+            };
             let block_out = BlockOut {
                 // SAFETY: inside the output.
                 image: unsafe { (out_addr as *mut f32).add(image_at) },
@@ -177,13 +187,7 @@ pub(super) fn conv2d(
                 // Panel `q`'s steps of this slice, which in either step order
                 // follow those of the channels before it.
                 let panel = (weights[(q * k + c0 * taps) * NR..].as_ptr(), k * NR, 1);
-                let mut done = 0;
-                while done < whole_tiles {
-                    let first = done * MR;
-                    let column = first % bases.ow;
-                    // Tiles from `first` that lie in its row; a tile across rows alone.
-                    let tiles = ((bases.ow - column) / MR).clamp(1, whole_tiles - done);
-                    let pixel: [usize; MR] = std::array::from_fn(|i| bases.of(first + i));
+                for (first, run, pixel) in bases.row_runs(whole_tiles) {
                     // SAFETY: every base plus every offset lies inside the staged
                     // rows; the panel holds the slice's steps; the tiles' pixels of
                     // block `q` lie inside the block's output, which only this task
@@ -191,26 +195,8 @@ pub(super) fn conv2d(
                     // run of more than one tile lies in one row, its pixels `sx`
                     // staged floats apart; AVX2 without AVX-512 (`applies`).
                     unsafe {
-                        whole_tiles_blocked(
-                            TileInput::new(
-                                slice_offsets,
-                                pixel.map(|p| staged.as_ptr().add(p)),
-                                prefetches_weights(steps),
-                                geo.lanes,
-                            ),
-                            panel,
-                            &block_out,
-                            (q, first),
-                            TileRun {
-                                tiles,
-                                pixel_step: MR * bases.sx,
-                                tail_step: 0,
-                                out_step: MR * NR,
-                            },
-                            s > 0,
-                        )
+                        whole_tiles_blocked(input(pixel), panel, &block_out, (q, first), run, s > 0)
                     };
-                    done += tiles;
                 }
                 if short > 0 {
                     let first = whole_tiles * MR;
@@ -218,19 +204,7 @@ pub(super) fn conv2d(
                         std::array::from_fn(|i| bases.of((first + i).min(bases.last)));
                     let sums = &mut short_sums[(q - part_range.start) * TILE..][..TILE];
                     // SAFETY: as above, into this panel's short tile in scratch.
-                    unsafe {
-                        super::micro_kernel(
-                            TileInput::new(
-                                slice_offsets,
-                                pixel.map(|p| staged.as_ptr().add(p)),
-                                prefetches_weights(steps),
-                                geo.lanes,
-                            ),
-                            panel,
-                            (sums, short),
-                            s > 0,
-                        )
-                    };
+                    unsafe { super::micro_kernel(input(pixel), panel, (sums, short), s > 0) };
                     if last {
                         let lanes = out_blocks.width(q);
                         // SAFETY: the block's last `short` pixels of block `q`,
